@@ -1,0 +1,1 @@
+"""The model executor: weights, Llama-family forward on a paged KV cache, sampling."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP layer (a top-level `http` would shadow the standard library)."""

@@ -1,0 +1,1 @@
+"""Shared-memory rings, arenas, eventfd wakeups and record layouts."""

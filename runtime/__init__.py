@@ -1,0 +1,1 @@
+"""ringserve runtime: server arguments, the engine processes and their loops."""

@@ -1,0 +1,123 @@
+"""Server arguments: one frozen dataclass, filled from CLI flags (`python -m runtime
+serve`) or from RINGSERVE_* environment variables (`granian ... runtime.app:app`).
+
+Flag names follow SGLang's launch_server where they mean the same thing; the
+environment variable of `--max-running-requests` is RINGSERVE_MAX_RUNNING_REQUESTS.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+ENV_PREFIX = "RINGSERVE_"
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model
+    model_path: str | None = None  # HF directory or .gguf file; None = embedded SmolLM2
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str | None = None  # torch | triton | flashinfer (None: per device)
+    context_length: int | None = None
+    null_model: bool = False  # instant tokens: measures the server's own per-token cost
+    random_seed: int = 0
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    workers: int = 1
+    api_key: str | None = None
+    log_level: str = "info"
+    request_timeout: float = 600.0  # soft limit on a request's life, seconds
+    # scheduler
+    page_size: int = 16
+    max_running_requests: int = 256
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
+    mem_fraction_static: float | None = None
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"  # fcfs | lpm
+    disable_radix_cache: bool = False
+    # transport between the processes: ring (shared memory) or zmq (pickle baseline)
+    transport: str = "ring"
+
+    def __post_init__(self) -> None:
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "device": ("auto", "cpu", "cuda"),
+            "attention_backend": (None, "torch", "triton", "flashinfer"),
+            "schedule_policy": ("fcfs", "lpm"),
+            "transport": ("ring", "zmq"),
+            "log_level": ("debug", "info", "warning", "error", "critical"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{_flag(name)} must be one of {[a for a in allowed if a]}, "
+                                 f"not {getattr(self, name)!r}")
+        positive = ("port", "workers", "page_size", "max_running_requests", "chunked_prefill_size",
+                    "max_prefill_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be at least 1")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(prog="python -m runtime serve",
+                                         description="Start the ringserve OpenAI-compatible server.")
+        for f in dataclasses.fields(cls):
+            kind = _base_type(f.type)
+            if kind is bool:
+                parser.add_argument(f"--{_flag(f.name)}", action="store_true", default=f.default)
+            else:
+                parser.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default)
+        return cls(**vars(parser.parse_args(argv)))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServerArgs":
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            kind = _base_type(f.type)
+            try:
+                values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}")
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that makes from_env() rebuild these arguments."""
+        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
+                for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
+def _base_type(annotation: Any) -> type:
+    """`int | None` -> int; annotations are strings under `from __future__ import annotations`."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"__builtins__": __builtins__}, {})
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return annotation
