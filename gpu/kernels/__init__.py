@@ -1,0 +1,1 @@
+"""Triton kernels for the model executor (attention over the paged KV cache)."""
