@@ -1,0 +1,75 @@
+"""Attention in plain torch: the CPU backend and the reference the other backends are
+tested against. Requests are split into two groups, decode (one new token) and extend
+(several), each padded to a dense batch and run through scaled_dot_product_attention with
+a boolean mask; the gather indices and masks are built once per step in plan()."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpu.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class _Group:
+    q_index: torch.Tensor    # int64 [G, Qmax], flat token of each padded query (0 where padding)
+    kv_slots: torch.Tensor   # int64 [G, Kmax], flat cache slot of each padded key (0 where padding)
+    mask: torch.Tensor       # bool [G, 1, Qmax, Kmax], True where the query may see the key
+    out_tokens: torch.Tensor | None  # int64 [n], flat tokens this group produces; None: all, in order
+    out_valid: torch.Tensor | None   # int64 [n], their positions in the flattened [G * Qmax] output
+
+
+class TorchNativeBackend(AttentionBackend):
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        q_lens = np.diff(meta.qo_indptr_host)
+        decode = q_lens == 1
+        device = self.kv_cache.device
+        self.groups = [self._group(np.flatnonzero(sel), meta, device)
+                       for sel in (decode, ~decode) if sel.any()]
+        if len(self.groups) == 1 and decode.all():
+            # decode only: the padded queries are the tokens themselves, in order
+            g = self.groups[0]
+            self.groups = [_Group(g.q_index, g.kv_slots, g.mask, None, None)]
+
+    def _group(self, seqs: np.ndarray, meta: AttentionMetadata, device: torch.device) -> _Group:
+        ps = self.kv_cache.page_size
+        q_start = meta.qo_indptr_host[seqs].astype(np.int64)
+        q_len = meta.qo_indptr_host[seqs + 1] - q_start
+        kv_len = meta.kv_lens_host[seqs].astype(np.int64)
+        q_max, kv_max = int(q_len.max()), int(kv_len.max())
+        qi = np.arange(q_max)
+        q_ok = qi[None, :] < q_len[:, None]                               # [G, Qmax]
+        q_index = np.where(q_ok, q_start[:, None] + qi[None, :], 0)
+        kj = np.arange(kv_max)
+        pages = meta.page_table_host[seqs][:, : -(-kv_max // ps)].astype(np.int64)  # [G, pages]
+        kv_slots = pages[:, kj // ps] * ps + kj % ps
+        kv_ok = kj[None, :] < kv_len[:, None]
+        kv_slots = np.where(kv_ok, kv_slots, 0)
+        # query i of a request sits at position kv_len - q_len + i and sees keys up to it
+        q_pos = (kv_len - q_len)[:, None] + qi[None, :]                     # [G, Qmax]
+        mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_ok[:, None, :]  # [G, Qmax, Kmax]
+        valid = np.flatnonzero(q_ok)
+        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return _Group(as_t(q_index), as_t(kv_slots), as_t(mask[:, None]),
+                      as_t(q_index.reshape(-1)[valid]), as_t(valid))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        self.store_kv(k, v, layer_id, self.meta.out_cache_loc)
+        k_slots, v_slots = self.kv_cache.k_slots(layer_id), self.kv_cache.v_slots(layer_id)
+        o = torch.empty_like(q) if len(self.groups) > 1 or self.groups[0].out_tokens is not None else None
+        for g in self.groups:
+            G, Q = g.q_index.shape
+            qg = q[g.q_index].transpose(1, 2)           # [G, Hq, Qmax, D]
+            kg = k_slots[g.kv_slots].transpose(1, 2)    # [G, Hkv, Kmax, D]
+            vg = v_slots[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
+                                                enable_gqa=True)  # [G, Hq, Qmax, D]
+            og = og.transpose(1, 2).reshape(G * Q, self.num_q_heads, self.head_dim)
+            if g.out_tokens is None:
+                return og
+            o[g.out_tokens] = og[g.out_valid]
+        return o

@@ -1,0 +1,34 @@
+"""The paged KV cache tensors: one allocation holding every layer's K and V pages."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        # buffer: [L, 2, num_pages, page_size, Hkv, D]; zeros, so never-written slots are finite
+        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=device)
+        self.k = [self.buffer[i, 0] for i in range(num_layers)]  # each [num_pages, page_size, Hkv, D]
+        self.v = [self.buffer[i, 1] for i in range(num_layers)]
+        self._k_slots = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.k]
+        self._v_slots = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.v]
+
+    def k_slots(self, layer_id: int) -> torch.Tensor:
+        """[num_pages * page_size, Hkv, D], indexed by flat slot."""
+        return self._k_slots[layer_id]
+
+    def v_slots(self, layer_id: int) -> torch.Tensor:
+        return self._v_slots[layer_id]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
