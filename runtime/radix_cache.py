@@ -1,0 +1,199 @@
+"""Radix prefix cache over the paged KV pool (SGLang's RadixCache, page granular).
+
+A node holds whole pages: `key` is a run of token ids whose length is a multiple of
+page_size and `pages` the KV pages holding them. A request that matched a prefix locks
+the path to its node (lock_ref), so pages used by running requests are never evicted;
+unlocked leaves are evicted least-recently-used first when the pool runs short.
+
+With `disabled` the tree stays empty: nothing matches and released pages go straight
+back to the pool, so the scheduler has one code path for both modes.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access")
+
+    def __init__(self, parent: "TreeNode | None", key: np.ndarray, pages: np.ndarray) -> None:
+        self.children: dict[bytes, TreeNode] = {}
+        self.parent = parent
+        self.key = key  # int32 [n * page_size] token ids
+        self.pages = pages  # int32 [n]
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache:
+    def __init__(self, pool, disabled: bool = False) -> None:
+        self.pool = pool
+        self.page_size: int = pool.page_size
+        self.disabled = disabled
+        self._clock = itertools.count(1)
+        self.root = TreeNode(None, _EMPTY, _EMPTY)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_pages = 0  # pages in nodes nobody locks
+        self.protected_pages = 0  # pages in nodes some running request locks
+
+    @property
+    def cached_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    # ---- lookup -------------------------------------------------------------
+    def match_prefix(self, ids: np.ndarray) -> tuple[np.ndarray, TreeNode]:
+        """Pages of the longest cached page-aligned prefix of `ids`, and the node where it
+        ends (split so that the node ends exactly there: locking it locks just that prefix)."""
+        if self.disabled:
+            return _EMPTY, self.root
+        ids = np.asarray(ids, dtype=np.int32)  # keys are compared as int32 bytes
+        ps, now = self.page_size, next(self._clock)
+        node, pos, found = self.root, 0, []
+        end = len(ids) // ps * ps
+        while pos < end:
+            child = node.children.get(ids[pos:pos + ps].tobytes())
+            if child is None:
+                break
+            child.last_access = now
+            m = _common_pages(child.key, ids[pos:end], ps) * ps
+            if m < len(child.key):
+                child = self._split(child, m)
+            found.append(child.pages)
+            pos += m
+            node = child  # on a split, the next lookup is the first differing page: no child
+        pages = np.concatenate(found) if found else _EMPTY
+        return pages, node
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut `child` after its first m tokens; returns the new upper node."""
+        ps = self.page_size
+        upper = TreeNode(child.parent, child.key[:m], child.pages[:m // ps])
+        upper.lock_ref = child.lock_ref  # every lock on child's path also covers upper
+        upper.last_access = child.last_access
+        upper.children[child.key[m:m + ps].tobytes()] = child
+        child.parent.children[child.key[:ps].tobytes()] = upper
+        child.parent = upper
+        child.key = child.key[m:]
+        child.pages = child.pages[m // ps:]
+        return upper
+
+    # ---- insertion ------------------------------------------------------------
+    def insert(self, ids: np.ndarray, pages: np.ndarray) -> int:
+        """Adds ids (a multiple of page_size tokens) held in `pages`; returns how many leading
+        tokens were already cached. The caller owns its pages for that range and must free
+        the ones that are not the tree's own (duplicates computed by a concurrent request)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        ps, now = self.page_size, next(self._clock)
+        node, pos, end = self.root, 0, len(pages) * ps
+        while pos < end:
+            child = node.children.get(ids[pos:pos + ps].tobytes())
+            if child is None:
+                leaf = TreeNode(node, ids[pos:end].copy(), pages[pos // ps:].copy())
+                leaf.last_access = now
+                node.children[leaf.key[:ps].tobytes()] = leaf
+                self.evictable_pages += len(leaf.pages)
+                break
+            child.last_access = now
+            m = _common_pages(child.key, ids[pos:end], ps) * ps
+            if m < len(child.key):
+                child = self._split(child, m)
+            pos += m
+            node = child
+        return pos
+
+    # ---- locking ------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+            node = node.parent
+
+    # ---- a request's pages ------------------------------------------------------
+    def release(self, ids: np.ndarray, pages: np.ndarray, prefix_pages: int, node: TreeNode) -> None:
+        """A request is done with its KV (finished, aborted or retracted): its full pages go
+        into the tree, duplicates and the partly filled last page back to the pool, and its
+        lock on `node` (the end of the prefix it matched, `prefix_pages` pages) is dropped.
+        `ids` are the tokens whose KV is in `pages`."""
+        full = min(len(ids) // self.page_size, len(pages))
+        if self.disabled:
+            self.pool.free(pages)
+            return
+        already = self.insert(ids[:full * self.page_size], pages[:full]) // self.page_size
+        if already > prefix_pages:
+            self.pool.free(pages[prefix_pages:already])
+        if len(pages) > full:
+            self.pool.free(pages[full:])
+        self.unlock(node)
+
+    def cache_prefix(self, ids: np.ndarray, pages: np.ndarray, prefix_pages: int,
+                     node: TreeNode) -> tuple[np.ndarray, TreeNode]:
+        """A running request's full pages enter the tree early (after a prefill chunk), so
+        requests arriving meanwhile share them. Returns the tree's pages for that prefix
+        (they replace the request's own, whose duplicates are freed) and the new node to
+        hold locked in place of `node`."""
+        full = min(len(ids) // self.page_size, len(pages))
+        if self.disabled or full <= prefix_pages:
+            return pages[:prefix_pages], node
+        already = self.insert(ids[:full * self.page_size], pages[:full]) // self.page_size
+        if already > prefix_pages:
+            self.pool.free(pages[prefix_pages:already])
+        tree_pages, new_node = self.match_prefix(ids[:full * self.page_size])
+        self.lock(new_node)
+        self.unlock(node)
+        return tree_pages, new_node
+
+    # ---- eviction -------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Frees at least num_pages pages of unlocked leaves, least recently used first
+        (fewer if not that many are evictable); returns how many were freed."""
+        if num_pages <= 0 or self.evictable_pages == 0:
+            return 0
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.pool.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[leaf.key[:self.page_size].tobytes()]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def flush(self) -> int:
+        """Drops every unlocked cached page (`/flush_cache`); returns how many were freed."""
+        return self.evict(self.evictable_pages)
+
+    def _leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                leaves.append(node)
+        return leaves
+
+
+def _common_pages(key: np.ndarray, ids: np.ndarray, page_size: int) -> int:
+    """Whole pages at the start of `key` that equal the start of `ids`."""
+    n = min(len(key), len(ids)) // page_size * page_size
+    diff = np.flatnonzero(key[:n] != ids[:n])
+    return (int(diff[0]) if len(diff) else n) // page_size
