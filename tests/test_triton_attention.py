@@ -12,19 +12,27 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
+from gpu.attention import create_backend
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kv_cache import KVCache
+
 KERNELS = "gpu.kernels.triton_attention"
+TRITON_MODULES = (KERNELS, "gpu.attention.triton")
 
 
 @pytest.fixture(scope="module")
 def kernels():
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TRITON_INTERPRET", "1")
-        sys.modules.pop(KERNELS, None)
+        for name in TRITON_MODULES:
+            sys.modules.pop(name, None)
         yield importlib.import_module(KERNELS)
-        sys.modules.pop(KERNELS, None)
+        for name in TRITON_MODULES:
+            sys.modules.pop(name, None)
 
 
 def reference_attention(q, k_cache, v_cache, qo_indptr, page_table, kv_lens, sm_scale):
@@ -133,6 +141,66 @@ def test_bad_inputs_name_the_parameter(kernels):
                                  batch["kv_lens"], 0.125, num_kv_splits=0)
 
 
+def check_backend_matches_torch(page_size, dtype, device, atol):
+    """Two layers of a mixed step (prefixes, decode rows, page boundaries), then a decode-only step
+    continuing every request, through both backends on caches that start out identical."""
+    num_layers, num_q_heads, num_kv_heads, head_dim = 2, 6, 2, 64
+    q_lens, starts = [1, 9, 1, 17, 4], [12, 0, 30, 5, 0]
+    kv_lens = [s + n for s, n in zip(starts, q_lens)]
+    pages_needed = [-(-(n + 1) // page_size) for n in kv_lens]  # room for the decode step's token
+    num_pages = sum(pages_needed) + 3
+    rng = np.random.default_rng(page_size)
+    order = rng.permutation(num_pages).astype(np.int32)
+    pages = np.split(order[:sum(pages_needed)], np.cumsum(pages_needed)[:-1])
+    mixed = [SeqInput(row=b, token_ids=np.zeros(n, np.int32), start=s, page_ids=p, sample=True)
+             for b, (n, s, p) in enumerate(zip(q_lens, starts, pages))]
+    decode = [SeqInput(row=b, token_ids=np.zeros(1, np.int32), start=n, page_ids=p, sample=True)
+              for b, (n, p) in enumerate(zip(kv_lens, pages))]
+
+    gen = torch.Generator().manual_seed(page_size)
+    init = torch.randn(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, generator=gen)
+    steps = []
+    for seqs in (mixed, decode):
+        meta = build_forward_batch(seqs, page_size, 4096, torch.device(device)).meta
+        T = meta.num_tokens
+        qkv = [(torch.randn(T, num_q_heads, head_dim, generator=gen).to(device, dtype),
+                torch.randn(T, num_kv_heads, head_dim, generator=gen).to(device, dtype),
+                torch.randn(T, num_kv_heads, head_dim, generator=gen).to(device, dtype))
+               for _ in range(num_layers)]
+        steps.append((meta, qkv))
+
+    results = {}
+    for name in ("torch", "triton"):
+        cache = KVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device(device))
+        cache.buffer.copy_(init)
+        backend = create_backend(name, cache, num_q_heads)
+        outs = []
+        for meta, qkv in steps:
+            backend.plan(meta)
+            outs += [backend.forward(q, k, v, layer) for layer, (q, k, v) in enumerate(qkv)]
+        results[name] = outs, cache.buffer
+    (ref_outs, ref_cache), (outs, cache) = results["torch"], results["triton"]
+    assert torch.equal(cache, ref_cache)
+    for out, ref in zip(outs, ref_outs):
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_backend_matches_torch_backend(kernels, page_size):
+    check_backend_matches_torch(page_size, torch.float32, "cpu", atol=1e-5)
+
+
+def test_backend_on_cpu_without_interpreter_is_a_clear_error():
+    code = ("import torch\n"
+            "from gpu.attention import create_backend\n"
+            "from gpu.kv_cache import KVCache\n"
+            "create_backend('triton', KVCache(1, 4, 16, 2, 64, torch.float32, torch.device('cpu')), 6)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode != 0
+    assert "ValueError: --attention-backend triton needs a CUDA device" in child.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for the compiled kernels")
 def test_compiled_kernels_on_cuda():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -146,6 +214,8 @@ def run_cuda_checks():
             check_extend(kernels, head_dim, page_size, dtype, "cuda", atol)
             for num_kv_splits in (1, 4):
                 check_decode(kernels, head_dim, page_size, num_kv_splits, dtype, "cuda", atol)
+        for page_size in (1, 5, 16):
+            check_backend_matches_torch(page_size, dtype, "cuda", atol)
     print("compiled triton attention kernels match the reference on CUDA")
 
 

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# triton makes the kernels below interpreted or compiled when they are defined, i.e. now.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
