@@ -207,6 +207,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _block_n(dtype: torch.dtype, head_dim: int) -> int:
+    # fp32 tiles of 128-wide heads are twice the bytes: halve the kv block so the pipelined
+    # K/V buffers still fit the shared memory of pre-Hopper GPUs.
+    return 32 if dtype == torch.float32 and head_dim > 64 else 64
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -242,7 +248,7 @@ def decode_attention(
     grid = (batch, num_kv_heads, num_kv_splits)
     qk_scale = sm_scale * _LOG2E
     common = dict(GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size,
-                  BLOCK_N=64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+                  BLOCK_N=_block_n(q.dtype, head_dim), PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
     if num_kv_splits == 1:
         # A single split is already the final answer: write straight into out, no merge kernel.
         _decode_split_kernel[grid](
@@ -305,5 +311,5 @@ def extend_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=_block_n(q.dtype, head_dim), PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
     return out
