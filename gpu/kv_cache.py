@@ -14,8 +14,9 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        # buffer: [L, 2, num_pages, page_size, Hkv, D]; zeros, so never-written slots are finite
-        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+        # buffer: [L, 2, num_pages, page_size, Hkv, D]; uninitialised (backends never read a slot
+        # that was not written, or mask it), so untouched pages cost no resident memory on the CPU
+        self.buffer = torch.empty(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
         self.k = [self.buffer[i, 0] for i in range(num_layers)]  # each [num_pages, page_size, Hkv, D]
         self.v = [self.buffer[i, 1] for i in range(num_layers)]

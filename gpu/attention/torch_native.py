@@ -16,7 +16,7 @@ from gpu.attention.base import AttentionBackend, AttentionMetadata
 @dataclass(frozen=True)
 class _Group:
     q_index: torch.Tensor    # int64 [G, Qmax], flat token of each padded query (0 where padding)
-    kv_slots: torch.Tensor   # int64 [G, Kmax], flat cache slot of each padded key (0 where padding)
+    kv_slots: torch.Tensor   # int64 [G, Kmax], flat cache slot of each padded key
     mask: torch.Tensor       # bool [G, 1, Qmax, Kmax], True where the query may see the key
     out_tokens: torch.Tensor | None  # int64 [n], flat tokens this group produces; None: all, in order
     out_valid: torch.Tensor | None   # int64 [n], their positions in the flattened [G * Qmax] output
@@ -48,7 +48,8 @@ class TorchNativeBackend(AttentionBackend):
         pages = meta.page_table_host[seqs][:, : -(-kv_max // ps)].astype(np.int64)  # [G, pages]
         kv_slots = pages[:, kj // ps] * ps + kj % ps
         kv_ok = kj[None, :] < kv_len[:, None]
-        kv_slots = np.where(kv_ok, kv_slots, 0)
+        # padding points at the request's first slot: written, so finite, and masked out
+        kv_slots = np.where(kv_ok, kv_slots, kv_slots[:, :1])
         # query i of a request sits at position kv_len - q_len + i and sees keys up to it
         q_pos = (kv_len - q_len)[:, None] + qi[None, :]                     # [G, Qmax]
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_ok[:, None, :]  # [G, Qmax, Kmax]

@@ -1,0 +1,74 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch over a
+paged KV cache: one forward for a flat batch of tokens from many requests, attention
+delegated to the backend, logits only for the tokens that are sampled."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention.base import AttentionBackend
+from gpu.model_config import ModelConfig, rope_inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # in fp32 whatever the dtype, exactly as transformers' LlamaRMSNorm, for greedy parity
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D/2] (rotate-half layout)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaForCausalLM:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.embed = weights["embed"]
+        self.norm = weights["norm"]
+        self.lm_head = weights.get("lm_head", self.embed)
+        n = cfg.num_layers
+        self.input_norm = [weights[f"layers.{i}.input_norm"] for i in range(n)]
+        self.post_norm = [weights[f"layers.{i}.post_norm"] for i in range(n)]
+        self.qkv = [weights[f"layers.{i}.qkv"] for i in range(n)]
+        self.qkv_bias = [weights.get(f"layers.{i}.qkv_bias") for i in range(n)]
+        self.o = [weights[f"layers.{i}.o"] for i in range(n)]
+        self.gate_up = [weights[f"layers.{i}.gate_up"] for i in range(n)]
+        self.down = [weights[f"layers.{i}.down"] for i in range(n)]
+        # cos/sin of every position, computed once in fp32 as transformers does, kept in the model dtype
+        positions = torch.arange(cfg.context_length, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]  # [P, D/2]
+        self.cos = freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype)
+        self.sin = freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm, *self.input_norm, *self.post_norm, *self.qkv, *self.o,
+                   *self.gate_up, *self.down, *[b for b in self.qkv_bias if b is not None]]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]."""
+        cfg = self.cfg
+        T, D, Hq, Hkv = len(input_ids), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+        qk_width, eps, inter = (Hq + Hkv) * D, cfg.rms_norm_eps, cfg.intermediate_size
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2], gathered once for all layers
+        sin = self.sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)  # [T, H]
+        for i in range(cfg.num_layers):
+            h = rms_norm(x, self.input_norm[i], eps)
+            qkv = F.linear(h, self.qkv[i], self.qkv_bias[i])           # [T, (Hq + 2Hkv) D]
+            qk = apply_rope(qkv[:, :qk_width].view(T, Hq + Hkv, D), cos, sin)
+            v = qkv[:, qk_width:].view(T, Hkv, D)
+            o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)             # [T, Hq, D]
+            x = x + F.linear(o.reshape(T, Hq * D), self.o[i])
+            h = rms_norm(x, self.post_norm[i], eps)
+            gate_up = F.linear(h, self.gate_up[i])                     # [T, 2I]
+            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down[i])
+        h = rms_norm(x[logits_index], self.norm, eps)                  # [S, H]
+        return F.linear(h, self.lm_head).float()                       # [S, V]

@@ -1,0 +1,139 @@
+"""The model executor the scheduler calls once per step: weights, paged KV cache, attention
+backend and sampler behind one step() over a batch mixing prefill chunks and decodes."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu.attention import create_backend, default_backend
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kv_cache import KVCache
+from gpu.llama import LlamaForCausalLM
+from gpu.model_config import ModelConfig
+from gpu.model_files import ModelLoadError, resolve_model_dir
+from gpu.page_pool import PagePool
+from gpu.sampler import Sampler
+from gpu.weights import load_weights
+from runtime.config import ServerArgs
+from runtime.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# share of the device's memory that weights + KV cache may take when no size is given
+DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
+
+__all__ = ["ModelRunner", "ModelRunnerConfig", "SeqInput", "StepOutput"]
+
+
+@dataclass(frozen=True)
+class ModelRunnerConfig:
+    model_path: str | None = None       # HF directory or .gguf; None: the embedded SmolLM2
+    dtype: str = "auto"                 # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    device: str = "auto"                # auto | cpu | cuda
+    attention_backend: str | None = None  # torch | triton | flashinfer; None: per device
+    page_size: int = 16
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
+    mem_fraction_static: float | None = None
+    max_running_requests: int = 256     # sampler rows
+    context_length: int | None = None   # None: the model's
+    random_seed: int = 0                # for unseeded sampling
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> "ModelRunnerConfig":
+        return cls(model_path=args.model_path, dtype=args.dtype, device=args.device,
+                   attention_backend=args.attention_backend, page_size=args.page_size,
+                   max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+                   max_running_requests=args.max_running_requests, context_length=args.context_length,
+                   random_seed=args.random_seed)
+
+
+@dataclass
+class StepOutput:
+    """One entry per SeqInput with sample=True, in order."""
+    tokens: np.ndarray                # int32 [S]
+    logprobs: np.ndarray              # float32 [S], the chosen token's; nan for rows that did not ask
+    top_ids: np.ndarray | None        # int32 [S, K], K = the most top_logprobs asked this step
+    top_logprobs: np.ndarray | None   # float32 [S, K]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"--dtype must be one of auto, {', '.join(DTYPES)}, not {dtype!r}")
+    return DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: ModelRunnerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
+        cfg = self.model_config
+        self.model = LlamaForCausalLM(cfg, load_weights(cfg, self.dtype, self.device))
+        num_pages = self._num_kv_pages()
+        self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        self.pool = PagePool(num_pages, config.page_size)
+        self.attention_backend = config.attention_backend or default_backend(self.device)
+        self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)
+        self.sampler = Sampler(config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids,
+                               self.device, config.random_seed)
+
+    def _num_kv_pages(self) -> int:
+        cfg, c = self.model_config, self.config
+        if c.max_total_tokens is not None:
+            return max(1, -(-c.max_total_tokens // c.page_size))
+        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        fraction = c.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device.type]
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+            used = torch.cuda.memory_allocated(self.device)
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            used = self.model.weight_bytes
+        budget_tokens = int(total * fraction - used) // per_token
+        if budget_tokens < c.page_size:
+            raise ModelLoadError(f"no memory left for the KV cache: weights take {used >> 20} MiB of "
+                                 f"{fraction:.2f} x {total >> 20} MiB; raise --mem-fraction-static "
+                                 f"or set --max-total-tokens")
+        # more than every row at full context is never used
+        tokens = min(budget_tokens, c.max_running_requests * cfg.context_length)
+        return max(1, tokens // c.page_size)
+
+    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
+                    output_ids: np.ndarray) -> None:
+        """(Re)initialises row's sampler state; on resume, output_ids is what it generated so far."""
+        self.sampler.set_request(row, params, prompt_ids, output_ids)
+
+    def clear_request(self, row: int) -> None:
+        self.sampler.clear_request(row)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[SeqInput]) -> StepOutput:
+        """One forward over the mixed batch, then one sampled token per SeqInput with sample=True."""
+        batch = build_forward_batch(seqs, self.config.page_size, self.model_config.context_length,
+                                    self.device)
+        self.attn.plan(batch.meta)
+        logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn)
+        S = len(batch.sample_rows)
+        if S == 0:
+            return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None)
+        res = self.sampler.sample(logits, batch.sample_rows)
+        logprobs = (res.logprobs.cpu().numpy() if res.logprobs is not None
+                    else np.full(S, np.nan, np.float32))
+        return StepOutput(
+            tokens=res.tokens.to(torch.int32).cpu().numpy(), logprobs=logprobs,
+            top_ids=None if res.top_ids is None else res.top_ids.to(torch.int32).cpu().numpy(),
+            top_logprobs=None if res.top_logprobs is None else res.top_logprobs.cpu().numpy())

@@ -1,0 +1,65 @@
+"""Reads an HF directory's safetensors shards into the fused tensors the model uses:
+q/k/v stacked into one qkv projection, gate/up into one gate_up projection."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from gpu.model_config import ModelConfig
+from gpu.model_files import ModelLoadError
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read weights {path}: {str(e).splitlines()[0]}") from None
+    return tensors
+
+
+def load_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fused tensors named embed, norm, lm_head (absent when tied) and layers.{i}.{input_norm,
+    qkv, qkv_bias, o, post_norm, gate_up, down}, in dtype on device."""
+    raw = read_safetensors(cfg.model_dir)
+    D, Hq, Hkv, H = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.hidden_size
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = raw.pop(name, None)
+        if t is None:
+            raise ModelLoadError(f"{cfg.model_dir}: weight {name} is missing")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{cfg.model_dir}: weight {name} has shape {tuple(t.shape)}, "
+                                 f"config.json implies {shape}")
+        return t.to(device=device, dtype=dtype)
+
+    out = {"embed": take("model.embed_tokens.weight", (cfg.vocab_size, H)),
+           "norm": take("model.norm.weight", (H,))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight", (cfg.vocab_size, H))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight", (H,))
+        out[f"layers.{i}.post_norm"] = take(p + "post_attention_layernorm.weight", (H,))
+        out[f"layers.{i}.qkv"] = torch.cat([take(p + "self_attn.q_proj.weight", (Hq * D, H)),
+                                            take(p + "self_attn.k_proj.weight", (Hkv * D, H)),
+                                            take(p + "self_attn.v_proj.weight", (Hkv * D, H))])
+        if cfg.qkv_bias:
+            out[f"layers.{i}.qkv_bias"] = torch.cat([take(p + "self_attn.q_proj.bias", (Hq * D,)),
+                                                     take(p + "self_attn.k_proj.bias", (Hkv * D,)),
+                                                     take(p + "self_attn.v_proj.bias", (Hkv * D,))])
+        out[f"layers.{i}.o"] = take(p + "self_attn.o_proj.weight", (H, Hq * D))
+        out[f"layers.{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight", (cfg.intermediate_size, H)),
+                                                take(p + "mlp.up_proj.weight", (cfg.intermediate_size, H))])
+        out[f"layers.{i}.down"] = take(p + "mlp.down_proj.weight", (H, cfg.intermediate_size))
+    # a tied checkpoint may still carry lm_head.weight (a copy of the embedding); rotary buffers are recomputed
+    leftover = [n for n in raw if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ModelLoadError(f"{cfg.model_dir}: unexpected weights for {cfg.architecture}, "
+                             f"e.g. {leftover[0]}")
+    return out
