@@ -1,0 +1,57 @@
+"""A ModelRunner without a model: instant tokens, so the server's own per-token cost can be
+measured. Tokens cycle through the real tokenizer's ids for an ordinary English sentence
+(never EOS: requests end by max_tokens or stop strings); the page pool is real."""
+from __future__ import annotations
+
+import numpy as np
+
+from gpu.forward_batch import SeqInput
+from gpu.model_config import ModelConfig
+from gpu.model_files import resolve_model_dir
+from gpu.model_runner import ModelRunnerConfig, StepOutput
+from gpu.page_pool import PagePool
+from runtime.sampling_params import SamplingParams
+
+SENTENCE = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
+            "behind the quiet green hills of the valley, and")
+ALTERNATIVE_LOGPROB = -20.0  # the fixed, negligible logprob reported for top_logprobs alternatives
+
+
+class NullModelRunner:
+    def __init__(self, config: ModelRunnerConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_config.model_dir)
+        cycle = tokenizer(SENTENCE, add_special_tokens=False)["input_ids"]
+        self.cycle = np.array([t for t in cycle if t not in self.model_config.eos_token_ids], np.int32)
+        tokens = config.max_total_tokens or config.max_running_requests * self.model_config.context_length
+        self.pool = PagePool(max(1, -(-tokens // config.page_size)), config.page_size)
+        R = config.max_running_requests
+        self.generated = np.zeros(R, np.int64)
+        self.logprobs = np.zeros(R, bool)
+        self.top_logprobs = np.zeros(R, np.int64)
+
+    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
+                    output_ids: np.ndarray) -> None:
+        self.generated[row] = len(output_ids)
+        self.logprobs[row] = params.logprobs
+        self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
+
+    def clear_request(self, row: int) -> None:
+        self.logprobs[row], self.top_logprobs[row] = False, 0
+
+    def step(self, seqs: list[SeqInput]) -> StepOutput:
+        rows = np.fromiter((s.row for s in seqs if s.sample), np.int64)
+        n = len(self.cycle)
+        tokens = self.cycle[self.generated[rows] % n]
+        self.generated[rows] += 1
+        logprobs = np.where(self.logprobs[rows], 0.0, np.nan).astype(np.float32)
+        K = int(self.top_logprobs[rows].max()) if len(rows) else 0
+        if K == 0:
+            return StepOutput(tokens, logprobs, None, None)
+        top_ids = self.cycle[(self.generated[rows, None] - 1 + np.arange(K)) % n]  # the chosen token first
+        top_lp = np.full((len(rows), K), ALTERNATIVE_LOGPROB, np.float32)
+        top_lp[:, 0] = 0.0
+        return StepOutput(tokens, logprobs, top_ids, top_lp)
