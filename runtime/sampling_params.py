@@ -60,8 +60,8 @@ class SamplingParams:
         check(finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
               "temperature", "temperature must be between 0 and 2")
         check(finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        check(isinstance(self.top_k, int) and (self.top_k >= -1),
-              "top_k", "top_k must be -1 (disabled), 0 (disabled) or a positive integer")
+        check(isinstance(self.top_k, int) and -1 <= self.top_k < 2**31,  # records hold it as int32
+              "top_k", "top_k must be -1 (disabled), 0 (disabled) or a positive integer below 2^31")
         check(finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
               "seed", "seed must be a 64-bit integer")

@@ -1,0 +1,59 @@
+"""What the server says about itself: the served model's name and the 404 for any
+other, /v1/models, SGLang's /get_model_info and /get_server_info."""
+from __future__ import annotations
+
+import dataclasses
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import orjson
+
+from httpapi.errors import model_not_found
+from runtime.config import ServerArgs
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(args: ServerArgs) -> str:
+    """--served-model-name, else the model's directory or file name (no .gguf suffix)."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model_path is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(args.model_path.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def check_model(model: str | None, served: str) -> None:
+    """No model means the served one (as vLLM and SGLang do); any other name is a 404."""
+    if model is not None and model != served:
+        raise model_not_found(model)
+
+
+def models_body(served: str, created: int, context_len: int, model_path: str) -> bytes:
+    return orjson.dumps({"object": "list", "data": [{
+        "id": served, "object": "model", "created": created, "owned_by": "ringserve",
+        "root": model_path, "parent": None, "max_model_len": context_len}]})
+
+
+def model_info_body(served: str, model_path: str, context_len: int, vocab_size: int, architecture: str) -> bytes:
+    return orjson.dumps({"model_path": model_path, "tokenizer_path": model_path, "served_model_name": served,
+                         "is_generation": True, "context_length": context_len, "vocab_size": vocab_size,
+                         "architectures": [architecture], "has_image_understanding": False,
+                         "has_audio_understanding": False, "preferred_sampling_params": None})
+
+
+def server_info_body(args: ServerArgs, **state: object) -> bytes:
+    """The server arguments (never the API key), the version, and whatever engine state
+    the caller adds (e.g. max_total_num_tokens, internal_states)."""
+    info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+    info["version"] = _version()
+    info.update(state)
+    return orjson.dumps(info)
+
+
+def _version() -> str:
+    try:
+        return version("ringserve")
+    except PackageNotFoundError:
+        return "unknown"

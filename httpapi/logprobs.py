@@ -1,0 +1,135 @@
+"""Log-probabilities of generated tokens and their three JSON formats: OpenAI chat
+({"content": [{"token", "logprob", "bytes", "top_logprobs"}]}), OpenAI completions
+({"tokens", "token_logprobs", "top_logprobs", "text_offset"}) and SGLang's
+([logprob, token_id, text] triples)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+LOGPROB_FLOOR = -9999.0  # -inf has no JSON form; OpenAI and vLLM report this instead
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Consecutive generated tokens of one choice (one streamed delta, or the whole choice)."""
+    token_ids: np.ndarray  # [T] int
+    logprobs: np.ndarray  # [T] float
+    top_ids: np.ndarray  # [T, K] int, best first; K is the top_logprobs asked for (may be 0)
+    top_logprobs: np.ndarray  # [T, K] float
+
+    @classmethod
+    def of(cls, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None) -> "TokenLogprobs":
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        shape = (len(token_ids), 0)
+        top_ids = np.zeros(shape, np.int64) if top_ids is None else np.asarray(top_ids, dtype=np.int64)
+        top_logprobs = np.zeros(shape) if top_logprobs is None else np.asarray(top_logprobs, dtype=np.float64)
+        logprobs = np.asarray(logprobs, dtype=np.float64).reshape(-1)
+        if logprobs.shape != token_ids.shape or top_ids.shape != top_logprobs.shape or top_ids.shape[0] != len(token_ids):
+            raise ValueError(f"TokenLogprobs: shapes disagree: ids {token_ids.shape}, logprobs {logprobs.shape}, "
+                             f"top ids {top_ids.shape}, top logprobs {top_logprobs.shape}")
+        return cls(token_ids, logprobs, top_ids, top_logprobs)
+
+    @classmethod
+    def concat(cls, parts: Sequence["TokenLogprobs"]) -> "TokenLogprobs":
+        """One choice's logprobs from its streamed deltas."""
+        return cls(*(np.concatenate([getattr(p, name) for p in parts])
+                     for name in ("token_ids", "logprobs", "top_ids", "top_logprobs")))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def lists(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+        """Python lists, with -inf raised to LOGPROB_FLOOR."""
+        return (self.token_ids.tolist(), np.maximum(self.logprobs, LOGPROB_FLOOR).tolist(),
+                self.top_ids.tolist(), np.maximum(self.top_logprobs, LOGPROB_FLOOR).tolist())
+
+
+class TokenTable:
+    """Each token id's own bytes, display text and character count. A token can hold part
+    of a UTF-8 character: its text then shows the bytes escaped ("\\xe2"), as OpenAI does,
+    and `bytes` carries them exactly."""
+
+    def __init__(self, token_bytes: Sequence[bytes]) -> None:
+        self.bytes = list(token_bytes)
+        self.text = [b.decode("utf-8", "backslashreplace") for b in self.bytes]
+        # characters that start in the token: bytes that are not UTF-8 continuation bytes
+        self.chars = [sum((c & 0xC0) != 0x80 for c in b) for b in self.bytes]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> "TokenTable":
+        """From a Hugging Face tokenizer: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) or
+        SentencePiece pieces ("▁" for space, <0xNN> byte fallback). Ids past the tokenizer
+        (a padded embedding) get no bytes."""
+        n = len(tokenizer)
+        size = n if vocab_size is None else vocab_size
+        pieces = tokenizer.convert_ids_to_tokens(list(range(min(n, size))))
+        added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        byte_level = _is_byte_level(tokenizer)
+        if byte_level:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+            unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        table = []
+        for token_id, piece in enumerate(pieces):
+            if piece is None:
+                table.append(b"")
+            elif token_id in added:
+                table.append(piece.encode())
+            elif byte_level and all(c in unicode_to_byte for c in piece):
+                table.append(bytes(unicode_to_byte[c] for c in piece))
+            elif match := _BYTE_PIECE.fullmatch(piece):
+                table.append(bytes([int(match.group(1), 16)]))
+            else:
+                table.append(piece.replace("\u2581", " ").encode())
+        table.extend([b""] * (size - len(table)))
+        return cls(table)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    from tokenizers import decoders
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return isinstance(decoder, decoders.ByteLevel)
+
+
+def chat_logprobs(lp: TokenLogprobs, table: TokenTable) -> dict:
+    """OpenAI chat's choice.logprobs (top_logprobs [] when none were asked for)."""
+    ids, lps, top_ids, top_lps = lp.lists()
+    text, raw = table.text, table.bytes
+    content = [{"token": text[t], "logprob": x, "bytes": list(raw[t]),
+                "top_logprobs": [{"token": text[a], "logprob": y, "bytes": list(raw[a])}
+                                 for a, y in zip(alt_ids, alt_lps)]}
+               for t, x, alt_ids, alt_lps in zip(ids, lps, top_ids, top_lps)]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(lp: TokenLogprobs, table: TokenTable, text_offset: int) -> dict:
+    """OpenAI completions' choice.logprobs; `text_offset` is where the first token's text
+    starts in the choice's text. top_logprobs is null when logprobs was 0."""
+    ids, lps, top_ids, top_lps = lp.lists()
+    text, chars = table.text, table.chars
+    offsets = []
+    for t in ids:
+        offsets.append(text_offset)
+        text_offset += chars[t]
+    top = ([{text[a]: y for a, y in zip(alt_ids, alt_lps)} for alt_ids, alt_lps in zip(top_ids, top_lps)]
+           if lp.top_ids.shape[1] else None)
+    return {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def sglang_logprobs(lp: TokenLogprobs, table: TokenTable, with_text: bool) -> tuple[list, list]:
+    """SGLang's meta_info output_token_logprobs and output_top_logprobs: [logprob, id, text or None]."""
+    ids, lps, top_ids, top_lps = lp.lists()
+    text = table.text
+
+    def name(t: int) -> str | None:
+        return text[t] if with_text else None
+    tokens = [[x, t, name(t)] for t, x in zip(ids, lps)]
+    top = [[[y, a, name(a)] for a, y in zip(alt_ids, alt_lps)]
+           for alt_ids, alt_lps in zip(top_ids, top_lps)]
+    return tokens, top

@@ -1,0 +1,110 @@
+"""Non-streaming response bodies: chat.completion, text_completion and SGLang's /generate.
+
+The TokenizerManager collects one ChoiceResult per choice (index i * n + j for the j-th
+sample of prompt i) and hands them here in index order."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+import orjson
+
+from httpapi.logprobs import TokenLogprobs, TokenTable, chat_logprobs, completion_logprobs, sglang_logprobs
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def new_request_id(kind: str) -> str:
+    """"chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """The `created` field: Unix seconds."""
+    return int(time.time())
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    @classmethod
+    def combine(cls, per_choice: Sequence["Usage"], n: int) -> "Usage":
+        """A request's usage from its choices' (in index order): the n samples of one prompt
+        count that prompt once, as vLLM does."""
+        firsts = per_choice[::n]
+        return cls(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in per_choice),
+                   sum(u.cached_tokens for u in firsts))
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    index: int
+    text: str  # what the client sees: for echo, the prompt's text and then the completion
+    finish_reason: str | None  # stop | length | abort; None in a stream's partial choice
+    usage: Usage  # this choice's own counts
+    logprobs: TokenLogprobs | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it (/generate)
+
+
+def chat_completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
+                         table: TokenTable | None = None) -> bytes:
+    """`table` is needed when the choices carry logprobs."""
+    return orjson.dumps({
+        "id": request_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, table),
+                     "finish_reason": c.finish_reason} for c in choices],
+        "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
+    })
+
+
+def completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
+                    table: TokenTable | None = None) -> bytes:
+    return orjson.dumps({
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": c.index, "text": c.text,
+                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, table, 0),
+                     "finish_reason": c.finish_reason} for c in choices],
+        "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
+    })
+
+
+def generate_output(rid: str, choice: ChoiceResult, table: TokenTable | None = None,
+                    return_text_in_logprobs: bool = False) -> dict:
+    """One SGLang /generate output: {"text", "meta_info"}; a stream sends partial choices."""
+    meta = {"id": rid, "finish_reason": sglang_finish_reason(choice), "prompt_tokens": choice.usage.prompt_tokens,
+            "completion_tokens": choice.usage.completion_tokens, "cached_tokens": choice.usage.cached_tokens}
+    if choice.logprobs is not None:
+        tokens, top = sglang_logprobs(choice.logprobs, table, return_text_in_logprobs)
+        meta["output_token_logprobs"] = tokens
+        meta["output_top_logprobs"] = top
+    return {"text": choice.text, "meta_info": meta}
+
+
+def generate_body(rids: Sequence[str], choices: Sequence[ChoiceResult], batch: bool,
+                  table: TokenTable | None = None, return_text_in_logprobs: bool = False) -> bytes:
+    """SGLang's /generate answer: one output, or a list of them for a batch (or n > 1);
+    `rids` has one id per choice."""
+    outputs = [generate_output(rid, c, table, return_text_in_logprobs) for rid, c in zip(rids, choices)]
+    return orjson.dumps(outputs if batch else outputs[0])
+
+
+def sglang_finish_reason(choice: ChoiceResult) -> dict | None:
+    """SGLang's {"type": "stop", "matched": ...} / {"type": "length", "length": ...} / {"type": "abort"};
+    None while the choice runs."""
+    reason = choice.finish_reason
+    if reason == "stop":
+        return {"type": "stop", "matched": choice.matched_stop}
+    if reason == "length":
+        return {"type": "length", "length": choice.usage.completion_tokens}
+    return None if reason is None else {"type": reason}

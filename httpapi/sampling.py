@@ -1,0 +1,110 @@
+"""Request fields -> SamplingParams, and the checks that need the prompt: it must be
+non-empty, in the vocabulary, and leave room in the context for max_tokens.
+
+Ranges live in SamplingParams.validate() (one place); this module only renames its
+parameter names to the fields of each endpoint."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from httpapi.errors import bad_request, from_invalid_param
+from httpapi.fields import Fields
+from runtime.sampling_params import InvalidParam, SamplingParams
+
+# SamplingParams fields that every generation endpoint names the same way.
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+
+
+def read_sampling(fields: Fields, *, seed: str, min_tokens: str, **given) -> SamplingParams:
+    """The sampling fields of `fields` (`seed` and `min_tokens` named as given, the rest as
+    SamplingParams names them), plus `given` fields the caller read itself. Not validated."""
+    defaults = SamplingParams()
+    values = dict(given)
+    for name in _FLOATS:
+        values[name] = fields.get_float(name, getattr(defaults, name))
+    for name in _BOOLS:
+        values[name] = fields.get_bool(name, getattr(defaults, name))
+    values["top_k"] = fields.get_int("top_k", defaults.top_k)
+    values["seed"] = fields.get_int(seed)
+    values["min_new_tokens"] = fields.get_int(min_tokens, defaults.min_new_tokens)
+    values["stop"] = fields.get_strs("stop")
+    values["stop_token_ids"] = fields.get_token_ids("stop_token_ids")
+    return SamplingParams(**values)
+
+
+def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int | None = None) -> SamplingParams:
+    try:
+        return params.validate(vocab_size)
+    except InvalidParam as e:
+        raise from_invalid_param(e, dict(names)) from None
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """A request's sampling before its prompt is tokenized. `max_tokens` None means "as
+    many as the context leaves" (chat's default); resolve() decides it per prompt."""
+    params: SamplingParams  # validated; its max_new_tokens is provisional while max_tokens is None
+    max_tokens: int | None
+    names: Mapping[str, str]  # validate()'s param names -> this endpoint's fields
+    prompt_param: str  # the field holding the prompt: messages, prompt, text, input_ids
+
+    @classmethod
+    def build(cls, params: SamplingParams, max_tokens: int | None, names: Mapping[str, str],
+              prompt_param: str) -> "SamplingSpec":
+        # Without max_tokens, validate everything else now (min_tokens against itself)
+        # and min_tokens against the real budget in resolve().
+        provisional = max_tokens if max_tokens is not None else max(params.min_new_tokens, 1)
+        params = validated(dataclasses.replace(params, max_new_tokens=provisional), names)
+        return cls(params, max_tokens, names, prompt_param)
+
+    def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int) -> SamplingParams:
+        """The final SamplingParams for one tokenized prompt; raises APIError(400)."""
+        check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param)
+        max_new = resolve_max_tokens(self.max_tokens, len(prompt_ids), context_len,
+                                     self.names.get("max_tokens", "max_tokens"))
+        return validated(dataclasses.replace(self.params, max_new_tokens=max_new), self.names, vocab_size)
+
+
+def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str) -> None:
+    """A prompt must have a token, fit the context with room for one more, and use the vocabulary."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise bad_request(f"{param} is empty: the prompt must have at least one token", param)
+    if n >= context_len:
+        raise bad_request(f"This model's maximum context length is {context_len} tokens, and the prompt "
+                          f"({param}) has {n} tokens, which leaves no room to generate. "
+                          f"Shorten the prompt.", param, code="context_length_exceeded")
+    check_token_ids(prompt_ids, vocab_size, param)
+
+
+def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, param: str) -> None:
+    """Ids from the client (parsed as non-negative) must be in the vocabulary (/detokenize too)."""
+    if len(token_ids) == 0:
+        return
+    top = int(token_ids.max()) if isinstance(token_ids, np.ndarray) else max(token_ids)
+    if top >= vocab_size:
+        raise bad_request(f"{param} has token id {top}, outside the vocabulary of {vocab_size} tokens", param)
+
+
+def resolve_max_tokens(max_tokens: int | None, prompt_len: int, context_len: int,
+                       param: str = "max_tokens") -> int:
+    """max_tokens as asked, or all the context the prompt leaves when unset; a 400 naming
+    `param` when prompt and completion together would not fit."""
+    room = context_len - prompt_len
+    if max_tokens is None:
+        if room < 1:
+            raise bad_request(f"The prompt has {prompt_len} tokens and fills this model's context of "
+                              f"{context_len} tokens; no room is left for {param}", param,
+                              code="context_length_exceeded")
+        return room
+    if max_tokens > room:
+        raise bad_request(f"This model's maximum context length is {context_len} tokens. However, you requested "
+                          f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+                          f"the completion). Reduce the prompt or {param}.", param,
+                          code="context_length_exceeded")
+    return max_tokens

@@ -1,0 +1,119 @@
+"""Server-sent events for streamed responses.
+
+One stream object per request: the bytes that do not change during a request (id,
+object, created, model, each choice's index) are encoded once when it starts, so an
+event costs one orjson.dumps of the delta text and one join. One event may carry a
+delta of several tokens: the TokenizerManager coalesces a client's pending deltas
+when the client falls behind.
+
+Event order for the OpenAI endpoints:
+    start()                      chat only: a role chunk per choice
+    delta(index, text, ...)      any number, finish_reason on each choice's last
+    usage(Usage)                 only with stream_options.include_usage
+    DONE
+and on a failure mid-stream: error_event(APIError), then DONE.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import orjson
+
+from httpapi.errors import APIError
+from httpapi.logprobs import TokenLogprobs, TokenTable, chat_logprobs, completion_logprobs
+from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_output
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+           "x-accel-buffering": "no"}
+
+_REASONS = {None: b"null", **{r: b'"' + r.encode() + b'"' for r in FINISH_REASONS}}
+
+
+def error_event(err: APIError) -> bytes:
+    return b"data: " + err.body() + b"\n\n"
+
+
+class _OpenAIStream:
+    def __init__(self, request_id: str, created: int, model: str, object_name: str) -> None:
+        self._head = b"".join((b'data: {"id":', orjson.dumps(request_id), b',"object":"', object_name.encode(),
+                               b'","created":', str(created).encode(), b',"model":', orjson.dumps(model), b','))
+
+    def usage(self, usage: Usage) -> bytes:
+        """The last chunk before DONE with stream_options.include_usage: no choices, the usage."""
+        return b"".join((self._head, b'"choices":[],"usage":', orjson.dumps(usage.as_dict()), b"}\n\n"))
+
+
+class ChatStream(_OpenAIStream):
+    """chat.completion.chunk events; `table` is needed when deltas carry logprobs."""
+
+    def __init__(self, request_id: str, created: int, model: str, n_choices: int,
+                 table: TokenTable | None = None) -> None:
+        super().__init__(request_id, created, model, "chat.completion.chunk")
+        self._table = table
+        self._open = [self._head + b'"choices":[{"index":%d,"delta":{"content":' % i for i in range(n_choices)]
+        # closes the delta; then logprobs and finish_reason
+        self._close = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
+
+    def start(self) -> bytes:
+        """The first chunk of every choice: role "assistant", empty content."""
+        return b"".join(self._head + b'"choices":[{"index":%d,"delta":{"role":"assistant","content":""},'
+                                     b'"logprobs":null,"finish_reason":null}]}\n\n' % i
+                        for i in range(len(self._open)))
+
+    def delta(self, index: int, text: str, finish_reason: str | None = None,
+              logprobs: TokenLogprobs | None = None) -> bytes:
+        if logprobs is None:
+            return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
+        return b"".join((self._open[index], orjson.dumps(text), b'},"logprobs":',
+                         orjson.dumps(chat_logprobs(logprobs, self._table)),
+                         b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
+
+
+class CompletionStream(_OpenAIStream):
+    """text_completion events; `table` is needed when deltas carry logprobs."""
+
+    def __init__(self, request_id: str, created: int, model: str, n_choices: int,
+                 table: TokenTable | None = None) -> None:
+        super().__init__(request_id, created, model, "text_completion")
+        self._table = table
+        self._open = [self._head + b'"choices":[{"index":%d,"text":' % i for i in range(n_choices)]
+        self._close = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
+        self._text_offset = [0] * n_choices  # where the next delta starts in each choice's text
+
+    def delta(self, index: int, text: str, finish_reason: str | None = None,
+              logprobs: TokenLogprobs | None = None) -> bytes:
+        if logprobs is None:
+            return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
+        lp = completion_logprobs(logprobs, self._table, self._text_offset[index])
+        self._text_offset[index] += len(text)
+        return b"".join((self._open[index], orjson.dumps(text), b',"logprobs":', orjson.dumps(lp),
+                         b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
+
+
+class GenerateStream:
+    """SGLang's /generate stream: as SGLang does by default, each event carries the
+    choice's whole text so far (and logprobs so far), its meta_info, and "index" when
+    the request is a batch."""
+
+    def __init__(self, rids: Sequence[str], batch: bool, table: TokenTable | None = None,
+                 return_text_in_logprobs: bool = False) -> None:
+        self._rids = rids
+        self._batch = batch
+        self._table = table
+        self._return_text = return_text_in_logprobs
+        self._text = [""] * len(rids)
+        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in rids]
+
+    def delta(self, index: int, text: str, usage: Usage, finish_reason: str | None = None,
+              matched_stop: int | str | None = None, logprobs: TokenLogprobs | None = None) -> bytes:
+        self._text[index] += text
+        so_far = None
+        if logprobs is not None:
+            self._logprobs[index].append(logprobs)
+            so_far = TokenLogprobs.concat(self._logprobs[index])
+        choice = ChoiceResult(index, self._text[index], finish_reason, usage, so_far, matched_stop)
+        out = generate_output(self._rids[index], choice, self._table, self._return_text)
+        if self._batch:
+            out["index"] = index
+        return b"data: " + orjson.dumps(out) + b"\n\n"

@@ -1,0 +1,92 @@
+"""Issue 5's bad-request table through the real parsing layer and the real tokenizer,
+in the order a route applies the checks: API key, body, model, prompt."""
+import pytest
+from transformers import AutoTokenizer
+
+from bad_requests import API_KEY, BAD_REQUESTS, CONTEXT_LEN, MODEL, VOCAB_SIZE, BadRequest, chat, completion, generate
+from gpu.model_files import resolve_model_dir
+from httpapi.auth import check_api_key
+from httpapi.errors import APIError
+from httpapi.info import check_model
+from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize,
+                              parse_generate, parse_tokenize)
+from httpapi.sampling import check_token_ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None:
+    """What a route does with a request before it reaches the engine; raises APIError."""
+    check_api_key(authorization, API_KEY)
+    if path == "/v1/chat/completions":
+        req = parse_chat_completion(body)
+        check_model(req.model, MODEL)
+        ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+    elif path in ("/v1/completions", "/generate"):
+        req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
+        check_model(getattr(req, "model", None), MODEL)
+        for prompt in req.prompts:
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+    elif path == "/tokenize":
+        check_model(parse_tokenize(body).model, MODEL)
+    elif path == "/detokenize":
+        req = parse_detokenize(body)
+        check_model(req.model, MODEL)
+        for ids in req.token_ids:
+            check_token_ids(ids, VOCAB_SIZE, "tokens")
+    elif path == "/abort_request":
+        parse_abort(body)
+    else:
+        raise AssertionError(f"no route {path}")
+
+
+def test_the_table_is_big_enough():
+    assert len(BAD_REQUESTS) >= 30
+    assert len({r.name for r in BAD_REQUESTS}) == len(BAD_REQUESTS)
+
+
+@pytest.mark.parametrize("row", BAD_REQUESTS, ids=lambda r: r.name)
+def test_bad_request(row: BadRequest, tokenizer):
+    with pytest.raises(APIError) as caught:
+        handle(row.path, row.body, row.auth, tokenizer)
+    err = caught.value
+    assert (err.status, err.param) == (row.status, row.param), err.message
+    assert err.message and err.type in ("invalid_request_error", "server_error")
+    if row.param is not None:
+        assert row.param.split("[")[0].split(".")[-1] in err.message or row.param in err.message or \
+            err.code == "context_length_exceeded", err.message
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat()),
+    ("/v1/chat/completions", chat(max_tokens=None, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": None}, {"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}])),
+    ("/v1/chat/completions", chat(max_completion_tokens=8000, stream=True, stream_options={"include_usage": True},
+                                  logprobs=True, top_logprobs=20, stop=["\n"], seed=2**63 - 1, n=4, top_k=0)),
+    ("/v1/chat/completions", chat(model=None, user="u", tools=[], tool_choice="none", response_format={"type": "text"},
+                                  unknown_field=1)),
+    ("/v1/completions", completion(prompt=["a", "b"], n=64, echo=True, logprobs=None)),
+    ("/v1/completions", completion(prompt=[[1, 2], [3]], logprobs=0, max_tokens=8190)),
+    ("/v1/completions", completion(prompt=[1] * 8176, max_tokens=None)),
+    ("/generate", generate(text=None, input_ids=[[1, 2], [3]], rid=["a", "b"])),
+    ("/generate", generate(sampling_params={"max_new_tokens": 4, "n": 2, "sampling_seed": 3, "min_new_tokens": 2},
+                           return_logprob=True, top_logprobs_num=5, stream=True)),
+    ("/tokenize", b'{"prompt": ["", "a"]}'),
+    ("/detokenize", b'{"tokens": []}'),
+    ("/abort_request", b'{"abort_all": true}'),
+])
+def test_good_requests_pass(path, body, tokenizer):
+    handle(path, body, f"Bearer {API_KEY}", tokenizer)
+
+
+def test_no_api_key_configured_lets_everything_through():
+    check_api_key(None, None)
+    check_api_key("Bearer anything", None)
+    check_api_key(f"bearer  {API_KEY}", API_KEY)  # the scheme is case-insensitive
