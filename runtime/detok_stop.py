@@ -1,0 +1,46 @@
+"""Stop strings over a stream of UTF-8 text deltas.
+
+Text that could still be the start of a stop string is withheld until the next delta
+shows it is not; on a match the text is cut where the stop string starts (the stop string
+itself is not output, as OpenAI does). Matching is on UTF-8 bytes: the text is valid UTF-8,
+which is self-synchronising, so a byte match of a stop string is always a character match.
+"""
+from __future__ import annotations
+
+
+class StopMatcher:
+    """One request's stop strings and the text it is holding back."""
+
+    __slots__ = ("stops", "held")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s.encode() for s in stops)
+        self.held = b""
+
+    def feed(self, text: bytes, final: bool) -> tuple[bytes, int]:
+        """-> (text to release now, index of the matched stop string or -1).
+
+        Among several matches the one that ends first wins (it is the one a character-by-
+        character stream would have hit first); among those, the longest."""
+        buf = self.held + text
+        best_end, best_start, best = len(buf) + 1, 0, -1
+        for i, stop in enumerate(self.stops):
+            start = buf.find(stop)
+            if start >= 0 and (start + len(stop), start) < (best_end, best_start):
+                best_end, best_start, best = start + len(stop), start, i
+        if best >= 0:
+            self.held = b""
+            return buf[:best_start], best
+        keep = 0 if final else self._partial_suffix(buf)
+        self.held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], -1
+
+    def _partial_suffix(self, buf: bytes) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), longest, -1):
+                if buf.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
