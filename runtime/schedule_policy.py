@@ -1,0 +1,16 @@
+"""In which order queued requests are admitted: fcfs, or lpm (longest cached prefix first,
+which keeps a shared prefix hot and saves prefill work; SGLang's default)."""
+from __future__ import annotations
+
+from runtime.radix_cache import RadixCache
+from runtime.request import Request
+
+LPM_MAX_QUEUE = 128  # past this, matching every queued prompt each step costs more than it saves
+
+
+def order_queue(queue: list[Request], policy: str, cache: RadixCache) -> list[Request]:
+    """`queue` is in arrival order; returns a new list, the order to try admitting in."""
+    if policy == "fcfs" or cache.disabled or len(queue) < 2 or len(queue) > LPM_MAX_QUEUE:
+        return list(queue)
+    matched = {id(r): len(cache.match_prefix(r.fill_ids()[:-1])[0]) for r in queue}
+    return sorted(queue, key=lambda r: -matched[id(r)])  # stable: ties stay in arrival order

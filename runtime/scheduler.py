@@ -1,0 +1,407 @@
+"""The scheduler core, transport-free: continuous batching with chunked prefill over a
+paged KV pool with a radix prefix cache, and retraction when decode runs out of pages.
+
+Each step() serves every running decode plus as many prefill tokens as the budget allows
+(one request at a time may be mid-prefill, split into chunks), calls the model runner once,
+and returns one token event per request that sampled a token, as one numpy structured array.
+Requests are addressed by (worker, slot, generation); the server's scheduler process and the
+offline Engine both drive this class.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from gpu.forward_batch import SeqInput
+from runtime.config import ServerArgs
+from runtime.radix_cache import RadixCache
+from runtime.req_table import MAX_STOP_IDS, ReqTable
+from runtime.request import FinishReason, ReqStatus, Request
+from runtime.sampling_params import InvalidParam, SamplingParams
+from runtime.schedule_policy import order_queue
+
+logger = logging.getLogger(__name__)
+
+# One event per request per step that has news: a sampled token, or its end.
+TOKEN_EVENT = np.dtype([
+    ("worker", np.int32), ("slot", np.int32), ("generation", np.uint32),
+    ("token", np.int32),  # -1: no token (the request ended without one: abort, error)
+    ("logprob", np.float32),
+    ("finish", np.uint8),  # FinishReason
+    ("prompt_tokens", np.int32), ("completion_tokens", np.int32), ("cached_tokens", np.int32),
+])
+
+CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    context_length: int
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 2048  # prefill tokens of one step (a longer prompt is split)
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    # Admission keeps KV room for this fraction of the running requests' remaining max_tokens
+    # (SGLang's new_token_ratio): it decays while decoding goes well and jumps back to the
+    # initial value on a retraction, trading admission eagerness against retraction churn.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs, context_length: int, **overrides) -> "SchedulerConfig":
+        return cls(context_length=context_length, max_running_requests=args.max_running_requests,
+                   chunked_prefill_size=args.chunked_prefill_size,
+                   max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
+                   disable_radix_cache=args.disable_radix_cache, **overrides)
+
+
+@dataclass
+class StepResult:
+    events: np.ndarray  # TOKEN_EVENT [E]: the first num_sampled carry a sampled token
+    num_sampled: int
+    top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
+    top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
+    opened: list[Request]  # requests added since the last step, in order (the OPEN records)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    forward_tokens: int = 0  # tokens run through the model (prefill chunks + decodes)
+    prefill_tokens: int = 0  # prompt (and resumed) tokens computed, cache hits excluded
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    generated_tokens: int = 0
+    retractions: int = 0
+
+
+class Scheduler:
+    def __init__(self, runner, config: SchedulerConfig,
+                 heartbeat: Callable[[], None] | None = None) -> None:
+        self.runner = runner
+        self.pool = runner.pool
+        self.config = config
+        self.page_size: int = self.pool.page_size
+        self.vocab_size: int = runner.model_config.vocab_size
+        self.cache = RadixCache(self.pool, disabled=config.disable_radix_cache)
+        self.table = ReqTable(config.max_running_requests, config.context_length, self.page_size)
+        self.eos_ids = np.asarray(runner.model_config.eos_token_ids, dtype=np.int32)
+        self.heartbeat = heartbeat  # called around each forward, for the watchdog
+        self.queue: list[Request] = []  # waiting to be (re)admitted, in arrival order
+        self.requests: dict[tuple[int, int], Request] = {}  # every live request by (worker, slot)
+        self.chunked: Request | None = None  # the request mid-prefill, if any
+        self.new_token_ratio = config.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self._arrivals = itertools.count()
+        self._ended: list[tuple] = []  # TOKEN_EVENT rows of requests ended between steps
+        self._opened: list[Request] = []
+
+    # ---- requests in -----------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Something to run or to report: step() would do something."""
+        return bool(self.queue or self.table.num_active or self._ended or self._opened)
+
+    @property
+    def num_running(self) -> int:
+        return self.table.num_active
+
+    def add_request(self, worker: int, slot: int, generation: int, prompt_ids,
+                    params: SamplingParams, tag: object = None) -> Request:
+        """Queues a request. One that can never run (bad prompt or parameters) ends at once
+        with an ERROR event, named in the log; it never reaches the model."""
+        prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+        req = Request(worker, slot, generation, prompt, params, next(self._arrivals), tag)
+        old = self.requests.get(req.key)
+        if old is not None:  # the slot was reused, so its old request is gone for its owner
+            self._end(old, FinishReason.ABORT)
+        self._opened.append(req)
+        self.requests[req.key] = req
+        error = self._check(req)
+        if error:
+            logger.warning("request (%d, %d, %d) rejected: %s", worker, slot, generation, error)
+            self._end(req, FinishReason.ERROR)
+        else:
+            self.queue.append(req)
+        return req
+
+    def _check(self, req: Request) -> str | None:
+        n = len(req.prompt)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.config.context_length:
+            return f"the prompt has {n} tokens; the context holds {self.config.context_length} " \
+                   f"including at least one generated token"
+        if n + 1 > self.pool.num_pages * self.page_size:
+            return f"the prompt has {n} tokens; the KV pool holds {self.pool.num_pages * self.page_size}"
+        if req.prompt.min() < 0 or req.prompt.max() >= self.vocab_size:
+            return f"prompt token ids must be in [0, {self.vocab_size})"
+        try:
+            req.params.validate(self.vocab_size)
+        except InvalidParam as e:
+            return f"{e.param}: {e.message}"
+        return None
+
+    def abort(self, worker: int, slot: int, generation: int) -> bool:
+        """Ends a request in whatever state it is (queued, mid-prefill, decoding, retracted)
+        and frees its pages now. A stale address (finished, or another generation) is ignored."""
+        req = self.requests.get((worker, slot))
+        if req is None or req.generation != generation:
+            return False
+        self._end(req, FinishReason.ABORT)
+        return True
+
+    def flush_cache(self) -> int:
+        """Drops every cached page no running request uses; returns how many were freed."""
+        return self.cache.flush()
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self) -> StepResult:
+        decode_rows = self._schedule_decode()
+        prefill = self._schedule_prefill()
+        seqs = self._seq_inputs(decode_rows, prefill)
+        if not seqs:
+            return self._result(np.zeros(0, TOKEN_EVENT), None, None)
+        if self.heartbeat is not None:
+            self.heartbeat()
+        out = self.runner.step(seqs)
+        if self.heartbeat is not None:
+            self.heartbeat()
+        return self._process(decode_rows, prefill, out)
+
+    def _schedule_decode(self) -> np.ndarray:
+        """Every running decode, each with a page for its next token: evicts cached pages,
+        then retracts the newest requests, until the pool has enough."""
+        t, ps = self.table, self.page_size
+        while True:
+            rows = t.decode_rows()
+            need = rows[t.num_pages[rows] * ps <= t.kv_len[rows]]
+            if self._make_room(len(need)):
+                break
+            if t.num_active == 1:  # alone and still no page: the pool is its length limit
+                self._end(t.reqs[int(need[0])], FinishReason.LENGTH)
+                continue
+            active = np.flatnonzero(t.active)
+            self._retract(t.reqs[int(active[np.argmax(t.arrival[active])])])
+        if len(need):
+            t.page_table[need, t.num_pages[need]] = self.pool.alloc(len(need))
+            t.num_pages[need] += 1
+        return rows
+
+    def _schedule_prefill(self) -> list[tuple[Request, int]]:
+        """(request, prefill tokens this step): the chunked request first, then queued ones
+        in policy order while rows, the token budget and KV room last."""
+        t, cfg = self.table, self.config
+        budget = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens)
+        plan: list[tuple[Request, int]] = []
+        req = self.chunked
+        if req is not None:
+            remaining = int(t.length[req.row] - t.kv_len[req.row])
+            if remaining <= 1:  # its last token is a plain decode this step
+                self.chunked = None
+            else:
+                n = self._grow(req.row, min(remaining, budget))
+                if n:
+                    plan.append((req, n))
+                if n < remaining:
+                    return plan
+                self.chunked = None
+                budget -= n
+        if not self.queue or t.num_free_rows == 0:
+            return plan
+        reserve = self._reserved_tokens()
+        for req in order_queue(self.queue, cfg.schedule_policy, self.cache):
+            if budget <= 0 or t.num_free_rows == 0:
+                break
+            n = self._admit(req, budget, reserve)
+            if not n:
+                break
+            plan.append((req, n))
+            budget -= n
+            reserve += self._reserved_tokens(req.row)
+            if self.chunked is req:
+                break
+        return plan
+
+    def _reserved_tokens(self, row: int | None = None) -> float:
+        """KV tokens the running requests (or one row) are still expected to need."""
+        t = self.table
+        sel = t.active if row is None else row
+        future = np.minimum(t.max_len[sel] - t.length[sel], CLIP_MAX_NEW_TOKENS)
+        return float(np.sum(t.length[sel] - t.kv_len[sel]) + self.new_token_ratio * np.sum(future))
+
+    def _admit(self, req: Request, budget: int, reserve: float) -> int:
+        """Admits `req` with up to `budget` prefill tokens; returns how many (0: not now)."""
+        t, ps = self.table, self.page_size
+        fill = req.fill_ids()
+        prefix_pages, node = self.cache.match_prefix(fill[:-1])
+        prefix = len(prefix_pages) * ps
+        remaining = len(fill) - prefix
+        n = min(remaining, budget)
+        max_len = len(req.prompt) + min(req.params.max_new_tokens,
+                                        self.config.context_length - len(req.prompt))
+        self.cache.lock(node)
+        room = self.pool.num_free + self.cache.evictable_pages  # pages
+        expected = remaining + self.new_token_ratio * min(max_len - len(fill), CLIP_MAX_NEW_TOKENS)
+        if t.num_active and room * ps < reserve + expected:
+            self.cache.unlock(node)
+            return 0
+        n = min(n, (len(prefix_pages) + room) * ps - prefix)  # alone: as much as fits
+        if n <= 0:
+            self.cache.unlock(node)
+            return 0
+        stop_ids = np.unique(np.concatenate([
+            np.asarray(req.params.stop_token_ids, dtype=np.int32),
+            self.eos_ids if not req.params.ignore_eos else np.zeros(0, np.int32)]))[:MAX_STOP_IDS]
+        if req.cached_tokens < 0:
+            req.cached_tokens = min(prefix, len(req.prompt))
+            self.stats.cached_tokens += req.cached_tokens
+        self.queue.remove(req)
+        row = t.admit(req, fill, max_len, stop_ids)
+        t.page_table[row, :len(prefix_pages)] = prefix_pages
+        t.num_pages[row] = len(prefix_pages)
+        t.kv_len[row] = prefix
+        req.node, req.prefix_pages, req.status = node, len(prefix_pages), ReqStatus.RUNNING
+        self.runner.set_request(row, req.params, req.prompt, req.output)
+        self._grow(row, n)
+        if n < remaining:
+            self.chunked = req
+        return n
+
+    def _grow(self, row: int, n: int) -> int:
+        """Gives `row` the pages for n more tokens (fewer tokens if fewer pages can be had);
+        returns the tokens it has room for."""
+        t, ps = self.table, self.page_size
+        kv, have = int(t.kv_len[row]), int(t.num_pages[row])
+        need = -(-(kv + n) // ps) - have
+        if need > 0 and not self._make_room(need):
+            need = self.pool.num_free
+            n = (have + need) * ps - kv
+        if need > 0:
+            t.page_table[row, have:have + need] = self.pool.alloc(need)
+            t.num_pages[row] = have + need
+        return max(n, 0)
+
+    def _make_room(self, num_pages: int) -> bool:
+        short = num_pages - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.pool.num_free >= num_pages
+
+    def _seq_inputs(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]]) -> list[SeqInput]:
+        t = self.table
+        ids, pt = t.ids, t.page_table
+        seqs = [SeqInput(r, ids[r, k:k + 1], k, pt[r, :p], True) for r, k, p in
+                zip(decode_rows.tolist(), t.kv_len[decode_rows].tolist(), t.num_pages[decode_rows].tolist())]
+        for req, n in prefill:
+            r = req.row
+            k = int(t.kv_len[r])
+            seqs.append(SeqInput(r, ids[r, k:k + n], k, pt[r, :t.num_pages[r]], k + n == t.length[r]))
+        return seqs
+
+    # ---- after the forward -------------------------------------------------------------
+    def _process(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]], out) -> StepResult:
+        t, stats = self.table, self.stats
+        t.kv_len[decode_rows] += 1
+        prefill_rows = np.array([req.row for req, _ in prefill], dtype=np.int64)
+        if len(prefill):
+            chunk = np.array([n for _, n in prefill], dtype=np.int32)
+            t.kv_len[prefill_rows] += chunk
+            stats.prefill_tokens += int(chunk.sum())
+            stats.forward_tokens += int(chunk.sum())
+            for req, _ in prefill:  # their full pages are shareable from now on
+                self._cache_running(req)
+        stats.forward_tokens += len(decode_rows)
+        stats.steps += 1
+        rows = np.concatenate([decode_rows, prefill_rows[t.kv_len[prefill_rows] == t.length[prefill_rows]]])
+
+        tokens = np.asarray(out.tokens, dtype=np.int32)
+        length = t.length[rows]
+        t.ids[rows, length] = tokens
+        length += 1
+        t.length[rows] = length
+        stop = (t.stop_ids[rows] == tokens[:, None]).any(axis=1) & (length > t.min_len[rows])
+        finish = np.where(stop, FinishReason.STOP, np.where(length >= t.max_len[rows], FinishReason.LENGTH,
+                                                             FinishReason.NONE)).astype(np.uint8)
+        events = np.empty(len(rows), TOKEN_EVENT)
+        events["worker"] = t.worker[rows]
+        events["slot"] = t.slot[rows]
+        events["generation"] = t.generation[rows]
+        events["token"] = tokens
+        events["logprob"] = out.logprobs
+        events["finish"] = finish
+        events["prompt_tokens"] = t.prompt_len[rows]
+        events["completion_tokens"] = length - t.prompt_len[rows]
+        events["cached_tokens"] = t.cached[rows]
+        stats.generated_tokens += len(rows)
+
+        for row in rows[finish != FinishReason.NONE].tolist():
+            self._finish(t.reqs[row])
+        self.new_token_ratio = max(self.config.min_new_token_ratio,
+                                   self.new_token_ratio - self.config.new_token_ratio_decay)
+        return self._result(events, out.top_ids, out.top_logprobs)
+
+    def _cache_running(self, req: Request) -> None:
+        t, r = self.table, req.row
+        tree_pages, req.node = self.cache.cache_prefix(t.ids[r, :t.kv_len[r]], t.pages(r),
+                                                       req.prefix_pages, req.node)
+        t.page_table[r, :len(tree_pages)] = tree_pages
+        req.prefix_pages = len(tree_pages)
+
+    def _result(self, events: np.ndarray, top_ids, top_logprobs) -> StepResult:
+        num_sampled = len(events)
+        if self._ended:
+            events = np.concatenate([events, np.array(self._ended, dtype=TOKEN_EVENT)])
+            self._ended = []
+        opened, self._opened = self._opened, []
+        return StepResult(events, num_sampled, top_ids, top_logprobs, opened)
+
+    # ---- leaving the running set ----------------------------------------------------------
+    def _release(self, req: Request) -> None:
+        """Gives back the request's row and KV pages (full pages stay in the radix cache)."""
+        t, r = self.table, req.row
+        self.cache.release(t.ids[r, :t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
+        self.runner.clear_request(r)
+        t.release(r)
+        req.node, req.prefix_pages = None, 0
+        if self.chunked is req:
+            self.chunked = None
+
+    def _retract(self, req: Request) -> None:
+        t, r = self.table, req.row
+        logger.info("KV pool exhausted: retracting request (%d, %d, %d) after %d tokens",
+                    req.worker, req.slot, req.generation, t.length[r] - t.prompt_len[r])
+        req.output = t.ids[r, t.prompt_len[r]:t.length[r]].copy()
+        self._release(req)
+        req.status = ReqStatus.QUEUED
+        bisect.insort(self.queue, req, key=lambda q: q.arrival)
+        self.stats.retractions += 1
+        self.new_token_ratio = self.config.init_new_token_ratio
+
+    def _finish(self, req: Request) -> None:
+        self._release(req)
+        req.status = ReqStatus.FINISHED
+        del self.requests[req.key]
+
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        """Ends a request outside the normal token flow, with an event that carries no token."""
+        t = self.table
+        if req.status is ReqStatus.RUNNING:
+            completion = int(t.length[req.row] - t.prompt_len[req.row])
+            self._release(req)
+        else:
+            completion = len(req.output)
+            if req in self.queue:
+                self.queue.remove(req)
+        req.status = ReqStatus.FINISHED
+        if self.requests.get(req.key) is req:
+            del self.requests[req.key]
+        self._ended.append((req.worker, req.slot, req.generation, -1, math.nan, reason,
+                            len(req.prompt), completion, max(req.cached_tokens, 0)))
