@@ -1,1 +1,22 @@
-"""The OpenAI-compatible HTTP layer (a top-level `http` would shadow the standard library)."""
+"""The OpenAI-compatible HTTP layer's protocol: what a route needs besides the engine.
+(A top-level `http` package would shadow the standard library.)
+
+    auth       check_api_key(authorization_header, api_key)                  401
+    requests   parse_chat_completion / parse_completion / parse_generate /
+               parse_tokenize / parse_detokenize / parse_abort (body bytes)  400
+    info       check_model(model, served) 404; served_model_name(args);
+               /v1/models, /get_model_info, /get_server_info bodies
+    sampling   req.sampling.resolve(prompt_ids, context_len, vocab_size)
+               -> SamplingParams, after tokenizing                           400
+    responses  Usage, ChoiceResult -> chat.completion / text_completion /
+               /generate bodies
+    sse        ChatStream / CompletionStream / GenerateStream events, DONE,
+               error_event, HEADERS
+    logprobs   TokenLogprobs (numpy columns), TokenTable (id -> bytes, text)
+    errors     APIError(status, message, param, type, code): .status, .body()
+
+A route: check_api_key, parse, check_model, tokenize, resolve; on APIError answer
+err.status with err.body() (content-type application/json), mid-stream send
+error_event(err) then DONE. Anything else raised is a bug: answer
+errors.internal_error() and log it.
+"""

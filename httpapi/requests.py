@@ -26,6 +26,15 @@ IGNORED_OPENAI_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_
 
 Prompt = Union[str, list]  # text, or a list of token ids
 
+# SamplingParams.validate()'s parameter names -> /generate's fields
+GENERATE_NAMES = {
+    "max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+    "seed": "sampling_params.sampling_seed", "top_logprobs": "top_logprobs_num",
+    **{name: "sampling_params." + name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                    "frequency_penalty", "presence_penalty", "stop",
+                                                    "stop_token_ids")},
+}
+
 
 @dataclass(frozen=True)
 class ChatCompletionRequest:
@@ -139,7 +148,7 @@ def parse_generate(body: bytes) -> GenerateRequest:
     max_new_tokens = sp.get_int("max_new_tokens", GENERATE_MAX_NEW_TOKENS)
     return_logprob = f.get_bool("return_logprob", False)
     top_logprobs_num = f.get_int("top_logprobs_num", 0)  # SGLang ignores it without return_logprob
-    if return_logprob and f.get_int("logprob_start_len", -1) != -1:
+    if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
         raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
     params = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens",
                            logprobs=return_logprob,
@@ -154,12 +163,7 @@ def parse_generate(body: bytes) -> GenerateRequest:
     return_text = f.get_bool("return_text_in_logprobs", False)
     sp.warn_unknown("/generate")
     f.warn_unknown("/generate")
-    names = {"max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
-             "seed": "sampling_params.sampling_seed", "top_logprobs": "top_logprobs_num"}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty", "stop", "stop_token_ids"):
-        names[name] = "sampling_params." + name
-    sampling = SamplingSpec.build(params, max_new_tokens, names, prompt_param)
+    sampling = SamplingSpec.build(params, max_new_tokens, GENERATE_NAMES, prompt_param)
     return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, sampling)
 
 

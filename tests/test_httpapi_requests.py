@@ -1,0 +1,145 @@
+"""What the parsers make of good requests: defaults, aliases, SGLang's names, prompts."""
+import logging
+
+import numpy as np
+import orjson
+import pytest
+
+from httpapi.errors import APIError
+from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize,
+                              parse_generate, parse_tokenize)
+from httpapi.sampling import resolve_max_tokens
+from runtime.sampling_params import SamplingParams
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def body(**fields) -> bytes:
+    return orjson.dumps(fields)
+
+
+def test_chat_defaults_leave_max_tokens_to_the_context():
+    req = parse_chat_completion(body(messages=HI))
+    assert (req.model, req.n, req.stream, req.include_usage, req.sampling.max_tokens) == (None, 1, False, False, None)
+    params = req.sampling.resolve([1] * 100, context_len=8192, vocab_size=49152)
+    assert params == SamplingParams(max_new_tokens=8092)
+
+
+def test_nulls_mean_defaults():
+    req = parse_chat_completion(body(messages=HI, temperature=None, top_p=None, stop=None, seed=None, n=None,
+                                     max_tokens=None, logprobs=None, stream=None, stream_options=None))
+    assert req.sampling.resolve([1], 10, 10) == SamplingParams(max_new_tokens=9)
+
+
+def test_chat_fields_reach_sampling_params():
+    req = parse_chat_completion(body(
+        model="m", messages=HI, max_tokens=99, max_completion_tokens=7, temperature=0, top_p=0.9, top_k=5,
+        min_p=0.1, seed=-3, n=3, stop="END", stop_token_ids=[2, 5], presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.1, logprobs=True, top_logprobs=4, stream=True, stream_options={"include_usage": True},
+        ignore_eos=True, min_tokens=2, skip_special_tokens=False, spaces_between_special_tokens=False, user="u"))
+    assert (req.model, req.n, req.stream, req.include_usage) == ("m", 3, True, True)
+    assert req.sampling.resolve([1, 2], 8192, 49152) == SamplingParams(
+        max_new_tokens=7, min_new_tokens=2, temperature=0.0, top_p=0.9, top_k=5, min_p=0.1, seed=-3,
+        repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=0.5, stop=("END",), stop_token_ids=(2, 5),
+        ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False, logprobs=True,
+        top_logprobs=4)
+
+
+def test_messages_become_template_input():
+    req = parse_chat_completion(body(messages=[
+        {"role": "developer", "content": "Be brief.", "name": "ops"},
+        {"role": "user", "content": [{"type": "text", "text": "line 1"}, {"type": "text", "text": "line 2"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]))
+    assert req.messages == [{"role": "developer", "content": "Be brief.", "name": "ops"},
+                            {"role": "user", "content": "line 1\nline 2"},
+                            {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+
+
+def test_min_tokens_is_checked_against_what_the_context_leaves():
+    req = parse_chat_completion(body(messages=HI, min_tokens=100))
+    assert req.sampling.resolve([1] * 50, 200, 49152).max_new_tokens == 150
+    with pytest.raises(APIError) as caught:
+        req.sampling.resolve([1] * 150, 200, 49152)
+    assert caught.value.param == "min_tokens"
+
+
+@pytest.mark.parametrize("prompt,prompts,batch", [
+    ("a b", ("a b",), False),
+    (["a", "b"], ("a", "b"), True),
+    ([5, 6, 7], ([5, 6, 7],), False),
+    ([[5], [6, 7]], ([5], [6, 7]), True),
+])
+def test_completion_prompt_forms(prompt, prompts, batch):
+    assert parse_completion(body(prompt=prompt)).prompts == prompts
+    assert parse_generate(body(text=prompt) if isinstance(prompts[0], str) else body(input_ids=prompt)).batch == batch
+
+
+def test_completion_defaults_and_logprobs():
+    req = parse_completion(body(prompt="x"))
+    assert req.sampling.resolve([1], 8192, 49152).max_new_tokens == 16 and not req.echo
+    top3 = parse_completion(body(prompt="x", logprobs=3, echo=False)).sampling.resolve([1], 8192, 49152)
+    assert (top3.logprobs, top3.top_logprobs) == (True, 3)
+    top0 = parse_completion(body(prompt="x", logprobs=0)).sampling.resolve([1], 8192, 49152)
+    assert (top0.logprobs, top0.top_logprobs) == (True, 0)
+    assert parse_completion(body(prompt="x", echo=True, best_of=1)).echo
+
+
+def test_generate_speaks_sglang():
+    req = parse_generate(body(text="hi", rid="abc", stream=True, return_logprob=True, top_logprobs_num=2,
+                              return_text_in_logprobs=True,
+                              sampling_params={"max_new_tokens": 5, "min_new_tokens": 1, "sampling_seed": 7,
+                                               "temperature": 0.5, "stop": ["x"], "n": 1}))
+    assert (req.prompts, req.rids, req.batch, req.stream, req.return_text_in_logprobs) == (("hi",), ("abc",), False,
+                                                                                        True, True)
+    params = req.sampling.resolve([1], 8192, 49152)
+    assert (params.max_new_tokens, params.min_new_tokens, params.seed, params.temperature, params.stop) == \
+        (5, 1, 7, 0.5, ("x",))
+    assert (params.logprobs, params.top_logprobs) == (True, 2)
+    default = parse_generate(body(input_ids=[1, 2]))
+    assert default.sampling.resolve([1, 2], 8192, 49152).max_new_tokens == 128 and default.rids == (None,)
+    assert parse_generate(body(text="hi", sampling_params={"n": 2})).batch  # n > 1 answers with a list
+
+
+def test_generate_ignores_top_logprobs_num_without_return_logprob():
+    params = parse_generate(body(text="hi", top_logprobs_num=5)).sampling.resolve([1], 8192, 49152)
+    assert (params.logprobs, params.top_logprobs) == (False, 0)
+
+
+def test_tokenize_detokenize_abort():
+    assert parse_tokenize(body(prompt="hi")).prompts == ("hi",)
+    tok = parse_tokenize(body(prompt=["a", ""], add_special_tokens=False, model="m"))
+    assert (tok.prompts, tok.batch, tok.add_special_tokens, tok.model) == (("a", ""), True, False, "m")
+    assert parse_detokenize(body(tokens=[1, 2])).token_ids == ([1, 2],)
+    assert parse_detokenize(body(tokens=[[1], [2, 3]])).batch
+    assert parse_abort(body(rid="r1")) == parse_abort(body(rid="r1", abort_all=False))
+    assert parse_abort(body(abort_all=True)).abort_all
+
+
+def test_unknown_fields_are_ignored_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="ringserve.httpapi"):
+        parse_chat_completion(body(messages=HI, user="u", metadata={}, frobnicate=1))
+        parse_generate(body(text="x", sampling_params={"no_such_knob": 1}))
+    assert "frobnicate" in caplog.text and "sampling_params.no_such_knob" in caplog.text
+    assert "user" not in caplog.text and "metadata" not in caplog.text
+
+
+@pytest.mark.parametrize("max_tokens,prompt_len,expected", [(None, 100, 8092), (None, 8191, 1), (92, 8100, 92),
+                                                            (1, 8191, 1)])
+def test_resolve_max_tokens(max_tokens, prompt_len, expected):
+    assert resolve_max_tokens(max_tokens, prompt_len, 8192) == expected
+
+
+@pytest.mark.parametrize("max_tokens,prompt_len", [(None, 8192), (93, 8100), (2, 8191)])
+def test_resolve_max_tokens_past_the_context(max_tokens, prompt_len):
+    with pytest.raises(APIError) as caught:
+        resolve_max_tokens(max_tokens, prompt_len, 8192, "max_completion_tokens")
+    assert (caught.value.status, caught.value.param, caught.value.code) == \
+        (400, "max_completion_tokens", "context_length_exceeded")
+
+
+def test_resolve_takes_numpy_prompts():
+    req = parse_completion(body(prompt=[1]))
+    assert req.sampling.resolve(np.array([1, 2, 3], dtype=np.int32), 100, 10).max_new_tokens == 16
+    with pytest.raises(APIError, match="outside the vocabulary"):
+        req.sampling.resolve(np.array([1, 10], dtype=np.int32), 100, 10)

@@ -1,0 +1,185 @@
+"""Response bodies checked with the official openai client's own types and parser, and
+the logprobs token table against the real SmolLM2 tokenizer."""
+import httpx
+import numpy as np
+import openai
+import orjson
+import pytest
+from openai._models import construct_type
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion
+from transformers import AutoTokenizer
+
+from gpu.model_files import resolve_model_dir
+from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found, unauthorized
+from httpapi.info import check_model, models_body, server_info_body, served_model_name
+from httpapi.logprobs import LOGPROB_FLOOR, TokenLogprobs, TokenTable
+from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
+                               new_request_id, now)
+from runtime.config import ServerArgs
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+@pytest.fixture(scope="module")
+def table(tokenizer):
+    return TokenTable.from_tokenizer(tokenizer)
+
+
+def client(handler) -> openai.OpenAI:
+    """The real openai client; only the network is replaced, by a handler serving our bytes."""
+    return openai.OpenAI(api_key="k", base_url="http://ringserve.test/v1", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+
+
+def serve(status: int, body: bytes):
+    return lambda request: httpx.Response(status, content=body, headers={"content-type": "application/json"})
+
+
+def logprobs_of(tokenizer, text: str, k: int) -> TokenLogprobs:
+    ids = tokenizer.encode(text)
+    rng = np.random.default_rng(0)
+    top = rng.integers(0, 49152, size=(len(ids), k))
+    return TokenLogprobs.of(ids, -rng.random(len(ids)), top, np.sort(-rng.random((len(ids), k)), axis=1)[:, ::-1])
+
+
+def test_token_table_bytes_rebuild_the_text(tokenizer, table):
+    text = "Hello, wörld! 你好 🦙 tab\tnewline\n  spaces"
+    ids = tokenizer.encode(text)
+    assert b"".join(table.bytes[i] for i in ids).decode() == tokenizer.decode(ids) == text
+    assert len(table.bytes) == len(tokenizer) == 49152
+    assert table.bytes[2] == b"<|im_end|>"  # special tokens are their own text
+    # a token holding part of a UTF-8 character: escaped text, exact bytes
+    partial = [i for i in ids if table.bytes[i] and not _is_utf8(table.bytes[i])]
+    assert partial and all("\\x" in table.text[i] for i in partial)
+    assert sum(table.chars[i] for i in ids) == len(text)
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_chat_completion_parses_with_openai_types(tokenizer, table):
+    lp = logprobs_of(tokenizer, "Paris is 🦙", 3)
+    choices = [ChoiceResult(0, "Paris is 🦙", "stop", Usage(20, len(lp), 16), lp),
+               ChoiceResult(1, "Lyon", "length", Usage(20, 4, 0), logprobs_of(tokenizer, "Lyon", 3))]
+    body = chat_completion_body("chatcmpl-1", 1700000000, MODEL, choices, n=2, table=table)
+    resp = ChatCompletion.model_validate(orjson.loads(body))
+    assert resp.object == "chat.completion" and resp.model == MODEL and resp.created == 1700000000
+    assert [c.message.content for c in resp.choices] == ["Paris is 🦙", "Lyon"]
+    assert [c.finish_reason for c in resp.choices] == ["stop", "length"]
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == 20 and resp.usage.completion_tokens == len(lp) + 4
+    assert resp.usage.total_tokens == 20 + len(lp) + 4 and resp.usage.prompt_tokens_details.cached_tokens == 16
+    content = resp.choices[0].logprobs.content
+    assert bytes(b for t in content for b in t.bytes).decode() == "Paris is 🦙"
+    assert [t.logprob for t in content] == pytest.approx(lp.logprobs.tolist())
+    assert all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].token == table.text[int(lp.top_ids[0, 0])]
+
+
+def test_completion_parses_with_openai_types(tokenizer, table):
+    lp = logprobs_of(tokenizer, " a b ünï", 2)
+    body = completion_body("cmpl-1", now(), MODEL, [ChoiceResult(0, " a b ünï", "length", Usage(5, len(lp)), lp)],
+                           n=1, table=table)
+    resp = Completion.model_validate(orjson.loads(body))
+    assert resp.object == "text_completion" and resp.choices[0].text == " a b ünï"
+    logprobs = resp.choices[0].logprobs
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    starts = [" a b ünï".find(t.strip()) for t in logprobs.tokens if "\\x" not in t]
+    assert all(s >= 0 for s in starts)
+    assert len(logprobs.top_logprobs) == len(lp) and all(len(d) <= 2 for d in logprobs.top_logprobs)
+    assert resp.usage.total_tokens == 5 + len(lp)
+
+
+def test_completion_without_alternatives_and_minus_infinity(table):
+    lp = TokenLogprobs.of([42, 43], [-np.inf, -0.5])
+    body = completion_body("cmpl-2", now(), MODEL, [ChoiceResult(0, "xy", "stop", Usage(1, 2), lp)], 1, table)
+    logprobs = Completion.model_validate(orjson.loads(body)).choices[0].logprobs
+    assert logprobs.token_logprobs == [LOGPROB_FLOOR, -0.5] and logprobs.top_logprobs is None
+
+
+def test_abort_finish_reason_reaches_the_client(table):
+    """"abort" is not in the openai types' Literal; the client's own parser takes it anyway."""
+    body = chat_completion_body("chatcmpl-3", now(), MODEL, [ChoiceResult(0, "Par", "abort", Usage(3, 1))], 1)
+    parsed = construct_type(type_=ChatCompletion, value=orjson.loads(body))
+    assert parsed.choices[0].finish_reason == "abort" and parsed.choices[0].message.content == "Par"
+    resp = client(serve(200, body)).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert resp.choices[0].finish_reason == "abort"
+
+
+def test_openai_client_reads_a_completion(table):
+    body = completion_body(new_request_id("cmpl"), now(), MODEL,
+                           [ChoiceResult(i, f"t{i}", "stop", Usage(4, 1)) for i in range(4)], n=2)
+    resp = client(serve(200, body)).completions.create(model=MODEL, prompt=["a", "b"], n=2)
+    assert [c.text for c in resp.choices] == ["t0", "t1", "t2", "t3"] and resp.id.startswith("cmpl-")
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (8, 4)  # each prompt counted once
+
+
+@pytest.mark.parametrize("err,cls", [
+    (bad_request("temperature must be between 0 and 2", "temperature"), openai.BadRequestError),
+    (model_not_found("gpt-5"), openai.NotFoundError),
+    (unauthorized(), openai.AuthenticationError),
+    (engine_unavailable(), openai.InternalServerError),
+])
+def test_openai_client_maps_errors(err: APIError, cls):
+    with pytest.raises(cls) as caught:
+        client(serve(err.status, err.body())).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == err.status
+    assert caught.value.body == {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+
+
+def test_generate_body_is_sglang_shaped(table):
+    lp = TokenLogprobs.of([42], [-0.25], [[42, 7]], [[-0.25, -2.0]])
+    one = orjson.loads(generate_body(["r1"], [ChoiceResult(0, "x", "stop", Usage(3, 1, 2), lp, matched_stop=2)],
+                                     batch=False, table=table, return_text_in_logprobs=True))
+    assert one["text"] == "x"
+    meta = one["meta_info"]
+    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "stop", "matched": 2}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 1, 2)
+    assert meta["output_token_logprobs"] == [[-0.25, 42, table.text[42]]]
+    assert meta["output_top_logprobs"] == [[[-0.25, 42, table.text[42]], [-2.0, 7, table.text[7]]]]
+    batch = orjson.loads(generate_body(["a", "b"], [ChoiceResult(0, "x", "length", Usage(3, 5)),
+                                                    ChoiceResult(1, "y", "abort", Usage(3, 1))], batch=True))
+    assert [o["meta_info"]["finish_reason"] for o in batch] == [{"type": "length", "length": 5}, {"type": "abort"}]
+
+
+def test_models_and_server_info():
+    body = models_body(MODEL, 1700000000, 8192, "/models/smol")
+    page = orjson.loads(body)
+    assert page["object"] == "list" and Model.model_validate(page["data"][0]).id == MODEL
+    listed = client(serve(200, body)).models.list()
+    assert [m.id for m in listed] == [MODEL]
+    info = orjson.loads(server_info_body(ServerArgs(api_key="secret", port=1234), max_total_num_tokens=1000))
+    assert info["port"] == 1234 and info["max_total_num_tokens"] == 1000 and "api_key" not in info
+    assert "secret" not in orjson.dumps(info).decode()
+
+
+def test_served_model_name_and_model_check():
+    assert served_model_name(ServerArgs()) == MODEL
+    assert served_model_name(ServerArgs(model_path="/m/Qwen2-0.5B/")) == "Qwen2-0.5B"
+    assert served_model_name(ServerArgs(model_path="/m/tiny.Q4_0.gguf")) == "tiny.Q4_0"
+    assert served_model_name(ServerArgs(model_path="/m/x", served_model_name="mine")) == "mine"
+    check_model(None, MODEL)
+    check_model(MODEL, MODEL)
+    with pytest.raises(APIError) as caught:
+        check_model("gpt-4o", MODEL)
+    assert (caught.value.status, caught.value.param, caught.value.code) == (404, "model", "model_not_found")
+
+
+def test_usage_counts_each_prompt_once():
+    per_choice = [Usage(10, 3, 8), Usage(10, 4, 10), Usage(7, 5, 0), Usage(7, 6, 7)]
+    assert Usage.combine(per_choice, n=2) == Usage(17, 18, 8)
+    assert Usage.combine(per_choice, n=1) == Usage(34, 18, 25)
+    assert Usage(3, 4).as_dict() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
