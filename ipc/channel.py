@@ -1,0 +1,194 @@
+"""A channel: one direction between two processes = ring + payload arena + both wakers.
+
+    producer                                   consumer
+    ch.push(records, blob) -> n pushed         batch = ch.pop()  -> Batch | None
+    ch.push_all(records, blob, timeout)        waker.wait_readable([ch, ...], spin_us, timeout)
+    await ch.push_all_async(records, blob)     await waker.wait_readable_async([ch, ...])
+
+The process that creates a channel needs the peer's waker fd first (the peer sends
+it in its hello, ipc/handoff.py); `describe()` then gives what the peer needs to
+attach: a JSON-able dict and [segment fd, creator's waker fd], sent with SCM_RIGHTS.
+Channels dup the fds they are given; callers keep ownership of their own.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ipc.memory import model
+from ipc.records import LAYOUTS, RecordLayout
+from ipc.ring import Batch, Ring, as_bytes, segment_size
+from ipc.shm import create_segment, map_segment
+from ipc.wakeup import Waker
+
+ROLES = ("producer", "consumer")
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    layout: RecordLayout
+    capacity: int  # records
+    arena_bytes: int = 0  # payload arena; 0 for channels whose records carry no payload
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be at least 1 record, not {self.capacity}")
+        if self.arena_bytes < 0 or self.arena_bytes % 8:
+            raise ValueError(f"arena_bytes must be a non-negative multiple of 8, not {self.arena_bytes}")
+
+
+class Channel:
+    transport = "ring"
+
+    def __init__(self, spec: ChannelSpec, role: str, waker: Waker, buf, segment_fd: int | None,
+                 peer_waker_fd: int, *, initialise: bool) -> None:
+        self.spec, self.role, self.waker = spec, role, waker
+        self._buf = buf
+        self._ring = Ring(buf, spec.layout, spec.capacity, spec.arena_bytes, role, initialise=initialise)
+        self._segment_fd = segment_fd  # kept by the creator, to hand over
+        self._peer_fd = os.dup(peer_waker_fd)
+        self._publish_barrier = model().publish_barrier
+        self._announcers = 0  # coroutines of this process waiting on this channel right now
+
+    @classmethod
+    def create(cls, spec: ChannelSpec, role: str, waker: Waker, peer_waker_fd: int) -> Channel:
+        """A new channel in a fresh segment; this process is `role` ("producer"/"consumer")."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        fd, buf = create_segment(segment_size(spec.layout, spec.capacity, spec.arena_bytes))
+        try:
+            return cls(spec, role, waker, buf, fd, peer_waker_fd, initialise=True)
+        except BaseException:
+            buf.close()
+            os.close(fd)
+            raise
+
+    def describe(self) -> tuple[dict, list[int]]:
+        """What the peer passes to `attach`: (JSON-able dict, fds to send with SCM_RIGHTS)."""
+        if self._segment_fd is None:
+            raise ValueError("only the process that created a channel can hand it over")
+        peer_role = ROLES[1 - ROLES.index(self.role)]
+        desc = {"transport": self.transport, "layout": self.spec.layout.name, "capacity": self.spec.capacity,
+                "arena_bytes": self.spec.arena_bytes, "role": peer_role}
+        return desc, [self._segment_fd, *self.waker.fds]
+
+    @classmethod
+    def attach(cls, desc: dict, fds: Sequence[int], waker: Waker,
+               layout: RecordLayout | None = None) -> Channel:
+        """The peer's side of a described channel. `layout` is looked up by name in
+        ipc.records.LAYOUTS unless given (tests and benchmarks use their own)."""
+        layout = layout or LAYOUTS.get(desc["layout"])
+        if layout is None or layout.name != desc["layout"]:
+            raise ValueError(f"unknown record layout {desc['layout']!r}")
+        if len(fds) != 2:
+            raise ValueError(f"a ring channel is handed over with 2 fds, got {len(fds)}")
+        spec = ChannelSpec(layout, desc["capacity"], desc["arena_bytes"])
+        segment_fd, peer_waker_fd = fds
+        buf = map_segment(segment_fd, segment_size(layout, spec.capacity, spec.arena_bytes))
+        try:
+            return cls(spec, desc["role"], waker, buf, None, peer_waker_fd, initialise=False)
+        except BaseException:
+            buf.close()
+            raise
+
+    # ---------------------------------------------------------------- producer
+
+    def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
+        """Publishes the longest prefix of `records` that fits (all sharing the one
+        `payload` blob their `*_off` fields point into); returns how many, 0 if full."""
+        pushed = self._ring.push(records, payload)
+        if pushed:
+            if self._publish_barrier is not None:
+                self._publish_barrier()
+            if self._ring.consumer_sleeping():
+                os.eventfd_write(self._peer_fd, 1)
+        return pushed
+
+    def push_all(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
+                 timeout: float | None = None) -> None:
+        """Pushes every record, sleeping on this process's waker while the channel is full."""
+        blob = as_bytes(payload)
+        deadline = math.inf if timeout is None else time.perf_counter() + timeout
+        done = self.push(records, blob)
+        while done < len(records):
+            remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
+            if not self.waker.wait_room(self, blob.size, remaining):
+                raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
+            done += self.push(records[done:], blob)
+
+    async def push_all_async(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
+                             timeout: float | None = None) -> None:
+        blob = as_bytes(payload)
+        deadline = math.inf if timeout is None else time.perf_counter() + timeout
+        done = self.push(records, blob)
+        while done < len(records):
+            remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
+            if not await self.waker.wait_room_async(self, blob.size, remaining):
+                raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
+            done += self.push(records[done:], blob)
+
+    def free_records(self) -> int:
+        return self._ring.free_records()
+
+    def room_for(self, nbytes: int = 0) -> bool:
+        return self._ring.room_for(nbytes)
+
+    # ---------------------------------------------------------------- consumer
+
+    def pop(self, max_records: int | None = None) -> Batch | None:
+        """All published records (at most `max_records`) and their payloads; None if empty."""
+        batch = self._ring.pop(max_records)
+        if batch is not None:
+            if self._publish_barrier is not None:
+                self._publish_barrier()
+            if self._ring.producer_waiting():
+                os.eventfd_write(self._peer_fd, 1)
+        return batch
+
+    def readable(self) -> bool:
+        return self._ring.readable()
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    # ---------------------------------------------------------------- heartbeat
+
+    def beat(self) -> None:
+        """Stamps the heartbeat; called every loop iteration by the process owning the loop."""
+        self._ring.beat()
+
+    def heartbeat_ns(self) -> int:
+        return self._ring.heartbeat_ns()
+
+    # ---------------------------------------------------------------- wake protocol (ipc/wakeup.py)
+
+    def _announce_sleep(self, on: bool) -> None:
+        self._announcers += 1 if on else -1
+        if self._announcers == int(on):  # first to announce, or last to withdraw
+            self._ring.set_consumer_sleeping(on)
+
+    def _announce_waiting(self, on: bool) -> None:
+        self._announcers += 1 if on else -1
+        if self._announcers == int(on):
+            self._ring.set_producer_waiting(on)
+
+    def close(self) -> None:
+        if self._peer_fd < 0:
+            return
+        self._ring.close()
+        self._buf.close()
+        if self._segment_fd is not None:
+            os.close(self._segment_fd)
+        os.close(self._peer_fd)
+        self._peer_fd = -1
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,320 @@
+"""Record layouts of every channel of the server, and helpers to fill and read them.
+
+Channels (one SPSC ring each):
+  REQUEST    HTTP worker k -> scheduler      one record per new request / abort / control
+  TOKEN_OUT  scheduler -> detokenizer        one record per running request per step (hot)
+  TEXT_OUT   detokenizer -> HTTP worker k    one record per text delta
+
+A request is named on the token path by its address (worker: u16, slot: u32,
+gen: u32): `slot` indexes the owning worker's request table and `gen` is bumped
+each time the slot is reused, so a record whose gen no longer matches the
+consumer's table belongs to an aborted or finished request and is dropped
+(`live_mask`). Timestamps are CLOCK_MONOTONIC ns (`time.monotonic_ns()`), which
+all processes of one machine share.
+
+Variable-length data lives in the channel's arena: a record holds `<name>_off` and
+`<name>_len`, both in BYTES, where the offset indexes the popped `Batch.payload`.
+A producer builds one payload blob per push (`PayloadBuilder` or vectorised code)
+with offsets relative to the blob; the channel translates them on pop.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
+
+
+@dataclass(frozen=True)
+class PayloadRef:
+    off: str  # field holding the byte offset into the batch payload
+    len: str  # field holding the byte length
+    elem: np.dtype  # what the bytes hold (uint32 token ids, uint8 bytes); the zmq baseline turns
+    #                 uint32 payloads into Python int lists, as SGLang and vLLM send them
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    name: str
+    dtype: np.dtype
+    payloads: tuple[PayloadRef, ...] = ()
+
+    def __post_init__(self) -> None:
+        for ref in self.payloads:
+            for field in (ref.off, ref.len):
+                if self.dtype.fields is None or field not in self.dtype.fields:
+                    raise ValueError(f"layout {self.name}: payload field {field!r} is not in the dtype")
+                if self.dtype.fields[field][0] != np.uint32:
+                    raise ValueError(f"layout {self.name}: payload field {field!r} must be uint32")
+
+    @property
+    def offset_fields(self) -> tuple[str, ...]:
+        return tuple(ref.off for ref in self.payloads)
+
+
+class RequestKind(enum.IntEnum):
+    NEW = 1
+    ABORT = 2
+    FLUSH_CACHE = 3
+
+
+class TokenKind(enum.IntEnum):
+    TOKEN = 0  # one generated token of a running request
+    OPEN = 1  # a newly admitted request: detokenizer options in `flags`, stop strings in the payload
+    ERROR = 2  # the request failed: `error` holds an ErrorCode, the payload a UTF-8 message
+
+
+class TextKind(enum.IntEnum):
+    TEXT = 0
+    ERROR = 1  # `error` holds an ErrorCode, the text payload a UTF-8 message
+
+
+class Finish(enum.IntEnum):
+    NONE = 0
+    STOP = 1  # eos, a stop token or a stop string
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+
+class ErrorCode(enum.IntEnum):
+    NONE = 0
+    INTERNAL = 1
+    PROMPT_TOO_LONG = 2
+    INVALID_REQUEST = 3
+    OVERLOADED = 4
+
+
+class OpenFlags(enum.IntFlag):
+    SKIP_SPECIAL_TOKENS = 1
+    SPACES_BETWEEN_SPECIAL_TOKENS = 2
+    LOGPROBS = 4
+
+
+REQUEST = RecordLayout("request", np.dtype([
+    ("kind", np.uint8),  # RequestKind
+    ("has_seed", np.uint8),
+    ("worker", np.uint16),
+    ("slot", np.uint32),
+    ("gen", np.uint32),
+    ("max_new_tokens", np.uint32),
+    ("min_new_tokens", np.uint32),
+    ("temperature", np.float64),
+    ("top_p", np.float64),
+    ("top_k", np.int32),
+    ("n_stop_token_ids", np.uint8),
+    ("min_p", np.float64),
+    ("repetition_penalty", np.float64),
+    ("frequency_penalty", np.float64),
+    ("presence_penalty", np.float64),
+    ("seed", np.int64),
+    ("arrival_ns", np.int64),  # CLOCK_MONOTONIC
+    ("ignore_eos", np.uint8),
+    ("logprobs", np.uint8),
+    ("top_logprobs", np.uint8),
+    ("skip_special_tokens", np.uint8),
+    ("spaces_between_special_tokens", np.uint8),
+    ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
+    ("prompt_off", np.uint32),  # prompt token ids, uint32
+    ("prompt_len", np.uint32),
+    ("stop_off", np.uint32),  # stop strings, encode_strings()
+    ("stop_len", np.uint32),
+], align=True), payloads=(PayloadRef("prompt_off", "prompt_len", np.dtype(np.uint32)),
+                          PayloadRef("stop_off", "stop_len", np.dtype(np.uint8))))
+
+TOKEN_OUT = RecordLayout("token_out", np.dtype([
+    ("worker", np.uint16),
+    ("kind", np.uint8),  # TokenKind
+    ("finish", np.uint8),  # Finish
+    ("slot", np.uint32),
+    ("gen", np.uint32),
+    ("token", np.uint32),
+    ("prompt_tokens", np.uint32),
+    ("completion_tokens", np.uint32),
+    ("cached_tokens", np.uint32),
+    ("logprob", np.float32),  # of `token`, when the request asked for logprobs
+    # TOKEN: top-N alternatives (pack_top_logprobs) when asked; OPEN: stop strings
+    # (encode_strings); ERROR: UTF-8 message
+    ("payload_off", np.uint32),
+    ("payload_len", np.uint32),
+    ("n_top", np.uint8),  # TOKEN: alternatives in the payload; OPEN: top_logprobs asked for
+    ("flags", np.uint8),  # OPEN: OpenFlags
+    ("error", np.uint16),  # ErrorCode
+], align=True), payloads=(PayloadRef("payload_off", "payload_len", np.dtype(np.uint8)),))
+
+TEXT_OUT = RecordLayout("text_out", np.dtype([
+    ("worker", np.uint16),
+    ("kind", np.uint8),  # TextKind
+    ("finish", np.uint8),  # Finish
+    ("slot", np.uint32),
+    ("gen", np.uint32),
+    ("text_off", np.uint32),  # UTF-8 delta (possibly empty on finish), or the error message
+    ("text_len", np.uint32),
+    ("n_tokens", np.uint32),  # tokens this delta covers
+    ("prompt_tokens", np.uint32),
+    ("completion_tokens", np.uint32),
+    ("cached_tokens", np.uint32),
+    ("logprobs_off", np.uint32),  # pack_logprobs() of the n_tokens tokens, when asked
+    ("logprobs_len", np.uint32),
+    ("stop_token", np.int32),  # the stop token id that finished the request, else -1
+    ("stop_index", np.int16),  # index of the matched stop string, else -1
+    ("error", np.uint16),  # ErrorCode
+    ("n_top", np.uint8),  # alternatives per token in the logprobs payload
+], align=True), payloads=(PayloadRef("text_off", "text_len", np.dtype(np.uint8)),
+                          PayloadRef("logprobs_off", "logprobs_len", np.dtype(np.uint8))))
+
+LAYOUTS = {layout.name: layout for layout in (REQUEST, TOKEN_OUT, TEXT_OUT)}
+
+
+# ---------------------------------------------------------------- payload blobs
+
+class PayloadBuilder:
+    """Collects the payloads of one push into one blob; each part starts 4-byte aligned."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, data: bytes | np.ndarray) -> tuple[int, int]:
+        """Appends `data`; returns (offset, length) in bytes, relative to the blob."""
+        raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+        pad = -self._size % 4
+        if pad:
+            self._parts.append(b"\0" * pad)
+            self._size += pad
+        off = self._size
+        self._parts.append(raw)
+        self._size += len(raw)
+        return off, len(raw)
+
+    def blob(self) -> bytes:
+        return b"".join(self._parts)
+
+
+def encode_strings(strings: tuple[str, ...] | list[str]) -> bytes:
+    """[count u32][count x length u32][UTF-8 bytes]: any string, NULs included."""
+    encoded = [s.encode() for s in strings]
+    head = np.array([len(encoded)] + [len(e) for e in encoded], np.uint32).tobytes()
+    return head + b"".join(encoded)
+
+
+def decode_strings(buf: bytes | np.ndarray) -> tuple[str, ...]:
+    raw = bytes(buf)
+    if not raw:
+        return ()
+    (count,) = np.frombuffer(raw, np.uint32, 1)
+    lengths = np.frombuffer(raw, np.uint32, int(count), offset=4).tolist()
+    pos, out = 4 + 4 * int(count), []
+    for n in lengths:
+        out.append(raw[pos:pos + n].decode())
+        pos += n
+    return tuple(out)
+
+
+def pack_top_logprobs(ids: np.ndarray, logprobs: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Token-out top-N payload for B records at once. ids, logprobs: [B, N].
+
+    Record i's part is [N x u32 ids][N x f32 logprobs]; returns (blob, offsets [B])."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape != np.shape(logprobs) or ids.shape[1] > MAX_TOP_LOGPROBS:
+        raise ValueError(f"top logprobs must be two [B, N<={MAX_TOP_LOGPROBS}] arrays of one shape")
+    b, n = ids.shape
+    rows = np.concatenate([ids.astype(np.uint32), np.asarray(logprobs, np.float32).view(np.uint32)], axis=1)
+    return rows.tobytes(), np.arange(b, dtype=np.uint32) * np.uint32(8 * n)
+
+
+def unpack_top_logprobs(part: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of one record's part of pack_top_logprobs: (ids [N] u32, logprobs [N] f32)."""
+    words = np.frombuffer(part, np.uint32, 2 * n)
+    return words[:n], words[n:].view(np.float32)
+
+
+def pack_logprobs(ids: np.ndarray, logprobs: np.ndarray,
+                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> bytes:
+    """Text-out logprobs of the T tokens a delta covers: [T u32 ids][T f32][T*N u32 top ids][T*N f32]."""
+    parts = [np.asarray(ids, np.uint32), np.asarray(logprobs, np.float32)]
+    if top_ids is not None:
+        parts += [np.asarray(top_ids, np.uint32).ravel(), np.asarray(top_logprobs, np.float32).ravel()]
+    return b"".join(p.tobytes() for p in parts)
+
+
+def unpack_logprobs(part: np.ndarray, n_tokens: int, n_top: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of pack_logprobs: ids [T], logprobs [T], top_ids [T, N], top_logprobs [T, N]."""
+    t, k = n_tokens, n_top
+    words = np.frombuffer(part, np.uint32, 2 * t + 2 * t * k)
+    return (words[:t], words[t:2 * t].view(np.float32),
+            words[2 * t:2 * t + t * k].reshape(t, k), words[2 * t + t * k:].view(np.float32).reshape(t, k))
+
+
+# ---------------------------------------------------------------- requests
+
+def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
+                 prompt_ids: np.ndarray | list[int], arrival_ns: int) -> tuple[np.ndarray, bytes]:
+    """One NEW request record and its payload blob, ready for `channel.push(record, blob)`."""
+    rec = np.zeros(1, REQUEST.dtype)
+    r = rec[0]
+    r["kind"], r["worker"], r["slot"], r["gen"] = RequestKind.NEW, worker, slot, gen
+    r["max_new_tokens"], r["min_new_tokens"] = params.max_new_tokens, params.min_new_tokens
+    r["temperature"], r["top_p"], r["top_k"], r["min_p"] = (params.temperature, params.top_p,
+                                                            params.top_k, params.min_p)
+    r["has_seed"], r["seed"] = params.seed is not None, params.seed or 0
+    r["repetition_penalty"] = params.repetition_penalty
+    r["frequency_penalty"], r["presence_penalty"] = params.frequency_penalty, params.presence_penalty
+    r["ignore_eos"], r["logprobs"], r["top_logprobs"] = params.ignore_eos, params.logprobs, params.top_logprobs
+    r["skip_special_tokens"] = params.skip_special_tokens
+    r["spaces_between_special_tokens"] = params.spaces_between_special_tokens
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} fit a request record")
+    r["n_stop_token_ids"] = len(params.stop_token_ids)
+    r["stop_token_ids"][:len(params.stop_token_ids)] = params.stop_token_ids
+    r["arrival_ns"] = arrival_ns
+    payload = PayloadBuilder()
+    r["prompt_off"], r["prompt_len"] = payload.add(np.asarray(prompt_ids, np.uint32))
+    r["stop_off"], r["stop_len"] = payload.add(encode_strings(params.stop))
+    return rec, payload.blob()
+
+
+def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0) -> np.ndarray:
+    """An ABORT (of the addressed request) or FLUSH_CACHE record; it carries no payload."""
+    rec = np.zeros(1, REQUEST.dtype)
+    rec["kind"], rec["worker"], rec["slot"], rec["gen"] = kind, worker, slot, gen
+    return rec
+
+
+def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams, np.ndarray]:
+    """(params, prompt ids u32 view) of one NEW record of a popped batch."""
+    r = record
+    prompt = payload[r["prompt_off"]:r["prompt_off"] + r["prompt_len"]].view(np.uint32)
+    stop = decode_strings(payload[r["stop_off"]:r["stop_off"] + r["stop_len"]])
+    params = SamplingParams(
+        max_new_tokens=int(r["max_new_tokens"]), min_new_tokens=int(r["min_new_tokens"]),
+        temperature=float(r["temperature"]), top_p=float(r["top_p"]), top_k=int(r["top_k"]),
+        min_p=float(r["min_p"]), seed=int(r["seed"]) if r["has_seed"] else None,
+        repetition_penalty=float(r["repetition_penalty"]),
+        frequency_penalty=float(r["frequency_penalty"]), presence_penalty=float(r["presence_penalty"]),
+        stop=stop, stop_token_ids=tuple(r["stop_token_ids"][:r["n_stop_token_ids"]].tolist()),
+        ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
+        spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]),
+        logprobs=bool(r["logprobs"]), top_logprobs=int(r["top_logprobs"]))
+    return params, prompt
+
+
+# ---------------------------------------------------------------- addressing
+
+def live_mask(records: np.ndarray, generations: np.ndarray) -> np.ndarray:
+    """True where a record's gen matches the consumer's table; out-of-range slots are stale.
+
+    generations: [slots] (one worker's table, e.g. the TokenizerManager's) or
+    [workers, slots] (e.g. the scheduler's / detokenizer's), any unsigned int dtype."""
+    slot = records["slot"].astype(np.intp)
+    if generations.ndim == 1:
+        ok = slot < generations.shape[0]
+        current = generations[np.where(ok, slot, 0)]
+    else:
+        worker = records["worker"].astype(np.intp)
+        ok = (slot < generations.shape[1]) & (worker < generations.shape[0])
+        current = generations[np.where(ok, worker, 0), np.where(ok, slot, 0)]
+    return ok & (current == records["gen"])

@@ -1,0 +1,317 @@
+"""A single-producer single-consumer ring of fixed-layout records plus its payload arena,
+in one shared segment.
+
+Segment layout (offsets in bytes; every counter is a u64 on an 8-byte boundary):
+
+    0    line 0, constant   magic, version, capacity, arena bytes, itemsize, layout hash, barrier mode
+    128  line 1, producer   TAIL (records published), PRODUCER_WAITING (waiting for room)
+    256  line 2, consumer   HEAD (records consumed), ARENA_HEAD (bytes freed), CONSUMER_SLEEPING
+    384  line 3             HEARTBEAT (monotonic ns, written by the process that owns the loop)
+    512  bounds: u64[capacity, 2]             arena (start, end) of the blob of each slot's push
+    ...  slots: record[capacity]               (64-byte aligned)
+    ...  arena: u8[arena_bytes]                (64-byte aligned, ipc/arena.py)
+
+The producer's and the consumer's counters sit on separate 128-byte lines (two
+64-byte lines: x86's adjacent-line prefetcher pairs them), so neither side's
+stores invalidate the line the other side writes.
+
+Memory ordering
+---------------
+Publication (producer): 1. copy the payload blob into the arena, 2. write the
+slots' blob bounds and copy the records into the slots, 3. store TAIL.
+Consumption: 1. load TAIL, 2. copy the records and their blob span out,
+3. store ARENA_HEAD and HEAD. This is correct if (a) the stores of 1-2 are
+visible before the TAIL store (store->store), (b) the consumer's reads of 2
+happen after its TAIL load (load->load), and (c) its reads of 2 complete before
+its HEAD store (load->store), so the producer never overwrites a slot being read.
+
+x86-64 is TSO (Intel SDM vol. 3 §9.2.2): stores are not reordered with stores,
+loads not with loads, loads not with later stores; only a store followed by a
+load of another address may be reordered. So (a), (b), (c) hold with plain
+stores and loads, and the ring needs no fence to publish. The compiler cannot
+reorder either: every numpy copy and every counter access is a separate C call
+made by the interpreter in program order.
+
+Counters are u64 at 8-byte aligned offsets, each stored with a single 8-byte
+`mov` and loaded with a single 8-byte `mov` (ipc/memory.py: a memoryview "Q"
+item access is a fixed-size 8-byte memcpy). Aligned 8-byte accesses are
+single-copy atomic on x86-64 and aarch64, so no reader ever sees a torn counter.
+They only grow (a u64 of records at 10^9/s lasts 584 years): no ABA, and
+`TAIL - HEAD` is always the fill level.
+
+Weakly ordered CPUs (aarch64, POWER): plain stores and loads may be reordered, so
+there the counters are stored with a release store and loaded with an acquire
+load (libatomic's __atomic_store_8 / __atomic_load_8 through ctypes; stlr / ldar
+on aarch64), which orders every earlier numpy copy before the store and every
+later copy after the load. This path is chosen automatically on any CPU other
+than x86-64 (RINGSERVE_IPC_PORTABLE=1 forces it, which is how it is tested here;
+it has not been run on real aarch64 hardware).
+
+Sleep and wake are a Dekker handshake, in both directions (consumer waiting for
+records, producer waiting for room): the waiting side stores its flag, then
+loads the counters; the hot side stores its counter, then loads the flag. A
+store followed by a load IS reordered by TSO's store buffer, so without a
+barrier both sides can read stale values and the consumer sleeps on a non-empty
+ring (lost wakeup). ipc/memory.py supplies the barrier: asymmetric membarrier
+(the hot side pays nothing; the side going to sleep pays one syscall) or a
+seq_cst fence on both sides. Only the waiting side clears its flag, after it
+woke: a clear by the other side could land after a fresh announcement and lose
+the next wakeup. Extra eventfd writes while the waiter is waking are harmless.
+"""
+from __future__ import annotations
+
+import mmap
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ipc.arena import Arena, align_up
+from ipc.memory import Counters, model
+from ipc.records import RecordLayout
+
+MAGIC = 0x52494E4753455256  # "RINGSERV"
+VERSION = 1
+LINE_WORDS = 16  # 128 bytes
+HEADER_BYTES = 4 * LINE_WORDS * 8
+# word indices into the header
+_MAGIC, _VERSION, _CAPACITY, _ARENA_BYTES, _ITEMSIZE, _LAYOUT_HASH, _BARRIER = range(7)
+TAIL, PRODUCER_WAITING = LINE_WORDS, LINE_WORDS + 1
+HEAD, ARENA_HEAD, CONSUMER_SLEEPING = 2 * LINE_WORDS, 2 * LINE_WORDS + 1, 2 * LINE_WORDS + 2
+HEARTBEAT = 3 * LINE_WORDS
+_BARRIERS = {"membarrier": 1, "fence": 2}
+
+_NO_PAYLOAD = np.empty(0, np.uint8)
+_NO_PAYLOAD.flags.writeable = False
+
+
+@dataclass(slots=True)
+class Batch:
+    """Records popped in one call and the payloads they reference (both private copies)."""
+    records: np.ndarray  # [n] of the channel's layout dtype
+    payload: np.ndarray  # [bytes] uint8; records' `*_off` fields index into it
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def view(self, off: int, nbytes: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
+        """The payload bytes [off, off + nbytes) as an array of `dtype`, without a copy."""
+        return self.payload[off:off + nbytes].view(dtype)
+
+
+def layout_hash(layout: RecordLayout) -> int:
+    return zlib.crc32(f"{layout.name}|{layout.dtype.descr}|{layout.offset_fields}".encode())
+
+
+def _offsets(layout: RecordLayout, capacity: int, arena_bytes: int) -> tuple[int, int, int]:
+    """(slots offset, arena offset, segment size)."""
+    bounds = 2 * 8 * capacity if arena_bytes else 0
+    slots = -(-(HEADER_BYTES + bounds) // 64) * 64
+    arena = -(-(slots + layout.dtype.itemsize * capacity) // 64) * 64
+    return slots, arena, arena + arena_bytes
+
+
+def segment_size(layout: RecordLayout, capacity: int, arena_bytes: int) -> int:
+    return _offsets(layout, capacity, arena_bytes)[2]
+
+
+class Ring:
+    """One side's view of a channel segment. `role` is "producer" or "consumer"; the
+    producer uses push/room_for/free_records, the consumer pop/readable/len."""
+
+    def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int,
+                 role: str, *, initialise: bool) -> None:
+        if role not in ("producer", "consumer"):
+            raise ValueError(f"role must be 'producer' or 'consumer', not {role!r}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1 record, not {capacity}")
+        if arena_bytes < 0 or arena_bytes % 8:
+            raise ValueError(f"arena_bytes must be a non-negative multiple of 8, not {arena_bytes}")
+        self.layout, self.capacity, self.role = layout, capacity, role
+        slots_at, arena_at, size = _offsets(layout, capacity, arena_bytes)
+        if len(buf) < size:
+            raise ValueError(f"segment of {len(buf)} bytes is too small for this channel ({size} bytes)")
+        self._buf = buf
+        self._hdr = Counters(buf, 0, HEADER_BYTES // 8)
+        const = np.frombuffer(buf, np.uint64, 7, 0)
+        expected = (MAGIC, VERSION, capacity, arena_bytes, layout.dtype.itemsize, layout_hash(layout),
+                    _BARRIERS[model().barrier])
+        if initialise:
+            const[:] = expected
+        elif tuple(const.tolist()) != expected:
+            names = ("magic", "version", "capacity", "arena_bytes", "itemsize", "layout", "barrier mode")
+            diff = [n for n, a, b in zip(names, const.tolist(), expected) if a != b]
+            raise ValueError(f"shared segment does not match this {layout.name} channel: {', '.join(diff)} "
+                             "differ (a different build, layout or memory model on the other side?)")
+        self._dtype, self._itemsize = layout.dtype, layout.dtype.itemsize
+        self._slots = np.frombuffer(buf, np.uint8, capacity * self._itemsize, slots_at)  # [capacity * itemsize]
+        self.arena = Arena(np.frombuffer(buf, np.uint8, arena_bytes, arena_at)) if arena_bytes else None
+        if self.arena is not None:
+            # bounds: [capacity, 2] (start, end) of the blob of each slot's push; _bound reads one word
+            self._bounds = np.frombuffer(buf, np.uint64, 2 * capacity, HEADER_BYTES).reshape(capacity, 2)
+            self._bound = Counters(buf, HEADER_BYTES, 2 * capacity)
+            self._pair = np.zeros(2, np.uint64)
+        self._rebase = layout.offset_fields
+        self._tail = self._hdr.load(TAIL)  # producer: authoritative; consumer: last seen
+        self._head = self._hdr.load(HEAD)  # consumer: authoritative; producer: cached
+        self._arena_head = self._hdr.load(ARENA_HEAD)  # producer's cache
+        self._arena_tail = 0  # producer: next free arena position
+
+    # ---------------------------------------------------------------- producer
+
+    def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
+        """Publishes the longest prefix of `records` that fits, all referencing `payload`
+        (one blob, copied once). Returns how many records were published: 0 when the
+        ring or the arena is full (nothing is dropped: push the rest later)."""
+        if records.dtype is not self._dtype and (records.dtype != self._dtype or records.ndim != 1):
+            raise TypeError(f"records: expected a 1-D array of the {self.layout.name} layout's dtype, "
+                            f"got {records.dtype} with shape {records.shape}")
+        n = len(records)
+        blob = as_bytes(payload)
+        if self.arena is None:
+            if blob.size:
+                raise ValueError(f"payload: the {self.layout.name} channel was created without an arena")
+        elif blob.size > self.arena.size:
+            raise ValueError(f"payload of {blob.size} bytes can never fit this channel's "
+                             f"{self.arena.size}-byte arena")
+        if n == 0:
+            return 0
+        tail, cap = self._tail, self.capacity
+        free = cap - (tail - self._head)
+        if free < n:
+            self._head = self._hdr.load(HEAD)
+            free = cap - (tail - self._head)
+        k = min(n, free)
+        if k == 0:
+            return 0
+        if self.arena is not None:
+            arena = self.arena
+            pos = arena.place(self._arena_tail, blob.size)
+            if pos + blob.size - self._arena_head > arena.size:
+                self._arena_head = self._hdr.load(ARENA_HEAD)
+                if pos + blob.size - self._arena_head > arena.size:
+                    return 0
+            if blob.size:
+                arena.write(pos, blob)
+            self._arena_tail = align_up(pos + blob.size)
+            self._pair[0], self._pair[1] = pos, pos + blob.size
+            i = tail % cap
+            first = min(k, cap - i)
+            self._bounds[i:i + first] = self._pair
+            if first < k:
+                self._bounds[:k - first] = self._pair
+        # copied as bytes: numpy assigns structured arrays field by field, ~10x slower
+        src = np.frombuffer(records if records.flags.c_contiguous else np.ascontiguousarray(records), np.uint8)
+        size, i = self._itemsize, tail % cap
+        first = min(k, cap - i)
+        self._slots[i * size:(i + first) * size] = src[:first * size]
+        if first < k:
+            self._slots[:(k - first) * size] = src[first * size:k * size]
+        self._tail = tail + k
+        self._hdr.store(TAIL, tail + k)
+        return k
+
+    def free_records(self) -> int:
+        self._head = self._hdr.load(HEAD)
+        return self.capacity - (self._tail - self._head)
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether a push of at least one record with an `nbytes` payload would succeed now."""
+        if self.free_records() == 0:
+            return False
+        if self.arena is None or nbytes == 0:
+            return True
+        self._arena_head = self._hdr.load(ARENA_HEAD)
+        pos = self.arena.place(self._arena_tail, nbytes)
+        return pos + nbytes - self._arena_head <= self.arena.size
+
+    # ---------------------------------------------------------------- consumer
+
+    def readable(self) -> bool:
+        return self._hdr.load(TAIL) != self._head
+
+    def __len__(self) -> int:
+        """Records published and not yet popped."""
+        return self._hdr.load(TAIL) - self._hdr.load(HEAD)
+
+    def pop(self, max_records: int | None = None) -> Batch | None:
+        """Copies out up to `max_records` (default: all) published records and the payload
+        span they reference, frees their slots and arena space; None if empty."""
+        tail = self._hdr.load(TAIL)
+        head = self._head
+        n = tail - head
+        if n == 0:
+            return None
+        if max_records is not None:
+            if max_records < 1:
+                raise ValueError(f"max_records must be at least 1, not {max_records}")
+            n = min(n, max_records)
+        cap = self.capacity
+        i = head % cap
+        first = min(n, cap - i)
+        size = self._itemsize
+        raw = np.empty(n * size, np.uint8)
+        raw[:first * size] = self._slots[i * size:(i + first) * size]
+        if first < n:
+            raw[first * size:] = self._slots[:(n - first) * size]
+        records = np.frombuffer(raw, self._dtype)
+        payload = _NO_PAYLOAD
+        new_head = head + n
+        if self.arena is not None:
+            last = (new_head - 1) % cap
+            bound = self._bound.load
+            start, end = bound(2 * i), bound(2 * last + 1)
+            if end > start:
+                payload = self.arena.read(start, end)
+                if self._rebase and bound(2 * last) != start:
+                    self._rebase_offsets(records, head, n, start)
+            # free up to the first blob still referenced by an unpopped record
+            self._hdr.store(ARENA_HEAD, end if new_head == tail else bound(2 * (new_head % cap)))
+        self._head = new_head
+        self._hdr.store(HEAD, new_head)
+        return Batch(records, payload)
+
+    def _rebase_offsets(self, records: np.ndarray, head: int, n: int, start: int) -> None:
+        """Blob-relative offsets -> offsets into the popped span, for pops covering several pushes."""
+        idx = (head + np.arange(n, dtype=np.uint64)) % np.uint64(self.capacity)
+        base = (self._bounds[idx, 0] - np.uint64(start)).astype(np.uint32)
+        for field in self._rebase:
+            records[field] += base
+
+    # ---------------------------------------------------------------- flags, heartbeat
+
+    def set_consumer_sleeping(self, on: bool) -> None:
+        self._hdr.store(CONSUMER_SLEEPING, int(on))
+
+    def consumer_sleeping(self) -> bool:
+        return self._hdr.load(CONSUMER_SLEEPING) != 0
+
+    def set_producer_waiting(self, on: bool) -> None:
+        self._hdr.store(PRODUCER_WAITING, int(on))
+
+    def producer_waiting(self) -> bool:
+        return self._hdr.load(PRODUCER_WAITING) != 0
+
+    def beat(self) -> None:
+        self._hdr.store(HEARTBEAT, time.monotonic_ns())
+
+    def heartbeat_ns(self) -> int:
+        """CLOCK_MONOTONIC ns of the last beat(), 0 if never."""
+        return self._hdr.load(HEARTBEAT)
+
+    def close(self) -> None:
+        """Drops this side's views of the segment; the caller closes the mapping."""
+        self._hdr.close()
+        if self.arena is not None:
+            self._bound.close()
+            self._bounds = self._pair = None
+        self._slots = self.arena = None
+
+
+def as_bytes(payload: np.ndarray | bytes | bytearray | memoryview | None) -> np.ndarray:
+    if payload is None:
+        return _NO_PAYLOAD
+    if isinstance(payload, np.ndarray):
+        return np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+    return np.frombuffer(payload, np.uint8)

@@ -1,0 +1,87 @@
+"""POSIX shared-memory segments that never outlive their processes.
+
+A segment is created 0600 under a unique name (`/ringserve.<pid>.<random>`),
+mapped, and unlinked before `create_segment` returns: from then on it exists only
+as an open fd and mappings, which the other side receives over a unix socket
+(ipc/handoff.py, SCM_RIGHTS). The kernel frees it when the last fd and mapping
+are gone, so a clean close and a kill -9 of either side leave nothing in /dev/shm.
+
+The only window in which a name exists is between shm_open and shm_unlink inside
+`create_segment` (two consecutive syscalls plus an mmap). A kill -9 exactly there
+leaves one name behind; the pid in the name makes it attributable, and
+`sweep_orphans()` (run before every create) unlinks names whose pid is dead.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import posix_ipc
+
+PREFIX = "ringserve."
+_SHM_DIR = "/dev/shm"
+
+
+def create_segment(size: int) -> tuple[int, mmap.mmap]:
+    """A fresh zeroed shared segment of `size` bytes: (fd, mapping); its name is already gone."""
+    if size <= 0:
+        raise ValueError(f"segment size must be positive, not {size}")
+    sweep_orphans()
+    name = f"/{PREFIX}{os.getpid()}.{secrets.token_hex(8)}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    try:
+        fd = os.dup(shm.fd)
+    finally:
+        shm.close_fd()
+        shm.unlink()
+    try:
+        return fd, map_segment(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_segment(fd: int, size: int) -> mmap.mmap:
+    """Maps a segment received as an fd; pages are faulted in now, not on the hot path."""
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise ValueError(f"shared segment is {actual} bytes, expected at least {size}")
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def our_segments() -> list[str]:
+    """Names of ringserve segments currently in /dev/shm (normally none)."""
+    try:
+        return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def sweep_orphans() -> list[str]:
+    """Unlinks segments left by processes killed inside create_segment; returns their names."""
+    swept = []
+    for name in our_segments():
+        try:
+            pid = int(name[len(PREFIX):].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+            swept.append(name)
+        except posix_ipc.ExistentialError:
+            pass  # another process swept it first
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,183 @@
+"""eventfd wakeups: one `Waker` per process, shared by every channel it uses.
+
+Why one eventfd per process rather than one per channel plus epoll: a process
+waits for "anything to do" (the scheduler: a record on any worker's request
+ring; an HTTP worker: a text delta or room in its request ring), so one fd is
+all it ever needs to block on. Each channel's peer holds a dup of it and writes
+it only when the channel's flag says this process announced it would sleep on
+that channel; after waking, the process re-checks its channels. Waiting on N
+channels costs one poll() on one fd, and an asyncio loop registers one reader.
+
+Waits (all take channels of ipc/channel.py; the flag protocol and its memory
+ordering are in ipc/ring.py):
+  wait_readable(channels, spin_us, timeout)   sync: spin, then sleep (consumer)
+  wait_readable_async(channels, timeout)      asyncio, via loop.add_reader
+  wait_room(channel, nbytes, timeout)         sync back-pressure (producer)
+  wait_room_async(channel, nbytes, timeout)   asyncio back-pressure
+Consumer modes: spin_us=0 sleeps at once (eventfd), spin_us=math.inf never sleeps
+(pure spin), anything between spins that long then sleeps (the server's mode: on
+few cores a spinning consumer steals the producer's CPU).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import select
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from ipc.memory import model
+
+if TYPE_CHECKING:
+    from ipc.channel import Channel
+
+
+class Waker:
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+        self._sleep_barrier = model().sleep_barrier
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._futures: set[asyncio.Future] = set()
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """What the peer needs to wake this process (handed over by ipc/handoff.py)."""
+        return (self.fd,)
+
+    # ---------------------------------------------------------------- sync
+
+    def wait_readable(self, channels: Sequence[Channel], spin_us: float = 0.0,
+                      timeout: float | None = None) -> bool:
+        """Blocks until one of `channels` has records (True) or `timeout` s pass (False)."""
+        if _any_readable(channels):
+            return True
+        now = time.perf_counter()
+        deadline = math.inf if timeout is None else now + timeout
+        if spin_us > 0:
+            spin_end = min(deadline, now + spin_us * 1e-6)
+            while True:
+                if _any_readable(channels):
+                    return True
+                if time.perf_counter() >= spin_end:
+                    break
+        while True:
+            for ch in channels:
+                ch._announce_sleep(True)
+            try:
+                self._sleep_barrier()
+                if _any_readable(channels):
+                    return True
+                if not self._sleep(deadline):
+                    return _any_readable(channels)
+            finally:
+                for ch in channels:
+                    ch._announce_sleep(False)
+            if _any_readable(channels):
+                return True
+
+    def wait_room(self, channel: Channel, nbytes: int = 0, timeout: float | None = None) -> bool:
+        """Blocks until `channel` takes at least one record with an `nbytes` payload."""
+        if channel.room_for(nbytes):
+            return True
+        deadline = math.inf if timeout is None else time.perf_counter() + timeout
+        while True:
+            channel._announce_waiting(True)
+            try:
+                self._sleep_barrier()
+                if channel.room_for(nbytes):
+                    return True
+                if not self._sleep(deadline):
+                    return channel.room_for(nbytes)
+            finally:
+                channel._announce_waiting(False)
+
+    def _sleep(self, deadline: float) -> bool:
+        """Sleeps on the eventfd until written (True) or the deadline (False)."""
+        if deadline == math.inf:
+            ready = self._poll.poll()
+        else:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return False
+            ready = self._poll.poll(math.ceil(remaining * 1000))
+        if not ready:
+            return False
+        self._drain()
+        return True
+
+    def _drain(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    # ---------------------------------------------------------------- asyncio
+
+    async def wait_readable_async(self, channels: Sequence[Channel], timeout: float | None = None) -> bool:
+        def announce(on: bool) -> None:
+            for ch in channels:
+                ch._announce_sleep(on)
+        return await self._wait_async(lambda: _any_readable(channels), announce, timeout)
+
+    async def wait_room_async(self, channel: Channel, nbytes: int = 0, timeout: float | None = None) -> bool:
+        return await self._wait_async(lambda: channel.room_for(nbytes), channel._announce_waiting, timeout)
+
+    async def _wait_async(self, ready: Callable[[], bool], announce: Callable[[bool], None],
+                          timeout: float | None) -> bool:
+        if ready():
+            return True
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._detach_loop()
+            loop.add_reader(self.fd, self._on_readable)
+            self._loop = loop
+        deadline = math.inf if timeout is None else loop.time() + timeout
+        while True:
+            announce(True)
+            try:
+                self._sleep_barrier()
+                if ready():
+                    return True
+                fut = loop.create_future()
+                self._futures.add(fut)
+                remaining = None if deadline == math.inf else deadline - loop.time()
+                try:
+                    await asyncio.wait_for(fut, remaining)
+                except asyncio.TimeoutError:
+                    return ready()
+                finally:
+                    self._futures.discard(fut)
+            finally:
+                announce(False)
+            if ready():
+                return True
+
+    def _on_readable(self) -> None:
+        self._drain()
+        futures, self._futures = self._futures, set()
+        for fut in futures:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _detach_loop(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.fd)
+        self._loop = None
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        self._detach_loop()
+        self._poll.unregister(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _any_readable(channels: Sequence[Channel]) -> bool:
+    for ch in channels:
+        if ch.readable():
+            return True
+    return False

@@ -1,0 +1,114 @@
+"""Record layouts: every SamplingParams field crosses the request channel; payload helpers round-trip."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ipc import Channel, ChannelSpec, Waker
+from ipc.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, decode_strings, encode_strings,
+                         live_mask, pack_control, pack_logprobs, pack_request, pack_top_logprobs, unpack_logprobs,
+                         unpack_request, unpack_top_logprobs)
+from runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture()
+def pair():
+    wp, wc = Waker(), Waker()
+    made = []
+
+    def make(layout: RecordLayout, capacity: int = 64, arena: int = 1 << 16):
+        prod = Channel.create(ChannelSpec(layout, capacity, arena), "producer", wp, wc.fd)
+        desc, fds = prod.describe()
+        cons = Channel.attach(desc, fds, wc)
+        made.extend((prod, cons))
+        return prod, cons
+    yield make
+    for ch in made:
+        ch.close()
+    wp.close()
+    wc.close()
+
+
+def test_every_sampling_param_crosses_the_request_channel(pair):
+    params = SamplingParams(max_new_tokens=77, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                            seed=-(2 ** 63), repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=1.5,
+                            stop=("\n\n", "stop\x00with nul", "é🙂"), stop_token_ids=tuple(range(16)),
+                            ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False,
+                            logprobs=True, top_logprobs=20).validate()
+    changed = {f.name for f in dataclasses.fields(SamplingParams)
+               if f.name != "extra" and getattr(params, f.name) != f.default}
+    assert changed == {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}, "test must set every field"
+    prod, cons = pair(REQUEST)
+    prompt = np.arange(5000, dtype=np.uint32) * 7
+    rec, blob = pack_request(3, 12345, 9, params, prompt, arrival_ns=42)
+    prod.push(rec, blob)
+    prod.push(pack_control(RequestKind.ABORT, 3, 12345, 9))
+    default = SamplingParams()
+    rec2, blob2 = pack_request(1, 2, 3, default, [1, 2, 3], arrival_ns=43)
+    prod.push(rec2, blob2)
+    batch = cons.pop()
+    assert batch.records["kind"].tolist() == [RequestKind.NEW, RequestKind.ABORT, RequestKind.NEW]
+    got, got_prompt = unpack_request(batch.records[0], batch.payload)
+    assert got == params and np.array_equal(got_prompt, prompt)
+    assert batch.records[0]["arrival_ns"] == 42 and batch.records[0]["worker"] == 3
+    got2, got_prompt2 = unpack_request(batch.records[2], batch.payload)
+    assert got2 == default and got_prompt2.tolist() == [1, 2, 3]
+
+
+def test_hot_records_stay_small():
+    assert TOKEN_OUT.dtype.itemsize <= 48
+    assert TEXT_OUT.dtype.itemsize <= 64
+
+
+def test_strings_round_trip():
+    for strings in [(), ("a",), ("", "x" * 1000, "\x00", "日本語")]:
+        assert decode_strings(encode_strings(strings)) == strings
+
+
+def test_top_logprobs_travel_with_token_records(pair):
+    prod, cons = pair(TOKEN_OUT)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 49152, (5, 20))
+    vals = rng.standard_normal((5, 20)).astype(np.float32)
+    blob, offsets = pack_top_logprobs(ids, vals)
+    recs = np.zeros(5, TOKEN_OUT.dtype)
+    recs["payload_off"], recs["payload_len"], recs["n_top"] = offsets, 8 * 20, 20
+    prod.push(recs[:2], blob)  # two pushes: the second pop's offsets get rebased
+    prod.push(recs[2:], blob)
+    batch = cons.pop()
+    for i, r in enumerate(batch.records):
+        got_ids, got_vals = unpack_top_logprobs(batch.view(r["payload_off"], r["payload_len"]), 20)
+        assert np.array_equal(got_ids, ids[i]) and np.array_equal(got_vals, vals[i])
+
+
+def test_logprobs_payload_round_trip():
+    ids, lps = np.array([5, 6, 7]), np.array([-0.1, -0.2, -0.3], np.float32)
+    top_ids, top_lps = np.arange(6).reshape(3, 2), -np.arange(6, dtype=np.float32).reshape(3, 2)
+    got = unpack_logprobs(np.frombuffer(pack_logprobs(ids, lps, top_ids, top_lps), np.uint8), 3, 2)
+    for a, b in zip(got, (ids, lps, top_ids, top_lps)):
+        assert np.array_equal(a, b)
+    got = unpack_logprobs(np.frombuffer(pack_logprobs(ids, lps), np.uint8), 3, 0)
+    assert np.array_equal(got[0], ids) and got[2].shape == (3, 0)
+
+
+def test_live_mask_drops_stale_and_out_of_range():
+    recs = np.zeros(5, TOKEN_OUT.dtype)
+    recs["worker"] = [0, 0, 1, 1, 7]
+    recs["slot"] = [0, 1, 2, 99, 0]
+    recs["gen"] = [5, 4, 9, 1, 1]
+    table = np.zeros((2, 4), np.uint32)
+    table[0, 0], table[0, 1], table[1, 2] = 5, 5, 9
+    assert live_mask(recs, table).tolist() == [True, False, True, False, False]
+    assert live_mask(recs, table[0]).tolist() == [True, False, False, False, False]
+
+
+def test_bad_input_names_the_parameter(pair):
+    prod, _ = pair(TOKEN_OUT, capacity=4, arena=64)
+    with pytest.raises(TypeError, match="records"):
+        prod.push(np.zeros(2, REQUEST.dtype))
+    with pytest.raises(ValueError, match="payload of 100 bytes"):
+        prod.push(np.zeros(1, TOKEN_OUT.dtype), b"x" * 100)
+    with pytest.raises(ValueError, match="capacity"):
+        ChannelSpec(TOKEN_OUT, 0)
+    with pytest.raises(ValueError, match="role"):
+        Channel.create(ChannelSpec(TOKEN_OUT, 4), "reader", prod.waker, 0)
