@@ -12,7 +12,7 @@
                /generate bodies
     sse        ChatStream / CompletionStream / GenerateStream events, DONE,
                error_event, HEADERS
-    logprobs   TokenLogprobs (numpy columns), TokenTable (id -> bytes, text)
+    logprobs   TokenLogprobs (numpy columns), LogprobVocab (id -> bytes, text)
     errors     APIError(status, message, param, type, code): .status, .body()
 
 A route: check_api_key, parse, check_model, tokenize, resolve; on APIError answer

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from runtime.detok_vocab import AddedTokens, NotByteExact, build_token_table
+
 LOGPROB_FLOOR = -9999.0  # -inf has no JSON form; OpenAI and vLLM report this instead
 
 
@@ -48,10 +50,10 @@ class TokenLogprobs:
                 self.top_ids.tolist(), np.maximum(self.top_logprobs, LOGPROB_FLOOR).tolist())
 
 
-class TokenTable:
-    """Each token id's own bytes, display text and character count. A token can hold part
-    of a UTF-8 character: its text then shows the bytes escaped ("\\xe2"), as OpenAI does,
-    and `bytes` carries them exactly."""
+class LogprobVocab:
+    """Each token id's own bytes, display text and character count, for logprobs. A token
+    can hold part of a UTF-8 character: its text then shows the bytes escaped ("\\xe2"), as
+    OpenAI does, and `bytes` carries them exactly."""
 
     def __init__(self, token_bytes: Sequence[bytes]) -> None:
         self.bytes = list(token_bytes)
@@ -60,47 +62,40 @@ class TokenTable:
         self.chars = [sum((c & 0xC0) != 0x80 for c in b) for b in self.bytes]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> "TokenTable":
-        """From a Hugging Face tokenizer: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) or
-        SentencePiece pieces ("▁" for space, <0xNN> byte fallback). Ids past the tokenizer
-        (a padded embedding) get no bytes."""
-        n = len(tokenizer)
-        size = n if vocab_size is None else vocab_size
-        pieces = tokenizer.convert_ids_to_tokens(list(range(min(n, size))))
-        added = set(getattr(tokenizer, "added_tokens_decoder", {}))
-        byte_level = _is_byte_level(tokenizer)
-        if byte_level:
-            from transformers.convert_slow_tokenizer import bytes_to_unicode
-            unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
-        table = []
-        for token_id, piece in enumerate(pieces):
-            if piece is None:
-                table.append(b"")
-            elif token_id in added:
-                table.append(piece.encode())
-            elif byte_level and all(c in unicode_to_byte for c in piece):
-                table.append(bytes(unicode_to_byte[c] for c in piece))
-            elif match := _BYTE_PIECE.fullmatch(piece):
-                table.append(bytes([int(match.group(1), 16)]))
-            else:
-                table.append(piece.replace("\u2581", " ").encode())
-        table.extend([b""] * (size - len(table)))
-        return cls(table)
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> "LogprobVocab":
+        """From a Hugging Face tokenizer: the detokenizer's exact byte vocab for byte-level
+        BPE (GPT-2, Llama 3, Qwen, SmolLM), else SentencePiece pieces ("\u2581" for a space,
+        <0xNN> byte fallback). Ids past the tokenizer (a padded embedding) get no bytes."""
+        added = AddedTokens.of(tokenizer)
+        try:
+            pieces = list(build_token_table(tokenizer, added).pieces[:-1])
+        except NotByteExact:
+            pieces = _sentencepiece_bytes(tokenizer, added)
+        size = len(pieces) if vocab_size is None else vocab_size
+        return cls(pieces[:size] + [b""] * (size - len(pieces)))
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
-    from tokenizers import decoders
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    return isinstance(decoder, decoders.ByteLevel)
+def _sentencepiece_bytes(tokenizer: Any, added: AddedTokens) -> list[bytes]:
+    pieces = []
+    for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if token_id in added.text:
+            pieces.append(added.text[token_id].encode())
+        elif piece is None:
+            pieces.append(b"")
+        elif match := _BYTE_PIECE.fullmatch(piece):
+            pieces.append(bytes([int(match.group(1), 16)]))
+        else:
+            pieces.append(piece.replace("\u2581", " ").encode())
+    return pieces
 
 
-def chat_logprobs(lp: TokenLogprobs, table: TokenTable) -> dict:
+def chat_logprobs(lp: TokenLogprobs, vocab: LogprobVocab) -> dict:
     """OpenAI chat's choice.logprobs (top_logprobs [] when none were asked for)."""
     ids, lps, top_ids, top_lps = lp.lists()
-    text, raw = table.text, table.bytes
+    text, raw = vocab.text, vocab.bytes
     content = [{"token": text[t], "logprob": x, "bytes": list(raw[t]),
                 "top_logprobs": [{"token": text[a], "logprob": y, "bytes": list(raw[a])}
                                  for a, y in zip(alt_ids, alt_lps)]}
@@ -108,11 +103,11 @@ def chat_logprobs(lp: TokenLogprobs, table: TokenTable) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(lp: TokenLogprobs, table: TokenTable, text_offset: int) -> dict:
+def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int) -> dict:
     """OpenAI completions' choice.logprobs; `text_offset` is where the first token's text
     starts in the choice's text. top_logprobs is null when logprobs was 0."""
     ids, lps, top_ids, top_lps = lp.lists()
-    text, chars = table.text, table.chars
+    text, chars = vocab.text, vocab.chars
     offsets = []
     for t in ids:
         offsets.append(text_offset)
@@ -122,10 +117,10 @@ def completion_logprobs(lp: TokenLogprobs, table: TokenTable, text_offset: int) 
     return {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def sglang_logprobs(lp: TokenLogprobs, table: TokenTable, with_text: bool) -> tuple[list, list]:
+def sglang_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, with_text: bool) -> tuple[list, list]:
     """SGLang's meta_info output_token_logprobs and output_top_logprobs: [logprob, id, text or None]."""
     ids, lps, top_ids, top_lps = lp.lists()
-    text = table.text
+    text = vocab.text
 
     def name(t: int) -> str | None:
         return text[t] if with_text else None

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import orjson
 
-from httpapi.logprobs import TokenLogprobs, TokenTable, chat_logprobs, completion_logprobs, sglang_logprobs
+from httpapi.logprobs import TokenLogprobs, LogprobVocab, chat_logprobs, completion_logprobs, sglang_logprobs
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -57,45 +57,45 @@ class ChoiceResult:
 
 
 def chat_completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
-                         table: TokenTable | None = None) -> bytes:
-    """`table` is needed when the choices carry logprobs."""
+                         vocab: LogprobVocab | None = None) -> bytes:
+    """`vocab` is needed when the choices carry logprobs."""
     return orjson.dumps({
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, table),
+                     "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
                      "finish_reason": c.finish_reason} for c in choices],
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
     })
 
 
 def completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
-                    table: TokenTable | None = None) -> bytes:
+                    vocab: LogprobVocab | None = None) -> bytes:
     return orjson.dumps({
         "id": request_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": c.index, "text": c.text,
-                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, table, 0),
+                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, vocab, 0),
                      "finish_reason": c.finish_reason} for c in choices],
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
     })
 
 
-def generate_output(rid: str, choice: ChoiceResult, table: TokenTable | None = None,
+def generate_output(rid: str, choice: ChoiceResult, vocab: LogprobVocab | None = None,
                     return_text_in_logprobs: bool = False) -> dict:
     """One SGLang /generate output: {"text", "meta_info"}; a stream sends partial choices."""
     meta = {"id": rid, "finish_reason": sglang_finish_reason(choice), "prompt_tokens": choice.usage.prompt_tokens,
             "completion_tokens": choice.usage.completion_tokens, "cached_tokens": choice.usage.cached_tokens}
     if choice.logprobs is not None:
-        tokens, top = sglang_logprobs(choice.logprobs, table, return_text_in_logprobs)
+        tokens, top = sglang_logprobs(choice.logprobs, vocab, return_text_in_logprobs)
         meta["output_token_logprobs"] = tokens
         meta["output_top_logprobs"] = top
     return {"text": choice.text, "meta_info": meta}
 
 
 def generate_body(rids: Sequence[str], choices: Sequence[ChoiceResult], batch: bool,
-                  table: TokenTable | None = None, return_text_in_logprobs: bool = False) -> bytes:
+                  vocab: LogprobVocab | None = None, return_text_in_logprobs: bool = False) -> bytes:
     """SGLang's /generate answer: one output, or a list of them for a batch (or n > 1);
     `rids` has one id per choice."""
-    outputs = [generate_output(rid, c, table, return_text_in_logprobs) for rid, c in zip(rids, choices)]
+    outputs = [generate_output(rid, c, vocab, return_text_in_logprobs) for rid, c in zip(rids, choices)]
     return orjson.dumps(outputs if batch else outputs[0])
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 import orjson
 
 from httpapi.errors import APIError
-from httpapi.logprobs import TokenLogprobs, TokenTable, chat_logprobs, completion_logprobs
+from httpapi.logprobs import TokenLogprobs, LogprobVocab, chat_logprobs, completion_logprobs
 from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_output
 
 DONE = b"data: [DONE]\n\n"
@@ -45,12 +45,12 @@ class _OpenAIStream:
 
 
 class ChatStream(_OpenAIStream):
-    """chat.completion.chunk events; `table` is needed when deltas carry logprobs."""
+    """chat.completion.chunk events; `vocab` is needed when deltas carry logprobs."""
 
     def __init__(self, request_id: str, created: int, model: str, n_choices: int,
-                 table: TokenTable | None = None) -> None:
+                 vocab: LogprobVocab | None = None) -> None:
         super().__init__(request_id, created, model, "chat.completion.chunk")
-        self._table = table
+        self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"delta":{"content":' % i for i in range(n_choices)]
         # closes the delta; then logprobs and finish_reason
         self._close = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
@@ -66,17 +66,17 @@ class ChatStream(_OpenAIStream):
         if logprobs is None:
             return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
         return b"".join((self._open[index], orjson.dumps(text), b'},"logprobs":',
-                         orjson.dumps(chat_logprobs(logprobs, self._table)),
+                         orjson.dumps(chat_logprobs(logprobs, self._vocab)),
                          b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
 
 
 class CompletionStream(_OpenAIStream):
-    """text_completion events; `table` is needed when deltas carry logprobs."""
+    """text_completion events; `vocab` is needed when deltas carry logprobs."""
 
     def __init__(self, request_id: str, created: int, model: str, n_choices: int,
-                 table: TokenTable | None = None) -> None:
+                 vocab: LogprobVocab | None = None) -> None:
         super().__init__(request_id, created, model, "text_completion")
-        self._table = table
+        self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"text":' % i for i in range(n_choices)]
         self._close = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
         self._text_offset = [0] * n_choices  # where the next delta starts in each choice's text
@@ -85,7 +85,7 @@ class CompletionStream(_OpenAIStream):
               logprobs: TokenLogprobs | None = None) -> bytes:
         if logprobs is None:
             return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
-        lp = completion_logprobs(logprobs, self._table, self._text_offset[index])
+        lp = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
         self._text_offset[index] += len(text)
         return b"".join((self._open[index], orjson.dumps(text), b',"logprobs":', orjson.dumps(lp),
                          b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
@@ -96,11 +96,11 @@ class GenerateStream:
     choice's whole text so far (and logprobs so far), its meta_info, and "index" when
     the request is a batch."""
 
-    def __init__(self, rids: Sequence[str], batch: bool, table: TokenTable | None = None,
+    def __init__(self, rids: Sequence[str], batch: bool, vocab: LogprobVocab | None = None,
                  return_text_in_logprobs: bool = False) -> None:
         self._rids = rids
         self._batch = batch
-        self._table = table
+        self._vocab = vocab
         self._return_text = return_text_in_logprobs
         self._text = [""] * len(rids)
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in rids]
@@ -113,7 +113,7 @@ class GenerateStream:
             self._logprobs[index].append(logprobs)
             so_far = TokenLogprobs.concat(self._logprobs[index])
         choice = ChoiceResult(index, self._text[index], finish_reason, usage, so_far, matched_stop)
-        out = generate_output(self._rids[index], choice, self._table, self._return_text)
+        out = generate_output(self._rids[index], choice, self._vocab, self._return_text)
         if self._batch:
             out["index"] = index
         return b"data: " + orjson.dumps(out) + b"\n\n"

@@ -2,7 +2,7 @@
 usual way (a dict per chunk, all through orjson). Single thread, best of several repeats.
 
     python perf/sse_bench.py [--events 200000] [--repeats 5]
-Writes perf/results/sse_bench.json and prints a table."""
+Writes perf/results/sse_bench.json and prints a vocab."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from httpapi.logprobs import TokenLogprobs, TokenTable
+from httpapi.logprobs import TokenLogprobs, LogprobVocab
 from httpapi.sse import ChatStream, CompletionStream
 
 RESULTS = Path(__file__).parent / "results" / "sse_bench.json"
@@ -46,9 +46,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    table = TokenTable([bytes([i]) for i in range(256)] + [b" word"] * 49152)
-    chat = ChatStream(ID, 1700000000, MODEL, n_choices=4, table=table)
-    completion = CompletionStream(ID, 1700000000, MODEL, n_choices=4, table=table)
+    vocab = LogprobVocab([bytes([i]) for i in range(256)] + [b" word"] * 49152)
+    chat = ChatStream(ID, 1700000000, MODEL, n_choices=4, vocab=vocab)
+    completion = CompletionStream(ID, 1700000000, MODEL, n_choices=4, vocab=vocab)
     one_token = TokenLogprobs.of([300], [-0.5])
     one_token_top5 = TokenLogprobs.of([300], [-0.5], [[300, 301, 302, 303, 304]], [[-0.5, -1, -2, -3, -4]])
     coalesced = " word" * 8

@@ -1,5 +1,5 @@
 """Response bodies checked with the official openai client's own types and parser, and
-the logprobs token table against the real SmolLM2 tokenizer."""
+the logprobs token vocab against the real SmolLM2 tokenizer."""
 import httpx
 import numpy as np
 import openai
@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from gpu.model_files import resolve_model_dir
 from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found, unauthorized
 from httpapi.info import check_model, models_body, server_info_body, served_model_name
-from httpapi.logprobs import LOGPROB_FLOOR, TokenLogprobs, TokenTable
+from httpapi.logprobs import LOGPROB_FLOOR, TokenLogprobs, LogprobVocab
 from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
                                new_request_id, now)
 from runtime.config import ServerArgs
@@ -27,8 +27,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def table(tokenizer):
-    return TokenTable.from_tokenizer(tokenizer)
+def vocab(tokenizer):
+    return LogprobVocab.from_tokenizer(tokenizer)
 
 
 def client(handler) -> openai.OpenAI:
@@ -48,16 +48,16 @@ def logprobs_of(tokenizer, text: str, k: int) -> TokenLogprobs:
     return TokenLogprobs.of(ids, -rng.random(len(ids)), top, np.sort(-rng.random((len(ids), k)), axis=1)[:, ::-1])
 
 
-def test_token_table_bytes_rebuild_the_text(tokenizer, table):
+def test_token_table_bytes_rebuild_the_text(tokenizer, vocab):
     text = "Hello, wörld! 你好 🦙 tab\tnewline\n  spaces"
     ids = tokenizer.encode(text)
-    assert b"".join(table.bytes[i] for i in ids).decode() == tokenizer.decode(ids) == text
-    assert len(table.bytes) == len(tokenizer) == 49152
-    assert table.bytes[2] == b"<|im_end|>"  # special tokens are their own text
+    assert b"".join(vocab.bytes[i] for i in ids).decode() == tokenizer.decode(ids) == text
+    assert len(vocab.bytes) == len(tokenizer) == 49152
+    assert vocab.bytes[2] == b"<|im_end|>"  # special tokens are their own text
     # a token holding part of a UTF-8 character: escaped text, exact bytes
-    partial = [i for i in ids if table.bytes[i] and not _is_utf8(table.bytes[i])]
-    assert partial and all("\\x" in table.text[i] for i in partial)
-    assert sum(table.chars[i] for i in ids) == len(text)
+    partial = [i for i in ids if vocab.bytes[i] and not _is_utf8(vocab.bytes[i])]
+    assert partial and all("\\x" in vocab.text[i] for i in partial)
+    assert sum(vocab.chars[i] for i in ids) == len(text)
 
 
 def _is_utf8(b: bytes) -> bool:
@@ -68,11 +68,11 @@ def _is_utf8(b: bytes) -> bool:
         return False
 
 
-def test_chat_completion_parses_with_openai_types(tokenizer, table):
+def test_chat_completion_parses_with_openai_types(tokenizer, vocab):
     lp = logprobs_of(tokenizer, "Paris is 🦙", 3)
     choices = [ChoiceResult(0, "Paris is 🦙", "stop", Usage(20, len(lp), 16), lp),
                ChoiceResult(1, "Lyon", "length", Usage(20, 4, 0), logprobs_of(tokenizer, "Lyon", 3))]
-    body = chat_completion_body("chatcmpl-1", 1700000000, MODEL, choices, n=2, table=table)
+    body = chat_completion_body("chatcmpl-1", 1700000000, MODEL, choices, n=2, vocab=vocab)
     resp = ChatCompletion.model_validate(orjson.loads(body))
     assert resp.object == "chat.completion" and resp.model == MODEL and resp.created == 1700000000
     assert [c.message.content for c in resp.choices] == ["Paris is 🦙", "Lyon"]
@@ -84,13 +84,13 @@ def test_chat_completion_parses_with_openai_types(tokenizer, table):
     assert bytes(b for t in content for b in t.bytes).decode() == "Paris is 🦙"
     assert [t.logprob for t in content] == pytest.approx(lp.logprobs.tolist())
     assert all(len(t.top_logprobs) == 3 for t in content)
-    assert content[0].top_logprobs[0].token == table.text[int(lp.top_ids[0, 0])]
+    assert content[0].top_logprobs[0].token == vocab.text[int(lp.top_ids[0, 0])]
 
 
-def test_completion_parses_with_openai_types(tokenizer, table):
+def test_completion_parses_with_openai_types(tokenizer, vocab):
     lp = logprobs_of(tokenizer, " a b ünï", 2)
     body = completion_body("cmpl-1", now(), MODEL, [ChoiceResult(0, " a b ünï", "length", Usage(5, len(lp)), lp)],
-                           n=1, table=table)
+                           n=1, vocab=vocab)
     resp = Completion.model_validate(orjson.loads(body))
     assert resp.object == "text_completion" and resp.choices[0].text == " a b ünï"
     logprobs = resp.choices[0].logprobs
@@ -101,14 +101,14 @@ def test_completion_parses_with_openai_types(tokenizer, table):
     assert resp.usage.total_tokens == 5 + len(lp)
 
 
-def test_completion_without_alternatives_and_minus_infinity(table):
+def test_completion_without_alternatives_and_minus_infinity(vocab):
     lp = TokenLogprobs.of([42, 43], [-np.inf, -0.5])
-    body = completion_body("cmpl-2", now(), MODEL, [ChoiceResult(0, "xy", "stop", Usage(1, 2), lp)], 1, table)
+    body = completion_body("cmpl-2", now(), MODEL, [ChoiceResult(0, "xy", "stop", Usage(1, 2), lp)], 1, vocab)
     logprobs = Completion.model_validate(orjson.loads(body)).choices[0].logprobs
     assert logprobs.token_logprobs == [LOGPROB_FLOOR, -0.5] and logprobs.top_logprobs is None
 
 
-def test_abort_finish_reason_reaches_the_client(table):
+def test_abort_finish_reason_reaches_the_client(vocab):
     """"abort" is not in the openai types' Literal; the client's own parser takes it anyway."""
     body = chat_completion_body("chatcmpl-3", now(), MODEL, [ChoiceResult(0, "Par", "abort", Usage(3, 1))], 1)
     parsed = construct_type(type_=ChatCompletion, value=orjson.loads(body))
@@ -117,7 +117,7 @@ def test_abort_finish_reason_reaches_the_client(table):
     assert resp.choices[0].finish_reason == "abort"
 
 
-def test_openai_client_reads_a_completion(table):
+def test_openai_client_reads_a_completion(vocab):
     body = completion_body(new_request_id("cmpl"), now(), MODEL,
                            [ChoiceResult(i, f"t{i}", "stop", Usage(4, 1)) for i in range(4)], n=2)
     resp = client(serve(200, body)).completions.create(model=MODEL, prompt=["a", "b"], n=2)
@@ -139,16 +139,16 @@ def test_openai_client_maps_errors(err: APIError, cls):
     assert caught.value.body == {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
 
 
-def test_generate_body_is_sglang_shaped(table):
+def test_generate_body_is_sglang_shaped(vocab):
     lp = TokenLogprobs.of([42], [-0.25], [[42, 7]], [[-0.25, -2.0]])
     one = orjson.loads(generate_body(["r1"], [ChoiceResult(0, "x", "stop", Usage(3, 1, 2), lp, matched_stop=2)],
-                                     batch=False, table=table, return_text_in_logprobs=True))
+                                     batch=False, vocab=vocab, return_text_in_logprobs=True))
     assert one["text"] == "x"
     meta = one["meta_info"]
     assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "stop", "matched": 2}
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 1, 2)
-    assert meta["output_token_logprobs"] == [[-0.25, 42, table.text[42]]]
-    assert meta["output_top_logprobs"] == [[[-0.25, 42, table.text[42]], [-2.0, 7, table.text[7]]]]
+    assert meta["output_token_logprobs"] == [[-0.25, 42, vocab.text[42]]]
+    assert meta["output_top_logprobs"] == [[[-0.25, 42, vocab.text[42]], [-2.0, 7, vocab.text[7]]]]
     batch = orjson.loads(generate_body(["a", "b"], [ChoiceResult(0, "x", "length", Usage(3, 5)),
                                                     ChoiceResult(1, "y", "abort", Usage(3, 1))], batch=True))
     assert [o["meta_info"]["finish_reason"] for o in batch] == [{"type": "length", "length": 5}, {"type": "abort"}]
@@ -183,3 +183,21 @@ def test_usage_counts_each_prompt_once():
     assert Usage.combine(per_choice, n=1) == Usage(34, 18, 25)
     assert Usage(3, 4).as_dict() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                      "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_logprob_vocab_of_a_sentencepiece_tokenizer():
+    """Llama 2 / Mistral style: "▁" pieces and <0xNN> byte fallback (a real tokenizers object)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    pieces = ["<unk>", "<s>", "</s>", "<0xE2>", "<0x82>", "<0xAC>", "\u2581hello", "\u2581", "h", "i"]
+    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                                   byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    spm = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    vocab = LogprobVocab.from_tokenizer(spm, vocab_size=12)
+    assert vocab.bytes[:7] == [b"<unk>", b"<s>", b"</s>", b"\xe2", b"\x82", b"\xac", b" hello"]
+    assert vocab.bytes[10:] == [b"", b""]  # a padded embedding's extra ids
+    assert b"".join(vocab.bytes[i] for i in (6, 3, 4, 5)).decode() == " hello€"
+    assert vocab.text[3] == "\\xe2" and vocab.chars[3:6] == [1, 0, 0]

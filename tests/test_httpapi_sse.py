@@ -11,13 +11,13 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
 from httpapi.errors import engine_unavailable
-from httpapi.logprobs import TokenLogprobs, TokenTable
+from httpapi.logprobs import TokenLogprobs, LogprobVocab
 from httpapi.responses import Usage
 from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
 
 MODEL = "SmolLM2-135M-Instruct"
-# a small real table: ids 0..255 are the bytes themselves, 256.. a few multi-byte tokens
-TABLE = TokenTable([bytes([i]) for i in range(256)] + ["é".encode(), " wörld".encode(), "🦙".encode()[:2]])
+# a small real vocab: ids 0..255 are the bytes themselves, 256.. a few multi-byte tokens
+VOCAB = LogprobVocab([bytes([i]) for i in range(256)] + ["é".encode(), " wörld".encode(), "🦙".encode()[:2]])
 
 
 def events(stream_bytes: bytes) -> list[bytes]:
@@ -61,7 +61,7 @@ def test_chat_stream_sequence():
 
 def test_openai_client_streams_chat_with_coalesced_logprobs():
     """One event carries three tokens (a client fell behind); the client sees all three."""
-    s = ChatStream("chatcmpl-1", 1, MODEL, n_choices=1, table=TABLE)
+    s = ChatStream("chatcmpl-1", 1, MODEL, n_choices=1, vocab=VOCAB)
     lp = TokenLogprobs.of([72, 256, 257], [-0.1, -0.2, -np.inf], [[72, 73], [256, 1], [257, 2]],
                           [[-0.1, -3], [-0.2, -4], [-5, -6]])
     chunks = [s.start(), s.delta(0, "Hé wörld", "stop", lp), s.usage(Usage(3, 3)), DONE]
@@ -77,7 +77,7 @@ def test_openai_client_streams_chat_with_coalesced_logprobs():
 
 
 def test_completion_stream_text_offsets_continue_across_deltas():
-    s = CompletionStream("cmpl-1", 1, MODEL, n_choices=1, table=TABLE)
+    s = CompletionStream("cmpl-1", 1, MODEL, n_choices=1, vocab=VOCAB)
     first = s.delta(0, "Hé", None, TokenLogprobs.of([72, 256], [-1, -1]))
     second = s.delta(0, " wörld!", "length", TokenLogprobs.of([257, 33], [-1, -1]))
     # the client reads completion chunks as Completion without validating (finish_reason is null mid-stream)
@@ -110,7 +110,7 @@ def test_error_mid_stream_reaches_the_client_as_an_error():
 
 
 def test_generate_stream_is_cumulative_like_sglang():
-    s = GenerateStream(["r0", "r1"], batch=True, table=TABLE)
+    s = GenerateStream(["r0", "r1"], batch=True, vocab=VOCAB)
     out = [orjson.loads(d) for d in events(b"".join([
         s.delta(0, "He", Usage(3, 1)), s.delta(1, "Yo", Usage(3, 1)),
         s.delta(0, "llo", Usage(3, 2), "stop", matched_stop=2)]))]
@@ -118,7 +118,7 @@ def test_generate_stream_is_cumulative_like_sglang():
     assert out[0]["meta_info"]["finish_reason"] is None
     assert out[2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
     assert out[2]["meta_info"]["id"] == "r0" and out[2]["meta_info"]["completion_tokens"] == 2
-    single = GenerateStream(["r"], batch=False, table=TABLE, return_text_in_logprobs=True)
+    single = GenerateStream(["r"], batch=False, vocab=VOCAB, return_text_in_logprobs=True)
     single.delta(0, "H", Usage(1, 1), logprobs=TokenLogprobs.of([72], [-0.5]))
     last = orjson.loads(events(single.delta(0, "é", Usage(1, 2), "length",
                                             logprobs=TokenLogprobs.of([256], [-0.25])))[0])
