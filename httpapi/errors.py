@@ -13,6 +13,8 @@ exception class):
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import orjson
 
 from runtime.sampling_params import InvalidParam
@@ -45,7 +47,7 @@ def bad_request(message: str, param: str | None, code: str | None = None) -> API
     return APIError(400, message, param, code=code)
 
 
-def from_invalid_param(err: InvalidParam, names: dict[str, str]) -> APIError:
+def from_invalid_param(err: InvalidParam, names: Mapping[str, str]) -> APIError:
     """SamplingParams.validate() names parameters as the OpenAI API spells them; `names`
     renames them to this endpoint's fields (e.g. max_tokens -> sampling_params.max_new_tokens)."""
     param = names.get(err.param, err.param)

@@ -18,7 +18,8 @@ from httpapi.fields import Fields, is_token_ids, load_object
 from httpapi.sampling import SamplingSpec, read_sampling
 
 MAX_CHOICES = 128  # n times the number of prompts in one request
-GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate; completions default to 16 as OpenAI's
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is what the context leaves)
+GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
 # Fields of the OpenAI API that change nothing here; accepted without a warning.
@@ -115,7 +116,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     prompts, _ = _prompts(f.raw("prompt"), "prompt", token_ids_allowed=True)
     stream, include_usage = _stream(f)
     n = _n(f, prompts=len(prompts))
-    max_tokens = f.get_int("max_tokens", 16)
+    max_tokens = f.get_int("max_tokens", COMPLETION_MAX_TOKENS)
     echo = f.get_bool("echo", False)
     logprobs = f.get_int("logprobs")
     if logprobs is not None and echo:

@@ -41,7 +41,7 @@ def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int 
     try:
         return params.validate(vocab_size)
     except InvalidParam as e:
-        raise from_invalid_param(e, dict(names)) from None
+        raise from_invalid_param(e, names) from None
 
 
 @dataclass(frozen=True)
