@@ -33,9 +33,6 @@ from runtime.detok_stop import StopMatcher
 from runtime.detok_vocab import (REPLACEMENT, AddedTokens, NotByteExact, TokenTable, build_token_table,
                                  byte_fallback_ids)
 
-_utf8_decoder = codecs.getincrementaldecoder("utf-8")
-
-
 @dataclass(frozen=True)
 class DetokOptions:
     skip_special_tokens: bool = True
@@ -59,13 +56,13 @@ class DetokOutput:
 
 class _Request:
     """Per-request state for the Python path; the vectorised path touches none of it."""
-    __slots__ = ("skip", "spaces", "stop", "utf8", "window", "read", "has_text", "in_run")
+    __slots__ = ("skip", "spaces", "stop", "pending", "window", "read", "has_text", "in_run")
 
     def __init__(self, options: DetokOptions) -> None:
         self.skip = options.skip_special_tokens
         self.spaces = options.spaces_between_special_tokens
         self.stop = StopMatcher(options.stop) if options.stop else None
-        self.utf8 = _utf8_decoder("replace")  # byte-table path: holds an incomplete character
+        self.pending = b""           # byte-table path: bytes of a character not complete yet
         self.window: list[int] = []  # window path: ids from the last emitted token on
         self.read = 0                # window path: window[:read] is already emitted text
         self.has_text = False        # spaces mode: a run or an added token came before
@@ -73,10 +70,13 @@ class _Request:
 
 
 class BatchDetokenizer:
-    def __init__(self, tokenizer, capacity: int, use_byte_table: bool = True) -> None:
+    def __init__(self, tokenizer, capacity: int, use_byte_table: bool = True, small_batch: int = 8) -> None:
         """capacity: request indices are [0, capacity). use_byte_table=False forces the
-        window decode (for comparison); otherwise it is used only when the table is not exact."""
+        window decode (for comparison); otherwise it is used only when the table is not exact.
+        Steps of at most small_batch tokens take the Python path whole: numpy's fixed cost
+        per call outweighs a few tokens of Python."""
         self.tokenizer = tokenizer
+        self.small_batch = small_batch
         self.added = AddedTokens.of(tokenizer)
         self.vocab_size = len(tokenizer)
         self.table: TokenTable | None = None
@@ -90,6 +90,14 @@ class BatchDetokenizer:
         self._requests: list[_Request | None] = [None] * capacity
         self._live = np.zeros(capacity + 1, bool)  # last entry: never live, for out-of-range indices
         self._python = np.zeros(capacity, bool)    # must take the per-request path next step
+        self._odd = ~self.table.plain if self.table is not None else None  # [V+1] token needs the Python path
+        self._seen = np.zeros(capacity, np.int64)  # scratch: finds requests appearing twice in a step
+        self._iota = np.arange(4096)               # 0, 1, 2, ... grown on demand
+        self._no_finish = np.zeros(capacity, bool)
+        self._no_stop = np.full(capacity, -1, np.int16)
+        self._no_finish.flags.writeable = self._no_stop.flags.writeable = False
+        self._stop_first = np.zeros((capacity, 4), np.uint64)  # bitmap of the first bytes of each request's stops
+        self._with_stop = 0                        # open requests that have stop strings
 
     @property
     def capacity(self) -> int:
@@ -100,73 +108,120 @@ class BatchDetokenizer:
         self._requests[req] = state = _Request(options)
         self._live[req] = True
         self._python[req] = self._needs_python(state)
+        if self.table is not None:
+            first = np.zeros(256, bool)
+            first[[s[0] for s in state.stop.stops] if state.stop else []] = True
+            self._stop_first[req] = np.packbits(first, bitorder="little").view(np.uint64)
+            self._with_stop += state.stop is not None
 
     def close(self, req: int) -> None:
         """Drops request `req` (aborted); its later tokens are ignored until open() again."""
+        state = self._requests[req]
+        if state is not None and state.stop is not None:
+            self._with_stop -= 1
         self._requests[req] = None
         self._live[req] = False
 
     def step(self, req: np.ndarray, token: np.ndarray, finished: np.ndarray) -> DetokOutput:
-        """req, token: int [N]; finished: bool [N]. Token ids outside the vocabulary (e.g. -1)
-        add no text, as decode() drops them. Tokens of requests not open (or already finished) are ignored."""
+        """req: int [N] in [0, capacity); token: int [N]; finished: bool [N]. A request may appear
+        several times (its tokens in order). Token ids outside the vocabulary (e.g. -1) add no
+        text, as decode() drops them. Tokens of requests not open (or finished) are ignored."""
+        if len(req) <= self.small_batch:
+            return self._per_request(self._group_small(req, token, finished))
         req = np.asarray(req, np.int64)
-        req = np.where((req < 0) | (req >= self.capacity), self.capacity, req)
-        live = self._live[req]
         token = np.asarray(token, np.int64)
         finished = np.asarray(finished, bool)
+        live = self._live[req]
         if not live.all():
             req, token, finished = req[live], token[live], finished[live]
-        if len(req) == 0:
+        n = len(req)
+        if n == 0:
             return _EMPTY
-        order = np.argsort(req, kind="stable")  # group each request's tokens, keeping their order
-        req, token, finished = req[order], token[order], finished[order]
-        head = np.empty(len(req), bool)
-        head[0] = True
-        np.not_equal(req[1:], req[:-1], out=head[1:])
-        starts = np.flatnonzero(head)             # [G] first token of each request
-        ends = np.append(starts[1:], len(req))    # [G]
-        reqs = req[starts]                        # [G]
-
-        token = np.where((token < 0) | (token >= self.vocab_size), self.vocab_size, token)
-        if self.table is None:
-            slow = np.ones(len(starts), bool)
+        token = np.minimum(token.astype(np.uint64), self.vocab_size).astype(np.int64)  # -1 and too big -> vocab_size
+        iota = self._arange(n)
+        self._seen[req] = iota
+        if (self._seen[req] != iota).any():
+            # a request appears more than once: group its tokens, keeping their order
+            order = np.argsort(req, kind="stable")
+            req, token, finished = req[order], token[order], finished[order]
+            head = np.empty(n, bool)
+            head[0] = True
+            np.not_equal(req[1:], req[:-1], out=head[1:])
+            starts = np.flatnonzero(head)             # [G] first token of each request
         else:
-            odd = ~self.table.plain[token] | finished
-            slow = np.logical_or.reduceat(odd, starts) | self._python[reqs]
+            starts = None                             # one token per request: groups are singletons
+        reqs = req if starts is None else req[starts]  # [G]
+
+        if self.table is None:
+            slow = np.ones(len(reqs), bool)
+        else:
+            odd = self._odd[token] | finished
+            if self._with_stop:  # a token holding the first byte of one of its request's stop strings
+                odd |= (self.table.byte_bits[token] & self._stop_first[req]).any(axis=1)
+            slow = (odd if starts is None else np.logical_or.reduceat(odd, starts)) | self._python[reqs]
+        if starts is None:
+            starts = iota
+        ends = np.append(starts[1:], n)
         fast = self._gather(token, starts, ends, reqs, ~slow)
-        rest = self._per_request(token, finished, starts[slow], ends[slow], reqs[slow])
-        return _concat(fast, rest)
+        if not slow.any():
+            return fast
+        token, finished = token.tolist(), finished.tolist()
+        groups = [(r, token[s:e], finished[s:e]) for r, s, e in
+                  zip(reqs[slow].tolist(), starts[slow].tolist(), ends[slow].tolist())]
+        return _concat(fast, self._per_request(groups))
+
+    def _group_small(self, req, token, finished) -> list[tuple[int, list[int], list[bool]]]:
+        groups: dict[int, tuple[int, list[int], list[bool]]] = {}
+        vocab = self.vocab_size
+        for r, t, f in zip(np.asarray(req).tolist(), np.asarray(token).tolist(), np.asarray(finished).tolist()):
+            if self._requests[r] is not None:
+                g = groups.get(r) or groups.setdefault(r, (r, [], []))
+                g[1].append(t if 0 <= t < vocab else vocab)
+                g[2].append(bool(f))
+        return list(groups.values())
 
     def _gather(self, token, starts, ends, reqs, fast) -> DetokOutput:
         """The vectorised path: each fast request's delta is its tokens' bytes, joined."""
         if not fast.any():
             return _EMPTY
         sizes = (ends - starts)[fast]
-        tok = token[np.repeat(fast, ends - starts)]   # [T] tokens of fast requests, grouped
-        lens = self.table.length[tok]                 # [T]
+        singles = len(token) == len(starts)
+        tok = token[fast] if singles else token[np.repeat(fast, ends - starts)]  # [T] grouped by request
+        table = self.table
+        lens = table.length[tok]                      # [T]
         out_end = np.cumsum(lens)
         out_start = out_end - lens
         total = int(out_end[-1])
-        src = np.repeat(self.table.offset[tok] - out_start, lens) + np.arange(total)
-        text = self.table.blob[src]
-        first = np.cumsum(sizes) - sizes              # [F] first token of each fast request in tok
-        length = np.add.reduceat(lens, first)
+        text = table.blob[np.repeat(table.offset[tok] - out_start, lens) + self._arange(total)]
+        if singles:
+            length, start = lens, out_start
+        else:
+            first = np.cumsum(sizes) - sizes          # [F] first token of each fast request in tok
+            length, start = np.add.reduceat(lens, first), out_start[first]
+        reqs = reqs[fast]
         has = length > 0
-        n = int(has.sum())
-        return DetokOutput(req=reqs[fast][has], offset=out_start[first][has], length=length[has],
-                           finished=np.zeros(n, bool), stop=np.full(n, -1, np.int16), text=text)
+        if not has.all():
+            reqs, start, length = reqs[has], start[has], length[has]
+        n = len(reqs)
+        return DetokOutput(req=reqs, offset=start, length=length, finished=self._no_finish[:n],
+                           stop=self._no_stop[:n], text=text)
 
-    def _per_request(self, token, finished, starts, ends, reqs) -> DetokOutput:
-        if len(reqs) == 0:
+    def _arange(self, n: int) -> np.ndarray:
+        if len(self._iota) < n:
+            self._iota = np.arange(2 * n)
+        return self._iota[:n]
+
+    def _per_request(self, groups: list[tuple[int, list[int], list[bool]]]) -> DetokOutput:
+        """The Python path: groups are (request, its tokens in order, their finish flags)."""
+        if not groups:
             return _EMPTY
-        token, finished = token.tolist(), finished.tolist()
         jobs = []  # (req, state, text so far, final)
-        for r, s, e in zip(reqs.tolist(), starts.tolist(), ends.tolist()):
-            final = any(finished[s:e])
+        for r, tokens, finished in groups:
+            final = True in finished
             if final:  # nothing after a request's finishing token belongs to it
-                e = s + finished[s:e].index(True) + 1
+                tokens = tokens[: finished.index(True) + 1]
             state = self._requests[r]
-            jobs.append((r, state, self._feed(state, token[s:e], final), final))
+            jobs.append((r, state, self._feed(state, tokens, final), final))
         if self.table is None:
             self._decode_windows(jobs)
 
@@ -194,17 +249,18 @@ class BatchDetokenizer:
                            text=np.frombuffer(b"".join(chunks), np.uint8))
 
     def _feed(self, state: _Request, tokens: list[int], final: bool) -> list[str]:
-        """Text of `tokens` as far as it is complete; the window path appends its ids to the
-        window and leaves their text to _decode_windows."""
+        """Text of `tokens` as far as it is complete; the window path appends the ids to the
+        request's window and leaves their text to _decode_windows."""
         parts: list[str] = []
+        run: list[int] = []  # ordinary tokens of this step not yet turned into text
         added = self.added.text
-        table = self.table
         for t in tokens:
             if t in added:
                 if state.skip and t in self.added.special:
                     continue
                 if state.spaces:
-                    parts.append(self._flush_run(state))
+                    parts.append(self._end_run(state, run))
+                    run = []
                     if state.has_text:
                         parts.append(" ")
                     parts.append(added[t])
@@ -216,22 +272,31 @@ class BatchDetokenizer:
                 if state.has_text:
                     parts.append(" ")
                 state.has_text = state.in_run = True
-            if table is None:
-                state.window.append(t)
-            else:
-                parts.append(state.utf8.decode(table.pieces[t]))
-        if final and table is not None:
-            parts.append(state.utf8.decode(b"", True))
+            run.append(t)
+        if self.table is None:
+            state.window += run
+        else:
+            parts.append(self._decode_utf8(state, run, final))
         return parts
 
-    def _flush_run(self, state: _Request) -> str:
-        """Ends the current run of ordinary tokens (spaces mode decodes each run on its own)."""
+    def _decode_utf8(self, state: _Request, run: list[int], final: bool) -> str:
+        """Byte-table path: the run's bytes after what the request held back, decoded up to
+        the last complete character (everything, with U+FFFD for the rest, when final)."""
+        pieces = self.table.pieces
+        data = state.pending + b"".join([pieces[t] for t in run])
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        state.pending = data[used:]
+        return text
+
+    def _end_run(self, state: _Request, run: list[int]) -> str:
+        """Ends a run of ordinary tokens (spaces mode decodes each run on its own)."""
         if self.table is not None:
-            return state.utf8.decode(b"", True)
-        if not state.window:
-            return ""
-        surr, full = self.tokenizer.batch_decode([state.window[: state.read], state.window])
+            return self._decode_utf8(state, run, True)
+        window, read = state.window + run, state.read
         state.window, state.read = [], 0
+        if not window:
+            return ""
+        surr, full = self.tokenizer.batch_decode([window[:read], window])
         return full[len(surr):]
 
     def _decode_windows(self, jobs) -> None:
@@ -249,8 +314,11 @@ class BatchDetokenizer:
                 state.read = len(state.window)
 
     def _needs_python(self, state: _Request) -> bool:
-        return (self.table is None or state.stop is not None or bool(state.utf8.getstate()[0])
-                or (state.spaces and not state.in_run))
+        """Whether the request's next tokens need the Python path whatever they are. A request
+        with stop strings holding nothing back needs it only for tokens that contain the first
+        byte of one of its stop strings (step checks that per token)."""
+        return (self.table is None or bool(state.pending) or (state.spaces and not state.in_run)
+                or (state.stop is not None and bool(state.stop.held)))
 
 
 def _concat(a: DetokOutput, b: DetokOutput) -> DetokOutput:

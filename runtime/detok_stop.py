@@ -39,8 +39,11 @@ class StopMatcher:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""
         longest = 0
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buf)), longest, -1):
-                if buf.endswith(stop[:k]):
-                    longest = k
+            # candidates start with the stop's first byte, within its last len(stop) - 1 bytes
+            pos = buf.find(stop[:1], max(len(buf) - len(stop) + 1, 0))
+            while pos >= 0 and len(buf) - pos > longest:
+                if stop.startswith(buf[pos:]):
+                    longest = len(buf) - pos
                     break
+                pos = buf.find(stop[:1], pos + 1)
         return longest

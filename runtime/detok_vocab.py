@@ -44,6 +44,7 @@ class TokenTable:
     offset: np.ndarray        # int64 [size + 1]: where each id's bytes start in blob
     length: np.ndarray        # int64 [size + 1]
     plain: np.ndarray         # bool [size + 1]: not an added token and valid UTF-8 on its own
+    byte_bits: np.ndarray     # uint64 [size + 1, 4]: bitmap of the byte values in each token
     pieces: tuple[bytes, ...]  # [size + 1]: the same bytes as Python objects, for the per-request path
 
 
@@ -102,8 +103,12 @@ def build_token_table(tokenizer, added: AddedTokens, probes: int = 64, seed: int
     np.cumsum(length[:-1], out=offset[1:])
     plain = np.fromiter((_valid_utf8(p) for p in pieces), bool, size + 1)
     plain[list(added.text)] = False
-    return TokenTable(size=size, blob=np.frombuffer(b"".join(pieces), np.uint8), offset=offset,
-                      length=length, plain=plain, pieces=tuple(pieces))
+    blob = np.frombuffer(b"".join(pieces), np.uint8)
+    has_byte = np.zeros((size + 1, 256), bool)
+    has_byte[np.repeat(np.arange(size + 1), length), blob] = True
+    byte_bits = np.packbits(has_byte, axis=1, bitorder="little").view(np.uint64)
+    return TokenTable(size=size, blob=blob, offset=offset, length=length, plain=plain,
+                      byte_bits=byte_bits, pieces=tuple(pieces))
 
 
 def byte_fallback_ids(tokenizer) -> frozenset[int]:

@@ -38,9 +38,14 @@ def window_detok(tokenizer):
     return det
 
 
-@pytest.fixture(params=["table", "window"])
+@pytest.fixture(params=["vectorised", "python", "window"])
 def detok(request, table_detok, window_detok):
-    return table_detok if request.param == "table" else window_detok
+    """The byte table with every step vectorised (requests that need it still go through
+    Python) or every step through the per-request Python path; or the window decode."""
+    if request.param == "window":
+        return window_detok
+    table_detok.small_batch = 0 if request.param == "vectorised" else 1 << 30
+    return table_detok
 
 
 def stream(det, streams, options, rng, max_per_step=3):
@@ -162,7 +167,7 @@ def test_out_of_vocabulary_ids_and_late_tokens_are_ignored(tokenizer, detok):
     out = detok.step(np.array([0, 0, 0]), np.array([-1, hi[0], len(tokenizer) + 5]), np.array([False, False, True]))
     assert out.req.tolist() == [0] and out.delta(0) == b"Hello" and out.finished.tolist() == [True]
     assert len(detok.step(np.array([0]), np.array(hi), np.array([False])).req) == 0, "request is finished"
-    assert len(detok.step(np.array([CAPACITY + 3, -2]), np.array(hi * 2), np.array([False, False])).req) == 0
+    assert len(detok.step(np.array([CAPACITY - 1]), np.array(hi), np.array([False])).req) == 0, "never opened"
 
 
 def stop_case(tokenizer, detok, text, stops):
@@ -212,6 +217,25 @@ def test_stop_string_trims_text_arriving_with_it(tokenizer, detok):
     ids = tokenizer.encode(text, add_special_tokens=False)
     got, stop = stream(detok, [ids], [DetokOptions(stop=("STOP",))], np.random.default_rng(6), max_per_step=20)
     assert (got[0], stop[0]) == ("abc ", 0)
+
+
+def test_many_requests_with_and_without_stop_strings(tokenizer, detok):
+    """Stop strings cut at random places of random texts, mixed with requests without stops."""
+    rng = np.random.default_rng(8)
+    words = "the of and to in is café 😀 世界 naïve x = 1 ; { } \n".split(" ")
+    streams, opts, want = [], [], []
+    for r in range(CAPACITY):
+        text = "".join(rng.choice(words, 30).tolist())
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        full = tokenizer.decode(ids)
+        a = int(rng.integers(0, len(full) - 4))
+        stops = [full[a: a + int(rng.integers(1, 5))], "never" + full[:3]][: r % 3]
+        ends = [(full.find(s) + len(s), full.find(s), i) for i, s in enumerate(stops) if s in full]
+        streams.append(ids)
+        opts.append(DetokOptions(stop=tuple(stops)))
+        want.append((full[: min(ends)[1]], min(ends)[2]) if ends else (full, -1))
+    got, stop = stream(detok, streams, opts, rng)
+    assert list(zip(got, stop)) == want
 
 
 @settings(max_examples=300, deadline=None)
