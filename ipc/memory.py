@@ -125,7 +125,8 @@ class Counters:
             lib = _libatomic()
             self._anchor = (ctypes.c_uint64 * n).from_buffer(buf, offset)
             base = ctypes.addressof(self._anchor)
-            load8, store8 = lib.__atomic_load_8, lib.__atomic_store_8
+            # getattr: a dunder name written inside a class body would be name-mangled
+            load8, store8 = getattr(lib, "__atomic_load_8"), getattr(lib, "__atomic_store_8")
             self.load = lambda i: load8(base + 8 * i, _ATOMIC_ACQUIRE)
             self.store = lambda i, v: store8(base + 8 * i, v, _ATOMIC_RELEASE)
 

@@ -41,6 +41,7 @@ class Waker:
         self._sleep_barrier = model().sleep_barrier
         self._loop: asyncio.AbstractEventLoop | None = None
         self._futures: set[asyncio.Future] = set()
+        self.wakeups = 0  # times a peer's eventfd write woke this process (a measure of sleeping)
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -111,6 +112,7 @@ class Waker:
     def _drain(self) -> None:
         try:
             os.eventfd_read(self.fd)
+            self.wakeups += 1
         except BlockingIOError:
             pass
 

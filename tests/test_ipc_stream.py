@@ -1,0 +1,204 @@
+"""10^6 records between two real processes through a small ring: nothing lost, duplicated,
+reordered or torn, with every consumer wait mode. The producer is this file run as a
+script; it receives its channel over a unix socket (SCM_RIGHTS), not by inheritance."""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ipc import Channel, ChannelSpec, Waker
+from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
+from ipc.records import PayloadRef, RecordLayout
+from ipc.shm import our_segments
+
+STREAM = RecordLayout("stream_test", np.dtype([
+    ("seq", np.uint64), ("check", np.uint64), ("off", np.uint32), ("len", np.uint32),
+    ("a", np.uint32), ("b", np.uint16), ("c", np.uint8), ("d", np.uint8)]),
+    payloads=(PayloadRef("off", "len", np.dtype(np.uint32)),))
+RECORDS = 1_000_000
+MAX_BATCH = 256
+CAPACITY = 509  # records; not a power of two, so wraparound lands mid-batch
+ARENA = 8192  # bytes; a push carries up to 256 * 12
+TIMEOUT = 60.0
+
+
+def build_stream(total: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole stream, built once on each side: (records with stream-global offsets, payload).
+    Every field is a function of seq, so a torn record cannot pass; record i's payload is
+    len / 4 words, all equal to i."""
+    seq = np.arange(total, dtype=np.uint64)
+    recs = np.zeros(total, STREAM.dtype)
+    recs["seq"] = seq
+    recs["check"] = seq * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(0xA5A5A5A5A5A5A5A5)
+    recs["a"] = seq * np.uint64(2654435761)
+    recs["b"], recs["c"], recs["d"] = seq ^ np.uint64(0xBEEF), seq >> np.uint64(3), seq * np.uint64(7)
+    recs["len"] = (seq % np.uint64(4)) * np.uint64(4)
+    recs["off"] = np.cumsum(recs["len"], dtype=np.uint64) - recs["len"]
+    return recs, np.repeat(seq.astype(np.uint32), recs["len"] // 4)
+
+
+class Stream:
+    def __init__(self, total: int) -> None:
+        self.records, self.words = build_stream(total)
+        self.word_at = np.append(self.records["off"] // 4, self.words.size).astype(np.int64)  # [total + 1]
+        self.no_off = self.records.copy()
+        self.no_off["off"] = 0
+        words_per = np.diff(self.word_at)
+        self.within = np.arange(self.words.size) - np.repeat(self.word_at[:-1], words_per)  # word index in its record
+        self.words_per = words_per
+
+    def batch(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Records [first, first + n) and their blob, offsets relative to the blob."""
+        recs = self.records[first:first + n].copy()
+        recs["off"] -= recs["off"][0]
+        return recs, self.words[self.word_at[first]:self.word_at[first + n]]
+
+    def verify(self, batch, first: int) -> int:
+        recs = batch.records
+        n = len(recs)
+        assert np.array_equal(recs["seq"], self.records["seq"][first:first + n]), \
+            f"lost, duplicated or reordered records after seq {first}"
+        off = recs["off"].astype(np.int64)
+        recs["off"] = 0
+        assert np.array_equal(np.frombuffer(recs, np.uint8), np.frombuffer(self.no_off[first:first + n], np.uint8)), \
+            f"torn record among seq {first}..{first + n}"
+        w0, w1 = self.word_at[first], self.word_at[first + n]
+        if w1 > w0:
+            words = batch.payload[:batch.payload.size // 4 * 4].view(np.uint32)
+            index = np.repeat(off // 4, self.words_per[first:first + n]) + self.within[w0:w1]
+            assert np.array_equal(words[index], self.words[w0:w1]), f"torn payload among seq {first}..{first + n}"
+        return first + n
+
+
+def consume(ch: Channel, waker: Waker, mode: str, total: int) -> None:
+    spin_us = {"spin": math.inf, "sleep": 0.0, "spin_then_sleep": 50.0}[mode]
+    stream, got = Stream(total), 0
+    while got < total:
+        batch = ch.pop()
+        if batch is None:
+            assert waker.wait_readable([ch], spin_us=spin_us, timeout=TIMEOUT), f"stalled at {got}"
+            continue
+        got = stream.verify(batch, got)
+    assert ch.pop() is None
+
+
+async def consume_async(ch: Channel, waker: Waker, total: int) -> None:
+    stream, got = Stream(total), 0
+    while got < total:
+        batch = ch.pop()
+        if batch is None:
+            assert await waker.wait_readable_async([ch], timeout=TIMEOUT), f"stalled at {got}"
+            continue
+        got = stream.verify(batch, got)
+
+
+def serve_consumer(listener: socket.socket, mode: str, total: int) -> None:
+    """Accepts the producer, creates the channel for it and consumes the stream."""
+    listener.settimeout(TIMEOUT)
+    conn, _ = listener.accept()
+    with conn:
+        _, peer_fd = recv_waker(conn)
+        waker = Waker()
+        ch = Channel.create(ChannelSpec(STREAM, CAPACITY, ARENA), "consumer", waker, peer_fd)
+        os.close(peer_fd)
+        send_channels(conn, [ch])
+        try:
+            if mode == "asyncio":
+                asyncio.run(consume_async(ch, waker, total))
+            else:
+                consume(ch, waker, mode, total)
+            assert ch.heartbeat_ns() > 0, "the producer's heartbeat never reached the consumer"
+            assert (waker.wakeups == 0) == (mode == "spin"), f"{waker.wakeups} eventfd wakeups in {mode} mode"
+        finally:
+            ch.close()
+            waker.close()
+
+
+def produce(path: str, total: int, seed: int) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            sock.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    waker = Waker()
+    send_waker(sock, waker)
+    (ch,), _ = recv_channels(sock, waker, {STREAM.name: STREAM})
+    stream, rng = Stream(total), np.random.default_rng(seed)
+    sent = 0
+    while sent < total:
+        n = min(int(rng.integers(1, MAX_BATCH + 1)), total - sent)
+        recs, blob = stream.batch(sent, n)
+        ch.push_all(recs, blob, timeout=TIMEOUT)
+        ch.beat()
+        sent += n
+    ch.close()
+    waker.close()
+    sock.close()
+
+
+def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, *args], env={**os.environ, **(env or {})},
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    assert proc.returncode == 0, f"{proc.args[2]} failed:\n{err}"
+
+
+@pytest.mark.parametrize("mode", ["spin", "sleep", "spin_then_sleep", "asyncio"])
+def test_million_records_between_processes(tmp_path: Path, mode: str) -> None:
+    path = str(tmp_path / "handoff.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        producer = spawn("produce", path, str(RECORDS), "1")
+        try:
+            serve_consumer(listener, mode, RECORDS)
+        except BaseException:
+            producer.kill()
+            raise
+        finish(producer)
+    assert our_segments() == []
+
+
+def test_weak_memory_model_path(tmp_path: Path) -> None:
+    """Both sides on the path a weakly ordered CPU takes: libatomic release/acquire
+    counters and seq_cst fences instead of membarrier (RINGSERVE_IPC_PORTABLE=1)."""
+    path = str(tmp_path / "handoff.sock")
+    env = {"RINGSERVE_IPC_PORTABLE": "1"}
+    consumer = spawn("consume", path, str(RECORDS // 4), "sleep", env=env)
+    producer = spawn("produce", path, str(RECORDS // 4), "2", env=env)
+    finish(consumer)
+    finish(producer)
+
+
+if __name__ == "__main__":
+    role, path, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if role == "produce":
+        produce(path, total, seed=int(sys.argv[4]))
+    else:
+        from ipc.memory import model
+        assert model().barrier == "fence" and model().counters == "atomic"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(path)
+            server.listen(1)
+            serve_consumer(server, sys.argv[4], total)
