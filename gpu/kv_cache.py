@@ -23,6 +23,13 @@ class KVCache:
         self._k_slots = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.k]
         self._v_slots = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.v]
 
+    def k_pages(self, layer_id: int) -> torch.Tensor:
+        """[num_pages, page_size * Hkv * D], one row per page."""
+        return self.k[layer_id].view(self.num_pages, -1)
+
+    def v_pages(self, layer_id: int) -> torch.Tensor:
+        return self.v[layer_id].view(self.num_pages, -1)
+
     def k_slots(self, layer_id: int) -> torch.Tensor:
         """[num_pages * page_size, Hkv, D], indexed by flat slot."""
         return self._k_slots[layer_id]

@@ -1,0 +1,193 @@
+"""Forward benchmark: this executor vs transformers' own model with its KV cache, same
+weights (the embedded SmolLM2 unless --model-path), same process, same run.
+
+Measures decode step time and tokens/s at several batch sizes (each request holding
+--context tokens of prompt), prefill tokens/s for one --prefill-token prompt, and the start
+time of the ModelRunner; writes perf/results/forward.json and prints a table.
+
+    python perf/forward_bench.py [--threads N] [--batches 1,8,32] [--cold-start]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
+
+
+def timed(fn, repeat: int) -> float:
+    """Best-of-repeat wall time of fn() in seconds (best, since the machine is shared)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ours_decode(runner: ModelRunner, prompts: np.ndarray, steps: int, repeat: int) -> float:
+    """Seconds per decode step for a batch of len(prompts) requests."""
+    B, ctx = prompts.shape
+    pages = [runner.pool.alloc(runner.pool.pages_for(ctx + (steps + 2) * repeat)) for _ in range(B)]
+    for row in range(B):
+        runner.set_request(row, SamplingParams(temperature=0.0), prompts[row], np.zeros(0, np.int32))
+    out = runner.step([SeqInput(b, prompts[b], 0, pages[b], True) for b in range(B)])
+    pos = ctx
+
+    def decode(n: int) -> None:
+        nonlocal out, pos
+        for _ in range(n):
+            out = runner.step([SeqInput(b, out.tokens[b:b + 1], pos, pages[b], True) for b in range(B)])
+            pos += 1
+
+    decode(2)  # warm-up
+    per_step = timed(lambda: decode(steps), repeat) / steps
+    for p in pages:
+        runner.pool.free(p)
+    return per_step
+
+
+def ours_prefill(runner: ModelRunner, prompt: np.ndarray, repeat: int) -> float:
+    pages = runner.pool.alloc(runner.pool.pages_for(len(prompt)))
+    runner.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
+    seconds = timed(lambda: runner.step([SeqInput(0, prompt, 0, pages, True)]), repeat + 1)
+    runner.pool.free(pages)
+    return seconds
+
+
+def hf_decode(model, prompts: np.ndarray, steps: int, repeat: int) -> float:
+    """Seconds per step of the model's own forward with its DynamicCache, greedy."""
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    best = float("inf")
+    for _ in range(repeat):
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(2):  # warm-up
+            out = model(tok, past_key_values=cache, use_cache=True)
+            cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        best = min(best, time.perf_counter() - t)
+    return best / steps
+
+
+def hf_generate_decode(model, prompts: np.ndarray, steps: int, pad_id: int) -> float:
+    """Seconds per decode step of generate(): (time for 1 + steps tokens - time for 1) / steps."""
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    attn = torch.ones_like(ids)
+
+    def gen(n: int) -> None:
+        model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=pad_id)
+
+    gen(2)  # warm-up
+    return (timed(lambda: gen(1 + steps), 1) - timed(lambda: gen(1), 2)) / steps
+
+
+def cold_start_seconds() -> float:
+    """First start on a fresh cache: GGUF conversion + load (the cached start is measured apart)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, RINGSERVE_CACHE_DIR=cache)
+        old = os.environ.copy()
+        os.environ.update(env)
+        try:
+            t = time.perf_counter()
+            ModelRunner(ModelRunnerConfig(max_total_tokens=1024, max_running_requests=1))
+            return time.perf_counter() - t
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request before decoding")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    ap.add_argument("--repeat", type=int, default=2, help="best of this many timed runs")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--no-generate", action="store_true", help="skip the transformers generate() baseline")
+    ap.add_argument("--cold-start", action="store_true", help="also time a start with GGUF conversion")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)  # this process is the benchmark's own
+    batches = [int(b) for b in args.batches.split(",")]
+
+    t = time.perf_counter()
+    runner = ModelRunner(ModelRunnerConfig(
+        model_path=args.model_path, max_running_requests=max(batches),
+        max_total_tokens=max(batches) * (args.context + (args.steps + 2) * args.repeat + 64) + args.prefill + 64))
+    start_s = time.perf_counter() - t
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(runner.model_config.model_dir, dtype=torch.float32).eval()
+    pad_id = runner.model_config.eos_token_ids[0]
+    rng = np.random.default_rng(0)
+    V = runner.model_config.vocab_size
+
+    rows = []
+    with torch.inference_mode():
+        for B in batches:
+            prompts = rng.integers(100, V, size=(B, args.context)).astype(np.int32)
+            ours = ours_decode(runner, prompts, args.steps, args.repeat)
+            theirs = hf_decode(hf, prompts, args.steps, args.repeat)
+            gen = None if args.no_generate else hf_generate_decode(hf, prompts, args.steps, pad_id)
+            rows.append({"batch": B, "ours_ms": ours * 1e3, "hf_ms": theirs * 1e3,
+                         "hf_generate_ms": None if gen is None else gen * 1e3,
+                         "ours_tok_s": B / ours, "hf_tok_s": B / theirs,
+                         "hf_generate_tok_s": None if gen is None else B / gen,
+                         "ratio_vs_hf": theirs / ours, "ratio_vs_generate": None if gen is None else gen / ours})
+        prompt = rng.integers(100, V, size=args.prefill).astype(np.int32)
+        ours_p = ours_prefill(runner, prompt, args.repeat)
+        ids = torch.from_numpy(prompt.astype(np.int64))[None]
+        hf(ids, logits_to_keep=1)
+        hf_p = timed(lambda: hf(ids, use_cache=True, logits_to_keep=1), args.repeat)
+    prefill = {"tokens": args.prefill, "ours_tok_s": args.prefill / ours_p, "hf_tok_s": args.prefill / hf_p,
+               "ratio": hf_p / ours_p}
+    result = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "threads": args.threads, "load_avg": os.getloadavg()},
+        "config": {"context": args.context, "steps": args.steps, "repeat": args.repeat, "dtype": "float32",
+                   "attention_backend": runner.attention_backend, "device": str(runner.device)},
+        "start_seconds_cached": start_s,
+        "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
+        "decode": rows, "prefill": prefill,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
+          f"steps={args.steps} (best of {args.repeat})")
+    print(f"{'batch':>5} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} {'generate tok/s':>14} "
+          f"{'x hf':>6} {'x generate':>10}")
+    for r in rows:
+        gen_tok = "-" if r["hf_generate_tok_s"] is None else f"{r['hf_generate_tok_s']:.1f}"
+        gen_x = "-" if r["ratio_vs_generate"] is None else f"{r['ratio_vs_generate']:.2f}"
+        print(f"{r['batch']:>5} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
+              f"{gen_tok:>14} {r['ratio_vs_hf']:>6.2f} {gen_x:>10}")
+    print(f"prefill {args.prefill} tokens: ours {prefill['ours_tok_s']:.0f} tok/s, transformers "
+          f"{prefill['hf_tok_s']:.0f} tok/s, x{prefill['ratio']:.2f}")
+    cold = result["start_seconds_cold"]
+    print(f"ModelRunner start: {start_s:.1f} s cached" + (f", {cold:.1f} s with GGUF conversion" if cold else ""))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

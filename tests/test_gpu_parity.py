@@ -1,0 +1,127 @@
+"""Greedy token ids of the ModelRunner equal transformers' generate on the same weights (the
+embedded SmolLM2, fp32, CPU): one request at a time, all as one mixed batch (prefill chunks
+and decodes in the same step), and with a shared prefix served from another request's pages."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput
+from runtime.sampling_params import SamplingParams
+
+PAGE = 16
+NEW_TOKENS = 8
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a haiku about the sea and the moon at night.",
+    "List three prime numbers greater than twenty, separated by commas, and explain why each is prime.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a small village at the edge of a vast forest, there lived an old clockmaker "
+    "who had spent his whole life repairing the clocks of the townsfolk. One winter morning, a stranger "
+    "arrived carrying a clock unlike any he had ever seen, and",
+]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the CI machine has 2 cores shared with other tests' processes: one thread is steadier
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(ModelRunnerConfig(page_size=PAGE, max_total_tokens=4096, max_running_requests=8))
+
+
+@pytest.fixture(scope="module")
+def prompts(runner):
+    """The PROMPTS, then a last one sharing the last prompt's first two pages (32 tokens)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(runner.model_config.model_dir)
+    ids = [np.array(tok(p)["input_ids"], np.int32) for p in PROMPTS]
+    return ids + [np.concatenate([ids[-1][: 2 * PAGE], ids[2]])]
+
+
+@pytest.fixture(scope="module")
+def expected(runner, prompts):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(runner.model_config.model_dir, dtype=torch.float32)
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = model.generate(torch.from_numpy(ids.astype(np.int64))[None], max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=runner.model_config.eos_token_ids[0])
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def generate(runner: ModelRunner, prompts: list[np.ndarray], arrive: list[int], chunk: list[int | None],
+             prefix_pages: list[tuple[int, int] | None] | None = None) -> list[list[int]]:
+    """Runs requests to NEW_TOKENS (or EOS) the way a scheduler would: request i joins at step
+    arrive[i], sends its prompt in chunks of chunk[i] tokens (None: at once) and then decodes.
+    prefix_pages[i] = (j, n): request i starts from request j's first n pages, already cached."""
+    eos = set(runner.model_config.eos_token_ids)
+    n = len(prompts)
+    pages: list[np.ndarray | None] = [None] * n
+    done_prompt = [0] * n
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    finished = [False] * n
+    step = 0
+    try:
+        while not all(finished):
+            seqs, owners = [], []
+            for i in range(n):
+                if finished[i] or step < arrive[i]:
+                    continue
+                if pages[i] is None:
+                    runner.set_request(i, GREEDY, prompts[i], np.zeros(0, np.int32))
+                    shared = np.zeros(0, np.int32)
+                    if prefix_pages and prefix_pages[i]:
+                        j, k = prefix_pages[i]
+                        shared, done_prompt[i] = pages[j][:k], k * PAGE
+                    total = len(prompts[i]) + NEW_TOKENS
+                    pages[i] = np.concatenate([shared, runner.pool.alloc(runner.pool.pages_for(total) - len(shared))])
+                if done_prompt[i] < len(prompts[i]):
+                    start = done_prompt[i]
+                    end = len(prompts[i]) if chunk[i] is None else min(start + chunk[i], len(prompts[i]))
+                    seqs.append(SeqInput(i, prompts[i][start:end], start, pages[i], end == len(prompts[i])))
+                    done_prompt[i] = end
+                else:
+                    start = len(prompts[i]) + len(outputs[i]) - 1
+                    seqs.append(SeqInput(i, np.array(outputs[i][-1:], np.int32), start, pages[i], True))
+                if seqs[-1].sample:
+                    owners.append(i)
+            out = runner.step(seqs)
+            for i, tok in zip(owners, out.tokens.tolist()):
+                outputs[i].append(tok)
+                finished[i] = len(outputs[i]) == NEW_TOKENS or tok in eos
+            step += 1
+    finally:
+        for i, p in enumerate(pages):
+            if p is not None:
+                shared = prefix_pages[i][1] if prefix_pages and prefix_pages[i] else 0
+                runner.pool.free(p[shared:])
+    return outputs
+
+
+def test_one_by_one(runner, prompts, expected):
+    for ids, want in zip(prompts[:-1], expected):
+        assert generate(runner, [ids], [0], [None]) == [want]
+
+
+def test_mixed_batch_with_chunked_prefill(runner, prompts, expected):
+    # staggered arrivals and chunked prompts: most steps mix prompt chunks with decodes
+    got = generate(runner, prompts[:-1], arrive=[0, 0, 1, 2, 2, 3], chunk=[None, 3, None, 7, 16, 11])
+    assert got == expected[:-1]
+
+
+def test_shared_prefix_from_cached_pages(runner, prompts, expected):
+    # the last request reuses the previous one's first two pages and computes only its own suffix
+    got = generate(runner, prompts[-2:], arrive=[0, 1], chunk=[None, None], prefix_pages=[None, (0, 2)])
+    assert got == expected[-2:]
