@@ -1,0 +1,151 @@
+"""The batched sampler on hand-built logits: exact top_k / top_p / min_p masks, sampling
+frequencies, seeds, penalties (OpenAI/vLLM semantics), min_tokens and logprobs."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.sampler import Sampler
+from runtime.sampling_params import SamplingParams
+
+V, EOS = 8, 7
+CPU = torch.device("cpu")
+PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]  # sorted, so token id == rank
+
+
+def make(rows: int = 8, seed: int = 0) -> Sampler:
+    return Sampler(rows, V, (EOS,), CPU, random_seed=seed)
+
+
+def logits_of(probs, rows=1) -> torch.Tensor:
+    return torch.log(torch.tensor(probs, dtype=torch.float32)).repeat(rows, 1)
+
+
+def no_output() -> np.ndarray:
+    return np.zeros(0, np.int32)
+
+
+def kept(sampler: Sampler, params: SamplingParams) -> list[int]:
+    sampler.set_request(0, params, no_output(), no_output())
+    sampler.sample(torch.zeros(1, V), np.array([0]))  # syncs the row's parameters to the device
+    probs = sampler.filter_probs(logits_of(PROBS), np.array([0]), torch.tensor([0]))
+    return torch.nonzero(probs[0]).flatten().tolist()
+
+
+@pytest.mark.parametrize("params, want", [
+    (SamplingParams(top_k=3), [0, 1, 2]),
+    (SamplingParams(top_k=-1), list(range(V))),
+    (SamplingParams(top_p=0.6), [0, 1]),           # mass above token 1 is 0.4 < 0.6; above token 2, 0.65
+    (SamplingParams(top_p=0.66), [0, 1, 2]),
+    (SamplingParams(top_p=0.01), [0]),              # the top token always stays
+    (SamplingParams(min_p=0.3), [0, 1, 2]),         # keeps p >= 0.3 * 0.4 = 0.12
+    (SamplingParams(min_p=0.1), [0, 1, 2, 3, 4]),   # keeps p >= 0.04
+    (SamplingParams(top_k=4, top_p=0.9, min_p=0.2), [0, 1, 2, 3]),  # the intersection
+    (SamplingParams(top_k=2, min_p=0.01), [0, 1]),
+])
+def test_masks_are_exact(params, want):
+    assert kept(make(), params) == want
+
+
+def test_temperature_sharpens_before_masking():
+    # at temperature 0.5 the probabilities become p^2 / sum p^2: 0.4 -> 0.60, 0.25 -> 0.23
+    assert kept(make(), SamplingParams(temperature=0.5, min_p=0.3)) == [0, 1]
+
+
+def test_samples_follow_the_kept_renormalised_probabilities():
+    n = 4000
+    sampler = make(rows=n)
+    for row in range(n):
+        sampler.set_request(row, SamplingParams(top_k=3), no_output(), no_output())
+    tokens = sampler.sample(logits_of(PROBS, n), np.arange(n)).tokens.numpy()
+    freq = np.bincount(tokens, minlength=V) / n
+    want = np.array(PROBS[:3]) / sum(PROBS[:3])
+    assert freq[3:].sum() == 0
+    np.testing.assert_allclose(freq[:3], want, atol=0.03)  # > 4 sigma for n = 4000
+
+
+def test_greedy_picks_argmax_whatever_else_is_in_the_batch():
+    sampler = make()
+    sampler.set_request(0, SamplingParams(temperature=0.0), no_output(), no_output())
+    sampler.set_request(1, SamplingParams(temperature=1.0), no_output(), no_output())
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0, 0, 0, 0, 0]] * 2)
+    for _ in range(5):
+        assert sampler.sample(logits.clone(), np.array([0, 1])).tokens[0] == 2
+
+
+def test_seed_reproduces_regardless_of_batch_and_resume():
+    flat = torch.zeros(V)  # uniform: every draw is decided by the generator alone
+
+    def run(batch_rows: list[int], seed_row: int, n: int = 12) -> list[int]:
+        sampler = make(rows=8, seed=123)
+        for row in batch_rows:
+            sampler.set_request(row, SamplingParams(seed=7 if row == seed_row else None), no_output(), no_output())
+        out = []
+        for _ in range(n):
+            tokens = sampler.sample(flat.repeat(len(batch_rows), 1), np.array(batch_rows)).tokens
+            out.append(int(tokens[batch_rows.index(seed_row)]))
+        return out
+
+    alone = run([0], 0)
+    assert run([3, 1, 5], 1) == alone       # other rows, another row number
+    assert run([2, 0, 4, 6, 7], 0) == alone
+    assert len(set(alone)) > 2              # it does sample
+    other = make()
+    other.set_request(0, SamplingParams(seed=8), no_output(), no_output())
+    assert [int(other.sample(flat[None].clone(), np.array([0])).tokens[0]) for _ in range(12)] != alone
+    # resumed after 5 tokens: set_request with the output so far continues the same sequence
+    resumed = make()
+    resumed.set_request(0, SamplingParams(seed=7), no_output(), np.array(alone[:5], np.int32))
+    assert [int(resumed.sample(flat[None].clone(), np.array([0])).tokens[0]) for _ in range(7)] == alone[5:]
+
+
+def test_penalties_follow_openai_vllm_semantics():
+    sampler = make()
+    prompt = np.array([1, 2], np.int32)
+    output = np.array([2, 3, 3, 3], np.int32)
+    sampler.set_request(0, SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5,
+                                          presence_penalty=0.25), prompt, output)
+    sampler.sample(torch.zeros(1, V), np.array([5]))  # sync parameters via an unrelated row
+    logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, -1.0, 0.5, 0.0, 0.0]])
+    got = sampler.apply_penalties(logits.clone(), torch.tensor([0]))[0]
+    want = logits[0].clone()
+    want[1] = 2.0 / 2                       # prompt token, positive: divided
+    want[2] = -2.0 * 2 - 0.5 * 1 - 0.25     # prompt + output once, negative: multiplied, then freq + presence
+    want[3] = 4.0 / 2 - 0.5 * 3 - 0.25      # output three times
+    torch.testing.assert_close(got, want)
+
+
+def test_penalties_see_tokens_as_they_are_sampled():
+    sampler = make()
+    sampler.set_request(0, SamplingParams(temperature=0.0, frequency_penalty=2.0), no_output(), no_output())
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0, 0, 0, 0, 0]])
+    # 3.0 wins, then is 1.0 behind 2.5; 2.5 wins, then 2.0, then 3.0 - 2 = 1.0 vs 0.5 vs 0.0
+    tokens = [int(sampler.sample(logits.clone(), np.array([0])).tokens[0]) for _ in range(4)]
+    assert tokens == [0, 1, 2, 0]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    sampler = make()
+    sampler.set_request(0, SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=5,
+                                          stop_token_ids=(5,)), no_output(), no_output())
+    sampler.set_request(1, SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=5,
+                                          ignore_eos=True), no_output(), no_output())
+    logits = torch.tensor([[0.0, 1, 0, 0, 0, 9, 0, 10]] * 2)  # EOS (7) best, then stop id 5
+    steps = [sampler.sample(logits.clone(), np.array([0, 1])).tokens.tolist() for _ in range(3)]
+    # row 0: EOS and 5 masked for two tokens; row 1 ignores EOS and has no stop ids: nothing masked
+    assert steps == [[1, 7], [1, 7], [7, 7]]
+
+
+def test_logprobs_are_the_raw_model_distribution():
+    sampler = make()
+    sampler.set_request(0, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3,
+                                          repetition_penalty=2.0), np.array([0], np.int32), no_output())
+    sampler.set_request(1, SamplingParams(temperature=0.0), no_output(), no_output())
+    res = sampler.sample(logits_of(PROBS, 2), np.array([0, 1]))
+    # the penalty moves the choice to token 1, the logprobs stay those of the model's output
+    assert res.tokens.tolist() == [1, 0]
+    assert res.logprobs[0].item() == pytest.approx(math.log(PROBS[1]), abs=1e-5)
+    assert math.isnan(res.logprobs[1].item())
+    assert res.top_ids[0].tolist() == [0, 1, 2]
+    np.testing.assert_allclose(res.top_logprobs[0].numpy(), np.log(PROBS[:3]), atol=1e-5)
