@@ -1,0 +1,287 @@
+"""The detokenizer's record work, transport-free: a popped batch of TOKEN_OUT records in,
+TEXT_OUT records and their payload blob out (ipc/records.py has both layouts).
+
+Requests are addressed by (worker, slot, gen). The scheduler's OPEN record starts one
+(detokenizer options in `flags`, top_logprobs asked in `n_top`, stop strings in the
+payload); its TOKEN records follow; the record carrying a finish ends it. Records whose
+gen is not the open one are stale (an aborted request) and dropped.
+
+Per step, a request gets a TEXT_OUT record when its new tokens complete some text, when
+it finishes, or, if it asked for logprobs, whenever it got tokens (text possibly empty).
+`n_tokens` counts the tokens since its previous record, so a request whose tokens
+completed no character is simply not mentioned. The text of a stop token (EOS or one of
+stop_token_ids: a TOKEN with finish STOP) is not output, as SGLang trims it; its id is in
+`stop_token`. A stop string hit finishes the request with finish STOP and `stop_index`;
+the scheduler does not know about it, so the TokenizerManager must send an ABORT for it
+(to free its KV pages); the detokenizer drops the request's later tokens meanwhile.
+
+Payload blob: every logprobs part first (pack_logprobs; each a multiple of 4 bytes, so
+they stay 4-byte aligned), then the text deltas.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ipc.records import (TEXT_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind, decode_strings, pack_logprobs,
+                         unpack_top_logprobs)
+from ipc.ring import Batch
+from runtime.detok_batch import BatchDetokenizer, DetokOptions, DetokOutput
+
+logger = logging.getLogger(__name__)
+
+NO_TOKEN = np.iinfo(np.uint32).max  # TOKEN_OUT.token of a record that ends a request without one
+
+
+class DetokRouter:
+    def __init__(self, tokenizer, max_open: int = 8192, use_byte_table: bool = True) -> None:
+        """max_open: requests open at once (OPENed and not finished, queued ones included)."""
+        self.core = BatchDetokenizer(tokenizer, max_open, use_byte_table=use_byte_table)
+        self._index = np.full((1, 1), -1, np.int64)  # [workers, slots] core index of the open request
+        self._gen = np.zeros((1, 1), np.uint32)      # [workers, slots] its generation
+        self._free = list(range(max_open - 1, -1, -1))
+        self._addr = np.zeros((max_open, 3), np.int64)   # per core index: worker, slot, gen
+        self._logprobs = np.zeros(max_open, bool)
+        self._n_top = np.zeros(max_open, np.uint8)
+        self._unsent = np.zeros(max_open, np.int64)      # tokens since the request's last record
+        self._usage = np.zeros((max_open, 3), np.uint32)  # prompt, completion, cached tokens
+        self._finish = np.zeros(max_open, np.uint8)      # the scheduler's finish, once it came
+        self._stop_token = np.full(max_open, -1, np.int32)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._addr) - len(self._free)
+
+    def handle(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """One popped TOKEN_OUT batch -> (TEXT_OUT records, payload blob), all workers mixed."""
+        recs = batch.records
+        token = recs["kind"] == TokenKind.TOKEN
+        if token.all():
+            return self._tokens(recs, batch.payload)
+        # runs of TOKEN records between control records, each handled in order
+        cuts = np.flatnonzero(token[1:] != token[:-1]) + 1
+        outs = []
+        for start, end in zip([0, *cuts.tolist()], [*cuts.tolist(), len(recs)]):
+            if token[start]:
+                outs.append(self._tokens(recs[start:end], batch.payload))
+            else:
+                outs.extend(self._control(r, batch.payload) for r in recs[start:end])
+        return _merge(outs)
+
+    # ---------------------------------------------------------------- OPEN / ERROR
+
+    def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        w, s, gen = int(rec["worker"]), int(rec["slot"]), int(rec["gen"])
+        body = payload[rec["payload_off"]: rec["payload_off"] + rec["payload_len"]]
+        if rec["kind"] == TokenKind.OPEN:
+            if self._open(w, s, gen, rec, body):
+                return _NOTHING
+            message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
+            return _error(w, s, gen, ErrorCode.OVERLOADED, message, rec)
+        if rec["kind"] != TokenKind.ERROR:
+            logger.error("token-out record of unknown kind %d for (%d, %d, %d) dropped", rec["kind"], w, s, gen)
+            return _NOTHING
+        if self._is_open(w, s, gen):
+            self._close(w, s)
+        return _error(w, s, gen, int(rec["error"]), np.ascontiguousarray(body), rec)
+
+    def _open(self, w: int, s: int, gen: int, rec: np.void, body: np.ndarray) -> bool:
+        """False when max_open requests are open already."""
+        if w >= self._index.shape[0] or s >= self._index.shape[1]:
+            self._grow(w + 1, s + 1)
+        if self._index[w, s] >= 0:  # the slot's previous request never finished here: drop it
+            self._close(w, s)
+        if not self._free:
+            return False
+        flags = OpenFlags(int(rec["flags"]))
+        i = self._free.pop()
+        self.core.open(i, DetokOptions(skip_special_tokens=OpenFlags.SKIP_SPECIAL_TOKENS in flags,
+                                       spaces_between_special_tokens=OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS in flags,
+                                       stop=decode_strings(body)))
+        self._index[w, s], self._gen[w, s] = i, gen
+        self._addr[i] = w, s, gen
+        self._logprobs[i] = OpenFlags.LOGPROBS in flags
+        self._n_top[i] = rec["n_top"]
+        self._unsent[i] = 0
+        self._usage[i] = 0
+        self._finish[i], self._stop_token[i] = Finish.NONE, -1
+        return True
+
+    def _grow(self, workers: int, slots: int) -> None:
+        """Address tables big enough for (workers, slots); slots double, to grow rarely."""
+        w0, s0 = self._index.shape
+        w, s = max(workers, w0), max(slots, 2 * s0) if slots > s0 else s0
+        index, gen = np.full((w, s), -1, np.int64), np.zeros((w, s), np.uint32)
+        index[: self._index.shape[0], : self._index.shape[1]] = self._index
+        gen[: self._gen.shape[0], : self._gen.shape[1]] = self._gen
+        self._index, self._gen = index, gen
+
+    def _is_open(self, w: int, s: int, gen: int) -> bool:
+        return (w < self._index.shape[0] and s < self._index.shape[1] and self._index[w, s] >= 0
+                and self._gen[w, s] == gen)
+
+    def _close(self, w: int, s: int) -> None:
+        i = int(self._index[w, s])
+        self.core.close(i)
+        self._index[w, s] = -1
+        self._free.append(i)
+
+    # ---------------------------------------------------------------- TOKEN
+
+    def _tokens(self, recs: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        w, s = recs["worker"].astype(np.intp), recs["slot"].astype(np.intp)
+        inside = (w < self._index.shape[0]) & (s < self._index.shape[1])
+        if not inside.all():
+            w, s = np.where(inside, w, 0), np.where(inside, s, 0)
+        idx = self._index[w, s]
+        live = inside & (idx >= 0) & (self._gen[w, s] == recs["gen"])
+        if not live.all():
+            recs, idx = recs[live], idx[live]
+            if len(recs) == 0:
+                return _NOTHING
+        finish = recs["finish"]
+        token = recs["token"]
+        is_stop_token = finish == Finish.STOP
+        real = token != NO_TOKEN
+        text_token = np.where(is_stop_token | ~real, -1, token.astype(np.int64))
+        np.add.at(self._unsent, idx[real], 1)
+        self._usage[idx, 0] = recs["prompt_tokens"]
+        self._usage[idx, 2] = recs["cached_tokens"]
+        np.maximum.at(self._usage[:, 1], idx, recs["completion_tokens"])
+        ended = finish != Finish.NONE
+        if ended.any():
+            self._finish[idx[ended]] = finish[ended]
+            stops = is_stop_token & real
+            self._stop_token[idx[stops]] = token[stops]
+
+        out = self.core.step(idx, text_token, ended)
+
+        asked = self._logprobs[idx]
+        if asked.any():  # logprob requests get a record for every step with tokens
+            extra = np.setdiff1d(idx[asked], out.req)
+            rows = np.concatenate([out.req, extra])
+        else:
+            rows = out.req
+        if len(rows) == 0:
+            return _NOTHING
+        return self._records(rows, out, recs, idx, asked, payload)
+
+    def _records(self, rows: np.ndarray, out: DetokOutput, recs: np.ndarray, idx: np.ndarray,
+                 asked: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n, m = len(rows), len(out.req)
+        res = np.zeros(n, TEXT_OUT.dtype)
+        addr = self._addr[rows]
+        res["worker"], res["slot"], res["gen"] = addr[:, 0], addr[:, 1], addr[:, 2]
+        res["kind"] = TextKind.TEXT
+        res["n_tokens"] = self._unsent[rows]
+        self._unsent[rows] = 0
+        usage = self._usage[rows]
+        res["prompt_tokens"], res["completion_tokens"], res["cached_tokens"] = usage[:, 0], usage[:, 1], usage[:, 2]
+        finished = np.zeros(n, bool)
+        finished[:m] = out.finished
+        stop_hit = np.full(n, -1, np.int16)
+        stop_hit[:m] = out.stop
+        res["stop_index"] = stop_hit
+        res["finish"] = np.where(finished, np.where(stop_hit >= 0, Finish.STOP, self._finish[rows]), Finish.NONE)
+        res["stop_token"] = np.where(finished & (stop_hit < 0), self._stop_token[rows], -1)
+
+        parts: list[bytes] = []
+        lp_size = 0
+        if asked.any():
+            lp_size = self._logprob_parts(res, rows, recs[asked], idx[asked], payload, parts)
+        res["text_off"][:m] = out.offset + lp_size
+        res["text_len"][:m] = out.length
+        for w, s, _ in addr[finished].tolist():
+            self._close(w, s)
+        return res, np.concatenate([np.frombuffer(b"".join(parts), np.uint8), out.text])
+
+    def _logprob_parts(self, res: np.ndarray, rows: np.ndarray, recs: np.ndarray, idx: np.ndarray,
+                       payload: np.ndarray, parts: list[bytes]) -> int:
+        """pack_logprobs of each logprob request's tokens of this step (Python per such token:
+        the top-N alternatives are per token anyway). Returns the parts' total size."""
+        row_of = {r: k for k, r in enumerate(rows.tolist())}
+        order = np.argsort(idx, kind="stable")
+        idx, recs = idx[order], recs[order]
+        cuts = np.flatnonzero(idx[1:] != idx[:-1]) + 1
+        size = 0
+        for start, end in zip([0, *cuts.tolist()], [*cuts.tolist(), len(idx)]):
+            i = int(idx[start])
+            group = recs[start:end]
+            group = group[group["token"] != NO_TOKEN]
+            n_top = int(self._n_top[i])
+            top_ids = np.zeros((len(group), n_top), np.uint32)
+            top_lps = np.full((len(group), n_top), -np.inf, np.float32)
+            for t, rec in enumerate(group):
+                k = min(n_top, int(rec["n_top"]))
+                if k:
+                    ids, lps = unpack_top_logprobs(payload[rec["payload_off"]: rec["payload_off"] + rec["payload_len"]],
+                                                   int(rec["n_top"]))
+                    top_ids[t, :k], top_lps[t, :k] = ids[:k], lps[:k]
+            part = pack_logprobs(group["token"], group["logprob"], top_ids if n_top else None,
+                                 top_lps if n_top else None)
+            k = row_of[i]
+            res["logprobs_off"][k], res["logprobs_len"][k], res["n_top"][k] = size, len(part), n_top
+            parts.append(part)
+            size += len(part)
+        return size
+
+
+def _error(w: int, s: int, gen: int, code: int, message, rec: np.void) -> tuple[np.ndarray, np.ndarray]:
+    out = np.zeros(1, TEXT_OUT.dtype)
+    out["worker"], out["slot"], out["gen"] = w, s, gen
+    out["kind"], out["finish"], out["error"] = TextKind.ERROR, Finish.ERROR, code
+    out["prompt_tokens"], out["completion_tokens"] = rec["prompt_tokens"], rec["completion_tokens"]
+    out["cached_tokens"] = rec["cached_tokens"]
+    out["stop_token"], out["stop_index"] = -1, -1
+    blob = np.frombuffer(message, np.uint8) if isinstance(message, bytes) else message
+    out["text_len"] = len(blob)
+    return out, blob
+
+
+def split_by_worker(records: np.ndarray, blob: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """TEXT_OUT records of several workers -> {worker: (its records, its own blob)}."""
+    workers = records["worker"]
+    if len(records) == 0:
+        return {}
+    if (workers == workers[0]).all():
+        return {int(workers[0]): (records, blob)}
+    out = {}
+    for w in np.unique(workers).tolist():
+        sel = records[workers == w].copy()
+        lp, lp_off = _gather(blob, sel["logprobs_off"], sel["logprobs_len"])
+        text, text_off = _gather(blob, sel["text_off"], sel["text_len"])
+        sel["logprobs_off"], sel["text_off"] = lp_off, text_off + len(lp)
+        out[w] = sel, np.concatenate([lp, text])
+    return out
+
+
+def _gather(blob: np.ndarray, off: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The spans blob[off:off+length], back to back, and where each starts in the result."""
+    length = length.astype(np.int64)
+    end = np.cumsum(length)
+    start = end - length
+    total = int(end[-1]) if len(end) else 0
+    src = np.repeat(off.astype(np.int64) - start, length) + np.arange(total)
+    return blob[src], start.astype(np.uint32)
+
+
+def _merge(outs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Several (records, blob) -> one, logprobs parts still first and 4-byte aligned."""
+    outs = [o for o in outs if len(o[0])]
+    if len(outs) <= 1:
+        return outs[0] if outs else _NOTHING
+    records = np.concatenate([r for r, _ in outs])
+    blob = np.concatenate([b for _, b in outs])
+    lp, lp_off = _gather(blob, _shifted(outs, "logprobs_off"), records["logprobs_len"])
+    text, text_off = _gather(blob, _shifted(outs, "text_off"), records["text_len"])
+    records["logprobs_off"], records["text_off"] = lp_off, text_off + len(lp)
+    return records, np.concatenate([lp, text])
+
+
+def _shifted(outs: list[tuple[np.ndarray, np.ndarray]], field: str) -> np.ndarray:
+    base = np.cumsum([0] + [len(b) for _, b in outs[:-1]])
+    return np.concatenate([r[field].astype(np.int64) + b for (r, _), b in zip(outs, base)])
+
+
+_NOTHING = (np.zeros(0, TEXT_OUT.dtype), np.zeros(0, np.uint8))

@@ -1,0 +1,164 @@
+"""DetokRouter: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detok_router.py), with the
+real tokenizer and the real record layouts of ipc/records.py."""
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from gpu.model_files import resolve_model_dir
+from ipc.records import (TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
+                         encode_strings, unpack_logprobs)
+from ipc.ring import Batch
+from runtime.detok_router import NO_TOKEN, DetokRouter, split_by_worker
+
+DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS | OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+@pytest.fixture(scope="module")
+def router(tokenizer):
+    """Shared by the tests (building the byte table takes a second): each test uses its own workers."""
+    return DetokRouter(tokenizer, max_open=64)
+
+
+def opened(w, s, g, stop=(), flags=DEFAULT_FLAGS, n_top=0):
+    return dict(kind=TokenKind.OPEN, worker=w, slot=s, gen=g, flags=flags, n_top=n_top,
+                payload=encode_strings(stop))
+
+
+def tok(w, s, g, token, finish=Finish.NONE, logprob=0.0, top=None, completion=0):
+    rec = dict(kind=TokenKind.TOKEN, worker=w, slot=s, gen=g, token=token, finish=finish, logprob=logprob,
+               prompt_tokens=5, completion_tokens=completion, cached_tokens=2)
+    if top is not None:
+        ids, lps = top
+        rec.update(n_top=len(ids), payload=np.array(ids, np.uint32).tobytes() + np.array(lps, np.float32).tobytes())
+    return rec
+
+
+def batch(*items) -> Batch:
+    recs = np.zeros(len(items), TOKEN_OUT.dtype)
+    payload = PayloadBuilder()
+    for rec, item in zip(recs, items):
+        for k, v in item.items():
+            if k == "payload":
+                rec["payload_off"], rec["payload_len"] = payload.add(v)
+            else:
+                rec[k] = v
+    return Batch(recs, np.frombuffer(payload.blob(), np.uint8))
+
+
+def rows(records, blob):
+    """TEXT_OUT records -> dicts, with the text and logprobs read from the blob."""
+    out = []
+    for r in records:
+        d = {k: r[k].item() for k in ("worker", "slot", "gen", "kind", "finish", "n_tokens", "stop_index",
+                                      "stop_token", "completion_tokens", "error")}
+        d["text"] = blob[r["text_off"]: r["text_off"] + r["text_len"]].tobytes()
+        if r["logprobs_len"]:
+            part = blob[r["logprobs_off"]: r["logprobs_off"] + r["logprobs_len"]]
+            assert r["logprobs_off"] % 4 == 0
+            ids, lps, top_ids, top_lps = unpack_logprobs(part, int(r["n_tokens"]), int(r["n_top"]))
+            d["logprobs"] = (ids.tolist(), lps.tolist(), top_ids.tolist(), top_lps.tolist())
+        out.append(d)
+    return out
+
+
+def test_stream_two_requests_with_stop_token_and_stale_records(tokenizer, router):
+    a = tokenizer.encode("Hello 😀 world", add_special_tokens=False)
+    b = tokenizer.encode("Bonjour", add_special_tokens=False)
+    before = router.num_open
+    out = rows(*router.handle(batch(opened(0, 3, 7), opened(0, 4, 1), tok(0, 3, 7, a[0]), tok(0, 4, 1, b[0]))))
+    assert [(r["slot"], r["text"], r["n_tokens"]) for r in out] == [(3, b"Hello", 1), (4, tokenizer.decode(b[:1]).encode(), 1)]
+
+    text = b""
+    for i, t in enumerate(a[1:], 1):
+        got = rows(*router.handle(batch(tok(0, 3, 6, t), tok(0, 3, 7, t, completion=i + 1))))  # gen 6: stale
+        assert all(r["gen"] == 7 for r in got)
+        text += b"".join(r["text"] for r in got)
+    assert (b"Hello" + text).decode() == tokenizer.decode(a)
+    emoji_tokens = sum("\ufffd" in tokenizer.decode([t]) for t in a)
+    assert emoji_tokens >= 2, "the emoji spans tokens: some steps send nothing"
+
+    eos = tokenizer.eos_token_id
+    out = rows(*router.handle(batch(tok(0, 3, 7, eos, Finish.STOP, completion=len(a) + 1))))
+    assert out == [dict(worker=0, slot=3, gen=7, kind=TextKind.TEXT, finish=Finish.STOP, n_tokens=1, stop_index=-1,
+                        stop_token=eos, completion_tokens=len(a) + 1, error=0, text=b"")]
+    assert rows(*router.handle(batch(tok(0, 3, 7, a[0])))) == [], "finished: later records are stale"
+    assert router.num_open == before + 1
+
+
+def test_tokens_completing_no_character_are_counted_in_the_next_record(tokenizer, router):
+    ids = tokenizer.encode("😀!", add_special_tokens=False)
+    assert "\ufffd" in tokenizer.decode(ids[:1])
+    router.handle(batch(opened(1, 0, 1)))
+    assert rows(*router.handle(batch(tok(1, 0, 1, ids[0])))) == []
+    out = rows(*router.handle(batch(*[tok(1, 0, 1, t) for t in ids[1:]])))
+    assert [(r["text"].decode(), r["n_tokens"]) for r in out] == [("😀!", len(ids))]
+
+
+def test_stop_string_finishes_and_trims(tokenizer, router):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    before = router.num_open
+    router.handle(batch(opened(2, 1, 1, stop=("xyz", "three"))))
+    out = rows(*router.handle(batch(*[tok(2, 1, 1, t) for t in ids])))
+    assert [(r["text"], r["finish"], r["stop_index"], r["stop_token"]) for r in out] == \
+        [(b"one two ", Finish.STOP, 1, -1)]
+    assert router.num_open == before
+
+
+def test_slot_reuse_within_one_batch(tokenizer, router):
+    x, y = tokenizer.encode(" x", add_special_tokens=False)[0], tokenizer.encode(" y", add_special_tokens=False)[0]
+    out = rows(*router.handle(batch(opened(3, 0, 1), tok(3, 0, 1, x), tok(3, 0, 1, x, Finish.LENGTH),
+                                    opened(3, 0, 2), tok(3, 0, 2, y), tok(3, 0, 1, y))))
+    assert [(r["gen"], r["text"], r["finish"], r["n_tokens"]) for r in out] == \
+        [(1, b" x x", Finish.LENGTH, 2), (2, b" y", Finish.NONE, 1)]
+
+
+def test_abort_without_token_and_error_record(router):
+    router.handle(batch(opened(4, 2, 1)))
+    out = rows(*router.handle(batch(tok(4, 2, 1, NO_TOKEN, Finish.ABORT))))
+    assert [(r["text"], r["finish"], r["n_tokens"]) for r in out] == [(b"", Finish.ABORT, 0)]
+    err = dict(kind=TokenKind.ERROR, worker=4, slot=5, gen=3, error=ErrorCode.PROMPT_TOO_LONG,
+               payload=b"prompt is too long")
+    out = rows(*router.handle(batch(err)))
+    assert [(r["kind"], r["finish"], r["error"], r["text"]) for r in out] == \
+        [(TextKind.ERROR, Finish.ERROR, ErrorCode.PROMPT_TOO_LONG, b"prompt is too long")]
+
+
+def test_logprobs_every_step_with_top_n(tokenizer, router):
+    ids = tokenizer.encode("😀 ok", add_special_tokens=False)
+    router.handle(batch(opened(5, 0, 1, n_top=2, flags=DEFAULT_FLAGS | OpenFlags.LOGPROBS), opened(5, 1, 1)))
+    got = []
+    for k, t in enumerate(ids):
+        top = ([t, 7, 9], [-0.5, -1.5, -2.5])  # the scheduler sent 3 alternatives, 2 were asked
+        got += rows(*router.handle(batch(tok(5, 0, 1, t, logprob=-0.25 * k, top=top), tok(5, 1, 1, t))))
+    mine = [r for r in got if r["slot"] == 0]
+    assert len(mine) == len(ids), "a record for every step, text or not"
+    assert b"".join(r["text"] for r in mine).decode() == "😀 ok"
+    for k, (r, t) in enumerate(zip(mine, ids)):
+        assert r["logprobs"] == ([t], [-0.25 * k], [[t, 7]], [[-0.5, -1.5]])
+    assert all("logprobs" not in r for r in got if r["slot"] == 1)
+
+
+def test_out_of_capacity_open_is_an_error(tokenizer):
+    small = DetokRouter(tokenizer, max_open=4, use_byte_table=False)
+    out = rows(*small.handle(batch(*[opened(0, s, 1) for s in range(5)])))
+    assert [(r["slot"], r["kind"], r["error"]) for r in out] == [(4, TextKind.ERROR, ErrorCode.OVERLOADED)]
+
+
+def test_split_by_worker(tokenizer, router):
+    a = tokenizer.encode("alpha beta", add_special_tokens=False)
+    workers = (6, 7, 8)
+    items = [opened(w, 0, 1, flags=DEFAULT_FLAGS | (OpenFlags.LOGPROBS if w == 7 else 0)) for w in workers]
+    items += [tok(w, 0, 1, t, logprob=-1.0) for t in a for w in workers]
+    records, blob = router.handle(batch(*items))
+    parts = split_by_worker(records, blob)
+    assert sorted(parts) == list(workers)
+    for w, (recs, sub) in parts.items():
+        got = rows(recs, sub)
+        assert [r["worker"] for r in got] == [w] and got[0]["text"] == b"alpha beta"
+        assert ("logprobs" in got[0]) == (w == 7)
+    assert split_by_worker(*parts[7]) == {7: parts[7]}
