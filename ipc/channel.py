@@ -101,6 +101,8 @@ class Channel:
     def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
         """Publishes the longest prefix of `records` that fits (all sharing the one
         `payload` blob their `*_off` fields point into); returns how many, 0 if full."""
+        if self.role != "producer":
+            raise ValueError(f"push: this process is the consumer of the {self.spec.layout.name} channel")
         pushed = self._ring.push(records, payload)
         if pushed:
             if self._publish_barrier is not None:
@@ -142,6 +144,8 @@ class Channel:
 
     def pop(self, max_records: int | None = None) -> Batch | None:
         """All published records (at most `max_records`) and their payloads; None if empty."""
+        if self.role != "consumer":
+            raise ValueError(f"pop: this process is the producer of the {self.spec.layout.name} channel")
         batch = self._ring.pop(max_records)
         if batch is not None:
             if self._publish_barrier is not None:

@@ -82,7 +82,8 @@ HEAD, ARENA_HEAD, CONSUMER_SLEEPING = 2 * LINE_WORDS, 2 * LINE_WORDS + 1, 2 * LI
 HEARTBEAT = 3 * LINE_WORDS
 _BARRIERS = {"membarrier": 1, "fence": 2}
 
-_NO_PAYLOAD = np.empty(0, np.uint8)
+_U8 = np.dtype(np.uint8)
+_NO_PAYLOAD = np.empty(0, _U8)
 _NO_PAYLOAD.flags.writeable = False
 
 
@@ -134,6 +135,7 @@ class Ring:
             raise ValueError(f"segment of {len(buf)} bytes is too small for this channel ({size} bytes)")
         self._buf = buf
         self._hdr = Counters(buf, 0, HEADER_BYTES // 8)
+        self._load, self._store = self._hdr.load, self._hdr.store  # hot-path shortcuts
         const = np.frombuffer(buf, np.uint64, 7, 0)
         expected = (MAGIC, VERSION, capacity, arena_bytes, layout.dtype.itemsize, layout_hash(layout),
                     _BARRIERS[model().barrier])
@@ -182,9 +184,11 @@ class Ring:
         if free < n:
             self._head = self._hdr.load(HEAD)
             free = cap - (tail - self._head)
-        k = min(n, free)
+        k = n if n <= free else free
         if k == 0:
             return 0
+        i = tail % cap
+        first = k if k <= cap - i else cap - i  # records before the wrap
         if self.arena is not None:
             arena = self.arena
             pos = arena.place(self._arena_tail, blob.size)
@@ -196,20 +200,17 @@ class Ring:
                 arena.write(pos, blob)
             self._arena_tail = align_up(pos + blob.size)
             self._pair[0], self._pair[1] = pos, pos + blob.size
-            i = tail % cap
-            first = min(k, cap - i)
             self._bounds[i:i + first] = self._pair
             if first < k:
                 self._bounds[:k - first] = self._pair
         # copied as bytes: numpy assigns structured arrays field by field, ~10x slower
         src = np.frombuffer(records if records.flags.c_contiguous else np.ascontiguousarray(records), np.uint8)
-        size, i = self._itemsize, tail % cap
-        first = min(k, cap - i)
-        self._slots[i * size:(i + first) * size] = src[:first * size]
+        size = self._itemsize
+        self._slots[i * size:(i + first) * size] = src if first == n else src[:first * size]
         if first < k:
             self._slots[:(k - first) * size] = src[first * size:k * size]
         self._tail = tail + k
-        self._hdr.store(TAIL, tail + k)
+        self._store(TAIL, tail + k)
         return k
 
     def free_records(self) -> int:
@@ -229,7 +230,7 @@ class Ring:
     # ---------------------------------------------------------------- consumer
 
     def readable(self) -> bool:
-        return self._hdr.load(TAIL) != self._head
+        return self._load(TAIL) != self._head
 
     def __len__(self) -> int:
         """Records published and not yet popped."""
@@ -238,18 +239,18 @@ class Ring:
     def pop(self, max_records: int | None = None) -> Batch | None:
         """Copies out up to `max_records` (default: all) published records and the payload
         span they reference, frees their slots and arena space; None if empty."""
-        tail = self._hdr.load(TAIL)
+        if max_records is not None and max_records < 1:
+            raise ValueError(f"max_records must be at least 1, not {max_records}")
+        tail = self._load(TAIL)
         head = self._head
         n = tail - head
         if n == 0:
             return None
-        if max_records is not None:
-            if max_records < 1:
-                raise ValueError(f"max_records must be at least 1, not {max_records}")
-            n = min(n, max_records)
+        if max_records is not None and n > max_records:
+            n = max_records
         cap = self.capacity
         i = head % cap
-        first = min(n, cap - i)
+        first = n if n <= cap - i else cap - i  # records before the wrap
         size = self._itemsize
         raw = np.empty(n * size, np.uint8)
         raw[:first * size] = self._slots[i * size:(i + first) * size]
@@ -267,9 +268,9 @@ class Ring:
                 if self._rebase and bound(2 * last) != start:
                     self._rebase_offsets(records, head, n, start)
             # free up to the first blob still referenced by an unpopped record
-            self._hdr.store(ARENA_HEAD, end if new_head == tail else bound(2 * (new_head % cap)))
+            self._store(ARENA_HEAD, end if new_head == tail else bound(2 * (new_head % cap)))
         self._head = new_head
-        self._hdr.store(HEAD, new_head)
+        self._store(HEAD, new_head)
         return Batch(records, payload)
 
     def _rebase_offsets(self, records: np.ndarray, head: int, n: int, start: int) -> None:
@@ -285,13 +286,13 @@ class Ring:
         self._hdr.store(CONSUMER_SLEEPING, int(on))
 
     def consumer_sleeping(self) -> bool:
-        return self._hdr.load(CONSUMER_SLEEPING) != 0
+        return self._load(CONSUMER_SLEEPING) != 0
 
     def set_producer_waiting(self, on: bool) -> None:
         self._hdr.store(PRODUCER_WAITING, int(on))
 
     def producer_waiting(self) -> bool:
-        return self._hdr.load(PRODUCER_WAITING) != 0
+        return self._load(PRODUCER_WAITING) != 0
 
     def beat(self) -> None:
         self._hdr.store(HEARTBEAT, time.monotonic_ns())
@@ -303,6 +304,7 @@ class Ring:
     def close(self) -> None:
         """Drops this side's views of the segment; the caller closes the mapping."""
         self._hdr.close()
+        self._load, self._store = self._hdr.load, self._hdr.store  # now raise instead of touching unmapped memory
         if self.arena is not None:
             self._bound.close()
             self._bounds = self._pair = None
@@ -313,5 +315,7 @@ def as_bytes(payload: np.ndarray | bytes | bytearray | memoryview | None) -> np.
     if payload is None:
         return _NO_PAYLOAD
     if isinstance(payload, np.ndarray):
+        if payload.dtype is _U8 and payload.ndim == 1 and payload.flags.c_contiguous:
+            return payload
         return np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     return np.frombuffer(payload, np.uint8)

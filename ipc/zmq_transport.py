@@ -115,6 +115,10 @@ class ZmqWaker:
     """The ZMQ counterpart of ipc.wakeup.Waker: sockets wake their own pollers, so it holds no fd."""
     fds: tuple[int, ...] = ()
 
+    def __init__(self) -> None:
+        # one poller per set of sockets waited on; the entry pins the sockets, so ids are not reused
+        self._pollers: dict[tuple[int, ...], tuple[zmq.Poller, tuple[zmq.Socket, ...]]] = {}
+
     def wait_readable(self, channels: Sequence[ZmqChannel], spin_us: float = 0.0,
                       timeout: float | None = None) -> bool:
         if any(ch.readable() for ch in channels):
@@ -128,9 +132,13 @@ class ZmqWaker:
                     return True
             if spin_end >= deadline:
                 return False
-        poller = zmq.Poller()
-        for ch in channels:
-            poller.register(ch.sock, zmq.POLLIN)
+        socks = tuple(ch.sock for ch in channels)
+        entry = self._pollers.get(tuple(map(id, socks)))
+        if entry is None:
+            entry = self._pollers[tuple(map(id, socks))] = (zmq.Poller(), socks)
+            for sock in socks:
+                entry[0].register(sock, zmq.POLLIN)
+        poller = entry[0]
         remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
         poller.poll(None if remaining is None else math.ceil(remaining * 1000))
         return any(ch.readable() for ch in channels)
@@ -171,7 +179,7 @@ class ZmqWaker:
         return True
 
     def close(self) -> None:
-        pass
+        self._pollers.clear()
 
 
 class ZmqChannel:

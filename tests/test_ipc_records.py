@@ -103,7 +103,13 @@ def test_live_mask_drops_stale_and_out_of_range():
 
 
 def test_bad_input_names_the_parameter(pair):
-    prod, _ = pair(TOKEN_OUT, capacity=4, arena=64)
+    prod, cons = pair(TOKEN_OUT, capacity=4, arena=64)
+    with pytest.raises(ValueError, match="pop: this process is the producer"):
+        prod.pop()
+    with pytest.raises(ValueError, match="push: this process is the consumer"):
+        cons.push(np.zeros(1, TOKEN_OUT.dtype))
+    with pytest.raises(ValueError, match="max_records"):
+        cons.pop(0)
     with pytest.raises(TypeError, match="records"):
         prod.push(np.zeros(2, REQUEST.dtype))
     with pytest.raises(ValueError, match="payload of 100 bytes"):
