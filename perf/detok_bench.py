@@ -5,6 +5,8 @@ step, steady state), for:
   window         BatchDetokenizer forced onto the window decode (one batch_decode per step)
   per-request    the classic loop: per request per step, tokenizer.decode of its window
                  (surrogate/read offsets), one request at a time
+  router         the detokenizer process's whole per-batch work minus the ring: TOKEN_OUT
+                 records in, DetokRouter.handle, TEXT_OUT records + payload out
 Writes perf/results/detok.json and prints a table.
 
     python perf/detok_bench.py [--seconds 1.0]
@@ -22,7 +24,10 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
+from ipc.records import TOKEN_OUT, OpenFlags, TokenKind
+from ipc.ring import Batch
 from runtime.detok_batch import BatchDetokenizer, DetokOptions
+from runtime.detok_router import DetokRouter
 
 BATCHES = (1, 64, 256)
 CORPORA = {
@@ -74,6 +79,26 @@ class PerRequestDecode:
         return out
 
 
+class RouterStep:
+    """Feeds DetokRouter one TOKEN_OUT record per request per step (what the process pops)."""
+
+    def __init__(self, tokenizer, n: int) -> None:
+        self.router = DetokRouter(tokenizer, max_open=n)
+        opens = np.zeros(n, TOKEN_OUT.dtype)
+        opens["kind"], opens["slot"], opens["gen"] = TokenKind.OPEN, np.arange(n), 1
+        opens["flags"] = OpenFlags.SKIP_SPECIAL_TOKENS
+        self.router.handle(Batch(opens, np.zeros(0, np.uint8)))
+        self.records = np.zeros(n, TOKEN_OUT.dtype)
+        self.records["slot"], self.records["gen"] = np.arange(n), 1
+        self.empty = np.zeros(0, np.uint8)
+
+    def step(self, req: np.ndarray, token: np.ndarray, finished: np.ndarray):
+        recs = self.records[: len(req)]
+        recs["token"] = token
+        records, blob = self.router.handle(Batch(recs, self.empty))
+        return blob
+
+
 def measure(make, corpus_ids: np.ndarray, batch: int, seconds: float, rng) -> dict:
     """Steady-state µs per token: each request streams the corpus from its own offset."""
     det = make()
@@ -88,7 +113,8 @@ def measure(make, corpus_ids: np.ndarray, batch: int, seconds: float, rng) -> di
         out = det.step(req, token, finished)
         elapsed += time.perf_counter() - t0
         cpu += time.process_time() - c0
-        chars += len(out.text) if hasattr(out, "text") else sum(len(b) for _, b in out)
+        chars += len(out.text) if hasattr(out, "text") else len(out) if hasattr(out, "dtype") else sum(
+            len(b) for _, b in out)
         steps += 1
     tokens = steps * batch
     return {"batch": batch, "steps": steps, "tokens": tokens, "us_per_token": 1e6 * elapsed / tokens,
@@ -116,6 +142,7 @@ def main() -> None:
         "table+stop": batch_detok(True, DetokOptions(stop=("<never>", "\n\n\n\n"))),
         "window": batch_detok(False, no_stop),
         "per-request": lambda: PerRequestDecode(tokenizer, cap),
+        "router": lambda: RouterStep(tokenizer, cap),
     }
     rng = np.random.default_rng(0)
     results = []

@@ -32,6 +32,8 @@ from runtime.detok_batch import BatchDetokenizer, DetokOptions, DetokOutput
 logger = logging.getLogger(__name__)
 
 NO_TOKEN = np.iinfo(np.uint32).max  # TOKEN_OUT.token of a record that ends a request without one
+# plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
+_TOKEN, _STOP, _NONE = int(TokenKind.TOKEN), int(Finish.STOP), int(Finish.NONE)
 
 
 class DetokRouter:
@@ -56,7 +58,7 @@ class DetokRouter:
     def handle(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """One popped TOKEN_OUT batch -> (TEXT_OUT records, payload blob), all workers mixed."""
         recs = batch.records
-        token = recs["kind"] == TokenKind.TOKEN
+        token = recs["kind"] == _TOKEN
         if token.all():
             return self._tokens(recs, batch.payload)
         # runs of TOKEN records between control records, each handled in order
@@ -142,14 +144,14 @@ class DetokRouter:
                 return _NOTHING
         finish = recs["finish"]
         token = recs["token"]
-        is_stop_token = finish == Finish.STOP
+        is_stop_token = finish == _STOP
         real = token != NO_TOKEN
         text_token = np.where(is_stop_token | ~real, -1, token.astype(np.int64))
         np.add.at(self._unsent, idx[real], 1)
         self._usage[idx, 0] = recs["prompt_tokens"]
         self._usage[idx, 2] = recs["cached_tokens"]
         np.maximum.at(self._usage[:, 1], idx, recs["completion_tokens"])
-        ended = finish != Finish.NONE
+        ended = finish != _NONE
         if ended.any():
             self._finish[idx[ended]] = finish[ended]
             stops = is_stop_token & real
@@ -170,10 +172,9 @@ class DetokRouter:
     def _records(self, rows: np.ndarray, out: DetokOutput, recs: np.ndarray, idx: np.ndarray,
                  asked: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n, m = len(rows), len(out.req)
-        res = np.zeros(n, TEXT_OUT.dtype)
+        res = np.zeros(n, TEXT_OUT.dtype)  # kind TEXT (0), no logprobs unless set below
         addr = self._addr[rows]
         res["worker"], res["slot"], res["gen"] = addr[:, 0], addr[:, 1], addr[:, 2]
-        res["kind"] = TextKind.TEXT
         res["n_tokens"] = self._unsent[rows]
         self._unsent[rows] = 0
         usage = self._usage[rows]
@@ -183,7 +184,7 @@ class DetokRouter:
         stop_hit = np.full(n, -1, np.int16)
         stop_hit[:m] = out.stop
         res["stop_index"] = stop_hit
-        res["finish"] = np.where(finished, np.where(stop_hit >= 0, Finish.STOP, self._finish[rows]), Finish.NONE)
+        res["finish"] = np.where(finished, np.where(stop_hit >= 0, _STOP, self._finish[rows]), _NONE)
         res["stop_token"] = np.where(finished & (stop_hit < 0), self._stop_token[rows], -1)
 
         parts: list[bytes] = []
