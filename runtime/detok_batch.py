@@ -88,7 +88,7 @@ class BatchDetokenizer:
                 self.fallback_reason = str(e)
         self._byte_run_ids = byte_fallback_ids(tokenizer) if self.table is None else frozenset()
         self._requests: list[_Request | None] = [None] * capacity
-        self._live = np.zeros(capacity + 1, bool)  # last entry: never live, for out-of-range indices
+        self._live = np.zeros(capacity, bool)
         self._python = np.zeros(capacity, bool)    # must take the per-request path next step
         self._odd = ~self.table.plain if self.table is not None else None  # [V+1] token needs the Python path
         self._seen = np.zeros(capacity, np.int64)  # scratch: finds requests appearing twice in a step
@@ -105,14 +105,14 @@ class BatchDetokenizer:
 
     def open(self, req: int, options: DetokOptions) -> None:
         """Starts (or restarts) request `req`; any state it had is dropped."""
+        self.close(req)
         self._requests[req] = state = _Request(options)
         self._live[req] = True
         self._python[req] = self._needs_python(state)
-        if self.table is not None:
-            first = np.zeros(256, bool)
-            first[[s[0] for s in state.stop.stops] if state.stop else []] = True
-            self._stop_first[req] = np.packbits(first, bitorder="little").view(np.uint64)
-            self._with_stop += state.stop is not None
+        first = np.zeros(256, bool)
+        first[[s[0] for s in state.stop.stops] if state.stop else []] = True
+        self._stop_first[req] = np.packbits(first, bitorder="little").view(np.uint64)
+        self._with_stop += state.stop is not None
 
     def close(self, req: int) -> None:
         """Drops request `req` (aborted); its later tokens are ignored until open() again."""
