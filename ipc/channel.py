@@ -13,6 +13,7 @@ Channels dup the fds they are given; callers keep ownership of their own.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -45,11 +46,13 @@ class ChannelSpec:
 class Channel:
     transport = "ring"
 
-    def __init__(self, spec: ChannelSpec, role: str, waker: Waker, buf, segment_fd: int | None,
+    def __init__(self, spec: ChannelSpec, role: str, waker: Waker, buf: mmap.mmap, segment_fd: int | None,
                  peer_waker_fd: int, *, initialise: bool) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.spec, self.role, self.waker = spec, role, waker
         self._buf = buf
-        self._ring = Ring(buf, spec.layout, spec.capacity, spec.arena_bytes, role, initialise=initialise)
+        self._ring = Ring(buf, spec.layout, spec.capacity, spec.arena_bytes, initialise=initialise)
         self._segment_fd = segment_fd  # kept by the creator, to hand over
         self._peer_fd = os.dup(peer_waker_fd)
         self._publish_barrier = model().publish_barrier

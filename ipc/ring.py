@@ -28,7 +28,9 @@ its HEAD store (load->store), so the producer never overwrites a slot being read
 x86-64 is TSO (Intel SDM vol. 3 §9.2.2): stores are not reordered with stores,
 loads not with loads, loads not with later stores; only a store followed by a
 load of another address may be reordered. So (a), (b), (c) hold with plain
-stores and loads, and the ring needs no fence to publish. The compiler cannot
+stores and loads, and the ring needs no fence to publish. (Non-temporal stores
+are the exception to TSO; glibc's memcpy, which numpy's contiguous copies end
+in, only uses them for multi-MB copies and ends those with an sfence.) The compiler cannot
 reorder either: every numpy copy and every counter access is a separate C call
 made by the interpreter in program order.
 
@@ -118,18 +120,12 @@ def segment_size(layout: RecordLayout, capacity: int, arena_bytes: int) -> int:
 
 
 class Ring:
-    """One side's view of a channel segment. `role` is "producer" or "consumer"; the
-    producer uses push/room_for/free_records, the consumer pop/readable/len."""
+    """One side's view of a channel segment: the producer uses push/room_for/free_records,
+    the consumer pop/readable/len (ipc/channel.py keeps each side to its own)."""
 
-    def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int,
-                 role: str, *, initialise: bool) -> None:
-        if role not in ("producer", "consumer"):
-            raise ValueError(f"role must be 'producer' or 'consumer', not {role!r}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 record, not {capacity}")
-        if arena_bytes < 0 or arena_bytes % 8:
-            raise ValueError(f"arena_bytes must be a non-negative multiple of 8, not {arena_bytes}")
-        self.layout, self.capacity, self.role = layout, capacity, role
+    def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *,
+                 initialise: bool) -> None:
+        self.layout, self.capacity = layout, capacity
         slots_at, arena_at, size = _offsets(layout, capacity, arena_bytes)
         if len(buf) < size:
             raise ValueError(f"segment of {len(buf)} bytes is too small for this channel ({size} bytes)")

@@ -15,8 +15,8 @@ Per (transport, mode, message):
   CPU µs/msg  thread CPU time inside push (producer) and inside pop, decoding included
               (consumer), in the paced run; thread_time_ns itself costs ~1-2 µs here
 
-    python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 1000] [--spin-us 50]
-Writes perf/results/ipc.json and prints a table.
+    python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 300] [--spin-us 50] [--markdown]
+Writes perf/results/ipc.json and prints a table (--markdown: also the README's).
 """
 from __future__ import annotations
 
@@ -219,6 +219,25 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
+def markdown(rows: list[dict]) -> str:
+    """The README table: one line per (mode, message), the three transports side by side."""
+    by = {(r["transport"], r["mode"], r["message"]): r for r in rows}
+    names = [LABELS[t] for t in TRANSPORTS]
+    lines = ["| mode | message | " + " | ".join(f"{n} p50 / p99 µs" for n in names) + " | "
+             + " | ".join(f"{n} msgs/s" for n in names) + " | " + " | ".join(f"{n} producer CPU µs/msg" for n in names)
+             + " |", "|" + "---|" * (2 + 3 * len(names))]
+    for mode in MODES:
+        for m in MESSAGES:
+            cells = [by.get((n, mode, m.name)) for n in names]
+            if not any(cells):
+                continue
+            lat = [f"{c['p50_us']:.0f} / {c['p99_us']:.0f}" if c else "" for c in cells]
+            rate = [f"{c['msgs_per_s']:.0f}" if c else "" for c in cells]
+            cpu = [f"{c['producer_cpu_us']:.1f}" if c else "" for c in cells]
+            lines.append(f"| {mode} | {m.name} | " + " | ".join(lat + rate + cpu) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--latency-messages", type=int, default=1000)
@@ -229,6 +248,7 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown (README)")
     args = ap.parse_args()
     if args.latency_messages <= args.warmup:
         ap.error("--latency-messages must exceed --warmup")
@@ -242,6 +262,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['transport']:<12} {r['mode']:<16} {r['message']:<12} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f} "
               f"{r['msgs_per_s']:>9.0f} {r['producer_cpu_us']:>11.1f} {r['consumer_cpu_us']:>11.1f}")
+    if args.markdown:
+        print(markdown(rows))
     checks = targets(rows)
     for name, value in checks.items():
         print(f"  {name}: {value:.1f}" if isinstance(value, float) and not isinstance(value, bool)
@@ -251,7 +273,8 @@ def main() -> None:
                                                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                                                 "python": platform.python_version(),
                                                 "memory_model": {"counters": mm.counters, "barrier": mm.barrier}},
-              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "targets": checks, "rows": rows}
+              "settings": {k: v for k, v in vars(args).items() if k not in ("out", "markdown")},
+              "targets": checks, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

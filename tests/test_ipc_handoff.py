@@ -144,13 +144,19 @@ def test_handoff_between_unrelated_processes(tmp_path: Path) -> None:
 def test_kill_9_of_either_side_leaves_nothing(tmp_path: Path, victim: str) -> None:
     path = str(tmp_path / "engine.sock")
     procs = {"engine": spawn("engine", path, "1000000000", "2"), "worker": spawn("worker", path, "1000000000", "2")}
-    line = procs["engine"].stdout.readline()  # blocks until requests flow through the rings
-    assert line.strip() == "flowing", wait(procs["engine"])[1]
-    os.kill(procs[victim].pid, signal.SIGKILL)
-    survivor = "worker" if victim == "engine" else "engine"
-    rc, err = wait(procs[survivor])
-    assert rc == PEER_GONE, f"{survivor} exited {rc}:\n{err}"
-    assert wait(procs[victim])[0] == -signal.SIGKILL
+    try:
+        line = procs["engine"].stdout.readline()  # blocks until requests flow through the rings
+        assert line.strip() == "flowing", procs["engine"].stderr.read() if procs["engine"].poll() else line
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        survivor = "worker" if victim == "engine" else "engine"
+        rc, err = wait(procs[survivor])
+        assert rc == PEER_GONE, f"{survivor} exited {rc}:\n{err}"
+        assert wait(procs[victim])[0] == -signal.SIGKILL
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert our_segments() == []
 
 

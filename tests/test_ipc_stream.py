@@ -175,6 +175,7 @@ def test_million_records_between_processes(tmp_path: Path, mode: str) -> None:
             serve_consumer(listener, mode, RECORDS)
         except BaseException:
             producer.kill()
+            producer.communicate()
             raise
         finish(producer)
     assert our_segments() == []
@@ -187,8 +188,14 @@ def test_weak_memory_model_path(tmp_path: Path) -> None:
     env = {"RINGSERVE_IPC_PORTABLE": "1"}
     consumer = spawn("consume", path, str(RECORDS // 4), "sleep", env=env)
     producer = spawn("produce", path, str(RECORDS // 4), "2", env=env)
-    finish(consumer)
-    finish(producer)
+    try:
+        finish(consumer)
+        finish(producer)
+    finally:
+        for proc in (consumer, producer):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 if __name__ == "__main__":
