@@ -11,7 +11,9 @@ Two ways to turn ids into text:
   bytes. Requests whose new tokens are all "plain" (valid UTF-8 on their own, not added
   tokens) and which hold nothing back take the vectorised path: their bytes are gathered
   with numpy, no Python per request. The rest (multi-byte characters split across tokens,
-  special tokens, finishing, stop strings) go through a per-request incremental UTF-8 decoder.
+  special tokens, finishing, a token holding the first byte of one of the request's stop
+  strings, held-back text) go through a per-request incremental UTF-8 decoder. Steps of a
+  few tokens take that path whole (numpy's fixed cost per call is larger).
 - window decode (any other tokenizer): SGLang's surrogate/read offsets. Each step decodes,
   in one batch_decode call for all requests, the ids from the last emitted token on and
   the ids already emitted; the difference is the delta, held back while it ends in U+FFFD
@@ -32,6 +34,7 @@ import numpy as np
 from runtime.detok_stop import StopMatcher
 from runtime.detok_vocab import (REPLACEMENT, AddedTokens, NotByteExact, TokenTable, build_token_table,
                                  byte_fallback_ids)
+
 
 @dataclass(frozen=True)
 class DetokOptions:

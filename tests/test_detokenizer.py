@@ -86,13 +86,13 @@ def stream(det, streams, options, rng, max_per_step=3):
     return [t.decode() for t in text], stop
 
 
-def partial_tokens(tokenizer, det_tokens=200):
+def partial_tokens(tokenizer, limit=200):
     """Ids whose bytes are not valid UTF-8 on their own (pieces of multi-byte characters)."""
     ids = []
     for i in range(len(tokenizer)):
         if "\ufffd" in tokenizer.decode([i]):
             ids.append(i)
-            if len(ids) == det_tokens:
+            if len(ids) == limit:
                 break
     return ids
 

@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
-from ipc.records import (TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
+from ipc.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
                          encode_strings, unpack_logprobs)
 from ipc.ring import Batch
 from runtime.detok_router import NO_TOKEN, DetokRouter, split_by_worker
