@@ -30,6 +30,7 @@ from runtime.detok_batch import BatchDetokenizer, DetokOptions
 from runtime.detok_router import DetokRouter
 
 BATCHES = (1, 64, 256)
+WARMUP_STEPS = 10
 CORPORA = {
     # what a chat model mostly streams: English prose, lists and code
     "english": (
@@ -105,6 +106,8 @@ def measure(make, corpus_ids: np.ndarray, batch: int, seconds: float, rng) -> di
     offsets = rng.integers(0, len(corpus_ids) // 2, batch)
     req = np.arange(batch)
     finished = np.zeros(batch, bool)
+    for k in range(WARMUP_STEPS):
+        det.step(req, corpus_ids[(offsets - WARMUP_STEPS + k) % len(corpus_ids)], finished)
     steps, elapsed, cpu = 0, 0.0, 0.0
     chars = 0
     while elapsed < seconds or steps < 20:

@@ -50,6 +50,7 @@ class DetokRouter:
         self._usage = np.zeros((max_open, 3), np.uint32)  # prompt, completion, cached tokens
         self._finish = np.zeros(max_open, np.uint8)      # the scheduler's finish, once it came
         self._stop_token = np.full(max_open, -1, np.int32)
+        self._mark = np.zeros(max_open, bool)            # scratch
 
     @property
     def num_open(self) -> int:
@@ -161,8 +162,11 @@ class DetokRouter:
 
         asked = self._logprobs[idx]
         if asked.any():  # logprob requests get a record for every step with tokens
-            extra = np.setdiff1d(idx[asked], out.req)
-            rows = np.concatenate([out.req, extra])
+            mark = self._mark
+            mark[out.req] = True
+            extra = idx[asked][~mark[idx[asked]]]
+            mark[out.req] = False
+            rows = np.concatenate([out.req, np.unique(extra)])
         else:
             rows = out.req
         if len(rows) == 0:
