@@ -86,6 +86,8 @@ def _membarrier() -> Callable[[], None] | None:
         return None
     if syscall(nr, _MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) != 0:
         return None
+    # a forked child inherits model()'s cached answer, so it must be registered too
+    os.register_at_fork(after_in_child=lambda: syscall(nr, _MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0))
 
     def barrier() -> None:
         if syscall(nr, _MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) != 0:
