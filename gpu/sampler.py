@@ -8,10 +8,10 @@ Order, as vLLM: raw logits -> (logprobs are taken here: the model's own distribu
 vLLM's default "raw_logprobs") -> min_tokens masks EOS/stop ids -> repetition, frequency,
 presence penalties -> greedy argmax, or temperature, then top_k / top_p / min_p masks
 (all three measured on the same temperature-scaled distribution, kept tokens are their
-intersection) and an exponential race (argmax p / q, q ~ Exp(1)), which samples from the
-renormalised kept probabilities.
+intersection) and inverse-CDF sampling from the renormalised kept probabilities (one
+uniform per row: a sort or an exponential race over [256, V] costs seconds on a CPU).
 
-Seeded rows draw q from a generator seeded by (seed, number of tokens generated so far),
+Seeded rows draw their uniform from a generator seeded by (seed, tokens generated so far),
 so a seeded request gives the same tokens whatever else is in the batch and after being
 retracted and resumed.
 """
@@ -27,6 +27,7 @@ from runtime.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 # columns of the per-row float parameter table
 _TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES, _TOP_K = range(7)
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) over the 64-bit seed space
+TOP_CANDIDATES = 1024  # rows with top_k / top_p choose among this many most likely tokens (see filter_probs)
 
 
 @dataclass
@@ -101,34 +102,40 @@ class Sampler:
         self.logprobs[row], self.top_logprobs[row], self.min_tokens[row] = False, 0, 0
 
     def sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleResult:
-        """logits: float32 [S, V] of the rows `rows` (int64 [S]); records the chosen tokens."""
+        """logits: float32 [S, V] of the rows `rows` (int64 [S]), modified in place; records the
+        chosen tokens."""
         if self._dirty.any():
             dirty = np.flatnonzero(self._dirty)
-            self.params_t[torch.from_numpy(dirty).to(self.device)] = \
-                torch.from_numpy(self.params[dirty]).to(self.device)
+            self.params_t[self._t(dirty)] = torch.from_numpy(self.params[dirty]).to(self.device)
             self._dirty[:] = False
         S = len(rows)
-        rows_t = torch.from_numpy(rows).to(self.device)
+        rows_t = self._t(rows)
         want_lp = self.logprobs[rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp.any() else None
+        lp_idx = self._t(np.flatnonzero(want_lp))
+        raw_logprobs = torch.log_softmax(_take(logits, want_lp, lp_idx), dim=-1) if want_lp.any() else None
 
-        masked = np.flatnonzero(self.num_generated[rows] < self.min_tokens[rows])
-        if len(masked):
-            idx = torch.from_numpy(masked).to(self.device)
-            stop = torch.zeros(len(masked), self.V + 1, dtype=torch.bool, device=self.device)
+        masked = self.num_generated[rows] < self.min_tokens[rows]
+        if masked.any():
+            idx = self._t(np.flatnonzero(masked))
+            stop = torch.zeros(len(idx), self.V + 1, dtype=torch.bool, device=self.device)
             stop.scatter_(1, self.stop_ids[rows_t[idx]], True)
             logits[idx] = logits[idx].masked_fill(stop[:, : self.V], float("-inf"))
 
-        penalized = np.flatnonzero(self.penalized[rows])
-        if len(penalized):
-            idx = torch.from_numpy(penalized).to(self.device)
+        penalized = self.penalized[rows]
+        if penalized.any():
+            idx = self._t(np.flatnonzero(penalized))
             logits[idx] = self.apply_penalties(logits[idx], rows_t[idx])
 
-        tokens = logits.argmax(dim=-1)
-        sampled = np.flatnonzero(~self.greedy[rows])
-        if len(sampled):
-            idx = torch.from_numpy(sampled).to(self.device)
-            tokens[idx] = self._sample_random(logits[idx], rows[sampled], rows_t[idx])
+        greedy = self.greedy[rows]
+        if greedy.all():
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(S, dtype=torch.int64, device=self.device)
+            if greedy.any():
+                idx = self._t(np.flatnonzero(greedy))
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            idx = self._t(np.flatnonzero(~greedy))
+            tokens[idx] = self._sample_random(_take(logits, ~greedy, idx), rows[~greedy], rows_t[idx])
 
         self.output_counts.index_put_((rows_t, tokens), torch.ones(S, dtype=torch.int32, device=self.device),
                                       accumulate=True)
@@ -136,12 +143,14 @@ class Sampler:
 
         if raw_logprobs is None:
             return SampleResult(tokens, None, None, None)
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-        chosen = chosen.masked_fill(torch.from_numpy(~want_lp).to(self.device), float("nan"))
+        chosen = torch.full((S,), float("nan"), device=self.device)
+        chosen[lp_idx] = raw_logprobs.gather(1, tokens[lp_idx, None]).squeeze(1)
         K = int(self.top_logprobs[rows].max())
         if K == 0:
             return SampleResult(tokens, chosen, None, None)
-        top_lp, top_ids = raw_logprobs.topk(K, dim=-1)
+        top_lp = torch.full((S, K), float("nan"), device=self.device)
+        top_ids = torch.zeros((S, K), dtype=torch.int64, device=self.device)
+        top_lp[lp_idx], top_ids[lp_idx] = raw_logprobs.topk(K, dim=-1)
         return SampleResult(tokens, chosen, top_ids, top_lp)
 
     def apply_penalties(self, logits: torch.Tensor, rows_t: torch.Tensor) -> torch.Tensor:
@@ -155,30 +164,51 @@ class Sampler:
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - p[:, _FREQ, None] * counts - p[:, _PRES, None] * in_output
 
-    def filter_probs(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor) -> torch.Tensor:
-        """Temperature-scaled probabilities [N, V] with the tokens top_k/top_p/min_p drop set to 0
-        (not renormalised)."""
-        p = self.params_t[rows_t]
+    def filter_probs(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The temperature-scaled distribution of rows with the tokens top_k/top_p/min_p drop set
+        to 0 (not renormalised): (probs [N, K], their token ids [N, K]), or (probs [N, V], None)
+        when no row truncates. Truncating rows keep their TOP_CANDIDATES most likely tokens only,
+        which is exact unless a row keeps more (top_p near 1 on a flat distribution with no
+        top_k): then the whole vocabulary is sorted."""
+        p = self.params_t[self._t(rows)]
         probs = torch.softmax(logits / p[:, _TEMP, None], dim=-1)
+        ids = None
         if self.uses_top_k_p[rows].any():
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(self.V, device=self.device)[None, :]
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability mass ranked above
-            drop_sorted = (rank >= p[:, _TOP_K, None]) | ((before >= p[:, _TOP_P, None]) & (rank > 0))
-            drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
+            K = min(self.V, TOP_CANDIDATES)
+            cand, ids = probs.topk(K, dim=-1)                  # [N, K], descending
+            if K < self.V and ((cand.sum(-1) < p[:, _TOP_P]) & (p[:, _TOP_K] > K)).any():
+                cand, ids = probs.sort(dim=-1, descending=True)
+                K = self.V
+            rank = torch.arange(K, device=self.device)[None, :]
+            before = cand.cumsum(dim=-1) - cand                # probability mass ranked above
+            drop = (rank >= p[:, _TOP_K, None]) | ((before >= p[:, _TOP_P, None]) & (rank > 0))
+            probs = cand.masked_fill(drop, 0.0)
         if self.uses_min_p[rows].any():
             threshold = p[:, _MIN_P, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+        return probs, ids
 
     def _sample_random(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor) -> torch.Tensor:
-        probs = self.filter_probs(logits, rows, rows_t)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        """Inverse-CDF sampling from the kept probabilities: one uniform draw per row, so a
+        seeded row costs one generator call."""
+        probs, ids = self.filter_probs(logits, rows)
+        cdf = probs.cumsum(dim=-1)                             # non-decreasing, so searchable
+        total = cdf[:, -1:]
+        u = torch.rand(len(rows), 1, generator=self.generator, device=self.device)
         for i in np.flatnonzero(self.seeded[rows]):
             row = rows[i]
-            step_seed = (int(self.seed[row]) + int(self.num_generated[row]) * _SEED_MIX) & 0x7FFFFFFFFFFFFFFF
-            self.row_generator.manual_seed(step_seed)
-            q[i].exponential_(generator=self.row_generator)
-        q.clamp_(min=torch.finfo(q.dtype).tiny)  # a draw of exactly 0 would make 0 / 0 = nan win
-        return (probs / q).argmax(dim=-1)
+            self.row_generator.manual_seed(
+                (int(self.seed[row]) + int(self.num_generated[row]) * _SEED_MIX) & 0x7FFFFFFFFFFFFFFF)
+            u[i] = torch.rand(1, generator=self.row_generator, device=self.device)
+        # strictly below the total, so the first cdf entry above u is a kept token
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        picked = torch.searchsorted(cdf, target, right=True)   # [N, 1]
+        return picked.squeeze(1) if ids is None else ids.gather(1, picked).squeeze(1)
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device)
+
+
+def _take(x: torch.Tensor, mask: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
+    """x's rows where mask, without a copy when that is all of them."""
+    return x if mask.all() else x[idx]

@@ -72,3 +72,14 @@ def test_logits_match_transformers(family, tmp_path):
     got = forward_logits(runner, [SeqInput(1, short[5:], 5, p_short, True), SeqInput(0, long[250:], 250, p_long, True)])
     torch.testing.assert_close(got[:4], want_short[5:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[4:], want_long[250:], rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_is_bit_identical_to_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from gpu.llama import rms_norm
+    ref = LlamaRMSNorm(576, eps=1e-5)
+    torch.nn.init.normal_(ref.weight)
+    for T in (1, 7, 300):
+        x = torch.randn(T, 576) * 3
+        assert torch.equal(rms_norm(x, ref.weight.detach(), 1e-5), ref(x).detach())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.sampler import Sampler
+from gpu.sampler import TOP_CANDIDATES, Sampler
 from runtime.sampling_params import SamplingParams
 
 V, EOS = 8, 7
@@ -29,8 +29,9 @@ def no_output() -> np.ndarray:
 def kept(sampler: Sampler, params: SamplingParams) -> list[int]:
     sampler.set_request(0, params, no_output(), no_output())
     sampler.sample(torch.zeros(1, V), np.array([0]))  # syncs the row's parameters to the device
-    probs = sampler.filter_probs(logits_of(PROBS), np.array([0]), torch.tensor([0]))
-    return torch.nonzero(probs[0]).flatten().tolist()
+    probs, ids = sampler.filter_probs(logits_of(PROBS), np.array([0]))
+    kept_ids = torch.nonzero(probs[0]).flatten()
+    return sorted((kept_ids if ids is None else ids[0, kept_ids]).tolist())
 
 
 @pytest.mark.parametrize("params, want", [
@@ -48,21 +49,37 @@ def test_masks_are_exact(params, want):
     assert kept(make(), params) == want
 
 
+@pytest.mark.parametrize("params, want", [
+    (SamplingParams(top_p=0.3), 615),     # ranks r with r / 2048 < 0.3: within the top 1024 candidates
+    (SamplingParams(top_p=0.9), 1844),    # past them: the whole vocabulary is sorted
+    (SamplingParams(top_k=1500), 1500),
+    (SamplingParams(top_k=1500, top_p=0.25), 512),
+])
+def test_masks_are_exact_beyond_the_candidate_list(params, want):
+    assert TOP_CANDIDATES == 1024
+    sampler = Sampler(1, 2048, (0,), CPU)
+    sampler.set_request(0, params, no_output(), no_output())
+    sampler.sample(torch.zeros(1, 2048), np.array([0]))
+    probs, ids = sampler.filter_probs(torch.zeros(1, 2048), np.array([0]))  # flat: 1/2048 each, exact
+    assert int((probs > 0).sum()) == want
+
+
 def test_temperature_sharpens_before_masking():
     # at temperature 0.5 the probabilities become p^2 / sum p^2: 0.4 -> 0.60, 0.25 -> 0.23
     assert kept(make(), SamplingParams(temperature=0.5, min_p=0.3)) == [0, 1]
 
 
-def test_samples_follow_the_kept_renormalised_probabilities():
+@pytest.mark.parametrize("params, kept_n", [(SamplingParams(top_k=3), 3), (SamplingParams(), V)])
+def test_samples_follow_the_kept_renormalised_probabilities(params, kept_n):
     n = 4000
     sampler = make(rows=n)
     for row in range(n):
-        sampler.set_request(row, SamplingParams(top_k=3), no_output(), no_output())
+        sampler.set_request(row, params, no_output(), no_output())
     tokens = sampler.sample(logits_of(PROBS, n), np.arange(n)).tokens.numpy()
     freq = np.bincount(tokens, minlength=V) / n
-    want = np.array(PROBS[:3]) / sum(PROBS[:3])
-    assert freq[3:].sum() == 0
-    np.testing.assert_allclose(freq[:3], want, atol=0.03)  # > 4 sigma for n = 4000
+    want = np.array(PROBS[:kept_n]) / sum(PROBS[:kept_n])
+    assert freq[kept_n:].sum() == 0
+    np.testing.assert_allclose(freq[:kept_n], want, atol=0.03)  # > 4 sigma for n = 4000
 
 
 def test_greedy_picks_argmax_whatever_else_is_in_the_batch():
