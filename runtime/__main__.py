@@ -1,17 +1,65 @@
-"""`python -m runtime serve [flags]`: the one-command way to run the server."""
+"""`python -m runtime serve [flags]`: the one-command way to run the server.
+
+Checks the flags and the model (a bad one is one line on stderr and exit status 1),
+then becomes granian (exec, same pid) serving runtime.app:app with the flags passed
+as RINGSERVE_* environment variables, exactly as `granian --interface asgi
+runtime.app:app` does with them set by hand. The exec leaves nothing of this
+process's imports behind in granian's main process, whose workers it forks.
+"""
 from __future__ import annotations
 
+import os
 import sys
+
+from runtime.config import ENV_PREFIX, ServerArgs
+
+GRANIAN_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warning", "error": "error",
+                      "critical": "critical"}
+
+
+def granian_command(args: ServerArgs) -> list[str]:
+    return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", args.host, "--port", str(args.port),
+            "--workers", str(args.workers), "--log-level", GRANIAN_LOG_LEVELS[args.log_level],
+            "--process-name", "ringserve", "runtime.app:app"]
+
+
+def server_env(args: ServerArgs) -> dict[str, str]:
+    """This environment without RINGSERVE_* settings, plus those of `args`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(args.to_env())
+    return env
+
+
+def check_model(args: ServerArgs) -> str | None:
+    """Why the model cannot be served (one line), or None. Converts a GGUF once."""
+    from gpu.model_config import ModelConfig
+    from gpu.model_files import ModelLoadError, resolve_model_dir
+
+    try:
+        ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)
+    except ModelLoadError as e:
+        return str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
-        print("usage: python -m runtime serve [--model-path PATH] [--port N] ... (see --help)",
-              file=sys.stderr)
+        print("usage: python -m runtime serve [--model-path PATH] [--host H] [--port N] [--workers N] ... "
+              "(python -m runtime serve --help)", file=sys.stderr)
         return 2
-    print("ringserve: the server is not built yet (see the open issues)", file=sys.stderr)
-    return 1
+    try:
+        args = ServerArgs.from_cli(argv[1:])
+    except ValueError as e:
+        print(f"ringserve: {e}", file=sys.stderr)
+        return 2
+    problem = check_model(args)
+    if problem:
+        print(f"ringserve: {problem}", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, granian_command(args), server_env(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,504 @@
+"""The ASGI app: `granian --interface asgi runtime.app:app [--workers N]`.
+
+Each granian worker runs this module's lifespan: it starts the engine or attaches to
+the one another worker started (runtime/launcher.py), takes a worker index, connects
+its REQUEST and TEXT_OUT channels, and runs one TokenizerManager. Settings come from
+RINGSERVE_* environment variables (ServerArgs.from_env; `python -m runtime serve`
+sets them from its flags).
+
+Routes stay thin: httpapi/ does the protocol (parsing, validation, bodies, SSE
+templates), the TokenizerManager the engine side. Every route answers APIError with
+its OpenAI-format body; anything else is a bug, logged, and a 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from httpapi.auth import check_api_key
+from httpapi.errors import APIError, engine_unavailable, internal_error
+from httpapi.info import check_model, model_info_body, models_body, served_model_name, server_info_body
+from httpapi.logprobs import LogprobVocab
+from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize, parse_generate,
+                              parse_tokenize)
+from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
+                               new_request_id, now)
+from httpapi.sampling import check_token_ids
+from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
+from runtime.config import ServerArgs
+from runtime.launcher import EngineLink, ServerFiles, attach_engine
+from runtime.metrics import EngineStats, WorkerMetrics, use_multiprocess_dir
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer_manager import ClientGone, ModelInfo, ReqGroup, ReqState, TokenizerManager
+from runtime.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
+
+logger = logging.getLogger("ringserve.app")
+
+JSON = "application/json"
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
+_SSE_HEADERS = [(k.encode(), v.encode()) for k, v in HEADERS.items()]
+
+
+def json_response(body: bytes, status: int = 200) -> Response:
+    return Response(body, status, media_type=JSON)
+
+
+def error_response(err: APIError) -> Response:
+    return json_response(err.body(), err.status)
+
+
+def api_route(handler: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Checks the API key, hands the route the worker's state, and turns APIError into
+    its response; anything else raised is a bug: logged, answered with a 500."""
+    @functools.wraps(handler)
+    async def route(request: Request) -> Response:
+        worker = request.app.state.worker
+        try:
+            check_api_key(request.headers.get("authorization"), worker.args.api_key)
+            return await handler(worker, request)
+        except APIError as err:
+            return error_response(err)
+        except ClientGone:  # nobody reads the answer; the request was aborted
+            return Response(b"", 499)
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return error_response(internal_error())
+    return route
+
+
+class EventStream:
+    """An SSE response fed by an async iterator of ready-made event bytes; each item is
+    one write. A disconnected client (http.disconnect) calls `on_disconnect` (which
+    aborts the request, so the iterator ends at its next wait)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None]) -> None:
+        self.events = events
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        watcher = asyncio.ensure_future(watch_disconnect(receive, self.on_disconnect))
+        try:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+
+
+async def watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
+    """Waits for the client to go away (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    on_disconnect()
+
+
+async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
+    """A non-streamed request's choices, all finished; aborted if the client leaves first."""
+    watcher = asyncio.ensure_future(watch_disconnect(request.receive, lambda: worker.tm.abort(group)))
+    try:
+        return await group.finished()
+    finally:
+        watcher.cancel()
+
+
+def choice_results(states: list[ReqState], prefixes: list[str] | None = None) -> list[ChoiceResult]:
+    results = []
+    for state in states:
+        text, lp, finish = state.take()
+        if prefixes is not None:
+            text = prefixes[state.index] + text
+        results.append(ChoiceResult(state.index, text, finish, usage_of(state), lp, state.matched_stop))
+    return results
+
+
+def usage_of(state: ReqState) -> Usage:
+    return Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
+
+
+# ---------------------------------------------------------------- OpenAI
+
+@api_route
+async def chat_completions(worker, request: Request) -> Response:
+    req = parse_chat_completion(await request.body())
+    check_model(req.model, worker.model.served_name)
+    ids = await worker.tm.chat_ids(req.messages)
+    params = req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size)
+    group = await worker.submit("chat", [ids] * req.n, [params] * req.n)
+    request_id, created = new_request_id("chatcmpl"), now()
+    vocab = worker.vocab if params.logprobs else None
+    if req.stream:
+        stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
+        events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
+        return EventStream(events, lambda: worker.tm.abort(group))
+    states = await finished(worker, request, group)
+    worker.observe(group)
+    return json_response(chat_completion_body(request_id, created, worker.model.served_name,
+                                              choice_results(states), req.n, vocab))
+
+
+@api_route
+async def completions(worker, request: Request) -> Response:
+    req = parse_completion(await request.body())
+    check_model(req.model, worker.model.served_name)
+    prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
+    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size) for ids in prompt_ids]
+    n = req.n
+    group = await worker.submit("completions", [ids for ids in prompt_ids for _ in range(n)],
+                                [p for p in params for _ in range(n)])
+    echoes = None
+    if req.echo:
+        echoes = [p if isinstance(p, str) else worker.tm.decode(p) for p in req.prompts for _ in range(n)]
+    request_id, created = new_request_id("cmpl"), now()
+    vocab = worker.vocab if params[0].logprobs else None
+    if req.stream:
+        stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
+        first = b"".join(stream.delta(i, text) for i, text in enumerate(echoes)) if echoes else b""
+        events = openai_events(worker, group, stream, n, req.include_usage, first)
+        return EventStream(events, lambda: worker.tm.abort(group))
+    states = await finished(worker, request, group)
+    worker.observe(group)
+    return json_response(completion_body(request_id, created, worker.model.served_name,
+                                         choice_results(states, echoes), n, vocab))
+
+
+async def openai_events(worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int,
+                        include_usage: bool, first: bytes) -> AsyncIterator[bytes]:
+    """SSE events of a chat or completions stream: the deltas that arrived while the
+    client was being written to go out as one event per choice, in one write."""
+    if first:
+        yield first
+    try:
+        while not group.done:
+            news = await group.next_news()
+            now_ns = time.monotonic_ns()
+            events = []
+            for state in news:
+                worker.observe_delta(state, now_ns)
+                text, lp, finish = state.take()
+                if text or finish or lp is not None:
+                    events.append(stream.delta(state.index, text, finish, lp))
+            if events:
+                yield events[0] if len(events) == 1 else b"".join(events)
+    except ClientGone:
+        return
+    except APIError as err:
+        yield error_event(err) + DONE
+        return
+    worker.observe(group)
+    if include_usage:
+        yield stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
+    else:
+        yield DONE
+
+
+async def prompt_tokens(worker, prompt: str | list[int]) -> list[int]:
+    return await worker.tm.encode(prompt) if isinstance(prompt, str) else prompt
+
+
+@api_route
+async def models(worker, request: Request) -> Response:
+    m = worker.model
+    return json_response(models_body(m.served_name, worker.started, m.context_length, m.model_dir))
+
+
+# ---------------------------------------------------------------- SGLang native
+
+@api_route
+async def generate(worker, request: Request) -> Response:
+    req = parse_generate(await request.body())
+    prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
+    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size) for ids in prompt_ids]
+    n = req.n
+    rids = [rid or new_request_id("gen") for rid in req.rids]
+    choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
+    group = await worker.submit("generate", [ids for ids in prompt_ids for _ in range(n)],
+                                [p for p in params for _ in range(n)], rids)
+    vocab = worker.vocab if req.return_logprob else None
+    if req.stream:
+        stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
+        return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group))
+    states = await finished(worker, request, group)
+    worker.observe(group)
+    return json_response(generate_body(choice_rids, choice_results(states), req.batch, vocab,
+                                       req.return_text_in_logprobs))
+
+
+async def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIterator[bytes]:
+    try:
+        while not group.done:
+            news = await group.next_news()
+            now_ns = time.monotonic_ns()
+            events = []
+            for state in news:
+                worker.observe_delta(state, now_ns)
+                text, lp, finish = state.take()
+                events.append(stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp))
+            if events:
+                yield b"".join(events)
+    except ClientGone:
+        return
+    except APIError as err:
+        yield error_event(err) + DONE
+        return
+    worker.observe(group)
+    yield DONE
+
+
+@api_route
+async def tokenize(worker, request: Request) -> Response:
+    req = parse_tokenize(await request.body())
+    check_model(req.model, worker.model.served_name)
+    tokens = [await worker.tm.encode(p, req.add_special_tokens) for p in req.prompts]
+    body = {"tokens": tokens, "count": [len(t) for t in tokens]} if req.batch else \
+        {"tokens": tokens[0], "count": len(tokens[0])}
+    return json_response(orjson_dumps({**body, "max_model_len": worker.model.context_length}))
+
+
+@api_route
+async def detokenize(worker, request: Request) -> Response:
+    req = parse_detokenize(await request.body())
+    check_model(req.model, worker.model.served_name)
+    for ids in req.token_ids:
+        check_token_ids(ids, worker.model.vocab_size, "tokens")
+    texts = [worker.tm.decode(ids) for ids in req.token_ids]
+    return json_response(orjson_dumps({"text": texts if req.batch else texts[0]}))
+
+
+@api_route
+async def get_model_info(worker, request: Request) -> Response:
+    m = worker.model
+    return json_response(model_info_body(m.served_name, m.model_dir, m.context_length, m.vocab_size, m.architecture))
+
+
+@api_route
+async def get_server_info(worker, request: Request) -> Response:
+    return json_response(server_info_body(worker.args, **worker.engine_state()))
+
+
+@api_route
+async def flush_cache(worker, request: Request) -> Response:
+    worker.check_alive()
+    worker.tm.flush_cache()
+    return Response("Cache flushed.\n", media_type="text/plain")
+
+
+@api_route
+async def abort_request(worker, request: Request) -> Response:
+    req = parse_abort(await request.body())
+    aborted = worker.tm.abort_rid(None if req.abort_all else req.rid)
+    return json_response(orjson_dumps({"aborted": aborted}))
+
+
+# ---------------------------------------------------------------- health and metrics
+
+async def health(request: Request) -> Response:
+    problem = request.app.state.worker.health_problem()
+    if problem:
+        return error_response(engine_unavailable(problem))
+    return Response(b"", 200)
+
+
+@api_route
+async def health_generate(worker, request: Request) -> Response:
+    """Runs one greedy token through the whole engine."""
+    worker.check_alive()
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    group = await worker.tm.submit([[worker.health_token]], [params])
+    try:
+        await asyncio.wait_for(group.finished(), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        worker.tm.abort(group)
+        raise engine_unavailable(f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s")
+    return Response(b"", 200)
+
+
+@api_route
+async def metrics(worker, request: Request) -> Response:
+    body, content_type = worker.metrics.render(worker.engine_stats(), {
+        "dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.tm.ring_depths()})
+    return Response(body, media_type=content_type)
+
+
+# ---------------------------------------------------------------- the app
+
+def orjson_dumps(obj) -> bytes:
+    import orjson
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """404 / 405 from routing, in OpenAI's error format."""
+    return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+
+class HTTPWorker:
+    """One granian worker's state: its engine link, TokenizerManager, watchdog and metrics."""
+
+    def __init__(self, args: ServerArgs, files: ServerFiles, link: EngineLink, tm: TokenizerManager,
+                 vocab: LogprobVocab, metrics: WorkerMetrics) -> None:
+        self.args, self.files, self.link, self.tm = args, files, link, tm
+        self.model = tm.model
+        self.vocab = vocab
+        self.metrics = metrics
+        self.started = now()
+        self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0
+        self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
+        self.watchdog = EngineWatchdog(link.procs, files.server_pid, self._engine_exited)
+        self._flusher: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls) -> HTTPWorker:
+        args = ServerArgs.from_env()
+        _configure_logging(args.log_level)
+        files = ServerFiles.of(os.getppid())  # granian's main process: the server
+        use_multiprocess_dir(files.metrics_dir)  # before prometheus_client is imported
+        loading = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args))  # while the engine starts
+        try:
+            link = await asyncio.to_thread(attach_engine, args, files)
+        except BaseException:
+            await asyncio.gather(loading, return_exceptions=True)
+            raise
+        try:
+            tokenizer, model, vocab = await loading
+            metrics = WorkerMetrics()
+        except BaseException:
+            link.close(files)
+            raise
+        tm = TokenizerManager(link.worker, link.request_ch, link.text_ch, link.waker, tokenizer, model,
+                              args.request_timeout)
+        worker = cls(args, files, link, tm, vocab, metrics)
+        tm.start()
+        worker.watchdog.start(asyncio.get_running_loop())
+        worker._flusher = asyncio.create_task(worker._flush_metrics())
+        logger.info("HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, "
+                    "detokenizer pid %d", link.worker, os.getpid(), files.server_pid,
+                    *(p.pid for p in link.procs))
+        return worker
+
+    async def close(self) -> None:
+        self.watchdog.close()
+        if self._flusher is not None:
+            self._flusher.cancel()
+        await self.tm.close()
+        if self.stats is not None:
+            self.stats.close()
+        self.link.close(self.files)
+
+    def _engine_exited(self, role: str) -> None:
+        self.tm.fail_all(engine_unavailable(f"The engine's {role} process exited; restart the server."))
+
+    async def _flush_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_S)
+            self.metrics.itl.flush()
+
+    # ---------------------------------------------------------------- used by the routes
+
+    def check_alive(self) -> None:
+        if self.tm.dead is not None:
+            raise self.tm.dead
+
+    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams],
+                     rids: list[str] | None = None) -> ReqGroup:
+        self.metrics.requests.labels(endpoint).inc()
+        return await self.tm.submit(prompts, params, rids)
+
+    def observe(self, group: ReqGroup) -> None:
+        """A request that ran to its end (not one that failed or whose client left)."""
+        self.metrics.observe_request(group.arrival_ns, time.monotonic_ns(), group.states)
+
+    def observe_delta(self, state: ReqState, now_ns: int) -> None:
+        """Inter-token latency of a streamed delta: its interval spread over its tokens."""
+        k = state.completion_tokens - state.sent_tokens
+        if k > 0:
+            if state.sent_tokens:
+                self.metrics.itl.observe((now_ns - state.last_ns) * 1e-9 / k, k)
+            state.sent_tokens, state.last_ns = state.completion_tokens, now_ns
+
+    def engine_stats(self) -> dict[str, int] | None:
+        if self.stats is None:
+            self.stats = EngineStats.open(self.files.stats)
+        return None if self.stats is None else self.stats.read()
+
+    def health_problem(self) -> str | None:
+        """Why /health is not 200, or None."""
+        if self.tm.dead is not None:
+            return self.tm.dead.message
+        stats = self.engine_stats()
+        if stats is not None and stats["updated_ns"]:
+            age = (time.monotonic_ns() - stats["updated_ns"]) * 1e-9
+            if age > HEARTBEAT_STALE_S:
+                return f"The scheduler has not completed a step for {age:.0f} s."
+        return None
+
+    def engine_state(self) -> dict:
+        stats = self.engine_stats() or {}
+        total_tokens = stats.get("kv_pages_total", 0) * stats.get("page_size", 0)
+        return {"max_total_num_tokens": total_tokens, "context_length": self.model.context_length,
+                "worker_index": self.link.worker, "engine": {p.role: p.pid for p in self.link.procs},
+                "engine_up": self.tm.dead is None, "internal_states": [stats]}
+
+
+def _configure_logging(level: str) -> None:
+    log = logging.getLogger("ringserve")
+    log.setLevel(level.upper())
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s worker {os.getpid()}: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
+    from transformers import AutoTokenizer
+
+    from gpu.model_config import ModelConfig
+    from gpu.model_files import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model_path)
+    cfg = ModelConfig.from_dir(model_dir, args.context_length)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = ModelInfo(str(model_dir), served_model_name(args), cfg.architecture, cfg.context_length, cfg.vocab_size)
+    return tokenizer, model, LogprobVocab.from_tokenizer(tokenizer, cfg.vocab_size)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette):
+    worker = await HTTPWorker.start()
+    app.state.worker = worker
+    try:
+        yield
+    finally:
+        await worker.close()
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/generate", generate, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/get_model_info", get_model_info, methods=["GET"]),
+    Route("/get_server_info", get_server_info, methods=["GET"]),
+    Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+    Route("/abort_request", abort_request, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/health_generate", health_generate, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -1,0 +1,350 @@
+"""One engine (Scheduler+Worker process, Detokenizer process) per server, started by
+whichever HTTP worker comes first and attached to by the others.
+
+The engine of a server is keyed by the pid of granian's main process (`os.getppid()`
+in a worker; `python -m runtime serve` is that process itself). Its files live in a
+private runtime directory (runtime_dir(), mode 0700):
+
+    engine-<pid>.lock            flock held only for the check-or-start critical section
+    engine-<pid>.json            the running engine: each process's pid and start time
+    engine-<pid>.scheduler       the scheduler's unix socket (REQUEST channels)
+    engine-<pid>.detokenizer     the detokenizer's unix socket (TEXT_OUT channels)
+    engine-<pid>.stats           the scheduler's published stats (runtime/metrics.py EngineStats)
+    engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
+    engine-<pid>.metrics/        prometheus_client's multiprocess files
+
+Engine processes are started with `python -m runtime.launcher <role>` in a session of
+their own, so they survive the worker that started them (granian may respawn it).
+Each watches the granian main process and its peer with pidfds (runtime/watchdog.py)
+and stops when either exits, kill -9 included. The starting worker hands them the pids
+to watch on stdin: a starter that dies before that leaves them an EOF, and they exit.
+
+A stale engine (its processes gone, or the pid reused) is recognised by the process
+start times in engine-<pid>.json and replaced; files of servers whose main process is
+gone are swept at every start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.config import ServerArgs
+
+logger = logging.getLogger("ringserve.launcher")
+
+ROLES = ("scheduler", "detokenizer")
+START_TIMEOUT_S = 600.0  # model conversion (first GGUF start) and loading on a slow CPU
+STOP_GRACE_S = 10.0      # an engine process asked to stop is killed after this long
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not be started or attached; the message is one line for the user."""
+
+
+def runtime_dir() -> Path:
+    """$XDG_RUNTIME_DIR/ringserve, else <tmp>/ringserve-<uid>; created 0700, and refused
+    when another user could have prepared it."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = Path(base) / "ringserve"
+    else:
+        path = Path(tempfile.gettempdir()) / f"ringserve-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise EngineStartError(f"{path} must be a directory of this user with mode 0700")
+    return path
+
+
+@dataclass(frozen=True)
+class ServerFiles:
+    """The paths of one server's engine (see the module docstring)."""
+    server_pid: int
+    root: Path
+
+    @classmethod
+    def of(cls, server_pid: int) -> ServerFiles:
+        return cls(server_pid, runtime_dir())
+
+    def _path(self, suffix: str) -> Path:
+        return self.root / f"engine-{self.server_pid}.{suffix}"
+
+    @property
+    def lock(self) -> Path:
+        return self._path("lock")
+
+    @property
+    def info(self) -> Path:
+        return self._path("json")
+
+    @property
+    def stats(self) -> Path:
+        return self._path("stats")
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self._path("metrics")
+
+    def socket(self, role: str) -> Path:
+        return self._path(role)
+
+    def worker_lock(self, index: int) -> Path:
+        return self._path(f"worker-{index}")
+
+    def remove(self) -> None:
+        """Every file of this server (its engine is gone)."""
+        for path in self.root.glob(f"engine-{self.server_pid}.*"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class EngineProcess:
+    role: str
+    pid: int
+    start_time: int  # /proc/<pid>/stat field 22: tells a reused pid apart
+
+    def alive(self) -> bool:
+        return process_start_time(self.pid) == self.start_time
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+# ---------------------------------------------------------------- worker side
+
+def ensure_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
+    """The server's running engine processes: found, or started by this call. Blocks
+    (run it off the event loop) while another worker holds the lock."""
+    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        procs = _read_engine(files)
+        if procs and all(p.alive() for p in procs):
+            return procs
+        _sweep_stale(files.root)
+        for p in procs:  # half an engine: its survivor is on its way out; don't wait for it
+            if p.alive():
+                os.kill(p.pid, signal.SIGKILL)
+        procs = _spawn_engine(args, files)
+        _write_private(files.info, json.dumps([dataclasses.asdict(p) for p in procs]))
+        return procs
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _read_engine(files: ServerFiles) -> list[EngineProcess]:
+    try:
+        return [EngineProcess(**p) for p in json.loads(files.info.read_text())]
+    except (FileNotFoundError, ValueError, TypeError):
+        return []
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
+    for role in ROLES:  # a socket left by a killed engine must not be mistaken for a live one
+        files.socket(role).unlink(missing_ok=True)
+    files.metrics_dir.mkdir(mode=0o700, exist_ok=True)
+    spec = json.dumps({"server_args": dataclasses.asdict(args), "server_pid": files.server_pid,
+                       "root": str(files.root)})
+    popens = {role: subprocess.Popen([sys.executable, "-m", "runtime.launcher", role, spec],
+                                     stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+              for role in ROLES}
+    procs = []
+    for role, popen in popens.items():
+        start = process_start_time(popen.pid)
+        procs.append(EngineProcess(role, popen.pid, start if start is not None else -1))
+    watch = {"server": files.server_pid, **{p.role: p.pid for p in procs}}
+    for role, popen in popens.items():
+        try:
+            popen.stdin.write(json.dumps({k: v for k, v in watch.items() if k != role}).encode() + b"\n")
+            popen.stdin.close()
+        except BrokenPipeError:
+            pass  # it died already; the wait for its socket reports it
+    logger.info("engine started: scheduler pid %d, detokenizer pid %d", popens["scheduler"].pid,
+                popens["detokenizer"].pid)
+    return procs
+
+
+def wait_for_sockets(files: ServerFiles, procs: list[EngineProcess], timeout: float = START_TIMEOUT_S) -> None:
+    """Blocks until every engine process listens on its socket; raises EngineStartError
+    at once if one of them exits meanwhile (a bad model, say: its own log says why)."""
+    deadline = time.monotonic() + timeout
+    pending = {p.role: p for p in procs}
+    while pending:
+        for role, proc in list(pending.items()):
+            if _listening(files.socket(role)):
+                del pending[role]
+            elif not proc.alive():
+                raise EngineStartError(f"the engine's {role} process (pid {proc.pid}) exited during "
+                                       f"start-up; its log above says why")
+        if pending and time.monotonic() > deadline:
+            raise EngineStartError(f"the engine's {', '.join(pending)} did not start within {timeout:.0f} s")
+        if pending:
+            time.sleep(0.05)
+
+
+@dataclass
+class EngineLink:
+    """One HTTP worker's connection to the engine."""
+    procs: list[EngineProcess]
+    worker: int  # this worker's index in the (worker, slot, gen) addresses
+    worker_lock_fd: int  # holds the index; closing it frees the index
+    waker: Any
+    request_ch: Any  # REQUEST channel, producer side
+    text_ch: Any  # TEXT_OUT channel, consumer side
+    meta: dict  # what the scheduler said about the model and the KV cache
+
+    def close(self, files: ServerFiles) -> None:
+        """Detaches; the last worker of a server whose engine is gone removes its files
+        (a live engine removes them itself when the server exits)."""
+        self.request_ch.close()
+        self.text_ch.close()
+        self.waker.close()
+        os.close(self.worker_lock_fd)
+        if any(p.alive() for p in self.procs):
+            return
+        fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not _workers_attached(files):
+                files.remove()
+        finally:
+            os.close(fd)
+
+
+def attach_engine(args: ServerArgs, files: ServerFiles) -> EngineLink:
+    """Starts or finds the server's engine, takes a worker index and connects this
+    worker's channels. Blocking: run it off the event loop."""
+    from ipc import get_transport
+    from runtime.detokenizer import connect_detokenizer
+    from runtime.scheduler_process import connect_scheduler
+
+    procs = ensure_engine(args, files)
+    wait_for_sockets(files, procs)
+    index, lock_fd = claim_worker_index(files)
+    waker = get_transport(args.transport).make_waker()
+    opened = []
+    try:
+        request_ch, meta = connect_scheduler(str(files.socket("scheduler")), waker, worker=index)
+        opened.append(request_ch)
+        text_ch = connect_detokenizer(str(files.socket("detokenizer")), waker, worker=index)
+    except BaseException:
+        for ch in opened:
+            ch.close()
+        waker.close()
+        os.close(lock_fd)
+        raise
+    return EngineLink(procs, index, lock_fd, waker, request_ch, text_ch, meta)
+
+
+def _listening(path: Path) -> bool:
+    """The socket file exists and is bound. Binding creates it, and the engine processes
+    bind it only when they are ready to hand out channels."""
+    return path.is_socket()
+
+
+def claim_worker_index(files: ServerFiles) -> tuple[int, int]:
+    """The lowest worker index no live HTTP worker holds: (index, fd of its flock). Keep
+    the fd open for the worker's life; the kernel frees the index when it dies."""
+    index = 0
+    while True:
+        fd = os.open(files.worker_lock(index), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return index, fd
+        except BlockingIOError:
+            os.close(fd)
+            index += 1
+
+
+def _workers_attached(files: ServerFiles) -> bool:
+    """Whether an HTTP worker holds a worker index of this server."""
+    for path in files.root.glob(f"engine-{files.server_pid}.worker-*"):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
+def _sweep_stale(root: Path) -> None:
+    """Removes the files of servers whose main process is gone."""
+    for lock in root.glob("engine-*.lock"):
+        try:
+            pid = int(lock.name.split("-", 1)[1].split(".", 1)[0])
+        except ValueError:
+            continue
+        if process_start_time(pid) is None:
+            ServerFiles(pid, root).remove()
+
+
+# ---------------------------------------------------------------- engine side
+
+def engine_process_main(role: str, spec_json: str) -> int:
+    """`python -m runtime.launcher <role> <spec>`: reads the pids to watch from stdin, then
+    runs the scheduler or the detokenizer until it is told to stop or a watched process exits."""
+    from runtime.watchdog import stop_when_any_exits
+
+    spec = json.loads(spec_json)
+    args = ServerArgs(**spec["server_args"])
+    files = ServerFiles(spec["server_pid"], Path(spec["root"]))
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
+    line = sys.stdin.readline()
+    if not line:
+        logger.error("the worker starting the engine exited before handing over the pids to watch")
+        return 1
+    stop_when_any_exits(json.loads(line), grace_s=STOP_GRACE_S)
+    from gpu.model_files import ModelLoadError
+    try:
+        if role == "scheduler":
+            from runtime.scheduler_process import run_scheduler
+            run_scheduler(args, str(files.socket("scheduler")), str(files.socket("detokenizer")), str(files.stats))
+        else:
+            from runtime.detokenizer import run_detokenizer
+            run_detokenizer(args, str(files.socket("detokenizer")))
+    except ModelLoadError as e:
+        logger.error("cannot load the model: %s", e)
+        return 3
+    except KeyboardInterrupt:
+        pass
+    if process_start_time(files.server_pid) is None:
+        files.remove()  # the server is gone: nobody else will clean up
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ROLES:
+        print(f"usage: python -m runtime.launcher {{{'|'.join(ROLES)}}} SPEC_JSON (started by the server)",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(engine_process_main(sys.argv[1], sys.argv[2]))

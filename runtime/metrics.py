@@ -1,0 +1,230 @@
+"""Metrics: the engine's published stats (shared by all workers) and each worker's
+Prometheus counters and histograms, merged at scrape time.
+
+Engine-wide numbers (running and queued requests, KV pages, prefix cache, the
+scheduler-to-detokenizer ring) come from one small record the scheduler rewrites
+every step in a file-backed shared mapping of the server's private runtime dir
+(`EngineStats`: no syscall per step, a plain store of one numpy record). Workers read
+it when /metrics is scraped. A read may interleave with a write; metrics tolerate that.
+
+Per-worker counters and histograms use prometheus_client's multiprocess mode: each
+granian worker writes its own files in the server's metrics dir (set up by
+`use_multiprocess_dir` before prometheus_client is first imported), and /metrics,
+whichever worker answers it, merges every worker's. Latencies observed once per
+streamed delta (inter-token) are counted in a local histogram and flushed once a
+second: a prometheus_client observe costs about 8 us in multiprocess mode.
+"""
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENGINE_STATS = np.dtype([
+    ("updated_ns", np.int64),  # CLOCK_MONOTONIC of the last publish
+    ("running", np.uint32),
+    ("queued", np.uint32),
+    ("kv_pages_total", np.uint32),
+    ("kv_pages_free", np.uint32),
+    ("kv_pages_cached", np.uint32),  # held only by the radix cache (evictable)
+    ("page_size", np.uint32),
+    ("token_out_depth", np.uint32),  # records waiting in the scheduler -> detokenizer ring
+    ("max_running_requests", np.uint32),
+    ("prefill_tokens", np.uint64),  # prompt tokens computed (cache hits excluded)
+    ("cached_tokens", np.uint64),  # prompt tokens served from the prefix cache
+    ("generated_tokens", np.uint64),
+    ("steps", np.uint64),
+    ("retractions", np.uint64),
+])
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineStats:
+    """The scheduler's published stats: `create` (the scheduler, writer) or `open` (a worker)."""
+
+    def __init__(self, path: Path, writable: bool) -> None:
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if writable else os.O_RDONLY, 0o600)
+        try:
+            if writable:
+                os.ftruncate(fd, ENGINE_STATS.itemsize)
+            self._map = mmap.mmap(fd, ENGINE_STATS.itemsize, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        finally:
+            os.close(fd)
+        self.record = np.ndarray(1, ENGINE_STATS, buffer=self._map)
+
+    @classmethod
+    def create(cls, path: str | Path) -> EngineStats:
+        return cls(Path(path), writable=True)
+
+    @classmethod
+    def open(cls, path: str | Path) -> EngineStats | None:
+        """None when the engine publishes none (yet)."""
+        try:
+            return cls(Path(path), writable=False)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def publish(self, scheduler: Any, token_out_depth: int) -> None:
+        """One store of the whole record from a runtime.scheduler.Scheduler (once per step)."""
+        s, pool = scheduler.stats, scheduler.pool
+        self.record[0] = (time.monotonic_ns(), scheduler.num_running, len(scheduler.queue), pool.num_pages,
+                          pool.num_free, scheduler.cache.evictable_pages, pool.page_size, token_out_depth,
+                          scheduler.config.max_running_requests, s.prefill_tokens, s.cached_tokens,
+                          s.generated_tokens, s.steps, s.retractions)
+
+    def read(self) -> dict[str, int]:
+        rec = self.record[0].copy()
+        return {name: int(rec[name]) for name in ENGINE_STATS.names}
+
+    def close(self) -> None:
+        self.record = None
+        self._map.close()
+
+
+def use_multiprocess_dir(path: Path) -> None:
+    """Per-worker metrics go to files in `path`; call before prometheus_client is imported."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+
+
+class LocalHistogram:
+    """Counts observations here and adds them to a prometheus Histogram on flush()."""
+
+    def __init__(self, histogram: Any, buckets: tuple[float, ...]) -> None:
+        self.histogram = histogram
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one: +Inf
+        self.total = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.total += value * count
+
+    def flush(self) -> None:
+        # prometheus_client keeps one (non-cumulative) value per bucket and the sum; adding
+        # to them is what observe() does, for many observations at once
+        h = self.histogram
+        for i, n in enumerate(self.counts):
+            if n:
+                h._buckets[i].inc(n)
+                self.counts[i] = 0
+        if self.total:
+            h._sum.inc(self.total)
+            self.total = 0.0
+
+
+class WorkerMetrics:
+    """This worker's Prometheus metrics, and /metrics for the whole server."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram, values
+
+        self.multiprocess = values.ValueClass is not values.MutexValue
+        self.requests = Counter("ringserve_requests", "HTTP generation requests received", ["endpoint"])
+        self.finished = Counter("ringserve_requests_finished", "Choices finished", ["finish_reason"])
+        self.prompt_tokens = Counter("ringserve_prompt_tokens", "Prompt tokens of finished choices")
+        self.generation_tokens = Counter("ringserve_generation_tokens", "Generated tokens of finished choices")
+        self.cached_tokens = Counter("ringserve_cached_tokens", "Prompt tokens served from the prefix cache")
+        self.ttft = Histogram("ringserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS)
+        self.e2e = Histogram("ringserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=E2E_BUCKETS)
+        self.itl = LocalHistogram(Histogram("ringserve_inter_token_latency_seconds",
+                                            "Latency between streamed tokens (per delta, weighted by its tokens)",
+                                            buckets=ITL_BUCKETS), ITL_BUCKETS)
+
+    def observe_request(self, arrival_ns: int, end_ns: int, choices: list) -> None:
+        """A finished request: its choices' (ReqState) counts and latencies."""
+        self.e2e.observe((end_ns - arrival_ns) * 1e-9)
+        prompt = completion = cached = 0
+        for state in choices:
+            if state.first_ns:
+                self.ttft.observe((state.first_ns - arrival_ns) * 1e-9)
+            prompt += state.prompt_tokens
+            completion += state.completion_tokens
+            cached += state.cached_tokens
+            if state.finished:
+                self.finished.labels(state.finish.name.lower()).inc()
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(cached)
+
+    def render(self, engine: dict[str, int] | None, worker: dict[str, Any]) -> tuple[bytes, str]:
+        """The exposition text: every worker's metrics (multiprocess mode) or this worker's,
+        plus the engine's gauges and this worker's ring depths."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest, multiprocess
+
+        self.itl.flush()
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = CollectorRegistry()
+            registry.register(_Forward(REGISTRY))
+        registry.register(_EngineCollector(engine, worker))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _Forward:
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    def collect(self):
+        return self.registry.collect()
+
+
+class _EngineCollector:
+    """Gauges read at scrape time: the engine's published stats, this worker's rings."""
+
+    def __init__(self, engine: dict[str, int] | None, worker: dict[str, Any]) -> None:
+        self.engine, self.worker = engine, worker
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        up = GaugeMetricFamily("ringserve_engine_up", "1 while every engine process runs")
+        up.add_metric([], 0.0 if self.worker["dead"] else 1.0)
+        yield up
+        rings = GaugeMetricFamily("ringserve_ring_depth", "Records waiting in a ring", labels=["ring", "worker"])
+        for ring, depth in self.worker["rings"].items():
+            rings.add_metric([ring, str(self.worker["index"])], depth)
+        e = self.engine
+        if e is not None:
+            rings.add_metric(["token_out", ""], e["token_out_depth"])
+        yield rings
+        if e is None:
+            return
+        gauges = {
+            "num_running_reqs": ("Requests running in the scheduler", e["running"]),
+            "num_queue_reqs": ("Requests waiting in the scheduler's queue", e["queued"]),
+            "kv_pages_total": ("KV cache pages", e["kv_pages_total"]),
+            "kv_pages_free": ("KV cache pages free", e["kv_pages_free"]),
+            "kv_pages_cached": ("KV cache pages held only by the prefix cache (evictable)", e["kv_pages_cached"]),
+            "kv_pages_used": ("KV cache pages held by requests", e["kv_pages_total"] - e["kv_pages_free"]
+                              - e["kv_pages_cached"]),
+            "kv_page_size": ("Tokens per KV page", e["page_size"]),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily("ringserve_" + name, doc)
+            g.add_metric([], value)
+            yield g
+        usage = GaugeMetricFamily("ringserve_kv_usage", "Share of KV pages held by requests")
+        usage.add_metric([], gauges["kv_pages_used"][1] / max(e["kv_pages_total"], 1))
+        yield usage
+        seen = e["cached_tokens"] + e["prefill_tokens"]
+        hit = GaugeMetricFamily("ringserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
+                                "as a share of all prompt tokens admitted")
+        hit.add_metric([], e["cached_tokens"] / seen if seen else 0.0)
+        yield hit
+        for name, doc in (("steps", "Scheduler steps"), ("retractions", "Requests retracted for lack of KV pages"),
+                          ("engine_generated_tokens", "Tokens the scheduler generated")):
+            c = CounterMetricFamily("ringserve_" + name, doc)
+            c.add_metric([], e["generated_tokens" if name == "engine_generated_tokens" else name])
+            yield c

@@ -1,0 +1,447 @@
+"""The TokenizerManager: one per HTTP worker, on the worker's event loop.
+
+    tm = TokenizerManager(worker, request_ch, text_ch, waker, tokenizer, model, request_timeout)
+    tm.start()                                   # the reader and the timeout sweeper
+    ids = await tm.encode(text) / await tm.chat_ids(messages)
+    group = await tm.submit(prompts, params)     # one ReqState per choice, records pushed
+    while not group.done:                        # streaming
+        for state in await group.news(): text, logprobs, finish = state.take()
+    await group.finished()                       # non-streaming: every choice done
+    tm.abort(group)                              # client gone: ABORT records, slots freed
+
+A request is named on the token path by (worker, slot, gen): `slot` indexes this TM's
+table, `gen` is unique in this process (a random start, so a respawned worker's
+requests never match its dead predecessor's). One reader task pops the TEXT_OUT
+channel for the whole worker, drops stale records with one vectorised gen check, and
+appends each record's delta bytes to its request's ReqState; the request's
+coroutine is woken with one future per wait, never a queue of per-token objects.
+A coroutine that was busy (its client is slow) finds several deltas pending and
+sends them as one SSE event.
+
+Stop strings end a request in the detokenizer; the scheduler does not see them, so
+the TM sends an ABORT for such a request to free its KV pages. Every other end
+(eos, length, abort) comes from the scheduler, which has freed the pages already.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from httpapi.errors import APIError, bad_request, engine_unavailable
+from httpapi.logprobs import TokenLogprobs
+from ipc.records import ErrorCode, Finish, RequestKind, TextKind, pack_control, pack_request, unpack_logprobs
+from runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("ringserve.tokenizer_manager")
+
+LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
+FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
+TIMEOUT_SWEEP_S = 1.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP layer needs to know about the served model."""
+    model_dir: str
+    served_name: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+
+
+class ClientGone(Exception):
+    """The client disconnected; the request was aborted and nothing is left to send."""
+
+
+class ReqState:
+    """One choice in flight: what the reader appended and its coroutine has not taken yet."""
+    __slots__ = ("group", "index", "slot", "gen", "params", "parts", "logprobs", "finish", "stop_token",
+                 "stop_index", "prompt_tokens", "completion_tokens", "cached_tokens", "first_ns", "error",
+                 "in_news", "sent_tokens", "last_ns")
+
+    def __init__(self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams,
+                 prompt_tokens: int) -> None:
+        self.group = group
+        self.index = index  # the choice's index in the response
+        self.slot, self.gen = slot, gen
+        self.params = params
+        self.parts: list[bytes] = []  # UTF-8 deltas not yet taken
+        self.logprobs: list[TokenLogprobs] = []  # their logprobs, when asked
+        self.finish = Finish.NONE
+        self.stop_token = -1
+        self.stop_index = -1
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, 0, 0
+        self.first_ns = 0  # when its first delta arrived (TTFT)
+        self.error: APIError | None = None
+        self.in_news = False  # listed in group.news
+        self.sent_tokens, self.last_ns = 0, 0  # streamed so far, and when (the HTTP layer's)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish != Finish.NONE
+
+    def take(self) -> tuple[str, TokenLogprobs | None, str | None]:
+        """Every pending delta as one: (text, logprobs or None, finish_reason once finished)."""
+        parts, self.parts = self.parts, []
+        text = parts[0].decode(errors="replace") if len(parts) == 1 else b"".join(parts).decode(errors="replace")
+        lp = None
+        if self.logprobs:
+            lp = self.logprobs[0] if len(self.logprobs) == 1 else TokenLogprobs.concat(self.logprobs)
+            self.logprobs = []
+        return text, lp, FINISH_NAMES.get(self.finish) if self.finished else None
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        """The stop token id or stop string that ended the request."""
+        if self.stop_index >= 0:
+            return self.params.stop[self.stop_index]
+        return self.stop_token if self.stop_token >= 0 else None
+
+
+class ReqGroup:
+    """The choices of one HTTP request (n x prompts), woken together."""
+    __slots__ = ("states", "rids", "arrival_ns", "deadline", "waiter", "error", "news", "unfinished", "__weakref__")
+
+    def __init__(self, rids: Sequence[str], arrival_ns: int, deadline: float) -> None:
+        self.states: list[ReqState] = []
+        self.rids = rids  # names for /abort_request
+        self.arrival_ns = arrival_ns
+        self.deadline = deadline  # loop time after which the request is abandoned
+        self.waiter: asyncio.Future | None = None
+        self.error: BaseException | None = None  # APIError, or ClientGone
+        self.news: list[ReqState] = []  # states with something to take, in arrival order
+        self.unfinished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.unfinished == 0 and not self.news
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def next_news(self) -> list[ReqState]:
+        """The states that got deltas since the last call (waits for at least one);
+        raises the group's error (APIError, ClientGone) if it failed."""
+        while not self.news:
+            if self.error is not None:
+                raise self.error
+            if self.unfinished == 0:
+                return []
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        if self.error is not None:
+            raise self.error
+        news, self.news = self.news, []
+        for state in news:
+            state.in_news = False
+        return news
+
+    async def finished(self) -> list[ReqState]:
+        """Waits until every choice finished; raises the group's error if it failed."""
+        while self.unfinished:
+            await self.next_news()
+        if self.error is not None:
+            raise self.error
+        self.news = []
+        return self.states
+
+
+class TokenizerManager:
+    def __init__(self, worker: int, request_ch: Any, text_ch: Any, waker: Any, tokenizer: Any,
+                 model: ModelInfo, request_timeout: float, metrics: Any = None) -> None:
+        self.worker = worker
+        self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: thread-safe encode
+        self.model = model
+        self.request_timeout = request_timeout
+        self.metrics = metrics
+        self.dead: APIError | None = None  # set when the engine is gone: every request fails with it
+        self._gens = np.zeros(256, np.uint32)  # [slots] gen of the request in each slot; 0: free
+        self._states: list[ReqState | None] = [None] * 256
+        self._free = list(range(255, -1, -1))
+        self._next_gen = secrets.randbits(32) or 1
+        self._groups: set[ReqGroup] = set()
+        self._by_rid: dict[str, ReqGroup] = {}
+        self._outbox: list[tuple[np.ndarray, np.ndarray]] = []  # REQUEST records waiting for room
+        self._outbox_ready: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------------- life
+
+    def start(self) -> None:
+        self._outbox_ready = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._read_loop(), name="tm-reader"),
+                       asyncio.create_task(self._send_loop(), name="tm-sender"),
+                       asyncio.create_task(self._sweep_loop(), name="tm-timeouts")]
+
+    async def close(self) -> None:
+        self.fail_all(engine_unavailable("The server is shutting down."))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def fail_all(self, err: APIError) -> None:
+        """The engine is gone (or the worker stops): every request fails with `err`, new ones too."""
+        self.dead = err
+        for group in list(self._groups):
+            self._fail(group, err, abort=False)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._groups)
+
+    # ---------------------------------------------------------------- tokenizing
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) < LONG_PROMPT_CHARS:
+            return self._encode(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(None, self._encode, text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template applied and tokenized, as apply_chat_template(tokenize=True) does."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raises for conversations a template refuses (e.g. roles out of order)
+            raise bad_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
+        return await self.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---------------------------------------------------------------- requests in
+
+    async def submit(self, prompts: Sequence[Sequence[int] | np.ndarray], params: Sequence[SamplingParams],
+                     rids: Sequence[str] | None = None) -> ReqGroup:
+        """Starts one choice per (prompt, params): their records are in the REQUEST channel
+        (or queued for room) when this returns."""
+        if self.dead is not None:
+            raise self.dead
+        loop = asyncio.get_running_loop()
+        now_ns = time.monotonic_ns()
+        group = ReqGroup(rids or (), now_ns, loop.time() + self.request_timeout)
+        records, blobs, size = [], [], 0
+        for index, (ids, p) in enumerate(zip(prompts, params)):
+            slot, gen = self._alloc()
+            state = ReqState(group, index, slot, gen, p, len(ids))
+            self._states[slot] = state
+            group.states.append(state)
+            rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns)
+            rec["prompt_off"] += size
+            rec["stop_off"] += size
+            blob += b"\0" * (-len(blob) % 4)  # the next request's ids stay 4-byte aligned
+            records.append(rec)
+            blobs.append(blob)
+            size += len(blob)
+        group.unfinished = len(group.states)
+        self._groups.add(group)
+        for rid in group.rids:
+            self._by_rid[rid] = group
+        self._send(np.concatenate(records), np.frombuffer(b"".join(blobs), np.uint8))
+        return group
+
+    def abort(self, group: ReqGroup) -> None:
+        """The client is gone: ABORT records for the group's unfinished choices (the scheduler
+        frees their KV pages), slots freed; its waiters get ClientGone."""
+        self._fail(group, ClientGone(), abort=True)
+
+    def abort_rid(self, rid: str | None) -> int:
+        """/abort_request: the request named `rid`, or every request of this worker for None."""
+        groups = list(self._groups) if rid is None else [g for g in (self._by_rid.get(rid),) if g is not None]
+        for group in groups:
+            self._fail(group, None, abort=True)
+        return len(groups)
+
+    def flush_cache(self) -> None:
+        self._send(pack_control(RequestKind.FLUSH_CACHE, self.worker), None)
+
+    def _alloc(self) -> tuple[int, int]:
+        if not self._free:
+            n = len(self._gens)
+            self._gens = np.concatenate([self._gens, np.zeros(n, np.uint32)])
+            self._states.extend([None] * n)
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        slot = self._free.pop()
+        gen = self._next_gen
+        self._next_gen = (gen + 1) & 0xFFFFFFFF or 1  # 0 marks a free slot
+        self._gens[slot] = gen
+        return slot, gen
+
+    def _release(self, state: ReqState) -> None:
+        """The slot is free again: its later records (a stale gen) are dropped by the reader."""
+        slot = state.slot
+        if self._states[slot] is state:
+            self._gens[slot] = 0
+            self._states[slot] = None
+            self._free.append(slot)
+
+    def _fail(self, group: ReqGroup, err: BaseException | None, abort: bool) -> None:
+        """Ends every unfinished choice with finish "abort": with `err`, the group raises it;
+        without, its choices end normally (/abort_request). `abort`: tell the scheduler."""
+        aborts = []
+        for state in group.states:
+            if not state.finished:
+                if abort:
+                    aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
+                state.finish = Finish.ABORT
+                self._release(state)
+                if not state.in_news:
+                    state.in_news = True
+                    group.news.append(state)
+        if aborts and self.dead is None:
+            self._send(np.concatenate(aborts), None)
+        group.unfinished = 0
+        if group.error is None:
+            group.error = err
+        self._forget(group)
+        group._wake()
+
+    def _forget(self, group: ReqGroup) -> None:
+        self._groups.discard(group)
+        for rid in group.rids:
+            if self._by_rid.get(rid) is group:
+                del self._by_rid[rid]
+
+    # ---------------------------------------------------------------- the REQUEST channel
+
+    def _send(self, records: np.ndarray, blob: np.ndarray | None) -> None:
+        """In order: behind anything still waiting for room."""
+        if not self._outbox:
+            done = self.request_ch.push(records, blob)
+            if done == len(records):
+                return
+            records = records[done:]
+        self._outbox.append((records, blob))
+        self._outbox_ready.set()
+
+    async def _send_loop(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                records, blob = self._outbox[0]
+                await self.request_ch.push_all_async(records, blob)
+                self._outbox.pop(0)
+
+    # ---------------------------------------------------------------- the TEXT_OUT channel
+
+    async def _read_loop(self) -> None:
+        ch, waker = self.text_ch, self.waker
+        while True:
+            batch = ch.pop()
+            if batch is None:
+                await waker.wait_readable_async([ch])
+                continue
+            try:
+                self._dispatch(batch.records, batch.payload)
+            except Exception:  # a bug here must not silence every stream of the worker
+                logger.exception("text-out batch of %d records dropped", len(batch.records))
+
+    def _dispatch(self, recs: np.ndarray, payload: np.ndarray) -> None:
+        slots = recs["slot"]
+        gens = self._gens
+        inside = slots < len(gens)
+        live = inside & (gens[np.where(inside, slots, 0)] == recs["gen"])
+        if not live.all():
+            recs = recs[live]
+            if not len(recs):
+                return
+        blob = payload.tobytes()
+        states = self._states
+        now_ns = time.monotonic_ns()
+        aborts = []
+        special = (recs["finish"] != Finish.NONE) | (recs["kind"] != TextKind.TEXT) | (recs["logprobs_len"] > 0)
+        for slot, off, n, completion, odd, i in zip(recs["slot"].tolist(), recs["text_off"].tolist(),
+                                                    recs["text_len"].tolist(), recs["completion_tokens"].tolist(),
+                                                    special.tolist(), range(len(recs))):
+            state = states[slot]
+            if state is None:  # ended earlier in this batch
+                continue
+            group = state.group
+            if not state.in_news:
+                state.in_news = True
+                group.news.append(state)
+            if n:
+                state.parts.append(blob[off:off + n])
+            state.completion_tokens = completion
+            if not state.first_ns:
+                state.first_ns = now_ns
+            if odd and self._special(state, recs[i], payload):
+                aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
+            group._wake()
+        if aborts:
+            self._send(np.concatenate(aborts), None)
+
+    def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
+        """Logprobs, errors and finishes of one record; True when the scheduler must be told
+        to abort the request (a stop string ended it in the detokenizer)."""
+        if rec["logprobs_len"]:
+            k = int(rec["n_top"])
+            n_tokens = int(rec["logprobs_len"]) // (8 * (1 + k))
+            part = payload[rec["logprobs_off"]:rec["logprobs_off"] + rec["logprobs_len"]]
+            state.logprobs.append(TokenLogprobs.of(*unpack_logprobs(part, n_tokens, k)))
+        finish = int(rec["finish"])
+        if finish == Finish.NONE:
+            return False
+        state.prompt_tokens = int(rec["prompt_tokens"])
+        state.cached_tokens = int(rec["cached_tokens"])
+        if rec["kind"] == TextKind.ERROR:
+            message = bytes(payload[rec["text_off"]:rec["text_off"] + rec["text_len"]]).decode(errors="replace")
+            state.parts = []
+            state.error = engine_error(int(rec["error"]), message)
+            finish = Finish.ERROR
+        state.finish = Finish(finish)
+        state.stop_token, state.stop_index = int(rec["stop_token"]), int(rec["stop_index"])
+        self._release(state)
+        group = state.group
+        group.unfinished -= 1
+        if state.error is not None and group.error is None:
+            self._fail(group, state.error, abort=True)  # the other choices cannot complete the response
+        elif group.unfinished == 0:
+            self._forget(group)
+        return state.stop_index >= 0 and finish == Finish.STOP
+
+    # ---------------------------------------------------------------- timeouts
+
+    async def _sweep_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TIMEOUT_SWEEP_S)
+            now = loop.time()
+            for group in [g for g in self._groups if g.deadline < now]:
+                logger.warning("request timed out after %.0f s (request_timeout): aborted", self.request_timeout)
+                self._fail(group, APIError(504, f"The request did not finish within the server's request "
+                                                f"timeout of {self.request_timeout:g} s.", type="server_error",
+                                           code="timeout"), abort=True)
+
+    # ---------------------------------------------------------------- introspection
+
+    def ring_depths(self) -> dict[str, int]:
+        return {"request": len(self.request_ch), "text_out": len(self.text_ch)}
+
+
+def engine_error(code: int, message: str) -> APIError:
+    """The APIError of a request the engine ended with an ERROR record."""
+    if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_REQUEST):
+        return bad_request(message or "The engine rejected the request.", None,
+                           code="context_length_exceeded" if code == ErrorCode.PROMPT_TOO_LONG else None)
+    if code == ErrorCode.OVERLOADED:
+        return engine_unavailable(message or "The engine is overloaded; retry later.")
+    return APIError(500, message or "The engine failed the request.", type="server_error", code="internal_error")
+
