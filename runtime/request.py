@@ -25,6 +25,13 @@ class FinishReason(enum.IntEnum):
         return None if self is FinishReason.NONE else self.name.lower()
 
 
+class Rejection(enum.IntEnum):
+    """Why a request ended with FinishReason.ERROR before running."""
+    NONE = 0
+    PROMPT_TOO_LONG = 1  # longer than the context or the KV pool
+    INVALID_REQUEST = 2  # empty prompt, token ids outside the vocabulary, bad sampling parameters
+
+
 class ReqStatus(enum.IntEnum):
     QUEUED = 0  # new, or retracted and waiting to resume
     RUNNING = 1  # holds a row and KV pages
@@ -33,7 +40,7 @@ class ReqStatus(enum.IntEnum):
 
 class Request:
     __slots__ = ("worker", "slot", "generation", "prompt", "params", "arrival", "status",
-                 "row", "node", "prefix_pages", "cached_tokens", "output", "tag")
+                 "row", "node", "prefix_pages", "cached_tokens", "output", "tag", "rejection", "error")
 
     def __init__(self, worker: int, slot: int, generation: int, prompt: np.ndarray,
                  params: SamplingParams, arrival: int, tag: object = None) -> None:
@@ -50,6 +57,8 @@ class Request:
         self.cached_tokens = -1  # prompt tokens served from cache on first admission; -1: not yet
         self.output = np.zeros(0, dtype=np.int32)  # tokens generated before a retraction
         self.tag = tag  # the transport's own data (stop strings, detokenizer options...)
+        self.rejection = Rejection.NONE
+        self.error = ""  # why it was rejected, one line for the user
 
     @property
     def key(self) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from gpu.forward_batch import SeqInput
 from runtime.config import ServerArgs
 from runtime.radix_cache import RadixCache
 from runtime.req_table import MAX_STOP_IDS, ReqTable
-from runtime.request import FinishReason, ReqStatus, Request
+from runtime.request import FinishReason, Rejection, ReqStatus, Request
 from runtime.sampling_params import InvalidParam, SamplingParams
 from runtime.schedule_policy import order_queue
 
@@ -124,30 +124,30 @@ class Scheduler:
             self._end(old, FinishReason.ABORT)
         self._opened.append(req)
         self.requests[req.key] = req
-        error = self._check(req)
-        if error:
-            logger.warning("request (%d, %d, %d) rejected: %s", worker, slot, generation, error)
+        req.rejection, req.error = self._check(req)
+        if req.rejection:
+            logger.warning("request (%d, %d, %d) rejected: %s", worker, slot, generation, req.error)
             self._end(req, FinishReason.ERROR)
         else:
             self.queue.append(req)
         return req
 
-    def _check(self, req: Request) -> str | None:
-        n = len(req.prompt)
+    def _check(self, req: Request) -> tuple[Rejection, str]:
+        n, ctx, kv = len(req.prompt), self.config.context_length, self.pool.num_pages * self.page_size
         if n == 0:
-            return "the prompt is empty"
-        if n >= self.config.context_length:
-            return f"the prompt has {n} tokens; the context holds {self.config.context_length} " \
-                   f"including at least one generated token"
-        if n + 1 > self.pool.num_pages * self.page_size:
-            return f"the prompt has {n} tokens; the KV pool holds {self.pool.num_pages * self.page_size}"
+            return Rejection.INVALID_REQUEST, "the prompt is empty"
+        if n >= ctx:
+            return (Rejection.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the context holds {ctx} "
+                    f"including at least one generated token")
+        if n + 1 > kv:
+            return Rejection.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
         if req.prompt.min() < 0 or req.prompt.max() >= self.vocab_size:
-            return f"prompt token ids must be in [0, {self.vocab_size})"
+            return Rejection.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
         try:
             req.params.validate(self.vocab_size)
         except InvalidParam as e:
-            return f"{e.param}: {e.message}"
-        return None
+            return Rejection.INVALID_REQUEST, f"{e.param}: {e.message}"
+        return Rejection.NONE, ""
 
     def abort(self, worker: int, slot: int, generation: int) -> bool:
         """Ends a request in whatever state it is (queued, mid-prefill, decoding, retracted)
@@ -157,6 +157,13 @@ class Scheduler:
             return False
         self._end(req, FinishReason.ABORT)
         return True
+
+    def abort_worker(self, worker: int) -> int:
+        """Ends every request of `worker` (its process is gone); returns how many."""
+        gone = [r for r in self.requests.values() if r.worker == worker]
+        for req in gone:
+            self._end(req, FinishReason.ABORT)
+        return len(gone)
 
     def flush_cache(self) -> int:
         """Drops every cached page no running request uses; returns how many were freed."""

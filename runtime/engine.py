@@ -1,0 +1,181 @@
+"""The offline Engine (vLLM's LLM, SGLang's Engine): generate() drives the same Scheduler
+core as the server, in this process, without HTTP or rings.
+
+    engine = Engine(max_running_requests=64)
+    outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_new_tokens=8))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].cached_tokens
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from gpu.model_files import resolve_model_dir
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.config import ServerArgs
+from runtime.request import FinishReason
+from runtime.sampling_params import InvalidParam, SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+
+ENGINE_WORKER = 0  # the worker id the Engine's requests carry
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort | error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[float] | None = None  # the chosen tokens', when asked
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+class Engine:
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs) -> None:
+        """`kwargs` are ServerArgs fields (max_running_requests=..., disable_radix_cache=...);
+        given with server_args they override it. Scheduler knobs that are not server flags
+        (e.g. init_new_token_ratio) can go in `scheduler_overrides`."""
+        overrides = kwargs.pop("scheduler_overrides", {})
+        args = dataclasses.replace(server_args, **kwargs) if server_args else ServerArgs(**kwargs)
+        self.server_args = args
+        self.runner = make_runner(args)
+        model_dir = resolve_model_dir(args.model_path)
+        from transformers import AutoTokenizer  # slow import: only where a tokenizer is needed
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
+        self.scheduler = Scheduler(self.runner, config)
+        self._generations = itertools.count(1)
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[GenerateOutput]:
+        """Runs every prompt to completion, batched; outputs are in the prompts' order."""
+        prompt_ids = self._tokenize(prompts)
+        params = _per_prompt(sampling_params, len(prompt_ids))
+        vocab = self.runner.model_config.vocab_size
+        for p in params:
+            p.validate(vocab)
+        sched, generation = self.scheduler, next(self._generations)
+        runs = [_Run(ids, p) for ids, p in zip(prompt_ids, params)]
+        for slot, run in enumerate(runs):
+            sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
+        pending = len(runs)
+        while pending:
+            res = sched.step()
+            ev = res.events
+            for i, (slot, gen, token, finish) in enumerate(zip(
+                    ev["slot"].tolist(), ev["generation"].tolist(), ev["token"].tolist(), ev["finish"].tolist())):
+                run = runs[slot]
+                if gen != generation or run.finish:
+                    continue  # the end event of a request this Engine stopped on a stop string
+                if token >= 0:
+                    run.tokens.append(token)
+                    if run.params.logprobs:
+                        run.logprobs.append(float(ev["logprob"][i]))
+                        if run.params.top_logprobs and res.top_ids is not None:
+                            k = run.params.top_logprobs
+                            run.top.append(dict(zip(res.top_ids[i, :k].tolist(),
+                                                    res.top_logprobs[i, :k].tolist())))
+                    if run.params.stop and finish == FinishReason.NONE and self._hit_stop(run):
+                        sched.abort(ENGINE_WORKER, slot, generation)
+                        finish = FinishReason.STOP
+                if finish != FinishReason.NONE:
+                    run.finish = FinishReason(finish)
+                    run.counts = (int(ev["prompt_tokens"][i]), int(ev["completion_tokens"][i]),
+                                  int(ev["cached_tokens"][i]))
+                    pending -= 1
+        return [self._output(run) for run in runs]
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[GenerateOutput]:
+        """generate() over chat conversations (lists of {"role", "content"}) through the
+        tokenizer's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True)
+               for c in conversations]
+        return self.generate([_as_ids(i) for i in ids], sampling_params)
+
+    def flush_cache(self) -> int:
+        return self.scheduler.flush_cache()
+
+    def _tokenize(self, prompts) -> list[np.ndarray]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif len(prompts) and isinstance(prompts[0], (int, np.integer)):
+            prompts = [prompts]
+        if not len(prompts):
+            raise InvalidParam("prompt", "generate() needs at least one prompt")
+        out = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            out.append(np.asarray(ids, dtype=np.int32).reshape(-1))
+        return out
+
+    def _hit_stop(self, run: "_Run") -> bool:
+        """Stop strings: done here for the Engine (in the server the detokenizer does it)."""
+        text = self.tokenizer.decode(run.tokens, skip_special_tokens=run.params.skip_special_tokens)
+        cut = min((i for i in (text.find(s) for s in run.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        run.text = text[:cut]
+        return True
+
+    def _output(self, run: "_Run") -> GenerateOutput:
+        p = run.params
+        text = run.text if run.text is not None else self.tokenizer.decode(
+            run.tokens, skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens)
+        prompt_tokens, completion_tokens, cached = run.counts
+        return GenerateOutput(text=text, token_ids=run.tokens, finish_reason=run.finish.api_name,
+                              prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              cached_tokens=cached, logprobs=run.logprobs if p.logprobs else None,
+                              top_logprobs=run.top if p.top_logprobs else None,
+                              prompt_token_ids=run.prompt.tolist())
+
+
+class _Run:
+    """One prompt's progress inside generate()."""
+    __slots__ = ("prompt", "params", "tokens", "logprobs", "top", "finish", "counts", "text")
+
+    def __init__(self, prompt: np.ndarray, params: SamplingParams) -> None:
+        self.prompt, self.params = prompt, params
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[dict[int, float]] = []
+        self.finish: FinishReason | None = None
+        self.counts = (len(prompt), 0, 0)
+        self.text: str | None = None  # set when a stop string cut it
+
+
+def make_runner(args: ServerArgs):
+    """The model executor the server args ask for: the real model, or the null model."""
+    config = ModelRunnerConfig.from_server_args(args)
+    if args.null_model:
+        from gpu.null_model import NullModelRunner
+        return NullModelRunner(config)
+    return ModelRunner(config)
+
+
+def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidParam("sampling_params", f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _as_ids(ids) -> list[int]:
+    """apply_chat_template returns a list, or a BatchEncoding in newer transformers."""
+    return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)

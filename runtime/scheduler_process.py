@@ -1,0 +1,322 @@
+"""The Scheduler+Worker process (`ringserve::scheduler`): a plain synchronous loop around
+the Scheduler core (runtime/scheduler.py) and the model runner.
+
+Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
+flushes), run one step, and push that step's TOKEN_OUT records to the detokenizer in one
+batch: an OPEN record per request received since the last step (detokenizer options in
+`flags`, stop strings in the payload), then one record per request with news (its sampled
+token, or how it ended). While there is work the loop never makes a syscall to look for
+more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
+published EngineStats) advance every iteration and around each forward.
+
+    launcher:       run_scheduler(server_args, socket_path, detokenizer_socket, stats_path)
+    HTTP worker k:  request_ch, meta = connect_scheduler(socket_path, waker, worker=k)
+
+The socket is bound only once the model is loaded and the detokenizer connected, so a
+socket file means the scheduler is ready. A worker that connects again (granian respawned
+it) replaces its channel, and the requests of its previous process are aborted.
+
+TOKEN_OUT protocol (what runtime/detok_router.py reads): token == 0xFFFFFFFF (-1 as
+uint32) marks a record that ends a request without a new token (abort, or the KV pool
+ran out); kind ERROR carries an ErrorCode and a UTF-8 message for a request that could
+never run.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+
+from ipc import ChannelSpec, get_transport
+from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
+from ipc.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, RequestKind,
+                         TokenKind, encode_strings, pack_top_logprobs, unpack_request)
+from runtime.config import ServerArgs
+from runtime.request import Rejection, Request
+from runtime.scheduler import Scheduler, SchedulerConfig, StepResult
+
+logger = logging.getLogger(__name__)
+
+PROCESS_TITLE = "ringserve::scheduler"
+REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=16 << 20)  # worker k -> scheduler
+SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
+IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
+_ERROR_CODES = {Rejection.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
+                Rejection.INVALID_REQUEST: ErrorCode.INVALID_REQUEST}
+_NEW, _ABORT, _FLUSH = int(RequestKind.NEW), int(RequestKind.ABORT), int(RequestKind.FLUSH_CACHE)
+
+
+def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket: str,
+                  stats_path: str | None = None) -> None:
+    """The process's entry point: loads the model, connects to the detokenizer, listens on
+    `socket_path` for HTTP workers and runs the loop until SIGTERM / SIGINT. `stats_path`:
+    where to publish EngineStats (runtime/metrics.py) every iteration; None publishes none."""
+    from setproctitle import setproctitle
+
+    setproctitle(PROCESS_TITLE)
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    proc = SchedulerProcess(server_args, socket_path, detokenizer_socket, stats_path)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: proc.stop())
+    try:
+        proc.start()
+        proc.serve()
+    finally:
+        proc.close()
+
+
+def connect_scheduler(socket_path: str, waker, worker: int, timeout: float = 60.0):
+    """HTTP worker `worker`'s REQUEST channel (producer side) from the scheduler at
+    `socket_path`, and the scheduler's description of the model and KV cache (a dict)."""
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while True:
+            try:
+                sock.connect(socket_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no scheduler listening on {socket_path} after {timeout} s") from None
+                time.sleep(0.02)
+        sock.settimeout(max(deadline - time.monotonic(), 1.0))
+        send_waker(sock, waker, {"worker": worker})
+        (channel,), meta = recv_channels(sock, waker)
+        return channel, meta
+    finally:
+        sock.close()
+
+
+class SchedulerProcess:
+    def __init__(self, server_args: ServerArgs, socket_path: str, detokenizer_socket: str,
+                 stats_path: str | None) -> None:
+        self.args = server_args
+        self.socket_path = socket_path
+        self.detokenizer_socket = detokenizer_socket
+        self.stats_path = stats_path
+        self.transport = get_transport(server_args.transport)
+        self.waker = self.transport.make_waker()
+        self.inputs: dict[int, object] = {}  # worker -> its REQUEST channel
+        self._input_list: list = []
+        self.token_out = None
+        self._has_depth = False
+        self.stats = None
+        self.scheduler: Scheduler | None = None
+        self.meta: dict = {}
+        self._rejected: dict[tuple[int, int, int], Request] = {}  # opened this step, ERROR to send
+        self._new: queue.SimpleQueue = queue.SimpleQueue()  # (worker, channel) from the acceptor
+        self._listener: socket.socket | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        from runtime.detokenizer import connect_detokenizer
+        from runtime.engine import make_runner
+
+        t0 = time.perf_counter()
+        runner = make_runner(self.args)
+        cfg = runner.model_config
+        config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
+        self.scheduler = Scheduler(runner, config, heartbeat=self._beat)
+        pool = runner.pool
+        self.meta = {"pid": os.getpid(), "context_length": cfg.context_length, "vocab_size": cfg.vocab_size,
+                     "eos_token_ids": list(cfg.eos_token_ids), "page_size": pool.page_size,
+                     "kv_pages": pool.num_pages, "max_total_tokens": pool.num_pages * pool.page_size,
+                     "max_running_requests": config.max_running_requests,
+                     "attention_backend": getattr(runner, "attention_backend", "null"),
+                     "null_model": self.args.null_model}
+        logger.info("%s loaded in %.1f s: KV cache of %d tokens (%d pages of %d), attention backend %s, "
+                    "up to %d running requests, context %d", "null model" if self.args.null_model else
+                    cfg.model_dir, time.perf_counter() - t0, self.meta["max_total_tokens"], pool.num_pages,
+                    pool.page_size, self.meta["attention_backend"], config.max_running_requests,
+                    cfg.context_length)
+        if self.stats_path is not None:
+            from runtime.metrics import EngineStats
+            self.stats = EngineStats.create(self.stats_path)
+        self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
+        self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        self._listener.listen(64)
+        threading.Thread(target=self._accept, name="scheduler-accept", daemon=True).start()
+        self._beat()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    # ---------------------------------------------------------------- the loop
+    def serve(self) -> None:
+        sched, waker = self.scheduler, self.waker
+        while not self._stopping:
+            if not self._new.empty():
+                self._attach_new()
+            for ch in self._input_list:
+                batch = ch.pop()
+                if batch is not None:
+                    self._handle_requests(batch)
+            if sched.has_work:
+                self._send(sched.step())
+            self._beat()
+            if not sched.has_work:
+                waker.wait_readable(self._input_list, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
+
+    def _handle_requests(self, batch) -> None:
+        sched = self.scheduler
+        recs = batch.records
+        for kind, worker, slot, gen, i in zip(recs["kind"].tolist(), recs["worker"].tolist(),
+                                              recs["slot"].tolist(), recs["gen"].tolist(), range(len(recs))):
+            if kind == _NEW:
+                try:
+                    params, prompt = unpack_request(recs[i], batch.payload)
+                except Exception as e:  # a malformed record ends its own request, nothing else
+                    logger.error("request (%d, %d, %d): unreadable record: %s", worker, slot, gen, e)
+                    self._push_error(worker, slot, gen, ErrorCode.INVALID_REQUEST, "unreadable request record")
+                    continue
+                sched.add_request(worker, slot, gen, prompt, params)
+            elif kind == _ABORT:
+                sched.abort(worker, slot, gen)
+            elif kind == _FLUSH:
+                freed = sched.flush_cache()
+                logger.info("cache flushed: %d pages freed", freed)
+            else:
+                logger.error("request record of unknown kind %d from worker %d dropped", kind, worker)
+
+    # ---------------------------------------------------------------- token out
+    def _send(self, res: StepResult) -> None:
+        opened, ev = res.opened, res.events
+        if not opened and not len(ev):
+            return
+        n_open = len(opened)
+        out = np.zeros(n_open + len(ev), TOKEN_OUT.dtype)
+        payload = PayloadBuilder()
+        for k, req in enumerate(opened):
+            self._open_record(out, k, req, payload)
+        rec = out[n_open:]
+        rec["kind"] = TokenKind.TOKEN
+        rec["worker"] = ev["worker"]
+        rec["slot"] = ev["slot"]
+        rec["gen"] = ev["generation"]
+        rec["token"] = ev["token"].view(np.uint32)  # -1 -> 0xFFFFFFFF: no token
+        rec["finish"] = ev["finish"]
+        rec["prompt_tokens"] = ev["prompt_tokens"]
+        rec["completion_tokens"] = ev["completion_tokens"]
+        rec["cached_tokens"] = ev["cached_tokens"]
+        rec["logprob"] = ev["logprob"]
+        if res.top_ids is not None:
+            blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
+            base, _ = payload.add(blob)
+            sampled = rec[:res.num_sampled]
+            sampled["payload_off"] = offsets + base
+            sampled["payload_len"] = 8 * res.top_ids.shape[1]
+            sampled["n_top"] = res.top_ids.shape[1]
+        for k in np.flatnonzero(ev["finish"] == Finish.ERROR).tolist():
+            req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["generation"][k])), None)
+            rec["kind"][k] = TokenKind.ERROR
+            rec["error"][k] = _ERROR_CODES.get(req.rejection, ErrorCode.INTERNAL) if req else ErrorCode.INTERNAL
+            rec["payload_off"][k], rec["payload_len"][k] = payload.add(
+                (req.error if req else "the request was rejected").encode())
+        self.token_out.push_all(out, payload.blob())
+
+    def _open_record(self, out: np.ndarray, k: int, req: Request, payload: PayloadBuilder) -> None:
+        p = req.params
+        out["kind"][k] = TokenKind.OPEN
+        out["worker"][k], out["slot"][k], out["gen"][k] = req.worker, req.slot, req.generation
+        out["prompt_tokens"][k] = len(req.prompt)
+        out["flags"][k] = ((OpenFlags.SKIP_SPECIAL_TOKENS if p.skip_special_tokens else 0)
+                           | (OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS if p.spaces_between_special_tokens else 0)
+                           | (OpenFlags.LOGPROBS if p.logprobs else 0))
+        out["n_top"][k] = p.top_logprobs if p.logprobs else 0
+        if p.stop:
+            out["payload_off"][k], out["payload_len"][k] = payload.add(encode_strings(p.stop))
+        if req.rejection:
+            self._rejected[(req.worker, req.slot, req.generation)] = req
+
+    def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
+        rec = np.zeros(1, TOKEN_OUT.dtype)
+        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.ERROR, worker, slot, gen
+        rec["finish"], rec["error"] = Finish.ERROR, code
+        payload = PayloadBuilder()
+        rec["payload_off"], rec["payload_len"] = payload.add(message.encode())
+        self.token_out.push_all(rec, payload.blob())
+
+    def _beat(self) -> None:
+        self.token_out.beat()
+        for ch in self._input_list:
+            ch.beat()
+        if self.stats is not None:
+            self.stats.publish(self.scheduler, len(self.token_out) if self._has_depth else 0)
+
+    # ---------------------------------------------------------------- workers attaching
+    def _attach_new(self) -> None:
+        while not self._new.empty():
+            worker, ch = self._new.get()
+            old = self.inputs.pop(worker, None)
+            if old is not None:
+                old.close()
+                aborted = self.scheduler.abort_worker(worker)
+                logger.info("worker %d reconnected: %d requests of its previous process aborted", worker, aborted)
+            else:
+                logger.info("worker %d attached", worker)
+            self.inputs[worker] = ch
+            self._input_list = list(self.inputs.values())
+
+    def _accept(self) -> None:
+        """Acceptor thread: hands each connecting worker its REQUEST channel."""
+        while not self._stopping:
+            ready, _, _ = select.select([self._listener.fileno()], [], [], IDLE_WAKE_S)
+            if not ready:
+                continue
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by close()
+            with conn:
+                try:
+                    self._handshake(conn)
+                except Exception:
+                    logger.exception("a worker failed to attach")
+
+    def _handshake(self, conn: socket.socket) -> None:
+        conn.settimeout(10.0)
+        meta, peer_fd = recv_waker(conn)
+        try:
+            worker = meta.get("worker")
+            if not isinstance(worker, int) or not 0 <= worker < 1 << 16:
+                raise ValueError(f"unknown peer {meta!r}: expected a worker index")
+            ch = self.transport.create_channel(REQUEST_SPEC, "consumer", self.waker, peer_fd)
+        finally:
+            if peer_fd is not None:
+                os.close(peer_fd)
+        try:
+            send_channels(conn, [ch], self.meta)
+        except BaseException:
+            ch.close()
+            raise
+        self._new.put((worker, ch))
+
+    def close(self) -> None:
+        self._stopping = True
+        if self._listener is not None:
+            self._listener.close()
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        while not self._new.empty():
+            self._new.get()[1].close()
+        for ch in self.inputs.values():
+            ch.close()
+        self.inputs, self._input_list = {}, []
+        if self.token_out is not None:
+            self.token_out.close()
+        if self.stats is not None:
+            self.stats.close()
+        self.waker.close()

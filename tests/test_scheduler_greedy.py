@@ -1,0 +1,145 @@
+"""Greedy parity of the scheduler on the real model (SmolLM2-135M, fp32, CPU): batching,
+chunked prefill, prefix-cache hits, eviction and retraction never change a request's
+tokens from what it gets alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.request import FinishReason
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig
+from test_scheduler import drive
+
+PS = 16
+NEW_TOKENS = 4
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+TEXT = (
+    "The history of the city goes back to a small fishing village on the river, where traders "
+    "from the north came every spring to exchange furs for salt and grain. Over the centuries the "
+    "village grew into a market town, then into a busy port with shipyards, warehouses and a "
+    "cathedral whose bells could be heard far out at sea. In the nineteenth century the railway "
+    "arrived, factories rose along the canals, and the population doubled within a single "
+    "generation. Today the old harbour is a park, the warehouses hold museums and cafes, and "
+    "students from all over the world study at its university, which is known for medicine, "
+    "engineering and the study of languages. Visitors often climb the tower at sunset to watch "
+    "the boats return and the lights come on across the water.")
+
+
+def make(runner, **kw) -> Scheduler:
+    kw.setdefault("context_length", runner.model_config.context_length)
+    kw.setdefault("max_running_requests", runner.config.max_running_requests)
+    return Scheduler(runner, SchedulerConfig(**kw))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[np.ndarray]:
+    """64 prompts of 1 to 40 tokens: windows of an English text."""
+    from transformers import AutoTokenizer
+    from gpu.model_files import resolve_model_dir
+    ids = AutoTokenizer.from_pretrained(str(resolve_model_dir(None))).encode(TEXT)
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(ids) - 40, size=64)
+    lengths = rng.integers(1, 41, size=64)
+    return [np.asarray(ids[s:s + n], np.int32) for s, n in zip(starts, lengths)]
+
+
+@pytest.fixture(scope="module")
+def big():
+    return ModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=8192, max_running_requests=64))
+
+
+@pytest.fixture(scope="module")
+def small():
+    return ModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=12 * PS, max_running_requests=16))
+
+
+@pytest.fixture(scope="module")
+def alone(big, prompts) -> list[list[int]]:
+    """Each prompt run by itself, nothing cached."""
+    s = make(big, disable_radix_cache=True, max_running_requests=1)
+    outs = []
+    for i, p in enumerate(prompts):
+        s.add_request(0, i, 1, p, GREEDY)
+        outs.append(drive(s)[(0, i, 1)].tokens)
+    assert big.pool.num_free == big.pool.num_pages
+    return outs
+
+
+def test_64_requests_together_equal_each_alone(big, prompts, alone):
+    s = make(big, chunked_prefill_size=256)  # several steps of mixed prefill chunks and decodes
+    for i, p in enumerate(prompts):
+        s.add_request(0, i, 1, p, GREEDY)
+    outs = drive(s)
+    assert [outs[(0, i, 1)].tokens for i in range(64)] == alone
+    assert all(outs[(0, i, 1)].finish == FinishReason.LENGTH for i in range(64))
+    assert s.stats.steps < 64 * NEW_TOKENS / 4  # it did batch
+    s.flush_cache()
+    assert big.pool.num_free == big.pool.num_pages
+
+
+def test_shared_prefix_is_served_from_cache_and_survives_eviction(small, prompts, alone):
+    s = make(small)
+    longest = sorted(range(64), key=lambda i: -len(prompts[i]))
+    a, b = longest[0], longest[1]
+    # b's prompt behind a's first 32 tokens: its prefix is in the cache after a ran
+    shared = np.concatenate([prompts[a][:32], prompts[b]])
+    ref = make(small, disable_radix_cache=True)
+    ref.add_request(0, 0, 1, shared, GREEDY)
+    want = drive(ref)[(0, 0, 1)].tokens
+
+    s.add_request(0, 0, 1, prompts[a], GREEDY)
+    assert drive(s)[(0, 0, 1)].tokens == alone[a]
+    before = s.stats.prefill_tokens
+    s.add_request(0, 1, 1, shared, GREEDY)
+    o = drive(s)[(0, 1, 1)]
+    assert o.counts[2] == 32 and s.stats.prefill_tokens - before == len(shared) - 32
+    assert o.tokens == want
+
+    # eviction pressure: other requests need the whole pool
+    others = longest[2:8]
+    for k, i in enumerate(others):
+        s.add_request(0, 10 + k, 1, prompts[i], GREEDY)
+    outs = drive(s)
+    assert [outs[(0, 10 + k, 1)].tokens for k in range(len(others))] == [alone[i] for i in others]
+    assert len(s.cache.match_prefix(shared)[0]) * PS < 32  # the shared prefix was evicted
+    s.add_request(0, 2, 1, shared, GREEDY)
+    assert drive(s)[(0, 2, 1)].tokens == want
+    s.flush_cache()
+    assert small.pool.num_free == small.pool.num_pages
+
+
+def test_too_small_pool_retracts_and_output_is_unchanged(prompts, alone):
+    # prompts that end late in a page, in a pool just big enough for their prompts: each
+    # needs one more page within its first decodes, and there is none
+    chosen = [i for i in range(64) if len(prompts[i]) % PS >= PS - NEW_TOKENS + 2 or len(prompts[i]) % PS == 0]
+    pages = sum(-(-len(prompts[i]) // PS) for i in chosen)
+    runner = ModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=pages * PS, max_running_requests=16))
+    initial = runner.pool.num_free
+    s = make(runner, init_new_token_ratio=0.0, min_new_token_ratio=0.0)  # admit eagerly
+    for i in chosen:
+        s.add_request(0, i, 1, prompts[i], GREEDY)
+    outs = drive(s)
+    assert s.stats.retractions > 0
+    assert [outs[(0, i, 1)].tokens for i in chosen] == [alone[i] for i in chosen]
+    s.flush_cache()
+    assert runner.pool.num_free == initial
+
+    # and with some of them aborted midway, every page still comes back
+    s = make(runner, init_new_token_ratio=0.0, min_new_token_ratio=0.0, disable_radix_cache=True)
+    for i in chosen:
+        s.add_request(0, i, 1, prompts[i], GREEDY)
+    steps = []
+
+    def abort_some(s, _):
+        steps.append(1)
+        if len(steps) == 3:
+            for i in chosen[::3]:
+                s.abort(0, i, 1)
+    outs = drive(s, on_step=abort_some)
+    assert any(o.finish == FinishReason.ABORT for o in outs.values())
+    for i in chosen:
+        if outs[(0, i, 1)].finish != FinishReason.ABORT:
+            assert outs[(0, i, 1)].tokens == alone[i]
+    assert runner.pool.num_free == initial
