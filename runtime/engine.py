@@ -67,7 +67,7 @@ class Engine:
         for slot, run in enumerate(runs):
             sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
         pending = len(runs)
-        while pending:
+        while pending or sched.has_work:  # has_work: the end events of stop-string aborts
             res = sched.step()
             ev = res.events
             for i, (slot, gen, token, finish) in enumerate(zip(

@@ -1,0 +1,80 @@
+"""The offline Engine on the real model: prompt forms, finish reasons (EOS, ignore_eos,
+stop token ids, stop strings, length), usage with cached tokens, logprobs, bad input."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.engine import Engine
+from runtime.sampling_params import InvalidParam, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+QUESTION = [{"role": "user", "content": "What is 2+2? Answer with one number only."}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(max_total_tokens=4096, max_running_requests=8)
+
+
+def test_prompt_forms_and_outputs_in_order(engine):
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    outs = engine.generate(texts, GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [engine.tokenizer.encode(t) for t in texts]
+    for o in outs:
+        assert o.finish_reason == "length" and len(o.token_ids) == 8 and o.completion_tokens == 8
+        assert o.text == engine.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        assert o.prompt_tokens == len(o.prompt_token_ids)
+    # one string, one list of ids, a list of id lists: the same greedy tokens
+    ids = outs[1].prompt_token_ids
+    assert engine.generate(texts[1], GREEDY)[0].token_ids == outs[1].token_ids
+    assert engine.generate(ids, GREEDY)[0].token_ids == outs[1].token_ids
+    both = engine.generate([ids, outs[0].prompt_token_ids], [GREEDY, SamplingParams(temperature=0.0, max_new_tokens=3)])
+    assert both[0].token_ids == outs[1].token_ids and both[1].token_ids == outs[0].token_ids[:3]
+
+
+def test_eos_ignore_eos_and_cached_tokens(engine):
+    first = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=16))[0]
+    assert first.finish_reason == "stop" and first.token_ids[-1] in engine.runner.model_config.eos_token_ids
+    assert "4" in first.text and "<|im_end|>" not in first.text
+    again = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))[0]
+    assert again.finish_reason == "length" and len(again.token_ids) == 16
+    assert again.token_ids[:len(first.token_ids)] == first.token_ids
+    assert again.cached_tokens >= 16 and again.cached_tokens % 16 == 0 and again.cached_tokens < again.prompt_tokens
+
+
+def test_stop_token_ids_and_stop_strings(engine):
+    base = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    stop_id = base.token_ids[3]
+    cut = base.token_ids.index(stop_id)
+    o = engine.generate("The capital of France is",
+                        SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_id,)))[0]
+    assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:cut + 1]
+    word = base.text.split()[2]
+    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,)))[0]
+    assert o.finish_reason == "stop" and o.text == base.text[:base.text.index(word)]
+    assert engine.scheduler.num_running == 0 and not engine.scheduler.has_work
+
+
+def test_logprobs(engine):
+    o = engine.generate("Once upon a time", SamplingParams(temperature=0.0, max_new_tokens=4, logprobs=True,
+                                                           top_logprobs=3))[0]
+    assert len(o.logprobs) == 4 and all(lp <= 0.0 for lp in o.logprobs)
+    assert len(o.top_logprobs) == 4
+    for token, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
+        assert len(top) == 3 and max(top, key=top.get) == token and top[token] == pytest.approx(lp)
+
+
+def test_bad_input_raises_naming_the_parameter(engine):
+    with pytest.raises(InvalidParam) as err:
+        engine.generate("hi", SamplingParams(temperature=-1.0))
+    assert err.value.param == "temperature"
+    with pytest.raises(InvalidParam) as err:
+        engine.generate(["a", "b"], [GREEDY])
+    assert err.value.param == "sampling_params"
+    with pytest.raises(InvalidParam) as err:
+        engine.generate([])
+    assert err.value.param == "prompt"
+    # a prompt the context cannot hold is an error output, not an exception
+    too_long = engine.generate([1] * engine.runner.model_config.context_length, GREEDY)[0]
+    assert too_long.finish_reason == "error" and too_long.token_ids == []
+    assert engine.runner.pool.num_free + engine.scheduler.cache.cached_pages == engine.runner.pool.num_pages
