@@ -21,6 +21,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -46,6 +47,7 @@ from runtime.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
 logger = logging.getLogger("ringserve.app")
 
 JSON = "application/json"
+WORKER_HEADER = "x-ringserve-worker"  # which HTTP worker answered (its index)
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
 _SSE_HEADERS = [(k.encode(), v.encode()) for k, v in HEADERS.items()]
@@ -67,14 +69,16 @@ def api_route(handler: Callable[..., Awaitable[Response]]) -> Callable[[Request]
         worker = request.app.state.worker
         try:
             check_api_key(request.headers.get("authorization"), worker.args.api_key)
-            return await handler(worker, request)
+            response = await handler(worker, request)
         except APIError as err:
-            return error_response(err)
+            response = error_response(err)
         except ClientGone:  # nobody reads the answer; the request was aborted
-            return Response(b"", 499)
+            response = Response(b"", 499)
         except Exception:
             logger.exception("%s %s failed", request.method, request.url.path)
-            return error_response(internal_error())
+            response = error_response(internal_error())
+        response.headers.append(WORKER_HEADER, worker.index_header)
+        return response
     return route
 
 
@@ -86,9 +90,10 @@ class EventStream:
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None]) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
+        self.headers = MutableHeaders(raw=list(_SSE_HEADERS))
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers.raw})
         watcher = asyncio.ensure_future(watch_disconnect(receive, self.on_disconnect))
         try:
             async for chunk in self.events:
@@ -354,6 +359,7 @@ class HTTPWorker:
         self.vocab = vocab
         self.metrics = metrics
         self.started = now()
+        self.index_header = str(link.worker)
         self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0
         self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
         self.watchdog = EngineWatchdog(link.procs, files.server_pid, self._engine_exited)

@@ -1,0 +1,175 @@
+"""A real server for the server tests: `granian --interface asgi runtime.app:app` (or
+`python -m runtime serve`) in a subprocess on a free port, with its settings in
+RINGSERVE_* variables; stopped with SIGINT, and every process it started accounted for."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ipc.shm import our_segments
+
+START_TIMEOUT_S = 300.0  # three processes load a tokenizer and one the model, on 2 busy CPUs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Every thread's children (a process started from a worker thread is that thread's)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids = children(pid)
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has exited: only its parent's wait is missing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def wait_until(condition, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+class Server:
+    """One server process tree. `argv`: the command; `env`: RINGSERVE_* settings."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int) -> None:
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
+        full_env.update(env)
+        self.proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
+        self.pid = self.proc.pid  # granian's main process (`serve` execs it: the same pid)
+        self.engine: dict[str, int] = {}  # role -> pid, once started
+        self.workers: list[int] = []
+        self.start_times: dict[int, int | None] = {}
+
+    @classmethod
+    def granian(cls, workers: int = 1, **settings) -> Server:
+        port = free_port()
+        argv = [sys.executable, "-m", "granian", "--interface", "asgi", "--port", str(port),
+                "--workers", str(workers), "--log-level", "warning", "runtime.app:app"]
+        env = {"RINGSERVE_" + k.upper(): str(v) for k, v in settings.items()}
+        return cls(argv, env, port)
+
+    @classmethod
+    def serve(cls, *flags: str) -> Server:
+        port = free_port()
+        return cls([sys.executable, "-m", "runtime", "serve", "--port", str(port), *flags], {}, port)
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode} during start-up")
+            try:
+                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        else:
+            raise TimeoutError(f"the server on port {self.port} was not healthy within {timeout} s")
+        self.workers = children(self.pid)  # granian's workers
+        from runtime.launcher import ServerFiles, process_start_time
+        info = ServerFiles.of(self.pid).info
+        self.engine = {p["role"]: p["pid"] for p in json.loads(info.read_text())}
+        self.start_times = {pid: process_start_time(pid) for pid in self.processes()}
+
+    alive = staticmethod(alive)
+    wait_until = staticmethod(wait_until)
+    descendants = staticmethod(descendants)
+
+    def processes(self) -> list[int]:
+        return [self.pid, *self.workers, *self.engine.values()]
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> None:
+        """Stops the server with `sig` and waits for every process it had to be gone."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        wait_until(lambda: not any(alive(p) for p in self.processes()), 15)
+
+    def kill(self) -> None:
+        """Last resort (a failed test): SIGKILL to every process of the tree still running
+        (the same process: its start time is the one seen at start-up)."""
+        from runtime.launcher import process_start_time
+
+        for pid, started in self.start_times.items():
+            if process_start_time(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait()
+
+    def leftovers(self) -> tuple[list[int], list[str]]:
+        """(processes still running, shared-memory names any of them created)."""
+        pids = self.processes()
+        running = [p for p in pids if alive(p)]
+        segments = [n for n in our_segments() if int(n.split(".")[1]) in pids]
+        return running, segments
+
+
+@pytest.fixture(scope="module")
+def start_server():
+    """`start_server(Server.granian, workers=2, api_key=...)` -> a healthy Server; every
+    server a module started is stopped (and, failing that, killed) after the module."""
+    servers: list[Server] = []
+
+    def start(how, *args, **kwargs) -> Server:
+        server = how(*args, **kwargs)
+        servers.append(server)
+        server.wait_ready()
+        return server
+
+    start.Server = Server
+    yield start
+    for server in servers:
+        if server.proc.poll() is None or any(alive(p) for p in server.processes()):
+            try:
+                server.stop()
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+@pytest.fixture(scope="session")
+def offline_engine():
+    """The offline Engine on the default model: the reference the servers' outputs must equal."""
+    from runtime.engine import Engine
+    return Engine(max_total_tokens=8192, max_running_requests=8)

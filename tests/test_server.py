@@ -1,0 +1,292 @@
+"""The whole server for real: `granian --interface asgi runtime.app:app` with one worker and
+an API key, the default model, driven with the official openai client and httpx.
+
+Greedy outputs equal the offline Engine's for the same prompts (runtime/engine.py); usage,
+stop strings, n, logprobs; the bad-request table over HTTP; a client that leaves frees its
+request's KV pages; kill -9 of the scheduler fails every open stream within 2 s and the
+server answers 503 from then on; SIGINT stops every process and leaves no shared memory.
+The tests of this module run in order and share one server (the last two end it)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from bad_requests import API_KEY, BAD_REQUESTS, MODEL
+from runtime.sampling_params import SamplingParams
+
+MAX_TOKENS = 10
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LONG_PROMPT = "Here is a long shared preamble about the history of the city of Paris. " * 6  # > 2 KV pages
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(start_server.Server.granian, workers=1, api_key=API_KEY, log_level="warning",
+                        max_total_tokens=32768, max_running_requests=16)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def want(offline_engine):
+    """The offline Engine's greedy outputs: PROMPTS, PROMPTS[0] with logprobs, and CHAT."""
+    engine = offline_engine
+    outs = engine.generate([*PROMPTS, PROMPTS[0]], [greedy(), greedy(), greedy(logprobs=True, top_logprobs=2)])
+    (chat,) = engine.chat(CHAT, greedy())
+    return {"completions": outs[:2], "logprobs": outs[2], "chat": chat}
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, **kw)
+
+
+def stop_word(want) -> str:
+    return want["completions"][0].text.split()[1]  # the second word: it ends the text early
+
+
+@pytest.fixture(scope="module")
+def got(server, client, want):
+    """Every output test's requests, sent at once so that the scheduler runs them as one batch."""
+    stop = stop_word(want)
+    completion = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0)
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    calls = {
+        "completions": lambda: client.completions.create(prompt=PROMPTS, **completion),
+        "completions_stream": lambda: list(client.completions.create(prompt=PROMPTS, stream=True, **completion)),
+        "chat": lambda: client.chat.completions.create(**chat),
+        "chat_stream": lambda: list(client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **chat)),
+        "stop": lambda: client.completions.create(prompt=PROMPTS[0], stop=[stop, "never appears"], **completion),
+        "stop_stream": lambda: list(client.completions.create(prompt=PROMPTS[0], stop=stop, stream=True,
+                                                              **completion)),
+        "stop_generate": lambda: httpx.post(server.url("/generate"), headers=AUTH, timeout=120, json={
+            "text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
+                                                    "stop": stop}}).json(),
+        "n2": lambda: client.completions.create(prompt=PROMPTS[0], n=2, **completion),
+        "n2_sampled": lambda: list(client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=4, n=2, temperature=1.0, seed=7, stream=True)),
+        "logprobs": lambda: client.completions.create(prompt=PROMPTS[0], logprobs=2, **completion),
+        "chat_logprobs": lambda: client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3),
+    }
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def engine_metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("ringserve_") and "{" not in line}
+
+
+# ---------------------------------------------------------------- outputs
+
+def test_completions_equal_the_offline_engine(got, want):
+    want = want["completions"]
+    resp = got["completions"]
+    assert [c.text for c in resp.choices] == [w.text for w in want]
+    assert [c.finish_reason for c in resp.choices] == [w.finish_reason for w in want]
+    assert resp.usage.prompt_tokens == sum(w.prompt_tokens for w in want)
+    assert resp.usage.completion_tokens == sum(w.completion_tokens for w in want)
+    streamed, finish = ["", ""], [None, None]
+    for chunk in got["completions_stream"]:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert streamed == [w.text for w in want]
+    assert finish == [w.finish_reason for w in want]
+
+
+def test_chat_equals_the_offline_engine(got, want):
+    want = want["chat"]
+    resp = got["chat"]
+    assert resp.choices[0].message.content == want.text
+    assert resp.choices[0].finish_reason == want.finish_reason
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (want.prompt_tokens, want.completion_tokens)
+    chunks = got["chat_stream"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == want.prompt_tokens
+
+
+def test_stop_strings(got, want):
+    stop = stop_word(want)
+    text = want["completions"][0].text
+    cut = text[:text.index(stop)]
+    assert (got["stop"].choices[0].text, got["stop"].choices[0].finish_reason) == (cut, "stop")
+    assert "".join(c.choices[0].text for c in got["stop_stream"]) == cut
+    assert got["stop_stream"][-1].choices[0].finish_reason == "stop"
+    assert got["stop_generate"]["text"] == cut
+    assert got["stop_generate"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_n_choices(got, want):
+    (want,) = want["completions"][:1]
+    resp = got["n2"]
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == [want.text] * 2
+    assert resp.usage.prompt_tokens == want.prompt_tokens  # the prompt counts once
+    assert resp.usage.completion_tokens == 2 * want.completion_tokens
+    assert {c.choices[0].index for c in got["n2_sampled"] if c.choices} == {0, 1}
+
+
+def test_logprobs(got, want):
+    want = want["logprobs"]
+    lp = got["logprobs"].choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == want.completion_tokens
+    assert lp.token_logprobs == pytest.approx(want.logprobs, abs=1e-3)
+    for chosen, top, expected in zip(lp.token_logprobs, lp.top_logprobs, want.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
+        assert sorted(top.values()) == pytest.approx(sorted(expected.values()), abs=1e-3)
+    chat = got["chat_logprobs"]
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_cached_tokens_are_counted(server, client):
+    first = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 32
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 32 <= cached < second.usage.prompt_tokens  # whole 16-token pages of the prompt
+
+
+def test_native_routes(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    info = httpx.get(server.url("/get_model_info"), headers=AUTH).json()
+    assert info["context_length"] == 8192 and info["vocab_size"] == 49152
+    assert httpx.get(server.url("/get_server_info"), headers=AUTH).json()["max_total_num_tokens"] == 32768
+    ids = httpx.post(server.url("/tokenize"), headers=AUTH, json={"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) == 2
+    text = httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": ids["tokens"]}).json()["text"]
+    assert text == "Hello world"
+    assert httpx.post(server.url("/flush_cache"), headers=AUTH).status_code == 200
+    assert httpx.get(server.url("/health_generate"), headers=AUTH, timeout=60).status_code == 200
+    assert httpx.get(server.url("/metrics")).status_code == 401  # the key guards every route but /health
+
+
+def test_abort_request_by_rid(server):
+    answer = {}
+
+    def generate():
+        answer["body"] = httpx.post(server.url("/generate"), headers=AUTH, timeout=60, json={
+            "text": LONG_PROMPT, "rid": "to-abort",
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}).json()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 1, 30)
+    assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "to-abort"}).json() == {"aborted": 1}
+    thread.join(30)
+    assert answer["body"]["meta_info"]["finish_reason"] == {"type": "abort"}
+
+
+# ---------------------------------------------------------------- bad requests
+
+@pytest.mark.parametrize("row", BAD_REQUESTS, ids=lambda r: r.name)
+def test_bad_request(server, row):
+    resp = httpx.post(server.url(row.path), content=row.body, headers=row.headers, timeout=60)
+    assert resp.status_code == row.status, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == row.param and err["message"], err
+
+
+def test_healthy_after_bad_requests(server, client):
+    assert httpx.get(server.url("/health")).status_code == 200
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert resp.usage.completion_tokens == 2
+
+
+# ---------------------------------------------------------------- clients that leave
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def kv_idle(server) -> bool:
+    m = engine_metrics(server)
+    return m["ringserve_num_running_reqs"] == 0 and m["ringserve_num_queue_reqs"] == 0 \
+        and m["ringserve_kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_disconnect_frees_kv_pages(server, client, stream):
+    assert wait_for(lambda: kv_idle(server), 30)
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+    with httpx.Client(timeout=httpx.Timeout(60, read=None if stream else 1.0)) as http:
+        if stream:
+            with http.stream("POST", server.url("/v1/completions"), headers=AUTH, json=body) as resp:
+                lines = resp.iter_lines()
+                while not next(lines).startswith("data: {"):
+                    pass
+                m = engine_metrics(server)
+                assert m["ringserve_num_running_reqs"] == 1 and m["ringserve_kv_pages_used"] >= 3
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(server.url("/v1/completions"), headers=AUTH, json=body)
+    assert wait_for(lambda: kv_idle(server), 10), engine_metrics(server)
+
+
+# ---------------------------------------------------------------- the engine dies; the server stops
+
+def test_scheduler_killed_mid_stream(server, client):
+    ended: list[tuple[float, BaseException | None]] = []
+    started = threading.Barrier(4)
+
+    def stream():
+        chunks = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        error = None
+        try:
+            for i, _ in enumerate(chunks):
+                if i == 1:
+                    started.wait(60)
+        except openai.APIError as e:
+            error = e
+        ended.append((time.monotonic(), error))
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    killed = time.monotonic()
+    os.kill(server.engine["scheduler"], signal.SIGKILL)
+    for t in threads:
+        t.join(10)
+    assert len(ended) == 3
+    for at, error in ended:
+        assert error is not None and "engine" in str(error)
+        assert at - killed < 2.0
+    health = httpx.get(server.url("/health"), timeout=5)
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    assert caught.value.status_code == 503 and time.monotonic() - t0 < 2.0
+
+
+def test_sigint_stops_everything(server):
+    server.stop(signal.SIGINT)
+    assert server.proc.returncode == 0
+    assert server.leftovers() == ([], [])

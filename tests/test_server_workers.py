@@ -1,0 +1,78 @@
+"""Two granian workers, one engine: exactly one scheduler and one detokenizer process exist
+for the server, both workers serve (the x-ringserve-worker header says which answered) and
+give the offline Engine's greedy output, stream and not; kill -9 of granian's main process
+takes every process of the server with it and leaves nothing behind."""
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime.launcher import ServerFiles
+from runtime.sampling_params import SamplingParams
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(start_server.Server.granian, workers=2, log_level="warning", max_total_tokens=32768,
+                        max_running_requests=16)
+
+
+def title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def test_one_engine_for_two_workers(server):
+    titles = [title(p) for p in server.descendants(server.pid)]
+    assert sum("ringserve::scheduler" in t for t in titles) == 1, titles
+    assert sum("ringserve::detokenizer" in t for t in titles) == 1, titles
+    assert len(server.workers) == 2
+    for pid in server.engine.values():
+        assert pid in server.descendants(server.pid)
+
+
+def test_both_workers_serve_the_engine_output(server, offline_engine):
+    (want,) = offline_engine.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS))
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    def complete(stream: bool) -> tuple[str, str]:
+        with httpx.Client(timeout=120) as http:  # a connection of its own: either worker may take it
+            if not stream:
+                resp = http.post(server.url("/v1/completions"), json=body)
+                return resp.headers["x-ringserve-worker"], resp.json()["choices"][0]["text"]
+            text = ""
+            with http.stream("POST", server.url("/v1/completions"), json={**body, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+                return resp.headers["x-ringserve-worker"], text
+
+    answered: dict[str, set[str]] = {}
+    for _ in range(6):
+        with ThreadPoolExecutor(8) as pool:
+            for worker, text in pool.map(complete, [False, True] * 4):
+                answered.setdefault(worker, set()).add(text)
+        if len(answered) == 2:
+            break
+    assert sorted(answered) == ["0", "1"]
+    assert all(texts == {want.text} for texts in answered.values()), answered
+
+
+def test_kill9_of_granian_takes_the_server_down(server):
+    files = ServerFiles.of(server.pid)
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    assert server.wait_until(lambda: not any(server.alive(p) for p in server.processes()), 20), \
+        [(p, title(p)) for p in server.processes() if server.alive(p)]
+    assert server.leftovers() == ([], [])
+    assert server.wait_until(lambda: not list(files.root.glob(f"engine-{server.pid}.*")), 10)
