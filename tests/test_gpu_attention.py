@@ -26,6 +26,9 @@ def _reference(q, keys, vals, q_pos):
     [(0, 1), (5, 1), (12, 1)],            # decode only
     [(0, 7), (0, 1), (3, 9), (13, 1)],    # prefill, decode, chunk after a cached prefix
     [(0, 16)],                            # one prompt filling whole pages
+    [(0, 11)],                            # one prompt ending mid-page: SDPA's own causal mask
+    [(0, 9), (0, 14)],                    # two prompts
+    [(3, 5), (10, 5)],                    # equal chunks after different prefixes: no query padding
 ])
 def test_torch_backend_matches_longhand_attention(shape):
     gen = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ from gpu.attention.base import AttentionBackend, AttentionMetadata
 class _Group:
     q_index: torch.Tensor    # int64 [G, Qmax], flat token of each padded query (0 where padding)
     pages: torch.Tensor      # int64 [G * Pmax], each request's pages, padded with its first page
-    mask: torch.Tensor       # bool [G, 1, Qmax, Kmax], True where the query may see the key
+    mask: torch.Tensor | None  # bool [G, 1, Qmax, Kmax], True where the query may see the key; None: plain causal
     out_tokens: torch.Tensor | None  # int64 [n], flat tokens this group produces; None: all, in order
     out_valid: torch.Tensor | None   # int64 [n], their positions in the flattened [G * Qmax] output
 
@@ -30,8 +30,8 @@ class TorchNativeBackend(AttentionBackend):
         device = self.kv_cache.device
         self.groups = [self._group(np.flatnonzero(sel), meta, device)
                        for sel in (decode, ~decode) if sel.any()]
-        if len(self.groups) == 1 and decode.all():
-            # decode only: the padded queries are the tokens themselves, in order
+        if len(self.groups) == 1 and (q_lens == q_lens[0]).all():
+            # no padding (decode only, or one prompt): the padded queries are the tokens, in order
             g = self.groups[0]
             self.groups = [_Group(g.q_index, g.pages, g.mask, None, None)]
 
@@ -55,7 +55,10 @@ class TorchNativeBackend(AttentionBackend):
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_ok[:, None, :]  # [G, Qmax, Kmax]
         valid = np.flatnonzero(q_ok)
         as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
-        return _Group(as_t(q_index), as_t(pages.reshape(-1)), as_t(mask[:, None]),
+        # one whole prompt with no cached prefix: SDPA's own causal mask (top-left aligned, so the
+        # padding keys past the prompt stay unseen) lets the kernel skip the masked half
+        plain_causal = len(seqs) == 1 and q_max > 1 and kv_len[0] == q_max
+        return _Group(as_t(q_index), as_t(pages.reshape(-1)), None if plain_causal else as_t(mask[:, None]),
                       as_t(q_index.reshape(-1)[valid]), as_t(valid))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -65,7 +68,7 @@ class TorchNativeBackend(AttentionBackend):
         o = torch.empty_like(q) if len(self.groups) > 1 or self.groups[0].out_tokens is not None else None
         for g in self.groups:
             G, Q = g.q_index.shape
-            qg = q.unsqueeze(1) if g.out_tokens is None else q[g.q_index]  # [G, Qmax, Hq, D]
+            qg = q.view(G, Q, Hq, D) if g.out_tokens is None else q[g.q_index]  # [G, Qmax, Hq, D]
             # whole pages by index_select (a row memcpy each), ~10x faster than gathering slots
             kg = k_pages.index_select(0, g.pages).view(G, -1, Hkv, D).transpose(1, 2)  # [G, Hkv, Kmax, D]
             vg = v_pages.index_select(0, g.pages).view(G, -1, Hkv, D).transpose(1, 2)
@@ -76,7 +79,8 @@ class TorchNativeBackend(AttentionBackend):
                                                     scale=self.scale)      # [G, Hkv, Hq / Hkv, D]
             else:
                 og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
-                                                    scale=self.scale, enable_gqa=True)  # [G, Hq, Qmax, D]
+                                                    is_causal=g.mask is None, scale=self.scale,
+                                                    enable_gqa=True)  # [G, Hq, Qmax, D]
                 og = og.transpose(1, 2)
             og = og.reshape(G * Q, Hq, D)
             if g.out_tokens is None:
