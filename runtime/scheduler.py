@@ -277,7 +277,7 @@ class Scheduler:
         t.kv_len[row] = prefix
         req.node, req.prefix_pages, req.status = node, len(prefix_pages), ReqStatus.RUNNING
         self.runner.set_request(row, req.params, req.prompt, req.output)
-        self._grow(row, n)
+        n = self._grow(row, n)
         if n < remaining:
             self.chunked = req
         return n

@@ -306,3 +306,15 @@ def test_open_records_and_one_event_per_running_request_per_step(runner):
     assert res.opened == [] and sorted(res.events["slot"].tolist()) == list(range(5))
     assert (res.events["completion_tokens"] == 2).all()
     drive(s)
+
+
+def test_abort_worker_ends_only_that_workers_requests(runner):
+    s = make(runner)
+    for worker in (0, 1):
+        for slot in range(3):
+            s.add_request(worker, slot, 1, prompt(20 + slot, base=100 * worker), GREEDY)
+    aborted = []
+    outs = drive(s, on_step=lambda s, _: aborted or aborted.append(s.abort_worker(1)))
+    assert aborted == [3]
+    assert all(outs[(1, slot, 1)].finish == FinishReason.ABORT for slot in range(3))
+    assert all(outs[(0, slot, 1)].tokens == expected(runner, 8) for slot in range(3))
