@@ -70,6 +70,7 @@ class Sampler:
 
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
                     output_ids: np.ndarray) -> None:
+        self._check_rows(np.array([row]))
         top_k = params.top_k if params.top_k > 0 else self.V
         self.params[row] = (params.temperature, params.top_p, params.min_p, params.repetition_penalty,
                             params.frequency_penalty, params.presence_penalty, min(top_k, self.V))
@@ -108,6 +109,7 @@ class Sampler:
             dirty = np.flatnonzero(self._dirty)
             self.params_t[self._t(dirty)] = torch.from_numpy(self.params[dirty]).to(self.device)
             self._dirty[:] = False
+        self._check_rows(rows)
         S = len(rows)
         rows_t = self._t(rows)
         want_lp = self.logprobs[rows]
@@ -204,6 +206,12 @@ class Sampler:
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         picked = torch.searchsorted(cdf, target, right=True)   # [N, 1]
         return picked.squeeze(1) if ids is None else ids.gather(1, picked).squeeze(1)
+
+    def _check_rows(self, rows: np.ndarray) -> None:
+        R = len(self.greedy)
+        if len(rows) and (rows.min() < 0 or rows.max() >= R):
+            raise ValueError(f"sampler row {rows[(rows < 0) | (rows >= R)][0]} is outside [0, {R}) "
+                             f"(max_running_requests)")
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)

@@ -63,3 +63,15 @@ def test_torch_backend_matches_longhand_attention(shape):
             sl = slice(indptr[b], indptr[b + 1])
             want = _reference(q[sl], k_all, v_all, np.arange(s.start, s.start + len(s.token_ids)))
             torch.testing.assert_close(o[sl], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("start, n, pages, message", [
+    (0, 5, 1, "need >= 1 token, 2 pages \\(has 1\\)"),
+    (60, 5, 17, "at most context_length=64"),
+    (0, 0, 1, "need >= 1 token"),
+])
+def test_bad_seq_inputs_name_the_row(start, n, pages, message):
+    seqs = [SeqInput(0, np.zeros(1, np.int32), 0, np.zeros(1, np.int32), True),
+            SeqInput(7, np.zeros(n, np.int32), start, np.arange(pages, dtype=np.int32), True)]
+    with pytest.raises(ValueError, match="SeqInput of row 7: .*" + message):
+        build_forward_batch(seqs, PS, context_length=64, device=torch.device("cpu"))

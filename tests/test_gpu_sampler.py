@@ -166,3 +166,11 @@ def test_logprobs_are_the_raw_model_distribution():
     assert math.isnan(res.logprobs[1].item())
     assert res.top_ids[0].tolist() == [0, 1, 2]
     np.testing.assert_allclose(res.top_logprobs[0].numpy(), np.log(PROBS[:3]), atol=1e-5)
+
+
+def test_rows_outside_the_table_are_refused():
+    sampler = make(rows=4)
+    with pytest.raises(ValueError, match="row 4 is outside"):
+        sampler.set_request(4, SamplingParams(), no_output(), no_output())
+    with pytest.raises(ValueError, match="row -1 is outside"):
+        sampler.sample(torch.zeros(2, V), np.array([0, -1]))
