@@ -83,9 +83,10 @@ def api_route(handler: Callable[..., Awaitable[Response]]) -> Callable[[Request]
 
 
 class EventStream:
-    """An SSE response fed by an async iterator of ready-made event bytes; each item is
-    one write. A disconnected client (http.disconnect) calls `on_disconnect` (which
-    aborts the request, so the iterator ends at its next wait)."""
+    """An SSE response fed by an async iterator of ready-made event bytes, one write each;
+    the item ending with DONE is the last and ends the body with it. A disconnected client
+    (http.disconnect) calls `on_disconnect`, which aborts the request, so the iterator
+    ends at its next wait."""
 
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None]) -> None:
         self.events = events
@@ -95,10 +96,13 @@ class EventStream:
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers.raw})
         watcher = asyncio.ensure_future(watch_disconnect(receive, self.on_disconnect))
+        more = True
         try:
             async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                more = not chunk.endswith(DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            if more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
 
@@ -179,34 +183,50 @@ async def completions(worker, request: Request) -> Response:
                                          choice_results(states, echoes), n, vocab))
 
 
-async def openai_events(worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int,
-                        include_usage: bool, first: bytes) -> AsyncIterator[bytes]:
-    """SSE events of a chat or completions stream: the deltas that arrived while the
-    client was being written to go out as one event per choice, in one write."""
-    if first:
-        yield first
+def openai_events(worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int,
+                  include_usage: bool, head: bytes) -> AsyncIterator[bytes]:
+    def render(state: ReqState) -> bytes | None:
+        text, lp, finish = state.take()
+        if text or finish or lp is not None:
+            return stream.delta(state.index, text, finish, lp)
+        return None
+
+    def tail() -> bytes:
+        if include_usage:
+            return stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
+        return DONE
+
+    return sse_events(worker, group, render, head, tail)
+
+
+async def sse_events(worker, group: ReqGroup, render: Callable[[ReqState], bytes | None], head: bytes,
+                     tail: Callable[[], bytes]) -> AsyncIterator[bytes]:
+    """A stream's writes: each carries the events of every delta that arrived since the
+    previous one (a client that fell behind gets its pending deltas coalesced); the first
+    also carries `head` (role chunks, echoes), the last the tail (usage, DONE)."""
+    pending = [head] if head else []
     try:
-        while not group.done:
+        while True:
             news = await group.next_news()
             now_ns = time.monotonic_ns()
-            events = []
             for state in news:
                 worker.observe_delta(state, now_ns)
-                text, lp, finish = state.take()
-                if text or finish or lp is not None:
-                    events.append(stream.delta(state.index, text, finish, lp))
-            if events:
-                yield events[0] if len(events) == 1 else b"".join(events)
+                event = render(state)
+                if event is not None:
+                    pending.append(event)
+            if group.done:
+                break
+            if pending:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending = []
     except ClientGone:
         return
     except APIError as err:
-        yield error_event(err) + DONE
+        yield b"".join(pending) + error_event(err) + DONE
         return
     worker.observe(group)
-    if include_usage:
-        yield stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
-    else:
-        yield DONE
+    pending.append(tail())
+    yield b"".join(pending)
 
 
 async def prompt_tokens(worker, prompt: str | list[int]) -> list[int]:
@@ -241,25 +261,12 @@ async def generate(worker, request: Request) -> Response:
                                        req.return_text_in_logprobs))
 
 
-async def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIterator[bytes]:
-    try:
-        while not group.done:
-            news = await group.next_news()
-            now_ns = time.monotonic_ns()
-            events = []
-            for state in news:
-                worker.observe_delta(state, now_ns)
-                text, lp, finish = state.take()
-                events.append(stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp))
-            if events:
-                yield b"".join(events)
-    except ClientGone:
-        return
-    except APIError as err:
-        yield error_event(err) + DONE
-        return
-    worker.observe(group)
-    yield DONE
+def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIterator[bytes]:
+    def render(state: ReqState) -> bytes:
+        text, lp, finish = state.take()
+        return stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp)
+
+    return sse_events(worker, group, render, b"", lambda: DONE)
 
 
 @api_route
@@ -398,6 +405,7 @@ class HTTPWorker:
         self.watchdog.close()
         if self._flusher is not None:
             self._flusher.cancel()
+        self.metrics.flush()
         await self.tm.close()
         if self.stats is not None:
             self.stats.close()
@@ -409,7 +417,7 @@ class HTTPWorker:
     async def _flush_metrics(self) -> None:
         while True:
             await asyncio.sleep(METRICS_FLUSH_S)
-            self.metrics.itl.flush()
+            self.metrics.flush()
 
     # ---------------------------------------------------------------- used by the routes
 
@@ -419,7 +427,7 @@ class HTTPWorker:
 
     async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams],
                      rids: list[str] | None = None) -> ReqGroup:
-        self.metrics.requests.labels(endpoint).inc()
+        self.metrics.count_request(endpoint)
         return await self.tm.submit(prompts, params, rids)
 
     def observe(self, group: ReqGroup) -> None:

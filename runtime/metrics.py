@@ -122,46 +122,66 @@ class LocalHistogram:
 
 
 class WorkerMetrics:
-    """This worker's Prometheus metrics, and /metrics for the whole server."""
+    """This worker's Prometheus metrics, counted locally per request and flushed (flush())
+    about once a second and at every scrape; and /metrics for the whole server."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter, Histogram, values
 
         self.multiprocess = values.ValueClass is not values.MutexValue
-        self.requests = Counter("ringserve_requests", "HTTP generation requests received", ["endpoint"])
-        self.finished = Counter("ringserve_requests_finished", "Choices finished", ["finish_reason"])
-        self.prompt_tokens = Counter("ringserve_prompt_tokens", "Prompt tokens of finished choices")
-        self.generation_tokens = Counter("ringserve_generation_tokens", "Generated tokens of finished choices")
-        self.cached_tokens = Counter("ringserve_cached_tokens", "Prompt tokens served from the prefix cache")
-        self.ttft = Histogram("ringserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS)
-        self.e2e = Histogram("ringserve_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=E2E_BUCKETS)
+        self._requests = Counter("ringserve_requests", "HTTP generation requests received", ["endpoint"])
+        self._finished = Counter("ringserve_requests_finished", "Choices finished", ["finish_reason"])
+        self._tokens = {
+            "prompt": Counter("ringserve_prompt_tokens", "Prompt tokens of finished choices"),
+            "generation": Counter("ringserve_generation_tokens", "Generated tokens of finished choices"),
+            "cached": Counter("ringserve_cached_tokens", "Prompt tokens served from the prefix cache"),
+        }
+        self.ttft = LocalHistogram(Histogram("ringserve_time_to_first_token_seconds", "Time to first token",
+                                             buckets=TTFT_BUCKETS), TTFT_BUCKETS)
+        self.e2e = LocalHistogram(Histogram("ringserve_e2e_request_latency_seconds", "End-to-end request latency",
+                                            buckets=E2E_BUCKETS), E2E_BUCKETS)
         self.itl = LocalHistogram(Histogram("ringserve_inter_token_latency_seconds",
                                             "Latency between streamed tokens (per delta, weighted by its tokens)",
                                             buckets=ITL_BUCKETS), ITL_BUCKETS)
+        self.requests: dict[str, int] = {}  # endpoint -> requests not flushed yet
+        self._pending_finished: dict[str, int] = {}
+        self._pending_tokens = {"prompt": 0, "generation": 0, "cached": 0}
+
+    def count_request(self, endpoint: str) -> None:
+        self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
 
     def observe_request(self, arrival_ns: int, end_ns: int, choices: list) -> None:
         """A finished request: its choices' (ReqState) counts and latencies."""
         self.e2e.observe((end_ns - arrival_ns) * 1e-9)
-        prompt = completion = cached = 0
+        tokens, finished = self._pending_tokens, self._pending_finished
         for state in choices:
             if state.first_ns:
                 self.ttft.observe((state.first_ns - arrival_ns) * 1e-9)
-            prompt += state.prompt_tokens
-            completion += state.completion_tokens
-            cached += state.cached_tokens
-            if state.finished:
-                self.finished.labels(state.finish.name.lower()).inc()
-        self.prompt_tokens.inc(prompt)
-        self.generation_tokens.inc(completion)
-        self.cached_tokens.inc(cached)
+            tokens["prompt"] += state.prompt_tokens
+            tokens["generation"] += state.completion_tokens
+            tokens["cached"] += state.cached_tokens
+            reason = state.finish.name.lower()
+            finished[reason] = finished.get(reason, 0) + 1
+
+    def flush(self) -> None:
+        for endpoint, n in self.requests.items():
+            self._requests.labels(endpoint).inc(n)
+        for reason, n in self._pending_finished.items():
+            self._finished.labels(reason).inc(n)
+        for name, n in self._pending_tokens.items():
+            if n:
+                self._tokens[name].inc(n)
+                self._pending_tokens[name] = 0
+        self.requests, self._pending_finished = {}, {}
+        for h in (self.ttft, self.e2e, self.itl):
+            h.flush()
 
     def render(self, engine: dict[str, int] | None, worker: dict[str, Any]) -> tuple[bytes, str]:
         """The exposition text: every worker's metrics (multiprocess mode) or this worker's,
         plus the engine's gauges and this worker's ring depths."""
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest, multiprocess
 
-        self.itl.flush()
+        self.flush()
         if self.multiprocess:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)

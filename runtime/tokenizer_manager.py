@@ -55,6 +55,40 @@ class ModelInfo:
     vocab_size: int
 
 
+class ChatTemplate:
+    """The tokenizer's chat template, compiled once and rendered directly: a third of the
+    cost of apply_chat_template, whose per-call conversions plain {"role", "content"}
+    messages do not need. Used only if it renders a sample conversation exactly as
+    apply_chat_template does; otherwise (or on a transformers without the compiler)
+    every render goes through apply_chat_template."""
+
+    SAMPLE = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"})
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._compiled = None
+        self._kwargs = dict(getattr(tokenizer, "special_tokens_map", {}))
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+            compiled = _compile_jinja_template(tokenizer.chat_template)
+            sample = [dict(m) for m in self.SAMPLE]
+            want = tokenizer.apply_chat_template(sample, add_generation_prompt=True, tokenize=False)
+            if self._render(compiled, sample) == want:
+                self._compiled = compiled
+        except Exception:  # no template, a template that fails the sample, another transformers
+            pass
+
+    def _render(self, compiled: Any, messages: list[dict[str, str]]) -> str:
+        return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                               **self._kwargs)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self._compiled is not None:
+            return self._render(self._compiled, messages)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 class ClientGone(Exception):
     """The client disconnected; the request was aborted and nothing is left to send."""
 
@@ -163,6 +197,7 @@ class TokenizerManager:
         self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: thread-safe encode
+        self._chat_template = ChatTemplate(tokenizer)
         self.model = model
         self.request_timeout = request_timeout
         self.metrics = metrics
@@ -217,7 +252,7 @@ class TokenizerManager:
     async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template applied and tokenized, as apply_chat_template(tokenize=True) does."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._chat_template.render(messages)
         except Exception as e:  # jinja raises for conversations a template refuses (e.g. roles out of order)
             raise bad_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
         return await self.encode(text, add_special_tokens=False)
@@ -253,7 +288,10 @@ class TokenizerManager:
         self._groups.add(group)
         for rid in group.rids:
             self._by_rid[rid] = group
-        self._send(np.concatenate(records), np.frombuffer(b"".join(blobs), np.uint8))
+        if len(records) == 1:
+            self._send(records[0], blobs[0])
+        else:
+            self._send(np.concatenate(records), b"".join(blobs))
         return group
 
     def abort(self, group: ReqGroup) -> None:
@@ -320,7 +358,7 @@ class TokenizerManager:
 
     # ---------------------------------------------------------------- the REQUEST channel
 
-    def _send(self, records: np.ndarray, blob: np.ndarray | None) -> None:
+    def _send(self, records: np.ndarray, blob: bytes | None) -> None:
         """In order: behind anything still waiting for room."""
         if not self._outbox:
             done = self.request_ch.push(records, blob)
