@@ -75,10 +75,10 @@ class Server:
         self.start_times: dict[int, int | None] = {}
 
     @classmethod
-    def granian(cls, workers: int = 1, **settings) -> Server:
+    def granian(cls, workers: int = 1, granian_flags: tuple[str, ...] = (), **settings) -> Server:
         port = free_port()
         argv = [sys.executable, "-m", "granian", "--interface", "asgi", "--port", str(port),
-                "--workers", str(workers), "--log-level", "warning", "runtime.app:app"]
+                "--workers", str(workers), "--log-level", "warning", *granian_flags, "runtime.app:app"]
         env = {"RINGSERVE_" + k.upper(): str(v) for k, v in settings.items()}
         return cls(argv, env, port)
 
@@ -103,11 +103,16 @@ class Server:
             time.sleep(0.25)
         else:
             raise TimeoutError(f"the server on port {self.port} was not healthy within {timeout} s")
-        self.workers = children(self.pid)  # granian's workers
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Learns the server's processes: granian's workers (again, after a respawn), the engine's."""
         from runtime.launcher import ServerFiles, process_start_time
+
+        self.workers = children(self.pid)
         info = ServerFiles.of(self.pid).info
         self.engine = {p["role"]: p["pid"] for p in json.loads(info.read_text())}
-        self.start_times = {pid: process_start_time(pid) for pid in self.processes()}
+        self.start_times.update({pid: process_start_time(pid) for pid in self.processes()})
 
     alive = staticmethod(alive)
     wait_until = staticmethod(wait_until)

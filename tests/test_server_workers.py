@@ -1,11 +1,14 @@
 """Two granian workers, one engine: exactly one scheduler and one detokenizer process exist
-for the server, both workers serve (the x-ringserve-worker header says which answered) and
-give the offline Engine's greedy output, stream and not; kill -9 of granian's main process
-takes every process of the server with it and leaves nothing behind."""
+for the server; a worker killed with kill -9 is respawned by granian under the same worker
+index, its dead predecessor's requests are aborted (their KV pages freed) and its records
+never reach the new one; both workers serve (the x-ringserve-worker header says which
+answered) and give the offline Engine's greedy output, stream and not; kill -9 of granian's
+main process takes every process of the server with it and leaves nothing behind."""
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,8 +24,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(start_server.Server.granian, workers=2, log_level="warning", max_total_tokens=32768,
-                        max_running_requests=16)
+    return start_server(start_server.Server.granian, workers=2, granian_flags=("--respawn-failed-workers",),
+                        log_level="warning", max_total_tokens=32768, max_running_requests=16)
 
 
 def title(pid: int) -> str:
@@ -39,6 +42,62 @@ def test_one_engine_for_two_workers(server):
     assert len(server.workers) == 2
     for pid in server.engine.values():
         assert pid in server.descendants(server.pid)
+
+
+def worker_holding(server, index: int) -> int | None:
+    """The pid of the HTTP worker holding worker index `index` (its flock, in /proc/locks)."""
+    inode = os.stat(ServerFiles.of(server.pid).worker_lock(index)).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == "FLOCK" and int(fields[5].rsplit(":", 1)[1]) == inode:
+            return int(fields[4])
+    return None
+
+
+def running_requests(server) -> float:
+    text = httpx.get(server.url("/metrics"), timeout=30).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("ringserve_num_running_reqs")))
+
+
+def test_respawned_worker_takes_the_dead_ones_place(server):
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    opened, release = [], threading.Event()
+    lock = threading.Lock()
+
+    def stream() -> None:
+        with httpx.Client(timeout=120) as http:
+            try:
+                with http.stream("POST", server.url("/v1/completions"), json=body) as resp:
+                    lines = resp.iter_lines()
+                    while not next(lines).startswith("data: {"):
+                        pass
+                    with lock:
+                        opened.append(resp.headers["x-ringserve-worker"])
+                    release.wait(120)
+            except httpx.HTTPError:
+                pass  # the killed worker's streams break
+
+    threads = []
+    while len(set(opened)) < 2 and len(threads) < 16:  # until both workers hold streams
+        batch = [threading.Thread(target=stream) for _ in range(2)]
+        for t in batch:
+            t.start()
+        threads += batch
+        assert server.wait_until(lambda: len(opened) == len(threads), 120)
+    assert sorted(set(opened)) == ["0", "1"]
+    victim_index = opened[0]
+    survivors = sum(1 for w in opened if w != victim_index)
+    victim = worker_holding(server, int(victim_index))
+    os.kill(victim, signal.SIGKILL)
+    respawned = lambda: worker_holding(server, int(victim_index)) not in (None, victim)  # noqa: E731
+    assert server.wait_until(respawned, 240, interval=0.5)
+    # the new worker's attach made the scheduler abort every request of the dead one
+    assert server.wait_until(lambda: running_requests(server) == survivors, 30), running_requests(server)
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert server.wait_until(lambda: running_requests(server) == 0, 30)
+    server.refresh()
 
 
 def test_both_workers_serve_the_engine_output(server, offline_engine):
