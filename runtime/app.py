@@ -13,7 +13,6 @@ its OpenAI-format body; anything else is a bug, logged, and a 500.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gpu.model_files import ModelLoadError
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError, engine_unavailable, internal_error
 from httpapi.info import check_model, model_info_body, models_body, served_model_name, server_info_body
@@ -38,7 +38,7 @@ from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, comple
 from httpapi.sampling import check_token_ids
 from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
 from runtime.config import ServerArgs
-from runtime.launcher import EngineLink, ServerFiles, attach_engine
+from runtime.launcher import EngineLink, EngineStartError, ServerFiles, attach_engine
 from runtime.metrics import EngineStats, WorkerMetrics, use_multiprocess_dir
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer_manager import ClientGone, ModelInfo, ReqGroup, ReqState, TokenizerManager
@@ -489,14 +489,35 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
     return tokenizer, model, LogprobVocab.from_tokenizer(tokenizer, cfg.vocab_size)
 
 
-@contextlib.asynccontextmanager
-async def lifespan(app: Starlette):
-    worker = await HTTPWorker.start()
-    app.state.worker = worker
-    try:
-        yield
-    finally:
-        await worker.close()
+class App:
+    """The ASGI app: the routes, and a lifespan of its own so that a worker that cannot
+    start says why in one line (starlette's would send granian a traceback)."""
+
+    def __init__(self, http: Starlette) -> None:
+        self.http = http
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "lifespan":
+            return await self.http(scope, receive, send)
+        worker = None
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    worker = self.http.state.worker = await HTTPWorker.start()
+                except (EngineStartError, ModelLoadError) as e:
+                    await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e}"})
+                    return
+                except Exception as e:
+                    logger.exception("the worker failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if worker is not None:
+                    await worker.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
 
 routes = [
@@ -515,4 +536,4 @@ routes = [
     Route("/metrics", metrics, methods=["GET"]),
 ]
 
-app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+app = App(Starlette(routes=routes, exception_handlers={HTTPException: http_error}))

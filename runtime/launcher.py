@@ -222,21 +222,26 @@ class EngineLink:
     meta: dict  # what the scheduler said about the model and the KV cache
 
     def close(self, files: ServerFiles) -> None:
-        """Detaches; the last worker of a server whose engine is gone removes its files
-        (a live engine removes them itself when the server exits)."""
+        """Detaches; the last worker of a server whose engine is gone removes its files."""
         self.request_ch.close()
         self.text_ch.close()
         self.waker.close()
         os.close(self.worker_lock_fd)
-        if any(p.alive() for p in self.procs):
-            return
-        fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if not _workers_attached(files):
-                files.remove()
-        finally:
-            os.close(fd)
+        remove_if_abandoned(files, self.procs)
+
+
+def remove_if_abandoned(files: ServerFiles, procs: list[EngineProcess]) -> None:
+    """Removes the server's files when its engine is gone and no worker is attached (a
+    live engine removes them itself when the server exits)."""
+    if any(p.alive() for p in procs):
+        return
+    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not _workers_attached(files):
+            files.remove()
+    finally:
+        os.close(fd)
 
 
 def attach_engine(args: ServerArgs, files: ServerFiles) -> EngineLink:
@@ -247,7 +252,11 @@ def attach_engine(args: ServerArgs, files: ServerFiles) -> EngineLink:
     from runtime.scheduler_process import connect_scheduler
 
     procs = ensure_engine(args, files)
-    wait_for_sockets(files, procs)
+    try:
+        wait_for_sockets(files, procs)
+    except EngineStartError:
+        remove_if_abandoned(files, procs)
+        raise
     index, lock_fd = claim_worker_index(files)
     waker = get_transport(args.transport).make_waker()
     opened = []
@@ -315,6 +324,9 @@ def engine_process_main(role: str, spec_json: str) -> int:
     runs the scheduler or the detokenizer until it is told to stop or a watched process exits."""
     from runtime.watchdog import stop_when_any_exits
 
+    # until run_scheduler / run_detokenizer install their own handlers, a stop request
+    # unwinds (finally blocks run) instead of killing the process where it stands
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     spec = json.loads(spec_json)
     args = ServerArgs(**spec["server_args"])
     files = ServerFiles(spec["server_pid"], Path(spec["root"]))
@@ -337,8 +349,10 @@ def engine_process_main(role: str, spec_json: str) -> int:
         return 3
     except KeyboardInterrupt:
         pass
-    if process_start_time(files.server_pid) is None:
-        files.remove()  # the server is gone: nobody else will clean up
+    finally:
+        files.socket(role).unlink(missing_ok=True)
+        if process_start_time(files.server_pid) is None:
+            files.remove()  # the server is gone: nobody else will clean up
     return 0
 
 
