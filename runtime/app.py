@@ -459,11 +459,12 @@ class HTTPWorker:
         return None
 
     def engine_state(self) -> dict:
-        stats = self.engine_stats() or {}
-        total_tokens = stats.get("kv_pages_total", 0) * stats.get("page_size", 0)
-        return {"max_total_num_tokens": total_tokens, "context_length": self.model.context_length,
-                "worker_index": self.link.worker, "engine": {p.role: p.pid for p in self.link.procs},
-                "engine_up": self.tm.dead is None, "internal_states": [stats]}
+        """What /get_server_info adds to the arguments: the engine as the scheduler described it."""
+        meta = self.link.meta
+        return {"max_total_num_tokens": meta.get("max_total_tokens"), "context_length": self.model.context_length,
+                "attention_backend": meta.get("attention_backend"), "worker_index": self.link.worker,
+                "engine": {p.role: p.pid for p in self.link.procs}, "engine_up": self.tm.dead is None,
+                "internal_states": [self.engine_stats() or {}]}
 
 
 def _configure_logging(level: str) -> None:

@@ -47,6 +47,7 @@ logger = logging.getLogger("ringserve.launcher")
 ROLES = ("scheduler", "detokenizer")
 START_TIMEOUT_S = 600.0  # model conversion (first GGUF start) and loading on a slow CPU
 STOP_GRACE_S = 10.0      # an engine process asked to stop is killed after this long
+PROGRESS_EVERY_S = 10.0  # how often a worker waiting for the engine says so
 
 
 class EngineStartError(RuntimeError):
@@ -195,9 +196,14 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
 def wait_for_sockets(files: ServerFiles, procs: list[EngineProcess], timeout: float = START_TIMEOUT_S) -> None:
     """Blocks until every engine process listens on its socket; raises EngineStartError
     at once if one of them exits meanwhile (a bad model, say: its own log says why)."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, report = start + timeout, start + PROGRESS_EVERY_S
     pending = {p.role: p for p in procs}
     while pending:
+        if time.monotonic() > report:
+            logger.info("waiting for the engine's %s to load the model: %.0f s", " and ".join(pending),
+                        time.monotonic() - start)
+            report += PROGRESS_EVERY_S
         for role, proc in list(pending.items()):
             if _listening(files.socket(role)):
                 del pending[role]

@@ -1,12 +1,12 @@
 """The TokenizerManager: one per HTTP worker, on the worker's event loop.
 
     tm = TokenizerManager(worker, request_ch, text_ch, waker, tokenizer, model, request_timeout)
-    tm.start()                                   # the reader and the timeout sweeper
+    tm.start()                                   # the reader, the sender, the timeout sweeper
     ids = await tm.encode(text) / await tm.chat_ids(messages)
     group = await tm.submit(prompts, params)     # one ReqState per choice, records pushed
     while not group.done:                        # streaming
-        for state in await group.news(): text, logprobs, finish = state.take()
-    await group.finished()                       # non-streaming: every choice done
+        for state in await group.next_news(): text, logprobs, finish = state.take()
+    states = await group.finished()              # non-streaming: every choice done
     tm.abort(group)                              # client gone: ABORT records, slots freed
 
 A request is named on the token path by (worker, slot, gen): `slot` indexes this TM's
@@ -192,7 +192,7 @@ class ReqGroup:
 
 class TokenizerManager:
     def __init__(self, worker: int, request_ch: Any, text_ch: Any, waker: Any, tokenizer: Any,
-                 model: ModelInfo, request_timeout: float, metrics: Any = None) -> None:
+                 model: ModelInfo, request_timeout: float) -> None:
         self.worker = worker
         self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
         self.tokenizer = tokenizer
@@ -200,7 +200,6 @@ class TokenizerManager:
         self._chat_template = ChatTemplate(tokenizer)
         self.model = model
         self.request_timeout = request_timeout
-        self.metrics = metrics
         self.dead: APIError | None = None  # set when the engine is gone: every request fails with it
         self._gens = np.zeros(256, np.uint32)  # [slots] gen of the request in each slot; 0: free
         self._states: list[ReqState | None] = [None] * 256
@@ -208,7 +207,7 @@ class TokenizerManager:
         self._next_gen = secrets.randbits(32) or 1
         self._groups: set[ReqGroup] = set()
         self._by_rid: dict[str, ReqGroup] = {}
-        self._outbox: list[tuple[np.ndarray, np.ndarray]] = []  # REQUEST records waiting for room
+        self._outbox: list[tuple[np.ndarray, bytes | None]] = []  # REQUEST records waiting for room
         self._outbox_ready: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -232,10 +231,6 @@ class TokenizerManager:
         self.dead = err
         for group in list(self._groups):
             self._fail(group, err, abort=False)
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._groups)
 
     # ---------------------------------------------------------------- tokenizing
 
