@@ -1,0 +1,53 @@
+"""Smoke run of perf/serving_bench.py: its quickest mode against a real server with the null
+model (a few requests at concurrency 1 and 4), and the JSON it writes has every field, a
+complete request count, no failure and nothing left behind by the server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LEVEL_FIELDS = {"concurrency", "num_requests", "completed", "failed", "failures", "duration_s", "request_throughput",
+                "output_throughput", "output_tokens", "prompt_tokens_mean", "tokens_per_event", "ttft_ms", "tpot_ms",
+                "itl_ms", "e2e_ms", "server_cpu_s", "server_cpu_by_process_s", "server_cpu_us_per_token",
+                "client_cpu_s", "client_cpu_us_per_token", "loadavg_before", "loadavg_after"}
+RESULT_FIELDS = {"benchmark", "command", "host", "cpus", "python", "client_loop", "loadavg_start", "loadavg_end",
+                 "workload", "targets", "runs"}
+OUTPUT_TOKENS = 16
+REQUESTS = 6
+
+
+def test_quick_null_model_run_writes_every_field(tmp_path):
+    out = tmp_path / "serving.json"
+    proc = subprocess.run([sys.executable, "perf/serving_bench.py", "--quick", "--models", "null", "--transports",
+                           "ring", "--concurrency", "1,4", "--num-requests", str(REQUESTS), "--warmup", "1",
+                           "--output-tokens", str(OUTPUT_TOKENS), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert RESULT_FIELDS <= result.keys()
+    assert result["workload"]["output_tokens"] == OUTPUT_TOKENS
+    assert 105 <= result["workload"]["prompt_tokens_mean"] <= 115
+    (run,) = result["runs"]
+    assert (run["model"], run["transport"]) == ("null", "ring")
+    left = run["leftovers"]
+    assert (left["exit_status"], left["stopped_by_sigint"]) == (0, True)
+    assert left["processes"] == left["shm_segments"] == left["engine_files"] == []
+    assert [lv["concurrency"] for lv in run["levels"]] == [1, 4]
+    for level in run["levels"]:
+        assert LEVEL_FIELDS <= level.keys()
+        assert (level["completed"], level["failed"]) == (REQUESTS, 0), level["failures"]
+        assert level["output_tokens"] == REQUESTS * OUTPUT_TOKENS
+        assert level["prompt_tokens_mean"] == result["workload"]["prompt_tokens_mean"]
+        for latency in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):  # all tokens of one event: TPOT 0
+            assert 0 <= level[latency]["p50"] <= level[latency]["p99"], latency
+        assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+        assert level["output_throughput"] > 0 and level["tokens_per_event"] >= 1
+        assert {"granian main", "http worker", "ringserve::scheduler", "ringserve::detokenizer"} == \
+            level["server_cpu_by_process_s"].keys()
+    assert "--null-model" in run["server_args"]
+    assert result["targets"] == {}  # none applies at concurrency 1 and 4
+    assert "server CPU µs/tok" in proc.stdout
