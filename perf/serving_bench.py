@@ -15,6 +15,7 @@ Per (model, transport, concurrency):
   ITL       gap between consecutive content events of a request. One event can carry
             several tokens (the server coalesces a client's pending deltas, and a token
             that completes no character sends nothing), so the JSON also has tokens/event
+  tok/step  tokens the scheduler generated per step in the window (its mean batch), from /metrics
   TPOT      (e2e - TTFT) / (completion_tokens - 1), completion_tokens from usage
   E2E       request written -> end of the response ([DONE] and the last chunk)
   req/s, output tok/s over the level's window (first request written -> last one ended)
@@ -432,6 +433,15 @@ class Server:
             raise RuntimeError(f"GET /v1/models answered {status}: {body[:200]!r}")
         return orjson.loads(body)["data"][0]["id"]
 
+    def engine_counters(self) -> dict[str, float]:
+        """The scheduler's step and generated-token counters, from /metrics (empty if absent)."""
+        status, body = self.get("/metrics")
+        wanted = ("ringserve_steps_total", "ringserve_engine_generated_tokens_total")
+        if status != 200:
+            return {}
+        return {name: float(value) for name, value in
+                (line.split(None, 1) for line in body.decode().splitlines() if line.startswith(wanted))}
+
     def cpu_ticks(self) -> dict[int, int]:
         """utime+stime of every live process of the tree (re-walked: nothing may have respawned)."""
         ticks = {}
@@ -527,13 +537,13 @@ def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w
                   timeout: float) -> dict:
     marks: dict[str, object] = {}
 
-    def on_start() -> None:
-        marks["load0"], marks["ticks0"] = os.getloadavg(), server.cpu_ticks()
+    def on_start() -> None:  # the /metrics scrapes stay outside the CPU window
+        marks["engine0"], marks["load0"], marks["ticks0"] = server.engine_counters(), os.getloadavg(), server.cpu_ticks()
         marks["client0"], marks["t0"] = time.process_time(), time.perf_counter()
 
     def on_end() -> None:
         marks["t1"], marks["client1"] = time.perf_counter(), time.process_time()
-        marks["ticks1"], marks["load1"] = server.cpu_ticks(), os.getloadavg()
+        marks["ticks1"], marks["load1"], marks["engine1"] = server.cpu_ticks(), os.getloadavg(), server.engine_counters()
 
     results = loop.run_until_complete(run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout,
                                                       on_start, on_end))
@@ -543,7 +553,11 @@ def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w
     server_cpu = sum(by_role.values())
     client_cpu = marks["client1"] - marks["client0"]
     tokens = level["output_tokens"]
+    e0, e1 = marks["engine0"], marks["engine1"]
+    steps = e1.get("ringserve_steps_total", 0) - e0.get("ringserve_steps_total", 0)
+    generated = e1.get("ringserve_engine_generated_tokens_total", 0) - e0.get("ringserve_engine_generated_tokens_total", 0)
     level.update({
+        "engine_steps": steps, "tokens_per_step": generated / steps if steps else None,
         "server_cpu_s": server_cpu, "server_cpu_by_process_s": by_role,
         "server_cpu_us_per_token": server_cpu / tokens * 1e6 if tokens else None,
         "client_cpu_s": client_cpu, "client_cpu_us_per_token": client_cpu / tokens * 1e6 if tokens else None,
@@ -610,7 +624,7 @@ def _num(value, fmt: str) -> str:
 
 
 COLUMNS = ("model", "transport", "conc", "reqs", "failed", "req/s", "out tok/s", "TTFT p50/p99 ms",
-           "TPOT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 ms", "tok/event", "server CPU µs/tok",
+           "TPOT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 ms", "tok/event", "tok/step", "server CPU µs/tok",
            "client CPU µs/tok", "load")
 
 
@@ -618,7 +632,8 @@ def row_cells(model: str, transport: str, lv: dict) -> list[str]:
     return [model, TRANSPORT_LABELS[transport], str(lv["concurrency"]), str(lv["num_requests"]), str(lv["failed"]),
             f"{lv['request_throughput']:.2f}", f"{lv['output_throughput']:.0f}", _pair(lv["ttft_ms"]),
             _pair(lv["tpot_ms"], "{:.1f}"), _pair(lv["itl_ms"], "{:.1f}"), _pair(lv["e2e_ms"]),
-            _num(lv["tokens_per_event"], "{:.2f}"), _num(lv["server_cpu_us_per_token"], "{:.1f}"),
+            _num(lv["tokens_per_event"], "{:.2f}"), _num(lv["tokens_per_step"], "{:.1f}"),
+            _num(lv["server_cpu_us_per_token"], "{:.1f}"),
             _num(lv["client_cpu_us_per_token"], "{:.1f}"), f"{lv['loadavg_before'][0]:.1f}"]
 
 

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LEVEL_FIELDS = {"concurrency", "num_requests", "completed", "failed", "failures", "duration_s", "request_throughput",
                 "output_throughput", "output_tokens", "prompt_tokens_mean", "tokens_per_event", "ttft_ms", "tpot_ms",
                 "itl_ms", "e2e_ms", "server_cpu_s", "server_cpu_by_process_s", "server_cpu_us_per_token",
-                "client_cpu_s", "client_cpu_us_per_token", "loadavg_before", "loadavg_after"}
+                "client_cpu_s", "client_cpu_us_per_token", "engine_steps", "tokens_per_step", "loadavg_before",
+                "loadavg_after"}
 RESULT_FIELDS = {"benchmark", "command", "host", "cpus", "python", "client_loop", "loadavg_start", "loadavg_end",
                  "workload", "targets", "runs"}
 OUTPUT_TOKENS = 16
@@ -46,6 +47,7 @@ def test_quick_null_model_run_writes_every_field(tmp_path):
             assert 0 <= level[latency]["p50"] <= level[latency]["p99"], latency
         assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
         assert level["output_throughput"] > 0 and level["tokens_per_event"] >= 1
+        assert level["engine_steps"] >= OUTPUT_TOKENS and 1 <= level["tokens_per_step"] <= 4
         assert {"granian main", "http worker", "ringserve::scheduler", "ringserve::detokenizer"} == \
             level["server_cpu_by_process_s"].keys()
     assert "--null-model" in run["server_args"]
