@@ -67,6 +67,7 @@ START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 INSTRUCTION = "Continue this list of words with more words of the same kind:"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+THREAD_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "TORCH_")  # settings of torch's CPU threads, recorded
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -306,7 +307,11 @@ async def run_closed_loop(host: str, port: int, bodies: list[bytes], concurrency
         try:
             for i in order:
                 if conn.closed:
-                    conn = await connect(host, port)
+                    try:
+                        conn = await connect(host, port)
+                    except OSError as e:  # the server is gone: every request left fails fast
+                        results[i] = RequestResult(time.perf_counter(), error=f"cannot connect: {e}")
+                        continue
                 results[i] = await conn.request(bodies[i], timeout)
         finally:  # also when cancelled (Ctrl-C): the server then aborts the request
             conn.transport.close()
@@ -746,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "serving", "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
         "host": platform.node(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
         "client_loop": loop_name, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "thread_env": {k: v for k, v in os.environ.items() if k.startswith(THREAD_ENV)},  # the server inherits it
         "workload": {"endpoint": "/v1/chat/completions", "stream": True, "ignore_eos": True,
                      "prompt_tokens_target": w.prompt_tokens, "prompt_tokens_mean": float(np.mean(prompt_lengths)),
                      "prompt_tokens_min": min(prompt_lengths), "prompt_tokens_max": max(prompt_lengths),

@@ -16,7 +16,7 @@ LEVEL_FIELDS = {"concurrency", "num_requests", "completed", "failed", "failures"
                 "client_cpu_s", "client_cpu_us_per_token", "engine_steps", "tokens_per_step", "loadavg_before",
                 "loadavg_after"}
 RESULT_FIELDS = {"benchmark", "command", "host", "cpus", "python", "client_loop", "loadavg_start", "loadavg_end",
-                 "workload", "targets", "runs"}
+                 "thread_env", "workload", "targets", "runs"}
 OUTPUT_TOKENS = 16
 REQUESTS = 6
 
