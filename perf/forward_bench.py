@@ -29,20 +29,17 @@ from runtime.sampling_params import SamplingParams  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
 
 
-def timed(fn, repeat: int) -> float:
-    """Best-of-repeat wall time of fn() in seconds (best, since the machine is shared)."""
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-def ours_decode(runner: ModelRunner, prompts: np.ndarray, steps: int, repeat: int) -> float:
-    """Seconds per decode step for a batch of len(prompts) requests."""
+def ours_decoder(runner: ModelRunner, prompts: np.ndarray, steps: int, repeat: int):
+    """Prefills a batch of len(prompts) requests; returns (run, close): run() times `steps`
+    decode steps and returns seconds per step."""
     B, ctx = prompts.shape
-    pages = [runner.pool.alloc(runner.pool.pages_for(ctx + (steps + 2) * repeat)) for _ in range(B)]
+    pages = [runner.pool.alloc(runner.pool.pages_for(ctx + 2 + steps * repeat)) for _ in range(B)]
     for row in range(B):
         runner.set_request(row, SamplingParams(temperature=0.0), prompts[row], np.zeros(0, np.int32))
     out = runner.step([SeqInput(b, prompts[b], 0, pages[b], True) for b in range(B)])
@@ -54,50 +51,35 @@ def ours_decode(runner: ModelRunner, prompts: np.ndarray, steps: int, repeat: in
             out = runner.step([SeqInput(b, out.tokens[b:b + 1], pos, pages[b], True) for b in range(B)])
             pos += 1
 
+    def close() -> None:
+        for p in pages:
+            runner.pool.free(p)
+
     decode(2)  # warm-up
-    per_step = timed(lambda: decode(steps), repeat) / steps
-    for p in pages:
-        runner.pool.free(p)
-    return per_step
+    return (lambda: timed(lambda: decode(steps)) / steps), close
 
 
-def ours_prefill(runner: ModelRunner, prompt: np.ndarray, repeat: int) -> float:
-    pages = runner.pool.alloc(runner.pool.pages_for(len(prompt)))
-    runner.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
-    seconds = timed(lambda: runner.step([SeqInput(0, prompt, 0, pages, True)]), repeat + 1)
-    runner.pool.free(pages)
-    return seconds
-
-
-def hf_decode(model, prompts: np.ndarray, steps: int, repeat: int) -> float:
+def hf_decode(model, prompts: np.ndarray, steps: int) -> float:
     """Seconds per step of the model's own forward with its DynamicCache, greedy."""
-    ids = torch.from_numpy(prompts.astype(np.int64))
-    best = float("inf")
-    for _ in range(repeat):
-        out = model(ids, use_cache=True, logits_to_keep=1)
-        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(2):  # warm-up
+    out = model(torch.from_numpy(prompts.astype(np.int64)), use_cache=True, logits_to_keep=1)
+    cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(n: int) -> None:
+        nonlocal cache, tok
+        for _ in range(n):
             out = model(tok, past_key_values=cache, use_cache=True)
             cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = model(tok, past_key_values=cache, use_cache=True)
-            cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        best = min(best, time.perf_counter() - t)
-    return best / steps
+
+    decode(2)  # warm-up
+    return timed(lambda: decode(steps)) / steps
 
 
-def hf_generate_decode(model, prompts: np.ndarray, steps: int, pad_id: int) -> float:
-    """Seconds per decode step of generate(): (time for 1 + steps tokens - time for 1) / steps."""
+def hf_generate(model, prompts: np.ndarray, new_tokens: int, pad_id: int) -> float:
+    """Seconds for generate() to produce new_tokens per request; a decode step's cost is the
+    difference between two lengths, divided by their difference."""
     ids = torch.from_numpy(prompts.astype(np.int64))
-    attn = torch.ones_like(ids)
-
-    def gen(n: int) -> None:
-        model.generate(ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=pad_id)
-
-    gen(2)  # warm-up
-    return (timed(lambda: gen(1 + steps), 1) - timed(lambda: gen(1), 2)) / steps
+    return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id))
 
 
 def cold_start_seconds() -> float:
@@ -121,7 +103,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request before decoding")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
-    ap.add_argument("--repeat", type=int, default=2, help="best of this many timed runs")
+    ap.add_argument("--repeat", type=int, default=3, help="best of this many timed runs")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-generate", action="store_true", help="skip the transformers generate() baseline")
@@ -134,7 +116,7 @@ def main() -> None:
     t = time.perf_counter()
     runner = ModelRunner(ModelRunnerConfig(
         model_path=args.model_path, max_running_requests=max(batches),
-        max_total_tokens=max(batches) * (args.context + (args.steps + 2) * args.repeat + 64) + args.prefill + 64))
+        max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
     start_s = time.perf_counter() - t
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(runner.model_config.model_dir, dtype=torch.float32).eval()
@@ -146,19 +128,35 @@ def main() -> None:
     with torch.inference_mode():
         for B in batches:
             prompts = rng.integers(100, V, size=(B, args.context)).astype(np.int32)
-            ours = ours_decode(runner, prompts, args.steps, args.repeat)
-            theirs = hf_decode(hf, prompts, args.steps, args.repeat)
-            gen = None if args.no_generate else hf_generate_decode(hf, prompts, args.steps, pad_id)
+            ours_run, ours_close = ours_decoder(runner, prompts, args.steps, args.repeat)
+            if not args.no_generate:
+                hf_generate(hf, prompts, 2, pad_id)  # warm-up
+            # all interleaved, best of `repeat` each: a shared machine's load hits them alike
+            ours, theirs, gen_long, gen_short = [], [], [], []
+            for _ in range(args.repeat):
+                ours.append(ours_run())
+                theirs.append(hf_decode(hf, prompts, args.steps))
+                if not args.no_generate:
+                    gen_long.append(hf_generate(hf, prompts, 1 + args.steps, pad_id))
+                    gen_short.append(hf_generate(hf, prompts, 1, pad_id))
+            ours_close()
+            ours, theirs = min(ours), min(theirs)
+            gen = None if args.no_generate else (min(gen_long) - min(gen_short)) / args.steps
             rows.append({"batch": B, "ours_ms": ours * 1e3, "hf_ms": theirs * 1e3,
                          "hf_generate_ms": None if gen is None else gen * 1e3,
                          "ours_tok_s": B / ours, "hf_tok_s": B / theirs,
                          "hf_generate_tok_s": None if gen is None else B / gen,
                          "ratio_vs_hf": theirs / ours, "ratio_vs_generate": None if gen is None else gen / ours})
         prompt = rng.integers(100, V, size=args.prefill).astype(np.int32)
-        ours_p = ours_prefill(runner, prompt, args.repeat)
+        pages = runner.pool.alloc(runner.pool.pages_for(args.prefill))
+        runner.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
         ids = torch.from_numpy(prompt.astype(np.int64))[None]
-        hf(ids, logits_to_keep=1)
-        hf_p = timed(lambda: hf(ids, use_cache=True, logits_to_keep=1), args.repeat)
+        ours_p, hf_p = [], []
+        for _ in range(args.repeat + 1):  # the first of each is a warm-up
+            ours_p.append(timed(lambda: runner.step([SeqInput(0, prompt, 0, pages, True)])))
+            hf_p.append(timed(lambda: hf(ids, use_cache=True, logits_to_keep=1)))
+        runner.pool.free(pages)
+        ours_p, hf_p = min(ours_p[1:]), min(hf_p[1:])
     prefill = {"tokens": args.prefill, "ours_tok_s": args.prefill / ours_p, "hf_tok_s": args.prefill / hf_p,
                "ratio": hf_p / ours_p}
     result = {
