@@ -48,6 +48,7 @@ logger = logging.getLogger("ringserve.app")
 
 JSON = "application/json"
 WORKER_HEADER = "x-ringserve-worker"  # which HTTP worker answered (its index)
+RAW_SEND = "ringserve.send"  # the scope key of the server's own send
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
 _SSE_HEADERS = [(k.encode(), v.encode()) for k, v in HEADERS.items()]
@@ -95,14 +96,17 @@ class EventStream:
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers.raw})
+        # the body goes straight to the server's send: starlette's middlewares wrap every
+        # send in two more calls, and only need to see the start
+        send_body = scope.get(RAW_SEND, send)
         watcher = asyncio.ensure_future(watch_disconnect(receive, self.on_disconnect))
         more = True
         try:
             async for chunk in self.events:
                 more = not chunk.endswith(DONE)
-                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                await send_body({"type": "http.response.body", "body": chunk, "more_body": more})
             if more:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await send_body({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
 
@@ -499,6 +503,7 @@ class App:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "lifespan":
+            scope[RAW_SEND] = send
             return await self.http(scope, receive, send)
         worker = None
         while True:

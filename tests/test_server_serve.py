@@ -1,16 +1,20 @@
 """`python -m runtime serve`: a bad model is one line and a non-zero exit before anything
 starts; with the null model it serves (flags reach the workers: the API key, the served
-model name), and SIGTERM stops every process it started and leaves no shared memory."""
+model name, the request timeout, which aborts what runs longer), and SIGTERM stops every
+process it started and leaves no shared memory."""
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
 KEY = "serve-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+TIMEOUT_S = 3
 
 
 def test_bad_model_path_is_one_line(tmp_path):
@@ -30,16 +34,31 @@ def test_bad_flag_names_the_flag():
 @pytest.fixture(scope="module")
 def server(start_server):
     return start_server(start_server.Server.serve, "--null-model", "--api-key", KEY, "--served-model-name", "nully",
-                        "--max-total-tokens", "8192", "--max-running-requests", "8", "--log-level", "warning")
+                        "--max-total-tokens", "8192", "--max-running-requests", "8", "--log-level", "warning",
+                        "--request-timeout", str(TIMEOUT_S))
 
 
 def test_serve_serves(server):
-    auth = {"authorization": f"Bearer {KEY}"}
+    auth = AUTH
     assert httpx.get(server.url("/v1/models"), headers=auth).json()["data"][0]["id"] == "nully"
     resp = httpx.post(server.url("/v1/completions"), headers=auth, timeout=60,
                       json={"model": "nully", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
     assert httpx.post(server.url("/v1/completions"), json={"prompt": "Hello"}).status_code == 401
+
+
+def test_request_timeout(server):
+    body = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True}  # far longer than the timeout
+    t0 = time.monotonic()
+    resp = httpx.post(server.url("/v1/completions"), headers=AUTH, json=body, timeout=60)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 5
+    with httpx.stream("POST", server.url("/v1/completions"), headers=AUTH, json={**body, "stream": True},
+                      timeout=60) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+    assert server.wait_until(  # both aborted in the scheduler too
+        lambda: "ringserve_num_running_reqs 0.0" in httpx.get(server.url("/metrics"), headers=AUTH).text, 10)
 
 
 def test_sigterm_stops_everything(server):
