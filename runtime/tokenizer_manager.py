@@ -466,7 +466,9 @@ class TokenizerManager:
     # ---------------------------------------------------------------- introspection
 
     def ring_depths(self) -> dict[str, int]:
-        return {"request": len(self.request_ch), "text_out": len(self.text_ch)}
+        """Records waiting in this worker's rings (the zmq baseline cannot tell)."""
+        return {name: len(ch) for name, ch in (("request", self.request_ch), ("text_out", self.text_ch))
+                if hasattr(ch, "__len__")}
 
 
 def engine_error(code: int, message: str) -> APIError:
