@@ -181,6 +181,23 @@ def test_native_routes(server, client):
     assert httpx.get(server.url("/metrics")).status_code == 401  # the key guards every route but /health
 
 
+def test_request_metrics(server, got, want):
+    """The output tests' requests are counted (workers flush their counts every second)."""
+    def counted() -> dict[str, float]:
+        text = httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("ringserve_") and not line.startswith("#")}
+
+    assert server.wait_until(lambda: counted().get('ringserve_requests_total{endpoint="chat"}', 0) >= 4, 5)
+    m = counted()
+    assert m['ringserve_requests_total{endpoint="completions"}'] >= 6
+    assert m["ringserve_time_to_first_token_seconds_count"] >= 15  # one per choice
+    assert m["ringserve_e2e_request_latency_seconds_count"] >= 11
+    assert m["ringserve_inter_token_latency_seconds_count"] > 0
+    assert m["ringserve_generation_tokens_total"] >= sum(w.completion_tokens for w in want["completions"])
+    assert m["ringserve_engine_up"] == 1 and m["ringserve_kv_pages_total"] == 32768 // 16
+
+
 def test_abort_request_by_rid(server):
     answer = {}
 
