@@ -33,6 +33,7 @@ it shares the CPUs with the server, so it must cost little per event.
     python perf/serving_bench.py                     # full run (~10-15 min on 2 cores)
     python perf/serving_bench.py --quick             # smoke run
     python perf/serving_bench.py --models null --transports ring --concurrency 256 --num-requests 1024
+    python perf/serving_bench.py --models real --concurrency 1,32 --num-requests 8,64
     python perf/serving_bench.py --server-args "--max-running-requests 128" --markdown
 Writes perf/results/serving.json (with each server's log beside it) and prints the tables
 (--markdown: also the README's).
@@ -588,7 +589,7 @@ def run_server(server: Server, model: str, transport: str, levels: list[int], pr
         run["startup_s"] = server.wait_healthy()
         name = server.model_name()
         bodies = [request_body(name, p, w) for p in prompts]
-        warm, *per_level = split(bodies, [args.warmup, *(requests_at(c, args) for c in levels)])
+        warm, *per_level = split(bodies, [args.warmup, *(requests_at(c, model, args) for c in levels)])
         if warm:
             loop.run_until_complete(run_closed_loop("127.0.0.1", server.port, warm, min(len(warm), 8),
                                                     args.request_timeout, lambda: None, lambda: None))
@@ -605,10 +606,15 @@ def run_server(server: Server, model: str, transport: str, levels: list[int], pr
     return run
 
 
-def requests_at(concurrency: int, args) -> int:
-    if args.num_requests:
-        return args.num_requests
-    return max(8, concurrency) if args.quick else max(32, 2 * concurrency)
+def requests_at(concurrency: int, model: str, args) -> int:
+    """--num-requests' count for the level, else two waves (the null model: four, and at
+    least 128 requests, so that its sub-second windows are long enough for /proc's 10 ms
+    CPU ticks); --quick: one."""
+    if concurrency in args.request_counts:
+        return args.request_counts[concurrency]
+    if args.quick:
+        return max(8, concurrency)
+    return max(32, 2 * concurrency) if model == "real" else max(128, 4 * concurrency)
 
 
 def split(items: list, sizes: list[int]) -> list[list]:
@@ -691,8 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--null-streams", type=int, default=None,
                     help=f"an extra concurrency level for the null model only (default {TARGET_NULL_STREAMS}; "
                          f"--quick: none; 0: none)")
-    ap.add_argument("--num-requests", type=int, default=None,
-                    help="requests per concurrency level (default max(32, 2 x concurrency); --quick: max(8, C))")
+    ap.add_argument("--num-requests", default=None,
+                    help="requests per level: one count for every level, or one per --concurrency level "
+                         "(default: real max(32, 2 C), null max(128, 4 C); --quick: max(8, C))")
     ap.add_argument("--warmup", type=int, default=None, help="requests before the first level (default 8, quick 2)")
     ap.add_argument("--prompt-tokens", type=int, default=Workload.prompt_tokens)
     ap.add_argument("--output-tokens", type=int, default=Workload.output_tokens)
@@ -711,15 +718,21 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name} must be a comma list of {', '.join(allowed)}, not {','.join(values)!r}")
     try:
         levels = parse_list(args.concurrency or ("1,8" if args.quick else "1,8,32,128"), int)
+        counts = parse_list(args.num_requests or "", int)
     except ValueError:
-        ap.error(f"--concurrency must be a comma list of integers, not {args.concurrency!r}")
+        ap.error(f"--concurrency and --num-requests must be comma lists of integers, not "
+                 f"{args.concurrency!r} and {args.num_requests!r}")
     null_streams = args.null_streams if args.null_streams is not None else (0 if args.quick else TARGET_NULL_STREAMS)
-    for name, value in (("--concurrency", min(levels, default=0)), ("--output-tokens", args.output_tokens),
-                        ("--prompt-tokens", args.prompt_tokens)):
+    if len(counts) not in (0, 1, len(levels)):
+        ap.error(f"--num-requests needs one count or {len(levels)} (one per --concurrency level), not {len(counts)}")
+    for name, value in (("--concurrency", min(levels, default=0)), ("--num-requests", min(counts, default=1)),
+                        ("--output-tokens", args.output_tokens), ("--prompt-tokens", args.prompt_tokens)):
         if value < 1:
             ap.error(f"{name} must be at least 1")
-    if (args.num_requests is not None and args.num_requests < 1) or null_streams < 0:
-        ap.error("--num-requests must be at least 1 and --null-streams at least 0")
+    if null_streams < 0:
+        ap.error("--null-streams must be at least 0 (0: no extra level)")
+    args.request_counts = dict(zip(levels + [null_streams], counts * (len(levels) + 1))) if len(counts) == 1 \
+        else dict(zip(levels, counts))
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 8)
     w = Workload(args.prompt_tokens, args.output_tokens, args.temperature, args.seed)
 
@@ -728,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [(m, t) for m in models for t in transports]  # each transport gets the same prompts
     server = start_server(*pairs[0], args)  # it starts while the tokenizer loads here
     try:
-        n_prompts = max(args.warmup + sum(requests_at(c, args) for c in lv) for lv in all_levels.values())
+        n_prompts = max(args.warmup + sum(requests_at(c, m, args) for c in lv) for m, lv in all_levels.items())
         prompts, prompt_lengths = make_prompts(load_tokenizer(args.model_path), n_prompts, w.prompt_tokens, w.seed)
     except BaseException:
         server.stop()
