@@ -19,7 +19,7 @@ from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.config import ServerArgs
 from runtime.request import FinishReason
 from runtime.sampling_params import InvalidParam, SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler import NO_TOKEN, Scheduler, SchedulerConfig
 
 ENGINE_WORKER = 0  # the worker id the Engine's requests carry
 
@@ -71,11 +71,11 @@ class Engine:
             res = sched.step()
             ev = res.events
             for i, (slot, gen, token, finish) in enumerate(zip(
-                    ev["slot"].tolist(), ev["generation"].tolist(), ev["token"].tolist(), ev["finish"].tolist())):
+                    ev["slot"].tolist(), ev["gen"].tolist(), ev["token"].tolist(), ev["finish"].tolist())):
                 run = runs[slot]
                 if gen != generation or run.finish:
                     continue  # the end event of a request this Engine stopped on a stop string
-                if token >= 0:
+                if token != NO_TOKEN:
                     run.tokens.append(token)
                     if run.params.logprobs:
                         run.logprobs.append(float(ev["logprob"][i]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ipc.records import TOKEN_OUT
 from runtime.request import Request
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request
@@ -29,11 +30,10 @@ class ReqTable:
         self.max_len = np.zeros(num_rows, dtype=np.int32)  # finish with "length" when reached
         self.min_len = np.zeros(num_rows, dtype=np.int32)  # stop tokens count only past this
         self.stop_ids = np.full((num_rows, MAX_STOP_IDS), -1, dtype=np.int32)
-        self.cached = np.zeros(num_rows, dtype=np.int32)
         self.arrival = np.zeros(num_rows, dtype=np.int64)
-        self.worker = np.zeros(num_rows, dtype=np.int32)
-        self.slot = np.zeros(num_rows, dtype=np.int32)
-        self.generation = np.zeros(num_rows, dtype=np.uint32)
+        # each row's token-out record with what stays fixed while it runs (address, prompt and
+        # cached tokens): a step's records start as one gather of these
+        self.events = np.zeros(num_rows, dtype=TOKEN_OUT.dtype)
         self.active = np.zeros(num_rows, dtype=bool)
         self.reqs: list[Request | None] = [None] * num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
@@ -59,11 +59,10 @@ class ReqTable:
         self.min_len[row] = p + req.params.min_new_tokens
         self.stop_ids[row] = -1
         self.stop_ids[row, :len(stop_ids)] = stop_ids
-        self.cached[row] = max(req.cached_tokens, 0)
         self.arrival[row] = req.arrival
-        self.worker[row] = req.worker
-        self.slot[row] = req.slot
-        self.generation[row] = req.generation
+        ev = self.events[row:row + 1]
+        ev["worker"], ev["slot"], ev["gen"] = req.worker, req.slot, req.generation
+        ev["prompt_tokens"], ev["cached_tokens"] = p, max(req.cached_tokens, 0)
         self.active[row] = True
         self.reqs[row] = req
         req.row = row

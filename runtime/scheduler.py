@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from gpu.forward_batch import SeqInput
+from ipc.records import TOKEN_OUT, TokenKind
 from runtime.config import ServerArgs
 from runtime.radix_cache import RadixCache
 from runtime.req_table import MAX_STOP_IDS, ReqTable
@@ -28,14 +29,13 @@ from runtime.schedule_policy import order_queue
 
 logger = logging.getLogger(__name__)
 
-# One event per request per step that has news: a sampled token, or its end.
-TOKEN_EVENT = np.dtype([
-    ("worker", np.int32), ("slot", np.int32), ("generation", np.uint32),
-    ("token", np.int32),  # -1: no token (the request ended without one: abort, error)
-    ("logprob", np.float32),
-    ("finish", np.uint8),  # FinishReason
-    ("prompt_tokens", np.int32), ("completion_tokens", np.int32), ("cached_tokens", np.int32),
-])
+# Events are TOKEN_OUT records (ipc/records.py), so the scheduler process pushes them as they
+# are: one per request with news this step, its sampled token or its end. A record that ends a
+# request without a new token has token NO_TOKEN; a request that could never run ends with
+# kind ERROR and finish ERROR (its message is Request.error).
+TOKEN_EVENT = TOKEN_OUT.dtype
+NO_TOKEN = np.uint32(0xFFFFFFFF)
+_NONE, _STOP, _LENGTH = int(FinishReason.NONE), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
 CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
 
@@ -65,7 +65,8 @@ class SchedulerConfig:
 
 @dataclass
 class StepResult:
-    events: np.ndarray  # TOKEN_EVENT [E]: the first num_sampled carry a sampled token
+    events: np.ndarray  # TOKEN_EVENT [E]: the first num_sampled carry a sampled token, the rest end
+    #                     requests without one (abort, error, no KV left)
     num_sampled: int
     top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
     top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
@@ -93,14 +94,14 @@ class Scheduler:
         self.cache = RadixCache(self.pool, disabled=config.disable_radix_cache)
         self.table = ReqTable(config.max_running_requests, config.context_length, self.page_size)
         self.eos_ids = np.asarray(runner.model_config.eos_token_ids, dtype=np.int32)
-        self.heartbeat = heartbeat  # called around each forward, for the watchdog
+        self.heartbeat = heartbeat  # called before each forward: a long one starts with a fresh beat
         self.queue: list[Request] = []  # waiting to be (re)admitted, in arrival order
         self.requests: dict[tuple[int, int], Request] = {}  # every live request by (worker, slot)
         self.chunked: Request | None = None  # the request mid-prefill, if any
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._arrivals = itertools.count()
-        self._ended: list[tuple] = []  # TOKEN_EVENT rows of requests ended between steps
+        self._ended: list[np.ndarray] = []  # TOKEN_EVENT records of requests ended between steps
         self._opened: list[Request] = []
 
     # ---- requests in -----------------------------------------------------------
@@ -179,8 +180,6 @@ class Scheduler:
         if self.heartbeat is not None:
             self.heartbeat()
         out = self.runner.step(seqs)
-        if self.heartbeat is not None:
-            self.heartbeat()
         return self._process(decode_rows, prefill, out)
 
     def _schedule_decode(self) -> np.ndarray:
@@ -317,40 +316,38 @@ class Scheduler:
     def _process(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]], out) -> StepResult:
         t, stats = self.table, self.stats
         t.kv_len[decode_rows] += 1
-        prefill_rows = np.array([req.row for req, _ in prefill], dtype=np.int64)
-        if len(prefill):
-            chunk = np.array([n for _, n in prefill], dtype=np.int32)
+        rows = decode_rows
+        if prefill:
+            prefill_rows = np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))
+            chunk = np.fromiter((n for _, n in prefill), np.int32, len(prefill))
             t.kv_len[prefill_rows] += chunk
             stats.prefill_tokens += int(chunk.sum())
             stats.forward_tokens += int(chunk.sum())
             for req, _ in prefill:  # their full pages are shareable from now on
                 self._cache_running(req)
+            done = prefill_rows[t.kv_len[prefill_rows] == t.length[prefill_rows]]
+            if len(done):
+                rows = np.concatenate([decode_rows, done])
         stats.forward_tokens += len(decode_rows)
         stats.steps += 1
-        rows = np.concatenate([decode_rows, prefill_rows[t.kv_len[prefill_rows] == t.length[prefill_rows]]])
 
-        tokens = np.asarray(out.tokens, dtype=np.int32)
+        tokens = out.tokens
         length = t.length[rows]
         t.ids[rows, length] = tokens
         length += 1
         t.length[rows] = length
-        stop = (t.stop_ids[rows] == tokens[:, None]).any(axis=1) & (length > t.min_len[rows])
-        finish = np.where(stop, FinishReason.STOP, np.where(length >= t.max_len[rows], FinishReason.LENGTH,
-                                                             FinishReason.NONE)).astype(np.uint8)
-        events = np.empty(len(rows), TOKEN_EVENT)
-        events["worker"] = t.worker[rows]
-        events["slot"] = t.slot[rows]
-        events["generation"] = t.generation[rows]
+        finish = (length >= t.max_len[rows]).astype(np.uint8) * np.uint8(_LENGTH)
+        finish[(t.stop_ids[rows] == tokens[:, None]).any(axis=1) & (length > t.min_len[rows])] = _STOP
+        events = t.events[rows]  # worker, slot, gen, prompt and cached tokens of each row
         events["token"] = tokens
         events["logprob"] = out.logprobs
         events["finish"] = finish
-        events["prompt_tokens"] = t.prompt_len[rows]
         events["completion_tokens"] = length - t.prompt_len[rows]
-        events["cached_tokens"] = t.cached[rows]
         stats.generated_tokens += len(rows)
 
-        for row in rows[finish != FinishReason.NONE].tolist():
-            self._finish(t.reqs[row])
+        if finish.any():
+            for row in rows[finish != _NONE].tolist():
+                self._finish(t.reqs[row])
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         return self._result(events, out.top_ids, out.top_logprobs)
@@ -365,7 +362,7 @@ class Scheduler:
     def _result(self, events: np.ndarray, top_ids, top_logprobs) -> StepResult:
         num_sampled = len(events)
         if self._ended:
-            events = np.concatenate([events, np.array(self._ended, dtype=TOKEN_EVENT)])
+            events = np.concatenate([events, np.stack(self._ended)])
             self._ended = []
         opened, self._opened = self._opened, []
         return StepResult(events, num_sampled, top_ids, top_logprobs, opened)
@@ -410,5 +407,10 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         if self.requests.get(req.key) is req:
             del self.requests[req.key]
-        self._ended.append((req.worker, req.slot, req.generation, -1, math.nan, reason,
-                            len(req.prompt), completion, max(req.cached_tokens, 0)))
+        rec = np.zeros((), TOKEN_EVENT)
+        rec["kind"] = TokenKind.ERROR if reason == FinishReason.ERROR else TokenKind.TOKEN
+        rec["worker"], rec["slot"], rec["gen"] = req.worker, req.slot, req.generation
+        rec["token"], rec["logprob"], rec["finish"] = NO_TOKEN, math.nan, reason
+        rec["prompt_tokens"], rec["completion_tokens"] = len(req.prompt), completion
+        rec["cached_tokens"] = max(req.cached_tokens, 0)
+        self._ended.append(rec)

@@ -7,7 +7,7 @@ batch: an OPEN record per request received since the last step (detokenizer opti
 `flags`, stop strings in the payload), then one record per request with news (its sampled
 token, or how it ended). While there is work the loop never makes a syscall to look for
 more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
-published EngineStats) advance every iteration and around each forward.
+published EngineStats) advance every iteration and before each forward.
 
     launcher:       run_scheduler(server_args, socket_path, detokenizer_socket, stats_path)
     HTTP worker k:  request_ch, meta = connect_scheduler(socket_path, waker, worker=k)
@@ -16,10 +16,11 @@ The socket is bound only once the model is loaded and the detokenizer connected,
 socket file means the scheduler is ready. A worker that connects again (granian respawned
 it) replaces its channel, and the requests of its previous process are aborted.
 
-TOKEN_OUT protocol (what runtime/detok_router.py reads): token == 0xFFFFFFFF (-1 as
-uint32) marks a record that ends a request without a new token (abort, or the KV pool
-ran out); kind ERROR carries an ErrorCode and a UTF-8 message for a request that could
-never run.
+TOKEN_OUT protocol (what runtime/detok_router.py reads): token == 0xFFFFFFFF marks a
+record that ends a request without a new token (abort, or the KV pool ran out); kind ERROR
+carries an ErrorCode and a UTF-8 message for a request that could never run. The
+scheduler core builds these records itself (runtime/scheduler.py); this loop adds the
+OPEN records and the payloads.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ class SchedulerProcess:
         runner = make_runner(self.args)
         cfg = runner.model_config
         config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
-        self.scheduler = Scheduler(runner, config, heartbeat=self._beat)
+        self.scheduler = Scheduler(runner, config, heartbeat=self._publish)
         pool = runner.pool
         self.meta = {"pid": os.getpid(), "context_length": cfg.context_length, "vocab_size": cfg.vocab_size,
                      "eos_token_ids": list(cfg.eos_token_ids), "page_size": pool.page_size,
@@ -147,7 +148,7 @@ class SchedulerProcess:
         os.chmod(self.socket_path, 0o600)
         self._listener.listen(64)
         threading.Thread(target=self._accept, name="scheduler-accept", daemon=True).start()
-        self._beat()
+        self._publish()
 
     def stop(self) -> None:
         self._stopping = True
@@ -164,7 +165,7 @@ class SchedulerProcess:
                     self._handle_requests(batch)
             if sched.has_work:
                 self._send(sched.step())
-            self._beat()
+            self._publish()
             if not sched.has_work:
                 waker.wait_readable(self._input_list, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
 
@@ -191,39 +192,30 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- token out
     def _send(self, res: StepResult) -> None:
+        """This step's records in one push: OPEN records first, then the step's events (already
+        TOKEN_OUT records) with their top-logprob and error-message payloads."""
         opened, ev = res.opened, res.events
         if not opened and not len(ev):
             return
-        n_open = len(opened)
-        out = np.zeros(n_open + len(ev), TOKEN_OUT.dtype)
         payload = PayloadBuilder()
-        for k, req in enumerate(opened):
-            self._open_record(out, k, req, payload)
-        rec = out[n_open:]
-        rec["kind"] = TokenKind.TOKEN
-        rec["worker"] = ev["worker"]
-        rec["slot"] = ev["slot"]
-        rec["gen"] = ev["generation"]
-        rec["token"] = ev["token"].view(np.uint32)  # -1 -> 0xFFFFFFFF: no token
-        rec["finish"] = ev["finish"]
-        rec["prompt_tokens"] = ev["prompt_tokens"]
-        rec["completion_tokens"] = ev["completion_tokens"]
-        rec["cached_tokens"] = ev["cached_tokens"]
-        rec["logprob"] = ev["logprob"]
+        if opened:
+            opens = np.zeros(len(opened), TOKEN_OUT.dtype)
+            for k, req in enumerate(opened):
+                self._open_record(opens, k, req, payload)
+            ev = np.concatenate([opens, ev])
         if res.top_ids is not None:
             blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
             base, _ = payload.add(blob)
-            sampled = rec[:res.num_sampled]
+            sampled = ev[len(opened):len(opened) + res.num_sampled]
             sampled["payload_off"] = offsets + base
             sampled["payload_len"] = 8 * res.top_ids.shape[1]
             sampled["n_top"] = res.top_ids.shape[1]
-        for k in np.flatnonzero(ev["finish"] == Finish.ERROR).tolist():
-            req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["generation"][k])), None)
-            rec["kind"][k] = TokenKind.ERROR
-            rec["error"][k] = _ERROR_CODES.get(req.rejection, ErrorCode.INTERNAL) if req else ErrorCode.INTERNAL
-            rec["payload_off"][k], rec["payload_len"][k] = payload.add(
-                (req.error if req else "the request was rejected").encode())
-        self.token_out.push_all(out, payload.blob())
+        if self._rejected:
+            for k in np.flatnonzero(ev["kind"] == TokenKind.ERROR).tolist():
+                req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
+                ev["error"][k] = _ERROR_CODES[req.rejection]
+                ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
+        self.token_out.push_all(ev, payload.blob())
 
     def _open_record(self, out: np.ndarray, k: int, req: Request, payload: PayloadBuilder) -> None:
         p = req.params
@@ -247,7 +239,9 @@ class SchedulerProcess:
         rec["payload_off"], rec["payload_len"] = payload.add(message.encode())
         self.token_out.push_all(rec, payload.blob())
 
-    def _beat(self) -> None:
+    def _publish(self) -> None:
+        """Heartbeats (each ring's header, EngineStats) and stats: plain stores, no syscall;
+        every iteration and before each forward."""
         self.token_out.beat()
         for ch in self._input_list:
             ch.beat()

@@ -11,7 +11,7 @@ from gpu.model_runner import ModelRunnerConfig
 from gpu.null_model import NullModelRunner
 from runtime.request import FinishReason, ReqStatus
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler import NO_TOKEN, Scheduler, SchedulerConfig
 
 PS = 16
 
@@ -82,10 +82,10 @@ def drive(s: Scheduler, outs: dict | None = None, max_steps: int = 10_000, on_st
             return outs
         res = s.step()
         for e in res.events:
-            o = outs.setdefault((int(e["worker"]), int(e["slot"]), int(e["generation"])), Out())
+            o = outs.setdefault((int(e["worker"]), int(e["slot"]), int(e["gen"])), Out())
             assert o.finish == FinishReason.NONE, "an event after the request ended"
             o.records += 1
-            if e["token"] >= 0:
+            if e["token"] != NO_TOKEN:
                 o.tokens.append(int(e["token"]))
             o.finish = FinishReason(int(e["finish"]))
             o.counts = (int(e["prompt_tokens"]), int(e["completion_tokens"]), int(e["cached_tokens"]))
