@@ -93,7 +93,10 @@ class ModelRunner:
                                  f"lower --max-total-tokens or --mem-fraction-static") from None
         self.pool = PagePool(num_pages, config.page_size)
         self.attention_backend = config.attention_backend or default_backend(self.device)
-        self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)
+        try:
+            self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)
+        except ValueError as e:  # a backend this machine cannot run
+            raise ModelLoadError(str(e)) from None
         self.sampler = Sampler(config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids,
                                self.device, config.random_seed)
 

@@ -127,3 +127,10 @@ def test_missing_default_model_package(monkeypatch):
 
 def test_kv_cache_too_large_for_memory(tiny_dir):
     assert "cannot allocate" in load_error(tiny_dir, page_size=16, max_total_tokens=1 << 40)
+
+
+def test_attention_backend_this_machine_cannot_run(tiny_dir):
+    if torch.cuda.is_available():
+        pytest.skip("flashinfer may run here")
+    assert "flashinfer needs a CUDA device" in load_error(tiny_dir, attention_backend="flashinfer")
+    assert "--device cuda was asked for" in load_error(tiny_dir, device="cuda")
