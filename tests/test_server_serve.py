@@ -1,9 +1,10 @@
 """`python -m runtime serve`: a bad model is one line and a non-zero exit before anything
 starts; with the null model it serves (flags reach the workers: the API key, the served
-model name, the request timeout, which aborts what runs longer), and SIGTERM stops every
-process it started and leaves no shared memory."""
+model name, the request timeout, which ends what a stopped scheduler holds up), and SIGTERM
+stops every process it started and leaves no shared memory."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -48,17 +49,24 @@ def test_serve_serves(server):
 
 
 def test_request_timeout(server):
-    body = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True}  # far longer than the timeout
-    t0 = time.monotonic()
-    resp = httpx.post(server.url("/v1/completions"), headers=AUTH, json=body, timeout=60)
-    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
-    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 5
-    with httpx.stream("POST", server.url("/v1/completions"), headers=AUTH, json={**body, "stream": True},
-                      timeout=60) as resp:
-        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
-    assert server.wait_until(  # both aborted in the scheduler too
+    """While the scheduler is stopped (SIGSTOP: a hung engine), requests end at the timeout."""
+    body = {"prompt": "Hello", "max_tokens": 16}
+    os.kill(server.engine["scheduler"], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        resp = httpx.post(server.url("/v1/completions"), headers=AUTH, json=body, timeout=60)
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+        assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 5
+        with httpx.stream("POST", server.url("/v1/completions"), headers=AUTH, json={**body, "stream": True},
+                          timeout=60) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+    finally:
+        os.kill(server.engine["scheduler"], signal.SIGCONT)
+    assert server.wait_until(  # both were aborted in the scheduler too, once it ran again
         lambda: "ringserve_num_running_reqs 0.0" in httpx.get(server.url("/metrics"), headers=AUTH).text, 10)
+    resp = httpx.post(server.url("/v1/completions"), headers=AUTH, json=body, timeout=60)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 16
 
 
 def test_sigterm_stops_everything(server):
