@@ -124,6 +124,8 @@ class Detokenizer:
         while not self._stopping:
             if not self._new.empty():
                 self._attach_new()
+            for ch in self.outputs.values():  # before any push: a reader that sees text sees a beat
+                ch.beat()
             busy = False
             for ch in self.inputs:
                 batch = ch.pop()
@@ -132,8 +134,6 @@ class Detokenizer:
                     records, blob = router.handle(batch)
                     if len(records):
                         self._send(records, blob)
-            for ch in self.outputs.values():
-                ch.beat()
             if not busy:
                 waker.wait_readable(self.inputs, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
 

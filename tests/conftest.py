@@ -14,6 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+
+# Without CUDA, triton kernels can only run interpreted, and triton reads TRITON_INTERPRET
+# when it is first imported, which torch or transformers may do before any triton test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ipc.shm import our_segments
 
