@@ -685,6 +685,12 @@ def targets(runs: list[dict]) -> dict:
 
 # ---------------------------------------------------------------- main
 
+def write_result(out: Path, result: dict, complete: bool) -> None:
+    result.update(complete=complete, loadavg_end=os.getloadavg(), targets=targets(result["runs"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
 def parse_list(text: str, kind=str) -> list:
     return [kind(x) for x in text.split(",") if x.strip()]
 
@@ -751,29 +757,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts)} prompts of {min(prompt_lengths)}-{max(prompt_lengths)} tokens, {w.output_tokens} output "
           f"tokens, temperature {w.temperature:g}, ignore_eos; client on {loop_name}; load {load_start[0]:.1f}",
           flush=True)
-    runs = []
-    try:
-        for i, (model, transport) in enumerate(pairs):
-            if i:
-                server = start_server(model, transport, args)
-            runs.append(run_server(server, model, transport, all_levels[model], prompts, w, args, loop))
-    finally:
-        loop.close()
-    checks = targets(runs)
+    out = Path(args.out)
     result = {
         "benchmark": "serving", "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
         "host": platform.node(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-        "client_loop": loop_name, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "client_loop": loop_name, "loadavg_start": load_start, "loadavg_end": None,
         "thread_env": {k: v for k, v in os.environ.items() if k.startswith(THREAD_ENV)},  # the server inherits it
         "workload": {"endpoint": "/v1/chat/completions", "stream": True, "ignore_eos": True,
                      "prompt_tokens_target": w.prompt_tokens, "prompt_tokens_mean": float(np.mean(prompt_lengths)),
                      "prompt_tokens_min": min(prompt_lengths), "prompt_tokens_max": max(prompt_lengths),
                      "output_tokens": w.output_tokens, "temperature": w.temperature, "seed": w.seed},
-        "targets": checks, "runs": runs,
+        "complete": False, "targets": {}, "runs": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    runs = result["runs"]
+    try:
+        for i, (model, transport) in enumerate(pairs):
+            if i:
+                server = start_server(model, transport, args)
+            runs.append(run_server(server, model, transport, all_levels[model], prompts, w, args, loop))
+            write_result(out, result, complete=i == len(pairs) - 1)  # an interrupted run keeps the servers done
+    finally:
+        loop.close()
+    checks = result["targets"]
     print(table(runs, markdown=False))
     if args.markdown:
         print(table(runs, markdown=True))

@@ -16,7 +16,7 @@ LEVEL_FIELDS = {"concurrency", "num_requests", "completed", "failed", "failures"
                 "client_cpu_s", "client_cpu_us_per_token", "engine_steps", "tokens_per_step", "loadavg_before",
                 "loadavg_after"}
 RESULT_FIELDS = {"benchmark", "command", "host", "cpus", "python", "client_loop", "loadavg_start", "loadavg_end",
-                 "thread_env", "workload", "targets", "runs"}
+                 "thread_env", "workload", "complete", "targets", "runs"}
 OUTPUT_TOKENS = 16
 REQUESTS = 6
 
@@ -29,7 +29,7 @@ def test_quick_null_model_run_writes_every_field(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
-    assert RESULT_FIELDS <= result.keys()
+    assert RESULT_FIELDS <= result.keys() and result["complete"]
     assert result["workload"]["output_tokens"] == OUTPUT_TOKENS
     assert 105 <= result["workload"]["prompt_tokens_mean"] <= 115
     (run,) = result["runs"]
