@@ -30,6 +30,7 @@ from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.records import TEXT_OUT, TOKEN_OUT
 from runtime.config import ServerArgs
 from runtime.detok_router import DetokRouter, split_by_worker
+from runtime.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ def connect_detokenizer(socket_path: str, waker, worker: int | None = None, time
                     raise TimeoutError(f"no detokenizer listening on {socket_path} after {timeout} s") from None
                 time.sleep(0.02)
         sock.settimeout(max(deadline - time.monotonic(), 1.0))
-        send_waker(sock, waker, {"role": "scheduler"} if worker is None else {"role": "worker", "worker": worker})
+        send_waker(sock, waker, {"role": "scheduler"} if worker is None else
+                   {"role": "worker", "worker": worker, "pid": os.getpid()})
         (channel,), _ = recv_channels(sock, waker)
         return channel
     finally:
@@ -93,7 +95,10 @@ class Detokenizer:
         self.router: DetokRouter | None = None
         self.inputs: list = []        # TOKEN_OUT channels (one per scheduler; one in practice)
         self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
-        self._new: queue.SimpleQueue = queue.SimpleQueue()  # (meta, channel) from the acceptor
+        self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
+        # from the acceptor: (meta, channel) when a peer attaches, (meta, None) when a worker exits
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = WorkerWatch()
         self._stopping = False
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(socket_path)
@@ -148,8 +153,8 @@ class Detokenizer:
                 self.waker.wait_room(ch, len(part), PUSH_RETRY_S)
                 if not self._new.empty():
                     self._attach_new()
-                    if self.outputs.get(worker) is not ch:  # the worker was respawned
-                        logger.warning("worker %d reconnected: %d text records of its previous process dropped",
+                    if self.outputs.get(worker) is not ch:  # the worker exited, or was respawned
+                        logger.warning("worker %d's process is gone: %d text records for it dropped",
                                        worker, len(recs) - done)
                         break
                 done += ch.push(recs[done:], part)
@@ -160,23 +165,34 @@ class Detokenizer:
             if meta["role"] == "scheduler":
                 self.inputs.append(ch)
                 logger.info("scheduler attached")
-            else:
-                old = self.outputs.pop(meta["worker"], None)
-                if old is not None:
-                    old.close()
-                self.outputs[meta["worker"]] = ch
-                logger.info("worker %d attached", meta["worker"])
+                continue
+            worker, pid = meta["worker"], meta["pid"]
+            if ch is None:  # the worker's process exited
+                if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
+                    del self.worker_pids[worker]
+                    self.outputs.pop(worker).close()
+                    logger.warning("worker %d (pid %d) exited: its channel is closed", worker, pid)
+                continue
+            old = self.outputs.pop(worker, None)
+            if old is not None:
+                old.close()
+            self.outputs[worker] = ch
+            self.worker_pids[worker] = pid
+            logger.info("worker %d attached", worker)
 
     def _accept(self) -> None:
-        """Acceptor thread: hands each peer its channel; stops the process if the parent exits."""
+        """Acceptor thread: hands each peer its channel, reports the exit of each attached
+        worker's process; stops the process if the parent exits."""
         watch = [self._listener.fileno()] + ([self._parent_fd] if self._parent_fd is not None else [])
         while not self._stopping:
-            ready, _, _ = select.select(watch, [], [], IDLE_WAKE_S)
+            ready, _, _ = select.select(watch + self._workers.fds(), [], [], IDLE_WAKE_S)
             if self._parent_fd in ready:
                 logger.info("parent process exited: stopping")
                 self.stop()
                 return
-            if ready:
+            for worker, pid in self._workers.exited(ready):
+                self._new.put(({"role": "worker", "worker": worker, "pid": pid}, None))
+            if self._listener.fileno() in ready:
                 try:
                     conn, _ = self._listener.accept()
                 except OSError:
@@ -193,10 +209,12 @@ class Detokenizer:
         try:
             if meta.get("role") == "scheduler":
                 ch = self.transport.create_channel(TOKEN_OUT_SPEC, "consumer", self.waker, peer_fd)
-            elif meta.get("role") == "worker" and isinstance(meta.get("worker"), int) and meta["worker"] >= 0:
+            elif (meta.get("role") == "worker" and isinstance(meta.get("worker"), int) and meta["worker"] >= 0
+                  and isinstance(meta.get("pid"), int)):
                 ch = self.transport.create_channel(TEXT_OUT_SPEC, "producer", self.waker, peer_fd)
             else:
-                raise ValueError(f"unknown peer {meta!r}: expected role 'scheduler' or 'worker' with a worker index")
+                raise ValueError(f"unknown peer {meta!r}: expected role 'scheduler', or 'worker' with a worker "
+                                 "index and its pid")
         finally:
             if peer_fd is not None:
                 os.close(peer_fd)
@@ -206,6 +224,8 @@ class Detokenizer:
             ch.close()
             raise
         self._new.put((meta, ch))
+        if meta["role"] == "worker" and not self._workers.add(meta["worker"], meta["pid"]):
+            self._new.put((meta, None))
 
     def close(self) -> None:
         self._stopping = True
@@ -215,7 +235,9 @@ class Detokenizer:
         except FileNotFoundError:
             pass
         while not self._new.empty():
-            self._new.get()[1].close()
+            ch = self._new.get()[1]
+            if ch is not None:
+                ch.close()
         for ch in [*self.inputs, *self.outputs.values()]:
             ch.close()
         self.inputs, self.outputs = [], {}

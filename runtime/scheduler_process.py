@@ -42,6 +42,7 @@ from ipc.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, Paylo
 from runtime.config import ServerArgs
 from runtime.request import Rejection, Request
 from runtime.scheduler import Scheduler, SchedulerConfig, StepResult
+from runtime.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def connect_scheduler(socket_path: str, waker, worker: int, timeout: float = 60.
                     raise TimeoutError(f"no scheduler listening on {socket_path} after {timeout} s") from None
                 time.sleep(0.02)
         sock.settimeout(max(deadline - time.monotonic(), 1.0))
-        send_waker(sock, waker, {"worker": worker})
+        send_waker(sock, waker, {"worker": worker, "pid": os.getpid()})
         (channel,), meta = recv_channels(sock, waker)
         return channel, meta
     finally:
@@ -106,6 +107,7 @@ class SchedulerProcess:
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
         self.inputs: dict[int, object] = {}  # worker -> its REQUEST channel
+        self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
         self._input_list: list = []
         self.token_out = None
         self._has_depth = False
@@ -113,7 +115,9 @@ class SchedulerProcess:
         self.scheduler: Scheduler | None = None
         self.meta: dict = {}
         self._rejected: dict[tuple[int, int, int], Request] = {}  # opened this step, ERROR to send
-        self._new: queue.SimpleQueue = queue.SimpleQueue()  # (worker, channel) from the acceptor
+        # from the acceptor: (worker, pid, channel) when a worker attaches, (worker, pid, None) when it exits
+        self._new: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = WorkerWatch()
         self._listener: socket.socket | None = None
         self._stopping = False
 
@@ -251,7 +255,15 @@ class SchedulerProcess:
     # ---------------------------------------------------------------- workers attaching
     def _attach_new(self) -> None:
         while not self._new.empty():
-            worker, ch = self._new.get()
+            worker, pid, ch = self._new.get()
+            if ch is None:  # the worker's process exited
+                if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
+                    del self.worker_pids[worker]
+                    self.inputs.pop(worker).close()
+                    self._input_list = list(self.inputs.values())
+                    aborted = self.scheduler.abort_worker(worker)
+                    logger.warning("worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
+                continue
             old = self.inputs.pop(worker, None)
             if old is not None:
                 old.close()
@@ -260,13 +272,17 @@ class SchedulerProcess:
             else:
                 logger.info("worker %d attached", worker)
             self.inputs[worker] = ch
+            self.worker_pids[worker] = pid
             self._input_list = list(self.inputs.values())
 
     def _accept(self) -> None:
-        """Acceptor thread: hands each connecting worker its REQUEST channel."""
+        """Acceptor thread: hands each connecting worker its REQUEST channel and reports the
+        exit of each attached worker's process."""
         while not self._stopping:
-            ready, _, _ = select.select([self._listener.fileno()], [], [], IDLE_WAKE_S)
-            if not ready:
+            ready, _, _ = select.select([self._listener.fileno(), *self._workers.fds()], [], [], IDLE_WAKE_S)
+            for worker, pid in self._workers.exited(ready):
+                self._new.put((worker, pid, None))
+            if self._listener.fileno() not in ready:
                 continue
             try:
                 conn, _ = self._listener.accept()
@@ -282,9 +298,9 @@ class SchedulerProcess:
         conn.settimeout(10.0)
         meta, peer_fd = recv_waker(conn)
         try:
-            worker = meta.get("worker")
-            if not isinstance(worker, int) or not 0 <= worker < 1 << 16:
-                raise ValueError(f"unknown peer {meta!r}: expected a worker index")
+            worker, pid = meta.get("worker"), meta.get("pid")
+            if not isinstance(worker, int) or not 0 <= worker < 1 << 16 or not isinstance(pid, int):
+                raise ValueError(f"unknown peer {meta!r}: expected a worker index and its pid")
             ch = self.transport.create_channel(REQUEST_SPEC, "consumer", self.waker, peer_fd)
         finally:
             if peer_fd is not None:
@@ -294,7 +310,9 @@ class SchedulerProcess:
         except BaseException:
             ch.close()
             raise
-        self._new.put((worker, ch))
+        self._new.put((worker, pid, ch))
+        if not self._workers.add(worker, pid):
+            self._new.put((worker, pid, None))
 
     def close(self) -> None:
         self._stopping = True
@@ -305,7 +323,9 @@ class SchedulerProcess:
             except FileNotFoundError:
                 pass
         while not self._new.empty():
-            self._new.get()[1].close()
+            ch = self._new.get()[2]
+            if ch is not None:
+                ch.close()
         for ch in self.inputs.values():
             ch.close()
         self.inputs, self._input_list = {}, []

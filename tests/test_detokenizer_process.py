@@ -134,3 +134,33 @@ def test_stops_when_its_parent_exits(tmp_path):
     finally:
         parent.kill()
         detok.close()
+
+
+def test_a_dead_workers_channel_is_closed(tmp_path):
+    """kill -9 of a worker that no new process replaces: the detokenizer sees its pidfd fire
+    and closes its channel, so a ring nobody reads can never block the other workers."""
+    detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"), parent_pid=None)
+    code = ("import sys, time; from ipc import Waker; from runtime.detokenizer import connect_detokenizer; "
+            "connect_detokenizer(sys.argv[1], Waker(), worker=1, timeout=60); time.sleep(600)")
+    worker = subprocess.Popen([sys.executable, "-c", code, detok.socket_path])
+    try:
+        detok.load(max_open=64)
+        loop = threading.Thread(target=detok.serve)
+        loop.start()
+        deadline = time.monotonic() + 60
+        while detok.worker_pids.get(1) != worker.pid:
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.02)
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 5
+        while 1 in detok.outputs:
+            assert time.monotonic() < deadline, "the dead worker's channel is still open"
+            time.sleep(0.02)
+        assert 1 not in detok.worker_pids
+        detok.stop()
+        loop.join(5)
+    finally:
+        worker.kill()
+        detok.stop()
+        detok.close()

@@ -166,6 +166,40 @@ def test_errors_aborts_stale_records_and_flush(engine):
     stats.close()
 
 
+WORKER_THAT_DIES = """
+import sys, time
+import numpy as np
+from ipc import Waker
+from ipc.records import pack_request
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler_process import connect_scheduler
+ch, meta = connect_scheduler(sys.argv[1], Waker(), worker=5, timeout=120)
+params = SamplingParams(max_new_tokens=meta["max_total_tokens"] - 64, ignore_eos=True)
+ch.push_all(*pack_request(5, 0, 1, params, np.arange(8, dtype=np.uint32) + 100, time.monotonic_ns()), timeout=10)
+time.sleep(600)
+"""
+
+
+def test_a_dead_workers_requests_are_aborted_without_a_successor(engine):
+    """kill -9 of a worker that no new process replaces (granian without
+    --respawn-failed-workers, or before the respawned one attaches): the scheduler sees its
+    pidfd fire and aborts its requests at once, instead of running them to max_tokens."""
+    _, _, out_ch, waker, _, sock, _ = engine
+    worker = subprocess.Popen([sys.executable, "-c", WORKER_THAT_DIES, str(sock)])
+    try:
+        mine = lambda got: [r for r, _ in got if r["worker"] == 5]  # noqa: E731
+        got = collect(out_ch, waker, lambda got: any(r["kind"] == TokenKind.TOKEN for r in mine(got)), timeout=120)
+        worker.kill()
+        worker.wait(10)
+        got = collect(out_ch, waker, lambda got: any(r["finish"] != Finish.NONE for r in mine(got)), got, timeout=30)
+        (last,) = [r for r in mine(got) if r["finish"] != Finish.NONE]
+        assert last["finish"] == Finish.ABORT, Finish(int(last["finish"]))
+        assert sum(r["kind"] == TokenKind.TOKEN for r in mine(got)) < 4000  # long before max_new_tokens
+    finally:
+        worker.kill()
+        worker.wait(10)
+
+
 def test_sigterm_stops_cleanly(tmp_path):
     sched_sock, detok_sock = str(tmp_path / "s"), str(tmp_path / "d")
     waker = Waker()
