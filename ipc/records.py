@@ -20,6 +20,7 @@ with offsets relative to the blob; the channel translates them on pop.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +57,10 @@ class RecordLayout:
 
 class RequestKind(enum.IntEnum):
     NEW = 1
-    ABORT = 2
+    ABORT = 2  # the request at (worker, slot, gen)
     FLUSH_CACHE = 3
+    ABORT_RID = 4  # every request whose rid hashes to rid_hash, whichever worker holds it
+    ABORT_ALL = 5  # every request of every worker
 
 
 class TokenKind(enum.IntEnum):
@@ -111,6 +114,7 @@ REQUEST = RecordLayout("request", np.dtype([
     ("presence_penalty", np.float64),
     ("seed", np.int64),
     ("arrival_ns", np.int64),  # CLOCK_MONOTONIC
+    ("rid_hash", np.uint64),  # rid_hash() of the request's id (0: none), what ABORT_RID matches
     ("ignore_eos", np.uint8),
     ("logprobs", np.uint8),
     ("top_logprobs", np.uint8),
@@ -251,12 +255,18 @@ def unpack_logprobs(part: np.ndarray, n_tokens: int, n_top: int
 
 # ---------------------------------------------------------------- requests
 
+def rid_hash(rid: str) -> int:
+    """A request id as the u64 the scheduler matches ABORT_RID against (never 0)."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") or 1
+
+
 def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
-                 prompt_ids: np.ndarray | list[int], arrival_ns: int) -> tuple[np.ndarray, bytes]:
-    """One NEW request record and its payload blob, ready for `channel.push(record, blob)`."""
+                 prompt_ids: np.ndarray | list[int], arrival_ns: int, rid: int = 0) -> tuple[np.ndarray, bytes]:
+    """One NEW request record and its payload blob, ready for `channel.push(record, blob)`.
+    rid: rid_hash() of the request's id, 0 for none."""
     rec = np.zeros(1, REQUEST.dtype)
     r = rec[0]
-    r["kind"], r["worker"], r["slot"], r["gen"] = RequestKind.NEW, worker, slot, gen
+    r["kind"], r["worker"], r["slot"], r["gen"], r["rid_hash"] = RequestKind.NEW, worker, slot, gen, rid
     r["max_new_tokens"], r["min_new_tokens"] = params.max_new_tokens, params.min_new_tokens
     r["temperature"], r["top_p"], r["top_k"], r["min_p"] = (params.temperature, params.top_p,
                                                             params.top_k, params.min_p)
@@ -277,10 +287,11 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
     return rec, payload.blob()
 
 
-def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0) -> np.ndarray:
-    """An ABORT (of the addressed request) or FLUSH_CACHE record; it carries no payload."""
+def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:
+    """An ABORT (of the addressed request), ABORT_RID (rid: a rid_hash()), ABORT_ALL or
+    FLUSH_CACHE record; it carries no payload."""
     rec = np.zeros(1, REQUEST.dtype)
-    rec["kind"], rec["worker"], rec["slot"], rec["gen"] = kind, worker, slot, gen
+    rec["kind"], rec["worker"], rec["slot"], rec["gen"], rec["rid_hash"] = kind, worker, slot, gen, rid
     return rec
 
 

@@ -149,8 +149,8 @@ async def chat_completions(worker, request: Request) -> Response:
     check_model(req.model, worker.model.served_name)
     ids = await worker.tm.chat_ids(req.messages)
     params = req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size)
-    group = await worker.submit("chat", [ids] * req.n, [params] * req.n)
-    request_id, created = new_request_id("chatcmpl"), now()
+    request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
+    group = await worker.submit("chat", [ids] * req.n, [params] * req.n, [request_id])
     vocab = worker.vocab if params.logprobs else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
@@ -169,12 +169,12 @@ async def completions(worker, request: Request) -> Response:
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
     params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size) for ids in prompt_ids]
     n = req.n
+    request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("completions", [ids for ids in prompt_ids for _ in range(n)],
-                                [p for p in params for _ in range(n)])
+                                [p for p in params for _ in range(n)], [request_id])
     echoes = None
     if req.echo:
         echoes = [p if isinstance(p, str) else worker.tm.decode(p) for p in req.prompts for _ in range(n)]
-    request_id, created = new_request_id("cmpl"), now()
     vocab = worker.vocab if params[0].logprobs else None
     if req.stream:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)

@@ -159,9 +159,10 @@ class Scheduler:
         self._end(req, FinishReason.ABORT)
         return True
 
-    def abort_worker(self, worker: int) -> int:
-        """Ends every request of `worker` (its process is gone); returns how many."""
-        gone = [r for r in self.requests.values() if r.worker == worker]
+    def abort_where(self, match: Callable[[Request], bool]) -> int:
+        """Ends every request `match` holds for (all of a worker whose process is gone, those
+        of one rid...), in whatever state; returns how many."""
+        gone = [r for r in self.requests.values() if match(r)]
         for req in gone:
             self._end(req, FinishReason.ABORT)
         return len(gone)

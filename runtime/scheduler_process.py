@@ -52,7 +52,8 @@ SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 _ERROR_CODES = {Rejection.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
                 Rejection.INVALID_REQUEST: ErrorCode.INVALID_REQUEST}
-_NEW, _ABORT, _FLUSH = int(RequestKind.NEW), int(RequestKind.ABORT), int(RequestKind.FLUSH_CACHE)
+_NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE,
+                                                         RequestKind.ABORT_RID, RequestKind.ABORT_ALL))
 
 
 def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket: str,
@@ -185,9 +186,15 @@ class SchedulerProcess:
                     logger.error("request (%d, %d, %d): unreadable record: %s", worker, slot, gen, e)
                     self._push_error(worker, slot, gen, ErrorCode.INVALID_REQUEST, "unreadable request record")
                     continue
-                sched.add_request(worker, slot, gen, prompt, params)
+                sched.add_request(worker, slot, gen, prompt, params, tag=int(recs["rid_hash"][i]))
             elif kind == _ABORT:
                 sched.abort(worker, slot, gen)
+            elif kind == _ABORT_RID:
+                rid = int(recs["rid_hash"][i])
+                logger.info("abort by rid from worker %d: %d requests", worker, sched.abort_where(lambda r: r.tag == rid))
+            elif kind == _ABORT_ALL:
+                logger.info("abort of every request from worker %d: %d requests", worker,
+                            sched.abort_where(lambda r: True))
             elif kind == _FLUSH:
                 freed = sched.flush_cache()
                 logger.info("cache flushed: %d pages freed", freed)
@@ -261,13 +268,13 @@ class SchedulerProcess:
                     del self.worker_pids[worker]
                     self.inputs.pop(worker).close()
                     self._input_list = list(self.inputs.values())
-                    aborted = self.scheduler.abort_worker(worker)
+                    aborted = self.scheduler.abort_where(lambda r: r.worker == worker)
                     logger.warning("worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
                 continue
             old = self.inputs.pop(worker, None)
             if old is not None:
                 old.close()
-                aborted = self.scheduler.abort_worker(worker)
+                aborted = self.scheduler.abort_where(lambda r: r.worker == worker)
                 logger.info("worker %d reconnected: %d requests of its previous process aborted", worker, aborted)
             else:
                 logger.info("worker %d attached", worker)

@@ -35,7 +35,8 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
-from ipc.records import ErrorCode, Finish, RequestKind, TextKind, pack_control, pack_request, unpack_logprobs
+from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, pack_control, pack_request, rid_hash,
+                         unpack_logprobs)
 from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
@@ -266,13 +267,15 @@ class TokenizerManager:
         loop = asyncio.get_running_loop()
         now_ns = time.monotonic_ns()
         group = ReqGroup(rids or (), now_ns, loop.time() + self.request_timeout)
+        n = len(prompts)
+        rid_hashes = [rid_hash(rid) for rid in group.rids] or [0]  # prompt-major: choice i is rids[i * len // n]
         records, blobs, size = [], [], 0
         for index, (ids, p) in enumerate(zip(prompts, params)):
             slot, gen = self._alloc()
             state = ReqState(group, index, slot, gen, p, len(ids))
             self._states[slot] = state
             group.states.append(state)
-            rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns)
+            rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, rid_hashes[index * len(rid_hashes) // n])
             rec["prompt_off"] += size
             rec["stop_off"] += size
             blob += b"\0" * (-len(blob) % 4)  # the next request's ids stay 4-byte aligned
@@ -295,10 +298,16 @@ class TokenizerManager:
         self._fail(group, ClientGone(), abort=True)
 
     def abort_rid(self, rid: str | None) -> int:
-        """/abort_request: the request named `rid`, or every request of this worker for None."""
+        """/abort_request: the request named `rid`, or every request of the server for None.
+        This worker's are ended here (returns how many); another worker's through the
+        scheduler, which ends them with finish_reason "abort" in their own streams."""
         groups = list(self._groups) if rid is None else [g for g in (self._by_rid.get(rid),) if g is not None]
         for group in groups:
             self._fail(group, None, abort=True)
+        if rid is None:
+            self._send(pack_control(RequestKind.ABORT_ALL, self.worker), None)
+        elif not groups:
+            self._send(pack_control(RequestKind.ABORT_RID, self.worker, rid=rid_hash(rid)), None)
         return len(groups)
 
     def flush_cache(self) -> None:

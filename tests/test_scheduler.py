@@ -314,7 +314,7 @@ def test_abort_worker_ends_only_that_workers_requests(runner):
         for slot in range(3):
             s.add_request(worker, slot, 1, prompt(20 + slot, base=100 * worker), GREEDY)
     aborted = []
-    outs = drive(s, on_step=lambda s, _: aborted or aborted.append(s.abort_worker(1)))
+    outs = drive(s, on_step=lambda s, _: aborted or aborted.append(s.abort_where(lambda r: r.worker == 1)))
     assert aborted == [3]
     assert all(outs[(1, slot, 1)].finish == FinishReason.ABORT for slot in range(3))
     assert all(outs[(0, slot, 1)].tokens == expected(runner, 8) for slot in range(3))

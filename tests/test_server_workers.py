@@ -6,6 +6,7 @@ answered) and give the offline Engine's greedy output, stream and not; kill -9 o
 main process takes every process of the server with it and leaves nothing behind."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -125,6 +126,48 @@ def test_both_workers_serve_the_engine_output(server, offline_engine):
             break
     assert sorted(answered) == ["0", "1"]
     assert all(texts == {want.text} for texts in answered.values()), answered
+
+
+def test_abort_request_reaches_the_worker_holding_the_request(server):
+    """POST /abort_request {"rid": ...} answered by the other worker: the abort goes through
+    the scheduler and the stream ends with finish_reason "abort"; abort_all ends every
+    worker's streams."""
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    def other_worker(owner: str) -> httpx.Client:
+        """A connection the other worker holds (a keep-alive connection stays with its worker)."""
+        for _ in range(64):
+            http = httpx.Client(timeout=30)
+            if http.get(server.url("/v1/models")).headers["x-ringserve-worker"] != owner:
+                return http
+            http.close()
+        pytest.fail("every connection went to the worker holding the stream")
+
+    def chunks(resp: httpx.Response):
+        """The JSON chunks of an SSE stream, split on blank lines only (the text may hold
+        characters str.splitlines() splits on, such as U+2028)."""
+        pending = b""
+        for data in resp.iter_bytes():
+            *events, pending = (pending + data).split(b"\n\n")
+            yield from (json.loads(e[6:]) for e in events if e.startswith(b"data: {"))
+
+    def ends_aborted(http: httpx.Client, abort: dict) -> None:
+        with http.stream("POST", server.url("/v1/completions"), json=body) as resp:
+            owner, stream = resp.headers["x-ringserve-worker"], chunks(resp)
+            rid = next(stream)["id"]
+            other = other_worker(owner)
+            try:
+                r = other.post(server.url("/abort_request"), json=abort or {"rid": rid})
+            finally:
+                other.close()
+            assert r.status_code == 200 and r.headers["x-ringserve-worker"] != owner, r.text
+            finish = [chunk["choices"][0]["finish_reason"] for chunk in stream]
+            assert finish[-1] == "abort", finish[-5:]
+
+    with httpx.Client(timeout=120) as http:
+        ends_aborted(http, {})
+        ends_aborted(http, {"abort_all": True})
+    assert server.wait_until(lambda: running_requests(server) == 0, 30)
 
 
 def test_kill9_of_granian_takes_the_server_down(server):
