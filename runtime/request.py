@@ -56,7 +56,7 @@ class Request:
         self.prefix_pages = 0  # pages of this request that belong to the radix tree
         self.cached_tokens = -1  # prompt tokens served from cache on first admission; -1: not yet
         self.output = np.zeros(0, dtype=np.int32)  # tokens generated before a retraction
-        self.tag = tag  # the transport's own data (stop strings, detokenizer options...)
+        self.tag = tag  # its owner's data: the scheduler process keeps the rid's hash here (ABORT_RID)
         self.rejection = Rejection.NONE
         self.error = ""  # why it was rejected, one line for the user
 

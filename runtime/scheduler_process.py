@@ -191,7 +191,8 @@ class SchedulerProcess:
                 sched.abort(worker, slot, gen)
             elif kind == _ABORT_RID:
                 rid = int(recs["rid_hash"][i])
-                logger.info("abort by rid from worker %d: %d requests", worker, sched.abort_where(lambda r: r.tag == rid))
+                aborted = sched.abort_where(lambda r: r.tag == rid)
+                logger.info("abort by rid from worker %d: %d requests", worker, aborted)
             elif kind == _ABORT_ALL:
                 logger.info("abort of every request from worker %d: %d requests", worker,
                             sched.abort_where(lambda r: True))
