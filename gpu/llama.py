@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.model_config import ModelConfig, rope_inv_freq
+from gpu.quant import QuantizedWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,10 +22,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 SHORT_GEMM_TOKENS = 128
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
            w_t: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, K], w: [N, K], w_t: the same weight as a [K, N] copy or None -> [T, N]; on the
-    CPU in the product order MKL runs fastest for T."""
+    """x: [T, K], w: [N, K] (or GGUF blocks), w_t: the same weight as a [K, N] copy or None
+    -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
+    if isinstance(w, QuantizedWeight):
+        out = w.matmul(x)
+        return out if bias is None else out + bias
     if not x.is_cpu:
         return F.linear(x, w, bias)
     T = x.shape[0]
@@ -61,9 +65,11 @@ class LlamaForCausalLM:
         # the [N, K] weight when K is the short hidden size (MKL; measured for gate_up and lm_head,
         # not for qkv, o or down). Single-token steps, i.e. batch-1 decode, the latency case, use
         # the copies (see linear()).
-        on_cpu = self.embed.device.type == "cpu"
-        self.gate_up_t = [w.t().contiguous() for w in self.gate_up] if on_cpu else [None] * n
-        self.lm_head_t = self.lm_head.t().contiguous() if on_cpu else None
+        def copy_t(w: torch.Tensor | QuantizedWeight) -> torch.Tensor | None:
+            return w.t().contiguous() if self.embed.is_cpu and isinstance(w, torch.Tensor) else None
+
+        self.gate_up_t = [copy_t(w) for w in self.gate_up]
+        self.lm_head_t = copy_t(self.lm_head)
         # cos/sin of every position, computed once in fp32 as transformers does, kept in the model dtype
         positions = torch.arange(cfg.context_length, dtype=torch.float32)
         freqs = positions[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]  # [P, D/2]
@@ -76,9 +82,8 @@ class LlamaForCausalLM:
                    *self.gate_up, *self.down, *[b for b in self.qkv_bias if b is not None]]
         if self.lm_head is not self.embed:
             tensors.append(self.lm_head)
-        if self.lm_head_t is not None:
-            tensors += [*self.gate_up_t, self.lm_head_t]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors += [t for t in (*self.gate_up_t, self.lm_head_t) if t is not None]
+        return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in tensors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,8 +14,9 @@ from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kv_cache import KVCache
 from gpu.llama import LlamaForCausalLM
 from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError, resolve_model_dir
+from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.page_pool import PagePool
+from gpu.quant import load_quantized
 from gpu.sampler import Sampler
 from gpu.weights import load_weights
 from runtime.config import ServerArgs
@@ -39,6 +41,7 @@ class ModelRunnerConfig:
     max_running_requests: int = 256     # sampler rows
     context_length: int | None = None   # None: the model's
     random_seed: int = 0                # for unseeded sampling
+    quantization: str | None = None     # gguf: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> "ModelRunnerConfig":
@@ -46,7 +49,7 @@ class ModelRunnerConfig:
                    attention_backend=args.attention_backend, page_size=args.page_size,
                    max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
                    max_running_requests=args.max_running_requests, context_length=args.context_length,
-                   random_seed=args.random_seed)
+                   random_seed=args.random_seed, quantization=args.quantization)
 
 
 @dataclass
@@ -81,7 +84,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
-        self.model = LlamaForCausalLM(cfg, load_weights(cfg, self.dtype, self.device))
+        quantized = self._gguf_weights() if config.quantization == "gguf" else {}
+        self.model = LlamaForCausalLM(cfg, {**load_weights(cfg, self.dtype, self.device), **quantized})
         num_pages = self._num_kv_pages()
         try:
             self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
@@ -99,6 +103,15 @@ class ModelRunner:
             raise ModelLoadError(str(e)) from None
         self.sampler = Sampler(config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids,
                                self.device, config.random_seed)
+
+    def _gguf_weights(self) -> dict:
+        """--quantization gguf: the projections in the GGUF file's own blocks (gpu/quant.py)."""
+        path = default_model_path() if self.config.model_path is None else Path(self.config.model_path)
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"--quantization gguf needs a .gguf model, not {path}")
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ModelLoadError("--quantization gguf runs on the CPU in float32 (its kernels are AVX2 C)")
+        return load_quantized(path, self.model_config)
 
     def _num_kv_pages(self) -> int:
         cfg, c = self.model_config, self.config

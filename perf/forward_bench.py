@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-generate", action="store_true", help="skip the transformers generate() baseline")
     ap.add_argument("--cold-start", action="store_true", help="also time a start with GGUF conversion")
+    ap.add_argument("--quantization", default=None, choices=["gguf"],
+                    help="the executor on the GGUF's own Q4_1/Q8_0 weights (transformers stays fp32)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # this process is the benchmark's own
@@ -117,7 +119,7 @@ def main() -> None:
 
     t = time.perf_counter()
     runner = ModelRunner(ModelRunnerConfig(
-        model_path=args.model_path, max_running_requests=max(batches),
+        model_path=args.model_path, max_running_requests=max(batches), quantization=args.quantization,
         max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
     start_s = time.perf_counter() - t
     from transformers import AutoModelForCausalLM
@@ -169,6 +171,7 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "threads": args.threads, "load_avg": os.getloadavg()},
         "config": {"context": args.context, "steps": args.steps, "repeat": args.repeat, "dtype": "float32",
+                   "quantization": args.quantization,
                    "attention_backend": runner.attention_backend, "device": str(runner.device)},
         "start_seconds_cached": start_s,
         "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
@@ -177,7 +180,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 
-    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
+    print(f"threads={args.threads} quantization={args.quantization} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
           f"steps={args.steps} (best of {args.repeat})")
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
     print(f"{'batch':>5} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} {'generate tok/s':>14} "

@@ -26,6 +26,7 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str | None = None  # torch | triton | flashinfer (None: per device)
     context_length: int | None = None
+    quantization: str | None = None  # gguf: run a GGUF's Q4_1 / Q8_0 weights as they are (CPU kernels)
     null_model: bool = False  # instant tokens: measures the server's own per-token cost
     random_seed: int = 0
     # HTTP
@@ -52,6 +53,7 @@ class ServerArgs:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": (None, "torch", "triton", "flashinfer"),
+            "quantization": (None, "gguf"),
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),
             "log_level": ("debug", "info", "warning", "error", "critical"),
