@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
 from gpu.model_config import ModelConfig, rope_inv_freq
-from gpu.quant import QuantizedWeight
+from gpu.quant import QUANTIZED_MAX_TOKENS, QuantizedWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,8 +27,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tenso
     """x: [T, K], w: [N, K] (or GGUF blocks), w_t: the same weight as a [K, N] copy or None
     -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
     if isinstance(w, QuantizedWeight):
-        out = w.matmul(x)
-        return out if bias is None else out + bias
+        if w.dense is None or x.shape[0] <= QUANTIZED_MAX_TOKENS:
+            out = w.matmul(x)
+            return out if bias is None else out + bias
+        w = w.dense
     if not x.is_cpu:
         return F.linear(x, w, bias)
     T = x.shape[0]

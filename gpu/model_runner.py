@@ -2,6 +2,7 @@
 backend and sampler behind one step() over a batch mixing prefill chunks and decodes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,10 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
         quantized = self._gguf_weights() if config.quantization == "gguf" else {}
-        self.model = LlamaForCausalLM(cfg, {**load_weights(cfg, self.dtype, self.device), **quantized})
+        weights = load_weights(cfg, self.dtype, self.device)
+        for name, q in quantized.items():  # the fp32 weights stay, for products of many tokens
+            weights[name] = dataclasses.replace(q, dense=weights.get(name, weights["embed"]))
+        self.model = LlamaForCausalLM(cfg, weights)
         num_pages = self._num_kv_pages()
         try:
             self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
