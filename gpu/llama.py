@@ -80,12 +80,15 @@ class LlamaForCausalLM:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm, *self.input_norm, *self.post_norm, *self.qkv, *self.o,
-                   *self.gate_up, *self.down, *[b for b in self.qkv_bias if b is not None]]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
-        tensors += [t for t in (*self.gate_up_t, self.lm_head_t) if t is not None]
-        return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in tensors)
+        tensors = [self.embed, self.lm_head, self.norm, *self.input_norm, *self.post_norm, *self.qkv, *self.o,
+                   *self.gate_up, *self.down, *[b for b in self.qkv_bias if b is not None],
+                   *[t for t in (*self.gate_up_t, self.lm_head_t) if t is not None]]
+        parts = {}  # by identity: a tied lm_head (or a quantized one's dense copy) is the embedding itself
+        for t in tensors:
+            for part in (t.qs, t.d, t.m, t.dense) if isinstance(t, QuantizedWeight) else (t,):
+                if part is not None:
+                    parts[id(part)] = part
+        return sum(part.numel() * part.element_size() for part in parts.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:

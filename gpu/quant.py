@@ -50,10 +50,6 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * BLOCK
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.dense) if t is not None)
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: float32 [T, K] -> [T, N] = x @ W^T."""
         N, K = self.shape
@@ -100,7 +96,8 @@ def unpermute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
     """llama.cpp's converter interleaves the two rotary halves of each q/k head's rows;
     transformers undoes it when it reads a GGUF (reverse_permute_weights), so do we."""
     N = w.shape[0]
-    order = torch.arange(N).reshape(n_head, N // n_head // 2, 2).transpose(1, 2).reshape(N)  # out row (h, s, j) <- (h, j, s)
+    # out row (h, s, j) <- in row (h, j, s)
+    order = torch.arange(N).reshape(n_head, N // n_head // 2, 2).transpose(1, 2).reshape(N)
     return QuantizedWeight(w.kind, w.qs[order].contiguous(), w.d[order].contiguous(), w.m[order].contiguous())
 
 
@@ -160,7 +157,8 @@ def _kernels() -> ctypes.CDLL:
                                  "was not found (set CC)") from None
         if done.returncode != 0:
             os.unlink(tmp)
-            raise ModelLoadError(f"building {KERNEL_SOURCE.name} failed: {(done.stderr.strip() or '?').splitlines()[0]}")
+            first = (done.stderr.strip() or "?").splitlines()[0]
+            raise ModelLoadError(f"building {KERNEL_SOURCE.name} failed: {first}")
         os.replace(tmp, path)
     lib = ctypes.CDLL(str(path))
     for gemm in (lib.gemm_q4_1, lib.gemm_q8_0):
