@@ -171,7 +171,7 @@ class Detokenizer:
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
                     self.outputs.pop(worker).close()
-                    logger.warning("worker %d (pid %d) exited: its channel is closed", worker, pid)
+                    logger.info("worker %d (pid %d) exited: its channel is closed", worker, pid)
                 continue
             old = self.outputs.pop(worker, None)
             if old is not None:

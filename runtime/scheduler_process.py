@@ -270,7 +270,8 @@ class SchedulerProcess:
                     self.inputs.pop(worker).close()
                     self._input_list = list(self.inputs.values())
                     aborted = self.scheduler.abort_where(lambda r: r.worker == worker)
-                    logger.warning("worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
+                    logger.log(logging.WARNING if aborted else logging.INFO,  # none: a clean stop
+                               "worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
                 continue
             old = self.inputs.pop(worker, None)
             if old is not None:
