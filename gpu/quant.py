@@ -108,6 +108,7 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantizedWeig
 
     if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ModelLoadError(f"--quantization gguf supports Llama and Mistral GGUF files, not {cfg.architecture}")
+    _kernels()  # built now: a missing compiler fails the start, not the first request
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
 
     def take(name: str) -> QuantizedWeight:
