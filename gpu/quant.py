@@ -31,10 +31,10 @@ FORMATS = {"Q4_1": (20, 16), "Q8_0": (34, 32)}
 
 
 # Up to this many tokens a product reads the blocks (memory bound: ~5x fewer bytes than fp32);
-# beyond, it is compute bound and MKL's fp32 GEMM on the dense copy is faster (measured on a
-# 2-core AVX2 CPU over all of SmolLM2's products: 3.3x faster at 1 token, 1.9x at 8, 1.4x at
-# 16, 0.9x at 32, 0.55x at 128).
-QUANTIZED_MAX_TOKENS = 16
+# beyond, it is compute bound and MKL's fp32 GEMM on the dense copy is as fast or faster
+# (all of SmolLM2's products on a 2-core AVX2 CPU, against gpu/llama.py's fp32 path: 2.7x
+# faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at 32, 0.97x at 48, 0.55x at 128).
+QUANTIZED_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
