@@ -57,7 +57,8 @@ class QuantizedWeight:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"x: expected float32 [T, {K}], got {x.dtype} {tuple(x.shape)}")
         y = torch.empty(x.shape[0], N, dtype=torch.float32)
-        gemm = _kernels().gemm_q4_1 if self.kind == "Q4_1" else _kernels().gemm_q8_0
+        lib = _kernels()
+        gemm = lib.gemm_q4_1 if self.kind == "Q4_1" else lib.gemm_q8_0
         gemm(x.data_ptr(), x.shape[0], K, self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), N,
              y.data_ptr(), torch.get_num_threads())
         return y
