@@ -267,22 +267,24 @@ class SchedulerProcess:
             if ch is None:  # the worker's process exited
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
-                    self.inputs.pop(worker).close()
-                    self._input_list = list(self.inputs.values())
-                    aborted = self.scheduler.abort_where(lambda r: r.worker == worker)
+                    aborted = self._retire(worker)
                     logger.log(logging.WARNING if aborted else logging.INFO,  # none: a clean stop
                                "worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
                 continue
-            old = self.inputs.pop(worker, None)
-            if old is not None:
-                old.close()
-                aborted = self.scheduler.abort_where(lambda r: r.worker == worker)
-                logger.info("worker %d reconnected: %d requests of its previous process aborted", worker, aborted)
+            if worker in self.inputs:
+                logger.info("worker %d reconnected: %d requests of its previous process aborted", worker,
+                            self._retire(worker))
             else:
                 logger.info("worker %d attached", worker)
             self.inputs[worker] = ch
             self.worker_pids[worker] = pid
             self._input_list = list(self.inputs.values())
+
+    def _retire(self, worker: int) -> int:
+        """Closes `worker`'s channel and ends every request of the process that held it."""
+        self.inputs.pop(worker).close()
+        self._input_list = list(self.inputs.values())
+        return self.scheduler.abort_where(lambda r: r.worker == worker)
 
     def _accept(self) -> None:
         """Acceptor thread: hands each connecting worker its REQUEST channel and reports the
