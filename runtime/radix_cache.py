@@ -5,6 +5,12 @@ page_size and `pages` the KV pages holding them. A request that matched a prefix
 the path to its node (lock_ref), so pages used by running requests are never evicted;
 unlocked leaves are evicted least-recently-used first when the pool runs short.
 
+Eviction candidates live in a heap of (last_access, node) entries that is never searched:
+an entry is pushed whenever a node may have become an unlocked leaf or was touched, and
+entries that no longer describe their node (touched since, locked, grown a child, evicted)
+are skipped when popped. So an eviction costs O(log n) per leaf, not a walk of the tree:
+a server whose pool is full of cached prefixes evicts on every admission.
+
 With `disabled` the tree stays empty: nothing matches and released pages go straight
 back to the pool, so the scheduler has one code path for both modes.
 """
@@ -40,6 +46,8 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_pages = 0  # pages in nodes nobody locks
         self.protected_pages = 0  # pages in nodes some running request locks
+        self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, id, node), lazily pruned
+        self._live_bound = 0  # live entries at the last rebuild of the heap
 
     @property
     def cached_pages(self) -> int:
@@ -59,7 +67,7 @@ class RadixCache:
             child = node.children.get(ids[pos:pos + ps].tobytes())
             if child is None:
                 break
-            child.last_access = now
+            self._touch(child, now)
             m = _common_pages(child.key, ids[pos:end], ps) * ps
             if m < len(child.key):
                 child = self._split(child, m)
@@ -94,11 +102,11 @@ class RadixCache:
             child = node.children.get(ids[pos:pos + ps].tobytes())
             if child is None:
                 leaf = TreeNode(node, ids[pos:end].copy(), pages[pos // ps:].copy())
-                leaf.last_access = now
                 node.children[leaf.key[:ps].tobytes()] = leaf
                 self.evictable_pages += len(leaf.pages)
+                self._touch(leaf, now)
                 break
-            child.last_access = now
+            self._touch(child, now)
             m = _common_pages(child.key, ids[pos:end], ps) * ps
             if m < len(child.key):
                 child = self._split(child, m)
@@ -121,6 +129,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
                 self.protected_pages -= len(node.pages)
+                self._push_candidate(node)
             node = node.parent
 
     # ---- a request's pages ------------------------------------------------------
@@ -161,35 +170,41 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Frees at least num_pages pages of unlocked leaves, least recently used first
         (fewer if not that many are evictable); returns how many were freed."""
-        if num_pages <= 0 or self.evictable_pages == 0:
-            return 0
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+        while freed < num_pages and self.evictable_pages and self._heap:
+            stamp, _, leaf = heapq.heappop(self._heap)
+            if stamp != leaf.last_access or not _evictable(leaf):
+                continue  # stale: the node changed after this entry was pushed
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size].tobytes()]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            leaf.parent = None  # detached: any other entry of it is stale
+            self._push_candidate(parent)
         return freed
 
     def flush(self) -> int:
         """Drops every unlocked cached page (`/flush_cache`); returns how many were freed."""
         return self.evict(self.evictable_pages)
 
-    def _leaves(self) -> list[TreeNode]:
-        leaves, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                leaves.append(node)
-        return leaves
+    def _touch(self, node: TreeNode, now: int) -> None:
+        node.last_access = now
+        self._push_candidate(node)
+
+    def _push_candidate(self, node: TreeNode) -> None:
+        if not _evictable(node):
+            return
+        heapq.heappush(self._heap, (node.last_access, id(node), node))
+        if len(self._heap) > 4 * self._live_bound + 64:  # mostly stale entries: rebuild
+            self._heap = [e for e in self._heap if e[0] == e[2].last_access and _evictable(e[2])]
+            heapq.heapify(self._heap)
+            self._live_bound = len(self._heap)
+
+
+def _evictable(node: TreeNode) -> bool:
+    """An unlocked leaf still in the tree (the root has lock_ref 1)."""
+    return node.lock_ref == 0 and not node.children and node.parent is not None
 
 
 def _common_pages(key: np.ndarray, ids: np.ndarray, page_size: int) -> int:

@@ -159,3 +159,81 @@ def test_random_requests_keep_pages_accounted(ops):
     assert cache.protected_pages == 0
     cache.flush()
     assert pool.num_free == 64
+
+
+def _reference_evict(cache: RadixCache, num_pages: int) -> int:
+    """Eviction by a walk of the whole tree: the unlocked leaf with the oldest last_access
+    goes first, its parent becomes a candidate once childless."""
+    freed = 0
+    while freed < num_pages:
+        leaves, stack = [], [cache.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.children and node is not cache.root and node.lock_ref == 0:
+                leaves.append(node)
+        if not leaves:
+            break
+        leaf = min(leaves, key=lambda n: n.last_access)
+        cache.pool.free(leaf.pages)
+        freed += len(leaf.pages)
+        cache.evictable_pages -= len(leaf.pages)
+        del leaf.parent.children[leaf.key[:cache.page_size].tobytes()]
+    return freed
+
+
+def _tree_state(cache: RadixCache) -> list:
+    out, stack = [], [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        path = path + tuple(node.key.tolist())
+        out.append((path, tuple(node.pages.tolist()), node.lock_ref))
+        stack.extend((c, path) for c in node.children.values())
+    return sorted(out)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14),
+                          st.sampled_from(["finish", "hold", "touch", "unhold", "evict"]),
+                          st.integers(1, 6)), min_size=1, max_size=40))
+def test_heap_eviction_matches_a_full_tree_walk(ops):
+    """The heap of candidates evicts exactly what scanning every leaf for the least recently
+    used unlocked one would, through touches, locks, splits and parents becoming leaves."""
+    import copy
+
+    pool = PagePool(40, PS)
+    cache = RadixCache(pool)
+    held = []
+    for tokens, op, n in ops:
+        tokens = np.array(tokens, dtype=np.int32)
+        if op in ("finish", "hold"):
+            matched, node = cache.match_prefix(tokens[:-1])
+            cache.lock(node)
+            need = pool.pages_for(len(tokens)) - len(matched)
+            if pool.num_free < need:
+                cache.evict(need - pool.num_free)  # compared below, on explicit evictions
+            if pool.num_free < need:
+                cache.unlock(node)
+                continue
+            pages = np.concatenate([matched, pool.alloc(need)])
+            if op == "hold":  # a running request: its full pages in the tree, locked
+                tree_pages, node = cache.cache_prefix(tokens, pages, len(matched), node)
+                held.append((node, pages[len(tree_pages):]))
+            else:
+                cache.release(tokens, pages, len(matched), node)
+        elif op == "touch":
+            cache.match_prefix(tokens)
+        elif op == "unhold" and held:
+            node, own = held.pop(0)
+            cache.unlock(node)
+            pool.free(own)
+        elif op == "evict":
+            reference = copy.deepcopy(cache)
+            assert cache.evict(n) == _reference_evict(reference, n)
+            assert _tree_state(cache) == _tree_state(reference)
+            assert pool.num_free == reference.pool.num_free
+    for node, own in held:
+        cache.unlock(node)
+        pool.free(own)
+    cache.flush()
+    assert cache.cached_pages == 0 and pool.num_free == 40
