@@ -35,7 +35,7 @@ class ModelRunnerConfig:
     model_path: str | None = None       # HF directory or .gguf; None: the embedded SmolLM2
     dtype: str = "auto"                 # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
-    attention_backend: str | None = None  # torch | triton | flashinfer; None: per device
+    attention_backend: str | None = None  # cpu | torch | triton | flashinfer; None: per device
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
     mem_fraction_static: float | None = None

@@ -1,6 +1,6 @@
 """`--quantization gguf`: the projections of a GGUF model kept in the file's own Q4_1 / Q8_0
 blocks and multiplied by gpu/kernels/ggml_cpu.c (AVX2 + FMA, built once with the system C
-compiler into the cache directory), instead of the fp32 copies the converter writes.
+compiler into the cache directory, gpu/kernels/__init__.py), instead of the fp32 copies the converter writes.
 
 The values are the same (the kernel dequantizes exactly as gguf-py does); only the order of
 each dot product's sums differs from fp32. A decode step then reads ~5x fewer bytes of
@@ -10,21 +10,16 @@ stay fp32.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gpu import kernels
 from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError, cache_root
+from gpu.model_files import ModelLoadError
 
-KERNEL_SOURCE = Path(__file__).parent / "kernels" / "ggml_cpu.c"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32
 # GGML type name -> (bytes of a block in the file, bytes of its quantized values)
 FORMATS = {"Q4_1": (20, 16), "Q8_0": (34, 32)}
@@ -133,39 +128,14 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantizedWeig
     return out
 
 
-_lib: ctypes.CDLL | None = None
-
-
 def _kernels() -> ctypes.CDLL:
-    """gpu/kernels/ggml_cpu.c, compiled on first use into the cache (keyed by source and flags)."""
-    global _lib
-    if _lib is not None:
-        return _lib
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise ModelLoadError("--quantization gguf needs an x86-64 CPU with AVX2 and FMA")
-    source = KERNEL_SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"ggml_cpu-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        compiler = os.environ.get("CC", "cc")
-        try:
-            done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(KERNEL_SOURCE)], capture_output=True, text=True)
-        except FileNotFoundError:
-            os.unlink(tmp)
-            raise ModelLoadError(f"--quantization gguf builds its CPU kernels with a C compiler; {compiler} "
-                                 "was not found (set CC)") from None
-        if done.returncode != 0:
-            os.unlink(tmp)
-            first = (done.stderr.strip() or "?").splitlines()[0]
-            raise ModelLoadError(f"building {KERNEL_SOURCE.name} failed: {first}")
-        os.replace(tmp, path)
-    lib = ctypes.CDLL(str(path))
+    """gpu/kernels/ggml_cpu.c, built on first use."""
+    try:
+        lib = kernels.load("ggml_cpu")
+    except kernels.KernelBuildError as e:
+        raise ModelLoadError(f"--quantization gguf: {e}") from None
     for gemm in (lib.gemm_q4_1, lib.gemm_q8_0):
         gemm.restype = None
         gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    _lib = lib
     return lib

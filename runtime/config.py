@@ -24,7 +24,7 @@ class ServerArgs:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str | None = None  # torch | triton | flashinfer (None: per device)
+    attention_backend: str | None = None  # cpu | torch | triton | flashinfer (None: per device)
     context_length: int | None = None
     quantization: str | None = None  # gguf: run a GGUF's Q4_1 / Q8_0 weights as they are (CPU kernels)
     null_model: bool = False  # instant tokens: measures the server's own per-token cost
@@ -52,7 +52,7 @@ class ServerArgs:
         choices = {
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
-            "attention_backend": (None, "torch", "triton", "flashinfer"),
+            "attention_backend": (None, "cpu", "torch", "triton", "flashinfer"),
             "quantization": (None, "gguf"),
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),

@@ -1,11 +1,13 @@
-"""The torch attention backend against a per-request softmax(q k^T) v written out longhand,
-on ragged batches mixing decode, prefill and chunked prefill with pages scattered in the pool."""
+"""The torch and cpu attention backends against a per-request softmax(q k^T) v written out
+longhand, on ragged batches mixing decode, prefill and chunked prefill with pages scattered in
+the pool."""
 import numpy as np
 import pytest
 import torch
 
 from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kernels import cpu_kernels_available
 from gpu.kv_cache import KVCache
 from gpu.page_pool import PagePool
 
@@ -29,13 +31,17 @@ def _reference(q, keys, vals, q_pos):
     [(0, 11)],                            # one prompt ending mid-page: SDPA's own causal mask
     [(0, 9), (0, 14)],                    # two prompts
     [(3, 5), (10, 5)],                    # equal chunks after different prefixes: no query padding
+    [(0, 1), (37, 1), (5, 1), (58, 1)],   # decode: lengths under, over and between 8-wide vectors
 ])
-def test_torch_backend_matches_longhand_attention(shape):
+@pytest.mark.parametrize("name", ["torch", "cpu"])
+def test_backend_matches_longhand_attention(name, shape):
+    if name == "cpu" and not cpu_kernels_available():
+        pytest.skip("the cpu backend needs an AVX2 CPU and a C compiler")
     gen = torch.Generator().manual_seed(0)
     pool = PagePool(num_pages=40, page_size=PS)
     kv = KVCache(num_layers=2, num_pages=40, page_size=PS, num_kv_heads=HKV, head_dim=D,
                  dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend("torch", kv, HQ)
+    backend = create_backend(name, kv, HQ)
     pool.alloc(3)  # so requests' pages do not start at 0
     seqs, history = [], []
     for row, (start, n) in enumerate(shape):

@@ -12,6 +12,7 @@ from gpu.kv_cache import KVCache
 
 BACKENDS = {
     "torch": ("gpu.attention.torch_native", "TorchNativeBackend"),
+    "cpu": ("gpu.attention.cpu", "CpuBackend"),
     "triton": ("gpu.attention.triton", "TritonBackend"),
     "flashinfer": ("gpu.attention.flashinfer", "FlashInferBackend"),
 }
@@ -19,7 +20,8 @@ BACKENDS = {
 
 def default_backend(device: torch.device) -> str:
     if device.type != "cuda":
-        return "torch"
+        from gpu.kernels import cpu_kernels_available
+        return "cpu" if cpu_kernels_available() else "torch"
     return "flashinfer" if importlib.util.find_spec("flashinfer") else "triton"
 
 

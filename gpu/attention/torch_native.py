@@ -63,27 +63,31 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.store_kv(k, v, layer_id, self.meta.out_cache_loc)
-        k_pages, v_pages = self.kv_cache.k_pages(layer_id), self.kv_cache.v_pages(layer_id)
-        Hq, Hkv, D = self.num_q_heads, self.num_kv_heads, self.head_dim
         o = torch.empty_like(q) if len(self.groups) > 1 or self.groups[0].out_tokens is not None else None
         for g in self.groups:
             G, Q = g.q_index.shape
-            qg = q.view(G, Q, Hq, D) if g.out_tokens is None else q[g.q_index]  # [G, Qmax, Hq, D]
-            # whole pages by index_select (a row memcpy each), ~10x faster than gathering slots
-            kg = k_pages.index_select(0, g.pages).view(G, -1, Hkv, D).transpose(1, 2)  # [G, Hkv, Kmax, D]
-            vg = v_pages.index_select(0, g.pages).view(G, -1, Hkv, D).transpose(1, 2)
-            if Q == 1:
-                # one query per request: its heads sharing a kv head act as that head's queries,
-                # plain multi-head attention with no kv expansion
-                og = F.scaled_dot_product_attention(qg.view(G, Hkv, Hq // Hkv, D), kg, vg, attn_mask=g.mask,
-                                                    scale=self.scale)      # [G, Hkv, Hq / Hkv, D]
-            else:
-                og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
-                                                    is_causal=g.mask is None, scale=self.scale,
-                                                    enable_gqa=True)  # [G, Hq, Qmax, D]
-                og = og.transpose(1, 2)
-            og = og.reshape(G * Q, Hq, D)
+            qg = q.view(G, Q, *q.shape[1:]) if g.out_tokens is None else q[g.q_index]  # [G, Qmax, Hq, D]
+            og = self._attend(g, qg, layer_id).reshape(G * Q, *q.shape[1:])
             if g.out_tokens is None:
                 return og
             o[g.out_tokens] = og[g.out_valid]
         return o
+
+    def _attend(self, g: _Group, qg: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """qg: [G, Qmax, Hq, D] -> [G, Qmax, Hq, D]"""
+        k_pages, v_pages = self.kv_cache.k_pages(layer_id), self.kv_cache.v_pages(layer_id)
+        G, Q = g.q_index.shape
+        Hq, Hkv, D = self.num_q_heads, self.num_kv_heads, self.head_dim
+        # whole pages by index_select (a row memcpy each), ~10x faster than gathering slots
+        kg = k_pages.index_select(0, g.pages).view(G, -1, Hkv, D).transpose(1, 2)  # [G, Hkv, Kmax, D]
+        vg = v_pages.index_select(0, g.pages).view(G, -1, Hkv, D).transpose(1, 2)
+        if Q == 1:
+            # one query per request: its heads sharing a kv head act as that head's queries,
+            # plain multi-head attention with no kv expansion
+            og = F.scaled_dot_product_attention(qg.view(G, Hkv, Hq // Hkv, D), kg, vg, attn_mask=g.mask,
+                                                scale=self.scale)      # [G, Hkv, Hq / Hkv, D]
+            return og.view(G, 1, Hq, D)
+        og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
+                                            is_causal=g.mask is None, scale=self.scale,
+                                            enable_gqa=True)  # [G, Hq, Qmax, D]
+        return og.transpose(1, 2)

@@ -1,0 +1,68 @@
+"""The CPU backend: decode attention by gpu/kernels/attention_cpu.c, which reads each
+request's keys and values in place from its pages (AVX2 + FMA, OpenMP over requests and kv
+heads); prefill and chunks run through the torch backend's SDPA, which is efficient when
+there are many queries per request.
+
+Against the torch backend's decode (gather every request's pages into a padded batch, then a
+masked SDPA) it moves a third of the bytes and skips the padding; the results agree to fp32
+rounding (tests/test_gpu_attention.py)."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from gpu import kernels
+from gpu.attention.base import AttentionMetadata
+from gpu.attention.torch_native import TorchNativeBackend, _Group
+from gpu.kv_cache import KVCache
+
+MAX_GROUP, MAX_KV_HEADS = 16, 64  # the kernel's limits (attention_cpu.c)
+
+
+def _library() -> ctypes.CDLL:
+    lib = kernels.load("attention_cpu")
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+class CpuBackend(TorchNativeBackend):
+    def __init__(self, kv_cache: KVCache, num_q_heads: int) -> None:
+        super().__init__(kv_cache, num_q_heads)
+        if kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32:
+            raise ValueError("--attention-backend cpu runs on the CPU in float32")
+        group = num_q_heads // self.num_kv_heads
+        if self.head_dim % 8 or group > MAX_GROUP or self.num_kv_heads > MAX_KV_HEADS:
+            raise ValueError(f"--attention-backend cpu takes a head_dim that is a multiple of 8, at most {MAX_GROUP} "
+                             f"query heads per kv head and {MAX_KV_HEADS} kv heads (this model: {self.head_dim}, "
+                             f"{group}, {self.num_kv_heads}); use --attention-backend torch")
+        try:
+            self._kernel = _library().paged_decode_attention
+        except kernels.KernelBuildError as e:
+            raise ValueError(f"--attention-backend cpu: {e}") from None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        super().plan(meta)
+        decode = np.flatnonzero(np.diff(meta.qo_indptr_host) == 1)  # the decode group's requests, in its order
+        self._page_table = torch.from_numpy(np.ascontiguousarray(meta.page_table_host[decode], dtype=np.int32))
+        self._kv_lens = torch.from_numpy(np.ascontiguousarray(meta.kv_lens_host[decode], dtype=np.int32))
+
+    def _attend(self, g: _Group, qg: torch.Tensor, layer_id: int) -> torch.Tensor:
+        G, Q = g.q_index.shape
+        if Q > 1:
+            return super()._attend(g, qg, layer_id)
+        qg = qg.contiguous()                                 # [G, 1, Hq, D]
+        out = torch.empty_like(qg)
+        pt = self._page_table
+        rc = self._kernel(qg.data_ptr(), self.kv_cache.k[layer_id].data_ptr(), self.kv_cache.v[layer_id].data_ptr(),
+                          pt.data_ptr(), pt.shape[1], self._kv_lens.data_ptr(), G, self.num_q_heads,
+                          self.num_kv_heads, self.head_dim, self.kv_cache.page_size, self.scale, out.data_ptr(),
+                          torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("attention_cpu: no memory for the scores")
+        return out

@@ -1,0 +1,157 @@
+/* Decode attention straight from the paged KV cache on an x86-64 CPU with AVX2 + FMA
+ * (gpu/attention/cpu.py builds and loads this file).
+ *
+ * One query token per request attends to its kv_lens[b] cached tokens, read in place from
+ * their pages: no gathered copy of K and V, no padding to the longest request, which is
+ * what the torch backend pays for (index_select + a masked SDPA over the padded batch).
+ *
+ * Layouts (fp32): q, out [B, Hq, D]; k, v one layer's pages [num_pages, page_size, Hkv, D];
+ * page_table int32 [B, pt_stride]. D is a multiple of 8, Hq / Hkv <= MAX_GROUP, Hkv <= MAX_KV_HEADS.
+ * Each key and value row is read once, in page order. Softmax in two passes over the scores
+ * (max, then exp and sum), in fp32 as SDPA computes it.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_KV_HEADS 64
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for x <= 0 (scores minus their max), relative error ~2e-7: x = n ln2 + r, |r| <= ln2/2,
+ * e^r by its degree-6 Taylor polynomial, 2^n through the exponent bits. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  /* below: e^x underflows; 2^n stays normal */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   /* ln2 split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* e^(s - max) in place over n scores; returns their sum */
+static float exp_and_sum(float *s, int64_t n) {
+    float mx = s[0];
+    for (int64_t j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+        _mm256_storeu_ps(s + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    if (j < n) {  /* the tail through a padded copy */
+        float tail[8] = {0};
+        for (int64_t t = j; t < n; t++) tail[t - j] = s[t];
+        _mm256_storeu_ps(tail, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), vmx)));
+        for (int64_t t = j; t < n; t++) {
+            s[t] = tail[t - j];
+            sum += tail[t - j];
+        }
+    }
+    return sum;
+}
+
+/* q . k over D = 8 * nv floats, in two FMA chains */
+static inline float dot(const float *q, const float *k, int64_t nv) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    __m256 a1 = _mm256_setzero_ps();
+    int64_t c = 1;
+    for (; c + 1 < nv; c += 2) {
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c + 8), _mm256_loadu_ps(k + 8 * c + 8), a0);
+    }
+    if (c < nv) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), a1);
+    return hsum(_mm256_add_ps(a0, a1));
+}
+
+/* Pages sit anywhere in the pool and the hardware prefetchers stop at every 4 KiB boundary, so
+ * the rows AHEAD tokens on (their `bytes` from the item's first kv head) are prefetched. */
+#define AHEAD 16
+static inline void prefetch_row(const float *base, const int32_t *pages, int64_t j, int64_t len,
+                                int64_t page_size, int64_t token_stride, int64_t bytes) {
+    if (j >= len) return;
+    const char *row = (const char *)(base + ((int64_t)pages[j / page_size] * page_size + j % page_size) * token_stride);
+    for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(row + x, _MM_HINT_T0);
+}
+
+/* Returns 0, or -1 when a scratch buffer could not be allocated. */
+int paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *page_table,
+                           int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                           int64_t D, int64_t page_size, float scale, float *out, int threads) {
+    const int64_t G = Hq / Hkv, token_stride = Hkv * D, nv = D / 8;
+    /* an item is a request's run of kv heads: all of them (each token's K and V rows are read
+     * whole, once) unless there are too few requests to keep every thread busy */
+    const int64_t heads = B >= 2 * threads ? Hkv : 1, items = B * (Hkv / heads), span = heads * G;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (kv_lens[b] > max_len) max_len = kv_lens[b];
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) reduction(|:failed)")
+    {
+        float *scores = malloc(sizeof(float) * span * (max_len > 0 ? max_len : 1));  /* [span, len] */
+        float *acc = malloc(sizeof(float) * span * D);                              /* [span, D] */
+        if (scores == NULL || acc == NULL) failed = 1;
+        _Pragma("omp for schedule(static)")
+        for (int64_t item = 0; item < items; item++) {
+            if (failed) continue;
+            const int64_t b = item / (Hkv / heads), h0 = item % (Hkv / heads) * heads, len = kv_lens[b];
+            const int32_t *pages = page_table + b * pt_stride;
+            const float *qb = q + (b * Hq + h0 * G) * D;  /* the span query heads, [span, D] */
+            float *ob = out + (b * Hq + h0 * G) * D;
+            /* scores[i, j] = q_i . k_j * scale, query head i reading kv head h0 + i / G */
+            for (int64_t j0 = 0; j0 < len; j0 += page_size) {
+                const float *page = k + (int64_t)pages[j0 / page_size] * page_size * token_stride + h0 * D;
+                const int64_t n = len - j0 < page_size ? len - j0 : page_size;
+                for (int64_t t = 0; t < n; t++) {
+                    prefetch_row(k + h0 * D, pages, j0 + t + AHEAD, len, page_size, token_stride, heads * D * 4);
+                    for (int64_t i = 0; i < span; i++)
+                        scores[i * len + j0 + t] = dot(qb + i * D, page + t * token_stride + i / G * D, nv) * scale;
+                }
+            }
+            float inv_sum[MAX_GROUP * MAX_KV_HEADS];
+            for (int64_t i = 0; i < span; i++) inv_sum[i] = 1.0f / exp_and_sum(scores + i * len, len);
+            /* acc[i] = sum_j p[i, j] v_j */
+            for (int64_t x = 0; x < span * D; x++) acc[x] = 0.0f;
+            for (int64_t j0 = 0; j0 < len; j0 += page_size) {
+                const float *page = v + (int64_t)pages[j0 / page_size] * page_size * token_stride + h0 * D;
+                const int64_t n = len - j0 < page_size ? len - j0 : page_size;
+                for (int64_t t = 0; t < n; t++) {
+                    prefetch_row(v + h0 * D, pages, j0 + t + AHEAD, len, page_size, token_stride, heads * D * 4);
+                    for (int64_t i = 0; i < span; i++) {
+                        const __m256 p = _mm256_set1_ps(scores[i * len + j0 + t]);
+                        const float *vj = page + t * token_stride + i / G * D;
+                        float *a = acc + i * D;
+                        for (int64_t c = 0; c < nv; c++)
+                            _mm256_storeu_ps(a + 8 * c, _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c),
+                                                                        _mm256_loadu_ps(a + 8 * c)));
+                    }
+                }
+            }
+            for (int64_t i = 0; i < span; i++) {
+                const __m256 inv = _mm256_set1_ps(inv_sum[i]);
+                for (int64_t c = 0; c < nv; c++)
+                    _mm256_storeu_ps(ob + i * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * c), inv));
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
