@@ -134,3 +134,15 @@ def test_attention_backend_this_machine_cannot_run(tiny_dir):
         pytest.skip("flashinfer may run here")
     assert "flashinfer needs a CUDA device" in load_error(tiny_dir, attention_backend="flashinfer")
     assert "--device cuda was asked for" in load_error(tiny_dir, device="cuda")
+
+
+def test_cpu_attention_is_the_default_only_where_it_can_be_built(monkeypatch):
+    from gpu.attention import create_backend, default_backend
+    from gpu.kv_cache import KVCache
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert default_backend(torch.device("cpu")) == "torch"
+    kv = KVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=12, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="head_dim that is a multiple of 8"):
+        create_backend("cpu", kv, 2)
