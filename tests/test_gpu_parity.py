@@ -115,9 +115,18 @@ def test_one_by_one(runner, prompts, expected):
         assert generate(runner, [ids], [0], [None]) == [want]
 
 
-def test_mixed_batch_with_chunked_prefill(runner, prompts, expected):
-    # staggered arrivals and chunked prompts: most steps mix prompt chunks with decodes
-    got = generate(runner, prompts[:-1], arrive=[0, 0, 1, 2, 2, 3], chunk=[None, 3, None, 7, 16, 11])
+@pytest.fixture(scope="module")
+def torch_runner():
+    return ModelRunner(ModelRunnerConfig(page_size=PAGE, max_total_tokens=4096, max_running_requests=8,
+                                         attention_backend="torch"))
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_mixed_batch_with_chunked_prefill(backend, runner, torch_runner, prompts, expected):
+    # staggered arrivals and chunked prompts: most steps mix prompt chunks with decodes; the
+    # default backend (cpu where it builds) and the torch reference
+    chosen = runner if backend == "default" else torch_runner
+    got = generate(chosen, prompts[:-1], arrive=[0, 0, 1, 2, 2, 3], chunk=[None, 3, None, 7, 16, 11])
     assert got == expected[:-1]
 
 
