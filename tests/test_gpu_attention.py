@@ -60,7 +60,7 @@ def test_backend_matches_longhand_attention(name, shape):
     T = batch.meta.num_tokens
     backend.plan(batch.meta)
     for layer in range(2):
-        q = torch.randn(T, HQ, D, generator=gen)
+        q = torch.randn(T, HQ + 2 * HKV, D, generator=gen)[:, :HQ]  # a slice, as of the model's fused qkv
         k = torch.cat([h[0][s.start:] for h, s in zip(history, seqs)])
         v = torch.cat([h[1][s.start:] for h, s in zip(history, seqs)])
         o = backend.forward(q, k, v, layer)

@@ -25,7 +25,7 @@ def _library() -> ctypes.CDLL:
     lib = kernels.load("attention_cpu")
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
@@ -56,10 +56,11 @@ class CpuBackend(TorchNativeBackend):
         G, Q = g.q_index.shape
         if Q > 1:
             return super()._attend(g, qg, layer_id)
-        qg = qg.contiguous()                                 # [G, 1, Hq, D]
-        out = torch.empty_like(qg)
+        # qg: [G, 1, Hq, D], each request's heads contiguous (a slice of the fused qkv rows)
+        out = torch.empty(G, 1, self.num_q_heads, self.head_dim)
         pt = self._page_table
-        rc = self._kernel(qg.data_ptr(), self.kv_cache.k[layer_id].data_ptr(), self.kv_cache.v[layer_id].data_ptr(),
+        rc = self._kernel(qg.data_ptr(), qg.stride(0), self.kv_cache.k[layer_id].data_ptr(),
+                          self.kv_cache.v[layer_id].data_ptr(),
                           pt.data_ptr(), pt.shape[1], self._kv_lens.data_ptr(), G, self.num_q_heads,
                           self.num_kv_heads, self.head_dim, self.kv_cache.page_size, self.scale, out.data_ptr(),
                           torch.get_num_threads())

@@ -5,10 +5,11 @@
  * their pages: no gathered copy of K and V, no padding to the longest request, which is
  * what the torch backend pays for (index_select + a masked SDPA over the padded batch).
  *
- * Layouts (fp32): q, out [B, Hq, D]; k, v one layer's pages [num_pages, page_size, Hkv, D];
- * page_table int32 [B, pt_stride]. D is a multiple of 8, Hq / Hkv <= MAX_GROUP, Hkv <= MAX_KV_HEADS.
- * Each key and value row is read once, in page order. Softmax in two passes over the scores
- * (max, then exp and sum), in fp32 as SDPA computes it.
+ * Layouts (fp32): q [B, Hq, D] with request b's heads at q + b * q_stride (q can be a slice of
+ * the fused qkv projection); out [B, Hq, D]; k, v one layer's pages [num_pages, page_size, Hkv,
+ * D]; page_table int32 [B, pt_stride]. D is a multiple of 8, Hq / Hkv <= MAX_GROUP and
+ * Hkv <= MAX_KV_HEADS. Softmax in two passes over the scores (max, then exp and sum), in fp32
+ * as SDPA computes it.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -82,59 +83,58 @@ static inline float dot(const float *q, const float *k, int64_t nv) {
 }
 
 /* Pages sit anywhere in the pool and the hardware prefetchers stop at every 4 KiB boundary, so
- * the rows AHEAD tokens on (their `bytes` from the item's first kv head) are prefetched. */
+ * the row AHEAD tokens on is prefetched. */
 #define AHEAD 16
 static inline void prefetch_row(const float *base, const int32_t *pages, int64_t j, int64_t len,
-                                int64_t page_size, int64_t token_stride, int64_t bytes) {
+                                int64_t page_size, int64_t token_stride) {
     if (j >= len) return;
     const char *row = (const char *)(base + ((int64_t)pages[j / page_size] * page_size + j % page_size) * token_stride);
-    for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(row + x, _MM_HINT_T0);
+    for (int64_t x = 0; x < token_stride * (int64_t)sizeof(float); x += 64) _mm_prefetch(row + x, _MM_HINT_T0);
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated. */
-int paged_decode_attention(const float *q, const float *k, const float *v, const int32_t *page_table,
+int paged_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *page_table,
                            int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
                            int64_t D, int64_t page_size, float scale, float *out, int threads) {
     const int64_t G = Hq / Hkv, token_stride = Hkv * D, nv = D / 8;
-    /* an item is a request's run of kv heads: all of them (each token's K and V rows are read
-     * whole, once) unless there are too few requests to keep every thread busy */
-    const int64_t heads = B >= 2 * threads ? Hkv : 1, items = B * (Hkv / heads), span = heads * G;
+    /* one request per iteration, all its heads: each K and V row is read whole, once, in order
+     * (splitting a request's kv heads over threads measured slower, even at batch 1) */
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++)
         if (kv_lens[b] > max_len) max_len = kv_lens[b];
     int failed = 0;
     _Pragma("omp parallel num_threads(threads) reduction(|:failed)")
     {
-        float *scores = malloc(sizeof(float) * span * (max_len > 0 ? max_len : 1));  /* [span, len] */
-        float *acc = malloc(sizeof(float) * span * D);                              /* [span, D] */
+        float *scores = malloc(sizeof(float) * Hq * (max_len > 0 ? max_len : 1));  /* [Hq, len] */
+        float *acc = malloc(sizeof(float) * Hq * D);                              /* [Hq, D] */
         if (scores == NULL || acc == NULL) failed = 1;
         _Pragma("omp for schedule(static)")
-        for (int64_t item = 0; item < items; item++) {
+        for (int64_t b = 0; b < B; b++) {
             if (failed) continue;
-            const int64_t b = item / (Hkv / heads), h0 = item % (Hkv / heads) * heads, len = kv_lens[b];
+            const int64_t len = kv_lens[b];
             const int32_t *pages = page_table + b * pt_stride;
-            const float *qb = q + (b * Hq + h0 * G) * D;  /* the span query heads, [span, D] */
-            float *ob = out + (b * Hq + h0 * G) * D;
-            /* scores[i, j] = q_i . k_j * scale, query head i reading kv head h0 + i / G */
+            const float *qb = q + b * q_stride;  /* [Hq, D] */
+            float *ob = out + b * Hq * D;
+            /* scores[i, j] = q_i . k_j * scale, query head i reading kv head i / G */
             for (int64_t j0 = 0; j0 < len; j0 += page_size) {
-                const float *page = k + (int64_t)pages[j0 / page_size] * page_size * token_stride + h0 * D;
+                const float *page = k + (int64_t)pages[j0 / page_size] * page_size * token_stride;
                 const int64_t n = len - j0 < page_size ? len - j0 : page_size;
                 for (int64_t t = 0; t < n; t++) {
-                    prefetch_row(k + h0 * D, pages, j0 + t + AHEAD, len, page_size, token_stride, heads * D * 4);
-                    for (int64_t i = 0; i < span; i++)
+                    prefetch_row(k, pages, j0 + t + AHEAD, len, page_size, token_stride);
+                    for (int64_t i = 0; i < Hq; i++)
                         scores[i * len + j0 + t] = dot(qb + i * D, page + t * token_stride + i / G * D, nv) * scale;
                 }
             }
             float inv_sum[MAX_GROUP * MAX_KV_HEADS];
-            for (int64_t i = 0; i < span; i++) inv_sum[i] = 1.0f / exp_and_sum(scores + i * len, len);
+            for (int64_t i = 0; i < Hq; i++) inv_sum[i] = 1.0f / exp_and_sum(scores + i * len, len);
             /* acc[i] = sum_j p[i, j] v_j */
-            for (int64_t x = 0; x < span * D; x++) acc[x] = 0.0f;
+            for (int64_t x = 0; x < Hq * D; x++) acc[x] = 0.0f;
             for (int64_t j0 = 0; j0 < len; j0 += page_size) {
-                const float *page = v + (int64_t)pages[j0 / page_size] * page_size * token_stride + h0 * D;
+                const float *page = v + (int64_t)pages[j0 / page_size] * page_size * token_stride;
                 const int64_t n = len - j0 < page_size ? len - j0 : page_size;
                 for (int64_t t = 0; t < n; t++) {
-                    prefetch_row(v + h0 * D, pages, j0 + t + AHEAD, len, page_size, token_stride, heads * D * 4);
-                    for (int64_t i = 0; i < span; i++) {
+                    prefetch_row(v, pages, j0 + t + AHEAD, len, page_size, token_stride);
+                    for (int64_t i = 0; i < Hq; i++) {
                         const __m256 p = _mm256_set1_ps(scores[i * len + j0 + t]);
                         const float *vj = page + t * token_stride + i / G * D;
                         float *a = acc + i * D;
@@ -144,7 +144,7 @@ int paged_decode_attention(const float *q, const float *k, const float *v, const
                     }
                 }
             }
-            for (int64_t i = 0; i < span; i++) {
+            for (int64_t i = 0; i < Hq; i++) {
                 const __m256 inv = _mm256_set1_ps(inv_sum[i]);
                 for (int64_t c = 0; c < nv; c++)
                     _mm256_storeu_ps(ob + i * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * c), inv));
