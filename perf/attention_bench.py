@@ -5,7 +5,12 @@ run, interleaved, best of --repeat. Requests' pages either follow one another in
 are scattered through it (a long-running server's pool); kv lengths are ragged, as in a
 serving batch. The two backends' outputs are compared too.
 
-    python perf/attention_bench.py [--threads N] [--batches 1,8,32]   # writes perf/results/attention.json
+Then whole decode steps of the real model (the embedded SmolLM2, 128-token prompts), one
+ModelRunner per backend in this process, interleaved, best of --repeat (--quantization gguf:
+both on the GGUF's blocks).
+
+    python perf/attention_bench.py [--threads N] [--batches 1,8,32] [--quantization gguf]
+                                   # writes perf/results/attention.json
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from forward_bench import ours_decoder  # noqa: E402  (perf/, beside this file)
 from gpu.attention import create_backend  # noqa: E402
 from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
 from gpu.kv_cache import KVCache  # noqa: E402
+from gpu.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
 LAYERS, HQ, HKV, D, PAGE = 30, 9, 3, 64, 16
@@ -38,6 +45,28 @@ def step_seconds(backend, meta, q, k, v) -> float:
     return time.perf_counter() - t
 
 
+def whole_steps(args: argparse.Namespace, batches: list[int]) -> list[dict]:
+    steps = 8
+    runners = {name: ModelRunner(ModelRunnerConfig(
+        attention_backend=name, quantization=args.quantization, max_running_requests=max(batches),
+        max_total_tokens=max(batches) * (args.context + 2 + steps * (args.repeat + 1) + 32))) for name in BACKENDS}
+    rng = np.random.default_rng(1)
+    rows = []
+    with torch.inference_mode():
+        for B in batches:
+            prompts = rng.integers(100, 20000, (B, args.context)).astype(np.int32)
+            decoders = {name: ours_decoder(r, prompts, steps, args.repeat) for name, r in runners.items()}
+            best = dict.fromkeys(BACKENDS, float("inf"))
+            for _ in range(args.repeat):
+                for name, (run, _) in decoders.items():
+                    best[name] = min(best[name], run()[0])
+            for _, close in decoders.values():
+                close()
+            rows.append({"batch": B, **{f"{n}_ms": best[n] * 1e3 for n in BACKENDS},
+                         "speedup": best["torch"] / best["cpu"]})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
@@ -46,6 +75,8 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--quantization", default=None, choices=["gguf"], help="for the whole-step runs")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request in the whole-step runs")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,10 +106,13 @@ def main() -> None:
                          **{f"{n}_ms": best[n] * 1e3 for n in BACKENDS},
                          "speedup": best["torch"] / best["cpu"],
                          "max_abs_diff": float((outs["torch"] - outs["cpu"]).abs().max())})
+    del cache, backends
+    step_rows = whole_steps(args, [int(b) for b in args.batches.split(",")])
     result = {"machine": {"cores": os.cpu_count(), "threads": args.threads, "load_avg": os.getloadavg()},
               "config": {"layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page_size": PAGE,
-                         "kv_len": list(args.kv_len), "repeat": args.repeat},
-              "steps": rows}
+                         "kv_len": list(args.kv_len), "repeat": args.repeat, "quantization": args.quantization,
+                         "context": args.context},
+              "steps": rows, "model_steps": step_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f}; ms per decode step, all {LAYERS} layers")
@@ -87,6 +121,11 @@ def main() -> None:
     for r in rows:
         print(f"| {r['pages']} | {r['batch']} | {r['kv_tokens']} | {r['torch_ms']:.1f} | {r['cpu_ms']:.1f} | "
               f"{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
+    print(f"whole decode steps of the model (quantization {args.quantization}), ms")
+    print("| batch | torch ms | cpu ms | x torch |")
+    print("|---|---|---|---|")
+    for r in step_rows:
+        print(f"| {r['batch']} | {r['torch_ms']:.1f} | {r['cpu_ms']:.1f} | {r['speedup']:.2f} |")
     print(f"wrote {args.out}")
 
 
