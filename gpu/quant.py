@@ -1,6 +1,7 @@
 """`--quantization gguf`: the projections of a GGUF model kept in the file's own Q4_1 / Q8_0
 blocks and multiplied by gpu/kernels/ggml_cpu.c (AVX2 + FMA, built once with the system C
-compiler into the cache directory, gpu/kernels/__init__.py), instead of the fp32 copies the converter writes.
+compiler into the cache directory by gpu/kernels/__init__.py), instead of the fp32 copies
+the converter writes.
 
 The values are the same (the kernel dequantizes exactly as gguf-py does); only the order of
 each dot product's sums differs from fp32. A decode step then reads ~5x fewer bytes of

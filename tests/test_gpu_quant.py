@@ -4,20 +4,18 @@ ones up to summation order for every shape of token tile; the executor on them g
 fp32 executor's greedy tokens; a model that is not a GGUF file is refused in one line."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from gpu.kernels import cpu_kernels_available
 from gpu.model_config import ModelConfig
 from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.quant import load_quantized
 from gpu.weights import load_weights
 from runtime.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or shutil.which("cc") is None,
-    reason="the GGUF kernels need an AVX2 CPU and a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
+                                reason="the GGUF kernels need an AVX2 CPU and a C compiler")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
 

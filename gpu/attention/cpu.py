@@ -1,11 +1,11 @@
 """The CPU backend: decode attention by gpu/kernels/attention_cpu.c, which reads each
-request's keys and values in place from its pages (AVX2 + FMA, OpenMP over requests and kv
-heads); prefill and chunks run through the torch backend's SDPA, which is efficient when
-there are many queries per request.
+request's keys and values in place from its pages (AVX2 + FMA, OpenMP over requests);
+prefill and chunks run through the torch backend's SDPA, which is efficient when there are
+many queries per request.
 
-Against the torch backend's decode (gather every request's pages into a padded batch, then a
-masked SDPA) it moves a third of the bytes and skips the padding; the results agree to fp32
-rounding (tests/test_gpu_attention.py)."""
+Against the torch backend's decode (copy every request's pages into a padded batch, then a
+masked SDPA reads the copy) it reads each K and V row once and skips the padding; the
+results agree to fp32 rounding (tests/test_gpu_attention.py, perf/attention_bench.py)."""
 from __future__ import annotations
 
 import ctypes

@@ -19,21 +19,24 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
+def _avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 class KernelBuildError(RuntimeError):
     """A C kernel cannot be built or run here; the message is one line."""
 
 
 def cpu_kernels_available() -> bool:
     """An AVX2 CPU and a C compiler: what load() needs."""
-    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-            and shutil.which(os.environ.get("CC", "cc")) is not None)
+    return _avx2() and shutil.which(os.environ.get("CC", "cc")) is not None
 
 
 def load(name: str) -> ctypes.CDLL:
     """gpu/kernels/<name>.c, compiled once into the cache (keyed by source and flags)."""
     if name in _loaded:
         return _loaded[name]
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not _avx2():
         raise KernelBuildError("the CPU kernels need an x86-64 CPU with AVX2 and FMA")
     source_path = Path(__file__).parent / f"{name}.c"
     source = source_path.read_bytes()
