@@ -3,6 +3,7 @@ backend and sampler behind one step() over a batch mixing prefill chunks and dec
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
 
 __all__ = ["ModelRunner", "ModelRunnerConfig", "SeqInput", "StepOutput"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,13 @@ class ModelRunner:
         self.attention_backend = config.attention_backend or default_backend(self.device)
         try:
             self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)
-        except ValueError as e:  # a backend this machine cannot run
-            raise ModelLoadError(str(e)) from None
+        except ValueError as e:  # a backend this machine (or this model) cannot run
+            if config.attention_backend is not None or self.attention_backend != "cpu":
+                raise ModelLoadError(str(e)) from None
+            # the CPU default could not be built here (say, a compiler without OpenMP): the reference
+            logger.warning("%s; using the torch attention backend", e)
+            self.attention_backend = "torch"
+            self.attn = create_backend("torch", self.kv_cache, cfg.num_q_heads)
         self.sampler = Sampler(config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids,
                                self.device, config.random_seed)
 

@@ -146,3 +146,19 @@ def test_cpu_attention_is_the_default_only_where_it_can_be_built(monkeypatch):
                  device=torch.device("cpu"))
     with pytest.raises(ValueError, match="head_dim that is a multiple of 8"):
         create_backend("cpu", kv, 2)
+
+
+def test_a_cpu_backend_that_fails_to_build_falls_back_to_torch(tiny_dir, tmp_path, monkeypatch, caplog):
+    """A compiler that cannot build the kernel (say, no OpenMP): the default becomes the
+    torch backend with a warning; asked for by name, it is a clear error."""
+    import gpu.kernels as kernels
+
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("CC", "false")  # found, and fails
+    monkeypatch.setattr(kernels, "_loaded", {})
+    if not kernels.cpu_kernels_available():
+        pytest.skip("no AVX2 here: the default is torch anyway")
+    runner = ModelRunner(ModelRunnerConfig(model_path=str(tiny_dir), max_total_tokens=256, max_running_requests=2))
+    assert runner.attention_backend == "torch"
+    assert "building attention_cpu.c failed" in caplog.text
+    assert "building attention_cpu.c failed" in load_error(tiny_dir, attention_backend="cpu")
