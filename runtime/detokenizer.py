@@ -145,6 +145,9 @@ class Detokenizer:
     def _send(self, records, blob) -> None:
         for worker, (recs, part) in split_by_worker(records, blob).items():
             ch = self.outputs.get(worker)
+            if ch is None and not self._new.empty():  # attached after this loop's last look
+                self._attach_new()
+                ch = self.outputs.get(worker)
             if ch is None:
                 logger.warning("no channel to worker %d: %d text records dropped", worker, len(recs))
                 continue
@@ -162,6 +165,13 @@ class Detokenizer:
     def _attach_new(self) -> None:
         while not self._new.empty():
             meta, ch = self._new.get()
+            if meta["role"] == "failed":  # its handshake broke after it was queued
+                if ch in self.inputs:
+                    self.inputs.remove(ch)
+                for worker in [w for w, c in self.outputs.items() if c is ch]:
+                    del self.outputs[worker], self.worker_pids[worker]
+                ch.close()
+                continue
             if meta["role"] == "scheduler":
                 self.inputs.append(ch)
                 logger.info("scheduler attached")
@@ -218,12 +228,13 @@ class Detokenizer:
         finally:
             if peer_fd is not None:
                 os.close(peer_fd)
+        # queued before the peer holds it: what the peer then causes to be sent finds it attached
+        self._new.put((meta, ch))
         try:
             send_channels(conn, [ch], {"pid": os.getpid()})
         except BaseException:
-            ch.close()
+            self._new.put(({"role": "failed"}, ch))
             raise
-        self._new.put((meta, ch))
         if meta["role"] == "worker" and not self._workers.add(meta["worker"], meta["pid"]):
             self._new.put((meta, None))
 

@@ -106,16 +106,17 @@ def test_streams_and_stops_on_sigterm(tokenizer, tmp_path):
 def test_zmq_transport(tokenizer, tmp_path):
     """The same loop over the ZMQ baseline transport, run in a thread of this process."""
     detok = Detokenizer(ServerArgs(transport="zmq"), str(tmp_path / "detok.sock"), parent_pid=None)
+    loop = threading.Thread(target=detok.serve)
     try:
         detok.load(max_open=64)
-        loop = threading.Thread(target=detok.serve)
         loop.start()
         stream(tokenizer, detok.socket_path, "zmq")
-        detok.stop()
-        loop.join(5)
-        assert not loop.is_alive()
     finally:
+        detok.stop()
+        if loop.is_alive():
+            loop.join(5)
         detok.close()
+    assert not loop.is_alive()
     assert not os.path.exists(detok.socket_path)
 
 
