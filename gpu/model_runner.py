@@ -18,7 +18,7 @@ from gpu.llama import LlamaForCausalLM
 from gpu.model_config import ModelConfig
 from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.page_pool import PagePool
-from gpu.quant import load_quantized
+from gpu.quant import ACTIVATIONS, load_quantized
 from gpu.sampler import Sampler
 from gpu.weights import load_weights
 from runtime.config import ServerArgs
@@ -45,7 +45,7 @@ class ModelRunnerConfig:
     max_running_requests: int = 256     # sampler rows
     context_length: int | None = None   # None: the model's
     random_seed: int = 0                # for unseeded sampling
-    quantization: str | None = None     # gguf: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
+    quantization: str | None = None     # gguf | gguf-q8: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> "ModelRunnerConfig":
@@ -88,7 +88,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
-        quantized = self._gguf_weights() if config.quantization == "gguf" else {}
+        quantized = {} if config.quantization is None else self._gguf_weights()
         weights = load_weights(cfg, self.dtype, self.device)
         for name, q in quantized.items():  # the fp32 weights stay, for products of many tokens
             weights[name] = dataclasses.replace(q, dense=weights.get(name, weights["embed"]))
@@ -117,13 +117,16 @@ class ModelRunner:
                                self.device, config.random_seed)
 
     def _gguf_weights(self) -> dict:
-        """--quantization gguf: the projections in the GGUF file's own blocks (gpu/quant.py)."""
+        """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant.py)."""
+        mode = self.config.quantization
+        if mode not in ACTIVATIONS:
+            raise ModelLoadError(f"--quantization must be one of {list(ACTIVATIONS)}, not {mode!r}")
         path = default_model_path() if self.config.model_path is None else Path(self.config.model_path)
         if path.suffix != ".gguf":
-            raise ModelLoadError(f"--quantization gguf needs a .gguf model, not {path}")
+            raise ModelLoadError(f"--quantization {mode} needs a .gguf model, not {path}")
         if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise ModelLoadError("--quantization gguf runs on the CPU in float32 (its kernels are AVX2 C)")
-        return load_quantized(path, self.model_config)
+            raise ModelLoadError(f"--quantization {mode} runs on the CPU in float32 (its kernels are AVX2 C)")
+        return load_quantized(path, self.model_config, ACTIVATIONS[mode])
 
     def _num_kv_pages(self) -> int:
         cfg, c = self.model_config, self.config

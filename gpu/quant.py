@@ -1,16 +1,23 @@
-"""`--quantization gguf`: the projections of a GGUF model kept in the file's own Q4_1 / Q8_0
-blocks and multiplied by gpu/kernels/ggml_cpu.c (AVX2 + FMA, built once with the system C
-compiler into the cache directory by gpu/kernels/__init__.py), instead of the fp32 copies
-the converter writes.
+"""`--quantization gguf` and `gguf-q8`: the projections of a GGUF model kept in the file's
+own Q4_1 / Q8_0 blocks and multiplied by gpu/kernels/ggml_cpu.c (AVX2 + FMA, built once with
+the system C compiler into the cache directory by gpu/kernels/__init__.py), instead of the
+fp32 copies the converter writes.
 
-The values are the same (the kernel dequantizes exactly as gguf-py does); only the order of
-each dot product's sums differs from fp32. A decode step then reads ~5x fewer bytes of
-weights, which is what bounds it on a CPU at small batches. Embeddings, norms and biases
-stay fp32.
+`gguf` (activations "fp32"): the values are the same (the kernel dequantizes exactly as
+gguf-py does); only the order of each dot product's sums differs from fp32. A decode step then
+reads ~5x fewer bytes of weights, which is what bounds it on a CPU at small batches.
+
+`gguf-q8` (activations "q8"): as llama.cpp does, x is quantized per 32-block to int8 with a
+scale once per product and each block's dot product is integer; fewer instructions per block,
+and the numerics change by x's rounding (a relative error of ~1/254 per block of x).
+
+Embeddings, norms and biases stay fp32.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +31,18 @@ from gpu.model_files import ModelLoadError
 BLOCK = 32
 # GGML type name -> (bytes of a block in the file, bytes of its quantized values)
 FORMATS = {"Q4_1": (20, 16), "Q8_0": (34, 32)}
-
+# --quantization value -> how the kernels take the activations
+ACTIVATIONS = {"gguf": "fp32", "gguf-q8": "q8"}
+# (block type, activations) -> the kernel; all take (x, T, K, qs, d, m, N, y, threads)
+GEMMS = {("Q4_1", "fp32"): "gemm_q4_1", ("Q8_0", "fp32"): "gemm_q8_0",
+         ("Q4_1", "q8"): "gemm_q4_1_q8", ("Q8_0", "q8"): "gemm_q8_0_q8"}
 
 # Up to this many tokens a product reads the blocks (memory bound: ~5x fewer bytes than fp32);
 # beyond, it is compute bound and MKL's fp32 GEMM on the dense copy is as fast or faster
-# (all of SmolLM2's products on a 2-core AVX2 CPU, against gpu/llama.py's fp32 path: 2.7x
-# faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at 32, 0.97x at 48, 0.55x at 128).
-QUANTIZED_MAX_TOKENS = 32
+# (all of SmolLM2's products on a 2-core AVX2 CPU, against gpu/llama.py's fp32 path:
+# fp32 activations 2.7x faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at 32, 0.97x at 48,
+# 0.55x at 128; q8 activations: see perf in README).
+QUANTIZED_MAX_TOKENS = {"fp32": 32, "q8": 32}
 
 
 @dataclass(frozen=True)
@@ -41,10 +53,16 @@ class QuantizedWeight:
     d: torch.Tensor    # float32 [N, K / 32]
     m: torch.Tensor    # float32 [N, K / 32]
     dense: torch.Tensor | None = None  # float32 [N, K], the same values, for products of many tokens
+    activations: str = "fp32"  # "fp32": x as it is | "q8": x quantized per 32-block (quantize_q8)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * BLOCK
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a product takes through the blocks; more go through `dense`."""
+        return QUANTIZED_MAX_TOKENS[self.activations]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: float32 [T, K] -> [T, N] = x @ W^T."""
@@ -53,10 +71,10 @@ class QuantizedWeight:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"x: expected float32 [T, {K}], got {x.dtype} {tuple(x.shape)}")
         y = torch.empty(x.shape[0], N, dtype=torch.float32)
-        lib = _kernels()
-        gemm = lib.gemm_q4_1 if self.kind == "Q4_1" else lib.gemm_q8_0
-        gemm(x.data_ptr(), x.shape[0], K, self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), N,
-             y.data_ptr(), torch.get_num_threads())
+        gemm = getattr(_kernels(), GEMMS[self.kind, self.activations])
+        if gemm(x.data_ptr(), x.shape[0], K, self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), N,
+                y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
         return y
 
     def dequantize(self) -> torch.Tensor:
@@ -66,6 +84,20 @@ class QuantizedWeight:
             q = torch.cat([q & 0x0F, q >> 4], dim=-1)  # [N, nb, 32]: low nibbles are elements 0..15
         w = q.to(torch.float32) * self.d[..., None] + self.m[..., None]
         return w.reshape(self.shape)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: float32 [T, K] -> (q int8 [T, K], d float32 [T, K/32], s float32 [T, K/32]): per
+    32-block, d = amax / 127, q = x * (127 / amax) rounded to nearest (even), s = d * sum(q),
+    as llama.cpp's Q8_1; a block of zeros gives d = s = 0, q = 0."""
+    T, K = x.shape
+    if x.dtype != torch.float32 or not x.is_contiguous() or K % BLOCK:
+        raise ValueError(f"x: expected contiguous float32 [T, K] with K a multiple of {BLOCK}, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    q = torch.empty(T, K, dtype=torch.int8)
+    d, s = torch.empty(T, K // BLOCK), torch.empty(T, K // BLOCK)
+    _kernels().quantize_q8(x.data_ptr(), T, K, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
 
 
 def from_blocks(kind: str, raw: np.ndarray) -> QuantizedWeight:
@@ -98,9 +130,9 @@ def unpermute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
     return QuantizedWeight(w.kind, w.qs[order].contiguous(), w.d[order].contiguous(), w.m[order].contiguous())
 
 
-def load_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantizedWeight]:
+def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32") -> dict[str, QuantizedWeight]:
     """The quantized replacements of load_weights()' qkv, o, gate_up, down and lm_head (their
-    `dense` copies not attached)."""
+    `dense` copies not attached), multiplied with `activations` ("fp32" | "q8")."""
     import gguf
 
     if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
@@ -126,17 +158,21 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantizedWeig
         out[f"layers.{i}.o"] = take(p + "attn_output.weight")
         out[f"layers.{i}.gate_up"] = concat_rows([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
         out[f"layers.{i}.down"] = take(p + "ffn_down.weight")
-    return out
+    return {name: dataclasses.replace(w, activations=activations) for name, w in out.items()}
 
 
+@functools.cache
 def _kernels() -> ctypes.CDLL:
-    """gpu/kernels/ggml_cpu.c, built on first use."""
+    """gpu/kernels/ggml_cpu.c, built on first use (a failed build is not cached: it raises)."""
     try:
         lib = kernels.load("ggml_cpu")
     except kernels.KernelBuildError as e:
         raise ModelLoadError(f"--quantization gguf: {e}") from None
-    for gemm in (lib.gemm_q4_1, lib.gemm_q8_0):
-        gemm.restype = None
-        gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in GEMMS.values():  # x, T, K, qs, d, m, N, y, threads -> the q8 ones: 0 or -1 (no memory)
+        gemm = getattr(lib, name)
+        gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+        gemm.restype = ctypes.c_int if name.endswith("_q8") else None
+    lib.quantize_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr]  # x, T, K, q, d, s
+    lib.quantize_q8.restype = None
     return lib

@@ -26,7 +26,10 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str | None = None  # cpu | torch | triton | flashinfer (None: per device)
     context_length: int | None = None
-    quantization: str | None = None  # gguf: run a GGUF's Q4_1 / Q8_0 weights as they are (CPU kernels)
+    # gguf: run a GGUF's Q4_1 / Q8_0 weights as they are (CPU kernels, fp32 activations);
+    # gguf-q8: the same with activations quantized to int8 per 32 values as llama.cpp does
+    # (faster; the numerics change by the activations' rounding)
+    quantization: str | None = None
     null_model: bool = False  # instant tokens: measures the server's own per-token cost
     random_seed: int = 0
     # HTTP
@@ -53,7 +56,7 @@ class ServerArgs:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": (None, "cpu", "torch", "triton", "flashinfer"),
-            "quantization": (None, "gguf"),
+            "quantization": (None, "gguf", "gguf-q8"),
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),
             "log_level": ("debug", "info", "warning", "error", "critical"),
