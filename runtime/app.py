@@ -38,6 +38,7 @@ from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, comple
 from httpapi.sampling import check_token_ids
 from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
 from runtime.config import ServerArgs
+from runtime.heap import settle_heap
 from runtime.launcher import EngineLink, EngineStartError, ServerFiles, attach_engine
 from runtime.metrics import EngineStats, WorkerMetrics, use_multiprocess_dir
 from runtime.sampling_params import SamplingParams
@@ -400,6 +401,7 @@ class HTTPWorker:
         tm.start()
         worker.watchdog.start(asyncio.get_running_loop())
         worker._flusher = asyncio.create_task(worker._flush_metrics())
+        settle_heap()
         logger.info("HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, "
                     "detokenizer pid %d", link.worker, os.getpid(), files.server_pid,
                     *(p.pid for p in link.procs))

@@ -30,6 +30,7 @@ from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.records import TEXT_OUT, TOKEN_OUT
 from runtime.config import ServerArgs
 from runtime.detok_router import DetokRouter, split_by_worker
+from runtime.heap import settle_heap
 from runtime.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ def run_detokenizer(server_args: ServerArgs, socket_path: str, parent_pid: int |
         signal.signal(sig, lambda *_: detok.stop())
     try:
         detok.load(max_open)
+        settle_heap()
         detok.serve()
     finally:
         detok.close()

@@ -40,6 +40,7 @@ from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, RequestKind,
                          TokenKind, encode_strings, pack_top_logprobs, unpack_request)
 from runtime.config import ServerArgs
+from runtime.heap import settle_heap
 from runtime.request import Rejection, Request
 from runtime.scheduler import Scheduler, SchedulerConfig, StepResult
 from runtime.watchdog import WorkerWatch
@@ -71,6 +72,7 @@ def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket:
         signal.signal(sig, lambda *_: proc.stop())
     try:
         proc.start()
+        settle_heap()
         proc.serve()
     finally:
         proc.close()
