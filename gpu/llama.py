@@ -27,7 +27,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tenso
     """x: [T, K], w: [N, K] (or GGUF blocks), w_t: the same weight as a [K, N] copy or None
     -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
     if isinstance(w, QuantizedWeight):
-        if w.dense is None or x.shape[0] <= w.max_tokens:
+        if w.dense is None or w.max_tokens is None or x.shape[0] <= w.max_tokens:
             out = w.matmul(x)
             return out if bias is None else out + bias
         w = w.dense

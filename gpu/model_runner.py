@@ -90,8 +90,9 @@ class ModelRunner:
         cfg = self.model_config
         quantized = {} if config.quantization is None else self._gguf_weights()
         weights = load_weights(cfg, self.dtype, self.device)
-        for name, q in quantized.items():  # the fp32 weights stay, for products of many tokens
-            weights[name] = dataclasses.replace(q, dense=weights.get(name, weights["embed"]))
+        for name, q in quantized.items():  # the fp32 weights stay where products of many tokens use them
+            dense = None if q.max_tokens is None else weights.get(name, weights["embed"])
+            weights[name] = dataclasses.replace(q, dense=dense)
         self.model = LlamaForCausalLM(cfg, weights)
         num_pages = self._num_kv_pages()
         try:

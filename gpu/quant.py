@@ -37,31 +37,56 @@ ACTIVATIONS = {"gguf": "fp32", "gguf-q8": "q8"}
 GEMMS = {("Q4_1", "fp32"): "gemm_q4_1", ("Q8_0", "fp32"): "gemm_q8_0",
          ("Q4_1", "q8"): "gemm_q4_1_q8", ("Q8_0", "q8"): "gemm_q8_0_q8"}
 
-# Up to this many tokens a product reads the blocks (memory bound: ~5x fewer bytes than fp32);
-# beyond, it is compute bound and MKL's fp32 GEMM on the dense copy is as fast or faster
-# (all of SmolLM2's products on a 2-core AVX2 CPU, against gpu/llama.py's fp32 path:
-# fp32 activations 2.7x faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at 32, 0.97x at 48,
-# 0.55x at 128; q8 activations: see perf in README).
-QUANTIZED_MAX_TOKENS = {"fp32": 32, "q8": 32}
+# Up to this many tokens a product reads the blocks; beyond, the dense fp32 copy through MKL.
+# fp32 activations: memory bound at few tokens (~5x fewer bytes than fp32), compute bound
+# beyond, where MKL is as fast or faster (all of SmolLM2's products on a 2-core AVX2 CPU,
+# against gpu/llama.py's fp32 path: 2.7x faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at
+# 32, 0.97x at 48, 0.55x at 128). q8 activations: no limit, and no dense copy is kept: the
+# integer kernel beat MKL at every size measured (5.9x at 1 token, 4.8x at 8, 2.3x at 32,
+# 2.0x at 128, 1.8x at 512, 1.4x at 2048, the default chunked prefill).
+QUANTIZED_MAX_TOKENS: dict[str, int | None] = {"fp32": 32, "q8": None}
+ROW_GROUP = 8  # rows the q8 kernels interleave (gpu/kernels/ggml_cpu.c ROWS)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [N, K] weight as N rows of K / 32 blocks: value = d * q + m (m = 0 for Q8_0)."""
+    """A [N, K] weight as N rows of K / 32 blocks: value = d * q + m (m = 0 for Q8_0). With
+    activations "q8", qs, d and m hold the same values in the q8 kernels' order (with_activations)."""
     kind: str          # "Q4_1" | "Q8_0"
     qs: torch.Tensor   # uint8 [N, K / 32, 16 (two nibbles a byte) or 32 (int8)]
     d: torch.Tensor    # float32 [N, K / 32]
     m: torch.Tensor    # float32 [N, K / 32]
-    dense: torch.Tensor | None = None  # float32 [N, K], the same values, for products of many tokens
+    dense: torch.Tensor | None = None  # float32 [N, K], the same values, for products of > max_tokens
     activations: str = "fp32"  # "fp32": x as it is | "q8": x quantized per 32-block (quantize_q8)
+
+    def with_activations(self, activations: str) -> "QuantizedWeight":
+        """The same weight for the other kernels. For "q8" each group of 8 rows is interleaved 4
+        bytes at a time, qs as [N/8, nb, bytes/4, 8, 4] and d, m as [N/8, nb, 8], so that one
+        32-byte load holds the same 4 bytes of 8 rows; for "fp32" rows are one after another."""
+        if activations not in QUANTIZED_MAX_TOKENS:
+            raise ValueError(f"activations must be one of {list(QUANTIZED_MAX_TOKENS)}, not {activations!r}")
+        if activations == self.activations:
+            return self
+        (N, nb, q_bytes), g = self.qs.shape, ROW_GROUP
+        if N % g:
+            raise ModelLoadError(f"--quantization gguf-q8: its kernels take weights of a multiple of {g} "
+                                 f"rows, not {N}")
+        if activations == "q8":
+            qs = self.qs.view(N // g, g, nb, q_bytes // 4, 4).permute(0, 2, 3, 1, 4)
+            d, m = (t.view(N // g, g, nb).transpose(1, 2) for t in (self.d, self.m))
+        else:
+            qs = self.qs.view(N // g, nb, q_bytes // 4, g, 4).permute(0, 3, 1, 2, 4)
+            d, m = (t.view(N // g, nb, g).transpose(1, 2) for t in (self.d, self.m))
+        return dataclasses.replace(self, qs=qs.reshape(N, nb, q_bytes), d=d.reshape(N, nb), m=m.reshape(N, nb),
+                                   activations=activations)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * BLOCK
 
     @property
-    def max_tokens(self) -> int:
-        """The most tokens a product takes through the blocks; more go through `dense`."""
+    def max_tokens(self) -> int | None:
+        """The most tokens a product takes through the blocks, more through `dense`; None: all."""
         return QUANTIZED_MAX_TOKENS[self.activations]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +104,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], as gguf-py computes it."""
+        if self.activations != "fp32":
+            return self.with_activations("fp32").dequantize()
         q = self.qs.to(torch.int32) if self.kind == "Q4_1" else self.qs.view(torch.int8).to(torch.int32)
         if self.kind == "Q4_1":
             q = torch.cat([q & 0x0F, q >> 4], dim=-1)  # [N, nb, 32]: low nibbles are elements 0..15
@@ -158,7 +185,7 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32")
         out[f"layers.{i}.o"] = take(p + "attn_output.weight")
         out[f"layers.{i}.gate_up"] = concat_rows([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
         out[f"layers.{i}.down"] = take(p + "ffn_down.weight")
-    return {name: dataclasses.replace(w, activations=activations) for name, w in out.items()}
+    return {name: w.with_activations(activations) for name, w in out.items()}
 
 
 @functools.cache

@@ -3,9 +3,12 @@ weights (the embedded SmolLM2 unless --model-path), same process, same run.
 
 Measures decode step time and tokens/s at several batch sizes (each request holding
 --context tokens of prompt), prefill tokens/s for one --prefill-token prompt, and the start
-time of the ModelRunner; writes perf/results/forward.json and prints a table.
+time of the ModelRunner; writes perf/results/forward.json and prints a table. With several
+--quantization modes, one ModelRunner per mode in this process, all interleaved with
+transformers (which stays fp32) in each timed round.
 
     python perf/forward_bench.py [--threads N] [--batches 1,8,32] [--cold-start]
+                                 [--quantization none,gguf,gguf-q8]
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E
 from runtime.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
+MODES = ("none", "gguf", "gguf-q8")  # --quantization values; none: the fp32 weights
 
 
 def timed(fn) -> np.ndarray:
@@ -99,6 +103,14 @@ def cold_start_seconds() -> float:
             os.environ.update(old)
 
 
+def modes(value: str) -> list[str]:
+    out = value.split(",")
+    bad = [m for m in out if m not in MODES]
+    if bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of distinct {', '.join(MODES)}, not {value!r}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None)
@@ -110,69 +122,85 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-generate", action="store_true", help="skip the transformers generate() baseline")
     ap.add_argument("--cold-start", action="store_true", help="also time a start with GGUF conversion")
-    ap.add_argument("--quantization", default=None, choices=["gguf"],
-                    help="the executor on the GGUF's own Q4_1/Q8_0 weights (transformers stays fp32)")
+    ap.add_argument("--quantization", type=modes, default=["none"],
+                    help=f"executor weights, comma-separated, each its own ModelRunner: {', '.join(MODES)} "
+                         "(gguf: the GGUF's own Q4_1/Q8_0 blocks; gguf-q8: the same with int8 activations; "
+                         "transformers stays fp32)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # this process is the benchmark's own
     batches = [int(b) for b in args.batches.split(",")]
 
-    t = time.perf_counter()
-    runner = ModelRunner(ModelRunnerConfig(
-        model_path=args.model_path, max_running_requests=max(batches), quantization=args.quantization,
-        max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
-    start_s = time.perf_counter() - t
+    runners, start_s = {}, {}
+    for mode in args.quantization:
+        t = time.perf_counter()
+        runners[mode] = ModelRunner(ModelRunnerConfig(
+            model_path=args.model_path, max_running_requests=max(batches),
+            quantization=None if mode == "none" else mode,
+            max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
+        start_s[mode] = time.perf_counter() - t
+    first = next(iter(runners.values()))
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(runner.model_config.model_dir, dtype=torch.float32).eval()
-    pad_id = runner.model_config.eos_token_ids[0]
+    hf = AutoModelForCausalLM.from_pretrained(first.model_config.model_dir, dtype=torch.float32).eval()
+    pad_id = first.model_config.eos_token_ids[0]
     rng = np.random.default_rng(0)
-    V = runner.model_config.vocab_size
+    V = first.model_config.vocab_size
 
     rows = []
     with torch.inference_mode():
         for B in batches:
             prompts = rng.integers(100, V, size=(B, args.context)).astype(np.int32)
-            ours_run, ours_close = ours_decoder(runner, prompts, args.steps, args.repeat)
+            decoders = {mode: ours_decoder(r, prompts, args.steps, args.repeat) for mode, r in runners.items()}
             if not args.no_generate:
                 hf_generate(hf, prompts, 2, pad_id)  # warm-up
             # all interleaved, best of `repeat` each: a shared machine's load hits them alike
-            ours, theirs, gen_long, gen_short = [], [], [], []
+            ours, theirs, gen_long, gen_short = {m: [] for m in runners}, [], [], []
             for _ in range(args.repeat):
-                ours.append(ours_run())
+                for mode, (run, _) in decoders.items():
+                    ours[mode].append(run())
                 theirs.append(hf_decode(hf, prompts, args.steps))
                 if not args.no_generate:
                     gen_long.append(hf_generate(hf, prompts, 1 + args.steps, pad_id))
                     gen_short.append(hf_generate(hf, prompts, 1, pad_id))
-            ours_close()
-            ours, theirs = np.min(ours, axis=0), np.min(theirs, axis=0)   # [wall, cpu] per step
+            for _, close in decoders.values():
+                close()
+            theirs = np.min(theirs, axis=0)  # [wall, cpu] per step
             gen = None if args.no_generate else (np.min(gen_long, axis=0) - np.min(gen_short, axis=0)) / args.steps
-            rows.append({"batch": B, "ours_ms": ours[0] * 1e3, "ours_cpu_ms": ours[1] * 1e3,
-                         "hf_ms": theirs[0] * 1e3, "hf_cpu_ms": theirs[1] * 1e3,
-                         "hf_generate_ms": None if gen is None else gen[0] * 1e3,
-                         "hf_generate_cpu_ms": None if gen is None else gen[1] * 1e3,
-                         "ours_tok_s": B / ours[0], "hf_tok_s": B / theirs[0],
-                         "hf_generate_tok_s": None if gen is None else B / gen[0],
-                         "ratio_vs_hf": theirs[0] / ours[0], "cpu_ratio_vs_hf": theirs[1] / ours[1],
-                         "ratio_vs_generate": None if gen is None else gen[0] / ours[0],
-                         "cpu_ratio_vs_generate": None if gen is None else gen[1] / ours[1]})
+            for mode in runners:
+                o = np.min(ours[mode], axis=0)
+                rows.append({"batch": B, "quantization": mode, "ours_ms": o[0] * 1e3, "ours_cpu_ms": o[1] * 1e3,
+                             "hf_ms": theirs[0] * 1e3, "hf_cpu_ms": theirs[1] * 1e3,
+                             "hf_generate_ms": None if gen is None else gen[0] * 1e3,
+                             "hf_generate_cpu_ms": None if gen is None else gen[1] * 1e3,
+                             "ours_tok_s": B / o[0], "hf_tok_s": B / theirs[0],
+                             "hf_generate_tok_s": None if gen is None else B / gen[0],
+                             "ratio_vs_hf": theirs[0] / o[0], "cpu_ratio_vs_hf": theirs[1] / o[1],
+                             "ratio_vs_generate": None if gen is None else gen[0] / o[0],
+                             "cpu_ratio_vs_generate": None if gen is None else gen[1] / o[1]})
         prompt = rng.integers(100, V, size=args.prefill).astype(np.int32)
-        pages = runner.pool.alloc(runner.pool.pages_for(args.prefill))
-        runner.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
         ids = torch.from_numpy(prompt.astype(np.int64))[None]
-        ours_p, hf_p = [], []
+        ours_p, hf_p = {m: [] for m in runners}, []
+        pages = {m: r.pool.alloc(r.pool.pages_for(args.prefill)) for m, r in runners.items()}
+        for r in runners.values():
+            r.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
         for _ in range(args.repeat + 1):  # the first of each is a warm-up
-            ours_p.append(timed(lambda: runner.step([SeqInput(0, prompt, 0, pages, True)])))
+            for mode, r in runners.items():
+                ours_p[mode].append(timed(lambda: r.step([SeqInput(0, prompt, 0, pages[mode], True)])))
             hf_p.append(timed(lambda: hf(ids, use_cache=True, logits_to_keep=1)))
-        runner.pool.free(pages)
-        ours_p, hf_p = np.min(ours_p[1:], axis=0), np.min(hf_p[1:], axis=0)
-    prefill = {"tokens": args.prefill, "ours_tok_s": args.prefill / ours_p[0], "hf_tok_s": args.prefill / hf_p[0],
-               "ratio": hf_p[0] / ours_p[0], "cpu_ratio": hf_p[1] / ours_p[1]}
+        for mode, r in runners.items():
+            r.pool.free(pages[mode])
+        hf_p = np.min(hf_p[1:], axis=0)
+    prefill = []
+    for mode in runners:
+        o = np.min(ours_p[mode][1:], axis=0)
+        prefill.append({"quantization": mode, "tokens": args.prefill, "ours_tok_s": args.prefill / o[0],
+                        "hf_tok_s": args.prefill / hf_p[0], "ratio": hf_p[0] / o[0], "cpu_ratio": hf_p[1] / o[1]})
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "threads": args.threads, "load_avg": os.getloadavg()},
         "config": {"context": args.context, "steps": args.steps, "repeat": args.repeat, "dtype": "float32",
                    "quantization": args.quantization,
-                   "attention_backend": runner.attention_backend, "device": str(runner.device)},
+                   "attention_backend": first.attention_backend, "device": str(first.device)},
         "start_seconds_cached": start_s,
         "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
         "decode": rows, "prefill": prefill,
@@ -180,20 +208,22 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 
-    print(f"threads={args.threads} quantization={args.quantization} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
+    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
           f"steps={args.steps} (best of {args.repeat})")
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    print(f"{'batch':>5} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} {'generate tok/s':>14} "
-          f"{'x hf':>6} {'x generate':>10} {'x hf (cpu)':>10} {'x generate (cpu)':>16}")
+    print(f"{'batch':>5} {'quantization':>12} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} "
+          f"{'generate tok/s':>14} {'x hf':>6} {'x generate':>10} {'x hf (cpu)':>10} {'x generate (cpu)':>16}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} {r['hf_tok_s']:>9.1f} "
-              f"{fmt(r['hf_generate_tok_s'], '.1f'):>14} {r['ratio_vs_hf']:>6.2f} "
+        print(f"{r['batch']:>5} {r['quantization']:>12} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} "
+              f"{r['hf_tok_s']:>9.1f} {fmt(r['hf_generate_tok_s'], '.1f'):>14} {r['ratio_vs_hf']:>6.2f} "
               f"{fmt(r['ratio_vs_generate'], '.2f'):>10} {r['cpu_ratio_vs_hf']:>10.2f} "
               f"{fmt(r['cpu_ratio_vs_generate'], '.2f'):>16}")
-    print(f"prefill {args.prefill} tokens: ours {prefill['ours_tok_s']:.0f} tok/s, transformers "
-          f"{prefill['hf_tok_s']:.0f} tok/s, x{prefill['ratio']:.2f} (cpu time x{prefill['cpu_ratio']:.2f})")
+    for p in prefill:
+        print(f"prefill {args.prefill} tokens ({p['quantization']}): ours {p['ours_tok_s']:.0f} tok/s, "
+              f"transformers {p['hf_tok_s']:.0f} tok/s, x{p['ratio']:.2f} (cpu time x{p['cpu_ratio']:.2f})")
     cold = result["start_seconds_cold"]
-    print(f"ModelRunner start: {start_s:.1f} s cached" + (f", {cold:.1f} s with GGUF conversion" if cold else ""))
+    print("ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in start_s.items())
+          + (f"; {cold:.1f} s with GGUF conversion" if cold else ""))
     print(f"wrote {args.out}")
 
 

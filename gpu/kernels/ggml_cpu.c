@@ -79,16 +79,22 @@ static inline void dequant_q8_0(const uint8_t *qs, float d, float m, __m256 w[4]
 GEMM(gemm_q4_1, dequant_q4_1, 16)
 GEMM(gemm_q8_0, dequant_q8_0, 32)
 
-/* --quantization gguf-q8: llama.cpp's way. The activations x are quantized once per product,
- * per 32-block, to int8 q with a scale d = amax / 127 (q = x * 127 / amax rounded to nearest
- * even by _mm256_cvtps_epi32, as llama.cpp's quantize_row_q8_1; amax 0 gives d 0, q 0) and
- * s = d * sum(q), so that for a Q4_1 weight block
+/* --quantization gguf-q8: llama.cpp's arithmetic. The activations x are quantized once per
+ * product, per 32-block, to int8 q with a scale d = amax / 127 (q = x * 127 / amax rounded to
+ * nearest even by _mm256_cvtps_epi32, as llama.cpp's quantize_row_q8_1; amax 0 gives d 0, q 0)
+ * and s = d * sum(q), so that for a Q4_1 weight block
  *     sum_j (d_w q_w + m_w) (d_x q_x) = d_w d_x sum_j q_w q_x + m_w s_x
- * and the dot product of the 32 pairs is integer: maddubs (uint8 x int8 -> 16 int16 sums of
- * pairs, at most 2 * 15 * 127, or 2 * 128 * 127 for Q8_0, so never saturating) then madd
- * with ones (-> 8 int32). A Q8_0 weight is signed: its magnitudes go in maddubs' unsigned
- * operand and its signs onto x (_mm256_sign_epi8). Per block and token that is ~5 vector
- * instructions against the dequantize + 4 FMAs above; the numerics change by x's rounding.
+ * with an integer dot product: maddubs (uint8 x int8 -> int16 sums of pairs) then madd with
+ * ones (-> int32). A Q8_0 weight is signed: its magnitudes go in maddubs' unsigned operand and
+ * its signs onto x (_mm256_sign_epi8). The numerics change from fp32 by x's rounding only.
+ *
+ * Unlike llama.cpp's vec_dot (one row and token at a time, a horizontal sum per pair), the
+ * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant.py
+ * interleave_rows): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
+ * 4 bytes of x broadcast sums them into one int16 lane per row, and a group's 8 results come
+ * out in one vector (scales, mins and the store all 8 rows wide, no horizontal sums). 2-3x
+ * fewer instructions than one row at a time (measured), so a product of a few tokens is
+ * memory bound again.
  */
 static inline int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -127,80 +133,80 @@ void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, floa
     }
 }
 
-/* A weight block as maddubs' unsigned operand (the magnitudes) and what makes x's int8
- * match its signs: Q4_1 nibbles are unsigned, so x as it is; Q8_0 signs go onto x. */
-static inline __attribute__((always_inline)) void unpack_block(int q4_1, const uint8_t *qs, __m256i *mag,
-                                                               __m256i *sgn) {
-    if (q4_1) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)qs);  /* element j: byte j & 15, j + 16: byte j >> 4 */
-        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
-        *mag = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-    } else {
-        *sgn = _mm256_loadu_si256((const __m256i *)qs);
-        *mag = _mm256_sign_epi8(*sgn, *sgn);  /* |w|; -128 stays 0x80, read as 128 unsigned */
-    }
-}
+#define ROWS 8     /* rows per interleaved group: one ymm lane each */
+#define TILE_Q8 4  /* tokens per pass over a group: 4 int sums + 4 float sums + block, x, constants */
+#define CHUNK 4    /* groups a thread takes at a time (32 rows): 1 and 16 were slower at 1-512 tokens */
 
-/* sum_i a[i] b[i] */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float sum = hsum(acc);
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-#define TILE_Q8 8  /* tokens per block unpack: 8 accumulators + the block, its scale, ones, temps in 16 ymm */
-
-/* y[t, n] for tokens t0 .. t0 + tt of row n; tt is a constant at each call (a switch below) so
- * that the token loop unrolls and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void row_tile_q8(
+/* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt is a constant at each call (a switch
+ * below) so that the token loops unroll and the sums stay in registers.
+ * xq, xd, xs: the tile's tokens; qs: the group's [K/32, qbytes/4, ROWS, 4] bytes; d, m: its
+ * [K/32, ROWS] scales and mins. */
+static inline __attribute__((always_inline)) void group_tile_q8(
         int q4_1, int tt, const int8_t *xq, const float *xd, const float *xs, int64_t K,
-        const uint8_t *row, const float *rd, const float *rm, int64_t N, float *y) {
-    const int64_t nb = K / 32, qbytes = q4_1 ? 16 : 32;
-    const __m256i ones = _mm256_set1_epi16(1);
+        const uint8_t *qs, const float *d, const float *m, int64_t N, float *y) {
+    const int64_t nb = K / 32, block_bytes = ROWS * (q4_1 ? 16 : 32);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     __m256 acc[TILE_Q8];
     for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i mag, sgn;
-        unpack_block(q4_1, row + b * qbytes, &mag, &sgn);
-        const __m256 dw = _mm256_set1_ps(rd[b]);
+        const uint8_t *wb = qs + b * block_bytes;
+        /* Q4_1: int16 lanes (8 maddubs of at most 2 * 15 * 127 each: <= 30480); Q8_0: int32 */
+        __m256i isum[TILE_Q8];
+        for (int t = 0; t < tt; t++) isum[t] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {  /* elements 4 c .. 4 c + 3 of the block, all 8 rows */
+            __m256i w, sgn = _mm256_setzero_si256();
+            if (q4_1) {  /* bytes 4 (c % 4) ..: low nibbles are elements 0..15, high ones 16..31 */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * (c & 3)));
+                w = _mm256_and_si256(c < 4 ? raw : _mm256_srli_epi16(raw, 4), low);
+            } else {
+                sgn = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
+                w = _mm256_sign_epi8(sgn, sgn);  /* |w|; -128 stays 0x80, read as 128 unsigned */
+            }
+            for (int t = 0; t < tt; t++) {
+                __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + t * K + 32 * b + 4 * c));
+                if (q4_1) {
+                    isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(w, xv));
+                } else {
+                    xv = _mm256_sign_epi8(xv, sgn);
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+                }
+            }
+        }
+        const __m256 dw = _mm256_loadu_ps(d + b * ROWS);
         for (int t = 0; t < tt; t++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * 32));
-            if (!q4_1) xv = _mm256_sign_epi8(xv, sgn);
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv), ones);  /* int32 [8] */
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(xd[t * nb + b])),
-                                     acc[t]);
+            const __m256 dot = _mm256_cvtepi32_ps(q4_1 ? _mm256_madd_epi16(isum[t], ones) : isum[t]);
+            acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[t * nb + b])), acc[t]);
+            if (q4_1) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * ROWS), _mm256_set1_ps(xs[t * nb + b]), acc[t]);
         }
     }
-    for (int t = 0; t < tt; t++)
-        y[t * N] = hsum(acc[t]) + (q4_1 ? dot_f32(rm, xs + t * nb, nb) : 0.0f);  /* + sum_b m_w s_x */
+    for (int t = 0; t < tt; t++) _mm256_storeu_ps(y + t * N, acc[t]);
 }
 
-/* One row n of the product, all tokens, TILE_Q8 at a time. */
-static inline __attribute__((always_inline)) void row_q8(
+/* Groups g0 .. g1 of 8 rows, all tokens, TILE_Q8 at a time: a tile of x (4 K bytes) is read
+ * from L1 for every group of the chunk, whose blocks (a few KiB a group) stay in L1/L2 for
+ * every tile, instead of all of x streaming past each group. */
+static inline __attribute__((always_inline)) void groups_q8(
         int q4_1, const int8_t *xq, const float *xd, const float *xs, int64_t T, int64_t K,
-        const uint8_t *qs, const float *d, const float *m, int64_t N, float *y, int64_t n) {
-    const int64_t nb = K / 32, qbytes = q4_1 ? 16 : 32;
+        const uint8_t *qs, const float *d, const float *m, int64_t N, float *y, int64_t g0, int64_t g1) {
+    const int64_t nb = K / 32, group_bytes = nb * ROWS * (q4_1 ? 16 : 32);
     for (int64_t t0 = 0; t0 < T; t0 += TILE_Q8) {
-        const int8_t *tq = xq + t0 * K;
-        const float *td = xd + t0 * nb, *ts = xs + t0 * nb;
-        const uint8_t *row = qs + n * nb * qbytes;
-        float *ty = y + t0 * N + n;
-#define TILE_CASE(TT) \
-    case TT: row_tile_q8(q4_1, TT, tq, td, ts, K, row, d + n * nb, m + n * nb, N, ty); break;
-        switch (T - t0 < TILE_Q8 ? T - t0 : TILE_Q8) {
-            TILE_CASE(8) TILE_CASE(7) TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2) TILE_CASE(1)
-        }
+        for (int64_t g = g0; g < g1; g++) {
+#define TILE_CASE(TT)                                                                                 \
+    case TT:                                                                                          \
+        group_tile_q8(q4_1, TT, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,     \
+                      d + g * nb * ROWS, m + g * nb * ROWS, N, y + t0 * N + g * ROWS);               \
+        break;
+            switch (T - t0 < TILE_Q8 ? T - t0 : TILE_Q8) { TILE_CASE(4) TILE_CASE(3) TILE_CASE(2) TILE_CASE(1) }
 #undef TILE_CASE
+        }
     }
 }
 
-/* The same arguments as the fp32 GEMMs above: x [T, K] is quantized (quantize_q8) into a
- * scratch buffer (once per product), then rows go over the threads. One function per type, not a runtime flag,
- * so that each parallel region is compiled for its own block. Returns 0, or -1 when the
- * scratch cannot be allocated (y untouched). */
+/* The same arguments as the fp32 GEMMs above, but the weights in interleaved groups of 8 rows
+ * (N a multiple of 8): qs [N/8, K/32, qbytes/4, 8, 4]; d, m [N/8, K/32, 8] (m unused for Q8_0).
+ * x [T, K] is quantized (quantize_q8) into a scratch buffer once per product, then chunks of
+ * groups go over the threads. One function per type, not a runtime flag, so that each parallel region is
+ * compiled for its own block. Returns 0, or -1 when the scratch cannot be allocated (y untouched). */
 #define GEMM_Q8(NAME, Q4_1)                                                                         \
     int NAME(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d,              \
              const float *m, int64_t N, float *y, int threads) {                                    \
@@ -212,7 +218,8 @@ static inline __attribute__((always_inline)) void row_q8(
         int8_t *xq = (int8_t *)(xs + T * nb);                                                       \
         quantize_q8(x, T, K, xq, xd, xs);                                                           \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                           \
-        for (int64_t n = 0; n < N; n++) row_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, n);          \
+        for (int64_t c = 0; c < N / ROWS; c += CHUNK)                                               \
+            groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < N / ROWS ? c + CHUNK : N / ROWS); \
         free(xd);                                                                                   \
         return 0;                                                                                   \
     }
