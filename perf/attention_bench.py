@@ -6,10 +6,10 @@ are scattered through it (a long-running server's pool); kv lengths are ragged, 
 serving batch. The two backends' outputs are compared too.
 
 Then whole decode steps of the real model (the embedded SmolLM2, 128-token prompts), one
-ModelRunner per backend in this process, interleaved, best of --repeat (--quantization gguf:
-both on the GGUF's blocks).
+ModelRunner per backend in this process, interleaved, best of --repeat (--quantization gguf or
+gguf-q8: both on the GGUF's blocks).
 
-    python perf/attention_bench.py [--threads N] [--batches 1,8,32] [--quantization gguf]
+    python perf/attention_bench.py [--threads N] [--batches 1,8,32] [--quantization gguf|gguf-q8]
                                    # writes perf/results/attention.json
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--quantization", default=None, choices=["gguf"], help="for the whole-step runs")
+    ap.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8"], help="for the whole-step runs")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request in the whole-step runs")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()

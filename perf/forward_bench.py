@@ -8,7 +8,11 @@ time of the ModelRunner; writes perf/results/forward.json and prints a table. Wi
 transformers (which stays fp32) in each timed round.
 
     python perf/forward_bench.py [--threads N] [--batches 1,8,32] [--cold-start]
-                                 [--quantization none,gguf,gguf-q8]
+                                 [--quantization none,gguf,gguf-q8] [--products 1,8,32,128,512]
+
+--products also times all of the model's products alone (every layer's qkv, o, gate_up and
+down, then lm_head, through gpu.llama.linear) at those token counts, per mode: where
+QUANTIZED_MAX_TOKENS (gpu/quant.py) comes from.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu.llama import linear  # noqa: E402
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 
@@ -88,6 +93,23 @@ def hf_generate(model, prompts: np.ndarray, new_tokens: int, pad_id: int) -> np.
                                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id))
 
 
+def products_seconds(runner: ModelRunner, tokens: int, repeat: int) -> float:
+    """Best of `repeat` passes of every projection of the model through linear(), as forward()
+    calls it, on random [tokens, K] inputs."""
+    model = runner.model
+    weights = [(w, w_t) for i in range(runner.model_config.num_layers)
+               for w, w_t in ((model.qkv[i], None), (model.o[i], None), (model.gate_up[i], model.gate_up_t[i]),
+                              (model.down[i], None))] + [(model.lm_head, model.lm_head_t)]
+    xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for w, _ in weights}
+
+    def one_pass() -> None:
+        for w, w_t in weights:
+            linear(xs[w.shape[1]], w, w_t=w_t)
+
+    one_pass()  # warm-up
+    return min(timed(one_pass)[0] for _ in range(repeat))
+
+
 def cold_start_seconds() -> float:
     """First start on a fresh cache: GGUF conversion + load (the cached start is measured apart)."""
     with tempfile.TemporaryDirectory() as cache:
@@ -126,10 +148,12 @@ def main() -> None:
                     help=f"executor weights, comma-separated, each its own ModelRunner: {', '.join(MODES)} "
                          "(gguf: the GGUF's own Q4_1/Q8_0 blocks; gguf-q8: the same with int8 activations; "
                          "transformers stays fp32)")
+    ap.add_argument("--products", default="", help="token counts at which to time the products alone")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # this process is the benchmark's own
     batches = [int(b) for b in args.batches.split(",")]
+    product_tokens = [int(t) for t in args.products.split(",") if t]
 
     runners, start_s = {}, {}
     for mode in args.quantization:
@@ -190,6 +214,8 @@ def main() -> None:
         for mode, r in runners.items():
             r.pool.free(pages[mode])
         hf_p = np.min(hf_p[1:], axis=0)
+        products = [{"tokens": T, **{f"{mode}_ms": products_seconds(r, T, args.repeat) * 1e3
+                                     for mode, r in runners.items()}} for T in product_tokens]
     prefill = []
     for mode in runners:
         o = np.min(ours_p[mode][1:], axis=0)
@@ -203,7 +229,7 @@ def main() -> None:
                    "attention_backend": first.attention_backend, "device": str(first.device)},
         "start_seconds_cached": start_s,
         "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
-        "decode": rows, "prefill": prefill,
+        "decode": rows, "prefill": prefill, "products": products,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
@@ -221,6 +247,10 @@ def main() -> None:
     for p in prefill:
         print(f"prefill {args.prefill} tokens ({p['quantization']}): ours {p['ours_tok_s']:.0f} tok/s, "
               f"transformers {p['hf_tok_s']:.0f} tok/s, x{p['ratio']:.2f} (cpu time x{p['cpu_ratio']:.2f})")
+    if products:
+        print("all products of a forward, ms: " + " | ".join(f"{mode}" for mode in runners))
+        for p in products:
+            print(f"{p['tokens']:>5} tokens: " + " | ".join(f"{p[f'{mode}_ms']:.1f}" for mode in runners))
     cold = result["start_seconds_cold"]
     print("ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in start_s.items())
           + (f"; {cold:.1f} s with GGUF conversion" if cold else ""))
