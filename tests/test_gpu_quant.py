@@ -144,6 +144,7 @@ def test_q8_products(weights, tokens, name):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     if tokens > 1:
         assert not got[tokens // 2].any()  # a zero row of x
+        assert torch.equal(w.with_activations("q8").matmul(x[-1:]), got[-1:])  # alone or batched: same bits
     exact = x.double() @ w64.T
     bound = (d.double() / 2) @ w64.abs().view(N, -1, BLOCK).sum(-1).T  # [T, N]
     slack = 1e-5 * exact.abs().max().item()

@@ -12,10 +12,13 @@
  * fp32, which is the whole gain where the step is memory bound (few tokens). Rows are split
  * over `threads` OpenMP threads; tokens go in tiles of 4, each block dequantized once per tile
  * into 4 vectors of 8 floats.
+ *
+ * --quantization gguf-q8 (llama.cpp's integer arithmetic, x quantized to int8) is further down.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TILE 4  /* tokens multiplied together: 8 accumulators + 4 weight vectors fit the 16 ymm registers */
 
@@ -89,8 +92,8 @@ GEMM(gemm_q8_0, dequant_q8_0, 32)
  * its signs onto x (_mm256_sign_epi8). The numerics change from fp32 by x's rounding only.
  *
  * Unlike llama.cpp's vec_dot (one row and token at a time, a horizontal sum per pair), the
- * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant.py
- * interleave_rows): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
+ * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant.py,
+ * QuantizedWeight.with_activations): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
  * 4 bytes of x broadcast sums them into one int16 lane per row, and a group's 8 results come
  * out in one vector (scales, mins and the store all 8 rows wide, no horizontal sums). 2-3x
  * fewer instructions than one row at a time (measured), so a product of a few tokens is
@@ -101,6 +104,12 @@ static inline int32_t hsum_epi32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm_cvtsi128_si32(s);
+}
+
+static inline int32_t load_i32(const int8_t *p) {  /* 4 bytes of x as one int32, without aliasing UB */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
 static inline float hmax(__m256 v) {
@@ -163,7 +172,7 @@ static inline __attribute__((always_inline)) void group_tile_q8(
                 w = _mm256_sign_epi8(sgn, sgn);  /* |w|; -128 stays 0x80, read as 128 unsigned */
             }
             for (int t = 0; t < tt; t++) {
-                __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + t * K + 32 * b + 4 * c));
+                __m256i xv = _mm256_set1_epi32(load_i32(xq + t * K + 32 * b + 4 * c));
                 if (q4_1) {
                     isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(w, xv));
                 } else {
@@ -176,7 +185,8 @@ static inline __attribute__((always_inline)) void group_tile_q8(
         for (int t = 0; t < tt; t++) {
             const __m256 dot = _mm256_cvtepi32_ps(q4_1 ? _mm256_madd_epi16(isum[t], ones) : isum[t]);
             acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[t * nb + b])), acc[t]);
-            if (q4_1) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * ROWS), _mm256_set1_ps(xs[t * nb + b]), acc[t]);
+            if (q4_1)  /* + m_w s_x */
+                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * ROWS), _mm256_set1_ps(xs[t * nb + b]), acc[t]);
         }
     }
     for (int t = 0; t < tt; t++) _mm256_storeu_ps(y + t * N, acc[t]);
@@ -205,23 +215,24 @@ static inline __attribute__((always_inline)) void groups_q8(
 /* The same arguments as the fp32 GEMMs above, but the weights in interleaved groups of 8 rows
  * (N a multiple of 8): qs [N/8, K/32, qbytes/4, 8, 4]; d, m [N/8, K/32, 8] (m unused for Q8_0).
  * x [T, K] is quantized (quantize_q8) into a scratch buffer once per product, then chunks of
- * groups go over the threads. One function per type, not a runtime flag, so that each parallel region is
- * compiled for its own block. Returns 0, or -1 when the scratch cannot be allocated (y untouched). */
-#define GEMM_Q8(NAME, Q4_1)                                                                         \
-    int NAME(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d,              \
-             const float *m, int64_t N, float *y, int threads) {                                    \
-        const int64_t nb = K / 32;                                                                  \
-        if (T == 0) return 0;                                                                       \
-        float *xd = malloc(T * nb * (2 * sizeof(float)) + T * K);                                   \
-        if (xd == NULL) return -1;                                                                  \
-        float *xs = xd + T * nb;                                                                    \
-        int8_t *xq = (int8_t *)(xs + T * nb);                                                       \
-        quantize_q8(x, T, K, xq, xd, xs);                                                           \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                           \
-        for (int64_t c = 0; c < N / ROWS; c += CHUNK)                                               \
-            groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < N / ROWS ? c + CHUNK : N / ROWS); \
-        free(xd);                                                                                   \
-        return 0;                                                                                   \
+ * groups go over the threads. One function per type, not a runtime flag, so that each parallel
+ * region is compiled for its own block. Returns 0, or -1 when the scratch cannot be allocated
+ * (y untouched). */
+#define GEMM_Q8(NAME, Q4_1)                                                                          \
+    int NAME(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d,               \
+             const float *m, int64_t N, float *y, int threads) {                                     \
+        const int64_t nb = K / 32, groups = N / ROWS;                                                \
+        if (T == 0) return 0;                                                                        \
+        float *xd = malloc(T * nb * (2 * sizeof(float)) + T * K);                                    \
+        if (xd == NULL) return -1;                                                                   \
+        float *xs = xd + T * nb;                                                                     \
+        int8_t *xq = (int8_t *)(xs + T * nb);                                                        \
+        quantize_q8(x, T, K, xq, xd, xs);                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                            \
+        for (int64_t c = 0; c < groups; c += CHUNK)                                                  \
+            groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
+        free(xd);                                                                                    \
+        return 0;                                                                                    \
     }
 
 GEMM_Q8(gemm_q4_1_q8, 1)
