@@ -8,8 +8,10 @@ gguf-py does); only the order of each dot product's sums differs from fp32. A de
 reads ~5x fewer bytes of weights, which is what bounds it on a CPU at small batches.
 
 `gguf-q8` (activations "q8"): as llama.cpp does, x is quantized per 32-block to int8 with a
-scale once per product and each block's dot product is integer; fewer instructions per block,
-and the numerics change by x's rounding (a relative error of ~1/254 per block of x).
+scale once per product and each block's dot product is integer, the weights' rows interleaved
+in groups of 8 for the kernel (with_activations); far fewer instructions per block, and the
+numerics change by x's rounding (at most amax / 254 per value of a block of x). Faster than
+MKL's fp32 at every size, so every product goes through it and no fp32 copy is kept.
 
 Embeddings, norms and biases stay fp32.
 """
@@ -42,8 +44,9 @@ GEMMS = {("Q4_1", "fp32"): "gemm_q4_1", ("Q8_0", "fp32"): "gemm_q8_0",
 # beyond, where MKL is as fast or faster (all of SmolLM2's products on a 2-core AVX2 CPU,
 # against gpu/llama.py's fp32 path: 2.7x faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at
 # 32, 0.97x at 48, 0.55x at 128). q8 activations: no limit, and no dense copy is kept: the
-# integer kernel beat MKL at every size measured (5.9x at 1 token, 4.8x at 8, 2.3x at 32,
-# 2.0x at 128, 1.8x at 512, 1.4x at 2048, the default chunked prefill).
+# integer kernel beat MKL at every size measured (perf/forward_bench.py --products: 7.4x at 1
+# token, 4.8x at 8, 2.4x at 32, 1.8x at 128, 1.3x at 512, 1.4x at 2048, the default chunked
+# prefill).
 QUANTIZED_MAX_TOKENS: dict[str, int | None] = {"fp32": 32, "q8": None}
 ROW_GROUP = 8  # rows the q8 kernels interleave (gpu/kernels/ggml_cpu.c ROWS)
 
