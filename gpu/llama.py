@@ -3,11 +3,16 @@ paged KV cache: one forward for a flat batch of tokens from many requests, atten
 delegated to the backend, logits only for the tokens that are sampled."""
 from __future__ import annotations
 
+import ctypes
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+from gpu import kernels
 from gpu.attention.base import AttentionBackend
 from gpu.model_config import ModelConfig, rope_inv_freq
+from gpu.model_files import ModelLoadError
 from gpu.quant import QuantizedWeight
 
 
@@ -49,6 +54,78 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class TorchLayerOps:
+    """The per-layer glue in torch ops: CUDA, other dtypes, CPUs without the C kernels."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin  # [P, D/2]
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, H] -> (x + residual, rms_norm(x + residual)); residual None: x as it is."""
+        x = x if residual is None else x + residual
+        return x, rms_norm(x, weight, eps)
+
+    def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """positions: int64 [T] -> a function of one layer's q and k heads [T, Hq + Hkv, D] that
+        returns them rotated."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2], gathered once for all layers
+        sin = self.sin[positions].unsqueeze(1)
+        return lambda qk: apply_rope(qk, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> silu(gate) * up [T, I]"""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CpuLayerOps:
+    """The same glue by gpu/kernels/layer_cpu.c, one call per op: fp32 on an AVX2 CPU. x is
+    updated in place by add_rms_norm and q, k by the rope (both fresh tensors of this step)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        try:
+            lib = kernels.load("layer_cpu")
+        except kernels.KernelBuildError as e:
+            raise ModelLoadError(f"the CPU layer kernels: {e}") from None
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]  # x, residual, w, T, H, eps, out
+        lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]  # x, row stride, T, heads, D, pos, cos, sin
+        lib.silu_mul.argtypes = [ptr, i64, i64, ptr, i32]  # gate_up, T, I, out
+        for fn in (lib.rms_norm, lib.rope, lib.silu_mul):
+            fn.restype = None
+        self.lib, self.cos, self.sin = lib, cos.contiguous(), sin.contiguous()
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        T, H = x.shape
+        x = x.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        out = torch.empty_like(x)
+        self.lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                          T, H, eps, out.data_ptr(), torch.get_num_threads())
+        return x, out
+
+    def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        positions = positions.contiguous()
+
+        def rope(qk: torch.Tensor) -> torch.Tensor:
+            T, H, D = qk.shape  # heads contiguous within a row; rows at any stride (the fused qkv's)
+            if qk.stride(2) != 1 or qk.stride(1) != D:
+                raise ValueError(f"rope: q and k heads must be contiguous within a row, strides {qk.stride()}")
+            self.lib.rope(qk.data_ptr(), qk.stride(0), T, H, D, positions.data_ptr(), self.cos.data_ptr(),
+                          self.sin.data_ptr(), torch.get_num_threads())
+            return qk
+        return rope
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        T, I = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(T, I, dtype=gate_up.dtype)
+        self.lib.silu_mul(gate_up.data_ptr(), T, I, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
@@ -77,6 +154,8 @@ class LlamaForCausalLM:
         freqs = positions[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]  # [P, D/2]
         self.cos = freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype)
         self.sin = freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype)
+        c_kernels = self.embed.is_cpu and self.embed.dtype == torch.float32 and kernels.cpu_kernels_available()
+        self.ops = (CpuLayerOps if c_kernels else TorchLayerOps)(self.cos, self.sin)
 
     @property
     def weight_bytes(self) -> int:
@@ -95,20 +174,18 @@ class LlamaForCausalLM:
         """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]."""
         cfg = self.cfg
         T, D, Hq, Hkv = len(input_ids), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
-        qk_width, eps, inter = (Hq + Hkv) * D, cfg.rms_norm_eps, cfg.intermediate_size
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2], gathered once for all layers
-        sin = self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)  # [T, H]
+        qk_width, eps = (Hq + Hkv) * D, cfg.rms_norm_eps
+        ops, rope = self.ops, self.ops.rope_at(positions)
+        x, residual = F.embedding(input_ids, self.embed), None  # [T, H]; residual: the last layer's MLP output
         for i in range(cfg.num_layers):
-            h = rms_norm(x, self.input_norm[i], eps)
+            x, h = ops.add_rms_norm(x, residual, self.input_norm[i], eps)
             qkv = linear(h, self.qkv[i], self.qkv_bias[i])             # [T, (Hq + 2Hkv) D]
-            qk = apply_rope(qkv[:, :qk_width].view(T, Hq + Hkv, D), cos, sin)
+            qk = rope(qkv[:, :qk_width].view(T, Hq + Hkv, D))
             v = qkv[:, qk_width:].view(T, Hkv, D)
             o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)             # [T, Hq, D]
-            x = x + linear(o.reshape(T, Hq * D), self.o[i])
-            h = rms_norm(x, self.post_norm[i], eps)
+            x, h = ops.add_rms_norm(x, linear(o.reshape(T, Hq * D), self.o[i]), self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
-            x = x + linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down[i])
-        h = rms_norm(x[logits_index], self.norm, eps)                  # [S, H]
+            residual = linear(ops.silu_mul(gate_up), self.down[i])       # [T, H]
+        _, h = ops.add_rms_norm(x[logits_index], residual[logits_index], self.norm, eps)  # [S, H]
         logits = linear(h, self.lm_head, w_t=self.lm_head_t)            # [S, V]
         return logits.float()                                          # [S, V]

@@ -1,0 +1,110 @@
+/* The per-layer glue of a CPU decode step (rms_norm, rope, silu * up) as one call each, on an
+ * x86-64 CPU with AVX2 + FMA (gpu/llama.py builds and loads this file).
+ *
+ * In torch each is 1-8 small ops, 10-30 µs apiece of dispatch and OpenMP fork/join at a few
+ * tokens, ~20 of them per layer; here each is one pass over the rows. Rows go over OpenMP
+ * threads only from PARALLEL_ROWS rows: at a few rows a parallel region's fork/join costs
+ * more than the work.
+ *
+ * Numerics follow the torch ops they replace (tests/test_gpu_layer_kernels.py): no FMA
+ * contraction (torch rounds each product before the sum), rms_norm's sum of squares in double
+ * (closer to torch's cascade sum than a float running sum), silu through an exp polynomial of
+ * ~2e-7 relative error.
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_ROWS 16
+
+/* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), as F.rms_norm / LlamaRMSNorm in fp32; with
+ * residual != NULL first x[t] += residual[t] (in place), the norm then taken of the sum. */
+void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_t H, float eps, float *out,
+              int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float *xr = x + t * H;
+        float *o = out + t * H;
+        if (residual) {
+            const float *r = residual + t * H;
+            for (int64_t j = 0; j < H; j++) xr[j] += r[j];
+        }
+        __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + j);
+            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(lo, lo));  /* exact: a float's square fits a double */
+            acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(hi, hi));
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(acc0, acc1));
+        double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; j < H; j++) ss += (double)xr[j] * xr[j];
+        const float rstd = 1.0f / sqrtf((float)(ss / (double)H) + eps);
+        for (j = 0; j < H; j++) o[j] = w[j] * (xr[j] * rstd);
+    }
+}
+
+/* In place on the first n_heads heads of each row of x (the q and k heads of the fused qkv
+ * rows, row t at x + t * row_stride, head h at + h * D): rotate-half rope at positions[t],
+ * cos / sin rows of the [P, D/2] tables: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
+void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
+          const float *cos_table, const float *sin_table, int threads) {
+    const int64_t half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_table + positions[t] * half;
+        const float *s = sin_table + positions[t] * half;
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *x1 = x + t * row_stride + h * D;
+            float *x2 = x1 + half;
+            for (int64_t j = 0; j < half; j++) {
+                const float a = x1[j], b = x2[j];
+                x1[j] = a * c[j] - b * s[j];
+                x2[j] = b * c[j] + a * s[j];
+            }
+        }
+    }
+}
+
+/* e^x, relative error ~2e-7 over [-87, 88] (clamped outside, where e^x under- or overflows a
+ * normal float anyway): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial,
+ * 2^n through the exponent bits. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   /* ln2 split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], silu(g) = g / (1 + e^-g); gate_up [T, 2I],
+ * out [T, I]. */
+void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I;
+        const float *u = g + I;
+        float *o = out + t * I;
+        int64_t j = 0;
+        for (; j + 8 <= I; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}

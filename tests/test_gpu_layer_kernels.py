@@ -1,0 +1,76 @@
+"""gpu/kernels/layer_cpu.c (through gpu.llama.CpuLayerOps) against the torch ops it replaces
+(gpu.llama.TorchLayerOps), at decode and prefill token counts and odd shapes."""
+import pytest
+import torch
+
+from gpu import kernels
+from gpu.llama import CpuLayerOps, TorchLayerOps
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
+
+TOKENS = (1, 3, 33, 512)
+P, HALF = 700, 32  # rope table positions, head_dim / 2
+
+
+def ops(seed: int = 0) -> tuple[CpuLayerOps, TorchLayerOps]:
+    g = torch.Generator().manual_seed(seed)
+    freqs = torch.arange(P, dtype=torch.float32)[:, None] * torch.rand(HALF, generator=g)[None, :]
+    return CpuLayerOps(freqs.cos(), freqs.sin()), TorchLayerOps(freqs.cos(), freqs.sin())
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    scale = want.abs().clamp_min(1e-3)  # values near zero: absolute 1e-3 * rel
+    err = float(((got - want).abs() / scale).max())
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("H", (576, 7))
+def test_rms_norm(T: int, H: int) -> None:
+    c, t = ops()
+    x, w = torch.randn(T, H) * 3, torch.randn(H)
+    got_x, got = c.add_rms_norm(x.clone(), None, w, 1e-5)
+    want_x, want = t.add_rms_norm(x.clone(), None, w, 1e-5)
+    assert torch.equal(got_x, want_x)
+    assert_close(got, want, 1e-6)
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("H", (576, 13))
+def test_add_rms_norm_adds_the_residual_in_place(T: int, H: int) -> None:
+    c, t = ops()
+    x, r, w = torch.randn(T, H), torch.randn(T, H), torch.randn(H)
+    got_x, got = c.add_rms_norm(x.clone(), r, w, 1e-6)
+    want_x, want = t.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(got_x, want_x)  # the sum is exactly the torch sum
+    assert_close(got, want, 1e-6)
+
+
+def test_rms_norm_of_zeros_is_zero() -> None:
+    c, _ = ops()
+    _, out = c.add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-5)
+    assert torch.equal(out, torch.zeros(2, 64))
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("Hq, Hkv", ((9, 3), (5, 1)))
+def test_rope_in_place_on_the_fused_qkv_rows(T: int, Hq: int, Hkv: int) -> None:
+    c, t = ops(1)
+    D = 2 * HALF
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D) * 4
+    positions = torch.randint(0, P, (T,))
+    want = t.rope_at(positions)(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D))
+    got_qkv = qkv.clone()
+    got = c.rope_at(positions)(got_qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D))
+    assert got.data_ptr() == got_qkv.data_ptr()  # in place: q and k stay views of the qkv rows
+    assert_close(got, want, 1e-6)
+    assert torch.equal(got_qkv[:, (Hq + Hkv) * D:], qkv[:, (Hq + Hkv) * D:])  # v untouched
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("I", (1536, 13))
+def test_silu_mul(T: int, I: int) -> None:
+    c, t = ops()
+    gate_up = torch.randn(T, 2 * I) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-30])  # e^-g over- and underflowing, zeros
+    assert_close(c.silu_mul(gate_up), t.silu_mul(gate_up), 1e-6)
