@@ -107,7 +107,7 @@ class CpuLayerOps:
         return x, out
 
     def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        positions = positions.contiguous()
+        positions = positions.to(torch.int64).contiguous()  # read as int64_t by the kernel
 
         def rope(qk: torch.Tensor) -> torch.Tensor:
             T, H, D = qk.shape  # heads contiguous within a row; rows at any stride (the fused qkv's)
