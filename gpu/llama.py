@@ -4,6 +4,7 @@ delegated to the backend, logits only for the tokens that are sampled."""
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Callable
 
 import torch
@@ -12,8 +13,9 @@ import torch.nn.functional as F
 from gpu import kernels
 from gpu.attention.base import AttentionBackend
 from gpu.model_config import ModelConfig, rope_inv_freq
-from gpu.model_files import ModelLoadError
 from gpu.quant import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,10 +86,7 @@ class CpuLayerOps:
     updated in place by add_rms_norm and q, k by the rope (both fresh tensors of this step)."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        try:
-            lib = kernels.load("layer_cpu")
-        except kernels.KernelBuildError as e:
-            raise ModelLoadError(f"the CPU layer kernels: {e}") from None
+        lib = kernels.load("layer_cpu")  # KernelBuildError when it cannot be built here
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]  # x, residual, w, T, H, eps, out
         lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]  # x, row stride, T, heads, D, pos, cos, sin
@@ -126,6 +125,18 @@ class CpuLayerOps:
         return out
 
 
+def layer_ops(cos: torch.Tensor, sin: torch.Tensor) -> TorchLayerOps | CpuLayerOps:
+    """The C kernels for an fp32 model on a CPU that can build them, else the torch ops (a failed
+    build warns, as the attention backend's does)."""
+    if not (cos.is_cpu and cos.dtype == torch.float32 and kernels.cpu_kernels_available()):
+        return TorchLayerOps(cos, sin)
+    try:
+        return CpuLayerOps(cos, sin)
+    except kernels.KernelBuildError as e:
+        logger.warning("%s; the per-layer norms, rope and silu run as torch ops", e)
+        return TorchLayerOps(cos, sin)
+
+
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
@@ -154,8 +165,7 @@ class LlamaForCausalLM:
         freqs = positions[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]  # [P, D/2]
         self.cos = freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype)
         self.sin = freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype)
-        c_kernels = self.embed.is_cpu and self.embed.dtype == torch.float32 and kernels.cpu_kernels_available()
-        self.ops = (CpuLayerOps if c_kernels else TorchLayerOps)(self.cos, self.sin)
+        self.ops = layer_ops(self.cos, self.sin)
 
     @property
     def weight_bytes(self) -> int:
