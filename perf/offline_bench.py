@@ -38,7 +38,8 @@ def run_engine(args, prompts, out_lens) -> dict:
     from runtime.sampling_params import SamplingParams
 
     engine = Engine(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-                    max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend)
+                    max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
+                    quantization=args.quantization)
     engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
     engine.flush_cache()
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in out_lens]
@@ -48,7 +49,7 @@ def run_engine(args, prompts, out_lens) -> dict:
     assert [len(o.token_ids) for o in outs] == out_lens
     stats = engine.scheduler.stats
     return {"elapsed_s": elapsed, "steps": stats.steps, "retractions": stats.retractions,
-            "attention_backend": engine.runner.attention_backend}
+            "attention_backend": engine.runner.attention_backend, "quantization": args.quantization}
 
 
 def run_transformers(args, prompts, out_lens) -> dict:
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8"],
+                    help="the Engine's (transformers stays fp32)")
     ap.add_argument("--hf-batch-size", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--null-streams", type=int, default=256,
