@@ -39,7 +39,8 @@ def load(name: str) -> ctypes.CDLL:
     if not _avx2():
         raise KernelBuildError("the CPU kernels need an x86-64 CPU with AVX2 and FMA")
     source_path = Path(__file__).parent / f"{name}.c"
-    source = source_path.read_bytes()
+    headers = sorted(source_path.parent.glob("*.h"))  # what the sources may include
+    source = b"".join(p.read_bytes() for p in [source_path, *headers])
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"{name}-{key}.so"
     if not path.is_file():

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "simd_math.h"
 
 #define MAX_GROUP 16  /* query heads per kv head */
 #define MAX_KV_HEADS 64
@@ -25,24 +26,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x for x <= 0 (scores minus their max), relative error ~2e-7: x = n ln2 + r, |r| <= ln2/2,
- * e^r by its degree-6 Taylor polynomial, 2^n through the exponent bits. */
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  /* below: e^x underflows; 2^n stays normal */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   /* ln2 split in two */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 /* e^(s - max) in place over n scores; returns their sum */
 static float exp_and_sum(float *s, int64_t n) {
@@ -52,7 +35,7 @@ static float exp_and_sum(float *s, int64_t n) {
     __m256 vsum = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
         _mm256_storeu_ps(s + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -60,7 +43,7 @@ static float exp_and_sum(float *s, int64_t n) {
     if (j < n) {  /* the tail through a padded copy */
         float tail[8] = {0};
         for (int64_t t = j; t < n; t++) tail[t - j] = s[t];
-        _mm256_storeu_ps(tail, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), vmx)));
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vmx)));
         for (int64_t t = j; t < n; t++) {
             s[t] = tail[t - j];
             sum += tail[t - j];
