@@ -20,6 +20,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +31,7 @@ import torch
 
 from gpu import kernels
 from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError
+from gpu.model_files import ModelLoadError, resolve_model_dir
 
 BLOCK = 32
 # GGML type name -> (bytes of a block in the file, bytes of its quantized values)
@@ -160,14 +163,34 @@ def unpermute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
     return QuantizedWeight(w.kind, w.qs[order].contiguous(), w.d[order].contiguous(), w.m[order].contiguous())
 
 
+
+
 def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32") -> dict[str, QuantizedWeight]:
     """The quantized replacements of load_weights()' qkv, o, gate_up, down and lm_head (their
-    `dense` copies not attached), multiplied with `activations` ("fp32" | "q8")."""
-    import gguf
-
+    `dense` copies not attached), multiplied with `activations` ("fp32" | "q8"). The first
+    start reads them from the GGUF (gguf-py parses every metadata field, the whole vocabulary
+    included: ~5 s here) and caches them beside its converted directory; later starts read that."""
     if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ModelLoadError(f"--quantization gguf supports Llama and Mistral GGUF files, not {cfg.architecture}")
     _kernels()  # built now: a missing compiler fails the start, not the first request
+    cached = blocks_cache(gguf_path)
+    weights = _read_blocks(cached) if cached.is_file() else None
+    if weights is None:
+        weights = _blocks_from_gguf(gguf_path, cfg)
+        _write_blocks(cached, weights)
+    return {name: w.with_activations(activations) for name, w in weights.items()}
+
+
+def blocks_cache(gguf_path: Path) -> Path:
+    """Where load_quantized keeps a GGUF's blocks: beside its converted directory, not in it
+    (the *.safetensors there are the fp32 weights)."""
+    converted = resolve_model_dir(gguf_path)
+    return converted.with_name(f"{converted.name}-blocks.safetensors")
+
+
+def _blocks_from_gguf(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantizedWeight]:
+    import gguf
+
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
 
     def take(name: str) -> QuantizedWeight:
@@ -188,7 +211,38 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32")
         out[f"layers.{i}.o"] = take(p + "attn_output.weight")
         out[f"layers.{i}.gate_up"] = concat_rows([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
         out[f"layers.{i}.down"] = take(p + "ffn_down.weight")
-    return {name: w.with_activations(activations) for name, w in out.items()}
+    return out
+
+
+def _write_blocks(path: Path, weights: dict[str, QuantizedWeight]) -> None:
+    """Atomically (a concurrent start reads the whole file or none); a read-only cache is skipped."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items() for part in ("qs", "d", "m")}
+    kinds = json.dumps({name: w.kind for name, w in weights.items()})
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    except OSError:  # a read-only cache: every start reads the GGUF
+        return
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"kinds": kinds})
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _read_blocks(path: Path) -> dict[str, QuantizedWeight] | None:
+    """None when the file is not what _write_blocks wrote (then the GGUF is read again)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            kinds = json.loads((f.metadata() or {})["kinds"])
+            return {name: QuantizedWeight(kind, *(f.get_tensor(f"{name}.{part}") for part in ("qs", "d", "m")))
+                    for name, kind in kinds.items()}
+    except Exception:  # truncated or foreign file: not worth failing the start over
+        return None
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import torch
 from gpu.kernels import cpu_kernels_available
 from gpu.model_config import ModelConfig
 from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
-from gpu.quant import BLOCK, from_blocks, load_quantized, quantize_q8
+from gpu.quant import BLOCK, blocks_cache, from_blocks, load_quantized, quantize_q8
 from gpu.weights import load_weights
 from runtime.config import ServerArgs
 from runtime.sampling_params import SamplingParams
@@ -186,3 +186,21 @@ def test_a_model_that_is_not_gguf_is_refused():
     with pytest.raises(ModelLoadError, match="needs a .gguf model"):
         ModelRunner(ModelRunnerConfig(model_path=str(resolve_model_dir(None)), quantization="gguf",
                                       max_total_tokens=256, max_running_requests=1))
+
+
+@needs_kernels
+def test_blocks_are_cached_and_a_damaged_cache_is_rewritten():
+    """The first start parses the GGUF (slow: every metadata field), later ones read the
+    cached blocks; a cache that does not read back is replaced, never trusted."""
+    path, cfg = default_model_path(), ModelConfig.from_dir(resolve_model_dir(None))
+    cache = blocks_cache(path)
+    cache.unlink(missing_ok=True)
+    fresh = load_quantized(path, cfg)
+    assert cache.is_file()
+    cache.write_bytes(cache.read_bytes()[:1000])  # truncated
+    for loaded in (load_quantized(path, cfg), load_quantized(path, cfg)):  # rewritten, then read back
+        assert loaded.keys() == fresh.keys()
+        for name, w in fresh.items():
+            got = loaded[name]
+            assert got.kind == w.kind and all(torch.equal(getattr(got, f), getattr(w, f)) for f in ("qs", "d", "m"))
+    assert cache.stat().st_size > 1000
