@@ -31,7 +31,7 @@ import torch
 
 from gpu import kernels
 from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError, resolve_model_dir
+from gpu.model_files import ModelLoadError
 
 BLOCK = 32
 # GGML type name -> (bytes of a block in the file, bytes of its quantized values)
@@ -173,7 +173,7 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32")
     if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ModelLoadError(f"--quantization gguf supports Llama and Mistral GGUF files, not {cfg.architecture}")
     _kernels()  # built now: a missing compiler fails the start, not the first request
-    cached = blocks_cache(gguf_path)
+    cached = blocks_cache(cfg.model_dir)
     weights = _read_blocks(cached) if cached.is_file() else None
     if weights is None:
         weights = _blocks_from_gguf(gguf_path, cfg)
@@ -181,10 +181,10 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32")
     return {name: w.with_activations(activations) for name, w in weights.items()}
 
 
-def blocks_cache(gguf_path: Path) -> Path:
-    """Where load_quantized keeps a GGUF's blocks: beside its converted directory, not in it
-    (the *.safetensors there are the fp32 weights)."""
-    converted = resolve_model_dir(gguf_path)
+def blocks_cache(converted: Path) -> Path:
+    """Where load_quantized keeps a GGUF's blocks: beside its converted directory (the
+    model_dir of its ModelConfig, named by the file's content hash), not in it (the
+    *.safetensors there are the fp32 weights)."""
     return converted.with_name(f"{converted.name}-blocks.safetensors")
 
 

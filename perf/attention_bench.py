@@ -31,6 +31,7 @@ from gpu.attention import create_backend  # noqa: E402
 from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
 from gpu.kv_cache import KVCache  # noqa: E402
 from gpu.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from gpu.quant import ACTIVATIONS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
 LAYERS, HQ, HKV, D, PAGE = 30, 9, 3, 64, 16
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8"], help="for the whole-step runs")
+    ap.add_argument("--quantization", default=None, choices=list(ACTIVATIONS), help="for the whole-step runs")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request in the whole-step runs")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu.quant import ACTIVATIONS
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -113,7 +115,7 @@ def main() -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=2048)
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default=None)
-    ap.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8"],
+    ap.add_argument("--quantization", default=None, choices=list(ACTIVATIONS),
                     help="the Engine's (transformers stays fp32)")
     ap.add_argument("--hf-batch-size", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")

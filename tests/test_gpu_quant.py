@@ -193,7 +193,7 @@ def test_blocks_are_cached_and_a_damaged_cache_is_rewritten():
     """The first start parses the GGUF (slow: every metadata field), later ones read the
     cached blocks; a cache that does not read back is replaced, never trusted."""
     path, cfg = default_model_path(), ModelConfig.from_dir(resolve_model_dir(None))
-    cache = blocks_cache(path)
+    cache = blocks_cache(cfg.model_dir)
     cache.unlink(missing_ok=True)
     fresh = load_quantized(path, cfg)
     assert cache.is_file()
