@@ -196,6 +196,11 @@ class LlamaForCausalLM:
             x, h = ops.add_rms_norm(x, linear(o.reshape(T, Hq * D), self.o[i]), self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
             residual = linear(ops.silu_mul(gate_up), self.down[i])       # [T, H]
-        _, h = ops.add_rms_norm(x[logits_index], residual[logits_index], self.norm, eps)  # [S, H]
-        logits = linear(h, self.lm_head, w_t=self.lm_head_t)            # [S, V]
-        return logits.float()                                          # [S, V]
+        return self.logits(x, residual, logits_index)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream x and MLP output residual: [T, H]; logits_index:
+        int64 [S] -> float32 logits [S, V]."""
+        _, h = self.ops.add_rms_norm(x[logits_index], residual[logits_index], self.norm, self.cfg.rms_norm_eps)
+        logits = linear(h, self.lm_head, w_t=self.lm_head_t)  # [S, V]
+        return logits.float()

@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu import kernels
 from gpu.attention import create_backend, default_backend
+from gpu.cpu_decode import CpuDecoder
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kv_cache import KVCache
 from gpu.llama import LlamaForCausalLM
@@ -114,8 +116,19 @@ class ModelRunner:
             logger.warning("%s; using the torch attention backend", e)
             self.attention_backend = "torch"
             self.attn = create_backend("torch", self.kv_cache, cfg.num_q_heads)
+        self.decoder = self._cpu_decoder()
         self.sampler = Sampler(config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids,
                                self.device, config.random_seed)
+
+    def _cpu_decoder(self) -> CpuDecoder | None:
+        """Decode steps with the layer loop in C, where it reproduces this model's forward."""
+        if not CpuDecoder.applies(self.model, self.attention_backend):
+            return None
+        try:
+            return CpuDecoder(self.model, self.kv_cache)
+        except kernels.KernelBuildError as e:
+            logger.warning("%s; decode steps run the Python forward", e)
+            return None
 
     def _gguf_weights(self) -> dict:
         """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant.py)."""
@@ -163,8 +176,11 @@ class ModelRunner:
         """One forward over the mixed batch, then one sampled token per SeqInput with sample=True."""
         batch = build_forward_batch(seqs, self.config.page_size, self.model_config.context_length,
                                     self.device)
-        self.attn.plan(batch.meta)
-        logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn)
+        if self.decoder is not None and self.decoder.takes(batch.meta):
+            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+        else:
+            self.attn.plan(batch.meta)
+            logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn)
         S = len(batch.sample_rows)
         if S == 0:
             return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None)

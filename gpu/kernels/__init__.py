@@ -32,15 +32,18 @@ def cpu_kernels_available() -> bool:
     return _avx2() and shutil.which(os.environ.get("CC", "cc")) is not None
 
 
-def load(name: str) -> ctypes.CDLL:
-    """gpu/kernels/<name>.c, compiled once into the cache (keyed by source and flags)."""
+def load(name: str, *linked: str) -> ctypes.CDLL:
+    """gpu/kernels/<name>.c, with the kernels of the `linked` sources it calls built into the
+    same library, compiled once into the cache (keyed by sources and flags)."""
     if name in _loaded:
         return _loaded[name]
     if not _avx2():
         raise KernelBuildError("the CPU kernels need an x86-64 CPU with AVX2 and FMA")
-    source_path = Path(__file__).parent / f"{name}.c"
-    headers = sorted(source_path.parent.glob("*.h"))  # what the sources may include
-    source = b"".join(p.read_bytes() for p in [source_path, *headers])
+    here = Path(__file__).parent
+    source_path = here / f"{name}.c"
+    sources = [source_path, *(here / f"{n}.c" for n in linked)]
+    headers = sorted(here.glob("*.h"))  # what the sources may include
+    source = b"".join(p.read_bytes() for p in [*sources, *headers])
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"{name}-{key}.so"
     if not path.is_file():
@@ -49,7 +52,7 @@ def load(name: str) -> ctypes.CDLL:
         os.close(fd)
         compiler = os.environ.get("CC", "cc")
         try:
-            done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source_path)], capture_output=True, text=True)
+            done = subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
         except FileNotFoundError:
             os.unlink(tmp)
             raise KernelBuildError(f"the CPU kernels are built with a C compiler; {compiler} was not found "

@@ -1,0 +1,114 @@
+/* A whole decode step's layers in one call, for a model whose projections are GGUF blocks
+ * (--quantization gguf / gguf-q8) on an x86-64 CPU with AVX2 + FMA (gpu/cpu_decode.py builds
+ * this file together with the kernels it runs: ggml_cpu.c, layer_cpu.c, attention_cpu.c).
+ *
+ * The Python forward (gpu/llama.py) makes ~10 calls a layer into these same kernels, each
+ * with its ctypes conversion, tensor allocations and views: ~0.1 ms a layer, a fifth of a
+ * batch-1 step. Here the layer loop is C and runs the same kernels in the same order on the
+ * same values, so the result is bit for bit the Python forward's (tests/test_cpu_decode.py).
+ *
+ * Decode only: every request has one new token, its K and V are stored at out_cache_loc and
+ * it attends to kv_lens[b] cached tokens (itself included).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ggml_cpu.c */
+void gemm_q4_1(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
+               float *y, int threads);
+void gemm_q8_0(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
+               float *y, int threads);
+int gemm_q4_1_q8(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
+                 float *y, int threads);
+int gemm_q8_0_q8(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
+                 float *y, int threads);
+/* layer_cpu.c */
+void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_t H, float eps, float *out,
+              int threads);
+void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
+          const float *cos_table, const float *sin_table, int threads);
+void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
+/* attention_cpu.c */
+int paged_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *page_table,
+                           int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                           int64_t D, int64_t page_size, float scale, float *out, int threads);
+
+enum { GEMM_Q4_1, GEMM_Q8_0, GEMM_Q4_1_Q8, GEMM_Q8_0_Q8 };
+
+typedef struct {  /* y [T, n] = x [T, k] @ W^T, W in the blocks' layout for `kernel` */
+    const uint8_t *qs;
+    const float *d, *m;
+    int64_t n, k;
+    int64_t kernel;
+} Projection;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    const float *qkv_bias;  /* [(Hq + 2 Hkv) D] or NULL */
+    Projection qkv, o, gate_up, down;
+    float *k_cache, *v_cache;  /* this layer's pages: [num_pages, page_size, Hkv, D] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, intermediate, q_heads, kv_heads, head_dim, page_size;
+    float eps, scale;
+} Dims;
+
+static int project(const Projection *p, const float *x, int64_t T, float *y, int threads) {
+    switch (p->kernel) {
+    case GEMM_Q4_1: gemm_q4_1(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads); return 0;
+    case GEMM_Q8_0: gemm_q8_0(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads); return 0;
+    case GEMM_Q4_1_Q8: return gemm_q4_1_q8(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads);
+    case GEMM_Q8_0_Q8: return gemm_q8_0_q8(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads);
+    }
+    return -1;
+}
+
+/* x [T, H]: the embeddings in; out, the residual stream before the last layer's MLP output is
+ * added, which is left in residual [T, H] (the Python forward's x and residual after its loop).
+ * positions, out_cache_loc int64 [T]; page_table int32 [T, pt_stride]; kv_lens int32 [T].
+ * Returns 0, or -1 when scratch memory could not be allocated (or a projection's kernel is
+ * unknown). */
+int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64_t T, float *x, float *residual,
+                  const int64_t *positions, const float *cos_table, const float *sin_table,
+                  const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens,
+                  int threads) {
+    const int64_t H = dims->hidden, I = dims->intermediate, Hq = dims->q_heads, Hkv = dims->kv_heads;
+    const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
+    /* h [T, H], qkv [T, qkv_width], attn [T, Hq D], proj [T, H], gate_up [T, 2I], act [T, I] */
+    const int64_t need = T * (H + qkv_width + Hq * D + H + 3 * I);
+    static __thread float *scratch_buf = NULL;  /* kept between calls, as attention_cpu.c's */
+    static __thread int64_t scratch_cap = 0;
+    if (need > scratch_cap) {
+        float *grown = realloc(scratch_buf, sizeof(float) * need);
+        if (grown == NULL) return -1;
+        scratch_buf = grown;
+        scratch_cap = need;
+    }
+    float *h = scratch_buf, *qkv = h + T * H, *attn = qkv + T * qkv_width, *proj = attn + T * Hq * D;
+    float *gate_up = proj + T * H, *act = gate_up + T * 2 * I;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const Layer *L = layers + l;
+        rms_norm(x, l == 0 ? NULL : residual, L->input_norm, T, H, dims->eps, h, threads);
+        if (project(&L->qkv, h, T, qkv, threads)) return -1;
+        if (L->qkv_bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += L->qkv_bias[j];
+        rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, threads);
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = qkv + t * qkv_width;
+            memcpy(L->k_cache + out_cache_loc[t] * kv_width, row + Hq * D, sizeof(float) * kv_width);
+            memcpy(L->v_cache + out_cache_loc[t] * kv_width, row + (Hq + Hkv) * D, sizeof(float) * kv_width);
+        }
+        if (paged_decode_attention(qkv, qkv_width, L->k_cache, L->v_cache, page_table, pt_stride, kv_lens, T, Hq, Hkv,
+                                   D, dims->page_size, dims->scale, attn, threads))
+            return -1;
+        if (project(&L->o, attn, T, proj, threads)) return -1;
+        rms_norm(x, proj, L->post_norm, T, H, dims->eps, h, threads);
+        if (project(&L->gate_up, h, T, gate_up, threads)) return -1;
+        silu_mul(gate_up, T, I, act, threads);
+        if (project(&L->down, act, T, residual, threads)) return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,84 @@
+"""Decode steps with the layer loop in C (gpu/cpu_decode.py) give bit for bit the Python
+forward's logits: same kernels, same order, same values, on a batch of requests whose
+lengths sit around page boundaries, with and without a qkv bias; and the decoder is used
+only where it reproduces the model (GGUF blocks, C glue, the cpu attention backend)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.cpu_decode import CpuDecoder
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kernels import cpu_kernels_available
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from runtime.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
+
+LENGTHS = [1, 15, 16, 17, 33, 70]  # the page size is 16
+
+
+@pytest.fixture(scope="module", params=["gguf", "gguf-q8"])
+def runner(request):
+    return ModelRunner(ModelRunnerConfig(quantization=request.param, max_total_tokens=1024,
+                                         max_running_requests=len(LENGTHS)))
+
+
+def decode_batch(runner: ModelRunner):
+    """Every request prefilled, then one decode step's batch of all of them."""
+    rng = np.random.default_rng(0)
+    seqs = []
+    for row, n in enumerate(LENGTHS):
+        prompt = rng.integers(100, 40000, n).astype(np.int32)
+        pages = runner.pool.alloc(runner.pool.pages_for(n + 1))
+        runner.set_request(row, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
+        token = runner.step([SeqInput(row, prompt, 0, pages, True)]).tokens[:1]
+        seqs.append(SeqInput(row, token.astype(np.int32), n, pages, True))
+    return build_forward_batch(seqs, runner.config.page_size, runner.model_config.context_length, runner.device)
+
+
+def python_forward(runner: ModelRunner, batch) -> torch.Tensor:
+    runner.attn.plan(batch.meta)
+    return runner.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, runner.attn)
+
+
+@torch.inference_mode()
+def test_decode_logits_equal_the_python_forward(runner):
+    assert runner.decoder is not None and runner.decoder.takes(decode_batch(runner).meta)
+    batch = decode_batch(runner)
+    # both store the step's K and V at the same slots, with the same values
+    assert torch.equal(runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index),
+                       python_forward(runner, batch))
+
+
+@torch.inference_mode()
+def test_qkv_bias_is_added(runner, monkeypatch):
+    model = runner.model
+    width = model.qkv[0].shape[0]
+    biases = [torch.randn(width, generator=torch.Generator().manual_seed(i)) * 0.1 for i in range(len(model.qkv))]
+    monkeypatch.setattr(model, "qkv_bias", biases)
+    decoder = CpuDecoder(model, runner.kv_cache)
+    batch = decode_batch(runner)
+    with_bias = decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+    assert torch.equal(with_bias, python_forward(runner, batch))
+    monkeypatch.undo()
+    assert not torch.equal(with_bias, runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index))
+
+
+def test_only_where_it_reproduces_the_model():
+    assert ModelRunner(ModelRunnerConfig(max_total_tokens=256, max_running_requests=2)).decoder is None  # fp32: MKL
+    assert ModelRunner(ModelRunnerConfig(quantization="gguf-q8", attention_backend="torch", max_total_tokens=256,
+                                         max_running_requests=2)).decoder is None
+
+
+def test_prefill_and_long_steps_take_the_python_forward(runner):
+    decoder = runner.decoder
+    prefill = build_forward_batch([SeqInput(0, np.arange(5, dtype=np.int32), 0, np.arange(1, dtype=np.int32), True)],
+                                  runner.config.page_size, runner.model_config.context_length, runner.device)
+    assert not decoder.takes(prefill.meta)
+    if decoder.max_tokens is not None:  # gguf: fp32 activations run the dense weights past 32 tokens
+        many = [SeqInput(r, np.ones(1, np.int32), 0, np.array([r], np.int32), True)
+                for r in range(decoder.max_tokens + 1)]
+        assert not decoder.takes(build_forward_batch(many, runner.config.page_size,
+                                                     runner.model_config.context_length, runner.device).meta)
