@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from gpu import kernels
 from gpu.attention.base import AttentionMetadata
+from gpu.attention.cpu import KV_DTYPE_CODES
 from gpu.kv_cache import KVCache
 from gpu.llama import CpuLayerOps, LlamaForCausalLM
 from gpu.quant import GEMMS, QuantizedWeight
@@ -34,7 +35,7 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("q_heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("page_size", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("kv_dtype", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 def _projection(w: QuantizedWeight) -> _Projection:
@@ -65,7 +66,7 @@ class CpuDecoder:
             for i in range(cfg.num_layers)))
         intermediate = model.gate_up[0].shape[0] // 2
         self._dims = _Dims(model.embed.shape[1], intermediate, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
-                           kv_cache.page_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+                           kv_cache.page_size, KV_DTYPE_CODES[kv_cache.dtype], cfg.rms_norm_eps, cfg.head_dim ** -0.5)
         self._tables = (ops.cos, ops.sin)  # contiguous [P, D/2], held by the ops
 
     @staticmethod

@@ -8,6 +8,9 @@ import torch
 
 
 class KVCache:
+    """dtype is the cache's element type (--kv-cache-dtype), which may be narrower than the
+    model's: the backends convert on store and on read."""
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_layers = num_layers

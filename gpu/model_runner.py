@@ -27,6 +27,7 @@ from runtime.config import ServerArgs
 from runtime.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # besides auto: the model's
 # share of the device's memory that weights + KV cache may take when no size is given
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
 
@@ -48,6 +49,7 @@ class ModelRunnerConfig:
     context_length: int | None = None   # None: the model's
     random_seed: int = 0                # for unseeded sampling
     quantization: str | None = None     # gguf | gguf-q8: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
+    kv_cache_dtype: str = "auto"        # auto (the model's dtype) | float16 | bfloat16
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> "ModelRunnerConfig":
@@ -55,7 +57,8 @@ class ModelRunnerConfig:
                    attention_backend=args.attention_backend, page_size=args.page_size,
                    max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
                    max_running_requests=args.max_running_requests, context_length=args.context_length,
-                   random_seed=args.random_seed, quantization=args.quantization)
+                   random_seed=args.random_seed, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype)
 
 
 @dataclass
@@ -83,11 +86,28 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"--kv-cache-dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {kv_cache_dtype!r}")
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    # the cpu and torch backends convert what they read; triton's and flashinfer's kernels are
+    # not verified with a cache dtype other than the queries'
+    if dtype != model_dtype and attention_backend not in ("cpu", "torch"):
+        raise ModelLoadError(f"--kv-cache-dtype {kv_cache_dtype} with a {str(model_dtype).removeprefix('torch.')} "
+                             f"model runs with --attention-backend cpu or torch, not {attention_backend}")
+    return dtype
+
+
 class ModelRunner:
     def __init__(self, config: ModelRunnerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
+                                               config.attention_backend or default_backend(self.device))
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
         quantized = {} if config.quantization is None else self._gguf_weights()
@@ -99,10 +119,10 @@ class ModelRunner:
         num_pages = self._num_kv_pages()
         try:
             self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
-                                    cfg.head_dim, self.dtype, self.device)
+                                    cfg.head_dim, self.kv_dtype, self.device)
         except (OSError, torch.OutOfMemoryError):
             size = num_pages * config.page_size * KVCache.bytes_per_token(
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
             raise ModelLoadError(f"cannot allocate {size >> 20} MiB for a KV cache of {num_pages} pages; "
                                  f"lower --max-total-tokens or --mem-fraction-static") from None
         self.pool = PagePool(num_pages, config.page_size)
@@ -146,7 +166,7 @@ class ModelRunner:
         cfg, c = self.model_config, self.config
         if c.max_total_tokens is not None:
             return max(1, -(-c.max_total_tokens // c.page_size))
-        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         fraction = c.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device.type]
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1]

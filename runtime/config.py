@@ -30,6 +30,10 @@ class ServerArgs:
     # gguf-q8: the same with activations quantized to int8 per 32 values as llama.cpp does
     # (faster; the numerics change by the activations' rounding)
     quantization: str | None = None
+    # the paged KV cache's element type: auto (the model's dtype) | float16 | bfloat16 (half the
+    # bytes of fp32 K/V per token, so twice the tokens in the same memory and half the reads in
+    # decode attention; K and V are rounded to nearest even when stored)
+    kv_cache_dtype: str = "auto"
     null_model: bool = False  # instant tokens: measures the server's own per-token cost
     random_seed: int = 0
     # HTTP
@@ -57,6 +61,7 @@ class ServerArgs:
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": (None, "cpu", "torch", "triton", "flashinfer"),
             "quantization": (None, "gguf", "gguf-q8"),
+            "kv_cache_dtype": ("auto", "float16", "bfloat16"),
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),
             "log_level": ("debug", "info", "warning", "error", "critical"),

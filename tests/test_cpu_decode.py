@@ -1,7 +1,8 @@
 """Decode steps with the layer loop in C (gpu/cpu_decode.py) give bit for bit the Python
 forward's logits: same kernels, same order, same values, on a batch of requests whose
-lengths sit around page boundaries, with and without a qkv bias; and the decoder is used
-only where it reproduces the model (GGUF blocks, C glue, the cpu attention backend)."""
+lengths sit around page boundaries, with and without a qkv bias, with a fp32, fp16 or bf16
+KV cache (the C store rounds as torch's .to() does); and the decoder is used only where it
+reproduces the model (GGUF blocks, C glue, the cpu attention backend)."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,10 +20,12 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="needs an AV
 LENGTHS = [1, 15, 16, 17, 33, 70]  # the page size is 16
 
 
-@pytest.fixture(scope="module", params=["gguf", "gguf-q8"])
+@pytest.fixture(scope="module", params=[("gguf", "auto"), ("gguf-q8", "auto"), ("gguf-q8", "float16"),
+                                        ("gguf-q8", "bfloat16"), ("gguf", "float16")], ids="-".join)
 def runner(request):
-    return ModelRunner(ModelRunnerConfig(quantization=request.param, max_total_tokens=1024,
-                                         max_running_requests=len(LENGTHS)))
+    quantization, kv_cache_dtype = request.param
+    return ModelRunner(ModelRunnerConfig(quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                         max_total_tokens=1024, max_running_requests=len(LENGTHS)))
 
 
 def decode_batch(runner: ModelRunner):
@@ -47,9 +50,13 @@ def python_forward(runner: ModelRunner, batch) -> torch.Tensor:
 def test_decode_logits_equal_the_python_forward(runner):
     assert runner.decoder is not None and runner.decoder.takes(decode_batch(runner).meta)
     batch = decode_batch(runner)
-    # both store the step's K and V at the same slots, with the same values
-    assert torch.equal(runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index),
-                       python_forward(runner, batch))
+    kv = runner.kv_cache
+    stored = lambda: kv.buffer.view(kv.num_layers, 2, -1, kv.num_kv_heads, kv.head_dim)[:, :, batch.meta.out_cache_loc]
+    c_logits = runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+    c_stored = stored().clone()
+    # both store the step's K and V at the same slots, with the same bits (rounded alike)
+    assert torch.equal(c_logits, python_forward(runner, batch))
+    assert torch.equal(c_stored.view(torch.uint8), stored().view(torch.uint8))
 
 
 @torch.inference_mode()

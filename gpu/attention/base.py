@@ -72,5 +72,7 @@ class AttentionBackend(ABC):
         Stores k, v into layer_id's cache at out_cache_loc, then attends causally."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, out_cache_loc: torch.Tensor) -> None:
-        self.kv_cache.k_slots(layer_id).index_copy_(0, out_cache_loc, k)
-        self.kv_cache.v_slots(layer_id).index_copy_(0, out_cache_loc, v)
+        """k, v: [T, Hkv, D] in the model's dtype, rounded (to nearest even) to the cache's."""
+        dtype = self.kv_cache.dtype
+        self.kv_cache.k_slots(layer_id).index_copy_(0, out_cache_loc, k.to(dtype))
+        self.kv_cache.v_slots(layer_id).index_copy_(0, out_cache_loc, v.to(dtype))

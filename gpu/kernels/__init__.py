@@ -15,7 +15,7 @@ import torch
 
 from gpu.model_files import cache_root
 
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _loaded: dict[str, ctypes.CDLL] = {}
 
 

@@ -5,9 +5,10 @@
  * their pages: no gathered copy of K and V, no padding to the longest request, which is
  * what the torch backend pays for (index_select + a masked SDPA over the padded batch).
  *
- * Layouts (fp32): q [B, Hq, D] with request b's heads at q + b * q_stride (q can be a slice of
- * the fused qkv projection); out [B, Hq, D]; k, v one layer's pages [num_pages, page_size, Hkv,
- * D]; page_table int32 [B, pt_stride]. D is a multiple of 8, at most 256. Softmax in fp32 as SDPA
+ * Layouts: q [B, Hq, D] fp32 with request b's heads at q + b * q_stride (q can be a slice of
+ * the fused qkv projection); out [B, Hq, D] fp32; k, v one layer's pages [num_pages, page_size,
+ * Hkv, D] in kv_dtype (kv_dtype.h: fp32, fp16 or bf16, widened to fp32 as they are read);
+ * page_table int32 [B, pt_stride]. D is a multiple of 8, at most 256. Softmax in fp32 as SDPA
  * computes it, but in chunks (below), so its sums run in another order.
  */
 #include <immintrin.h>
@@ -15,6 +16,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include "simd_math.h"
+#include "kv_dtype.h"
 
 
 static inline float hsum(__m256 v) {
@@ -44,20 +46,21 @@ static inline __m256 sum8x8(const __m256 a[8]) {
 }
 
 typedef struct {
-    const float *k, *v;
+    const char *k, *v;
     const int32_t *pages;
-    int64_t page_size, token_stride;
+    int64_t page_size, token_stride, elem_bytes;  /* token_stride in elements */
 } KvRows;
 
-static inline const float *row(const KvRows *r, const float *base, int64_t j) {
-    return base + ((int64_t)r->pages[j / r->page_size] * r->page_size + j % r->page_size) * r->token_stride;
+static inline const void *row(const KvRows *r, const char *base, int64_t j) {
+    const int64_t slot = (int64_t)r->pages[j / r->page_size] * r->page_size + j % r->page_size;
+    return base + slot * r->token_stride * r->elem_bytes;
 }
 
 /* Pages sit anywhere in the pool and a head reads a third of each row: the hardware
  * prefetchers miss most of it, so the next chunk's rows are fetched into L2 while this one
  * is computed (without it the kernel waited on L3/DRAM latency: ~4x slower at batch 32). */
 static void prefetch_chunk(const KvRows *r, int64_t j0, int64_t n) {
-    const int64_t bytes = r->token_stride * (int64_t)sizeof(float);
+    const int64_t bytes = r->token_stride * r->elem_bytes;
     for (int64_t t = 0; t < n; t++) {
         const char *kr = (const char *)row(r, r->k, j0 + t), *vr = (const char *)row(r, r->v, j0 + t);
         for (int64_t x = 0; x < bytes; x += 64) {
@@ -68,11 +71,14 @@ static void prefetch_chunk(const KvRows *r, int64_t j0, int64_t n) {
 }
 
 /* One chunk [j0, j0 + n) of one request, all Hq heads: acc[i] = sum_j e^(s_ij - m_i) v_j,
- * l[i] = sum_j e^(s_ij - m_i), m[i] = max_j s_ij, s_ij = q_i . k_j * scale. */
-static void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n, int64_t Hq, int64_t G, int64_t D,
-                         float scale, float *acc, float *m, float *l) {
+ * l[i] = sum_j e^(s_ij - m_i), m[i] = max_j s_ij, s_ij = q_i . k_j * scale. Inlined into
+ * attend_chunk_as with a constant dtype: one copy of the loops per KV element type, each with
+ * its row load and no branch on the type inside them. */
+static inline __attribute__((always_inline)) void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
+                                                               int64_t Hq, int64_t G, int64_t D, float scale,
+                                                               float *acc, float *m, float *l, int dtype) {
     const int64_t nv = D / 8;
-    const float *krow[CHUNK], *vrow[CHUNK];
+    const void *krow[CHUNK], *vrow[CHUNK];
     for (int64_t t = 0; t < CHUNK; t++) {  /* past n: the last row again, its score dropped */
         const int64_t j = j0 + (t < n ? t : n - 1);
         krow[t] = row(r, r->k, j);
@@ -88,7 +94,7 @@ static void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
             for (int64_t c = 0; c < nv; c++) {
                 const __m256 qc = _mm256_loadu_ps(qi + 8 * c);
                 for (int t = 0; t < 8; t++)
-                    a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(krow[t0 + t] + off + 8 * c), a[t]);
+                    a[t] = _mm256_fmadd_ps(qc, kv_load8(krow[t0 + t], off + 8 * c, dtype), a[t]);
             }
             _mm256_storeu_ps(s + t0, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
         }
@@ -113,9 +119,8 @@ static void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
             for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t++) {
                 const __m256 p = _mm256_set1_ps(s[t]);
-                const float *vj = vrow[t] + off + 8 * c0;
                 for (int c = 0; c < 8; c++)
-                    if (c < nc) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), o[c]);
+                    if (c < nc) o[c] = _mm256_fmadd_ps(p, kv_load8(vrow[t], off + 8 * (c0 + c), dtype), o[c]);
             }
             for (int c = 0; c < 8; c++)
                 if (c < nc) _mm256_storeu_ps(acc + i * D + 8 * (c0 + c), o[c]);
@@ -123,10 +128,19 @@ static void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
     }
 }
 
+static void attend_chunk_as(int dtype, const float *q, const KvRows *r, int64_t j0, int64_t n, int64_t Hq, int64_t G,
+                            int64_t D, float scale, float *acc, float *m, float *l) {
+    switch (dtype) {
+    case KV_F16: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F16); break;
+    case KV_BF16: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_BF16); break;
+    default: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F32);
+    }
+}
+
 /* Returns 0, or -1 when a scratch buffer could not be allocated. */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *page_table,
-                           int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
-                           int64_t D, int64_t page_size, float scale, float *out, int threads) {
+int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+                           const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
+                           int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads) {
     const int64_t G = Hq / Hkv, part = Hq * (D + 2);  /* a chunk's acc [Hq, D], m [Hq], l [Hq] */
     if (D > 8 * MAX_VECS) return -1;
     /* scratch kept between calls (one per calling thread): a fresh one per call was mmap'ed
@@ -156,15 +170,15 @@ int paged_decode_attention(const float *q, int64_t q_stride, const float *k, con
         _Pragma("omp for schedule(static)")
         for (int64_t it = 0; it < items; it++) {
             while (first[b + 1] <= it) b++;  /* items rise within a thread's static range */
-            const KvRows r = {k, v, page_table + b * pt_stride, page_size, Hkv * D};
+            const KvRows r = {k, v, page_table + b * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
             const int64_t j0 = (it - first[b]) * CHUNK, n = kv_lens[b] - j0 < CHUNK ? kv_lens[b] - j0 : CHUNK;
             if (it + 1 < items) {  /* the next item: this request's next chunk or the next request's first */
                 const int64_t nb = first[b + 1] == it + 1 ? b + 1 : b, nj0 = (it + 1 - first[nb]) * CHUNK;
-                const KvRows nr = {k, v, page_table + nb * pt_stride, page_size, Hkv * D};
+                const KvRows nr = {k, v, page_table + nb * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
                 prefetch_chunk(&nr, nj0, kv_lens[nb] - nj0 < CHUNK ? kv_lens[nb] - nj0 : CHUNK);
             }
             float *pc = parts + it * part;
-            attend_chunk(q + b * q_stride, &r, j0, n, Hq, G, D, scale, pc, pc + Hq * D, pc + Hq * D + Hq);
+            attend_chunk_as(kv_dtype, q + b * q_stride, &r, j0, n, Hq, G, D, scale, pc, pc + Hq * D, pc + Hq * D + Hq);
         }
         /* merge: out_i = sum_c e^(m_ci - M_i) acc_ci / sum_c e^(m_ci - M_i) l_ci, M_i = max_c m_ci */
         _Pragma("omp for schedule(static)")

@@ -7,12 +7,14 @@
  * batch-1 step. Here the layer loop is C and runs the same kernels in the same order on the
  * same values, so the result is bit for bit the Python forward's (tests/test_cpu_decode.py).
  *
- * Decode only: every request has one new token, its K and V are stored at out_cache_loc and
- * it attends to kv_lens[b] cached tokens (itself included).
+ * Decode only: every request has one new token, its K and V are stored at out_cache_loc (in
+ * the cache's element type, rounded as torch rounds: kv_dtype.h) and it attends to kv_lens[b]
+ * cached tokens (itself included).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kv_dtype.h"
 
 /* ggml_cpu.c */
 void gemm_q4_1(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
@@ -30,9 +32,9 @@ void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, c
           const float *cos_table, const float *sin_table, int threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
 /* attention_cpu.c */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *page_table,
-                           int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
-                           int64_t D, int64_t page_size, float scale, float *out, int threads);
+int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+                           const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
+                           int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads);
 
 enum { GEMM_Q4_1, GEMM_Q8_0, GEMM_Q4_1_Q8, GEMM_Q8_0_Q8 };
 
@@ -47,11 +49,12 @@ typedef struct {
     const float *input_norm, *post_norm;
     const float *qkv_bias;  /* [(Hq + 2 Hkv) D] or NULL */
     Projection qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  /* this layer's pages: [num_pages, page_size, Hkv, D] */
+    void *k_cache, *v_cache;  /* this layer's pages: [num_pages, page_size, Hkv, D] in Dims.kv_dtype */
 } Layer;
 
 typedef struct {
     int64_t hidden, intermediate, q_heads, kv_heads, head_dim, page_size;
+    int64_t kv_dtype;  /* KV_F32 | KV_F16 | KV_BF16 */
     float eps, scale;
 } Dims;
 
@@ -76,6 +79,8 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
                   int threads) {
     const int64_t H = dims->hidden, I = dims->intermediate, Hq = dims->q_heads, Hkv = dims->kv_heads;
     const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
+    const int kv_dtype = (int)dims->kv_dtype;
+    const int64_t kv_row_bytes = kv_width * kv_elem_bytes(kv_dtype);
     /* h [T, H], qkv [T, qkv_width], attn [T, Hq D], proj [T, H], gate_up [T, 2I], act [T, I] */
     const int64_t need = T * (H + qkv_width + Hq * D + H + 3 * I);
     static __thread float *scratch_buf = NULL;  /* kept between calls, as attention_cpu.c's */
@@ -98,11 +103,11 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, threads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_width;
-            memcpy(L->k_cache + out_cache_loc[t] * kv_width, row + Hq * D, sizeof(float) * kv_width);
-            memcpy(L->v_cache + out_cache_loc[t] * kv_width, row + (Hq + Hkv) * D, sizeof(float) * kv_width);
+            kv_store_row((char *)L->k_cache + out_cache_loc[t] * kv_row_bytes, row + Hq * D, kv_width, kv_dtype);
+            kv_store_row((char *)L->v_cache + out_cache_loc[t] * kv_row_bytes, row + (Hq + Hkv) * D, kv_width, kv_dtype);
         }
-        if (paged_decode_attention(qkv, qkv_width, L->k_cache, L->v_cache, page_table, pt_stride, kv_lens, T, Hq, Hkv,
-                                   D, dims->page_size, dims->scale, attn, threads))
+        if (paged_decode_attention(qkv, qkv_width, L->k_cache, L->v_cache, kv_dtype, page_table, pt_stride, kv_lens, T,
+                                   Hq, Hkv, D, dims->page_size, dims->scale, attn, threads))
             return -1;
         if (project(&L->o, attn, T, proj, threads)) return -1;
         rms_norm(x, proj, L->post_norm, T, H, dims->eps, h, threads);
