@@ -7,9 +7,11 @@ serving batch. The two backends' outputs are compared too.
 
 Then whole decode steps of the real model (the embedded SmolLM2, 128-token prompts), one
 ModelRunner per backend in this process, interleaved, best of --repeat (--quantization gguf or
-gguf-q8: both on the GGUF's blocks).
+gguf-q8: both on the GGUF's blocks). --kv-cache-dtype float16 / bfloat16: the KV cache in that
+type, for both parts.
 
     python perf/attention_bench.py [--threads N] [--batches 1,8,32] [--quantization gguf|gguf-q8]
+                                   [--kv-cache-dtype auto|float16|bfloat16]
                                    # writes perf/results/attention.json
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from forward_bench import ours_decoder  # noqa: E402  (perf/, beside this file)
 from gpu.attention import create_backend  # noqa: E402
 from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
 from gpu.kv_cache import KVCache  # noqa: E402
-from gpu.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
+from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig  # noqa: E402
 from gpu.quant import ACTIVATIONS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
@@ -49,7 +51,8 @@ def step_seconds(backend, meta, q, k, v) -> float:
 def whole_steps(args: argparse.Namespace, batches: list[int]) -> list[dict]:
     steps = 8
     runners = {name: ModelRunner(ModelRunnerConfig(
-        attention_backend=name, quantization=args.quantization, max_running_requests=max(batches),
+        attention_backend=name, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        max_running_requests=max(batches),
         max_total_tokens=max(batches) * (args.context + 2 + steps * (args.repeat + 1) + 32))) for name in BACKENDS}
     rng = np.random.default_rng(1)
     rows = []
@@ -77,11 +80,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--quantization", default=None, choices=list(ACTIVATIONS), help="for the whole-step runs")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request in the whole-step runs")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cache = KVCache(LAYERS, args.pool_pages, PAGE, HKV, D, torch.float32, torch.device("cpu"))
+    kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype, torch.float32)  # auto: the model's fp32
+    cache = KVCache(LAYERS, args.pool_pages, PAGE, HKV, D, kv_dtype, torch.device("cpu"))
     cache.buffer.normal_()  # every slot finite and resident
     backends = {name: create_backend(name, cache, HQ) for name in BACKENDS}
     rng = np.random.default_rng(0)
@@ -112,11 +117,13 @@ def main() -> None:
     result = {"machine": {"cores": os.cpu_count(), "threads": args.threads, "load_avg": os.getloadavg()},
               "config": {"layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page_size": PAGE,
                          "kv_len": list(args.kv_len), "repeat": args.repeat, "quantization": args.quantization,
+                         "kv_cache_dtype": args.kv_cache_dtype,
                          "context": args.context},
               "steps": rows, "model_steps": step_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f}; ms per decode step, all {LAYERS} layers")
+    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
+          f"ms per decode step, all {LAYERS} layers")
     print("| pages | batch | kv tokens | torch ms | cpu ms | x torch | max abs diff |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -4,11 +4,12 @@ weights (the embedded SmolLM2 unless --model-path), same process, same run.
 Measures decode step time and tokens/s at several batch sizes (each request holding
 --context tokens of prompt), prefill tokens/s for one --prefill-token prompt, and the start
 time of the ModelRunner; writes perf/results/forward.json and prints a table. With several
---quantization modes, one ModelRunner per mode in this process, all interleaved with
-transformers (which stays fp32) in each timed round.
+--quantization modes and/or --kv-cache-dtype values, one ModelRunner per pair in this process,
+all interleaved with transformers (which stays fp32) in each timed round.
 
     python perf/forward_bench.py [--threads N] [--batches 1,8,32] [--cold-start]
-                                 [--quantization none,gguf,gguf-q8] [--products 1,8,32,128,512]
+                                 [--quantization none,gguf,gguf-q8] [--kv-cache-dtype auto,float16]
+                                 [--products 1,8,32,128,512]
 
 --products also times all of the model's products alone (every layer's qkv, o, gate_up and
 down, then lm_head, through gpu.llama.linear) at those token counts, per mode: where
@@ -36,6 +37,7 @@ from runtime.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
 MODES = ("none", "gguf", "gguf-q8")  # --quantization values; none: the fp32 weights
+KV_DTYPES = ("auto", "float16", "bfloat16")  # --kv-cache-dtype values
 
 
 def timed(fn) -> np.ndarray:
@@ -125,12 +127,19 @@ def cold_start_seconds() -> float:
             os.environ.update(old)
 
 
-def modes(value: str) -> list[str]:
-    out = value.split(",")
-    bad = [m for m in out if m not in MODES]
-    if bad or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"a comma-separated list of distinct {', '.join(MODES)}, not {value!r}")
-    return out
+def choices(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated list of distinct values from `allowed`."""
+    def parse(value: str) -> list[str]:
+        out = value.split(",")
+        if any(v not in allowed for v in out) or len(set(out)) != len(out):
+            raise argparse.ArgumentTypeError(f"a comma-separated list of distinct {', '.join(allowed)}, not {value!r}")
+        return out
+    return parse
+
+
+def label(mode: str, kv: str) -> str:
+    """A runner's name in the results: its --quantization mode, and its KV cache dtype unless auto."""
+    return mode if kv == "auto" else f"{mode} kv {kv}"
 
 
 def main() -> None:
@@ -144,10 +153,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-generate", action="store_true", help="skip the transformers generate() baseline")
     ap.add_argument("--cold-start", action="store_true", help="also time a start with GGUF conversion")
-    ap.add_argument("--quantization", type=modes, default=["none"],
+    ap.add_argument("--quantization", type=choices(MODES), default=["none"],
                     help=f"executor weights, comma-separated, each its own ModelRunner: {', '.join(MODES)} "
                          "(gguf: the GGUF's own Q4_1/Q8_0 blocks; gguf-q8: the same with int8 activations; "
                          "transformers stays fp32)")
+    ap.add_argument("--kv-cache-dtype", type=choices(KV_DTYPES), default=["auto"],
+                    help="KV cache element types, comma-separated, each with every --quantization mode")
     ap.add_argument("--products", default="", help="token counts at which to time the products alone")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -157,12 +168,13 @@ def main() -> None:
 
     runners, start_s = {}, {}
     for mode in args.quantization:
-        t = time.perf_counter()
-        runners[mode] = ModelRunner(ModelRunnerConfig(
-            model_path=args.model_path, max_running_requests=max(batches),
-            quantization=None if mode == "none" else mode,
-            max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
-        start_s[mode] = time.perf_counter() - t
+        for kv in args.kv_cache_dtype:
+            t = time.perf_counter()
+            runners[label(mode, kv)] = ModelRunner(ModelRunnerConfig(
+                model_path=args.model_path, max_running_requests=max(batches),
+                quantization=None if mode == "none" else mode, kv_cache_dtype=kv,
+                max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
+            start_s[label(mode, kv)] = time.perf_counter() - t
     first = next(iter(runners.values()))
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(first.model_config.model_dir, dtype=torch.float32).eval()
@@ -174,14 +186,14 @@ def main() -> None:
     with torch.inference_mode():
         for B in batches:
             prompts = rng.integers(100, V, size=(B, args.context)).astype(np.int32)
-            decoders = {mode: ours_decoder(r, prompts, args.steps, args.repeat) for mode, r in runners.items()}
+            decoders = {name: ours_decoder(r, prompts, args.steps, args.repeat) for name, r in runners.items()}
             if not args.no_generate:
                 hf_generate(hf, prompts, 2, pad_id)  # warm-up
             # all interleaved, best of `repeat` each: a shared machine's load hits them alike
             ours, theirs, gen_long, gen_short = {m: [] for m in runners}, [], [], []
             for _ in range(args.repeat):
-                for mode, (run, _) in decoders.items():
-                    ours[mode].append(run())
+                for name, (run, _) in decoders.items():
+                    ours[name].append(run())
                 theirs.append(hf_decode(hf, prompts, args.steps))
                 if not args.no_generate:
                     gen_long.append(hf_generate(hf, prompts, 1 + args.steps, pad_id))
@@ -190,9 +202,11 @@ def main() -> None:
                 close()
             theirs = np.min(theirs, axis=0)  # [wall, cpu] per step
             gen = None if args.no_generate else (np.min(gen_long, axis=0) - np.min(gen_short, axis=0)) / args.steps
-            for mode in runners:
-                o = np.min(ours[mode], axis=0)
-                rows.append({"batch": B, "quantization": mode, "ours_ms": o[0] * 1e3, "ours_cpu_ms": o[1] * 1e3,
+            for name in runners:
+                o = np.min(ours[name], axis=0)
+                c = runners[name].config
+                rows.append({"batch": B, "runner": name, "quantization": c.quantization or "none",
+                             "kv_cache_dtype": c.kv_cache_dtype, "ours_ms": o[0] * 1e3, "ours_cpu_ms": o[1] * 1e3,
                              "hf_ms": theirs[0] * 1e3, "hf_cpu_ms": theirs[1] * 1e3,
                              "hf_generate_ms": None if gen is None else gen[0] * 1e3,
                              "hf_generate_cpu_ms": None if gen is None else gen[1] * 1e3,
@@ -208,24 +222,24 @@ def main() -> None:
         for r in runners.values():
             r.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
         for _ in range(args.repeat + 1):  # the first of each is a warm-up
-            for mode, r in runners.items():
-                ours_p[mode].append(timed(lambda: r.step([SeqInput(0, prompt, 0, pages[mode], True)])))
+            for name, r in runners.items():
+                ours_p[name].append(timed(lambda: r.step([SeqInput(0, prompt, 0, pages[name], True)])))
             hf_p.append(timed(lambda: hf(ids, use_cache=True, logits_to_keep=1)))
-        for mode, r in runners.items():
-            r.pool.free(pages[mode])
+        for name, r in runners.items():
+            r.pool.free(pages[name])
         hf_p = np.min(hf_p[1:], axis=0)
-        products = [{"tokens": T, **{f"{mode}_ms": products_seconds(r, T, args.repeat) * 1e3
-                                     for mode, r in runners.items()}} for T in product_tokens]
+        products = [{"tokens": T, **{f"{name}_ms": products_seconds(r, T, args.repeat) * 1e3
+                                     for name, r in runners.items()}} for T in product_tokens]
     prefill = []
-    for mode in runners:
-        o = np.min(ours_p[mode][1:], axis=0)
-        prefill.append({"quantization": mode, "tokens": args.prefill, "ours_tok_s": args.prefill / o[0],
+    for name in runners:
+        o = np.min(ours_p[name][1:], axis=0)
+        prefill.append({"runner": name, "tokens": args.prefill, "ours_tok_s": args.prefill / o[0],
                         "hf_tok_s": args.prefill / hf_p[0], "ratio": hf_p[0] / o[0], "cpu_ratio": hf_p[1] / o[1]})
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "threads": args.threads, "load_avg": os.getloadavg()},
         "config": {"context": args.context, "steps": args.steps, "repeat": args.repeat, "dtype": "float32",
-                   "quantization": args.quantization,
+                   "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                    "attention_backend": first.attention_backend, "device": str(first.device)},
         "start_seconds_cached": start_s,
         "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
@@ -237,20 +251,20 @@ def main() -> None:
     print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
           f"steps={args.steps} (best of {args.repeat})")
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    print(f"{'batch':>5} {'quantization':>12} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} "
+    print(f"{'batch':>5} {'runner':>22} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} "
           f"{'generate tok/s':>14} {'x hf':>6} {'x generate':>10} {'x hf (cpu)':>10} {'x generate (cpu)':>16}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['quantization']:>12} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} "
+        print(f"{r['batch']:>5} {r['runner']:>22} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} "
               f"{r['hf_tok_s']:>9.1f} {fmt(r['hf_generate_tok_s'], '.1f'):>14} {r['ratio_vs_hf']:>6.2f} "
               f"{fmt(r['ratio_vs_generate'], '.2f'):>10} {r['cpu_ratio_vs_hf']:>10.2f} "
               f"{fmt(r['cpu_ratio_vs_generate'], '.2f'):>16}")
     for p in prefill:
-        print(f"prefill {args.prefill} tokens ({p['quantization']}): ours {p['ours_tok_s']:.0f} tok/s, "
+        print(f"prefill {args.prefill} tokens ({p['runner']}): ours {p['ours_tok_s']:.0f} tok/s, "
               f"transformers {p['hf_tok_s']:.0f} tok/s, x{p['ratio']:.2f} (cpu time x{p['cpu_ratio']:.2f})")
     if products:
-        print("all products of a forward, ms: " + " | ".join(f"{mode}" for mode in runners))
+        print("all products of a forward, ms: " + " | ".join(f"{name}" for name in runners))
         for p in products:
-            print(f"{p['tokens']:>5} tokens: " + " | ".join(f"{p[f'{mode}_ms']:.1f}" for mode in runners))
+            print(f"{p['tokens']:>5} tokens: " + " | ".join(f"{p[f'{name}_ms']:.1f}" for name in runners))
     cold = result["start_seconds_cold"]
     print("ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in start_s.items())
           + (f"; {cold:.1f} s with GGUF conversion" if cold else ""))
