@@ -41,7 +41,7 @@ def run_engine(args, prompts, out_lens) -> dict:
 
     engine = Engine(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
                     max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
-                    quantization=args.quantization)
+                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
     engine.flush_cache()
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in out_lens]
@@ -51,7 +51,8 @@ def run_engine(args, prompts, out_lens) -> dict:
     assert [len(o.token_ids) for o in outs] == out_lens
     stats = engine.scheduler.stats
     return {"elapsed_s": elapsed, "steps": stats.steps, "retractions": stats.retractions,
-            "attention_backend": engine.runner.attention_backend, "quantization": args.quantization}
+            "attention_backend": engine.runner.attention_backend, "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def run_transformers(args, prompts, out_lens) -> dict:
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--quantization", default=None, choices=list(ACTIVATIONS),
                     help="the Engine's (transformers stays fp32)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "bfloat16"],
+                    help="the Engine's KV cache")
     ap.add_argument("--hf-batch-size", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--null-streams", type=int, default=256,
