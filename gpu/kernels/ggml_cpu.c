@@ -145,6 +145,10 @@ void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, floa
 #define ROWS 8     /* rows per interleaved group: one ymm lane each */
 #define TILE_Q8 4  /* tokens per pass over a group: 4 int sums + 4 float sums + block, x, constants */
 #define CHUNK 4    /* groups a thread takes at a time (32 rows): 1 and 16 were slower at 1-512 tokens */
+/* From this many tokens a chunk's work (~10 µs and up) dwarfs a dynamic schedule's atomic
+ * fetch, and a thread the OS preempts (the server's other processes share these cores) no
+ * longer holds up the product: the other takes its remaining chunks. Below it, static. */
+#define DYNAMIC_TOKENS 8
 
 /* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt is a constant at each call (a switch
  * below) so that the token loops unroll and the sums stay in registers.
@@ -236,9 +240,15 @@ static inline __attribute__((always_inline)) void groups_q8(
         float *xs = xd + T * nb;                                                                     \
         int8_t *xq = (int8_t *)(xs + T * nb);                                                        \
         quantize_q8(x, T, K, xq, xd, xs);                                                            \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                            \
-        for (int64_t c = 0; c < groups; c += CHUNK)                                                  \
-            groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
+        if (T >= DYNAMIC_TOKENS) {                                                                   \
+            _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                       \
+            for (int64_t c = 0; c < groups; c += CHUNK)                                              \
+                groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
+        } else {                                                                                     \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")                        \
+            for (int64_t c = 0; c < groups; c += CHUNK)                                              \
+                groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
+        }                                                                                            \
         free(xd);                                                                                    \
         return 0;                                                                                    \
     }
