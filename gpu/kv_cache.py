@@ -28,8 +28,6 @@ class KVCache:
         if device.type == "cpu":
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             self._mapping = mmap.mmap(-1, nbytes)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: 2 MiB pages where THP is "madvise"
-                self._mapping.madvise(mmap.MADV_HUGEPAGE)
             self.buffer = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=device)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu.model_runner import KV_CACHE_DTYPES
 from gpu.quant import ACTIVATIONS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--quantization", default=None, choices=list(ACTIVATIONS),
                     help="the Engine's (transformers stays fp32)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "bfloat16"],
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                     help="the Engine's KV cache")
     ap.add_argument("--hf-batch-size", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
