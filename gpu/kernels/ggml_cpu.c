@@ -147,7 +147,8 @@ void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, floa
 #define CHUNK 4    /* groups a thread takes at a time (32 rows): 1 and 16 were slower at 1-512 tokens */
 /* From this many tokens a chunk's work (~10 µs and up) dwarfs a dynamic schedule's atomic
  * fetch, and a thread the OS preempts (the server's other processes share these cores) no
- * longer holds up the product: the other takes its remaining chunks. Below it, static. */
+ * longer holds up the product: the other takes its remaining chunks. Below it each thread
+ * fetches its whole share at once, as a static schedule would. */
 #define DYNAMIC_TOKENS 8
 
 /* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt is a constant at each call (a switch
@@ -240,15 +241,11 @@ static inline __attribute__((always_inline)) void groups_q8(
         float *xs = xd + T * nb;                                                                     \
         int8_t *xq = (int8_t *)(xs + T * nb);                                                        \
         quantize_q8(x, T, K, xq, xd, xs);                                                            \
-        if (T >= DYNAMIC_TOKENS) {                                                                   \
-            _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")                       \
-            for (int64_t c = 0; c < groups; c += CHUNK)                                              \
-                groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
-        } else {                                                                                     \
-            _Pragma("omp parallel for schedule(static) num_threads(threads)")                        \
-            for (int64_t c = 0; c < groups; c += CHUNK)                                              \
-                groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
-        }                                                                                            \
+        const int64_t iters = (groups + CHUNK - 1) / CHUNK, share = (iters + threads - 1) / threads; \
+        const int64_t per_fetch = T >= DYNAMIC_TOKENS || share < 1 ? 1 : share;                      \
+        _Pragma("omp parallel for schedule(dynamic, per_fetch) num_threads(threads)")                \
+        for (int64_t c = 0; c < groups; c += CHUNK)                                                  \
+            groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
         free(xd);                                                                                    \
         return 0;                                                                                    \
     }
