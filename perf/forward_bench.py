@@ -32,12 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.llama import linear  # noqa: E402
-from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
+from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
+from gpu.quant import ACTIVATIONS  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
-MODES = ("none", "gguf", "gguf-q8")  # --quantization values; none: the fp32 weights
-KV_DTYPES = ("auto", "float16", "bfloat16")  # --kv-cache-dtype values
+MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights
+KV_DTYPES = ("auto", *KV_CACHE_DTYPES)  # --kv-cache-dtype values; auto: the model's dtype
 
 
 def timed(fn) -> np.ndarray:
