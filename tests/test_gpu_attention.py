@@ -1,6 +1,7 @@
 """The torch and cpu attention backends against a per-request softmax(q k^T) v written out
 longhand, on ragged batches mixing decode, prefill and chunked prefill with pages scattered in
-the pool."""
+the pool; the cpu backend against the torch backend on mixed steps over page sizes, KV cache
+types, GQA ratios and head dims, and the same whatever its thread count."""
 import numpy as np
 import pytest
 import torch
@@ -69,6 +70,63 @@ def test_backend_matches_longhand_attention(name, shape):
             sl = slice(indptr[b], indptr[b + 1])
             want = _reference(q[sl], k_all, v_all, np.arange(s.start, s.start + len(s.token_ids)))
             torch.testing.assert_close(o[sl], want, rtol=1e-5, atol=1e-5)
+
+
+# One mixed step: decode requests among extend ones of many shapes: prompts with no cached
+# prefix, new tokens after a prefix, a middle chunk, q_len over a query block (48 rows: 16
+# queries of 3 heads) and over a key chunk (64), and not a multiple of either.
+MIXED = [(0, 85), (40, 1), (30, 85), (0, 2), (100, 20), (7, 1), (0, 130), (200, 3), (63, 1), (1, 64)]
+
+
+def _mixed_step(page_size, hq, hkv, d, dtype, seed=0):
+    """A KV cache of random (finite) entries, one layer's q, k, v and the step's metadata, each
+    request's pages scattered through the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-(start + n) // page_size) for start, n in MIXED]
+    num_pages = sum(counts) + 8
+    kv = KVCache(num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=d,
+                 dtype=dtype, device=torch.device("cpu"))
+    kv.buffer.copy_(torch.randn(kv.buffer.shape, generator=gen))
+    order = torch.randperm(num_pages, generator=gen).numpy().astype(np.int32)
+    pages = np.split(order[:sum(counts)], np.cumsum(counts)[:-1])
+    seqs = [SeqInput(b, np.zeros(n, np.int32), start, pages[b], True) for b, (start, n) in enumerate(MIXED)]
+    meta = build_forward_batch(seqs, page_size, context_length=512, device=torch.device("cpu")).meta
+    T = meta.num_tokens
+    q = torch.randn(T, hq + 2 * hkv, d, generator=gen)[:, :hq]  # a slice, as of the model's fused qkv
+    return kv, meta, q, torch.randn(T, hkv, d, generator=gen), torch.randn(T, hkv, d, generator=gen)
+
+
+def _attend(name, kv, hq, meta, q, k, v):
+    backend = create_backend(name, kv, hq)
+    backend.plan(meta)
+    return backend.forward(q, k, v, 0)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the cpu backend needs an AVX2 CPU and a C compiler")
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 40)])  # GQA 3 (SmolLM2), GQA 1 with D not a multiple of 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16, 5])
+def test_cpu_backend_equals_torch_on_mixed_steps(page_size, dtype, hq, hkv, d):
+    kv, meta, q, k, v = _mixed_step(page_size, hq, hkv, d, dtype)
+    want = _attend("torch", kv, hq, meta, q, k, v)  # stores k, v; the cpu backend stores the same again
+    got = _attend("cpu", kv, hq, meta, q, k, v)
+    # both compute in fp32 from the same (widened) cache entries; only the sums' order differs:
+    # |out| is up to ~3.5 here and the differences measured stay under 1.1e-6
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the cpu backend needs an AVX2 CPU and a C compiler")
+def test_cpu_backend_result_does_not_depend_on_the_thread_count():
+    kv, meta, q, k, v = _mixed_step(16, 9, 3, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_attend("cpu", kv, 9, meta, q, k, v))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("start, n, pages, message", [

@@ -1,20 +1,22 @@
-/* Decode attention straight from the paged KV cache on an x86-64 CPU with AVX2 + FMA
- * (gpu/attention/cpu.py builds and loads this file).
+/* Attention straight from the paged KV cache on an x86-64 CPU with AVX2 + FMA
+ * (gpu/attention/cpu.py builds and loads this file): decode (one new token per request) and
+ * extend (several: a prompt, a chunk of one, a prompt after a cached prefix).
  *
- * One query token per request attends to its kv_lens[b] cached tokens, read in place from
- * their pages: no gathered copy of K and V, no padding to the longest request, which is
- * what the torch backend pays for (index_select + a masked SDPA over the padded batch).
+ * Each request's keys and values are read in place from its pages: no gathered copy of K and
+ * V, no padding to the longest request, which is what the torch backend pays for (index_select
+ * + a masked SDPA over the padded batch).
  *
- * Layouts: q [B, Hq, D] fp32 with request b's heads at q + b * q_stride (q can be a slice of
- * the fused qkv projection); out [B, Hq, D] fp32; k, v one layer's pages [num_pages, page_size,
- * Hkv, D] in kv_dtype (kv_dtype.h: fp32, fp16 or bf16, widened to fp32 as they are read);
- * page_table int32 [B, pt_stride]. D is a multiple of 8, at most 256. Softmax in fp32 as SDPA
- * computes it, but in chunks (below), so its sums run in another order.
+ * Layouts: q [T, Hq, D] fp32 with token t's heads at q + t * q_stride (q can be a slice of the
+ * fused qkv projection); out fp32; k, v one layer's pages [num_pages, page_size, Hkv, D] in
+ * kv_dtype (kv_dtype.h: fp32, fp16 or bf16, widened to fp32 as they are read); page_table int32
+ * [B, pt_stride]. D is a multiple of 8, at most 256. Softmax in fp32 as SDPA computes it, but in
+ * chunks of keys (online softmax), so its sums run in another order.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#include <omp.h>
 #include "simd_math.h"
 #include "kv_dtype.h"
 
@@ -24,6 +26,21 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* all ones in the lanes below n (none when n <= 0, all when n >= 8), as a float mask */
+static inline __m256 lanes_below(int64_t n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int n8 = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n8), lane));
 }
 
 
@@ -104,10 +121,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, c
         __m256 vsum = _mm256_setzero_ps();
         for (int64_t t0 = 0; t0 < n; t0 += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t0), vmx));
-            if (n - t0 < 8) {  /* zero the lanes past n */
-                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t0)), lane)));
-            }
+            if (n - t0 < 8) e = _mm256_and_ps(e, lanes_below(n - t0));  /* zero the lanes past n */
             _mm256_storeu_ps(s + t0, e);
             vsum = _mm256_add_ps(vsum, e);
         }
@@ -201,6 +215,261 @@ int paged_decode_attention(const float *q, int64_t q_stride, const void *k, cons
                 const __m256 inv = _mm256_set1_ps(1.0f / denom);
                 for (int64_t x = 0; x < D; x += 8) _mm256_storeu_ps(o + x, _mm256_mul_ps(_mm256_loadu_ps(o + x), inv));
             }
+        }
+    }
+    return 0;
+}
+
+
+/* Extend: request b's q_lens[b] new tokens are the last of its kv_lens[b] positions; query i
+ * sits at position kv_lens[b] - q_lens[b] + i and sees keys 0 .. that position (causal, aligned
+ * bottom-right, so a cached prefix or earlier chunks are simply more keys).
+ *
+ * A work item is (request, kv head, block of queries): the block's queries times the G query
+ * heads sharing that kv head are the item's rows, and they go through the keys in chunks of
+ * EXT_KEYS, each chunk's K and V widened to fp32 once and used by every row (a small GEMM per
+ * chunk: S = Q K^T by register tiles of 6 rows x 16 keys, then O += P V by tiles of 6 rows x 16
+ * dims), with the softmax taken online per chunk in fp32. An item writes its own rows of out and
+ * nothing else, so the result is the same whatever thread runs it. */
+#define EXT_KEYS 64   /* keys per chunk: one online-softmax update of every row per chunk */
+#define EXT_ROWS 48   /* rows per item (queries x G): enough to amortize widening the chunk */
+#define TILE_ROWS 6   /* 6 x 2 accumulators + 2 loads + a broadcast: 15 of the 16 ymm registers */
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* rows r[0..7] become its columns */
+static inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* Keys j0 .. j0 + n of kv head slice `off`, widened: kt [D, EXT_KEYS] transposed, vc [n16, DP];
+ * keys n .. n16 and vc's columns D .. DP are zeros (so the tiles run whole, adding nothing). */
+static inline __attribute__((always_inline)) void widen_chunk(const KvRows *r, int64_t j0, int64_t n, int64_t n16,
+                                                              int64_t off, int64_t D, int64_t DP, float *kt,
+                                                              float *vc, int dtype) {
+    for (int64_t t0 = 0; t0 < n16; t0 += 8) {
+        const void *krow[8];
+        for (int t = 0; t < 8; t++) krow[t] = t0 + t < n ? row(r, r->k, j0 + t0 + t) : NULL;
+        for (int64_t c = 0; c < D; c += 8) {
+            __m256 x[8];
+            for (int t = 0; t < 8; t++) x[t] = krow[t] ? kv_load8(krow[t], off + c, dtype) : _mm256_setzero_ps();
+            transpose8(x);
+            for (int d = 0; d < 8; d++) _mm256_storeu_ps(kt + (c + d) * EXT_KEYS + t0, x[d]);
+        }
+    }
+    for (int64_t t = 0; t < n16; t++) {
+        float *vt = vc + t * DP;
+        const void *vrow = t < n ? row(r, r->v, j0 + t) : NULL;
+        for (int64_t c = 0; c < DP; c += 8)
+            _mm256_storeu_ps(vt + c, vrow && c < D ? kv_load8(vrow, off + c, dtype) : _mm256_setzero_ps());
+    }
+}
+
+/* s[r, 0..16) = qs[r] . kt[:, 0..16) for TILE_ROWS rows (qs rows D apart, s rows EXT_KEYS apart) */
+static inline void scores_tile(const float *qs, const float *kt, int64_t D, float *s) {
+    __m256 a[TILE_ROWS][2];
+    for (int i = 0; i < TILE_ROWS; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * EXT_KEYS), k1 = _mm256_loadu_ps(kt + d * EXT_KEYS + 8);
+        for (int i = 0; i < TILE_ROWS; i++) {
+            const __m256 qd = _mm256_broadcast_ss(qs + i * D + d);
+            a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < TILE_ROWS; i++) {
+        _mm256_storeu_ps(s + i * EXT_KEYS, a[i][0]);
+        _mm256_storeu_ps(s + i * EXT_KEYS + 8, a[i][1]);
+    }
+}
+
+/* acc[r, 0..16) = alpha[r] acc[r, 0..16) + p[r, 0..n16) . vc[0..n16, 0..16) for TILE_ROWS rows
+ * (acc and vc rows DP apart, p rows EXT_KEYS apart) */
+static inline void values_tile(const float *p, const float *alpha, const float *vc, int64_t n16, int64_t DP,
+                               float *acc) {
+    __m256 o[TILE_ROWS][2];
+    for (int i = 0; i < TILE_ROWS; i++) {
+        const __m256 a = _mm256_broadcast_ss(alpha + i);
+        o[i][0] = _mm256_mul_ps(a, _mm256_loadu_ps(acc + i * DP));
+        o[i][1] = _mm256_mul_ps(a, _mm256_loadu_ps(acc + i * DP + 8));
+    }
+    for (int64_t t = 0; t < n16; t++) {
+        const __m256 v0 = _mm256_loadu_ps(vc + t * DP), v1 = _mm256_loadu_ps(vc + t * DP + 8);
+        for (int i = 0; i < TILE_ROWS; i++) {
+            const __m256 pt = _mm256_broadcast_ss(p + i * EXT_KEYS + t);
+            o[i][0] = _mm256_fmadd_ps(pt, v0, o[i][0]);
+            o[i][1] = _mm256_fmadd_ps(pt, v1, o[i][1]);
+        }
+    }
+    for (int i = 0; i < TILE_ROWS; i++) {
+        _mm256_storeu_ps(acc + i * DP, o[i][0]);
+        _mm256_storeu_ps(acc + i * DP + 8, o[i][1]);
+    }
+}
+
+/* One row's online-softmax step over a chunk's scores s[0..n16), of which the first `seen` are
+ * visible to it: s becomes e^(s - m') (0 where unseen), l and m move to the new max m', and
+ * alpha = e^(m - m') is what the row's earlier sums are scaled by. */
+static inline void softmax_step(float *s, int64_t n16, int64_t seen, float *m, float *l, float *alpha) {
+    if (seen <= 0) {  /* the chunk lies wholly past this row's position: it adds nothing */
+        for (int64_t t = 0; t < n16; t += 8) _mm256_storeu_ps(s + t, _mm256_setzero_ps());
+        *alpha = 1.0f;
+        return;
+    }
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < seen; t += 8)
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + t),
+                                                    lanes_below(seen - t)));
+    const float mx = fmaxf(*m, hmax(vmax));
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n16; t += 8) {
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)), lanes_below(seen - t));
+        _mm256_storeu_ps(s + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    *alpha = expf(*m - mx);  /* 0 on the first chunk, where m = -inf */
+    *l = *l * *alpha + hsum(vsum);
+    *m = mx;
+}
+
+typedef struct {
+    float *qs, *s, *acc, *kt, *vc, *m, *l, *alpha;
+} ExtScratch;
+
+/* the floats of one thread's ExtScratch, each part 64-byte aligned */
+static int64_t ext_scratch_floats(int64_t rows, int64_t D) {
+    const int64_t DP = round_up(D, 16);
+    return round_up(rows * D, 16) + round_up(rows * EXT_KEYS, 16) + round_up(rows * DP, 16) +
+           round_up(D * EXT_KEYS, 16) + round_up(EXT_KEYS * DP, 16) + 3 * round_up(rows, 16);
+}
+
+static ExtScratch ext_scratch(float *base, int64_t rows, int64_t D) {
+    const int64_t DP = round_up(D, 16);
+    ExtScratch w;
+    w.qs = base, base += round_up(rows * D, 16);
+    w.s = base, base += round_up(rows * EXT_KEYS, 16);
+    w.acc = base, base += round_up(rows * DP, 16);
+    w.kt = base, base += round_up(D * EXT_KEYS, 16);
+    w.vc = base, base += round_up(EXT_KEYS * DP, 16);
+    w.m = base, base += round_up(rows, 16);
+    w.l = base, base += round_up(rows, 16);
+    w.alpha = base;
+    return w;
+}
+
+/* Queries i0 .. i0 + nq of one request (q at its first new token, out likewise) for kv head h.
+ * Row r is query i0 + r / G, head h * G + r % G; the rows are padded to whole tiles with zero
+ * queries at the last query's position, whose results are dropped. */
+static inline __attribute__((always_inline)) void extend_item(const float *q, int64_t q_stride, const KvRows *r,
+                                                              int64_t q_len, int64_t kv_len, int64_t i0, int64_t nq,
+                                                              int64_t h, int64_t G, int64_t D, float scale, float *out,
+                                                              int64_t out_stride, const ExtScratch *w, int dtype) {
+    const int64_t R = nq * G, RP = round_up(R, TILE_ROWS), DP = round_up(D, 16);
+    const int64_t pos0 = kv_len - q_len + i0;  /* the first query's position */
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < RP; i++) {
+        float *qs = w->qs + i * D;
+        const float *qi = q + (i0 + i / G) * q_stride + (h * G + i % G) * D;
+        for (int64_t x = 0; x < D; x += 8)
+            _mm256_storeu_ps(qs + x, i < R ? _mm256_mul_ps(_mm256_loadu_ps(qi + x), vscale) : _mm256_setzero_ps());
+        for (int64_t x = 0; x < DP; x += 8) _mm256_storeu_ps(w->acc + i * DP + x, _mm256_setzero_ps());
+        w->m[i] = -INFINITY;
+        w->l[i] = 0.0f;
+    }
+    const int64_t last = pos0 + nq - 1;  /* the last query's position: no key past it is seen */
+    for (int64_t j0 = 0; j0 <= last; j0 += EXT_KEYS) {
+        const int64_t n = last + 1 - j0 < EXT_KEYS ? last + 1 - j0 : EXT_KEYS, n16 = round_up(n, 16);
+        widen_chunk(r, j0, n, n16, h * D, D, DP, w->kt, w->vc, dtype);
+        for (int64_t i = 0; i < RP; i += TILE_ROWS)
+            for (int64_t t = 0; t < n16; t += 16) scores_tile(w->qs + i * D, w->kt + t, D, w->s + i * EXT_KEYS + t);
+        for (int64_t i = 0; i < RP; i++) {
+            const int64_t pos = pos0 + (i < R ? i : R - 1) / G, seen = pos + 1 - j0 < n ? pos + 1 - j0 : n;
+            softmax_step(w->s + i * EXT_KEYS, n16, seen, w->m + i, w->l + i, w->alpha + i);
+        }
+        for (int64_t i = 0; i < RP; i += TILE_ROWS)
+            for (int64_t c = 0; c < DP; c += 16)
+                values_tile(w->s + i * EXT_KEYS, w->alpha + i, w->vc + c, n16, DP, w->acc + i * DP + c);
+    }
+    for (int64_t i = 0; i < R; i++) {
+        float *o = out + (i0 + i / G) * out_stride + (h * G + i % G) * D;
+        const __m256 inv = _mm256_set1_ps(1.0f / w->l[i]);
+        for (int64_t x = 0; x < D; x += 8) _mm256_storeu_ps(o + x, _mm256_mul_ps(_mm256_loadu_ps(w->acc + i * DP + x), inv));
+    }
+}
+
+static void extend_item_as(int dtype, const float *q, int64_t q_stride, const KvRows *r, int64_t q_len,
+                           int64_t kv_len, int64_t i0, int64_t nq, int64_t h, int64_t G, int64_t D, float scale,
+                           float *out, int64_t out_stride, const ExtScratch *w) {
+    switch (dtype) {
+    case KV_F16: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F16); break;
+    case KV_BF16: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_BF16); break;
+    default: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F32);
+    }
+}
+
+/* Request b's new tokens are q rows q_starts[b] .. q_starts[b] + q_lens[b] (token t's heads at
+ * q + t * q_stride), its outputs the same rows of out (token t at out + t * out_stride), its
+ * pages page_table row b. Returns 0, or -1 when D is out of range or scratch could not be
+ * allocated. */
+int paged_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+                           const int32_t *page_table, int64_t pt_stride, const int32_t *q_starts,
+                           const int32_t *q_lens, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                           int64_t page_size, float scale, float *out, int64_t out_stride, int threads) {
+    if (D % 8 || D > 8 * MAX_VECS || threads < 1) return -1;
+    const int64_t G = Hq / Hkv, block = EXT_ROWS / G > 0 ? EXT_ROWS / G : 1;  /* queries per item */
+    const int64_t rows = round_up(block * G, TILE_ROWS), per_thread = ext_scratch_floats(rows, D);
+    static __thread int64_t *first_buf = NULL, first_cap = 0, scratch_cap = 0;  /* kept, as the decode's */
+    static __thread float *scratch_buf = NULL;
+    if (B + 1 > first_cap) {
+        int64_t *grown = realloc(first_buf, sizeof(int64_t) * (B + 1));
+        if (grown == NULL) return -1;
+        first_buf = grown;
+        first_cap = B + 1;
+    }
+    if (threads * per_thread > scratch_cap) {
+        free(scratch_buf);
+        scratch_cap = 0;
+        if (posix_memalign((void **)&scratch_buf, 64, sizeof(float) * threads * per_thread) != 0) {
+            scratch_buf = NULL;
+            return -1;
+        }
+        scratch_cap = threads * per_thread;
+    }
+    int64_t *const first = first_buf;  /* request b's items: first[b] .. first[b + 1] */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + Hkv * ((q_lens[b] + block - 1) / block);
+    const int64_t items = first[B];
+    float *const scratch = scratch_buf;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        const ExtScratch w = ext_scratch(scratch + omp_get_thread_num() * per_thread, rows, D);
+        /* requests differ in length and a block's cost grows with its position: items handed out
+         * one at a time, each request's last (costliest) blocks first */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t it = 0; it < items; it++) {
+            int64_t lo = 0, hi = B;  /* the request b with first[b] <= it < first[b + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first[mid] <= it) lo = mid; else hi = mid;
+            }
+            const int64_t b = lo, local = it - first[b], blocks = (first[b + 1] - first[b]) / Hkv;
+            const int64_t i0 = (blocks - 1 - local / Hkv) * block, h = local % Hkv;
+            const int64_t nq = q_lens[b] - i0 < block ? q_lens[b] - i0 : block;
+            const KvRows r = {k, v, page_table + b * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
+            extend_item_as(kv_dtype, q + q_starts[b] * q_stride, q_stride, &r, q_lens[b], kv_lens[b], i0, nq, h, G, D,
+                           scale, out + q_starts[b] * out_stride, out_stride, &w);
         }
     }
     return 0;
