@@ -65,6 +65,7 @@ class Waker:
                 if time.perf_counter() >= spin_end:
                     break
         while True:
+            self._drain()
             for ch in channels:
                 ch._announce_sleep(True)
             try:
@@ -85,6 +86,7 @@ class Waker:
             return True
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         while True:
+            self._drain()
             channel._announce_waiting(True)
             try:
                 self._sleep_barrier()
@@ -96,7 +98,10 @@ class Waker:
                 channel._announce_waiting(False)
 
     def _sleep(self, deadline: float) -> bool:
-        """Sleeps on the eventfd until written (True) or the deadline (False)."""
+        """Sleeps on the eventfd until written (True) or the deadline (False). The count is
+        left in the eventfd: the sync waits drain it before their next announcement, so the
+        read syscall is not on the path from a wakeup to the pop (a write that lands between
+        that drain and the poll only makes the poll return at once)."""
         if deadline == math.inf:
             ready = self._poll.poll()
         else:
@@ -106,13 +111,12 @@ class Waker:
             ready = self._poll.poll(math.ceil(remaining * 1000))
         if not ready:
             return False
-        self._drain()
+        self.wakeups += 1
         return True
 
     def _drain(self) -> None:
         try:
             os.eventfd_read(self.fd)
-            self.wakeups += 1
         except BlockingIOError:
             pass
 
@@ -159,6 +163,7 @@ class Waker:
 
     def _on_readable(self) -> None:
         self._drain()
+        self.wakeups += 1
         futures, self._futures = self._futures, set()
         for fut in futures:
             if not fut.done():
