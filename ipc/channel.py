@@ -21,9 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ipc.memory import model
 from ipc.records import LAYOUTS, RecordLayout
-from ipc.ring import Batch, Ring, as_bytes, segment_size
+from ipc.ring import Batch, as_bytes, open_ring, segment_size
 from ipc.shm import create_segment, map_segment
 from ipc.wakeup import Waker
 
@@ -52,10 +51,14 @@ class Channel:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.spec, self.role, self.waker = spec, role, waker
         self._buf = buf
-        self._ring = Ring(buf, spec.layout, spec.capacity, spec.arena_bytes, initialise=initialise)
-        self._segment_fd = segment_fd  # kept by the creator, to hand over
         self._peer_fd = os.dup(peer_waker_fd)
-        self._publish_barrier = model().publish_barrier
+        try:
+            self._ring = open_ring(buf, spec.layout, spec.capacity, spec.arena_bytes, initialise=initialise,
+                                   peer_fd=self._peer_fd)
+        except BaseException:
+            os.close(self._peer_fd)
+            raise
+        self._segment_fd = segment_fd  # kept by the creator, to hand over
         self._announcers = 0  # coroutines of this process waiting on this channel right now
 
     @classmethod
@@ -106,13 +109,7 @@ class Channel:
         `payload` blob their `*_off` fields point into); returns how many, 0 if full."""
         if self.role != "producer":
             raise ValueError(f"push: this process is the consumer of the {self.spec.layout.name} channel")
-        pushed = self._ring.push(records, payload)
-        if pushed:
-            if self._publish_barrier is not None:
-                self._publish_barrier()
-            if self._ring.consumer_sleeping():
-                os.eventfd_write(self._peer_fd, 1)
-        return pushed
+        return self._ring.push(records, payload)  # wakes the consumer if it announced sleep
 
     def push_all(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
                  timeout: float | None = None) -> None:
@@ -149,13 +146,7 @@ class Channel:
         """All published records (at most `max_records`) and their payloads; None if empty."""
         if self.role != "consumer":
             raise ValueError(f"pop: this process is the producer of the {self.spec.layout.name} channel")
-        batch = self._ring.pop(max_records)
-        if batch is not None:
-            if self._publish_barrier is not None:
-                self._publish_barrier()
-            if self._ring.producer_waiting():
-                os.eventfd_write(self._peer_fd, 1)
-        return batch
+        return self._ring.pop(max_records)  # wakes the producer if it waits for room
 
     def readable(self) -> bool:
         return self._ring.readable()

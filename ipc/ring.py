@@ -63,6 +63,7 @@ the next wakeup. Extra eventfd writes while the waiter is waking are harmless.
 from __future__ import annotations
 
 import mmap
+import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ import numpy as np
 
 from ipc.arena import Arena, align_up
 from ipc.memory import Counters, model
+from ipc.native import ring_core
 from ipc.records import RecordLayout
 
 MAGIC = 0x52494E4753455256  # "RINGSERV"
@@ -119,13 +121,29 @@ def segment_size(layout: RecordLayout, capacity: int, arena_bytes: int) -> int:
     return _offsets(layout, capacity, arena_bytes)[2]
 
 
+def open_ring(buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *, initialise: bool,
+              peer_fd: int, native: bool | None = None) -> Ring:
+    """This side's view of a channel segment, with the C data path (ipc/ring_core.c) unless
+    `native` is False or it cannot be built here (None: whichever is available)."""
+    core = ring_core() if native is not False else None
+    if native and core is None:
+        raise RuntimeError("the C ring data path is unavailable here (see the warning above)")
+    if core is None:
+        return Ring(buf, layout, capacity, arena_bytes, initialise=initialise, peer_fd=peer_fd)
+    return NativeRing(buf, layout, capacity, arena_bytes, initialise=initialise, peer_fd=peer_fd, core=core)
+
+
 class Ring:
     """One side's view of a channel segment: the producer uses push/room_for/free_records,
-    the consumer pop/readable/len (ipc/channel.py keeps each side to its own)."""
+    the consumer pop/readable/len (ipc/channel.py keeps each side to its own). The data path
+    here is Python; NativeRing runs the same one in C. After publishing, push and pop wake
+    the peer through `peer_fd` (its eventfd; the caller owns it) if it announced a wait."""
 
     def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *,
-                 initialise: bool) -> None:
+                 initialise: bool, peer_fd: int) -> None:
         self.layout, self.capacity = layout, capacity
+        self._peer_fd = peer_fd
+        self._publish_barrier = model().publish_barrier
         slots_at, arena_at, size = _offsets(layout, capacity, arena_bytes)
         if len(buf) < size:
             raise ValueError(f"segment of {len(buf)} bytes is too small for this channel ({size} bytes)")
@@ -215,6 +233,7 @@ class Ring:
             self._slots_mv[:(k - first) * size] = src[first * size:k * size]
         self._tail = tail + k
         self._store(TAIL, tail + k)
+        self._wake_if(CONSUMER_SLEEPING)
         return k
 
     def free_records(self) -> int:
@@ -269,17 +288,27 @@ class Ring:
             if end > start:
                 payload = self.arena.read(start, end)
                 if self._rebase and bound(2 * last) != start:
-                    self._rebase_offsets(records, head, n, start)
+                    # read before HEAD is stored: then the producer may reuse these slots' bounds
+                    self._rebase_offsets(records, self._bounds[(head + np.arange(n, dtype=np.uint64))
+                                                               % np.uint64(cap), 0])
             # free up to the first blob still referenced by an unpopped record
             self._store(ARENA_HEAD, end if new_head == tail else bound(2 * (new_head % cap)))
         self._head = new_head
         self._store(HEAD, new_head)
+        self._wake_if(PRODUCER_WAITING)
         return Batch(records, payload)
 
-    def _rebase_offsets(self, records: np.ndarray, head: int, n: int, start: int) -> None:
-        """Blob-relative offsets -> offsets into the popped span, for pops covering several pushes."""
-        idx = (head + np.arange(n, dtype=np.uint64)) % np.uint64(self.capacity)
-        base = (self._bounds[idx, 0] - np.uint64(start)).astype(np.uint32)
+    def _wake_if(self, flag: int) -> None:
+        """After publishing a counter: wakes the peer if it announced it waits on `flag`."""
+        if self._publish_barrier is not None:
+            self._publish_barrier()
+        if self._load(flag):
+            os.eventfd_write(self._peer_fd, 1)
+
+    def _rebase_offsets(self, records: np.ndarray, starts: np.ndarray) -> None:
+        """Blob-relative offsets -> offsets into the popped span, for pops covering several pushes.
+        starts: [n] u64, each record's blob position in the arena; the first is the span's."""
+        base = (starts - starts[0]).astype(np.uint32)
         for field in self._rebase:
             records[field] += base
 
@@ -313,6 +342,49 @@ class Ring:
             self._bounds = self._pair = None
         self._slots_mv.release()
         self.arena = None
+
+
+class NativeRing(Ring):
+    """A Ring whose push, pop, readable, free_records and room_for are one C call each
+    (ipc/ring_core.c); the flags, heartbeat and close are Ring's."""
+
+    def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *,
+                 initialise: bool, peer_fd: int, core: type) -> None:
+        super().__init__(buf, layout, capacity, arena_bytes, initialise=initialise, peer_fd=peer_fd)
+        slots_at, arena_at, _ = _offsets(layout, capacity, arena_bytes)
+        self._core = core(buf, slots_at, capacity, self._itemsize, HEADER_BYTES, arena_at, arena_bytes,
+                          (TAIL, HEAD, ARENA_HEAD, CONSUMER_SLEEPING, PRODUCER_WAITING),
+                          model().barrier == "fence", peer_fd, layout.name)
+        # the consumer's wait loop calls readable() per spin: bound C methods, no Python frame
+        self.readable, self.free_records, self.room_for = (self._core.readable, self._core.free_records,
+                                                           self._core.room_for)
+
+    def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
+        if records.dtype is not self._dtype and (records.dtype != self._dtype or records.ndim != 1):
+            raise TypeError(f"records: expected a 1-D array of the {self.layout.name} layout's dtype, "
+                            f"got {records.dtype} with shape {records.shape}")
+        pushed = self._core.push(records, payload)
+        if pushed is NotImplemented:  # not C-contiguous
+            pushed = self._core.push(np.ascontiguousarray(records), as_bytes(payload))
+        return pushed
+
+    def pop(self, max_records: int | None = None) -> Batch | None:
+        if max_records is not None and max_records < 1:
+            raise ValueError(f"max_records must be at least 1, not {max_records}")
+        got = self._core.pop(max_records or 0)
+        if got is None:
+            return None
+        raw, blob, starts = got
+        records = np.frombuffer(raw, self._dtype)
+        if blob is None:
+            return Batch(records, _NO_PAYLOAD)
+        if starts is not None and self._rebase:
+            self._rebase_offsets(records, np.frombuffer(starts, np.uint64))
+        return Batch(records, np.frombuffer(blob, np.uint8))
+
+    def close(self) -> None:
+        self._core.close()
+        super().close()
 
 
 def as_bytes(payload: np.ndarray | bytes | bytearray | memoryview | None) -> np.ndarray:

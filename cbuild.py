@@ -1,0 +1,48 @@
+"""C sources built with the system compiler on first use, cached by content.
+
+Shared by gpu.kernels (ctypes libraries) and ipc (a CPython extension): both call
+`build`, which compiles once into the cache directory, keyed by the sources, the
+headers they may include and the flags, so an edited source or another Python
+rebuilds and an unchanged one is only loaded."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+
+class BuildError(RuntimeError):
+    """A C source cannot be built here; the message is one line."""
+
+
+def cache_root() -> Path:
+    base = os.environ.get("RINGSERVE_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+    return Path(base) / "ringserve" if base else Path.home() / ".cache" / "ringserve"
+
+
+def build(name: str, sources: Sequence[Path], flags: Sequence[str], headers: Sequence[Path] = (),
+          subdir: str = "kernels", suffix: str = ".so") -> Path:
+    """The shared library `name` built from `sources` with `flags` (cached)."""
+    content = b"".join(p.read_bytes() for p in [*sources, *headers])
+    key = hashlib.sha256(content + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_root() / subdir / f"{name}-{key}{suffix}"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=path.parent)
+    os.close(fd)
+    compiler = os.environ.get("CC", "cc")
+    try:
+        done = subprocess.run([compiler, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
+    except FileNotFoundError:
+        os.unlink(tmp)
+        raise BuildError(f"{sources[0].name} is built with a C compiler; {compiler} was not found (set CC)") from None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        first = (done.stderr.strip() or "?").splitlines()[0]
+        raise BuildError(f"building {sources[0].name} failed: {first}")
+    os.replace(tmp, path)
+    return path
