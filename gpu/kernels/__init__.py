@@ -4,16 +4,13 @@ attention), built with the system C compiler on first use into the cache directo
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from gpu.model_files import cache_root
+from cbuild import BuildError, build
 
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _loaded: dict[str, ctypes.CDLL] = {}
@@ -40,27 +37,10 @@ def load(name: str, *linked: str) -> ctypes.CDLL:
     if not _avx2():
         raise KernelBuildError("the CPU kernels need an x86-64 CPU with AVX2 and FMA")
     here = Path(__file__).parent
-    source_path = here / f"{name}.c"
-    sources = [source_path, *(here / f"{n}.c" for n in linked)]
-    headers = sorted(here.glob("*.h"))  # what the sources may include
-    source = b"".join(p.read_bytes() for p in [*sources, *headers])
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{name}-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        compiler = os.environ.get("CC", "cc")
-        try:
-            done = subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
-        except FileNotFoundError:
-            os.unlink(tmp)
-            raise KernelBuildError(f"the CPU kernels are built with a C compiler; {compiler} was not found "
-                                   "(set CC)") from None
-        if done.returncode != 0:
-            os.unlink(tmp)
-            first = (done.stderr.strip() or "?").splitlines()[0]
-            raise KernelBuildError(f"building {source_path.name} failed: {first}")
-        os.replace(tmp, path)
+    sources = [here / f"{name}.c", *(here / f"{n}.c" for n in linked)]
+    try:
+        path = build(name, sources, CFLAGS, headers=sorted(here.glob("*.h")))  # headers: what the sources may include
+    except BuildError as e:
+        raise KernelBuildError(str(e)) from None
     _loaded[name] = lib = ctypes.CDLL(str(path))
     return lib
