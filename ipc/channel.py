@@ -46,7 +46,7 @@ class Channel:
     transport = "ring"
 
     def __init__(self, spec: ChannelSpec, role: str, waker: Waker, buf: mmap.mmap, segment_fd: int | None,
-                 peer_waker_fd: int, *, initialise: bool) -> None:
+                 peer_waker_fd: int, *, initialise: bool, native: bool | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.spec, self.role, self.waker = spec, role, waker
@@ -54,7 +54,7 @@ class Channel:
         self._peer_fd = os.dup(peer_waker_fd)
         try:
             self._ring = open_ring(buf, spec.layout, spec.capacity, spec.arena_bytes, initialise=initialise,
-                                   peer_fd=self._peer_fd)
+                                   peer_fd=self._peer_fd, native=native)
         except BaseException:
             os.close(self._peer_fd)
             raise
@@ -62,13 +62,15 @@ class Channel:
         self._announcers = 0  # coroutines of this process waiting on this channel right now
 
     @classmethod
-    def create(cls, spec: ChannelSpec, role: str, waker: Waker, peer_waker_fd: int) -> Channel:
-        """A new channel in a fresh segment; this process is `role` ("producer"/"consumer")."""
+    def create(cls, spec: ChannelSpec, role: str, waker: Waker, peer_waker_fd: int, *,
+               native: bool | None = None) -> Channel:
+        """A new channel in a fresh segment; this process is `role` ("producer"/"consumer").
+        `native`: the C data path (True), the Python one (False), whichever is available (None)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         fd, buf = create_segment(segment_size(spec.layout, spec.capacity, spec.arena_bytes))
         try:
-            return cls(spec, role, waker, buf, fd, peer_waker_fd, initialise=True)
+            return cls(spec, role, waker, buf, fd, peer_waker_fd, initialise=True, native=native)
         except BaseException:
             buf.close()
             os.close(fd)
@@ -84,8 +86,8 @@ class Channel:
         return desc, [self._segment_fd, *self.waker.fds]
 
     @classmethod
-    def attach(cls, desc: dict, fds: Sequence[int], waker: Waker,
-               layout: RecordLayout | None = None) -> Channel:
+    def attach(cls, desc: dict, fds: Sequence[int], waker: Waker, layout: RecordLayout | None = None, *,
+               native: bool | None = None) -> Channel:
         """The peer's side of a described channel. `layout` is looked up by name in
         ipc.records.LAYOUTS unless given (tests and benchmarks use their own)."""
         layout = layout or LAYOUTS.get(desc["layout"])
@@ -97,7 +99,7 @@ class Channel:
         segment_fd, peer_waker_fd = fds
         buf = map_segment(segment_fd, segment_size(layout, spec.capacity, spec.arena_bytes))
         try:
-            return cls(spec, desc["role"], waker, buf, None, peer_waker_fd, initialise=False)
+            return cls(spec, desc["role"], waker, buf, None, peer_waker_fd, initialise=False, native=native)
         except BaseException:
             buf.close()
             raise

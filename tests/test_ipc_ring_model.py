@@ -27,11 +27,14 @@ def payload_of(seq: int, n: int) -> bytes:
        ops=st.lists(st.one_of(push_op, pop_op, room_op), max_size=60))
 # a pop that splits a push must keep that push's blob: the producer may not wrap over it
 @example(capacity=4, arena=64, ops=[("push", [16, 16]), ("pop", 1), ("push", [16, 16]), ("push", [24]), ("pop", None)])
-def test_channel_matches_fifo_model(capacity, arena, ops):
+@pytest.mark.parametrize("native", [(True, True), (False, True), (True, False)],
+                         ids=["c", "python-producer", "python-consumer"])
+def test_channel_matches_fifo_model(native, capacity, arena, ops):
+    """The C data path, and the Python one on either side of it (same segment, same protocol)."""
     wp, wc = Waker(), Waker()
-    prod = Channel.create(ChannelSpec(LAYOUT, capacity, arena), "producer", wp, wc.fd)
+    prod = Channel.create(ChannelSpec(LAYOUT, capacity, arena), "producer", wp, wc.fd, native=native[0])
     desc, fds = prod.describe()
-    cons = Channel.attach(desc, fds, wc, LAYOUT)
+    cons = Channel.attach(desc, fds, wc, LAYOUT, native=native[1])
     model: deque[tuple[int, bytes, int]] = deque()  # (seq, payload, push id)
     blobs: dict[int, int] = {}  # push id -> blob size, while any of its records is queued
     seq, max_blob = 0, 0

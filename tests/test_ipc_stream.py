@@ -181,11 +181,15 @@ def test_million_records_between_processes(tmp_path: Path, mode: str) -> None:
     assert our_segments() == []
 
 
-def test_weak_memory_model_path(tmp_path: Path) -> None:
-    """Both sides on the path a weakly ordered CPU takes: libatomic release/acquire
-    counters and seq_cst fences instead of membarrier (RINGSERVE_IPC_PORTABLE=1)."""
+@pytest.mark.parametrize("env", [{"RINGSERVE_IPC_PORTABLE": "1"}, {"RINGSERVE_IPC_NATIVE": "0"},
+                                 {"RINGSERVE_IPC_PORTABLE": "1", "RINGSERVE_IPC_NATIVE": "0"}],
+                         ids=["c-weak", "python", "python-weak"])
+def test_other_paths(tmp_path: Path, env: dict) -> None:
+    """Both sides on the path a weakly ordered CPU takes (RINGSERVE_IPC_PORTABLE=1: seq_cst
+    fences instead of membarrier, and libatomic release/acquire counters in Python), on the
+    Python data path used where ipc/ring_core.c cannot be built (RINGSERVE_IPC_NATIVE=0),
+    and on both."""
     path = str(tmp_path / "handoff.sock")
-    env = {"RINGSERVE_IPC_PORTABLE": "1"}
     consumer = spawn("consume", path, str(RECORDS // 4), "sleep", env=env)
     producer = spawn("produce", path, str(RECORDS // 4), "2", env=env)
     try:
@@ -204,7 +208,10 @@ if __name__ == "__main__":
         produce(path, total, seed=int(sys.argv[4]))
     else:
         from ipc.memory import model
-        assert model().barrier == "fence" and model().counters == "atomic"
+        from ipc.native import ring_core
+        portable = os.environ.get("RINGSERVE_IPC_PORTABLE") == "1"
+        assert (model().barrier == "fence" and model().counters == "atomic") == portable
+        assert (ring_core() is None) == (os.environ.get("RINGSERVE_IPC_NATIVE") == "0")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
             server.bind(path)
             server.listen(1)
