@@ -116,9 +116,11 @@ class Channel:
     def push_all(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
                  timeout: float | None = None) -> None:
         """Pushes every record, sleeping on this process's waker while the channel is full."""
+        done = self.push(records, payload)
+        if done == len(records):
+            return
         blob = as_bytes(payload)
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
-        done = self.push(records, blob)
         while done < len(records):
             remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
             if not self.waker.wait_room(self, blob.size, remaining):
@@ -127,9 +129,11 @@ class Channel:
 
     async def push_all_async(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
                              timeout: float | None = None) -> None:
+        done = self.push(records, payload)
+        if done == len(records):
+            return
         blob = as_bytes(payload)
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
-        done = self.push(records, blob)
         while done < len(records):
             remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
             if not await self.waker.wait_room_async(self, blob.size, remaining):

@@ -25,13 +25,24 @@ visible before the TAIL store (store->store), (b) the consumer's reads of 2
 happen after its TAIL load (load->load), and (c) its reads of 2 complete before
 its HEAD store (load->store), so the producer never overwrites a slot being read.
 
-x86-64 is TSO (Intel SDM vol. 3 §9.2.2): stores are not reordered with stores,
-loads not with loads, loads not with later stores; only a store followed by a
-load of another address may be reordered. So (a), (b), (c) hold with plain
+Two data paths implement this, on the same segment (either side may use either):
+ipc/ring_core.c (the default: push, pop, readable, free_records and room_for are one
+C call each) and the Python methods of `Ring` below (where the C one cannot be built).
+
+C: counters are loaded with __atomic_load_n(ACQUIRE) and stored with
+__atomic_store_n(RELEASE); the copies are plain memcpy's. Release orders every
+earlier load and store before the counter store (a, c), acquire every later one
+after the counter load (b), for the compiler and for the CPU, on any CPU: on
+x86-64 both are a plain `mov` (TSO, below, already gives them), on aarch64 `stlr`
+/ `ldar`.
+
+Python: x86-64 is TSO (Intel SDM vol. 3 §9.2.2): stores are not reordered with
+stores, loads not with loads, loads not with later stores; only a store followed
+by a load of another address may be reordered. So (a), (b), (c) hold with plain
 stores and loads, and the ring needs no fence to publish. (Non-temporal stores
 are the exception to TSO; glibc's memcpy, which numpy's contiguous copies end
 in, only uses them for multi-MB copies and ends those with an sfence.) The compiler cannot
-reorder either: every numpy copy and every counter access is a separate C call
+reorder either: every copy and every counter access is a separate C call
 made by the interpreter in program order.
 
 Counters are u64 at 8-byte aligned offsets, each stored with a single 8-byte
@@ -42,12 +53,12 @@ They only grow (a u64 of records at 10^9/s lasts 584 years): no ABA, and
 `TAIL - HEAD` is always the fill level.
 
 Weakly ordered CPUs (aarch64, POWER): plain stores and loads may be reordered, so
-there the counters are stored with a release store and loaded with an acquire
-load (libatomic's __atomic_store_8 / __atomic_load_8 through ctypes; stlr / ldar
-on aarch64), which orders every earlier numpy copy before the store and every
-later copy after the load. This path is chosen automatically on any CPU other
-than x86-64 (RINGSERVE_IPC_PORTABLE=1 forces it, which is how it is tested here;
-it has not been run on real aarch64 hardware).
+there the Python side stores counters with a release store and loads them with an
+acquire load (libatomic's __atomic_store_8 / __atomic_load_8 through ctypes; stlr /
+ldar on aarch64), which orders every earlier copy before the store and every later
+copy after the load. This path is chosen automatically on any CPU other than
+x86-64 (RINGSERVE_IPC_PORTABLE=1 forces it, which is how it is tested here, with
+both data paths; it has not been run on real aarch64 hardware).
 
 Sleep and wake are a Dekker handshake, in both directions (consumer waiting for
 records, producer waiting for room): the waiting side stores its flag, then
@@ -56,7 +67,9 @@ store followed by a load IS reordered by TSO's store buffer, so without a
 barrier both sides can read stale values and the consumer sleeps on a non-empty
 ring (lost wakeup). ipc/memory.py supplies the barrier: asymmetric membarrier
 (the hot side pays nothing; the side going to sleep pays one syscall) or a
-seq_cst fence on both sides. Only the waiting side clears its flag, after it
+seq_cst fence on both sides (the C data path issues its own
+__atomic_thread_fence(SEQ_CST) when the segment's mode is "fence"). The hot side's
+flag check and eventfd write are part of push and pop, in both data paths. Only the waiting side clears its flag, after it
 woke: a clear by the other side could land after a fresh announcement and lose
 the next wakeup. Extra eventfd writes while the waiter is waking are harmless.
 """

@@ -5,15 +5,17 @@ Messages: token-out batches of 1, 64 and 256 records (one scheduler step) and re
 messages carrying 1k and 8k prompt tokens. Consumer modes: spin, sleep on the eventfd
 (ZMQ: blocking poll), spin briefly then sleep (the server's mode).
 
-Per (transport, mode, message):
+Per (transport, mode, message), three runs:
   latency     one-way, producer's clock before push to consumer's clock after pop (and
               decode), CLOCK_MONOTONIC in both processes. One message at a time: the
               consumer acks each on a side socket (outside the timed path) and the
               producer waits --gap-us more, so the consumer is idle when the next one
               comes, as between scheduler steps; nothing queues
-  msgs/s      back-to-back pushes (back-pressure included) until the consumer popped them all
   CPU µs/msg  thread CPU time inside push (producer) and inside pop, decoding included
-              (consumer), in the paced run; thread_time_ns itself costs ~1-2 µs here
+              (consumer), in a second run paced the same way. Not in the latency run:
+              each thread_time_ns is a syscall (~1-2 µs here), which would land in the
+              timed path
+  msgs/s      back-to-back pushes (back-pressure included) until the consumer popped them all
 
     python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 300] [--spin-us 50] [--markdown]
 Writes perf/results/ipc.json and prints a table (--markdown: also the README's).
@@ -89,18 +91,21 @@ def consumer_main(sock_path: str, transport_name: str, mode: str, out: str) -> N
     send_waker(sock, waker)
     channels, meta = recv_channels(sock, waker)
     spin_us = {"spin": float("inf"), "sleep": 0.0, "spin_then_sleep": meta["spin_us"]}[mode]
-    phases, acked = meta["phases"], meta["acked"]  # per phase: messages, whether each is acked
+    phases, kinds = meta["phases"], meta["kinds"]  # per phase: messages, "latency" | "cpu" | "throughput"
     recv_ns = [np.zeros(n, np.int64) for n in phases]
+    received = np.zeros(len(phases), np.int64)
     cpu_ns = np.zeros(len(phases), np.int64)
+    coming = 0  # the phase of the next message: phases run one after the other
     while True:
         got = False
         for ch in channels:
-            cpu0 = time.thread_time_ns()
+            probe = coming < len(kinds) and kinds[coming] == "cpu"
+            cpu0 = time.thread_time_ns() if probe else 0
             batch = ch.pop()
             if batch is None:
                 continue
             now = time.monotonic_ns()
-            popped_cpu = time.thread_time_ns() - cpu0
+            popped_cpu = time.thread_time_ns() - cpu0 if probe else 0
             got = True
             recs = batch.records
             if ch.spec.layout is TOKEN_OUT:
@@ -115,9 +120,12 @@ def consumer_main(sock_path: str, transport_name: str, mode: str, out: str) -> N
             phase = int(recs["gen"][0])
             recv_ns[phase][last["slot"]] = now
             cpu_ns[phase] += popped_cpu
-            if acked[phase] and len(last):
-                sock.send(b"a")  # latency phase: the producer may send the next message
-            elif len(last) and int(last["slot"][-1]) == phases[phase] - 1:
+            received[phase] += len(last)
+            if received[phase] == phases[phase]:
+                coming = phase + 1
+            if kinds[phase] != "throughput" and len(last):
+                sock.send(b"a")  # paced phase: the producer may send the next message
+            elif received[phase] == phases[phase]:
                 sock.send(b"d")  # throughput phase complete
         if not got:
             waker.wait_readable(channels, spin_us=spin_us)
@@ -132,6 +140,7 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
     phases = []  # (message, kind, n_messages)
     for message in MESSAGES:
         phases.append((message, "latency", args.latency_messages))
+        phases.append((message, "cpu", args.latency_messages))
         phases.append((message, "throughput", max(1, int(message.throughput_messages * args.throughput_scale))))
     with tempfile.TemporaryDirectory() as tmp:
         sock_path, out = os.path.join(tmp, "bench.sock"), os.path.join(tmp, "consumer.npz")
@@ -145,7 +154,7 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
         if peer_fd is not None:
             os.close(peer_fd)
         send_channels(conn, list(channels.values()), {"spin_us": args.spin_us, "phases": [p[2] for p in phases],
-                                                      "acked": [p[1] == "latency" for p in phases]})
+                                                      "kinds": [p[1] for p in phases]})
         send_ns, cpu_ns, elapsed_ns = [], [], []
         for phase, (message, kind, n) in enumerate(phases):
             ch = channels[message.layout]
@@ -156,11 +165,15 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
             start = time.monotonic_ns()
             for m in range(n):
                 recs["slot"] = m
-                sent[m] = time.monotonic_ns()
-                cpu0 = time.thread_time_ns()
-                ch.push_all(recs, blob, timeout=60)
-                cpu += time.thread_time_ns() - cpu0
-                if kind == "latency":
+                if kind == "cpu":
+                    cpu0 = time.thread_time_ns()
+                    ch.push_all(recs, blob, timeout=60)
+                    cpu += time.thread_time_ns() - cpu0
+                else:
+                    t = time.monotonic_ns()
+                    ch.push_all(recs, blob, timeout=60)
+                    sent[m] = t
+                if kind != "throughput":
                     _expect(conn, b"a")
                     time.sleep(args.gap_us * 1e-6)
             if kind == "throughput":
@@ -183,8 +196,9 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
         if kind == "latency":
             lat_us = (got[f"phase{phase}"] - send_ns[phase])[args.warmup:] / 1e3
             row.update(p50_us=float(np.percentile(lat_us, 50)), p99_us=float(np.percentile(lat_us, 99)),
-                       mean_us=float(lat_us.mean()), producer_cpu_us=cpu_ns[phase] / n / 1e3,
-                       consumer_cpu_us=int(got["cpu_ns"][phase]) / n / 1e3)
+                       mean_us=float(lat_us.mean()))
+        elif kind == "cpu":
+            row.update(producer_cpu_us=cpu_ns[phase] / n / 1e3, consumer_cpu_us=int(got["cpu_ns"][phase]) / n / 1e3)
         else:
             last_recv = int(got[f"phase{phase}"].max())
             row["msgs_per_s"] = n / ((last_recv - int(send_ns[phase][0])) / 1e9)
