@@ -232,7 +232,7 @@ int paged_decode_attention(const float *q, int64_t q_stride, const void *k, cons
  * dims), with the softmax taken online per chunk in fp32. An item writes its own rows of out and
  * nothing else, so the result is the same whatever thread runs it. */
 #define EXT_KEYS 64   /* keys per chunk: one online-softmax update of every row per chunk */
-#define EXT_ROWS 48   /* rows per item (queries x G): enough to amortize widening the chunk */
+#define EXT_ROWS 192  /* rows per item (queries x G), about: each chunk is widened once for them all */
 #define TILE_ROWS 6   /* 6 x 2 accumulators + 2 loads + a broadcast: 15 of the 16 ymm registers */
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -351,7 +351,7 @@ typedef struct {
 /* the floats of one thread's ExtScratch, each part 64-byte aligned */
 static int64_t ext_scratch_floats(int64_t rows, int64_t D) {
     const int64_t DP = round_up(D, 16);
-    return round_up(rows * D, 16) + round_up(rows * EXT_KEYS, 16) + round_up(rows * DP, 16) +
+    return round_up(rows * D, 16) + TILE_ROWS * EXT_KEYS + round_up(rows * DP, 16) +
            round_up(D * EXT_KEYS, 16) + round_up(EXT_KEYS * DP, 16) + 3 * round_up(rows, 16);
 }
 
@@ -359,7 +359,7 @@ static ExtScratch ext_scratch(float *base, int64_t rows, int64_t D) {
     const int64_t DP = round_up(D, 16);
     ExtScratch w;
     w.qs = base, base += round_up(rows * D, 16);
-    w.s = base, base += round_up(rows * EXT_KEYS, 16);
+    w.s = base, base += TILE_ROWS * EXT_KEYS;
     w.acc = base, base += round_up(rows * DP, 16);
     w.kt = base, base += round_up(D * EXT_KEYS, 16);
     w.vc = base, base += round_up(EXT_KEYS * DP, 16);
@@ -371,7 +371,8 @@ static ExtScratch ext_scratch(float *base, int64_t rows, int64_t D) {
 
 /* Queries i0 .. i0 + nq of one request (q at its first new token, out likewise) for kv head h.
  * Row r is query i0 + r / G, head h * G + r % G; the rows are padded to whole tiles with zero
- * queries at the last query's position, whose results are dropped. */
+ * queries at the last query's position, whose results are dropped. Each chunk of keys is widened
+ * once and every tile of rows takes the part of it its positions see (to 16 keys). */
 static inline __attribute__((always_inline)) void extend_item(const float *q, int64_t q_stride, const KvRows *r,
                                                               int64_t q_len, int64_t kv_len, int64_t i0, int64_t nq,
                                                               int64_t h, int64_t G, int64_t D, float scale, float *out,
@@ -390,17 +391,20 @@ static inline __attribute__((always_inline)) void extend_item(const float *q, in
     }
     const int64_t last = pos0 + nq - 1;  /* the last query's position: no key past it is seen */
     for (int64_t j0 = 0; j0 <= last; j0 += EXT_KEYS) {
-        const int64_t n = last + 1 - j0 < EXT_KEYS ? last + 1 - j0 : EXT_KEYS, n16 = round_up(n, 16);
-        widen_chunk(r, j0, n, n16, h * D, D, DP, w->kt, w->vc, dtype);
-        for (int64_t i = 0; i < RP; i += TILE_ROWS)
-            for (int64_t t = 0; t < n16; t += 16) scores_tile(w->qs + i * D, w->kt + t, D, w->s + i * EXT_KEYS + t);
-        for (int64_t i = 0; i < RP; i++) {
-            const int64_t pos = pos0 + (i < R ? i : R - 1) / G, seen = pos + 1 - j0 < n ? pos + 1 - j0 : n;
-            softmax_step(w->s + i * EXT_KEYS, n16, seen, w->m + i, w->l + i, w->alpha + i);
+        const int64_t n = last + 1 - j0 < EXT_KEYS ? last + 1 - j0 : EXT_KEYS;
+        widen_chunk(r, j0, n, round_up(n, 16), h * D, D, DP, w->kt, w->vc, dtype);
+        for (int64_t i = RP - TILE_ROWS; i >= 0; i -= TILE_ROWS) {  /* from the last tile, which sees the most */
+            const int64_t tile_pos = pos0 + (i + TILE_ROWS - 1 < R ? i + TILE_ROWS - 1 : R - 1) / G;
+            const int64_t tile_seen = tile_pos + 1 - j0 < n ? tile_pos + 1 - j0 : n, n16 = round_up(tile_seen, 16);
+            if (tile_seen <= 0) break;  /* nor do the tiles before it */
+            for (int64_t t = 0; t < n16; t += 16) scores_tile(w->qs + i * D, w->kt + t, D, w->s + t);
+            for (int64_t x = 0; x < TILE_ROWS; x++) {
+                const int64_t pos = pos0 + (i + x < R ? i + x : R - 1) / G;
+                const int64_t seen = pos + 1 - j0 < n ? pos + 1 - j0 : n;
+                softmax_step(w->s + x * EXT_KEYS, n16, seen, w->m + i + x, w->l + i + x, w->alpha + i + x);
+            }
+            for (int64_t c = 0; c < DP; c += 16) values_tile(w->s, w->alpha + i, w->vc + c, n16, DP, w->acc + i * DP + c);
         }
-        for (int64_t i = 0; i < RP; i += TILE_ROWS)
-            for (int64_t c = 0; c < DP; c += 16)
-                values_tile(w->s + i * EXT_KEYS, w->alpha + i, w->vc + c, n16, DP, w->acc + i * DP + c);
     }
     for (int64_t i = 0; i < R; i++) {
         float *o = out + (i0 + i / G) * out_stride + (h * G + i % G) * D;
