@@ -74,13 +74,14 @@ static inline const void *row(const KvRows *r, const char *base, int64_t j) {
 }
 
 /* Pages sit anywhere in the pool and a head reads a third of each row: the hardware
- * prefetchers miss most of it, so the next chunk's rows are fetched into L2 while this one
- * is computed (without it, batch 32 with its pages out of cache took ~15% longer, measured). */
-static void prefetch_chunk(const KvRows *r, int64_t j0, int64_t n) {
-    const int64_t bytes = r->token_stride * r->elem_bytes;
+ * prefetchers miss most of it, so the rows a thread reads next (elements off .. off + len of
+ * each) are fetched into L2 while it computes (without it, batch 32 decode with its pages out of
+ * cache took ~15% longer, measured). */
+static void prefetch_chunk(const KvRows *r, int64_t j0, int64_t n, int64_t off, int64_t len) {
+    const int64_t first = off * r->elem_bytes, end = (off + len) * r->elem_bytes;
     for (int64_t t = 0; t < n; t++) {
         const char *kr = (const char *)row(r, r->k, j0 + t), *vr = (const char *)row(r, r->v, j0 + t);
-        for (int64_t x = 0; x < bytes; x += 64) {
+        for (int64_t x = first; x < end; x += 64) {
             _mm_prefetch(kr + x, _MM_HINT_T1);
             _mm_prefetch(vr + x, _MM_HINT_T1);
         }
@@ -189,7 +190,7 @@ int paged_decode_attention(const float *q, int64_t q_stride, const void *k, cons
             if (it + 1 < items) {  /* the next item: this request's next chunk or the next request's first */
                 const int64_t nb = first[b + 1] == it + 1 ? b + 1 : b, nj0 = (it + 1 - first[nb]) * CHUNK;
                 const KvRows nr = {k, v, page_table + nb * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
-                prefetch_chunk(&nr, nj0, kv_lens[nb] - nj0 < CHUNK ? kv_lens[nb] - nj0 : CHUNK);
+                prefetch_chunk(&nr, nj0, kv_lens[nb] - nj0 < CHUNK ? kv_lens[nb] - nj0 : CHUNK, 0, Hkv * D);
             }
             float *pc = parts + it * part;
             attend_chunk_as(kv_dtype, q + b * q_stride, &r, j0, n, Hq, G, D, scale, pc, pc + Hq * D, pc + Hq * D + Hq);
@@ -423,6 +424,23 @@ static void extend_item_as(int dtype, const float *q, int64_t q_stride, const Kv
     }
 }
 
+/* Item `it` of paged_extend_attention: request b's queries i0 .. i0 + nq for kv head h; first[b]
+ * .. first[b + 1] are request b's items, its last (costliest) blocks first. */
+typedef struct {
+    int64_t b, h, i0, nq;
+} ExtItem;
+
+static ExtItem ext_item(const int64_t *first, int64_t B, int64_t Hkv, int64_t block, const int32_t *q_lens, int64_t it) {
+    int64_t lo = 0, hi = B;
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (first[mid] <= it) lo = mid; else hi = mid;
+    }
+    const int64_t local = it - first[lo], blocks = (first[lo + 1] - first[lo]) / Hkv;
+    const int64_t i0 = (blocks - 1 - local / Hkv) * block;
+    return (ExtItem){lo, local % Hkv, i0, q_lens[lo] - i0 < block ? q_lens[lo] - i0 : block};
+}
+
 /* Request b's new tokens are q rows q_starts[b] .. q_starts[b] + q_lens[b] (token t's heads at
  * q + t * q_stride), its outputs the same rows of out (token t at out + t * out_stride), its
  * pages page_table row b. Returns 0, or -1 when D is out of range or scratch could not be
@@ -451,29 +469,46 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k, cons
         }
         scratch_cap = threads * per_thread;
     }
-    int64_t *const first = first_buf;  /* request b's items: first[b] .. first[b + 1] */
+    int64_t *const first = first_buf;
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + Hkv * ((q_lens[b] + block - 1) / block);
     const int64_t items = first[B];
+    const int64_t elem = kv_elem_bytes(kv_dtype);
     float *const scratch = scratch_buf;
+    int64_t taken = 0;  /* items handed out so far */
     _Pragma("omp parallel num_threads(threads)")
     {
         const ExtScratch w = ext_scratch(scratch + omp_get_thread_num() * per_thread, rows, D);
-        /* requests differ in length and a block's cost grows with its position: items handed out
-         * one at a time, each request's last (costliest) blocks first */
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t it = 0; it < items; it++) {
-            int64_t lo = 0, hi = B;  /* the request b with first[b] <= it < first[b + 1] */
-            while (hi - lo > 1) {
-                const int64_t mid = (lo + hi) / 2;
-                if (first[mid] <= it) lo = mid; else hi = mid;
+        /* requests differ in length and a block's cost grows with its position: the items go to
+         * the threads one at a time, and a thread takes its next one before computing this one,
+         * to fetch its queries, its first keys and values and its outputs' lines meanwhile */
+        int64_t it;
+        _Pragma("omp atomic capture")
+        it = taken++;
+        while (it < items) {
+            int64_t next;
+            _Pragma("omp atomic capture")
+            next = taken++;
+            const ExtItem e = ext_item(first, B, Hkv, block, q_lens, it);
+            const KvRows r = {k, v, page_table + e.b * pt_stride, page_size, Hkv * D, elem};
+            if (next < items) {
+                const ExtItem n = ext_item(first, B, Hkv, block, q_lens, next);
+                const KvRows nr = {k, v, page_table + n.b * pt_stride, page_size, Hkv * D, elem};
+                const int64_t seen = kv_lens[n.b] - q_lens[n.b] + n.i0 + n.nq;
+                prefetch_chunk(&nr, 0, seen < EXT_KEYS ? seen : EXT_KEYS, n.h * D, D);
+                for (int64_t i = 0; i < n.nq; i++) {
+                    const int64_t t = q_starts[n.b] + n.i0 + i;
+                    const char *qr = (const char *)(q + t * q_stride + n.h * G * D);
+                    const char *orow = (const char *)(out + t * out_stride + n.h * G * D);
+                    for (int64_t x = 0; x < (int64_t)sizeof(float) * G * D; x += 64) {
+                        _mm_prefetch(qr + x, _MM_HINT_T1);
+                        _mm_prefetch(orow + x, _MM_HINT_T1);
+                    }
+                }
             }
-            const int64_t b = lo, local = it - first[b], blocks = (first[b + 1] - first[b]) / Hkv;
-            const int64_t i0 = (blocks - 1 - local / Hkv) * block, h = local % Hkv;
-            const int64_t nq = q_lens[b] - i0 < block ? q_lens[b] - i0 : block;
-            const KvRows r = {k, v, page_table + b * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
-            extend_item_as(kv_dtype, q + q_starts[b] * q_stride, q_stride, &r, q_lens[b], kv_lens[b], i0, nq, h, G, D,
-                           scale, out + q_starts[b] * out_stride, out_stride, &w);
+            extend_item_as(kv_dtype, q + q_starts[e.b] * q_stride, q_stride, &r, q_lens[e.b], kv_lens[e.b], e.i0, e.nq,
+                           e.h, G, D, scale, out + q_starts[e.b] * out_stride, out_stride, &w);
+            it = next;
         }
     }
     return 0;
