@@ -22,7 +22,10 @@ class FlashInferBackend(AttentionBackend):
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.device)
         # tensor cores serve any GQA group size (SmolLM2's is 3)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        # fa2 for prefill too: the tensor-core decode wrapper runs fa2's prefill kernels, so both
+        # wrappers load one module per dtype, which flashinfer JIT-compiles on first use; the
+        # default (auto) would pick fa3 on Hopper, a second, slower-to-compile module
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
