@@ -88,8 +88,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     c->arena = arena_size ? base + arena_at : NULL;
     c->cap = cap, c->itemsize = itemsize, c->arena_size = arena_size;
     c->fence = fence, c->peer_fd = peer_fd;
-    Py_INCREF(name);
-    c->name = name;
+    Py_XSETREF(c->name, Py_NewRef(name));
     c->tail = load_acquire(c->hdr + c->w_tail);
     c->head = load_acquire(c->hdr + c->w_head);
     c->arena_head = load_acquire(c->hdr + c->w_arena_head);
@@ -320,7 +319,7 @@ static PyTypeObject CoreType = {
     .tp_methods = Core_methods,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ring_core", NULL, -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "ring_core", .m_size = -1};
 
 PyMODINIT_FUNC PyInit_ring_core(void) {
     if (PyType_Ready(&CoreType) < 0)
