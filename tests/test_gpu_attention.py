@@ -129,6 +129,13 @@ def test_cpu_backend_result_does_not_depend_on_the_thread_count():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the cpu backend needs an AVX2 CPU and a C compiler")
+def test_cpu_backend_runs_a_bf16_model_through_the_torch_backend():
+    kv, meta, q, k, v = _mixed_step(16, 9, 3, 64, torch.bfloat16)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()  # the kernels take fp32 queries only
+    assert torch.equal(_attend("cpu", kv, 9, meta, q, k, v), _attend("torch", kv, 9, meta, q, k, v))
+
+
 @pytest.mark.parametrize("start, n, pages, message", [
     (0, 5, 1, "need >= 1 token, 2 pages \\(has 1\\)"),
     (60, 5, 17, "at most context_length=64"),
