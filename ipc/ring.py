@@ -328,13 +328,13 @@ class Ring:
     # ---------------------------------------------------------------- flags, heartbeat
 
     def set_consumer_sleeping(self, on: bool) -> None:
-        self._hdr.store(CONSUMER_SLEEPING, int(on))
+        self._store(CONSUMER_SLEEPING, int(on))
 
     def consumer_sleeping(self) -> bool:
         return self._load(CONSUMER_SLEEPING) != 0
 
     def set_producer_waiting(self, on: bool) -> None:
-        self._hdr.store(PRODUCER_WAITING, int(on))
+        self._store(PRODUCER_WAITING, int(on))
 
     def producer_waiting(self) -> bool:
         return self._load(PRODUCER_WAITING) != 0
