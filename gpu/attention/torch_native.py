@@ -87,7 +87,8 @@ class TorchNativeBackend(AttentionBackend):
             # plain multi-head attention with no kv expansion
             og = F.scaled_dot_product_attention(qg.view(G, Hkv, Hq // Hkv, D), kg, vg, attn_mask=g.mask,
                                                 scale=self.scale)      # [G, Hkv, Hq / Hkv, D]
-            return og.view(G, 1, Hq, D)
+            # reshape: SDPA's CUDA kernels may return og in another memory layout than [G, Hkv, g, D]
+            return og.reshape(G, 1, Hq, D)
         og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
                                             is_causal=g.mask is None, scale=self.scale,
                                             enable_gqa=True)  # [G, Hq, Qmax, D]
