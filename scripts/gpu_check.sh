@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of ringserve's CUDA paths on this machine's GPU: the compiled triton attention
-# kernels, the ModelRunner end to end on CUDA (fp32 against transformers, bf16 triton and
-# flashinfer against the torch backend), then flashinfer's backend alone (last: flashinfer
-# compiles its kernels with nvcc on first use, which takes minutes).
+# kernels against a reference, the ModelRunner end to end on CUDA (fp32 against transformers,
+# bf16 triton and flashinfer against the torch backend), then flashinfer's backend alone (last:
+# flashinfer compiles its kernels with nvcc on first use, which takes minutes).
 #
 #   scripts/gpu_check.sh [pytest args...]      PYTHON=... to pick the interpreter (default python3)
 #
@@ -31,7 +31,13 @@ then
     exit 2
 fi
 
-"$PY" -m pytest -x -q -rs tests/test_triton_attention.py tests/test_gpu_cuda.py tests/test_gpu_flashinfer.py "$@"
+# From test_triton_attention.py only its CUDA test (the compiled kernels, in a child process): the
+# others run the kernels in triton's interpreter on the CPU, which the CPU suite covers. On the
+# H200 (triton 3.6, numpy 2.5) the interpreted kernels failed (that interpreter takes int() of
+# one-element arrays, which numpy 2.5 refuses; triton 3.9 squeezes them first), and kernels
+# compiled afterwards in the same process then failed to build.
+"$PY" -m pytest -x -q -rs tests/test_triton_attention.py::test_compiled_kernels_on_cuda \
+    tests/test_gpu_cuda.py tests/test_gpu_flashinfer.py "$@"
 status=$?
 if [ "$status" -eq 0 ]; then
     echo "gpu_check: PASSED (skips, if any, are listed above)"
