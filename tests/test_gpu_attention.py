@@ -103,7 +103,8 @@ def _attend(name, kv, hq, meta, q, k, v):
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the cpu backend needs an AVX2 CPU and a C compiler")
-@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 40)])  # GQA 3 (SmolLM2), GQA 1 with D not a multiple of 16
+# GQA 3 (SmolLM2); GQA 1 with D not a multiple of 16; GQA 4 at the largest D
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 40), (8, 2, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16, 5])
 def test_cpu_backend_equals_torch_on_mixed_steps(page_size, dtype, hq, hkv, d):
@@ -111,7 +112,7 @@ def test_cpu_backend_equals_torch_on_mixed_steps(page_size, dtype, hq, hkv, d):
     want = _attend("torch", kv, hq, meta, q, k, v)  # stores k, v; the cpu backend stores the same again
     got = _attend("cpu", kv, hq, meta, q, k, v)
     # both compute in fp32 from the same (widened) cache entries; only the sums' order differs:
-    # |out| is up to ~3.5 here and the differences measured stay under 1.1e-6
+    # |out| is up to ~3.5 here and the differences measured stay under 2.1e-6 (1.1e-6 but at D 256)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
