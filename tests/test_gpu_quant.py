@@ -28,8 +28,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"
 # gguf-q8's greedy tokens equal gguf's for at least this many of 16. Measured (32 asked, 6
 # prompts in one batch): 5, 32 and 30-32; the first prompt's 6th token is a near tie, and where
 # ties fall moves with the kernel's order of float sums (another order gave 13 instead of 25
-# on "def fibonacci(n):", so that prompt is not here).
-Q8_PROMPTS = {"The capital of France is": 5, "Water boils at": 16, "The best way to learn Python is": 16}
+# on "def fibonacci(n):", so that prompt is not here). With the C extend attention (another
+# order of sums in the prefill) "Water boils at" parts at its 8th token, a near tie in gguf-q8
+# (588 over 527 by 0.03 in logprob; gguf has 527 by 0.19).
+Q8_PROMPTS = {"The capital of France is": 5, "Water boils at": 7, "The best way to learn Python is": 16}
 
 
 @pytest.fixture(scope="module")
