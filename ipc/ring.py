@@ -196,9 +196,8 @@ class Ring:
         ring or the arena is full (nothing is dropped: push the rest later)."""
         # the common path is a few memoryview accesses and one numpy call: on this VM every
         # numpy call costs ~0.5-1 µs hot and several times that with cold caches
-        if records.dtype is not self._dtype and (records.dtype != self._dtype or records.ndim != 1):
-            raise TypeError(f"records: expected a 1-D array of the {self.layout.name} layout's dtype, "
-                            f"got {records.dtype} with shape {records.shape}")
+        if records.dtype is not self._dtype or records.ndim != 1:  # the common case costs no comparison of dtypes
+            check_records(records, self.layout)
         blob = _NO_PAYLOAD if payload is None else as_bytes(payload)
         nbytes = blob.size
         arena = self.arena
@@ -275,8 +274,8 @@ class Ring:
     def pop(self, max_records: int | None = None) -> Batch | None:
         """Copies out up to `max_records` (default: all) published records and the payload
         span they reference, frees their slots and arena space; None if empty."""
-        if max_records is not None and max_records < 1:
-            raise ValueError(f"max_records must be at least 1, not {max_records}")
+        if max_records is not None:
+            check_max_records(max_records)
         tail = self._load(TAIL)
         head = self._head
         n = tail - head
@@ -373,17 +372,16 @@ class NativeRing(Ring):
                                                            self._core.room_for)
 
     def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
-        if records.dtype is not self._dtype and (records.dtype != self._dtype or records.ndim != 1):
-            raise TypeError(f"records: expected a 1-D array of the {self.layout.name} layout's dtype, "
-                            f"got {records.dtype} with shape {records.shape}")
+        if records.dtype is not self._dtype or records.ndim != 1:  # the common case costs no comparison of dtypes
+            check_records(records, self.layout)
         pushed = self._core.push(records, payload)
         if pushed is NotImplemented:  # not C-contiguous
             pushed = self._core.push(np.ascontiguousarray(records), as_bytes(payload))
         return pushed
 
     def pop(self, max_records: int | None = None) -> Batch | None:
-        if max_records is not None and max_records < 1:
-            raise ValueError(f"max_records must be at least 1, not {max_records}")
+        if max_records is not None:
+            check_max_records(max_records)
         got = self._core.pop(max_records or 0)
         if got is None:
             return None
@@ -398,6 +396,18 @@ class NativeRing(Ring):
     def close(self) -> None:
         self._core.close()
         super().close()
+
+
+def check_records(records: np.ndarray, layout: RecordLayout) -> None:
+    """Refuses anything but a 1-D array of `layout`'s dtype (every transport's push)."""
+    if records.dtype != layout.dtype or records.ndim != 1:
+        raise TypeError(f"records: expected a 1-D array of the {layout.name} layout's dtype, "
+                        f"got {records.dtype} with shape {records.shape}")
+
+
+def check_max_records(max_records: int) -> None:
+    if max_records < 1:
+        raise ValueError(f"max_records must be at least 1, not {max_records}")
 
 
 def as_bytes(payload: np.ndarray | bytes | bytearray | memoryview | None) -> np.ndarray:

@@ -35,7 +35,7 @@ import zmq
 from ipc.channel import ROLES, ChannelSpec
 from ipc.memory import Counters
 from ipc.records import LAYOUTS, RecordLayout
-from ipc.ring import Batch, as_bytes
+from ipc.ring import Batch, as_bytes, check_max_records, check_records
 from ipc.shm import create_segment, map_segment
 
 _HEARTBEAT_BYTES = 64
@@ -238,9 +238,7 @@ class ZmqChannel:
 
     def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
         """Sends all of `records` as one message (0 if the socket is at its high-water mark)."""
-        if records.dtype != self.spec.layout.dtype or records.ndim != 1:
-            raise TypeError(f"records: expected a 1-D array of the {self.spec.layout.name} layout's dtype, "
-                            f"got {records.dtype} with shape {records.shape}")
+        check_records(records, self.spec.layout)
         if len(records) == 0:
             return 0
         try:
@@ -272,8 +270,8 @@ class ZmqChannel:
 
     def pop(self, max_records: int | None = None) -> Batch | None:
         """The records of the next message (at most `max_records`; the rest stay pending)."""
-        if max_records is not None and max_records < 1:
-            raise ValueError(f"max_records must be at least 1, not {max_records}")
+        if max_records is not None:
+            check_max_records(max_records)
         batch, self._pending = self._pending, None
         if batch is None:
             try:

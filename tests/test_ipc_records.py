@@ -112,6 +112,8 @@ def test_bad_input_names_the_parameter(pair):
         cons.pop(0)
     with pytest.raises(TypeError, match="records"):
         prod.push(np.zeros(2, REQUEST.dtype))
+    with pytest.raises(TypeError, match="1-D array"):  # the layout's own dtype, but 2-D
+        prod.push(np.zeros((2, 2), TOKEN_OUT.dtype))
     with pytest.raises(ValueError, match="payload of 100 bytes"):
         prod.push(np.zeros(1, TOKEN_OUT.dtype), b"x" * 100)
     with pytest.raises(ValueError, match="capacity"):
