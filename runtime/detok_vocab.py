@@ -48,7 +48,7 @@ class TokenTable:
     pieces: tuple[bytes, ...]  # [size + 1]: the same bytes as Python objects, for the per-request path
 
 
-def _byte_level_char_map() -> dict[str, int]:
+def byte_level_char_map() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: printable character -> the byte it stands for."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = dict(zip(printable, printable))
@@ -71,7 +71,7 @@ def build_token_table(tokenizer, added: AddedTokens, probes: int = 64, seed: int
     if decoder.get("type") != "ByteLevel":
         raise NotByteExact(f"decoder is {decoder.get('type')}, not ByteLevel")
 
-    char_map = _byte_level_char_map()
+    char_map = byte_level_char_map()
     to_latin1 = str.maketrans({c: chr(b) for c, b in char_map.items()})
     size = len(tokenizer)
     pieces: list[bytes] = []

@@ -37,6 +37,7 @@ from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
 from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, pack_control, pack_request, rid_hash,
                          unpack_logprobs)
+from runtime.prompt_encoder import PromptEncoder
 from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
@@ -197,7 +198,7 @@ class TokenizerManager:
         self.worker = worker
         self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
         self.tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: thread-safe encode
+        self._encoder = PromptEncoder(tokenizer)
         self._chat_template = ChatTemplate(tokenizer)
         self.model = model
         self.request_timeout = request_timeout
@@ -237,13 +238,8 @@ class TokenizerManager:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < LONG_PROMPT_CHARS:
-            return self._encode(text, add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(None, self._encode, text, add_special_tokens)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._backend is not None:  # the batch call skips the character offsets encode() computes: ~20% less
-            return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self._encoder.encode(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(None, self._encoder.encode, text, add_special_tokens)
 
     async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template applied and tokenized, as apply_chat_template(tokenize=True) does."""

@@ -1,0 +1,114 @@
+"""Prompt text to token ids, as the tokenizer's own encode gives them, faster for ASCII text.
+
+The Rust tokenizer spends most of a chat prompt's encode in its pre-tokenizer: about 0.35 ms
+for 110 tokens here, a third of what one request may cost the whole server (issue 5's null
+model budget). For GPT-2 style byte-level BPE (SmolLM, GPT-2: a ByteLevel pre-tokenizer with
+its regex, no normalizer) and ASCII text, that regex is exactly an ASCII regex Python's `re`
+runs in a seventh of the time, and the BPE of each piece ("word") is looked up in a cache
+filled by the tokenizer's own model. Everything else (non-ASCII text, any other tokenizer)
+goes to the tokenizer.
+
+Exact by construction where it applies, and checked at start-up: the fast path is used only
+if it gives the tokenizer's ids on probe texts (special tokens, contractions, digits, runs of
+whitespace and punctuation, with and without add_special_tokens).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from runtime.detok_vocab import byte_level_char_map
+
+# GPT-2's split (tokenizers' ByteLevel pre-tokenizer with use_regex) restricted to ASCII: there
+# \p{L} is [A-Za-z], \p{N} is [0-9] and \s is [\t\n\v\f\r ] (not \x1c-\x1f, which Python's \s
+# includes: the tokenizer splits them as punctuation).
+_WS = r"\t\n\x0b\x0c\r "
+ASCII_SPLIT = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"
+                         rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
+PIECE_CACHE_SIZE = 1 << 16  # pieces (words with their leading space); cleared when full
+PROBES = ("<|im_start|>user\nI'm sure it's 42, they'll've  said: \"don't\"!!\t\n\n  x<|im_end|>\n",
+          "  leading and trailing  \r\n", "a1b22c333 'S 'LL '' ''' ?!.,;  \x0b\x0c \x7f end",
+          "+\x1c+ \x1d+\n\x1e\n \x1f ", "", " ", "\n\n")
+
+
+class PromptEncoder:
+    """encode(text, add_special_tokens) -> ids, the same as tokenizer.encode's."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: thread-safe
+        self._fast = False
+        self._pieces: dict[str, list[int]] = {}
+        if self._backend is not None:
+            try:
+                self._fast = self._setup() and self._probe()
+            except Exception:  # a tokenizer layout this module does not know: the tokenizer encodes
+                self._fast = False
+
+    @property
+    def fast(self) -> bool:
+        """Whether ASCII text takes the fast path."""
+        return self._fast
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast and text.isascii():
+            return self._encode_ascii(text, add_special_tokens)
+        return self._slow(text, add_special_tokens)
+
+    def _slow(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is not None:  # the batch call skips the character offsets encode() computes: ~20% less
+            return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _setup(self) -> bool:
+        spec = json.loads(self._backend.to_str())
+        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+        if (spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout")
+                or model.get("byte_fallback") or model.get("continuing_subword_prefix")
+                or model.get("end_of_word_suffix") or pre.get("type") != "ByteLevel"
+                or not pre.get("use_regex", True) or pre.get("add_prefix_space")):
+            return False
+        added = spec.get("added_tokens") or []
+        if any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added):
+            return False
+        # added tokens are cut out of the text first, longest match first, as the tokenizer does
+        self._added = {a["content"]: a["id"] for a in added}
+        contents = sorted(self._added, key=len, reverse=True)
+        self._added_split = re.compile("|".join(map(re.escape, contents))) if contents else None
+        chars = byte_level_char_map()  # character -> byte; ASCII bytes are their own characters' keys
+        self._to_byte_level = str.maketrans({b: c for c, b in chars.items() if b < 128})
+        self._bpe = self._backend.model
+        # what add_special_tokens wraps around a text's ids (a BOS, an EOS ...)
+        bare = self._slow("a", False)
+        full = self._slow("a", True)
+        at = full.index(bare[0]) if bare and bare[0] in full else -1
+        if at < 0 or full[at:at + len(bare)] != bare:
+            return False
+        self._prefix, self._suffix = full[:at], full[at + len(bare):]
+        return True
+
+    def _probe(self) -> bool:
+        return all(self._encode_ascii(text, special) == self._slow(text, special)
+                   for text in PROBES for special in (False, True))
+
+    def _encode_ascii(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self._prefix[:] if add_special_tokens else []
+        pos = 0
+        if self._added_split is not None:
+            for m in self._added_split.finditer(text):
+                self._encode_span(text, pos, m.start(), ids)
+                ids.append(self._added[m.group()])
+                pos = m.end()
+        self._encode_span(text, pos, len(text), ids)
+        return ids + self._suffix if add_special_tokens else ids
+
+    def _encode_span(self, text: str, start: int, end: int, ids: list[int]) -> None:
+        cache = self._pieces
+        for piece in ASCII_SPLIT.findall(text, start, end):
+            piece_ids = cache.get(piece)
+            if piece_ids is None:
+                if len(cache) >= PIECE_CACHE_SIZE:
+                    cache.clear()
+                piece_ids = cache[piece] = [t.id for t in self._bpe.tokenize(piece.translate(self._to_byte_level))]
+            ids += piece_ids

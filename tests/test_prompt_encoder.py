@@ -1,0 +1,96 @@
+"""runtime/prompt_encoder.py against the tokenizer's own encode: the ASCII fast path on the real
+SmolLM2 tokenizer, with an added BOS/EOS template, and the fallbacks."""
+import json
+import string
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from gpu.model_files import resolve_model_dir
+from runtime.prompt_encoder import PromptEncoder
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+@pytest.fixture(scope="module")
+def encoder(tokenizer):
+    return PromptEncoder(tokenizer)
+
+
+def variant(tokenizer, change) -> PreTrainedTokenizerFast:
+    """The SmolLM2 tokenizer with its JSON spec edited by `change`."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    change(spec)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+
+
+def reference(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>"]
+# every ASCII character, and the pieces the split treats specially, often
+ascii_text = st.lists(st.one_of(st.sampled_from([chr(c) for c in range(128)]),
+                                st.sampled_from(["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "  ", "\n\n",
+                                                 " \n", "\t ", "123", " hello", "world", "!!", " ?"] + SPECIALS)),
+                      max_size=40).map("".join)
+
+
+def test_default_model_takes_the_fast_path(encoder):
+    assert encoder.fast
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=ascii_text, add_special_tokens=st.booleans())
+def test_ascii_equals_the_tokenizer(tokenizer, encoder, text, add_special_tokens):
+    assert encoder.encode(text, add_special_tokens) == reference(tokenizer, text, add_special_tokens)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=30))
+def test_any_text_equals_the_tokenizer(tokenizer, encoder, text):
+    assert encoder.encode(text, False) == reference(tokenizer, text, False)
+
+
+def test_chat_prompt_and_the_piece_cache(tokenizer, encoder):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three " + string.ascii_letters}],
+                                         add_generation_prompt=True, tokenize=False)
+    want = reference(tokenizer, text, False)
+    assert encoder.encode(text, False) == want
+    assert encoder.encode(text, False) == want  # now from the cache
+
+
+def test_bos_and_eos_template(tokenizer):
+    def wrap(spec):
+        spec["post_processor"] = {"type": "TemplateProcessing",
+                                  "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                             {"Sequence": {"id": "A", "type_id": 0}},
+                                             {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
+                                  "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                                  "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]},
+                                                     "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+    wrapped = variant(tokenizer, wrap)
+    enc = PromptEncoder(wrapped)
+    assert enc.fast
+    for text in ("Hello there", "", "<|im_end|> x"):
+        assert enc.encode(text, True) == reference(wrapped, text, True)
+        assert enc.encode(text, False) == reference(wrapped, text, False)
+    assert enc.encode("Hi", True)[0] == 1 and enc.encode("Hi", True)[-1] == 0
+
+
+@pytest.mark.parametrize("change", [
+    lambda spec: spec["pre_tokenizer"].update(add_prefix_space=True),
+    lambda spec: spec.update(normalizer={"type": "Lowercase"}),
+    lambda spec: spec["added_tokens"][1].update(lstrip=True),
+], ids=["prefix-space", "normalizer", "lstrip"])
+def test_other_tokenizers_fall_back(tokenizer, change):
+    other = variant(tokenizer, change)
+    enc = PromptEncoder(other)
+    assert not enc.fast
+    for text in ("Hello World", " <|im_start|> user"):
+        assert enc.encode(text, False) == reference(other, text, False)
