@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ import torch
 from gpu import kernels
 from gpu.attention import create_backend, default_backend
 from gpu.cpu_decode import CpuDecoder
-from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.forward_batch import SeqInput, StepInput, build_forward_batch
 from gpu.kv_cache import KVCache
 from gpu.llama import LlamaForCausalLM
 from gpu.model_config import ModelConfig
@@ -31,7 +32,7 @@ KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # besi
 # share of the device's memory that weights + KV cache may take when no size is given
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
 
-__all__ = ["ModelRunner", "ModelRunnerConfig", "SeqInput", "StepOutput"]
+__all__ = ["ModelRunner", "ModelRunnerConfig", "SeqInput", "StepInput", "StepOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +193,8 @@ class ModelRunner:
         self.sampler.clear_request(row)
 
     @torch.inference_mode()
-    def step(self, seqs: list[SeqInput]) -> StepOutput:
-        """One forward over the mixed batch, then one sampled token per SeqInput with sample=True."""
+    def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
+        """One forward over the mixed batch, then one sampled token per sequence with sample set."""
         batch = build_forward_batch(seqs, self.config.page_size, self.model_config.context_length,
                                     self.device)
         if self.decoder is not None and self.decoder.takes(batch.meta):

@@ -3,9 +3,11 @@ measured. Tokens cycle through the real tokenizer's ids for an ordinary English 
 (never EOS: requests end by max_tokens or stop strings); the page pool is real."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
-from gpu.forward_batch import SeqInput
+from gpu.forward_batch import SeqInput, StepInput
 from gpu.model_config import ModelConfig
 from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunnerConfig, StepOutput
@@ -42,8 +44,9 @@ class NullModelRunner:
     def clear_request(self, row: int) -> None:
         self.logprobs[row], self.top_logprobs[row] = False, 0
 
-    def step(self, seqs: list[SeqInput]) -> StepOutput:
-        rows = np.fromiter((s.row for s in seqs if s.sample), np.int64)
+    def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
+        step = StepInput.of(seqs)
+        rows = step.rows[step.sample]
         n = len(self.cycle)
         tokens = self.cycle[self.generated[rows] % n]
         self.generated[rows] += 1

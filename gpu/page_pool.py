@@ -32,7 +32,7 @@ class PagePool:
             return
         if ids.min() < 0 or ids.max() >= self.num_pages:
             raise ValueError(f"page ids must be in [0, {self.num_pages}), got {ids.min()}..{ids.max()}")
-        if not self._is_free[ids].any() and len(np.unique(ids)) == len(ids):
+        if not self._is_free[ids].any() and (len(ids) == 1 or len(set(ids.tolist())) == len(ids)):
             self._is_free[ids] = True
             self._free[self.num_free:self.num_free + len(ids)] = ids[::-1]
             self.num_free += len(ids)

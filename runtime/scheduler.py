@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpu.forward_batch import SeqInput
+from gpu.forward_batch import StepInput
 from ipc.records import TOKEN_OUT, TokenKind
 from runtime.config import ServerArgs
 from runtime.radix_cache import RadixCache
@@ -175,12 +175,11 @@ class Scheduler:
     def step(self) -> StepResult:
         decode_rows = self._schedule_decode()
         prefill = self._schedule_prefill()
-        seqs = self._seq_inputs(decode_rows, prefill)
-        if not seqs:
+        if not len(decode_rows) and not prefill:
             return self._result(np.zeros(0, TOKEN_EVENT), None, None)
         if self.heartbeat is not None:
             self.heartbeat()
-        out = self.runner.step(seqs)
+        out = self.runner.step(self._step_input(decode_rows, prefill))
         return self._process(decode_rows, prefill, out)
 
     def _schedule_decode(self) -> np.ndarray:
@@ -302,16 +301,25 @@ class Scheduler:
             self.cache.evict(short)
         return self.pool.num_free >= num_pages
 
-    def _seq_inputs(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]]) -> list[SeqInput]:
+    def _step_input(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]]) -> StepInput:
+        """The decodes (one token each), then the prefill chunks, as columns of the table."""
         t = self.table
-        ids, pt = t.ids, t.page_table
-        seqs = [SeqInput(r, ids[r, k:k + 1], k, pt[r, :p], True) for r, k, p in
-                zip(decode_rows.tolist(), t.kv_len[decode_rows].tolist(), t.num_pages[decode_rows].tolist())]
-        for req, n in prefill:
-            r = req.row
-            k = int(t.kv_len[r])
-            seqs.append(SeqInput(r, ids[r, k:k + n], k, pt[r, :t.num_pages[r]], k + n == t.length[r]))
-        return seqs
+        rows, starts = decode_rows, t.kv_len[decode_rows]
+        q_lens = np.ones(len(rows), np.int64)
+        token_ids = t.ids[rows, starts]
+        sample = np.ones(len(rows), bool)
+        if prefill:
+            p_rows = np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))
+            p_lens = np.fromiter((n for _, n in prefill), np.int64, len(prefill))
+            p_starts = t.kv_len[p_rows]
+            rows, starts = np.concatenate([rows, p_rows]), np.concatenate([starts, p_starts])
+            q_lens = np.concatenate([q_lens, p_lens])
+            token_ids = np.concatenate([token_ids] + [t.ids[r, k:k + n] for r, k, n in
+                                                      zip(p_rows.tolist(), p_starts.tolist(), p_lens.tolist())])
+            sample = np.concatenate([sample, p_starts + p_lens == t.length[p_rows]])
+        num_pages = t.num_pages[rows].astype(np.int64)
+        return StepInput(rows=rows, starts=starts.astype(np.int64), q_lens=q_lens, token_ids=token_ids,
+                         page_table=t.page_table[rows, :int(num_pages.max())], num_pages=num_pages, sample=sample)
 
     # ---- after the forward -------------------------------------------------------------
     def _process(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]], out) -> StepResult:

@@ -25,9 +25,10 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def step(self, seqs):
-        self.steps.append([(s.row, len(s.token_ids), s.start, s.sample) for s in seqs])
-        return self.runner.step(seqs)
+    def step(self, step):
+        self.steps.append(list(zip(step.rows.tolist(), step.q_lens.tolist(), step.starts.tolist(),
+                                   step.sample.tolist())))
+        return self.runner.step(step)
 
 
 def null_runner(max_total_tokens: int, rows: int = 16) -> NullModelRunner:
