@@ -145,5 +145,5 @@ def test_cpu_backend_runs_a_bf16_model_through_the_torch_backend():
 def test_bad_seq_inputs_name_the_row(start, n, pages, message):
     seqs = [SeqInput(0, np.zeros(1, np.int32), 0, np.zeros(1, np.int32), True),
             SeqInput(7, np.zeros(n, np.int32), start, np.arange(pages, dtype=np.int32), True)]
-    with pytest.raises(ValueError, match="SeqInput of row 7: .*" + message):
+    with pytest.raises(ValueError, match="the sequence of row 7: .*" + message):
         build_forward_batch(seqs, PS, context_length=64, device=torch.device("cpu"))
