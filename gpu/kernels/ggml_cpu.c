@@ -227,26 +227,40 @@ static inline __attribute__((always_inline)) void groups_q8(
 
 /* The same arguments as the fp32 GEMMs above, but the weights in interleaved groups of 8 rows
  * (N a multiple of 8): qs [N/8, K/32, qbytes/4, 8, 4]; d, m [N/8, K/32, 8] (m unused for Q8_0).
- * x [T, K] is quantized (quantize_q8) into a scratch buffer once per product, then chunks of
- * groups go over the threads. One function per type, not a runtime flag, so that each parallel
- * region is compiled for its own block. Returns 0, or -1 when the scratch cannot be allocated
- * (y untouched). */
+ * In one parallel region, x [T, K] is quantized (quantize_q8, the tokens split over the
+ * threads) into a scratch buffer, then chunks of groups go over the threads. The scratch is
+ * kept between calls (one per calling thread): a fresh one per call was mmap'ed and
+ * page-faulted in every time once it outgrew malloc's heap threshold (a 2048-token prefill's
+ * x is 1-3 MB). One function per type, not a runtime flag, so that each parallel region is
+ * compiled for its own block. Returns 0, or -1 when the scratch cannot be allocated (y
+ * untouched). */
+static __thread char *q8_scratch = NULL;
+static __thread int64_t q8_scratch_cap = 0;
+
 #define GEMM_Q8(NAME, Q4_1)                                                                          \
     int NAME(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d,               \
              const float *m, int64_t N, float *y, int threads) {                                     \
-        const int64_t nb = K / 32, groups = N / ROWS;                                                \
+        const int64_t nb = K / 32, groups = N / ROWS, need = T * nb * (int64_t)(2 * sizeof(float)) + T * K; \
         if (T == 0) return 0;                                                                        \
-        float *xd = malloc(T * nb * (2 * sizeof(float)) + T * K);                                    \
-        if (xd == NULL) return -1;                                                                   \
-        float *xs = xd + T * nb;                                                                     \
-        int8_t *xq = (int8_t *)(xs + T * nb);                                                        \
-        quantize_q8(x, T, K, xq, xd, xs);                                                            \
+        if (need > q8_scratch_cap) {                                                                 \
+            char *grown = realloc(q8_scratch, need);                                                 \
+            if (grown == NULL) return -1;                                                            \
+            q8_scratch = grown;                                                                      \
+            q8_scratch_cap = need;                                                                   \
+        }                                                                                            \
+        float *const xd = (float *)q8_scratch, *const xs = xd + T * nb;                              \
+        int8_t *const xq = (int8_t *)(xs + T * nb);                                                  \
         const int64_t iters = (groups + CHUNK - 1) / CHUNK, share = (iters + threads - 1) / threads; \
         const int64_t per_fetch = T >= DYNAMIC_TOKENS || share < 1 ? 1 : share;                      \
-        _Pragma("omp parallel for schedule(dynamic, per_fetch) num_threads(threads)")                \
-        for (int64_t c = 0; c < groups; c += CHUNK)                                                  \
-            groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
-        free(xd);                                                                                    \
+        _Pragma("omp parallel num_threads(threads)")                                                 \
+        {                                                                                            \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t t = 0; t < T; t++)                                                          \
+                quantize_q8(x + t * K, 1, K, xq + t * K, xd + t * nb, xs + t * nb);                 \
+            _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
+            for (int64_t c = 0; c < groups; c += CHUNK)                                              \
+                groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
+        }                                                                                            \
         return 0;                                                                                    \
     }
 
