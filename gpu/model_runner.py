@@ -28,7 +28,8 @@ from runtime.config import ServerArgs
 from runtime.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # besides auto: the model's
+KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,  # besides auto: the model's
+                   "fp8_e5m2": torch.float8_e5m2}
 # share of the device's memory that weights + KV cache may take when no size is given
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
 

@@ -61,7 +61,7 @@ class ServerArgs:
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": (None, "cpu", "torch", "triton", "flashinfer"),
             "quantization": (None, "gguf", "gguf-q8"),
-            "kv_cache_dtype": ("auto", "float16", "bfloat16"),
+            "kv_cache_dtype": ("auto", "float16", "bfloat16", "fp8_e5m2"),
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),
             "log_level": ("debug", "info", "warning", "error", "critical"),

@@ -21,7 +21,8 @@ LENGTHS = [1, 15, 16, 17, 33, 70]  # the page size is 16
 
 
 @pytest.fixture(scope="module", params=[("gguf", "auto"), ("gguf-q8", "auto"), ("gguf-q8", "float16"),
-                                        ("gguf-q8", "bfloat16"), ("gguf", "float16")], ids="-".join)
+                                        ("gguf-q8", "bfloat16"), ("gguf", "float16"),
+                                        ("gguf-q8", "fp8_e5m2")], ids="-".join)
 def runner(request):
     quantization, kv_cache_dtype = request.param
     return ModelRunner(ModelRunnerConfig(quantization=quantization, kv_cache_dtype=kv_cache_dtype,

@@ -74,5 +74,8 @@ class AttentionBackend(ABC):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, out_cache_loc: torch.Tensor) -> None:
         """k, v: [T, Hkv, D] in the model's dtype, rounded (to nearest even) to the cache's."""
         dtype = self.kv_cache.dtype
-        self.kv_cache.k_slots(layer_id).index_copy_(0, out_cache_loc, k.to(dtype))
-        self.kv_cache.v_slots(layer_id).index_copy_(0, out_cache_loc, v.to(dtype))
+        for slots, x in ((self.kv_cache.k_slots(layer_id), k), (self.kv_cache.v_slots(layer_id), v)):
+            if dtype.itemsize == 1:  # torch has no index_copy_ of fp8 on the CPU: copy the bytes
+                slots.view(torch.uint8).index_copy_(0, out_cache_loc, x.to(dtype).view(torch.uint8))
+            else:
+                slots.index_copy_(0, out_cache_loc, x.to(dtype))

@@ -1,6 +1,6 @@
 """The CPU backend: attention by gpu/kernels/attention_cpu.c, which reads each request's keys
-and values in place from its pages (AVX2 + FMA, OpenMP), fp32 queries against a fp32, fp16 or
-bf16 cache (--kv-cache-dtype). Decode requests (one new token) go to paged_decode_attention
+and values in place from its pages (AVX2 + FMA, OpenMP), fp32 queries against a fp32, fp16,
+bf16 or fp8 e5m2 cache (--kv-cache-dtype). Decode requests (one new token) go to paged_decode_attention
 (each request's keys in chunks over the threads, merged), extend requests (a prompt, a chunk
 of one, new tokens after a cached prefix) to paged_extend_attention (blocks of queries x the
 query heads of a kv head against chunks of keys, online softmax). A model that is not fp32
@@ -24,7 +24,7 @@ from gpu.attention.torch_native import TorchNativeBackend
 from gpu.kv_cache import KVCache
 
 MAX_HEAD_DIM = 256  # the kernel's limit (attention_cpu.c)
-KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # gpu/kernels/kv_dtype.h
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e5m2: 3}  # kv_dtype.h
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -64,7 +64,8 @@ class CpuBackend(TorchNativeBackend):
     def __init__(self, kv_cache: KVCache, num_q_heads: int) -> None:
         super().__init__(kv_cache, num_q_heads)
         if kv_cache.device.type != "cpu" or kv_cache.dtype not in KV_DTYPE_CODES:
-            raise ValueError("--attention-backend cpu runs on the CPU with a float32, float16 or bfloat16 KV cache")
+            raise ValueError("--attention-backend cpu runs on the CPU with a float32, float16, bfloat16 or fp8_e5m2 "
+                             "KV cache")
         if self.head_dim % 8 or self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"--attention-backend cpu takes a head_dim that is a multiple of 8 up to {MAX_HEAD_DIM} "
                              f"(this model: {self.head_dim}); use --attention-backend torch")

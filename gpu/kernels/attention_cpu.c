@@ -8,7 +8,7 @@
  *
  * Layouts: q [T, Hq, D] fp32 with token t's heads at q + t * q_stride (q can be a slice of the
  * fused qkv projection); out fp32; k, v one layer's pages [num_pages, page_size, Hkv, D] in
- * kv_dtype (kv_dtype.h: fp32, fp16 or bf16, widened to fp32 as they are read); page_table int32
+ * kv_dtype (kv_dtype.h: fp32, fp16, bf16 or fp8 e5m2, widened to fp32 as read); page_table int32
  * [B, pt_stride]. D is a multiple of 8, at most 256. Softmax in fp32 as SDPA computes it, but in
  * chunks of keys (online softmax), so its sums run in another order.
  */
@@ -165,6 +165,7 @@ static void attend_chunk_as(int dtype, const float *q, const KvRows *r, int64_t 
     switch (dtype) {
     case KV_F16: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F16, pf); break;
     case KV_BF16: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_BF16, pf); break;
+    case KV_F8E5M2: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F8E5M2, pf); break;
     default: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F32, pf);
     }
 }
@@ -445,6 +446,7 @@ static void extend_item_as(int dtype, const float *q, int64_t q_stride, const Kv
     switch (dtype) {
     case KV_F16: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F16); break;
     case KV_BF16: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_BF16); break;
+    case KV_F8E5M2: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F8E5M2); break;
     default: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F32);
     }
 }

@@ -54,7 +54,7 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, intermediate, q_heads, kv_heads, head_dim, page_size;
-    int64_t kv_dtype;  /* KV_F32 | KV_F16 | KV_BF16 */
+    int64_t kv_dtype;  /* KV_F32 | KV_F16 | KV_BF16 | KV_F8E5M2 */
     float eps, scale;
 } Dims;
 

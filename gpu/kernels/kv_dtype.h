@@ -1,7 +1,9 @@
 /* The KV cache's element types (--kv-cache-dtype) as the C kernels see them: 8 values of a
- * row read as fp32 (attention_cpu.c), a row written from fp32 (decode_cpu.c). fp32 -> fp16 and
- * fp32 -> bf16 round to nearest even, as torch's .to(float16) / .to(bfloat16) do, so the C
- * decode loop stores the bits the Python forward's index_copy_ stores. F16C: every AVX2 CPU.
+ * row read as fp32 (attention_cpu.c), a row written from fp32 (decode_cpu.c). fp32 -> fp16,
+ * bf16 and fp8 e5m2 round to nearest even, as torch's .to(float16 / bfloat16 / float8_e5m2)
+ * do, so the C decode loop stores the bits the Python forward's store stores. F16C: every
+ * AVX2 CPU. An e5m2 byte is the high byte of the fp16 with the same value, so it is read by
+ * F16C too.
  */
 #ifndef RINGSERVE_KV_DTYPE_H
 #define RINGSERVE_KV_DTYPE_H
@@ -10,14 +12,16 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { KV_F32, KV_F16, KV_BF16 };  /* gpu/attention/cpu.py KV_DTYPE_CODES */
+enum { KV_F32, KV_F16, KV_BF16, KV_F8E5M2 };  /* gpu/attention/cpu.py KV_DTYPE_CODES */
 
-static inline int64_t kv_elem_bytes(int dtype) { return dtype == KV_F32 ? 4 : 2; }
+static inline int64_t kv_elem_bytes(int dtype) { return dtype == KV_F32 ? 4 : dtype == KV_F8E5M2 ? 1 : 2; }
 
 /* elements i .. i + 7 of row, widened to fp32 */
 static inline __m256 kv_load8(const void *row, int64_t i, int dtype) {
     if (dtype == KV_F16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (dtype == KV_F8E5M2)  /* each byte becomes the high byte of an fp16 */
+        return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)((const uint8_t *)row + i))));
     if (dtype == KV_BF16)  /* a bf16 is the high half of the fp32 with the same bits */
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
@@ -31,6 +35,31 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* torch's fp32 -> float8_e5m2 (c10 fp8e5m2_from_fp32_value): nearest even, |f| from 61440
+ * (half way to 2^16) to inf becomes inf, NaN stays NaN */
+static inline uint8_t e5m2_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u >= 143u << 23) {  /* |f| >= 2^16, inf or NaN */
+        r = u > 255u << 23 ? 0x7F : 0x7C;
+    } else if (u < 113u << 23) {  /* below 2^-14, e5m2's subnormals: f + 2^7 rounds f to 2^-16 units */
+        const uint32_t bias = 134u << 23;
+        float g, b;
+        memcpy(&g, &u, sizeof g);
+        memcpy(&b, &bias, sizeof b);
+        g += b;
+        memcpy(&u, &g, sizeof u);
+        r = (uint8_t)(u - bias);
+    } else {  /* rebias the exponent, then round the 21 dropped mantissa bits to nearest even */
+        u += ((uint32_t)(15 - 127) << 23) + 0xFFFFFu + ((u >> 21) & 1u);
+        r = (uint8_t)(u >> 21);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
 /* src [n] fp32 -> dst, a row of the cache */
 static inline void kv_store_row(void *dst, const float *src, int64_t n, int dtype) {
     if (dtype == KV_F16) {
@@ -42,6 +71,9 @@ static inline void kv_store_row(void *dst, const float *src, int64_t n, int dtyp
     } else if (dtype == KV_BF16) {
         uint16_t *d = dst;
         for (int64_t i = 0; i < n; i++) d[i] = bf16_round(src[i]);
+    } else if (dtype == KV_F8E5M2) {
+        uint8_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = e5m2_round(src[i]);
     } else {
         memcpy(dst, src, sizeof(float) * n);
     }
