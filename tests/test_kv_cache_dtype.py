@@ -79,37 +79,25 @@ def greedy(runner: ModelRunner, prompts: list[np.ndarray], n: int) -> np.ndarray
     return np.stack(tokens, axis=1)
 
 
-@torch.inference_mode()
-def test_float16_greedy_tokens_follow_auto():
-    from transformers import AutoTokenizer
-    results = {}
-    for kv_cache_dtype in ("auto", "float16"):
-        runner = ModelRunner(ModelRunnerConfig(kv_cache_dtype=kv_cache_dtype, max_total_tokens=1024,
-                                               max_running_requests=len(PROMPTS)))
-        tok = AutoTokenizer.from_pretrained(runner.model_config.model_dir)
-        prompts = [np.array(tok(p)["input_ids"], np.int32) for p in PROMPTS]
-        results[kv_cache_dtype] = greedy(runner, prompts, EQUAL_TOKENS)
-        assert runner.kv_cache.dtype == {"auto": torch.float32, "float16": torch.float16}[kv_cache_dtype]
-    np.testing.assert_array_equal(results["float16"], results["auto"])
-
-
 # Measured (fp32 weights, these 6 prompts): fp8_e5m2 (2 mantissa bits) equal to auto for the
 # first 10, 9, 7, 20, 14, 6 greedy tokens, coherent text after. Asserted: 4 on each.
 FP8_EQUAL_TOKENS = 4
 
 
 @torch.inference_mode()
-def test_fp8_greedy_tokens_start_as_auto():
+@pytest.mark.parametrize("kv_cache_dtype, dtype, equal_tokens", [("float16", torch.float16, EQUAL_TOKENS),
+                                                                 ("fp8_e5m2", torch.float8_e5m2, FP8_EQUAL_TOKENS)])
+def test_greedy_tokens_follow_auto(kv_cache_dtype, dtype, equal_tokens):
     from transformers import AutoTokenizer
     results = {}
-    for kv_cache_dtype in ("auto", "fp8_e5m2"):
-        runner = ModelRunner(ModelRunnerConfig(kv_cache_dtype=kv_cache_dtype, max_total_tokens=1024,
+    for name in ("auto", kv_cache_dtype):
+        runner = ModelRunner(ModelRunnerConfig(kv_cache_dtype=name, max_total_tokens=1024,
                                                max_running_requests=len(PROMPTS)))
         tok = AutoTokenizer.from_pretrained(runner.model_config.model_dir)
         prompts = [np.array(tok(p)["input_ids"], np.int32) for p in PROMPTS]
-        results[kv_cache_dtype] = greedy(runner, prompts, FP8_EQUAL_TOKENS)
-    assert runner.kv_cache.dtype == torch.float8_e5m2
-    np.testing.assert_array_equal(results["fp8_e5m2"], results["auto"])
+        results[name] = greedy(runner, prompts, equal_tokens)
+    assert runner.kv_cache.dtype == dtype
+    np.testing.assert_array_equal(results[kv_cache_dtype], results["auto"])
 
 
 def test_bad_value_names_the_flag():
