@@ -29,6 +29,7 @@ MAX_BATCH = 256
 CAPACITY = 509  # records; not a power of two, so wraparound lands mid-batch
 ARENA = 8192  # bytes; a push carries up to 256 * 12
 TIMEOUT = 60.0
+PAUSE_S = 0.1  # the producer's pause after its first batch
 
 
 def build_stream(total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,6 +145,8 @@ def produce(path: str, total: int, seed: int) -> None:
         recs, blob = stream.batch(sent, n)
         ch.push_all(recs, blob, timeout=TIMEOUT)
         ch.beat()
+        if sent == 0:  # the consumer drains the ring and sleeps at least once: one that is slower than
+            time.sleep(PAUSE_S)  # this producer all along never finds it empty (seen on 2 loaded cores)
         sent += n
     ch.close()
     waker.close()
