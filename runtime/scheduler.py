@@ -179,8 +179,8 @@ class Scheduler:
             return self._result(np.zeros(0, TOKEN_EVENT), None, None)
         if self.heartbeat is not None:
             self.heartbeat()
-        out = self.runner.step(self._step_input(decode_rows, prefill))
-        return self._process(decode_rows, prefill, out)
+        step = self._step_input(decode_rows, prefill)
+        return self._process(step, prefill, self.runner.step(step))
 
     def _schedule_decode(self) -> np.ndarray:
         """Every running decode, each with a page for its next token: evicts cached pages,
@@ -322,23 +322,16 @@ class Scheduler:
                          page_table=t.page_table[rows, :int(num_pages.max())], num_pages=num_pages, sample=sample)
 
     # ---- after the forward -------------------------------------------------------------
-    def _process(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]], out) -> StepResult:
+    def _process(self, step: StepInput, prefill: list[tuple[Request, int]], out) -> StepResult:
         t, stats = self.table, self.stats
-        t.kv_len[decode_rows] += 1
-        rows = decode_rows
-        if prefill:
-            prefill_rows = np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))
-            chunk = np.fromiter((n for _, n in prefill), np.int32, len(prefill))
-            t.kv_len[prefill_rows] += chunk
-            stats.prefill_tokens += int(chunk.sum())
-            stats.forward_tokens += int(chunk.sum())
-            for req, _ in prefill:  # their full pages are shareable from now on
-                self._cache_running(req)
-            done = prefill_rows[t.kv_len[prefill_rows] == t.length[prefill_rows]]
-            if len(done):
-                rows = np.concatenate([decode_rows, done])
-        stats.forward_tokens += len(decode_rows)
+        t.kv_len[step.rows] += step.q_lens.astype(t.kv_len.dtype)  # each row once: decodes then prefill chunks
+        forward = int(step.q_lens.sum())
+        stats.forward_tokens += forward
+        stats.prefill_tokens += forward - (len(step.rows) - len(prefill))  # every decode is one token
         stats.steps += 1
+        for req, _ in prefill:  # their full pages are shareable from now on
+            self._cache_running(req)
+        rows = step.rows[step.sample]  # the decodes, then the prompts whose last chunk this was
 
         tokens = out.tokens
         length = t.length[rows]
