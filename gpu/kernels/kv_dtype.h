@@ -35,32 +35,10 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* torch's fp32 -> float8_e5m2 (c10 fp8e5m2_from_fp32_value): nearest even, |f| from 61440
- * (half way to 2^16) to inf becomes inf, NaN stays NaN */
-static inline uint8_t e5m2_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t sign = u & 0x80000000u;
-    u ^= sign;
-    uint8_t r;
-    if (u >= 143u << 23) {  /* |f| >= 2^16, inf or NaN */
-        r = u > 255u << 23 ? 0x7F : 0x7C;
-    } else if (u < 113u << 23) {  /* below 2^-14, e5m2's subnormals: f + 2^7 rounds f to 2^-16 units */
-        const uint32_t bias = 134u << 23;
-        float g, b;
-        memcpy(&g, &u, sizeof g);
-        memcpy(&b, &bias, sizeof b);
-        g += b;
-        memcpy(&u, &g, sizeof u);
-        r = (uint8_t)(u - bias);
-    } else {  /* rebias the exponent, then round the 21 dropped mantissa bits to nearest even */
-        u += ((uint32_t)(15 - 127) << 23) + 0xFFFFFu + ((u >> 21) & 1u);
-        r = (uint8_t)(u >> 21);
-    }
-    return r | (uint8_t)(sign >> 24);
-}
-
-/* e5m2_round of 8 values at once, the same three cases, blended; the 8 bytes in the low half */
+/* torch's fp32 -> float8_e5m2 (c10 fp8e5m2_from_fp32_value) of 8 values, the 8 bytes in the low
+ * half: nearest even; |f| from 61440 (half way to 2^16) to inf becomes inf, NaN stays NaN; below
+ * 2^-14 (e5m2's subnormals) f + 2^7 rounds f to 2^-16 units; else the exponent is rebiased and
+ * the 21 dropped mantissa bits rounded. The three cases are computed for all lanes and blended. */
 static inline __m128i e5m2_round8(__m256 f) {
     const __m256i u = _mm256_castps_si256(f), sign = _mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000u));
     const __m256i a = _mm256_xor_si256(u, sign);  /* |f|'s bits: below 2^31, so signed compares work */
@@ -93,7 +71,13 @@ static inline void kv_store_row(void *dst, const float *src, int64_t n, int dtyp
         uint8_t *d = dst;
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) _mm_storel_epi64((__m128i *)(d + i), e5m2_round8(_mm256_loadu_ps(src + i)));
-        for (; i < n; i++) d[i] = e5m2_round(src[i]);
+        if (i < n) {  /* the last n % 8 through a zero-padded copy */
+            float tail[8] = {0};
+            uint8_t bytes[8];
+            memcpy(tail, src + i, sizeof(float) * (n - i));
+            _mm_storel_epi64((__m128i *)bytes, e5m2_round8(_mm256_loadu_ps(tail)));
+            memcpy(d + i, bytes, n - i);
+        }
     } else {
         memcpy(dst, src, sizeof(float) * n);
     }
