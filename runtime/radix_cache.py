@@ -91,13 +91,20 @@ class RadixCache:
         return upper
 
     # ---- insertion ------------------------------------------------------------
-    def insert(self, ids: np.ndarray, pages: np.ndarray) -> int:
-        """Adds ids (a multiple of page_size tokens) held in `pages`; returns how many leading
-        tokens were already cached. The caller owns its pages for that range and must free
-        the ones that are not the tree's own (duplicates computed by a concurrent request)."""
+    def insert(self, ids: np.ndarray, pages: np.ndarray, node: TreeNode | None = None,
+               pos: int = 0) -> tuple[int, TreeNode, list[np.ndarray]]:
+        """Adds ids (a multiple of page_size tokens) held in `pages`, below `node` (the root
+        by default) whose path holds ids[:pos] already, so a request's release starts where
+        its matched prefix ends instead of comparing that prefix again from the root.
+        Returns how many leading tokens were already cached, the node whose path ends at
+        len(ids), and the tree's pages for ids[pos:] in path order. The caller owns its pages
+        for the cached range and must free the ones that are not the tree's own (duplicates
+        computed by a concurrent request)."""
         ids = np.asarray(ids, dtype=np.int32)
         ps, now = self.page_size, next(self._clock)
-        node, pos, end = self.root, 0, len(pages) * ps
+        node = self.root if node is None else node
+        self._touch_ancestors(node, now)
+        end, found = len(pages) * ps, []
         while pos < end:
             child = node.children.get(ids[pos:pos + ps].tobytes())
             if child is None:
@@ -105,14 +112,16 @@ class RadixCache:
                 node.children[leaf.key[:ps].tobytes()] = leaf
                 self.evictable_pages += len(leaf.pages)
                 self._touch(leaf, now)
-                break
+                found.append(leaf.pages)
+                return pos, leaf, found
             self._touch(child, now)
             m = _common_pages(child.key, ids[pos:end], ps) * ps
             if m < len(child.key):
                 child = self._split(child, m)
+            found.append(child.pages)
             pos += m
             node = child
-        return pos
+        return pos, node, found
 
     # ---- locking ------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
@@ -142,9 +151,7 @@ class RadixCache:
         if self.disabled:
             self.pool.free(pages)
             return
-        already = self.insert(ids[:full * self.page_size], pages[:full]) // self.page_size
-        if already > prefix_pages:
-            self.pool.free(pages[prefix_pages:already])
+        self._insert_own(ids, pages, full, prefix_pages, node)
         if len(pages) > full:
             self.pool.free(pages[full:])
         self.unlock(node)
@@ -158,13 +165,20 @@ class RadixCache:
         full = min(len(ids) // self.page_size, len(pages))
         if self.disabled or full <= prefix_pages:
             return pages[:prefix_pages], node
-        already = self.insert(ids[:full * self.page_size], pages[:full]) // self.page_size
-        if already > prefix_pages:
-            self.pool.free(pages[prefix_pages:already])
-        tree_pages, new_node = self.match_prefix(ids[:full * self.page_size])
+        new_node, found = self._insert_own(ids, pages, full, prefix_pages, node)
         self.lock(new_node)
         self.unlock(node)
-        return tree_pages, new_node
+        return np.concatenate([pages[:prefix_pages], *found]), new_node
+
+    def _insert_own(self, ids: np.ndarray, pages: np.ndarray, full: int, prefix_pages: int,
+                    node: TreeNode) -> tuple[TreeNode, list[np.ndarray]]:
+        """Inserts a request's first `full` pages below `node`, the end of its prefix (the
+        tree's own pages[:prefix_pages]), and frees its duplicates of pages the tree had."""
+        ps = self.page_size
+        already, end, found = self.insert(ids[:full * ps], pages[:full], node, prefix_pages * ps)
+        if already // ps > prefix_pages:
+            self.pool.free(pages[prefix_pages:already // ps])
+        return end, found
 
     # ---- eviction -------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
@@ -187,6 +201,12 @@ class RadixCache:
     def flush(self) -> int:
         """Drops every unlocked cached page (`/flush_cache`); returns how many were freed."""
         return self.evict(self.evictable_pages)
+
+    def _touch_ancestors(self, node: TreeNode, now: int) -> None:
+        """`node` and the nodes above it, as a walk from the root to it would."""
+        while node is not self.root:
+            self._touch(node, now)
+            node = node.parent
 
     def _touch(self, node: TreeNode, now: int) -> None:
         node.last_access = now
