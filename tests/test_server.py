@@ -181,6 +181,16 @@ def test_native_routes(server, client):
     assert httpx.get(server.url("/metrics")).status_code == 401  # the key guards every route but /health
 
 
+def test_unknown_paths_and_methods(server):
+    """Routing errors in OpenAI's format: 404 for a path, 405 (with Allow) for a method."""
+    resp = httpx.post(server.url("/v1/nothing"), headers=AUTH, json={})
+    assert resp.status_code == 404 and resp.json()["error"]["message"] == "POST /v1/nothing: Not Found"
+    resp = httpx.get(server.url("/v1/chat/completions"), headers=AUTH)
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.head(server.url("/health")).status_code == 200  # HEAD where GET is served
+
+
 def test_request_metrics(server, got, want):
     """The output tests' requests are counted (workers flush their counts every second)."""
     def counted() -> dict[str, float]:
