@@ -62,7 +62,15 @@ class DetokRouter:
         token = recs["kind"] == _TOKEN
         if token.all():
             return self._tokens(recs, batch.payload)
-        # runs of TOKEN records between control records, each handled in order
+        # A batch holds several steps, each OPENing requests; a pass of TOKEN records costs
+        # ~150 µs of numpy calls whatever its size, so when the control records commute with
+        # the TOKEN records they go first, then every TOKEN record in one pass. Else runs of
+        # TOKEN records between control records, in order.
+        control = recs[~token]
+        if self._commute(control):
+            outs = [self._control(r, batch.payload) for r in control]
+            outs.append(self._tokens(recs[token], batch.payload))
+            return _merge(outs)
         cuts = np.flatnonzero(token[1:] != token[:-1]) + 1
         outs = []
         for start, end in zip([0, *cuts.tolist()], [*cuts.tolist(), len(recs)]):
@@ -73,6 +81,19 @@ class DetokRouter:
         return _merge(outs)
 
     # ---------------------------------------------------------------- OPEN / ERROR
+
+    def _commute(self, control: np.ndarray) -> bool:
+        """Whether handling `control` (OPEN / ERROR records) before the batch's TOKEN records
+        gives what handling them in order gives: each addresses a slot no other control
+        record of the batch addresses and that holds no open request. A TOKEN record then
+        only matches a control record's request if it follows its OPEN (a request's tokens
+        come after its OPEN), and an OPEN closes nothing a token might still need."""
+        w, s = control["worker"].astype(np.int64), control["slot"].astype(np.int64)
+        if len(control) > 1 and len(np.unique(w << 32 | s)) < len(control):
+            return False
+        inside = (w < self._index.shape[0]) & (s < self._index.shape[1])
+        return not (self._index[w[inside], s[inside]] >= 0).any()
+
 
     def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         w, s, gen = int(rec["worker"]), int(rec["slot"]), int(rec["gen"])

@@ -117,6 +117,31 @@ def test_slot_reuse_within_one_batch(tokenizer, router):
         [(1, b" x x", Finish.LENGTH, 2), (2, b" y", Finish.NONE, 1)]
 
 
+def test_steps_in_one_batch_equal_steps_one_by_one(tokenizer):
+    """Three steps in one popped batch, each OPENing a request in a fresh slot and finishing one:
+    the OPENs are handled first and every TOKEN record in one pass, with the texts, finishes
+    and token counts of handling the steps one at a time (fewer records: one per request)."""
+    ids = tokenizer.encode(" one two 😀 three", add_special_tokens=False)
+    steps = [[opened(9, 0, 1, stop=("three",)), opened(9, 1, 1)] + [tok(9, 0, 1, t) for t in ids[:2]],
+             [opened(9, 2, 1)] + [tok(9, 1, 1, t) for t in ids] + [tok(9, 0, 1, t) for t in ids[2:]],
+             [tok(9, 2, 1, ids[0], Finish.LENGTH, completion=1), tok(9, 1, 1, 2, Finish.STOP, completion=len(ids) + 1)]]
+
+    def per_request(outs):
+        got = {}
+        for r in outs:
+            text, n, finish = got.get(r["slot"], (b"", 0, None))
+            got[r["slot"]] = (text + r["text"], n + r["n_tokens"], r["finish"] or finish)
+        return got
+
+    one_by_one = DetokRouter(tokenizer, max_open=8)
+    want = per_request([r for step in steps for r in rows(*one_by_one.handle(batch(*step)))])
+    together = DetokRouter(tokenizer, max_open=8)
+    got = rows(*together.handle(batch(*[item for step in steps for item in step])))
+    assert per_request(got) == want and len(got) == 3
+    assert want[0] == (b" one two \xf0\x9f\x98\x80 ", 5, Finish.STOP) and want[2][2] == Finish.LENGTH
+    assert together.num_open == one_by_one.num_open == 0
+
+
 def test_abort_without_token_and_error_record(router):
     router.handle(batch(opened(4, 2, 1)))
     out = rows(*router.handle(batch(tok(4, 2, 1, NO_TOKEN, Finish.ABORT))))
