@@ -24,8 +24,8 @@ import logging
 
 import numpy as np
 
-from ipc.records import (TEXT_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind, decode_strings, pack_logprobs,
-                         unpack_top_logprobs)
+from ipc.records import (TEXT_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind, concat_records, decode_strings,
+                         pack_logprobs, take_records, unpack_top_logprobs)
 from ipc.ring import Batch
 from runtime.detok_batch import BatchDetokenizer, DetokOptions, DetokOutput
 
@@ -66,10 +66,10 @@ class DetokRouter:
         # ~150 µs of numpy calls whatever its size, so when the control records commute with
         # the TOKEN records they go first, then every TOKEN record in one pass. Else runs of
         # TOKEN records between control records, in order.
-        control = recs[~token]
+        control = take_records(recs, ~token)
         if self._commute(control):
             outs = [self._control(r, batch.payload) for r in control]
-            outs.append(self._tokens(recs[token], batch.payload))
+            outs.append(self._tokens(take_records(recs, token), batch.payload))
             return _merge(outs)
         cuts = np.flatnonzero(token[1:] != token[:-1]) + 1
         outs = []
@@ -161,7 +161,7 @@ class DetokRouter:
         idx = self._index[w, s]
         live = inside & (idx >= 0) & (self._gen[w, s] == recs["gen"])
         if not live.all():
-            recs, idx = recs[live], idx[live]
+            recs, idx = take_records(recs, live), idx[live]
             if len(recs) == 0:
                 return _NOTHING
         finish = recs["finish"]
@@ -274,7 +274,7 @@ def split_by_worker(records: np.ndarray, blob: np.ndarray) -> dict[int, tuple[np
         return {int(workers[0]): (records, blob)}
     out = {}
     for w in np.unique(workers).tolist():
-        sel = records[workers == w].copy()
+        sel = take_records(records, workers == w)
         lp, lp_off = _gather(blob, sel["logprobs_off"], sel["logprobs_len"])
         text, text_off = _gather(blob, sel["text_off"], sel["text_len"])
         sel["logprobs_off"], sel["text_off"] = lp_off, text_off + len(lp)
@@ -297,7 +297,7 @@ def _merge(outs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.nd
     outs = [o for o in outs if len(o[0])]
     if len(outs) <= 1:
         return outs[0] if outs else _NOTHING
-    records = np.concatenate([r for r, _ in outs])
+    records = concat_records([r for r, _ in outs])
     blob = np.concatenate([b for _, b in outs])
     lp, lp_off = _gather(blob, _shifted(outs, "logprobs_off"), records["logprobs_len"])
     text, text_off = _gather(blob, _shifted(outs, "text_off"), records["text_len"])

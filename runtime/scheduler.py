@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from gpu.forward_batch import StepInput
-from ipc.records import TOKEN_OUT, TokenKind
+from ipc.records import TOKEN_OUT, TokenKind, concat_records, take_records
 from runtime.config import ServerArgs
 from runtime.radix_cache import RadixCache
 from runtime.req_table import MAX_STOP_IDS, ReqTable
@@ -340,7 +340,7 @@ class Scheduler:
         t.length[rows] = length
         finish = (length >= t.max_len[rows]).astype(np.uint8) * np.uint8(_LENGTH)
         finish[(t.stop_ids[rows] == tokens[:, None]).any(axis=1) & (length > t.min_len[rows])] = _STOP
-        events = t.events[rows]  # worker, slot, gen, prompt and cached tokens of each row
+        events = take_records(t.events, rows)  # worker, slot, gen, prompt and cached tokens of each row
         events["token"] = tokens
         events["logprob"] = out.logprobs
         events["finish"] = finish
@@ -364,7 +364,7 @@ class Scheduler:
     def _result(self, events: np.ndarray, top_ids, top_logprobs) -> StepResult:
         num_sampled = len(events)
         if self._ended:
-            events = np.concatenate([events, np.stack(self._ended)])
+            events = concat_records([events, np.stack(self._ended)])
             self._ended = []
         opened, self._opened = self._opened, []
         return StepResult(events, num_sampled, top_ids, top_logprobs, opened)

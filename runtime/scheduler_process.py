@@ -38,7 +38,7 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, RequestKind,
-                         TokenKind, encode_strings, pack_top_logprobs, unpack_request)
+                         TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
 from runtime.config import ServerArgs
 from runtime.heap import settle_heap
 from runtime.request import Rejection, Request
@@ -216,7 +216,7 @@ class SchedulerProcess:
             opens = np.zeros(len(opened), TOKEN_OUT.dtype)
             for k, req in enumerate(opened):
                 self._open_record(opens, k, req, payload)
-            ev = np.concatenate([opens, ev])
+            ev = concat_records([opens, ev])
         if res.top_ids is not None:
             blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
             base, _ = payload.add(blob)

@@ -35,8 +35,8 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
-from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, pack_control, pack_request, rid_hash,
-                         unpack_logprobs)
+from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control, pack_request,
+                         rid_hash, take_records, unpack_logprobs)
 from runtime.prompt_encoder import PromptEncoder
 from runtime.sampling_params import SamplingParams
 
@@ -285,7 +285,7 @@ class TokenizerManager:
         if len(records) == 1:
             self._send(records[0], blobs[0])
         else:
-            self._send(np.concatenate(records), b"".join(blobs))
+            self._send(concat_records(records), b"".join(blobs))
         return group
 
     def abort(self, group: ReqGroup) -> None:
@@ -343,7 +343,7 @@ class TokenizerManager:
                     state.in_news = True
                     group.news.append(state)
         if aborts and self.dead is None:
-            self._send(np.concatenate(aborts), None)
+            self._send(concat_records(aborts), None)
         group.unfinished = 0
         if group.error is None:
             group.error = err
@@ -397,7 +397,7 @@ class TokenizerManager:
         inside = slots < len(gens)
         live = inside & (gens[np.where(inside, slots, 0)] == recs["gen"])
         if not live.all():
-            recs = recs[live]
+            recs = take_records(recs, live)
             if not len(recs):
                 return
         blob = payload.tobytes()
@@ -424,7 +424,7 @@ class TokenizerManager:
                 aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
             group._wake()
         if aborts:
-            self._send(np.concatenate(aborts), None)
+            self._send(concat_records(aborts), None)
 
     def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
         """Logprobs, errors and finishes of one record; True when the scheduler must be told

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from ipc import Channel, ChannelSpec, Waker
-from ipc.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, decode_strings, encode_strings,
-                         live_mask, pack_control, pack_logprobs, pack_request, pack_top_logprobs, unpack_logprobs,
-                         unpack_request, unpack_top_logprobs)
+from ipc.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, concat_records, decode_strings,
+                         encode_strings, live_mask, pack_control, pack_logprobs, pack_request, pack_top_logprobs,
+                         take_records, unpack_logprobs, unpack_request, unpack_top_logprobs)
 from runtime.sampling_params import SamplingParams
 
 
@@ -120,3 +120,15 @@ def test_bad_input_names_the_parameter(pair):
         ChannelSpec(TOKEN_OUT, 0)
     with pytest.raises(ValueError, match="role"):
         Channel.create(ChannelSpec(TOKEN_OUT, 4), "reader", prod.waker, 0)
+
+
+@pytest.mark.parametrize("layout", [REQUEST, TOKEN_OUT, TEXT_OUT], ids=lambda l: l.name)
+def test_record_copies_equal_numpys(layout):
+    rng = np.random.default_rng(0)
+    recs = np.frombuffer(rng.integers(0, 256, 50 * layout.dtype.itemsize, dtype=np.uint8).tobytes(), layout.dtype)
+    mask, index = rng.random(50) < 0.5, rng.integers(0, 50, 30)
+    for got, want in ((take_records(recs, mask), recs[mask]), (take_records(recs, index), recs[index]),
+                      (take_records(recs[::3], [2, 0]), recs[::3][[2, 0]]),
+                      (concat_records([recs[:7], recs[::2], recs[:0]]), np.concatenate([recs[:7], recs[::2]]))):
+        assert got.dtype == layout.dtype and len(got) == len(want)
+        assert all(got[f].tobytes() == want[f].tobytes() for f in layout.dtype.names)  # padding aside
