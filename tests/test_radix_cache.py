@@ -27,6 +27,21 @@ def finish(cache: RadixCache, tokens: np.ndarray, prefix_pages=0, node=None) -> 
     return pages
 
 
+def test_page_pool_alloc_free_and_double_free():
+    pool = PagePool(8, PS)
+    a = pool.alloc(3)
+    assert a.dtype == np.int32 and a.tolist() == [0, 1, 2] and pool.num_free == 5
+    assert pool.alloc(6) is None and pool.alloc(0).tolist() == []
+    pool.free(a[1:])
+    assert pool.num_free == 7 and pool.alloc(2).tolist() == [1, 2]  # freed pages come back first
+    for bad in ([3], [0, 0], [8], [-1]):  # free already / twice in one call / outside the pool
+        with pytest.raises(ValueError):
+            pool.free(np.array(bad, np.int32))
+    assert pool.num_free == 5, "a refused free changes nothing"
+    pool.free([0, 1, 2])
+    assert pool.num_free == 8 and sorted(pool.alloc(8).tolist()) == list(range(8))
+
+
 def test_match_is_page_aligned_and_splits_nodes():
     pool = PagePool(32, PS)
     cache = RadixCache(pool)
