@@ -35,12 +35,13 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
-from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control, pack_request,
-                         rid_hash, take_records, unpack_logprobs)
+from ipc.records import (TEXT_OUT, ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control,
+                         pack_request, rid_hash, take_records, unpack_logprobs)
 from runtime.prompt_encoder import PromptEncoder
 from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
+_TEXT_OUT_FIELDS = TEXT_OUT.dtype.names
 
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
@@ -272,8 +273,9 @@ class TokenizerManager:
             self._states[slot] = state
             group.states.append(state)
             rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, rid_hashes[index * len(rid_hashes) // n])
-            rec["prompt_off"] += size
-            rec["stop_off"] += size
+            if size:  # offsets in the batch's one blob
+                rec["prompt_off"] += size
+                rec["stop_off"] += size
             blob += b"\0" * (-len(blob) % 4)  # the next request's ids stay 4-byte aligned
             records.append(rec)
             blobs.append(blob)
@@ -429,23 +431,24 @@ class TokenizerManager:
     def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
         """Logprobs, errors and finishes of one record; True when the scheduler must be told
         to abort the request (a stop string ended it in the detokenizer)."""
-        if rec["logprobs_len"]:
-            k = int(rec["n_top"])
-            n_tokens = int(rec["logprobs_len"]) // (8 * (1 + k))
-            part = payload[rec["logprobs_off"]:rec["logprobs_off"] + rec["logprobs_len"]]
+        r = dict(zip(_TEXT_OUT_FIELDS, rec.item()))  # one call for every field (~1 µs a field read one by one)
+        if r["logprobs_len"]:
+            k = r["n_top"]
+            n_tokens = r["logprobs_len"] // (8 * (1 + k))
+            part = payload[r["logprobs_off"]:r["logprobs_off"] + r["logprobs_len"]]
             state.logprobs.append(TokenLogprobs.of(*unpack_logprobs(part, n_tokens, k)))
-        finish = int(rec["finish"])
+        finish = r["finish"]
         if finish == Finish.NONE:
             return False
-        state.prompt_tokens = int(rec["prompt_tokens"])
-        state.cached_tokens = int(rec["cached_tokens"])
-        if rec["kind"] == TextKind.ERROR:
-            message = bytes(payload[rec["text_off"]:rec["text_off"] + rec["text_len"]]).decode(errors="replace")
+        state.prompt_tokens = r["prompt_tokens"]
+        state.cached_tokens = r["cached_tokens"]
+        if r["kind"] == TextKind.ERROR:
+            message = bytes(payload[r["text_off"]:r["text_off"] + r["text_len"]]).decode(errors="replace")
             state.parts = []
-            state.error = engine_error(int(rec["error"]), message)
+            state.error = engine_error(r["error"], message)
             finish = Finish.ERROR
         state.finish = Finish(finish)
-        state.stop_token, state.stop_index = int(rec["stop_token"]), int(rec["stop_index"])
+        state.stop_token, state.stop_index = r["stop_token"], r["stop_index"]
         self._release(state)
         group = state.group
         group.unfinished -= 1
