@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 NO_TOKEN = np.iinfo(np.uint32).max  # TOKEN_OUT.token of a record that ends a request without one
 # plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
 _TOKEN, _STOP, _NONE = int(TokenKind.TOKEN), int(Finish.STOP), int(Finish.NONE)
-_SKIP_SPECIAL, _SPACES_BETWEEN_SPECIAL, _LOGPROBS = (int(OpenFlags.SKIP_SPECIAL_TOKENS),
-                                                   int(OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS), int(OpenFlags.LOGPROBS))
+_SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
+_SPACES_BETWEEN_SPECIAL = int(OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS)
+_LOGPROBS = int(OpenFlags.LOGPROBS)
 _TOKEN_OUT_FIELDS = TOKEN_OUT.dtype.names
 
 
