@@ -93,7 +93,7 @@ class EventStream:
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers.raw})
-        watcher = asyncio.ensure_future(watch_disconnect(receive, self.on_disconnect))
+        watch = DisconnectWatch(receive, self.on_disconnect)
         more = True
         try:
             async for chunk in self.events:
@@ -102,23 +102,46 @@ class EventStream:
             if more:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watcher.cancel()
+            watch.close()
 
 
-async def watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
-    """Waits for the client to go away (the request body was read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    on_disconnect()
+class DisconnectWatch:
+    """Calls `on_disconnect` when the client goes away (http.disconnect; the request body
+    was read already), from a callback on receive()'s future rather than a task awaiting it:
+    a task a request, and its cancellation at the end, cost 30-60 µs of server CPU a streamed
+    request (granian's receive() returns a future, which ensure_future takes as it is).
+    Another message (granian sends an empty http.request after the body) re-arms it."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None]) -> None:
+        self._receive, self._on_disconnect = receive, on_disconnect
+        self._waiting: asyncio.Future | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        self._waiting = asyncio.ensure_future(self._receive())
+        self._waiting.add_done_callback(self._received)
+
+    def _received(self, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut is not self._waiting:
+            return
+        if fut.exception() is None and fut.result()["type"] != "http.disconnect":
+            self._arm()
+        else:  # gone, or receive() failed: nobody is there to answer
+            self._on_disconnect()
+
+    def close(self) -> None:
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            waiting.cancel()
 
 
 async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
     """A non-streamed request's choices, all finished; aborted if the client leaves first."""
-    watcher = asyncio.ensure_future(watch_disconnect(request.receive, lambda: worker.tm.abort(group)))
+    watch = DisconnectWatch(request.receive, lambda: worker.tm.abort(group))
     try:
         return await group.finished()
     finally:
-        watcher.cancel()
+        watch.close()
 
 
 def choice_results(states: list[ReqState], prefixes: list[str] | None = None) -> list[ChoiceResult]:
