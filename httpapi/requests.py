@@ -101,12 +101,12 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
     max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
     max_tokens = f.get_int("max_tokens") if max_completion_tokens is None else max_completion_tokens
-    params = read_sampling(f, seed="seed", min_tokens="min_tokens",
+    values = read_sampling(f, seed="seed", min_tokens="min_tokens",
                            logprobs=f.get_bool("logprobs", False), top_logprobs=f.get_int("top_logprobs", 0))
     _reject_unsupported_openai(f)
     f.ignore(*IGNORED_OPENAI_FIELDS)
     f.warn_unknown("/v1/chat/completions")
-    sampling = SamplingSpec.build(params, max_tokens, {"max_tokens": max_tokens_param}, "messages")
+    sampling = SamplingSpec.build(values, max_tokens, {"max_tokens": max_tokens_param}, "messages")
     return ChatCompletionRequest(model, messages, n, stream, include_usage, sampling)
 
 
@@ -126,12 +126,12 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise bad_request("best_of is not supported; use n", "best_of")
     if f.get_str("suffix"):
         raise bad_request("suffix is not supported", "suffix")
-    params = read_sampling(f, seed="seed", min_tokens="min_tokens",
+    values = read_sampling(f, seed="seed", min_tokens="min_tokens",
                            logprobs=logprobs is not None, top_logprobs=logprobs or 0)
     _reject_unsupported_openai(f)
     f.ignore(*IGNORED_OPENAI_FIELDS)
     f.warn_unknown("/v1/completions")
-    sampling = SamplingSpec.build(params, max_tokens, {"top_logprobs": "logprobs"}, "prompt")
+    sampling = SamplingSpec.build(values, max_tokens, {"top_logprobs": "logprobs"}, "prompt")
     return CompletionRequest(model, prompts, n, stream, include_usage, echo, sampling)
 
 
@@ -151,7 +151,7 @@ def parse_generate(body: bytes) -> GenerateRequest:
     top_logprobs_num = f.get_int("top_logprobs_num", 0)  # SGLang ignores it without return_logprob
     if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
         raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
-    params = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens",
+    values = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens",
                            logprobs=return_logprob,
                            top_logprobs=top_logprobs_num if return_logprob else 0)
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
@@ -164,7 +164,7 @@ def parse_generate(body: bytes) -> GenerateRequest:
     return_text = f.get_bool("return_text_in_logprobs", False)
     sp.warn_unknown("/generate")
     f.warn_unknown("/generate")
-    sampling = SamplingSpec.build(params, max_new_tokens, GENERATE_NAMES, prompt_param)
+    sampling = SamplingSpec.build(values, max_new_tokens, GENERATE_NAMES, prompt_param)
     return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, sampling)
 
 

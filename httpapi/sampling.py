@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -18,23 +18,24 @@ from runtime.sampling_params import InvalidParam, SamplingParams
 # SamplingParams fields that every generation endpoint names the same way.
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+_DEFAULTS = SamplingParams()
 
 
-def read_sampling(fields: Fields, *, seed: str, min_tokens: str, **given) -> SamplingParams:
+def read_sampling(fields: Fields, *, seed: str, min_tokens: str, **given) -> dict[str, Any]:
     """The sampling fields of `fields` (`seed` and `min_tokens` named as given, the rest as
-    SamplingParams names them), plus `given` fields the caller read itself. Not validated."""
-    defaults = SamplingParams()
+    SamplingParams names them), plus `given` fields the caller read itself: SamplingParams'
+    arguments but max_new_tokens (SamplingSpec.build's), not validated."""
     values = dict(given)
     for name in _FLOATS:
-        values[name] = fields.get_float(name, getattr(defaults, name))
+        values[name] = fields.get_float(name, getattr(_DEFAULTS, name))
     for name in _BOOLS:
-        values[name] = fields.get_bool(name, getattr(defaults, name))
-    values["top_k"] = fields.get_int("top_k", defaults.top_k)
+        values[name] = fields.get_bool(name, getattr(_DEFAULTS, name))
+    values["top_k"] = fields.get_int("top_k", _DEFAULTS.top_k)
     values["seed"] = fields.get_int(seed)
-    values["min_new_tokens"] = fields.get_int(min_tokens, defaults.min_new_tokens)
+    values["min_new_tokens"] = fields.get_int(min_tokens, _DEFAULTS.min_new_tokens)
     values["stop"] = fields.get_strs("stop")
     values["stop_token_ids"] = fields.get_token_ids("stop_token_ids")
-    return SamplingParams(**values)
+    return values
 
 
 def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int | None = None) -> SamplingParams:
@@ -54,20 +55,22 @@ class SamplingSpec:
     prompt_param: str  # the field holding the prompt: messages, prompt, text, input_ids
 
     @classmethod
-    def build(cls, params: SamplingParams, max_tokens: int | None, names: Mapping[str, str],
+    def build(cls, values: dict[str, Any], max_tokens: int | None, names: Mapping[str, str],
               prompt_param: str) -> "SamplingSpec":
-        # Without max_tokens, validate everything else now (min_tokens against itself)
-        # and min_tokens against the real budget in resolve().
-        provisional = max_tokens if max_tokens is not None else max(params.min_new_tokens, 1)
-        params = validated(dataclasses.replace(params, max_new_tokens=provisional), names)
-        return cls(params, max_tokens, names, prompt_param)
+        """values: read_sampling()'s. Without max_tokens, everything else is validated now
+        (min_tokens against itself) and min_tokens against the real budget in resolve()."""
+        provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
+        return cls(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
+                   prompt_param)
 
     def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int) -> SamplingParams:
         """The final SamplingParams for one tokenized prompt; raises APIError(400)."""
         check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param)
         max_new = resolve_max_tokens(self.max_tokens, len(prompt_ids), context_len,
                                      self.names.get("max_tokens", "max_tokens"))
-        return validated(dataclasses.replace(self.params, max_new_tokens=max_new), self.names, vocab_size)
+        params = self.params if max_new == self.params.max_new_tokens else \
+            dataclasses.replace(self.params, max_new_tokens=max_new)
+        return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
 
 
 def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str) -> None:
