@@ -1,16 +1,19 @@
 """C sources built with the system compiler on first use, cached by content.
 
-Shared by gpu.kernels (ctypes libraries) and ipc (a CPython extension): both call
+Shared by gpu.kernels (ctypes libraries), ipc and runtime (CPython extensions): all call
 `build`, which compiles once into the cache directory, keyed by the sources, the
 headers they may include and the flags, so an edited source or another Python
 rebuilds and an unchanged one is only loaded."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Sequence
 
 
@@ -46,3 +49,15 @@ def build(name: str, sources: Sequence[Path], flags: Sequence[str], headers: Seq
         raise BuildError(f"building {sources[0].name} failed: {first}")
     os.replace(tmp, path)
     return path
+
+
+def build_extension(qualname: str, source: Path, subdir: str) -> ModuleType:
+    """The CPython extension module `qualname` (its PyInit_ named after the last part) built
+    from one C source (cached) and imported; raises BuildError, ImportError or OSError."""
+    flags = ("-O2", "-shared", "-fPIC", "-fno-strict-aliasing", f"-I{sysconfig.get_paths()['include']}")
+    name = qualname.rpartition(".")[2]
+    path = build(name, [source], flags, subdir=subdir, suffix=sysconfig.get_config_var("EXT_SUFFIX"))
+    spec = importlib.util.spec_from_file_location(qualname, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,14 +5,12 @@ path of ipc/ring.py instead, with a warning: same protocol, same segment, ~4x th
 per push and pop. RINGSERVE_IPC_NATIVE=0 asks for the Python path (tests cover both)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sysconfig
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
-from cbuild import BuildError, build
+from cbuild import BuildError, build_extension
 
 _SOURCE = Path(__file__).with_name("ring_core.c")
 
@@ -22,12 +20,8 @@ def ring_core() -> type | None:
     """The RingCore type, or None where the Python data path is used."""
     if os.environ.get("RINGSERVE_IPC_NATIVE", "1") == "0":
         return None
-    flags = ("-O2", "-shared", "-fPIC", "-fno-strict-aliasing", f"-I{sysconfig.get_paths()['include']}")
     try:
-        path = build("ring_core", [_SOURCE], flags, subdir="ipc", suffix=sysconfig.get_config_var("EXT_SUFFIX"))
-        spec = importlib.util.spec_from_file_location("ipc.ring_core", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = build_extension("ipc.ring_core", _SOURCE, subdir="ipc")
     except (BuildError, ImportError, OSError) as e:
         warnings.warn(f"ipc: the C ring data path is unavailable ({e}); the rings use the slower Python one",
                       RuntimeWarning, stacklevel=2)

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gpu.model_files import resolve_model_dir
-from runtime.prompt_encoder import PromptEncoder
+from runtime.prompt_encoder import ASCII_SPLIT, PromptEncoder, ascii_splitter
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,15 @@ ascii_text = st.lists(st.one_of(st.sampled_from([chr(c) for c in range(128)]),
                                 st.sampled_from(["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "  ", "\n\n",
                                                  " \n", "\t ", "123", " hello", "world", "!!", " ?"] + SPECIALS)),
                       max_size=40).map("".join)
+
+
+@settings(max_examples=600, deadline=None)
+@given(text=ascii_text, cut=st.tuples(st.integers(-2, 45), st.integers(-2, 45)))
+def test_c_split_equals_the_regex(text, cut):
+    split = ascii_splitter()
+    assert split is not ASCII_SPLIT.findall, "the C split was not built"
+    start, end = max(cut[0], 0), min(max(cut[1], 0), len(text))
+    assert split(text, start, end) == ASCII_SPLIT.findall(text, start, end)
 
 
 def test_default_model_takes_the_fast_path(encoder):
