@@ -45,40 +45,43 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raises InvalidParam naming the first parameter out of range; returns self."""
-        def check(ok: bool, param: str, message: str) -> None:
-            if not ok:
-                raise InvalidParam(param, message)
-
-        def finite(x: float) -> bool:
-            return isinstance(x, (int, float)) and math.isfinite(x)
-
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-              "max_tokens", "max_tokens must be at least 1")
-        check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
-              "min_tokens", "min_tokens must be between 0 and max_tokens")
-        check(finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
-              "temperature", "temperature must be between 0 and 2")
-        check(finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        check(isinstance(self.top_k, int) and -1 <= self.top_k < 2**31,  # records hold it as int32
-              "top_k", "top_k must be -1 (disabled), 0 (disabled) or a positive integer below 2^31")
-        check(finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
-        check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
-              "seed", "seed must be a 64-bit integer")
-        check(finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
-              "repetition_penalty", "repetition_penalty must be in (0, 2]")
-        check(finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-              "frequency_penalty", "frequency_penalty must be between -2 and 2")
-        check(finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-              "presence_penalty", "presence_penalty must be between -2 and 2")
-        check(len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop),
-              "stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
-        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-              and all(isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
-                      for t in self.stop_token_ids),
-              "stop_token_ids", f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary")
-        check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-              "top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
-        check(self.top_logprobs == 0 or self.logprobs,
-              "top_logprobs", "top_logprobs needs logprobs to be true")
+        """Raises InvalidParam naming the first parameter out of range; returns self.
+        Straight-line checks: a request is validated three times on its way (request,
+        prompt, scheduler), and a helper call per check cost more than the checks."""
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise InvalidParam("max_tokens", "max_tokens must be at least 1")
+        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise InvalidParam("min_tokens", "min_tokens must be between 0 and max_tokens")
+        if not (_finite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            raise InvalidParam("temperature", "temperature must be between 0 and 2")
+        if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidParam("top_p", "top_p must be in (0, 1]")
+        if not (isinstance(self.top_k, int) and -1 <= self.top_k < 2**31):  # records hold it as int32
+            raise InvalidParam("top_k", "top_k must be -1 (disabled), 0 (disabled) or a positive integer below 2^31")
+        if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidParam("min_p", "min_p must be in [0, 1]")
+        if not (self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63)):
+            raise InvalidParam("seed", "seed must be a 64-bit integer")
+        if not (_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise InvalidParam("repetition_penalty", "repetition_penalty must be in (0, 2]")
+        if not (_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0):
+            raise InvalidParam("frequency_penalty", "frequency_penalty must be between -2 and 2")
+        if not (_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0):
+            raise InvalidParam("presence_penalty", "presence_penalty must be between -2 and 2")
+        if not (len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop)):
+            raise InvalidParam("stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if not (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                and all(isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
+                        for t in self.stop_token_ids)):
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary")
+        if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if not (self.top_logprobs == 0 or self.logprobs):
+            raise InvalidParam("top_logprobs", "top_logprobs needs logprobs to be true")
         return self
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
