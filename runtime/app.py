@@ -518,7 +518,7 @@ class App:
     No starlette application object: its two middlewares, router scan and exception wrapper
     cost ~120 µs of a streamed request (a granian app streaming 5 events: 145-149 µs of
     server CPU a request dispatched like this, 261-277 µs through Starlette()), an eighth of
-    what the whole server spends on one here. Nothing of it is needed: api_route turns every
+    what the HTTP worker spends on one here. Nothing of it is needed: api_route turns every
     error into its response, and unknown paths and methods are answered here, in OpenAI's
     error format."""
 

@@ -98,7 +98,6 @@ class DetokRouter:
         inside = (w < self._index.shape[0]) & (s < self._index.shape[1])
         return not (self._index[w[inside], s[inside]] >= 0).any()
 
-
     def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         r = dict(zip(_TOKEN_OUT_FIELDS, rec.item()))  # one call for every field (~1 µs a field read one by one)
         w, s, gen, kind = r["worker"], r["slot"], r["gen"], r["kind"]
