@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from typing import Sequence
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -129,8 +129,6 @@ REQUEST = RecordLayout("request", np.dtype([
 ], align=True), payloads=(PayloadRef("prompt_off", "prompt_len", np.dtype(np.uint32)),
                           PayloadRef("stop_off", "stop_len", np.dtype(np.uint8))))
 
-_REQUEST_FIELDS = REQUEST.dtype.names
-
 TOKEN_OUT = RecordLayout("token_out", np.dtype([
     ("worker", np.uint16),
     ("kind", np.uint8),  # TokenKind
@@ -186,6 +184,11 @@ def take_records(records: np.ndarray, index: np.ndarray) -> np.ndarray:
 def concat_records(parts: Sequence[np.ndarray]) -> np.ndarray:
     """np.concatenate of record arrays of one dtype, as whole rows of bytes (~12x faster)."""
     return np.concatenate([_rows(p) for p in parts]).view(parts[0].dtype)
+
+
+def record_fields(record: np.void) -> dict[str, Any]:
+    """One record's fields as Python values, read in one call (~1 µs a field one by one)."""
+    return dict(zip(record.dtype.names, record.item()))
 
 
 def _rows(records: np.ndarray) -> np.ndarray:
@@ -304,7 +307,7 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
         "arrival_ns": arrival_ns,
         "prompt_off": 0, "prompt_len": len(prompt), "stop_off": len(prompt), "stop_len": len(stop),  # 4-aligned
     }
-    return np.array([tuple([fields[name] for name in _REQUEST_FIELDS])], REQUEST.dtype), prompt + stop
+    return np.array([tuple([fields[name] for name in REQUEST.dtype.names])], REQUEST.dtype), prompt + stop
 
 
 def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:
@@ -317,7 +320,7 @@ def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0
 
 def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams, np.ndarray]:
     """(params, prompt ids u32 view) of one NEW record of a popped batch."""
-    r = dict(zip(_REQUEST_FIELDS, record.item()))  # one call for every field, as Python values
+    r = record_fields(record)
     prompt = payload[r["prompt_off"]:r["prompt_off"] + r["prompt_len"]].view(np.uint32)
     stop = decode_strings(payload[r["stop_off"]:r["stop_off"] + r["stop_len"]])
     params = SamplingParams(

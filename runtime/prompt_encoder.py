@@ -6,8 +6,8 @@ model budget). For GPT-2 style byte-level BPE (SmolLM, GPT-2: a ByteLevel pre-to
 its regex, no normalizer) and ASCII text, that regex is exactly an ASCII one (ASCII_SPLIT),
 which prompt_split.c runs in C (Python's `re` where there is no compiler: a seventh of the
 tokenizer's time, five times the C split's), and the BPE of each piece ("word") is looked
-up in a cache filled by the tokenizer's own model. Everything else (non-ASCII text, any other tokenizer)
-goes to the tokenizer.
+up in a cache filled by the tokenizer's own model. Everything else (non-ASCII text, any
+other tokenizer) goes to the tokenizer.
 
 Exact by construction where it applies, and checked at start-up: the fast path is used only
 if it gives the tokenizer's ids on probe texts (special tokens, contractions, digits, runs of

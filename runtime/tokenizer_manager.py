@@ -35,13 +35,12 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
-from ipc.records import (TEXT_OUT, ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control,
-                         pack_request, rid_hash, take_records, unpack_logprobs)
+from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control, pack_request,
+                         record_fields, rid_hash, take_records, unpack_logprobs)
 from runtime.prompt_encoder import PromptEncoder
 from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
-_TEXT_OUT_FIELDS = TEXT_OUT.dtype.names
 
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
@@ -431,7 +430,7 @@ class TokenizerManager:
     def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
         """Logprobs, errors and finishes of one record; True when the scheduler must be told
         to abort the request (a stop string ended it in the detokenizer)."""
-        r = dict(zip(_TEXT_OUT_FIELDS, rec.item()))  # one call for every field (~1 µs a field read one by one)
+        r = record_fields(rec)
         if r["logprobs_len"]:
             k = r["n_top"]
             n_tokens = r["logprobs_len"] // (8 * (1 + k))
