@@ -4,8 +4,8 @@ The TokenizerManager collects one ChoiceResult per choice (index i * n + j for t
 sample of prompt i) and hands them here in index order."""
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,8 +17,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 def new_request_id(kind: str) -> str:
-    """"chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses."""
-    return f"{kind}-{uuid.uuid4().hex}"
+    """"chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses: 128 random bits, as
+    uuid4().hex has (less 6 fixed bits) at a fifth of its cost."""
+    return f"{kind}-{os.urandom(16).hex()}"
 
 
 def now() -> int:

@@ -8,7 +8,13 @@
  *   - a run of whitespace followed by a non-space leaves its last character to the next
  *     piece (\s+(?!\S) backtracks one), unless the run is that one character.
  *
- * split(text: str, start: int, end: int) -> list[str]; text must be ASCII.
+ * Each piece's ids come from a cache (a dict filled by the tokenizer's BPE, which the caller
+ * runs): looked up here too, so a prompt whose pieces are all cached is encoded in one call
+ * with no Python per piece (the lookups in Python cost ~0.35 µs a piece, three times the split).
+ *
+ * encode(text: str, start: int, end: int, pieces: dict[str, list[int]], ids: list[int])
+ *     -> None, or (i, j): appends the cached ids of text[start:end]'s pieces to `ids` up to the
+ *     first piece text[i:j] not in `pieces`; text must be ASCII.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,20 +45,22 @@ static Py_ssize_t run(const unsigned char *s, Py_ssize_t i, Py_ssize_t end, int 
     return i;
 }
 
-static PyObject *split(PyObject *self, PyObject *args) {
-    PyObject *text;
-    Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "Unn", &text, &start, &end)) return NULL;
+static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyUnicode_Check(args[0]) || !PyDict_Check(args[3]) || !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "encode(text: str, start: int, end: int, pieces: dict, ids: list)");
+        return NULL;
+    }
+    PyObject *text = args[0], *pieces = args[3], *ids = args[4];
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    if ((start == -1 || end == -1) && PyErr_Occurred()) return NULL;
     if (!PyUnicode_IS_ASCII(text)) {
-        PyErr_SetString(PyExc_ValueError, "split takes ASCII text");
+        PyErr_SetString(PyExc_ValueError, "encode takes ASCII text");
         return NULL;
     }
     const Py_ssize_t len = PyUnicode_GET_LENGTH(text);
     if (start < 0) start = 0;
     if (end > len) end = len;
     const unsigned char *s = PyUnicode_1BYTE_DATA(text);
-    PyObject *pieces = PyList_New(0);
-    if (pieces == NULL) return NULL;
     Py_ssize_t i = start;
     while (i < end) {
         Py_ssize_t j;
@@ -69,19 +77,23 @@ static PyObject *split(PyObject *self, PyObject *args) {
             if (j < end && j - i > 1) j--;  /* the last one goes with what follows */
         }
         PyObject *piece = PyUnicode_FromKindAndData(PyUnicode_1BYTE_KIND, s + i, j - i);
-        if (piece == NULL || PyList_Append(pieces, piece) < 0) {
-            Py_XDECREF(piece);
-            Py_DECREF(pieces);
-            return NULL;
-        }
+        if (piece == NULL) return NULL;
+        PyObject *piece_ids = PyDict_GetItemWithError(pieces, piece);  /* borrowed */
         Py_DECREF(piece);
+        if (piece_ids == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            return Py_BuildValue("(nn)", i, j);
+        }
+        const Py_ssize_t n = PyList_GET_SIZE(ids);
+        if (PyList_SetSlice(ids, n, n, piece_ids) < 0) return NULL;  /* ids += piece_ids */
         i = j;
     }
-    return pieces;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"split", split, METH_VARARGS, "split(text, start, end) -> GPT-2's pre-tokenizer pieces of ASCII text"},
+    {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL,
+     "encode(text, start, end, pieces, ids) -> None or (i, j): cached ids of ASCII text's pieces, up to a miss"},
     {NULL, NULL, 0, NULL},
 };
 

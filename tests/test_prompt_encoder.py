@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gpu.model_files import resolve_model_dir
-from runtime.prompt_encoder import ASCII_SPLIT, PromptEncoder, ascii_splitter
+from runtime.prompt_encoder import ASCII_SPLIT, PromptEncoder, _encode_with_regex, cached_encoder
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +41,30 @@ ascii_text = st.lists(st.one_of(st.sampled_from([chr(c) for c in range(128)]),
                       max_size=40).map("".join)
 
 
+def pieces_and_ids(encode, text: str, start: int, end: int, cache: dict) -> tuple[list[tuple[int, int]], list[int]]:
+    """Every miss `encode` reports on text[start:end] (each then cached, as the encoder does,
+    with made-up ids) and the ids it appended."""
+    misses, ids = [], []
+    while (miss := encode(text, start, end, cache, ids)) is not None:
+        misses.append(miss)
+        cache[text[miss[0]:miss[1]]] = piece_ids = [miss[0], -miss[1]]
+        ids += piece_ids
+        start = miss[1]
+    return misses, ids
+
+
 @settings(max_examples=600, deadline=None)
-@given(text=ascii_text, cut=st.tuples(st.integers(-2, 45), st.integers(-2, 45)))
-def test_c_split_equals_the_regex(text, cut):
-    split = ascii_splitter()
-    assert split is not ASCII_SPLIT.findall, "the C split was not built"
+@given(text=ascii_text, cut=st.tuples(st.integers(-2, 45), st.integers(-2, 45)), cached=st.integers(0, 3))
+def test_c_encode_equals_the_regex(text, cut, cached):
+    encode = cached_encoder()
+    assert encode is not _encode_with_regex, "the C split was not built"
     start, end = max(cut[0], 0), min(max(cut[1], 0), len(text))
-    assert split(text, start, end) == ASCII_SPLIT.findall(text, start, end)
+    spans = [m.span() for m in ASCII_SPLIT.finditer(text, start, end)]
+    warm = {text[i:j]: [7, j - i] for i, j in spans[::2]} if cached else {}  # some pieces cached already
+    cache = dict(warm)
+    misses, ids = pieces_and_ids(encode, text, start, end, cache)
+    assert (misses, ids) == pieces_and_ids(_encode_with_regex, text, start, end, dict(warm))
+    assert ids == [t for i, j in spans for t in cache[text[i:j]]]  # every piece's ids, in order
 
 
 def test_default_model_takes_the_fast_path(encoder):
