@@ -12,12 +12,17 @@ from httpapi.errors import bad_request
 
 log = logging.getLogger("ringserve.httpapi")
 
+GZIP_MAGIC = b"\x1f\x8b"
+
 
 def load_object(body: bytes) -> dict:
     """The request body as a JSON object; anything else is a 400 with param None."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
+        if body[:2] == GZIP_MAGIC:  # checked only here: the happy path reads no header for it
+            raise bad_request("The request body is gzip-compressed; Content-Encoding is not supported: "
+                              "send plain JSON", None) from None
         raise bad_request(f"The request body is not valid JSON: {e}", None) from None
     if not isinstance(obj, dict):
         raise bad_request("The request body must be a JSON object.", None)

@@ -22,8 +22,10 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is wh
 GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
-# Fields of the OpenAI API that change nothing here; accepted without a warning.
-IGNORED_OPENAI_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice")
+# Fields of the OpenAI API that change nothing here: type-checked as OpenAI does, then unused.
+IGNORED_STRS, IGNORED_BOOLS, IGNORED_OBJECTS = ("user", "service_tier"), ("store", "parallel_tool_calls"), ("metadata",)
+# tool_choice / function_call values that ask for no call, or leave it to a model that has no tools
+NO_FORCED_CALL = (None, "none", "auto")
 
 Prompt = Union[str, list]  # text, or a list of token ids
 
@@ -104,7 +106,6 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     values = read_sampling(f, seed="seed", min_tokens="min_tokens",
                            logprobs=f.get_bool("logprobs", False), top_logprobs=f.get_int("top_logprobs", 0))
     _reject_unsupported_openai(f)
-    f.ignore(*IGNORED_OPENAI_FIELDS)
     f.warn_unknown("/v1/chat/completions")
     sampling = SamplingSpec.build(values, max_tokens, {"max_tokens": max_tokens_param}, "messages")
     return ChatCompletionRequest(model, messages, n, stream, include_usage, sampling)
@@ -129,7 +130,6 @@ def parse_completion(body: bytes) -> CompletionRequest:
     values = read_sampling(f, seed="seed", min_tokens="min_tokens",
                            logprobs=logprobs is not None, top_logprobs=logprobs or 0)
     _reject_unsupported_openai(f)
-    f.ignore(*IGNORED_OPENAI_FIELDS)
     f.warn_unknown("/v1/completions")
     sampling = SamplingSpec.build(values, max_tokens, {"top_logprobs": "logprobs"}, "prompt")
     return CompletionRequest(model, prompts, n, stream, include_usage, echo, sampling)
@@ -223,7 +223,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
 
 
 def _content(value: Any, role: str, where: str) -> str:
-    """A message's content as one string: text parts are joined by newlines, as vLLM does."""
+    """A message's content as one string: text parts (and an assistant's refusal parts) are
+    joined by newlines, as vLLM does."""
     if type(value) is str:
         return value
     if value is None and role == "assistant":  # an assistant turn that only called tools
@@ -236,12 +237,13 @@ def _content(value: Any, role: str, where: str) -> str:
         if kind in MEDIA_PARTS:
             raise bad_request(f"{where}[{j}] is a {kind!r} part: this server runs a text-only model, "
                               f"so only 'text' content parts are supported", f"{where}[{j}].type")
-        if kind != "text":
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"  # OpenAI's assistant parts
+        if kind != key:
             raise bad_request(f"{where}[{j}] must be a content part like {{\"type\": \"text\", \"text\": \"...\"}}",
                               f"{where}[{j}]")
-        text = part.get("text")
+        text = part.get(key)
         if type(text) is not str:
-            raise bad_request(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+            raise bad_request(f"{where}[{j}].{key} must be a string", f"{where}[{j}].{key}")
         texts.append(text)
     return "\n".join(texts)
 
@@ -273,6 +275,8 @@ def _rids(value: Any, n_prompts: int) -> tuple[str | None, ...]:
     if type(value) is str and n_prompts == 1:
         return (value,)
     if type(value) is list and len(value) == n_prompts and all(type(r) is str for r in value):
+        if len(set(value)) < n_prompts:  # /abort_request names one request by its rid
+            raise bad_request("rid must not repeat: each prompt's request needs its own rid", "rid")
         return tuple(value)
     raise bad_request("rid must be a string for one prompt, or a list of strings with one per prompt", "rid")
 
@@ -300,9 +304,10 @@ def _n(f: Fields, prompts: int) -> int:
 
 
 def _reject_unsupported_openai(f: Fields) -> None:
-    """OpenAI features this server cannot honour get a 400, rather than being silently ignored."""
-    logit_bias = f.raw("logit_bias")
-    if logit_bias:
+    """OpenAI features this server cannot honour get a 400, rather than being silently ignored;
+    the fields it ignores get OpenAI's type checks."""
+    logit_bias = f.get_object("logit_bias")
+    if logit_bias is not None and logit_bias.obj:
         raise bad_request("logit_bias is not supported", "logit_bias")
     response_format = f.raw("response_format")
     if response_format is not None and response_format != {"type": "text"}:
@@ -312,3 +317,18 @@ def _reject_unsupported_openai(f: Fields) -> None:
         raise bad_request("tools are not supported: this server has no tool calling", "tools")
     if f.raw("functions"):
         raise bad_request("functions are not supported: this server has no function calling", "functions")
+    for key, value in (("tool_choice", tool_choice), ("function_call", f.raw("function_call"))):
+        if value not in NO_FORCED_CALL:  # "required", a named function: a call this server cannot make
+            raise bad_request(f"{key} {_short(value)} is not supported: this server has no tool calling; "
+                              f"leave {key} unset, \"none\" or \"auto\"", key)
+    for key in IGNORED_STRS:
+        f.get_str(key)
+    for key in IGNORED_BOOLS:
+        f.get_bool(key, False)
+    for key in IGNORED_OBJECTS:
+        f.get_object(key)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -8,6 +8,7 @@ A server checks, in this order: API key (401), body (400), model (404), prompt (
 """
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
 
 import orjson
@@ -70,6 +71,7 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("body is a list", CHAT, b"[1, 2]", 400, None),
     _row("NaN is not JSON", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', 400, None),
     _row("number overflows a double", COMPLETIONS, b'{"prompt": "Hi", "temperature": 1e400}', 400, None),
+    _row("gzip-compressed body", CHAT, gzip.compress(chat()), 400, None),
     # auth and model
     _row("missing API key", CHAT, chat(), 401, None, auth=None),
     _row("wrong API key", CHAT, chat(), 401, None, auth="Bearer not-the-key"),
@@ -88,6 +90,10 @@ BAD_REQUESTS: list[BadRequest] = [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]),
         400, "messages[0].content[1].type"),
+    _row("refusal part from the user", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "refusal", "refusal": "No."}]}]), 400, "messages[0].content[0]"),
+    _row("refusal part without refusal", CHAT, chat(messages=[{"role": "user", "content": "Hi"}, {
+        "role": "assistant", "content": [{"type": "refusal", "text": "No."}]}]), 400, "messages[1].content[0].refusal"),
     _row("text part without text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
          400, "messages[0].content[0].text"),
     _row("over-long chat prompt", CHAT, chat(messages=[{"role": "user", "content": _LONG_TEXT}], max_tokens=None),
@@ -141,9 +147,18 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("logit_bias", CHAT, chat(logit_bias={"50": 10}), 400, "logit_bias"),
     _row("json response_format", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     _row("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    _row("logit_bias is a list", CHAT, chat(logit_bias=[]), 400, "logit_bias"),
+    _row("tool_choice required", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    _row("tool_choice names a function", CHAT, chat(tools=[], tool_choice={"type": "function", "function": {
+        "name": "f"}}), 400, "tool_choice"),
+    _row("function_call names a function", CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
     _row("best_of", COMPLETIONS, completion(best_of=3), 400, "best_of"),
     _row("suffix", COMPLETIONS, completion(suffix="end"), 400, "suffix"),
     _row("echo with logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo"),
+    # fields this server ignores still get OpenAI's types
+    _row("user is a number", CHAT, chat(user=5), 400, "user"),
+    _row("parallel_tool_calls is a string", CHAT, chat(parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    _row("metadata is a list", COMPLETIONS, completion(metadata=["a"]), 400, "metadata"),
     # completions prompts
     _row("prompt missing", COMPLETIONS, completion(prompt=None), 400, "prompt"),
     _row("prompt empty", COMPLETIONS, completion(prompt=""), 400, "prompt"),
@@ -169,6 +184,7 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("input_ids past the vocabulary", GENERATE, generate(text=None, input_ids=[1, 99999]), 400, "input_ids"),
     _row("regex", GENERATE, generate(sampling_params={"regex": "a+"}), 400, "sampling_params.regex"),
     _row("rid list of the wrong length", GENERATE, generate(text=["a", "b"], rid=["r1"]), 400, "rid"),
+    _row("rid repeats in a batch", GENERATE, generate(text=["a", "b"], rid=["r1", "r1"]), 400, "rid"),
     _row("image_data", GENERATE, generate(image_data="data:image/png;base64,AAAA"), 400, "image_data"),
     # tokenize, detokenize, abort
     _row("tokenize prompt is a number", "/tokenize", b'{"prompt": 5}', 400, "prompt"),

@@ -1,5 +1,7 @@
 """Issue 5's bad-request table through the real parsing layer and the real tokenizer,
 in the order a route applies the checks: API key, body, model, prompt."""
+import gzip
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -68,6 +70,10 @@ def test_bad_request(row: BadRequest, tokenizer):
     ("/v1/chat/completions", chat(max_tokens=None, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
         {"role": "assistant", "content": None}, {"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}])),
+    ("/v1/chat/completions", chat(messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "user", "content": "ok"}], tool_choice="auto", function_call="none", user="u", metadata={"k": "v"},
+        store=True, service_tier="auto", parallel_tool_calls=False, logit_bias={})),
     ("/v1/chat/completions", chat(max_completion_tokens=8000, stream=True, stream_options={"include_usage": True},
                                   logprobs=True, top_logprobs=20, stop=["\n"], seed=2**63 - 1, n=4, top_k=0)),
     ("/v1/chat/completions", chat(model=None, user="u", tools=[], tool_choice="none", response_format={"type": "text"},
@@ -90,3 +96,10 @@ def test_no_api_key_configured_lets_everything_through():
     check_api_key(None, None)
     check_api_key("Bearer anything", None)
     check_api_key(f"bearer  {API_KEY}", API_KEY)  # the scheme is case-insensitive
+
+
+def test_a_gzip_body_is_named():
+    """Content-Encoding is not decoded: the 400 says why, not that the bytes are bad UTF-8."""
+    with pytest.raises(APIError) as caught:
+        parse_chat_completion(gzip.compress(chat()))
+    assert "gzip" in caught.value.message
