@@ -63,9 +63,11 @@ class SamplingSpec:
         return cls(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
                    prompt_param)
 
-    def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int) -> SamplingParams:
-        """The final SamplingParams for one tokenized prompt; raises APIError(400)."""
-        check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param)
+    def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int,
+                kv_tokens: int | None = None) -> SamplingParams:
+        """The final SamplingParams for one tokenized prompt; raises APIError(400). kv_tokens:
+        the engine's KV cache in tokens, when it may hold less than the context."""
+        check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param, kv_tokens)
         max_new = resolve_max_tokens(self.max_tokens, len(prompt_ids), context_len,
                                      self.names.get("max_tokens", "max_tokens"))
         params = self.params if max_new == self.params.max_new_tokens else \
@@ -73,8 +75,10 @@ class SamplingSpec:
         return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
 
 
-def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str) -> None:
-    """A prompt must have a token, fit the context with room for one more, and use the vocabulary."""
+def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str,
+                 kv_tokens: int | None = None) -> None:
+    """A prompt must have a token, fit the context and the KV cache with room for one more,
+    and use the vocabulary."""
     n = len(prompt_ids)
     if n == 0:
         raise bad_request(f"{param} is empty: the prompt must have at least one token", param)
@@ -82,6 +86,10 @@ def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab
         raise bad_request(f"This model's maximum context length is {context_len} tokens, and the prompt "
                           f"({param}) has {n} tokens, which leaves no room to generate. "
                           f"Shorten the prompt.", param, code="context_length_exceeded")
+    if kv_tokens is not None and n >= kv_tokens:  # the scheduler would reject it, after a stream began
+        raise bad_request(f"This server's KV cache holds {kv_tokens} tokens, and the prompt ({param}) has {n} "
+                          f"tokens, which leaves no room to generate. Shorten the prompt.", param,
+                          code="context_length_exceeded")
     check_token_ids(prompt_ids, vocab_size, param)
 
 

@@ -165,7 +165,7 @@ async def chat_completions(worker, request: Request) -> Response:
     req = parse_chat_completion(await request.body())
     check_model(req.model, worker.model.served_name)
     ids = await worker.tm.chat_ids(req.messages)
-    params = req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size)
+    params = req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size, worker.kv_tokens)
     request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("chat", [ids] * req.n, [params] * req.n, [request_id])
     vocab = worker.vocab if params.logprobs else None
@@ -184,7 +184,8 @@ async def completions(worker, request: Request) -> Response:
     req = parse_completion(await request.body())
     check_model(req.model, worker.model.served_name)
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
-    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size) for ids in prompt_ids]
+    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size, worker.kv_tokens)
+              for ids in prompt_ids]
     n = req.n
     request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("completions", [ids for ids in prompt_ids for _ in range(n)],
@@ -266,7 +267,8 @@ async def models(worker, request: Request) -> Response:
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await request.body())
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
-    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size) for ids in prompt_ids]
+    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size, worker.kv_tokens)
+              for ids in prompt_ids]
     n = req.n
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
@@ -381,6 +383,7 @@ class HTTPWorker:
         self.model = tm.model
         self.vocab = vocab
         self.metrics = metrics
+        self.kv_tokens: int | None = link.meta.get("max_total_tokens")  # may hold less than the context
         self.started = now()
         self.index_header = str(link.worker)
         self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0

@@ -103,3 +103,19 @@ def test_a_gzip_body_is_named():
     with pytest.raises(APIError) as caught:
         parse_chat_completion(gzip.compress(chat()))
     assert "gzip" in caught.value.message
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", completion(prompt=[1] * 3000), "prompt"),
+    ("/generate", generate(text=None, input_ids=[1] * 2048), "input_ids"),
+])
+def test_a_prompt_past_the_kv_cache_names_the_prompt(path, body, param):
+    """A KV cache smaller than the context (--max-total-tokens): the prompt gets its 400 here,
+    not the scheduler's rejection without a param (inside a 200 stream when streaming)."""
+    req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
+    with pytest.raises(APIError) as caught:
+        req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)
+    err = caught.value
+    assert (err.status, err.param, err.code) == (400, param, "context_length_exceeded"), err.message
+    assert "2048" in err.message
+    req.sampling.resolve([1] * 2047, CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)
