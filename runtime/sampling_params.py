@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16
+# The sampler divides float32 logits by the temperature and the repetition penalty: a smaller
+# temperature (1e-320 is 0 in float32) or penalty overflows them to inf and the distribution
+# to NaN, which samples no token. Below GREEDY_TEMPERATURE sampling is greedy (vLLM's and
+# SGLang's epsilon); a penalty below MIN_REPETITION_PENALTY is refused.
+GREEDY_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01
 
 
 class InvalidParam(ValueError):
@@ -23,7 +29,7 @@ class InvalidParam(ValueError):
 class SamplingParams:
     max_new_tokens: int = 16
     min_new_tokens: int = 0
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0
@@ -42,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raises InvalidParam naming the first parameter out of range; returns self.
@@ -62,8 +68,8 @@ class SamplingParams:
             raise InvalidParam("min_p", "min_p must be in [0, 1]")
         if not (self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63)):
             raise InvalidParam("seed", "seed must be a 64-bit integer")
-        if not (_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
-            raise InvalidParam("repetition_penalty", "repetition_penalty must be in (0, 2]")
+        if not (_finite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0):
+            raise InvalidParam("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2]")
         if not (_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0):
             raise InvalidParam("frequency_penalty", "frequency_penalty must be between -2 and 2")
         if not (_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0):

@@ -110,6 +110,7 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("presence_penalty above 2", CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
     _row("frequency_penalty below -2", COMPLETIONS, completion(frequency_penalty=-3), 400, "frequency_penalty"),
     _row("repetition_penalty zero", CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    _row("repetition_penalty below 0.01", CHAT, chat(repetition_penalty=1e-300), 400, "repetition_penalty"),
     _row("seed is a string", CHAT, chat(seed="abc"), 400, "seed"),
     _row("seed past 64 bits", CHAT, chat(seed=2**64 - 1), 400, "seed"),
     _row("n zero", CHAT, chat(n=0), 400, "n"),

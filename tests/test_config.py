@@ -29,6 +29,7 @@ def test_bad_env_names_the_setting(env, match):
     ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32: the sampler would divide by it
     ({"frequency_penalty": 3.0}, "frequency_penalty"),
     ({"presence_penalty": -3.0}, "presence_penalty"),
     ({"min_new_tokens": 20, "max_new_tokens": 10}, "min_tokens"),
@@ -46,3 +47,4 @@ def test_sampling_params_name_the_bad_param(kwargs, param):
 def test_sampling_params_defaults_are_valid():
     assert SamplingParams().validate(vocab_size=10) == SamplingParams()
     assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(temperature=1e-320).greedy and not SamplingParams(temperature=1e-5).greedy

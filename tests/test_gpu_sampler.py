@@ -133,6 +133,23 @@ def test_penalties_follow_openai_vllm_semantics():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-320),  # 0 in float32: greedy, not a division by zero
+    SamplingParams(temperature=1e-5, top_k=0),
+    SamplingParams(temperature=1e-5, repetition_penalty=0.01),
+    SamplingParams(temperature=2.0, top_p=1e-300, min_p=1.0),
+    SamplingParams(temperature=1e-5, frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0),
+], ids=repr)
+def test_every_valid_extreme_samples_a_token(params):
+    """Parameters at their validated bounds, on large logits, never sample outside the
+    vocabulary (a NaN distribution did, and the scheduler died on the out-of-range id)."""
+    sampler = make()
+    sampler.set_request(0, params.validate(V), np.array([0, 1], np.int32), np.array([1, 2], np.int32))
+    logits = torch.tensor([[90.0, 80.0, 70.0, -60.0, 50.0, 40.0, -30.0, 20.0]])
+    for _ in range(3):
+        assert 0 <= int(sampler.sample(logits.clone(), np.array([0])).tokens[0]) < V
+
+
 def test_penalties_see_tokens_as_they_are_sampled():
     sampler = make()
     sampler.set_request(0, SamplingParams(temperature=0.0, frequency_penalty=2.0), no_output(), no_output())
