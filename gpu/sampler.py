@@ -205,6 +205,11 @@ class Sampler:
         # strictly below the total, so the first cdf entry above u is a kept token
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         picked = torch.searchsorted(cdf, target, right=True)   # [N, 1]
+        # a row whose distribution is not one (inf or NaN logits from the model) finds no token
+        # (picked == its width): it takes its most likely kept token rather than an id past the end
+        broken = ~(total > 0) | ~torch.isfinite(total)
+        if broken.any():
+            picked = torch.where(broken, probs.nan_to_num(nan=-1.0).argmax(dim=-1, keepdim=True), picked)
         return picked.squeeze(1) if ids is None else ids.gather(1, picked).squeeze(1)
 
     def _check_rows(self, rows: np.ndarray) -> None:

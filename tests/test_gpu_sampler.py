@@ -150,6 +150,19 @@ def test_every_valid_extreme_samples_a_token(params):
         assert 0 <= int(sampler.sample(logits.clone(), np.array([0])).tokens[0]) < V
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1)], ids=repr)
+def test_non_finite_logits_still_sample_a_token(bad, params):
+    """Logits the model got wrong (inf or NaN) give an id inside the vocabulary, never one past it."""
+    sampler = make()
+    sampler.set_request(0, params, no_output(), no_output())
+    logits = torch.tensor([[1.0, bad, 3.0, bad, 0.5, 2.0, -1.0, 0.0]])
+    for _ in range(3):
+        assert 0 <= int(sampler.sample(logits.clone(), np.array([0])).tokens[0]) < V
+    assert 0 <= int(sampler.sample(torch.full((1, V), bad), np.array([0])).tokens[0]) < V
+
+
 def test_penalties_see_tokens_as_they_are_sampled():
     sampler = make()
     sampler.set_request(0, SamplingParams(temperature=0.0, frequency_penalty=2.0), no_output(), no_output())
