@@ -260,6 +260,9 @@ class TokenizerManager:
         (or queued for room) when this returns."""
         if self.dead is not None:
             raise self.dead
+        for rid in rids or ():  # /abort_request must reach every request its rid names
+            if rid in self._by_rid:
+                raise bad_request(f"rid {rid!r} is already in use by a request in flight", "rid")
         loop = asyncio.get_running_loop()
         now_ns = time.monotonic_ns()
         group = ReqGroup(rids or (), now_ns, loop.time() + self.request_timeout)

@@ -219,6 +219,10 @@ def test_abort_request_by_rid(server):
     thread = threading.Thread(target=generate)
     thread.start()
     assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 1, 30)
+    # a second request may not take the rid while the first holds it: the abort would miss one
+    again = httpx.post(server.url("/generate"), headers=AUTH, timeout=60,
+                       json={"text": "Hi", "rid": "to-abort", "sampling_params": {"max_new_tokens": 2}})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "rid", again.text
     assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "to-abort"}).json() == {"aborted": 1}
     thread.join(30)
     assert answer["body"]["meta_info"]["finish_reason"] == {"type": "abort"}
