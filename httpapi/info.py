@@ -30,10 +30,14 @@ def check_model(model: str | None, served: str) -> None:
         raise model_not_found(model)
 
 
+def model_card(served: str, created: int, context_len: int, model_path: str) -> dict:
+    """The served model as GET /v1/models lists it and GET /v1/models/{id} returns it."""
+    return {"id": served, "object": "model", "created": created, "owned_by": "ringserve",
+            "root": model_path, "parent": None, "max_model_len": context_len}
+
+
 def models_body(served: str, created: int, context_len: int, model_path: str) -> bytes:
-    return orjson.dumps({"object": "list", "data": [{
-        "id": served, "object": "model", "created": created, "owned_by": "ringserve",
-        "root": model_path, "parent": None, "max_model_len": context_len}]})
+    return orjson.dumps({"object": "list", "data": [model_card(served, created, context_len, model_path)]})
 
 
 def model_info_body(served: str, model_path: str, context_len: int, vocab_size: int, architecture: str) -> bytes:

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from gpu.model_files import ModelLoadError
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError, engine_unavailable, internal_error
-from httpapi.info import check_model, model_info_body, models_body, served_model_name, server_info_body
+from httpapi.info import check_model, model_card, model_info_body, models_body, served_model_name, server_info_body
 from httpapi.logprobs import LogprobVocab
 from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize, parse_generate,
                               parse_tokenize)
@@ -259,6 +259,13 @@ async def prompt_tokens(worker, prompt: str | list[int]) -> list[int]:
 async def models(worker, request: Request) -> Response:
     m = worker.model
     return json_response(models_body(m.served_name, worker.started, m.context_length, m.model_dir))
+
+
+@api_route
+async def retrieve_model(worker, request: Request) -> Response:
+    """GET /v1/models/{id}: routed at start-up, once the served name is known; another id is a 404."""
+    m = worker.model
+    return json_response(orjson_dumps(model_card(m.served_name, worker.started, m.context_length, m.model_dir)))
 
 
 # ---------------------------------------------------------------- SGLang native
@@ -566,6 +573,8 @@ class App:
                     logger.exception("the worker failed to start")
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
                     return
+                self.routes[f"/v1/models/{self.worker.model.served_name}"] = {"GET": retrieve_model,
+                                                                              "HEAD": retrieve_model}
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.worker is not None:
