@@ -59,6 +59,8 @@ class Fields:
         if value is None:
             return default
         if type(value) is not int:
+            if type(value) is float and abs(value) >= 2**63:  # orjson reads an integer past 64 bits as a float
+                raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
             raise bad_request(f"{self.param(key)} must be an integer, not {_json_type(value)}", self.param(key))
         return value
 

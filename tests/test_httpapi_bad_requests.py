@@ -98,6 +98,13 @@ def test_no_api_key_configured_lets_everything_through():
     check_api_key(f"bearer  {API_KEY}", API_KEY)  # the scheme is case-insensitive
 
 
+def test_an_integer_past_64_bits_is_called_out_of_range():
+    """orjson reads it as a float: the 400 says the integer is too large, not that it is no integer."""
+    with pytest.raises(APIError) as caught:
+        parse_chat_completion(chat().replace(b'"max_tokens":8', b'"max_tokens":100000000000000000000000'))
+    assert caught.value.param == "max_tokens" and "64-bit" in caught.value.message
+
+
 def test_a_gzip_body_is_named():
     """Content-Encoding is not decoded: the 400 says why, not that the bytes are bad UTF-8."""
     with pytest.raises(APIError) as caught:
