@@ -59,14 +59,16 @@ def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status)
 
 
-def api_route(handler: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Checks the API key, hands the route the worker's state, and turns APIError into
-    its response; anything else raised is a bug: logged, answered with a 500."""
+def api_route(handler: Callable[..., Awaitable[Response]], key_required: bool = True
+              ) -> Callable[[Request], Awaitable[Response]]:
+    """Checks the API key (probe_route: none), hands the route the worker's state, and turns
+    APIError into its response; anything else raised is a bug: logged, answered with a 500."""
     @functools.wraps(handler)
     async def route(request: Request) -> Response:
         worker = request.app.worker
         try:
-            check_api_key(request.headers.get("authorization"), worker.args.api_key)
+            if key_required:
+                check_api_key(request.headers.get("authorization"), worker.args.api_key)
             response = await handler(worker, request)
         except APIError as err:
             response = error_response(err)
@@ -78,6 +80,11 @@ def api_route(handler: Callable[..., Awaitable[Response]]) -> Callable[[Request]
         response.headers.append(WORKER_HEADER, worker.index_header)
         return response
     return route
+
+
+# Probes and scrapes answer without the API key, as SGLang's /health* and /metrics do (vLLM
+# guards only /v1): a load balancer or Prometheus need not hold the key.
+probe_route = functools.partial(api_route, key_required=False)
 
 
 class EventStream:
@@ -353,7 +360,7 @@ async def health(request: Request) -> Response:
     return Response(b"", 200)
 
 
-@api_route
+@probe_route
 async def health_generate(worker, request: Request) -> Response:
     """Runs one greedy token through the whole engine."""
     worker.check_alive()
@@ -367,7 +374,7 @@ async def health_generate(worker, request: Request) -> Response:
     return Response(b"", 200)
 
 
-@api_route
+@probe_route
 async def metrics(worker, request: Request) -> Response:
     body, content_type = worker.metrics.render(worker.engine_stats(), {
         "dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.tm.ring_depths()})

@@ -180,8 +180,10 @@ def test_native_routes(server, client):
     text = httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": ids["tokens"]}).json()["text"]
     assert text == "Hello world"
     assert httpx.post(server.url("/flush_cache"), headers=AUTH).status_code == 200
-    assert httpx.get(server.url("/health_generate"), headers=AUTH, timeout=60).status_code == 200
-    assert httpx.get(server.url("/metrics")).status_code == 401  # the key guards every route but /health
+    # the key guards every route but the probes and the scrape, as SGLang's does
+    assert httpx.get(server.url("/health_generate"), timeout=60).status_code == 200
+    assert "ringserve_engine_up 1.0" in httpx.get(server.url("/metrics")).text
+    assert httpx.get(server.url("/get_model_info")).status_code == 401
 
 
 def test_unknown_paths_and_methods(server):
