@@ -39,7 +39,7 @@ from runtime.heap import settle_heap
 from runtime.launcher import EngineLink, EngineStartError, ServerFiles, attach_engine
 from runtime.metrics import EngineStats, WorkerMetrics, use_multiprocess_dir
 from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import ClientGone, ModelInfo, ReqGroup, ReqState, TokenizerManager
+from runtime.tokenizer_manager import ClientGone, ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
 from runtime.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
 
 logger = logging.getLogger("ringserve.app")
@@ -520,6 +520,11 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
     model_dir = resolve_model_dir(args.model_path)
     cfg = ModelConfig.from_dir(model_dir, args.context_length)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.chat_template is not None:
+        try:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(str(e)) from None
     model = ModelInfo(str(model_dir), served_model_name(args), cfg.architecture, cfg.context_length, cfg.vocab_size)
     return tokenizer, model, LogprobVocab.from_tokenizer(tokenizer, cfg.vocab_size)
 

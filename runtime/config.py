@@ -22,6 +22,7 @@ class ServerArgs:
     # model
     model_path: str | None = None  # HF directory or .gguf file; None = embedded SmolLM2
     served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one (None: the tokenizer's)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str | None = None  # cpu | torch | triton | flashinfer (None: per device)
@@ -77,6 +78,10 @@ class ServerArgs:
                 raise ValueError(f"--{_flag(name)} must be at least 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.chat_template is not None and not (os.path.isfile(self.chat_template)
+                                                   or "{{" in self.chat_template or "{%" in self.chat_template):
+            raise ValueError(f"--chat-template must be a Jinja template or a file holding one: "
+                             f"{self.chat_template!r} is neither")
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -55,6 +57,21 @@ class ModelInfo:
     architecture: str
     context_length: int
     vocab_size: int
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's template (a file's text, or the value itself), compiled once as the
+    tokenizer's own is: raises ValueError saying why it does not compile."""
+    text = Path(value).read_text() if os.path.isfile(value) else value
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: a broken template then fails each chat request (400)
+        return text
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:  # jinja2's TemplateSyntaxError and the like
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+    return text
 
 
 class ChatTemplate:

@@ -15,6 +15,7 @@ def test_cli_and_env_agree():
     ({"RINGSERVE_PORT": "x"}, "RINGSERVE_PORT"),
     ({"RINGSERVE_SCHEDULE_POLICY": "random"}, "schedule-policy"),
     ({"RINGSERVE_WORKERS": "0"}, "workers"),
+    ({"RINGSERVE_CHAT_TEMPLATE": "no-such-file.jinja"}, "chat-template"),
 ])
 def test_bad_env_names_the_setting(env, match):
     with pytest.raises(ValueError, match=match):

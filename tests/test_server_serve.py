@@ -16,6 +16,7 @@ import pytest
 KEY = "serve-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 TIMEOUT_S = 3
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
 
 
 def test_bad_model_path_is_one_line(tmp_path):
@@ -24,6 +25,15 @@ def test_bad_model_path_is_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip().splitlines() == [f"ringserve: model path {missing} does not exist"]
+
+
+def test_bad_chat_template_is_one_line(tmp_path):
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }{% endfor %}")
+    run = subprocess.run([sys.executable, "-m", "runtime", "serve", "--chat-template", str(template)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == ["ringserve: --chat-template does not compile: unexpected '}'"]
 
 
 def test_bad_flag_names_the_flag():
@@ -36,7 +46,7 @@ def test_bad_flag_names_the_flag():
 def server(start_server):
     return start_server(start_server.Server.serve, "--null-model", "--api-key", KEY, "--served-model-name", "nully",
                         "--max-total-tokens", "8192", "--max-running-requests", "8", "--log-level", "warning",
-                        "--request-timeout", str(TIMEOUT_S))
+                        "--request-timeout", str(TIMEOUT_S), "--chat-template", CHAT_TEMPLATE)
 
 
 def test_serve_serves(server):
@@ -46,6 +56,15 @@ def test_serve_serves(server):
                       json={"model": "nully", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
     assert httpx.post(server.url("/v1/completions"), json={"prompt": "Hello"}).status_code == 401
+
+
+def test_chat_template_flag(server):
+    """Chat prompts are rendered with --chat-template's template, not the tokenizer's."""
+    resp = httpx.post(server.url("/v1/chat/completions"), headers=AUTH, timeout=60, json={
+        "model": "nully", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 1})
+    rendered = httpx.post(server.url("/tokenize"), headers=AUTH, json={
+        "prompt": "[user] Hello there\n>>", "add_special_tokens": False}).json()["count"]
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == rendered < 12
 
 
 def test_request_timeout(server):
