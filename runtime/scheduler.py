@@ -37,6 +37,7 @@ TOKEN_EVENT = TOKEN_OUT.dtype
 NO_TOKEN = np.uint32(0xFFFFFFFF)
 _NONE, _STOP, _LENGTH = int(FinishReason.NONE), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
+_NO_IDS = np.zeros(0, np.int32)
 CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
 
 
@@ -93,7 +94,7 @@ class Scheduler:
         self.vocab_size: int = runner.model_config.vocab_size
         self.cache = RadixCache(self.pool, disabled=config.disable_radix_cache)
         self.table = ReqTable(config.max_running_requests, config.context_length, self.page_size)
-        self.eos_ids = np.asarray(runner.model_config.eos_token_ids, dtype=np.int32)
+        self.eos_ids = np.unique(np.asarray(runner.model_config.eos_token_ids, dtype=np.int32))[:MAX_STOP_IDS]
         self.heartbeat = heartbeat  # called before each forward: a long one starts with a fresh beat
         self.queue: list[Request] = []  # waiting to be (re)admitted, in arrival order
         self.requests: dict[tuple[int, int], Request] = {}  # every live request by (worker, slot)
@@ -263,9 +264,7 @@ class Scheduler:
         if n <= 0:
             self.cache.unlock(node)
             return 0
-        stop_ids = np.unique(np.concatenate([
-            np.asarray(req.params.stop_token_ids, dtype=np.int32),
-            self.eos_ids if not req.params.ignore_eos else np.zeros(0, np.int32)]))[:MAX_STOP_IDS]
+        stop_ids = self._stop_ids(req.params)
         if req.cached_tokens < 0:
             req.cached_tokens = min(prefix, len(req.prompt))
             self.stats.cached_tokens += req.cached_tokens
@@ -280,6 +279,14 @@ class Scheduler:
         if n < remaining:
             self.chunked = req
         return n
+
+    def _stop_ids(self, params: SamplingParams) -> np.ndarray:
+        """The ids that end the request: EOS (unless ignore_eos) and its stop_token_ids, each once
+        (the common request, with no stop_token_ids, costs no numpy call: ~9 µs)."""
+        base = _NO_IDS if params.ignore_eos else self.eos_ids
+        if not params.stop_token_ids:
+            return base
+        return np.unique(np.concatenate([np.asarray(params.stop_token_ids, dtype=np.int32), base]))[:MAX_STOP_IDS]
 
     def _grow(self, row: int, n: int) -> int:
         """Gives `row` the pages for n more tokens (fewer tokens if fewer pages can be had);
