@@ -227,25 +227,26 @@ class Scheduler:
         for req in order_queue(self.queue, cfg.schedule_policy, self.cache):
             if budget <= 0 or t.num_free_rows == 0:
                 break
-            n = self._admit(req, budget, reserve)
+            n, expected = self._admit(req, budget, reserve)
             if not n:
                 break
             plan.append((req, n))
             budget -= n
-            reserve += self._reserved_tokens(req.row)
+            reserve += expected
             if self.chunked is req:
                 break
         return plan
 
-    def _reserved_tokens(self, row: int | None = None) -> float:
-        """KV tokens the running requests (or one row) are still expected to need."""
+    def _reserved_tokens(self) -> float:
+        """KV tokens the running requests are still expected to need: their prompts' tokens not
+        yet computed and new_token_ratio of what they may still generate."""
         t = self.table
-        sel = t.active if row is None else row
-        future = np.minimum(t.max_len[sel] - t.length[sel], CLIP_MAX_NEW_TOKENS)
-        return float(np.sum(t.length[sel] - t.kv_len[sel]) + self.new_token_ratio * np.sum(future))
+        future = np.minimum(t.max_len[t.active] - t.length[t.active], CLIP_MAX_NEW_TOKENS)
+        return float(np.sum(t.length[t.active] - t.kv_len[t.active]) + self.new_token_ratio * np.sum(future))
 
-    def _admit(self, req: Request, budget: int, reserve: float) -> int:
-        """Admits `req` with up to `budget` prefill tokens; returns how many (0: not now)."""
+    def _admit(self, req: Request, budget: int, reserve: float) -> tuple[int, float]:
+        """Admits `req` with up to `budget` prefill tokens: (how many, 0 for not now; the KV
+        tokens it is expected to need, as _reserved_tokens counts them)."""
         t, ps = self.table, self.page_size
         fill = req.fill_ids()
         prefix_pages, node = self.cache.match_prefix(fill[:-1])
@@ -259,11 +260,11 @@ class Scheduler:
         expected = remaining + self.new_token_ratio * min(max_len - len(fill), CLIP_MAX_NEW_TOKENS)
         if t.num_active and room * ps < reserve + expected:
             self.cache.unlock(node)
-            return 0
+            return 0, 0.0
         n = min(n, (len(prefix_pages) + room) * ps - prefix)  # alone: as much as fits
         if n <= 0:
             self.cache.unlock(node)
-            return 0
+            return 0, 0.0
         stop_ids = self._stop_ids(req.params)
         if req.cached_tokens < 0:
             req.cached_tokens = min(prefix, len(req.prompt))
@@ -278,7 +279,7 @@ class Scheduler:
         n = self._grow(row, n)
         if n < remaining:
             self.chunked = req
-        return n
+        return n, expected
 
     def _stop_ids(self, params: SamplingParams) -> np.ndarray:
         """The ids that end the request: EOS (unless ignore_eos) and its stop_token_ids, each once
