@@ -18,8 +18,9 @@ coroutine is woken with one future per wait, never a queue of per-token objects.
 A coroutine that was busy (its client is slow) finds several deltas pending and
 sends them as one SSE event.
 
-Stop strings end a request in the detokenizer; the scheduler does not see them, so
-the TM sends an ABORT for such a request to free its KV pages. Every other end
+Stop strings end a request in the detokenizer, and so does its refusal of a request
+past its open limit; the scheduler does not see them, so the TM sends an ABORT for
+such a request to free its KV pages. Every other end
 (eos, length, abort) comes from the scheduler, which has freed the pages already.
 """
 from __future__ import annotations
@@ -449,7 +450,9 @@ class TokenizerManager:
 
     def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
         """Logprobs, errors and finishes of one record; True when the scheduler must be told
-        to abort the request (a stop string ended it in the detokenizer)."""
+        to abort the request: a stop string ended it in the detokenizer, or an error did (the
+        detokenizer refuses a request past its open limit while the scheduler holds it; an
+        engine rejection's abort is stale there and ignored)."""
         r = record_fields(rec)
         if r["logprobs_len"]:
             k = r["n_top"]
@@ -475,7 +478,7 @@ class TokenizerManager:
             self._fail(group, state.error, abort=True)  # the other choices cannot complete the response
         elif group.unfinished == 0:
             self._forget(group)
-        return state.stop_index >= 0 and finish == Finish.STOP
+        return state.error is not None or (state.stop_index >= 0 and finish == Finish.STOP)
 
     # ---------------------------------------------------------------- timeouts
 

@@ -1,0 +1,82 @@
+"""The TokenizerManager between real rings in this process: this test plays the scheduler
+(pops the REQUEST channel) and feeds the TEXT_OUT channel through a real DetokRouter."""
+import asyncio
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from gpu.model_files import resolve_model_dir
+from httpapi.errors import APIError
+from ipc.channel import Channel, ChannelSpec
+from ipc.records import REQUEST, TEXT_OUT, TOKEN_OUT, RequestKind, TokenKind
+from ipc.ring import Batch
+from ipc.wakeup import Waker
+from runtime.detok_router import DetokRouter
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer_manager import ModelInfo, TokenizerManager
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+@pytest.fixture()
+def rings():
+    """(TM side waker, request producer, request consumer, text producer, text consumer)."""
+    tm_waker, engine_waker = Waker(), Waker()
+    made = []
+
+    def pair(layout, producer_waker, consumer_waker):
+        prod = Channel.create(ChannelSpec(layout, 64, 1 << 16), "producer", producer_waker, consumer_waker.fd)
+        cons = Channel.attach(*prod.describe(), consumer_waker)
+        made.extend((prod, cons))
+        return prod, cons
+    yield (tm_waker, *pair(REQUEST, tm_waker, engine_waker), *pair(TEXT_OUT, engine_waker, tm_waker))
+    for ch in made:
+        ch.close()
+    tm_waker.close()
+    engine_waker.close()
+
+
+def opened(new: np.ndarray) -> Batch:
+    """The scheduler's OPEN record of the request in the REQUEST record `new`."""
+    rec = np.zeros(1, TOKEN_OUT.dtype)
+    rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.OPEN, new["worker"], new["slot"], new["gen"]
+    rec["prompt_tokens"] = new["prompt_len"]
+    return Batch(rec, np.zeros(0, np.uint8))
+
+
+def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, rings):
+    """The detokenizer refuses a request past its open limit (503 overloaded) while the scheduler
+    holds it: the TM must abort it there, or it runs to max_tokens for nobody (seen: six such
+    requests of 4000 tokens each after a burst of 70 x 128 choices)."""
+    waker, req_out, req_in, text_out, text_in = rings
+    router = DetokRouter(tokenizer, max_open=1)
+    model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
+
+    async def run() -> tuple[np.ndarray, np.ndarray]:
+        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60)
+        tm.start()
+        try:
+            params = SamplingParams(max_new_tokens=4000, ignore_eos=True)
+            groups = [await tm.submit([[1, 2, 3]], [params]) for _ in range(2)]
+            news = req_in.pop().records
+            assert news["kind"].tolist() == [RequestKind.NEW] * 2
+            for new in news:  # the second OPEN is past the detokenizer's limit
+                recs, blob = router.handle(opened(new))
+                if len(recs):
+                    text_out.push_all(recs, blob)
+            with pytest.raises(APIError) as refused:
+                await asyncio.wait_for(groups[1].finished(), 5)
+            assert refused.value.status == 503
+            assert not groups[0].done
+            batch = req_in.pop()
+            return news, np.zeros(0, REQUEST.dtype) if batch is None else batch.records
+        finally:
+            await tm.close()
+
+    news, aborts = asyncio.run(run())
+    address = [(int(r["kind"]), int(r["slot"]), int(r["gen"])) for r in aborts]
+    assert address == [(RequestKind.ABORT, int(news[1]["slot"]), int(news[1]["gen"]))]
