@@ -192,16 +192,29 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor) -> torch.Tensor:
         """Inverse-CDF sampling from the kept probabilities: one uniform draw per row, so a
-        seeded row costs one generator call."""
-        probs, ids = self.filter_probs(logits, rows)
-        cdf = probs.cumsum(dim=-1)                             # non-decreasing, so searchable
-        total = cdf[:, -1:]
+        seeded row costs one generator call. Rows with top_k/top_p search their candidates in
+        rank order, the others the vocabulary in id order: apart, so that a row's token for
+        its uniform does not depend on what else is in the batch."""
         u = torch.rand(len(rows), 1, generator=self.generator, device=self.device)
         for i in np.flatnonzero(self.seeded[rows]):
             row = rows[i]
             self.row_generator.manual_seed(
                 (int(self.seed[row]) + int(self.num_generated[row]) * _SEED_MIX) & 0x7FFFFFFFFFFFFFFF)
             u[i] = torch.rand(1, generator=self.row_generator, device=self.device)
+        ranked = self.uses_top_k_p[rows]
+        if ranked.all() or not ranked.any():
+            return self._inverse_cdf(logits, rows, u)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        for part in (ranked, ~ranked):
+            idx = self._t(np.flatnonzero(part))
+            tokens[idx] = self._inverse_cdf(logits[idx], rows[part], u[idx])
+        return tokens
+
+    def _inverse_cdf(self, logits: torch.Tensor, rows: np.ndarray, u: torch.Tensor) -> torch.Tensor:
+        """The kept token whose CDF interval holds u (float32 [N, 1]) of each row."""
+        probs, ids = self.filter_probs(logits, rows)
+        cdf = probs.cumsum(dim=-1)                             # non-decreasing, so searchable
+        total = cdf[:, -1:]
         # strictly below the total, so the first cdf entry above u is a kept token
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         picked = torch.searchsorted(cdf, target, right=True)   # [N, 1]

@@ -117,6 +117,26 @@ def test_seed_reproduces_regardless_of_batch_and_resume():
     assert [int(resumed.sample(flat[None].clone(), np.array([0])).tokens[0]) for _ in range(7)] == alone[5:]
 
 
+def test_seed_reproduces_next_to_rows_with_top_k_or_top_p():
+    """A seeded row without top_k/top_p beside rows with them: those rows' sorted candidate
+    list must not reorder its distribution, or the same uniform picks another token (served:
+    a seeded temperature-1 request gave another text when a top_p request shared its batch)."""
+    unsorted = [PROBS[i] for i in (5, 0, 7, 2, 4, 1, 6, 3)]  # vocabulary order is not rank order
+
+    def run(others: list[SamplingParams]) -> list[int]:
+        sampler = make()
+        sampler.set_request(0, SamplingParams(temperature=1.0, seed=7), no_output(), no_output())
+        for row, params in enumerate(others, 1):
+            sampler.set_request(row, params, no_output(), no_output())
+        rows = np.arange(1 + len(others))
+        return [int(sampler.sample(logits_of(unsorted, len(rows)), rows).tokens[0]) for _ in range(32)]
+
+    alone = run([])
+    assert len(set(alone)) > 2
+    assert run([SamplingParams(temperature=1.0, top_p=0.9)]) == alone
+    assert run([SamplingParams(temperature=0.5, top_k=3), SamplingParams(temperature=1.0, min_p=0.1)]) == alone
+
+
 def test_penalties_follow_openai_vllm_semantics():
     sampler = make()
     prompt = np.array([1, 2], np.int32)
