@@ -320,8 +320,8 @@ class TokenizerManager:
         This worker's are ended here (returns how many); another worker's through the
         scheduler, which ends them with finish_reason "abort" in their own streams."""
         groups = list(self._groups) if rid is None else [g for g in (self._by_rid.get(rid),) if g is not None]
-        for group in groups:
-            self._fail(group, None, abort=True)
+        for group in groups:  # a batch's other prompts have rids of their own, as the scheduler sees them
+            self._fail(group, None, abort=True, rid=rid)
         if rid is None:
             self._send(pack_control(RequestKind.ABORT_ALL, self.worker), None)
         elif not groups:
@@ -351,11 +351,15 @@ class TokenizerManager:
             self._states[slot] = None
             self._free.append(slot)
 
-    def _fail(self, group: ReqGroup, err: BaseException | None, abort: bool) -> None:
-        """Ends every unfinished choice with finish "abort": with `err`, the group raises it;
-        without, its choices end normally (/abort_request). `abort`: tell the scheduler."""
+    def _fail(self, group: ReqGroup, err: BaseException | None, abort: bool, rid: str | None = None) -> None:
+        """Ends every unfinished choice (only those of `rid` if given) with finish "abort": with
+        `err`, the group raises it; without, its choices end normally (/abort_request).
+        `abort`: tell the scheduler."""
         aborts = []
-        for state in group.states:
+        states = group.states
+        if rid is not None and len(group.rids) > 1:  # choice i is the prompt rids[i * len // n]'s
+            states = [st for st in states if group.rids[st.index * len(group.rids) // len(states)] == rid]
+        for state in states:
             if not state.finished:
                 if abort:
                     aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
@@ -364,12 +368,15 @@ class TokenizerManager:
                 if not state.in_news:
                     state.in_news = True
                     group.news.append(state)
+                group.unfinished -= 1
         if aborts and self.dead is None:
             self._send(concat_records(aborts), None)
-        group.unfinished = 0
         if group.error is None:
             group.error = err
-        self._forget(group)
+        if group.unfinished == 0:
+            self._forget(group)
+        elif self._by_rid.get(rid) is group:
+            del self._by_rid[rid]
         group._wake()
 
     def _forget(self, group: ReqGroup) -> None:

@@ -233,6 +233,24 @@ def test_abort_request_by_rid(server):
     assert answer["body"]["meta_info"]["finish_reason"] == {"type": "abort"}
 
 
+def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
+    """Each prompt of a /generate batch has its own rid: aborting one ends that prompt only, as
+    it did when the abort came through another worker (before, the owning worker ended the batch)."""
+    answer = {}
+
+    def generate():
+        answer["body"] = httpx.post(server.url("/generate"), headers=AUTH, timeout=60, json={
+            "text": [LONG_PROMPT, LONG_PROMPT + " Again."], "rid": ["batch-a", "batch-b"],
+            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}).json()
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 2, 30)
+    assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "batch-a"}).json() == {"aborted": 1}
+    thread.join(30)
+    assert [out["meta_info"]["finish_reason"]["type"] for out in answer["body"]] == ["abort", "length"]
+
+
 # ---------------------------------------------------------------- bad requests
 
 @pytest.mark.parametrize("row", BAD_REQUESTS, ids=lambda r: r.name)
