@@ -32,7 +32,7 @@ from httpapi.requests import (parse_abort, parse_chat_completion, parse_completi
                               parse_tokenize)
 from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
                                new_request_id, now)
-from httpapi.sampling import check_token_ids
+from httpapi.sampling import SamplingSpec, check_token_ids
 from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
 from runtime.config import ServerArgs
 from runtime.heap import settle_heap
@@ -172,7 +172,7 @@ async def chat_completions(worker, request: Request) -> Response:
     req = parse_chat_completion(await request.body())
     check_model(req.model, worker.model.served_name)
     ids = await worker.tm.chat_ids(req.messages)
-    params = req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size, worker.kv_tokens)
+    params = worker.sampling_params(req.sampling, ids)
     request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("chat", [ids] * req.n, [params] * req.n, [request_id])
     vocab = worker.vocab if params.logprobs else None
@@ -191,8 +191,7 @@ async def completions(worker, request: Request) -> Response:
     req = parse_completion(await request.body())
     check_model(req.model, worker.model.served_name)
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
-    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size, worker.kv_tokens)
-              for ids in prompt_ids]
+    params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
     request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("completions", [ids for ids in prompt_ids for _ in range(n)],
@@ -281,8 +280,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await request.body())
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
-    params = [req.sampling.resolve(ids, worker.model.context_length, worker.model.vocab_size, worker.kv_tokens)
-              for ids in prompt_ids]
+    params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
@@ -459,6 +457,11 @@ class HTTPWorker:
         if self.tm.dead is not None:
             raise self.tm.dead
 
+    def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int]) -> SamplingParams:
+        """A request's final sampling parameters for one tokenized prompt; raises APIError(400)."""
+        m = self.model
+        return spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
+
     async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams],
                      rids: list[str] | None = None) -> ReqGroup:
         self.metrics.count_request(endpoint)
@@ -545,9 +548,14 @@ class App:
     error format."""
 
     def __init__(self, routes: dict[str, dict[str, Handler]]) -> None:
-        self.routes = {path: {**methods, **({"HEAD": methods["GET"]} if "GET" in methods else {})}
-                       for path, methods in routes.items()}
+        self.routes: dict[str, dict[str, Handler]] = {}
+        for path, methods in routes.items():
+            self.add_route(path, methods)
         self.worker: HTTPWorker | None = None
+
+    def add_route(self, path: str, methods: dict[str, Handler]) -> None:
+        """Routes `path`; HEAD is answered where GET is."""
+        self.routes[path] = {**methods, **({"HEAD": methods["GET"]} if "GET" in methods else {})}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -585,8 +593,7 @@ class App:
                     logger.exception("the worker failed to start")
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
                     return
-                self.routes[f"/v1/models/{self.worker.model.served_name}"] = {"GET": retrieve_model,
-                                                                              "HEAD": retrieve_model}
+                self.add_route(f"/v1/models/{self.worker.model.served_name}", {"GET": retrieve_model})
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.worker is not None:

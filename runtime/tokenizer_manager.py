@@ -60,6 +60,11 @@ class ModelInfo:
     vocab_size: int
 
 
+def prompt_of(choice: int, n_choices: int, n_prompts: int) -> int:
+    """The prompt a choice belongs to: a group's choices are prompt-major (n of each prompt)."""
+    return choice * n_prompts // n_choices
+
+
 def read_chat_template(value: str) -> str:
     """--chat-template's template (a file's text, or the value itself), compiled once as the
     tokenizer's own is: raises ValueError saying why it does not compile."""
@@ -285,14 +290,15 @@ class TokenizerManager:
         now_ns = time.monotonic_ns()
         group = ReqGroup(rids or (), now_ns, loop.time() + self.request_timeout)
         n = len(prompts)
-        rid_hashes = [rid_hash(rid) for rid in group.rids] or [0]  # prompt-major: choice i is rids[i * len // n]
+        rid_hashes = [rid_hash(rid) for rid in group.rids] or [0]
         records, blobs, size = [], [], 0
         for index, (ids, p) in enumerate(zip(prompts, params)):
             slot, gen = self._alloc()
             state = ReqState(group, index, slot, gen, p, len(ids))
             self._states[slot] = state
             group.states.append(state)
-            rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, rid_hashes[index * len(rid_hashes) // n])
+            tag = rid_hashes[prompt_of(index, n, len(rid_hashes))]
+            rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, tag)
             if size:  # offsets in the batch's one blob
                 rec["prompt_off"] += size
                 rec["stop_off"] += size
@@ -357,8 +363,8 @@ class TokenizerManager:
         `abort`: tell the scheduler."""
         aborts = []
         states = group.states
-        if rid is not None and len(group.rids) > 1:  # choice i is the prompt rids[i * len // n]'s
-            states = [st for st in states if group.rids[st.index * len(group.rids) // len(states)] == rid]
+        if rid is not None and len(group.rids) > 1:
+            states = [st for st in states if group.rids[prompt_of(st.index, len(states), len(group.rids))] == rid]
         for state in states:
             if not state.finished:
                 if abort:
