@@ -66,7 +66,8 @@ class RequestKind(enum.IntEnum):
 
 class TokenKind(enum.IntEnum):
     TOKEN = 0  # one generated token of a running request
-    OPEN = 1  # a newly admitted request: detokenizer options in `flags`, stop strings in the payload
+    OPEN = 1  # a newly admitted request: detokenizer options in `flags`, stop strings in the payload,
+    #           min_new_tokens in `completion_tokens`
     ERROR = 2  # the request failed: `error` holds an ErrorCode, the payload a UTF-8 message
 
 
@@ -137,7 +138,7 @@ TOKEN_OUT = RecordLayout("token_out", np.dtype([
     ("gen", np.uint32),
     ("token", np.uint32),
     ("prompt_tokens", np.uint32),
-    ("completion_tokens", np.uint32),
+    ("completion_tokens", np.uint32),  # OPEN: min_new_tokens (no stop string ends in their text)
     ("cached_tokens", np.uint32),
     ("logprob", np.float32),  # of `token`, when the request asked for logprobs
     # TOKEN: top-N alternatives (pack_top_logprobs) when asked; OPEN: stop strings

@@ -41,6 +41,7 @@ class DetokOptions:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0  # no stop string ends in the text of the first min_tokens tokens
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,13 @@ class DetokOutput:
 
 class _Request:
     """Per-request state for the Python path; the vectorised path touches none of it."""
-    __slots__ = ("skip", "spaces", "stop", "pending", "window", "read", "has_text", "in_run")
+    __slots__ = ("skip", "spaces", "stop", "protect", "pending", "window", "read", "has_text", "in_run")
 
     def __init__(self, options: DetokOptions) -> None:
         self.skip = options.skip_special_tokens
         self.spaces = options.spaces_between_special_tokens
         self.stop = StopMatcher(options.stop) if options.stop else None
+        self.protect = options.min_tokens if options.stop else 0  # tokens left whose text ends no stop
         self.pending = b""           # byte-table path: bytes of a character not complete yet
         self.window: list[int] = []  # window path: ids from the last emitted token on
         self.read = 0                # window path: window[:read] is already emitted text
@@ -218,28 +220,14 @@ class BatchDetokenizer:
         """The Python path: groups are (request, its tokens in order, their finish flags)."""
         if not groups:
             return _EMPTY
-        jobs = []  # (req, state, text so far, final)
-        for r, tokens, finished in groups:
-            final = True in finished
-            if final:  # nothing after a request's finishing token belongs to it
-                tokens = tokens[: finished.index(True) + 1]
-            state = self._requests[r]
-            jobs.append((r, state, self._feed(state, tokens, final), final))
-        if self.table is None:
-            self._decode_windows(jobs)
-
+        rows = self._decode_groups(self._split_protected(groups))
         out_req, out_len, out_fin, out_stop, chunks = [], [], [], [], []
-        for r, state, parts, final in jobs:
-            text = "".join(parts).encode()
-            stop = -1
-            if state.stop is not None:
-                text, stop = state.stop.feed(text, final)
-                final = final or stop >= 0
-            if final:
-                self.close(r)
-            else:
-                self._python[r] = self._needs_python(state)
-            if text or final:
+        for r, text, final, stop in rows:
+            if out_req and out_req[-1] == r:  # the second part of a split group
+                chunks[-1] += text
+                out_len[-1] += len(text)
+                out_fin[-1], out_stop[-1] = final, stop
+            elif text or final:
                 out_req.append(r)
                 out_len.append(len(text))
                 out_fin.append(final)
@@ -250,6 +238,51 @@ class BatchDetokenizer:
                            length=length, finished=np.array(out_fin, bool),
                            stop=np.array(out_stop, np.int16),
                            text=np.frombuffer(b"".join(chunks), np.uint8))
+
+    def _split_protected(self, groups: list[tuple[int, list[int], list[bool]]]
+                         ) -> list[list[tuple[int, list[int], list[bool]]]]:
+        """Rounds of groups to decode in turn: one, unless a group's tokens cross its request's
+        min_tokens; then its protected tokens are decoded in a first round, the rest after."""
+        heads, rest = [], []
+        for r, tokens, finished in groups:
+            k = self._requests[r].protect
+            if 0 < k < len(tokens) and True not in finished[:k]:
+                heads.append((r, tokens[:k], finished[:k]))
+                rest.append((r, tokens[k:], finished[k:]))
+            else:
+                rest.append((r, tokens, finished))
+        return [heads, rest] if heads else [rest]
+
+    def _decode_groups(self, rounds: list[list[tuple[int, list[int], list[bool]]]]
+                       ) -> list[tuple[int, bytes, bool, int]]:
+        """(request, text released, finished, stop index) per group, a request's rows in order."""
+        rows = []
+        for groups in rounds:
+            jobs = []  # (req, state, text so far, final, protected)
+            for r, tokens, finished in groups:
+                final = True in finished
+                if final:  # nothing after a request's finishing token belongs to it
+                    tokens = tokens[: finished.index(True) + 1]
+                state = self._requests[r]
+                protected = state.protect > 0
+                state.protect = max(state.protect - len(tokens), 0)
+                jobs.append((r, state, self._feed(state, tokens, final), final, protected))
+            if self.table is None:
+                self._decode_windows(jobs)
+            for r, state, parts, final, protected in jobs:
+                text = "".join(parts).encode()
+                stop = -1
+                if state.stop is not None:
+                    text, stop = state.stop.feed(text, final, protected)
+                    final = final or stop >= 0
+                if final:
+                    self.close(r)
+                else:
+                    self._python[r] = self._needs_python(state)
+                rows.append((r, text, final, stop))
+        if len(rounds) > 1:  # a split group's two rows side by side (the sort is stable)
+            rows.sort(key=lambda row: row[0])
+        return rows
 
     def _feed(self, state: _Request, tokens: list[int], final: bool) -> list[str]:
         """Text of `tokens` as far as it is complete; the window path appends the ids to the
@@ -304,7 +337,7 @@ class BatchDetokenizer:
 
     def _decode_windows(self, jobs) -> None:
         """Window path, all requests at once: delta = decode(window) minus decode(emitted part)."""
-        windows = [(parts, state, final) for _, state, parts, final in jobs if len(state.window) > state.read]
+        windows = [(parts, state, final) for _, state, parts, final, _ in jobs if len(state.window) > state.read]
         if not windows:
             return
         texts = self.tokenizer.batch_decode([s.window[: s.read] for _, s, _ in windows]
@@ -321,7 +354,7 @@ class BatchDetokenizer:
         with stop strings holding nothing back needs it only for tokens that contain the first
         byte of one of its stop strings (step checks that per token)."""
         return (self.table is None or bool(state.pending) or (state.spaces and not state.in_run)
-                or (state.stop is not None and bool(state.stop.held)))
+                or (state.stop is not None and (bool(state.stop.held) or state.protect > 0)))
 
 
 def _concat(a: DetokOutput, b: DetokOutput) -> DetokOutput:

@@ -3,7 +3,7 @@ TEXT_OUT records and their payload blob out (ipc/records.py has both layouts).
 
 Requests are addressed by (worker, slot, gen). The scheduler's OPEN record starts one
 (detokenizer options in `flags`, top_logprobs asked in `n_top`, stop strings in the
-payload); its TOKEN records follow; the record carrying a finish ends it. Records whose
+payload, min_new_tokens in `completion_tokens`); its TOKEN records follow; the record carrying a finish ends it. Records whose
 gen is not the open one are stale (an aborted request) and dropped.
 
 Per step, a request gets a TEXT_OUT record when its new tokens complete some text, when
@@ -102,7 +102,7 @@ class DetokRouter:
         w, s, gen, kind = r["worker"], r["slot"], r["gen"], r["kind"]
         body = payload[r["payload_off"]: r["payload_off"] + r["payload_len"]]
         if kind == TokenKind.OPEN:
-            if self._open(w, s, gen, r["flags"], r["n_top"], body):
+            if self._open(w, s, gen, r["flags"], r["n_top"], r["completion_tokens"], body):
                 return _NOTHING
             message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
             return _error(w, s, gen, ErrorCode.OVERLOADED, message, rec)
@@ -113,7 +113,7 @@ class DetokRouter:
             self._close(w, s)
         return _error(w, s, gen, r["error"], np.ascontiguousarray(body), rec)
 
-    def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, body: np.ndarray) -> bool:
+    def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, min_tokens: int, body: np.ndarray) -> bool:
         """False when max_open requests are open already. flags: OpenFlags bits."""
         if w >= self._index.shape[0] or s >= self._index.shape[1]:
             self._grow(w + 1, s + 1)
@@ -124,7 +124,7 @@ class DetokRouter:
         i = self._free.pop()
         self.core.open(i, DetokOptions(skip_special_tokens=bool(flags & _SKIP_SPECIAL),
                                        spaces_between_special_tokens=bool(flags & _SPACES_BETWEEN_SPECIAL),
-                                       stop=decode_strings(body)))
+                                       stop=decode_strings(body), min_tokens=min_tokens))
         self._index[w, s], self._gen[w, s] = i, gen
         self._addr[i] = w, s, gen
         self._logprobs[i] = bool(flags & _LOGPROBS)

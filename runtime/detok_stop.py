@@ -4,6 +4,10 @@ Text that could still be the start of a stop string is withheld until the next d
 shows it is not; on a match the text is cut where the stop string starts (the stop string
 itself is not output, as OpenAI does). Matching is on UTF-8 bytes: the text is valid UTF-8,
 which is self-synchronising, so a byte match of a stop string is always a character match.
+
+Text fed as `protected` (the text of a request's first min_tokens tokens) ends no match; a
+match may start in it and end in later text, as vLLM matches (its detokenizer searches only
+for stop strings that end in the text of tokens past min_tokens).
 """
 from __future__ import annotations
 
@@ -11,28 +15,31 @@ from __future__ import annotations
 class StopMatcher:
     """One request's stop strings and the text it is holding back."""
 
-    __slots__ = ("stops", "held")
+    __slots__ = ("stops", "held", "guard")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s.encode() for s in stops)
         self.held = b""
+        self.guard = 0  # held[:guard] is protected text: no match ends in it
 
-    def feed(self, text: bytes, final: bool) -> tuple[bytes, int]:
+    def feed(self, text: bytes, final: bool, protected: bool = False) -> tuple[bytes, int]:
         """-> (text to release now, index of the matched stop string or -1).
 
         Among several matches the one that ends first wins (it is the one a character-by-
         character stream would have hit first); among those, the longest."""
         buf = self.held + text
+        guard = len(buf) if protected else self.guard  # a match must end past buf[:guard]
         best_end, best_start, best = len(buf) + 1, 0, -1
         for i, stop in enumerate(self.stops):
-            start = buf.find(stop)
+            start = buf.find(stop, max(guard - len(stop) + 1, 0))
             if start >= 0 and (start + len(stop), start) < (best_end, best_start):
                 best_end, best_start, best = start + len(stop), start, i
         if best >= 0:
-            self.held = b""
+            self.held, self.guard = b"", 0
             return buf[:best_start], best
         keep = 0 if final else self._partial_suffix(buf)
         self.held = buf[len(buf) - keep:]
+        self.guard = max(guard - (len(buf) - keep), 0)
         return buf[: len(buf) - keep], -1
 
     def _partial_suffix(self, buf: bytes) -> int:

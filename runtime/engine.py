@@ -121,12 +121,16 @@ class Engine:
         return out
 
     def _hit_stop(self, run: "_Run") -> bool:
-        """Stop strings: done here for the Engine (in the server the detokenizer does it)."""
-        text = self.tokenizer.decode(run.tokens, skip_special_tokens=run.params.skip_special_tokens)
-        cut = min((i for i in (text.find(s) for s in run.params.stop) if i >= 0), default=-1)
-        if cut < 0:
+        """Stop strings: done here for the Engine (in the server the detokenizer does it), by
+        the detokenizer's rule: the match that ends first wins, and none ends in the text of
+        the first min_new_tokens tokens."""
+        p = run.params
+        text = self.tokenizer.decode(run.tokens, skip_special_tokens=p.skip_special_tokens)
+        guard = len(self.tokenizer.decode(run.tokens[:p.min_new_tokens], skip_special_tokens=p.skip_special_tokens))
+        matches = [(start + len(s), start) for s in p.stop if (start := text.find(s, max(guard - len(s) + 1, 0))) >= 0]
+        if not matches:
             return False
-        run.text = text[:cut]
+        run.text = text[:min(matches)[1]]
         return True
 
     def _output(self, run: "_Run") -> GenerateOutput:

@@ -4,7 +4,7 @@ the Scheduler core (runtime/scheduler.py) and the model runner.
 Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
 flushes), run one step, and push that step's TOKEN_OUT records to the detokenizer in one
 batch: an OPEN record per request received since the last step (detokenizer options in
-`flags`, stop strings in the payload), then one record per request with news (its sampled
+`flags`, stop strings in the payload, min_new_tokens), then one record per request with news (its sampled
 token, or how it ended). While there is work the loop never makes a syscall to look for
 more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
 published EngineStats) advance every iteration and before each forward.
@@ -236,6 +236,7 @@ class SchedulerProcess:
         out["kind"][k] = TokenKind.OPEN
         out["worker"][k], out["slot"][k], out["gen"][k] = req.worker, req.slot, req.generation
         out["prompt_tokens"][k] = len(req.prompt)
+        out["completion_tokens"][k] = p.min_new_tokens
         out["flags"][k] = ((OpenFlags.SKIP_SPECIAL_TOKENS if p.skip_special_tokens else 0)
                            | (OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS if p.spaces_between_special_tokens else 0)
                            | (OpenFlags.LOGPROBS if p.logprobs else 0))

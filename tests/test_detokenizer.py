@@ -256,6 +256,50 @@ def test_stop_matcher_matches_reference(chunks, stops):
     assert (out.decode(), hit) == want
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer, detok):
+    """No stop string ends in the text of a request's first min_tokens tokens (vLLM's rule: a
+    match may start there and end later); tokens crossing min_tokens in one step included."""
+    rng = np.random.default_rng(9)
+    words = "the of and to in is x = 1 ; stop here { } ok\n".split(" ")
+    streams, opts, want = [], [], []
+    for r in range(CAPACITY):
+        text = "".join(rng.choice(words, 24).tolist())
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        full = tokenizer.decode(ids).encode()
+        a = int(rng.integers(0, len(full) // 2))
+        stops = [full[a: a + int(rng.integers(1, 4))], b"stop", b"of"][: 1 + r % 3]
+        min_tokens = int(rng.integers(0, len(ids)))
+        guard = len(tokenizer.decode(ids[:min_tokens]).encode())
+        ends = [(start + len(s), start, i) for i, s in enumerate(stops)
+                if (start := full.find(s, max(guard - len(s) + 1, 0))) >= 0]
+        streams.append(ids)
+        opts.append(DetokOptions(stop=tuple(s.decode() for s in stops), min_tokens=min_tokens))
+        want.append((full[: min(ends)[1]].decode(), min(ends)[2]) if ends else (full.decode(), -1))
+    got, stop = stream(detok, streams, opts, rng, max_per_step=4)
+    assert list(zip(got, stop)) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(st.text(alphabet="abé ", max_size=5), max_size=10),
+       stops=st.lists(st.text(alphabet="abé ", min_size=1, max_size=4), min_size=1, max_size=3),
+       protected=st.integers(0, 10))
+def test_stop_matcher_protected_text_ends_no_match(chunks, stops, protected):
+    """The first `protected` chunks (a request's first min_tokens tokens) end no match."""
+    full = "".join(chunks).encode()
+    guard = len("".join(chunks[:protected]).encode())
+    found = [(start + len(s), start, i) for i, s in enumerate(x.encode() for x in stops)
+             if (start := full.find(s, max(guard - len(s) + 1, 0))) >= 0]
+    want = (full[: min(found)[1]], min(found)[2]) if found else (full, -1)
+    m = StopMatcher(tuple(stops))
+    out, hit = b"", -1
+    for k, chunk in enumerate(chunks + [""]):
+        released, hit = m.feed(chunk.encode(), final=k == len(chunks), protected=k < protected)
+        out += released
+        if hit >= 0:
+            break
+    assert (out, hit) == want
+
+
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer():
     """A Llama 2 style tokenizer: Metaspace pieces, byte fallback, leading space stripped."""

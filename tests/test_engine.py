@@ -53,6 +53,14 @@ def test_stop_token_ids_and_stop_strings(engine):
     word = base.text.split()[2]
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,)))[0]
     assert o.finish_reason == "stop" and o.text == base.text[:base.text.index(word)]
+    a = base.text.index(word)  # of two matches, the one that ends first wins (as in the server)
+    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                   stop=(base.text[a:a + 8], base.text[a + 2:a + 4])))[0]
+    assert o.finish_reason == "stop" and o.text == base.text[:a + 2]
+    assert base.finish_reason == "length"  # no stop string ends in the first min_new_tokens tokens' text
+    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,),
+                                                                   min_new_tokens=12))[0]
+    assert (o.finish_reason, o.text) == ("length", base.text)
     assert engine.scheduler.num_running == 0 and not engine.scheduler.has_work
 
 
