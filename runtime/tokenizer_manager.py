@@ -324,13 +324,14 @@ class TokenizerManager:
     def abort_rid(self, rid: str | None) -> int:
         """/abort_request: the request named `rid`, or every request of the server for None.
         This worker's are ended here (returns how many); another worker's through the
-        scheduler, which ends them with finish_reason "abort" in their own streams."""
+        scheduler, which ends them with finish_reason "abort" in their own streams (another
+        worker may hold a request of the same rid: a worker sees only its own)."""
         groups = list(self._groups) if rid is None else [g for g in (self._by_rid.get(rid),) if g is not None]
         for group in groups:  # a batch's other prompts have rids of their own, as the scheduler sees them
             self._fail(group, None, abort=True, rid=rid)
         if rid is None:
             self._send(pack_control(RequestKind.ABORT_ALL, self.worker), None)
-        elif not groups:
+        else:
             self._send(pack_control(RequestKind.ABORT_RID, self.worker, rid=rid_hash(rid)), None)
         return len(groups)
 

@@ -128,34 +128,36 @@ def test_both_workers_serve_the_engine_output(server, offline_engine):
     assert all(texts == {want.text} for texts in answered.values()), answered
 
 
+def other_worker(server, owner: str) -> httpx.Client:
+    """A connection the other worker holds (a keep-alive connection stays with its worker)."""
+    for _ in range(64):
+        http = httpx.Client(timeout=30)
+        if http.get(server.url("/v1/models")).headers["x-ringserve-worker"] != owner:
+            return http
+        http.close()
+    pytest.fail("every connection went to the worker holding the stream")
+
+
+def chunks(resp: httpx.Response):
+    """The JSON chunks of an SSE stream, split on blank lines only (the text may hold
+    characters str.splitlines() splits on, such as U+2028)."""
+    pending = b""
+    for data in resp.iter_bytes():
+        *events, pending = (pending + data).split(b"\n\n")
+        yield from (json.loads(e[6:]) for e in events if e.startswith(b"data: {"))
+
+
 def test_abort_request_reaches_the_worker_holding_the_request(server):
     """POST /abort_request {"rid": ...} answered by the other worker: the abort goes through
     the scheduler and the stream ends with finish_reason "abort"; abort_all ends every
     worker's streams."""
     body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
 
-    def other_worker(owner: str) -> httpx.Client:
-        """A connection the other worker holds (a keep-alive connection stays with its worker)."""
-        for _ in range(64):
-            http = httpx.Client(timeout=30)
-            if http.get(server.url("/v1/models")).headers["x-ringserve-worker"] != owner:
-                return http
-            http.close()
-        pytest.fail("every connection went to the worker holding the stream")
-
-    def chunks(resp: httpx.Response):
-        """The JSON chunks of an SSE stream, split on blank lines only (the text may hold
-        characters str.splitlines() splits on, such as U+2028)."""
-        pending = b""
-        for data in resp.iter_bytes():
-            *events, pending = (pending + data).split(b"\n\n")
-            yield from (json.loads(e[6:]) for e in events if e.startswith(b"data: {"))
-
     def ends_aborted(http: httpx.Client, abort: dict) -> None:
         with http.stream("POST", server.url("/v1/completions"), json=body) as resp:
             owner, stream = resp.headers["x-ringserve-worker"], chunks(resp)
             rid = next(stream)["id"]
-            other = other_worker(owner)
+            other = other_worker(server, owner)
             try:
                 r = other.post(server.url("/abort_request"), json=abort or {"rid": rid})
             finally:
@@ -167,6 +169,28 @@ def test_abort_request_reaches_the_worker_holding_the_request(server):
     with httpx.Client(timeout=120) as http:
         ends_aborted(http, {})
         ends_aborted(http, {"abort_all": True})
+    assert server.wait_until(lambda: running_requests(server) == 0, 30)
+
+
+def test_abort_request_ends_the_rid_on_every_worker(server):
+    """Two /generate streams with one rid, one on each worker (a worker refuses a rid it holds
+    in flight, but cannot see the other's): /abort_request of the rid ends both, whichever
+    worker answers it."""
+    body = {"text": PROMPT, "rid": "twice", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.Client(timeout=120) as http, http.stream("POST", server.url("/generate"), json=body) as first:
+        owner, first_chunks = first.headers["x-ringserve-worker"], chunks(first)
+        next(first_chunks)
+        other = other_worker(server, owner)
+        try:
+            with other.stream("POST", server.url("/generate"), json=body) as second:
+                second_chunks = chunks(second)
+                next(second_chunks)
+                assert http.post(server.url("/abort_request"), json={"rid": "twice"}).status_code == 200
+                for stream in (first_chunks, second_chunks):
+                    assert [c["meta_info"]["finish_reason"] for c in stream][-1]["type"] == "abort"
+        finally:
+            other.close()
     assert server.wait_until(lambda: running_requests(server) == 0, 30)
 
 
