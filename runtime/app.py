@@ -174,7 +174,7 @@ async def chat_completions(worker, request: Request) -> Response:
     ids = await worker.tm.chat_ids(req.messages)
     params = worker.sampling_params(req.sampling, ids)
     request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
-    group = await worker.submit("chat", [ids] * req.n, [params] * req.n, [request_id])
+    group = await worker.submit("chat", [ids] * req.n, [params] * req.n, [request_id], req.stream)
     vocab = worker.vocab if params.logprobs else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
@@ -195,7 +195,7 @@ async def completions(worker, request: Request) -> Response:
     n = req.n
     request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("completions", [ids for ids in prompt_ids for _ in range(n)],
-                                [p for p in params for _ in range(n)], [request_id])
+                                [p for p in params for _ in range(n)], [request_id], req.stream)
     echoes = None
     if req.echo:
         echoes = [p if isinstance(p, str) else worker.tm.decode(p) for p in req.prompts for _ in range(n)]
@@ -285,7 +285,7 @@ async def generate(worker, request: Request) -> Response:
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
     group = await worker.submit("generate", [ids for ids in prompt_ids for _ in range(n)],
-                                [p for p in params for _ in range(n)], rids)
+                                [p for p in params for _ in range(n)], rids, req.stream)
     vocab = worker.vocab if req.return_logprob else None
     if req.stream:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
@@ -422,7 +422,7 @@ class HTTPWorker:
             link.close(files)
             raise
         tm = TokenizerManager(link.worker, link.request_ch, link.text_ch, link.waker, tokenizer, model,
-                              args.request_timeout)
+                              args.request_timeout, args.stream_interval)
         worker = cls(args, files, link, tm, vocab, metrics)
         tm.start()
         worker.watchdog.start(asyncio.get_running_loop())
@@ -462,10 +462,10 @@ class HTTPWorker:
         m = self.model
         return spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
 
-    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams],
-                     rids: list[str] | None = None) -> ReqGroup:
+    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams], rids: list[str],
+                     stream: bool) -> ReqGroup:
         self.metrics.count_request(endpoint)
-        return await self.tm.submit(prompts, params, rids)
+        return await self.tm.submit(prompts, params, rids, stream)
 
     def observe(self, group: ReqGroup) -> None:
         """A request that ran to its end (not one that failed or whose client left)."""

@@ -44,6 +44,9 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     request_timeout: float = 600.0  # soft limit on a request's life, seconds
+    # a stream's events: at its first token, then once every stream_interval tokens (and at its
+    # end); larger values send fewer, larger events for less server CPU a token
+    stream_interval: int = 1
     # scheduler
     page_size: int = 16
     max_running_requests: int = 256
@@ -71,8 +74,8 @@ class ServerArgs:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{_flag(name)} must be one of {[a for a in allowed if a]}, "
                                  f"not {getattr(self, name)!r}")
-        positive = ("port", "workers", "page_size", "max_running_requests", "chunked_prefill_size",
-                    "max_prefill_tokens")
+        positive = ("port", "workers", "stream_interval", "page_size", "max_running_requests",
+                    "chunked_prefill_size", "max_prefill_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1")

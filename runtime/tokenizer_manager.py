@@ -1,9 +1,9 @@
 """The TokenizerManager: one per HTTP worker, on the worker's event loop.
 
-    tm = TokenizerManager(worker, request_ch, text_ch, waker, tokenizer, model, request_timeout)
+    tm = TokenizerManager(worker, request_ch, text_ch, waker, tokenizer, model, request_timeout, stream_interval)
     tm.start()                                   # the reader, the sender, the timeout sweeper
     ids = await tm.encode(text) / await tm.chat_ids(messages)
-    group = await tm.submit(prompts, params)     # one ReqState per choice, records pushed
+    group = await tm.submit(prompts, params, stream=True)  # one ReqState per choice, records pushed
     while not group.done:                        # streaming
         for state in await group.next_news(): text, logprobs, finish = state.take()
     states = await group.finished()              # non-streaming: every choice done
@@ -16,7 +16,9 @@ channel for the whole worker, drops stale records with one vectorised gen check,
 appends each record's delta bytes to its request's ReqState; the request's
 coroutine is woken with one future per wait, never a queue of per-token objects.
 A coroutine that was busy (its client is slow) finds several deltas pending and
-sends them as one SSE event.
+sends them as one SSE event. A streamed choice wakes its coroutine at its first token
+and then once every `stream_interval` tokens (SGLang's --stream-interval), and at its
+end; a non-streamed one only at its end.
 
 Stop strings end a request in the detokenizer, and so does its refusal of a request
 past its open limit; the scheduler does not see them, so the TM sends an ABORT for
@@ -46,6 +48,7 @@ from runtime.sampling_params import SamplingParams
 logger = logging.getLogger("ringserve.tokenizer_manager")
 
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
+NEVER = 1 << 62  # a non-streamed choice's wake_at: only its end wakes it
 FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
 TIMEOUT_SWEEP_S = 1.0
 
@@ -122,7 +125,7 @@ class ReqState:
     """One choice in flight: what the reader appended and its coroutine has not taken yet."""
     __slots__ = ("group", "index", "slot", "gen", "params", "parts", "logprobs", "finish", "stop_token",
                  "stop_index", "prompt_tokens", "completion_tokens", "cached_tokens", "first_ns", "error",
-                 "in_news", "sent_tokens", "last_ns")
+                 "in_news", "wake_at", "sent_tokens", "last_ns")
 
     def __init__(self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams,
                  prompt_tokens: int) -> None:
@@ -139,6 +142,7 @@ class ReqState:
         self.first_ns = 0  # when its first delta arrived (TTFT)
         self.error: APIError | None = None
         self.in_news = False  # listed in group.news
+        self.wake_at = 1 if group.wake_every else NEVER  # completion_tokens that wakes its coroutine
         self.sent_tokens, self.last_ns = 0, 0  # streamed so far, and when (the HTTP layer's)
 
     @property
@@ -165,13 +169,15 @@ class ReqState:
 
 class ReqGroup:
     """The choices of one HTTP request (n x prompts), woken together."""
-    __slots__ = ("states", "rids", "arrival_ns", "deadline", "waiter", "error", "news", "unfinished", "__weakref__")
+    __slots__ = ("states", "rids", "arrival_ns", "deadline", "wake_every", "waiter", "error", "news", "unfinished",
+                 "__weakref__")
 
-    def __init__(self, rids: Sequence[str], arrival_ns: int, deadline: float) -> None:
+    def __init__(self, rids: Sequence[str], arrival_ns: int, deadline: float, wake_every: int) -> None:
         self.states: list[ReqState] = []
         self.rids = rids  # names for /abort_request
         self.arrival_ns = arrival_ns
         self.deadline = deadline  # loop time after which the request is abandoned
+        self.wake_every = wake_every  # tokens between wakes of a streamed choice; 0: woken at the end only
         self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None  # APIError, or ClientGone
         self.news: list[ReqState] = []  # states with something to take, in arrival order
@@ -217,7 +223,7 @@ class ReqGroup:
 
 class TokenizerManager:
     def __init__(self, worker: int, request_ch: Any, text_ch: Any, waker: Any, tokenizer: Any,
-                 model: ModelInfo, request_timeout: float) -> None:
+                 model: ModelInfo, request_timeout: float, stream_interval: int = 1) -> None:
         self.worker = worker
         self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
         self.tokenizer = tokenizer
@@ -225,6 +231,7 @@ class TokenizerManager:
         self._chat_template = ChatTemplate(tokenizer)
         self.model = model
         self.request_timeout = request_timeout
+        self.stream_interval = stream_interval
         self.dead: APIError | None = None  # set when the engine is gone: every request fails with it
         self._gens = np.zeros(256, np.uint32)  # [slots] gen of the request in each slot; 0: free
         self._states: list[ReqState | None] = [None] * 256
@@ -278,9 +285,10 @@ class TokenizerManager:
     # ---------------------------------------------------------------- requests in
 
     async def submit(self, prompts: Sequence[Sequence[int] | np.ndarray], params: Sequence[SamplingParams],
-                     rids: Sequence[str] | None = None) -> ReqGroup:
+                     rids: Sequence[str] | None = None, stream: bool = False) -> ReqGroup:
         """Starts one choice per (prompt, params): their records are in the REQUEST channel
-        (or queued for room) when this returns."""
+        (or queued for room) when this returns. `stream`: its deltas are awaited one by one
+        (next_news), else only its end (finished)."""
         if self.dead is not None:
             raise self.dead
         for rid in rids or ():  # /abort_request must reach every request its rid names
@@ -288,7 +296,7 @@ class TokenizerManager:
                 raise bad_request(f"rid {rid!r} is already in use by a request in flight", "rid")
         loop = asyncio.get_running_loop()
         now_ns = time.monotonic_ns()
-        group = ReqGroup(rids or (), now_ns, loop.time() + self.request_timeout)
+        group = ReqGroup(rids or (), now_ns, loop.time() + self.request_timeout, self.stream_interval if stream else 0)
         n = len(prompts)
         rid_hashes = [rid_hash(rid) for rid in group.rids] or [0]
         records, blobs, size = [], [], 0
@@ -447,10 +455,6 @@ class TokenizerManager:
             state = states[slot]
             if state is None:  # ended earlier in this batch
                 continue
-            group = state.group
-            if not state.in_news:
-                state.in_news = True
-                group.news.append(state)
             if n:
                 state.parts.append(blob[off:off + n])
             state.completion_tokens = completion
@@ -458,7 +462,12 @@ class TokenizerManager:
                 state.first_ns = now_ns
             if odd and self._special(state, recs[i], payload):
                 aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
-            group._wake()
+            if not state.in_news and (completion >= state.wake_at or state.finished):
+                group = state.group
+                state.wake_at = completion + group.wake_every
+                state.in_news = True
+                group.news.append(state)
+                group._wake()
         if aborts:
             self._send(concat_records(aborts), None)
 

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from gpu.model_files import resolve_model_dir
 from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
-from ipc.records import REQUEST, TEXT_OUT, TOKEN_OUT, RequestKind, TokenKind
+from ipc.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from ipc.ring import Batch
 from ipc.wakeup import Waker
 from runtime.detok_router import DetokRouter
@@ -80,3 +80,49 @@ def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, 
     news, aborts = asyncio.run(run())
     address = [(int(r["kind"]), int(r["slot"]), int(r["gen"])) for r in aborts]
     assert address == [(RequestKind.ABORT, int(news[1]["slot"]), int(news[1]["gen"]))]
+
+
+def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_end(tokenizer, rings):
+    """--stream-interval 3: a streamed choice's coroutine wakes at tokens 1, 4, 7 and at its
+    end (SGLang's rule), with every token's text; a non-streamed one once, at its end."""
+    waker, req_out, req_in, text_out, text_in = rings
+    router = DetokRouter(tokenizer, max_open=4)
+    model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
+    ids = tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
+    assert len(ids) == 8
+
+    def token(new: np.void, k: int) -> Batch:
+        rec = np.zeros(1, TOKEN_OUT.dtype)
+        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.TOKEN, new["worker"], new["slot"], new["gen"]
+        rec["token"], rec["prompt_tokens"], rec["completion_tokens"] = ids[k - 1], 3, k
+        rec["finish"] = Finish.LENGTH if k == len(ids) else Finish.NONE
+        return Batch(rec, np.zeros(0, np.uint8))
+
+    async def watch(group) -> tuple[list[int], str]:
+        woken, text = [], ""
+        while not group.done:
+            for state in await group.next_news():
+                woken.append(state.completion_tokens)
+                text += state.take()[0]
+        return woken, text
+
+    async def run():
+        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60, stream_interval=3)
+        tm.start()
+        try:
+            params = SamplingParams(max_new_tokens=len(ids))
+            streamed = await tm.submit([[1, 2, 3]], [params], stream=True)
+            whole = await tm.submit([[1, 2, 3]], [params])
+            watchers = [asyncio.create_task(watch(g)) for g in (streamed, whole)]
+            news = req_in.pop().records
+            for batch in [opened(new) for new in news] + [token(new, k) for k in range(1, 9) for new in news]:
+                text_out.push_all(*router.handle(batch))
+                await asyncio.sleep(0.02)  # each record read, and its coroutine run, before the next
+            return await asyncio.gather(*watchers)
+        finally:
+            await tm.close()
+
+    (stream_woken, stream_text), (whole_woken, whole_text) = asyncio.run(run())
+    want = tokenizer.decode(ids)
+    assert (stream_woken, stream_text) == ([1, 4, 7, 8], want)
+    assert (whole_woken, whole_text) == ([8], want)
