@@ -3,8 +3,9 @@ TEXT_OUT records and their payload blob out (ipc/records.py has both layouts).
 
 Requests are addressed by (worker, slot, gen). The scheduler's OPEN record starts one
 (detokenizer options in `flags`, top_logprobs asked in `n_top`, stop strings in the
-payload, min_new_tokens in `completion_tokens`); its TOKEN records follow; the record carrying a finish ends it. Records whose
-gen is not the open one are stale (an aborted request) and dropped.
+payload, min_new_tokens in `completion_tokens`); its TOKEN records follow; the record
+carrying a finish ends it. Records whose gen is not the open one are stale (an aborted
+request) and dropped.
 
 Per step, a request gets a TEXT_OUT record when its new tokens complete some text, when
 it finishes, or, if it asked for logprobs, whenever it got tokens (text possibly empty).
