@@ -13,6 +13,7 @@ its OpenAI-format body; anything else is a bug, logged, and a 500.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -174,7 +175,7 @@ async def chat_completions(worker, request: Request) -> Response:
     ids = await worker.tm.chat_ids(req.messages)
     params = worker.sampling_params(req.sampling, ids)
     request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
-    group = await worker.submit("chat", [ids] * req.n, [params] * req.n, [request_id], req.stream)
+    group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     vocab = worker.vocab if params.logprobs else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
@@ -194,8 +195,7 @@ async def completions(worker, request: Request) -> Response:
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
     request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
-    group = await worker.submit("completions", [ids for ids in prompt_ids for _ in range(n)],
-                                [p for p in params for _ in range(n)], [request_id], req.stream)
+    group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
     echoes = None
     if req.echo:
         echoes = [p if isinstance(p, str) else worker.tm.decode(p) for p in req.prompts for _ in range(n)]
@@ -284,8 +284,7 @@ async def generate(worker, request: Request) -> Response:
     n = req.n
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
-    group = await worker.submit("generate", [ids for ids in prompt_ids for _ in range(n)],
-                                [p for p in params for _ in range(n)], rids, req.stream)
+    group = await worker.submit("generate", prompt_ids, params, n, rids, req.stream)
     vocab = worker.vocab if req.return_logprob else None
     if req.stream:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
@@ -462,10 +461,14 @@ class HTTPWorker:
         m = self.model
         return spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
 
-    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams], rids: list[str],
+    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams], n: int, rids: list[str],
                      stream: bool) -> ReqGroup:
+        """n choices of each prompt, prompt-major. A seeded prompt's j-th choice samples with
+        seed + j, as vLLM's: the n samples differ, and the request is still reproducible."""
         self.metrics.count_request(endpoint)
-        return await self.tm.submit(prompts, params, rids, stream)
+        choice_params = [p if p.seed is None or j == 0 else dataclasses.replace(p, seed=_wrap_int64(p.seed + j))
+                         for p in params for j in range(n)]
+        return await self.tm.submit([ids for ids in prompts for _ in range(n)], choice_params, rids, stream)
 
     def observe(self, group: ReqGroup) -> None:
         """A request that ran to its end (not one that failed or whose client left)."""
@@ -502,6 +505,10 @@ class HTTPWorker:
                 "attention_backend": meta.get("attention_backend"), "worker_index": self.link.worker,
                 "engine": {p.role: p.pid for p in self.link.procs}, "engine_up": self.tm.dead is None,
                 "internal_states": [self.engine_stats() or {}]}
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def _configure_logging(level: str) -> None:

@@ -79,6 +79,9 @@ def got(server, client, want):
         "n2": lambda: client.completions.create(prompt=PROMPTS[0], n=2, **completion),
         "n2_sampled": lambda: list(client.chat.completions.create(
             model=MODEL, messages=CHAT, max_tokens=4, n=2, temperature=1.0, seed=7, stream=True)),
+        **{name: (lambda n=n: client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0,
+                                                       seed=1234, n=n))
+           for name, n in (("seeded_n3", 3), ("seeded_n3_again", 3), ("seeded_n1", 1))},
         "logprobs": lambda: client.completions.create(prompt=PROMPTS[0], logprobs=2, **completion),
         "chat_logprobs": lambda: client.chat.completions.create(
             model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3),
@@ -149,6 +152,11 @@ def test_n_choices(got, want):
     assert resp.usage.prompt_tokens == want.prompt_tokens  # the prompt counts once
     assert resp.usage.completion_tokens == 2 * want.completion_tokens
     assert {c.choices[0].index for c in got["n2_sampled"] if c.choices} == {0, 1}
+    # seeded: choice j samples with seed + j (vLLM's rule): n different samples, reproducible
+    texts = [c.text for c in got["seeded_n3"].choices]
+    assert len(set(texts)) > 1, texts
+    assert [c.text for c in got["seeded_n3_again"].choices] == texts
+    assert got["seeded_n1"].choices[0].text == texts[0]
 
 
 def test_logprobs(got, want):
@@ -185,6 +193,10 @@ def test_native_routes(server, client):
     assert ids["count"] == len(ids["tokens"]) == 2
     text = httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": ids["tokens"]}).json()["text"]
     assert text == "Hello world"
+    chat = httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": [1, 4093, 198]}).json()["text"]
+    assert chat == "<|im_start|>user\n"  # special tokens kept: the inverse of /tokenize
+    echo = client.completions.create(model=MODEL, prompt=[1, 4093, 198], max_tokens=1, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("<|im_start|>user\n")
     assert httpx.post(server.url("/flush_cache"), headers=AUTH).status_code == 200
     # the key guards every route but the probes and the scrape, as SGLang's does
     assert httpx.get(server.url("/health_generate"), timeout=60).status_code == 200
