@@ -103,9 +103,11 @@ def chat_logprobs(lp: TokenLogprobs, vocab: LogprobVocab) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int) -> dict:
-    """OpenAI completions' choice.logprobs; `text_offset` is where the first token's text
-    starts in the choice's text. top_logprobs is null when logprobs was 0."""
+def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int) -> tuple[dict, int]:
+    """OpenAI completions' choice.logprobs, and where the next token's text starts: each
+    token's offset is `text_offset` plus the characters of the tokens before it (by the
+    tokens' own texts, whatever text the stream has released so far). top_logprobs is null
+    when logprobs was 0."""
     ids, lps, top_ids, top_lps = lp.lists()
     text, chars = vocab.text, vocab.chars
     offsets = []
@@ -114,7 +116,8 @@ def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int
         text_offset += chars[t]
     top = ([{text[a]: y for a, y in zip(alt_ids, alt_lps)} for alt_ids, alt_lps in zip(top_ids, top_lps)]
            if lp.top_ids.shape[1] else None)
-    return {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+    body = {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+    return body, text_offset
 
 
 def sglang_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, with_text: bool) -> tuple[list, list]:

@@ -74,7 +74,7 @@ def completion_body(request_id: str, created: int, model: str, choices: Sequence
     return orjson.dumps({
         "id": request_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": c.index, "text": c.text,
-                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, vocab, 0),
+                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, vocab, 0)[0],
                      "finish_reason": c.finish_reason} for c in choices],
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
     })

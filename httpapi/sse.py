@@ -79,14 +79,13 @@ class CompletionStream(_OpenAIStream):
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"text":' % i for i in range(n_choices)]
         self._close = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
-        self._text_offset = [0] * n_choices  # where the next delta starts in each choice's text
+        self._text_offset = [0] * n_choices  # where each choice's next token's text starts
 
     def delta(self, index: int, text: str, finish_reason: str | None = None,
               logprobs: TokenLogprobs | None = None) -> bytes:
         if logprobs is None:
             return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
-        lp = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
-        self._text_offset[index] += len(text)
+        lp, self._text_offset[index] = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
         return b"".join((self._open[index], orjson.dumps(text), b',"logprobs":', orjson.dumps(lp),
                          b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
 

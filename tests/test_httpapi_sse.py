@@ -85,6 +85,13 @@ def test_completion_stream_text_offsets_continue_across_deltas():
     assert [c.choices[0].logprobs.text_offset for c in chunks] == [[0, 1], [2, 8]]
     assert "".join(c.choices[0].text for c in chunks) == "Hé wörld!"
     assert chunks[1].choices[0].finish_reason == "length" and chunks[0].object == "text_completion"
+    # text held back (a stop string's first bytes, a split character) moves no token's offset:
+    # offsets follow the tokens' texts, as the non-streamed response has them
+    s = CompletionStream("cmpl-1", 1, MODEL, n_choices=1, vocab=VOCAB)
+    held = s.delta(0, "H", None, TokenLogprobs.of([72, 256], [-1, -1])) + \
+        s.delta(0, "é wörld!", "length", TokenLogprobs.of([257, 33], [-1, -1]))
+    chunks = [construct_type(type_=Completion, value=orjson.loads(d)) for d in events(held)]
+    assert [c.choices[0].logprobs.text_offset for c in chunks] == [[0, 1], [2, 8]]
 
 
 def test_openai_client_streams_completions_and_ends_on_done():
