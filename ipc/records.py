@@ -94,7 +94,6 @@ class ErrorCode(enum.IntEnum):
 
 class OpenFlags(enum.IntFlag):
     SKIP_SPECIAL_TOKENS = 1
-    SPACES_BETWEEN_SPECIAL_TOKENS = 2
     LOGPROBS = 4
 
 

@@ -139,7 +139,7 @@ def main() -> None:
         assert use_table == (det.table is not None), det.fallback_reason
         return lambda: _opened(det, options)
 
-    no_stop = DetokOptions(spaces_between_special_tokens=False)
+    no_stop = DetokOptions()
     variants = {
         "table": batch_detok(True, no_stop),
         "table+stop": batch_detok(True, DetokOptions(stop=("<never>", "\n\n\n\n"))),

@@ -19,10 +19,9 @@ Two ways to turn ids into text:
   the ids already emitted; the difference is the delta, held back while it ends in U+FFFD
   (or, for SentencePiece byte fallback, in a run of byte tokens).
 
-spaces_between_special_tokens, when special tokens are kept, puts one space between each
-added token and the text around it (vLLM / slow-tokenizer semantics: " ".join of the runs
-of ordinary tokens and the added tokens); fast tokenizers' decode() ignores the flag, so
-the output equals decode() exactly when the flag is off or when no added token is kept.
+The text is decode()'s whatever the request's spaces_between_special_tokens: a fast
+tokenizer's decode (every tokenizer of transformers 5) puts no space around added tokens
+and ignores the flag, as SGLang's detokenizer and vLLM's fast one give it.
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ from runtime.detok_vocab import (REPLACEMENT, AddedTokens, NotByteExact, TokenTa
 @dataclass(frozen=True)
 class DetokOptions:
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     stop: tuple[str, ...] = ()
     min_tokens: int = 0  # no stop string ends in the text of the first min_tokens tokens
 
@@ -60,18 +58,15 @@ class DetokOutput:
 
 class _Request:
     """Per-request state for the Python path; the vectorised path touches none of it."""
-    __slots__ = ("skip", "spaces", "stop", "protect", "pending", "window", "read", "has_text", "in_run")
+    __slots__ = ("skip", "stop", "protect", "pending", "window", "read")
 
     def __init__(self, options: DetokOptions) -> None:
         self.skip = options.skip_special_tokens
-        self.spaces = options.spaces_between_special_tokens
         self.stop = StopMatcher(options.stop) if options.stop else None
         self.protect = options.min_tokens if options.stop else 0  # tokens left whose text ends no stop
         self.pending = b""           # byte-table path: bytes of a character not complete yet
         self.window: list[int] = []  # window path: ids from the last emitted token on
         self.read = 0                # window path: window[:read] is already emitted text
-        self.has_text = False        # spaces mode: a run or an added token came before
-        self.in_run = False          # spaces mode: the last kept token was an ordinary one
 
 
 class BatchDetokenizer:
@@ -288,27 +283,8 @@ class BatchDetokenizer:
         """Text of `tokens` as far as it is complete; the window path appends the ids to the
         request's window and leaves their text to _decode_windows."""
         parts: list[str] = []
-        run: list[int] = []  # ordinary tokens of this step not yet turned into text
-        added = self.added.text
-        for t in tokens:
-            if t in added:
-                if state.skip and t in self.added.special:
-                    continue
-                if state.spaces:
-                    parts.append(self._end_run(state, run))
-                    run = []
-                    if state.has_text:
-                        parts.append(" ")
-                    parts.append(added[t])
-                    state.has_text, state.in_run = True, False
-                    continue
-            elif t == self.vocab_size:
-                continue  # no token: decode() drops ids outside the vocabulary
-            if state.spaces and not state.in_run:
-                if state.has_text:
-                    parts.append(" ")
-                state.has_text = state.in_run = True
-            run.append(t)
+        special = self.added.special if state.skip else ()
+        run = [t for t in tokens if t != self.vocab_size and t not in special]  # decode() drops both
         if self.table is None:
             state.window += run
         else:
@@ -323,17 +299,6 @@ class BatchDetokenizer:
         text, used = codecs.utf_8_decode(data, "replace", final)
         state.pending = data[used:]
         return text
-
-    def _end_run(self, state: _Request, run: list[int]) -> str:
-        """Ends a run of ordinary tokens (spaces mode decodes each run on its own)."""
-        if self.table is not None:
-            return self._decode_utf8(state, run, True)
-        window, read = state.window + run, state.read
-        state.window, state.read = [], 0
-        if not window:
-            return ""
-        surr, full = self.tokenizer.batch_decode([window[:read], window])
-        return full[len(surr):]
 
     def _decode_windows(self, jobs) -> None:
         """Window path, all requests at once: delta = decode(window) minus decode(emitted part)."""
@@ -353,7 +318,7 @@ class BatchDetokenizer:
         """Whether the request's next tokens need the Python path whatever they are. A request
         with stop strings holding nothing back needs it only for tokens that contain the first
         byte of one of its stop strings (step checks that per token)."""
-        return (self.table is None or bool(state.pending) or (state.spaces and not state.in_run)
+        return (self.table is None or bool(state.pending)
                 or (state.stop is not None and (bool(state.stop.held) or state.protect > 0)))
 
 

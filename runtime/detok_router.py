@@ -36,7 +36,6 @@ NO_TOKEN = np.iinfo(np.uint32).max  # TOKEN_OUT.token of a record that ends a re
 # plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
 _TOKEN, _STOP, _NONE = int(TokenKind.TOKEN), int(Finish.STOP), int(Finish.NONE)
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
-_SPACES_BETWEEN_SPECIAL = int(OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
 
 
@@ -123,9 +122,8 @@ class DetokRouter:
         if not self._free:
             return False
         i = self._free.pop()
-        self.core.open(i, DetokOptions(skip_special_tokens=bool(flags & _SKIP_SPECIAL),
-                                       spaces_between_special_tokens=bool(flags & _SPACES_BETWEEN_SPECIAL),
-                                       stop=decode_strings(body), min_tokens=min_tokens))
+        self.core.open(i, DetokOptions(skip_special_tokens=bool(flags & _SKIP_SPECIAL), stop=decode_strings(body),
+                                       min_tokens=min_tokens))
         self._index[w, s], self._gen[w, s] = i, gen
         self._addr[i] = w, s, gen
         self._logprobs[i] = bool(flags & _LOGPROBS)

@@ -24,8 +24,7 @@ class NotByteExact(Exception):
 
 @dataclass(frozen=True)
 class AddedTokens:
-    """Added-vocabulary tokens (`<|im_end|>` ...): decode skips the special ones when asked
-    and spaces_between_special_tokens separates them from the text around them."""
+    """Added-vocabulary tokens (`<|im_end|>` ...): decode skips the special ones when asked."""
     special: frozenset[int]
     text: dict[int, str]  # id -> what decode([id]) returns
 

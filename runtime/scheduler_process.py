@@ -238,7 +238,6 @@ class SchedulerProcess:
         out["prompt_tokens"][k] = len(req.prompt)
         out["completion_tokens"][k] = p.min_new_tokens
         out["flags"][k] = ((OpenFlags.SKIP_SPECIAL_TOKENS if p.skip_special_tokens else 0)
-                           | (OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS if p.spaces_between_special_tokens else 0)
                            | (OpenFlags.LOGPROBS if p.logprobs else 0))
         out["n_top"][k] = p.top_logprobs if p.logprobs else 0
         if p.stop:

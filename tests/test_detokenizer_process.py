@@ -54,7 +54,7 @@ def stream(tokenizer, path: str, transport: str) -> None:
     wakers = [t.make_waker() for _ in range(3)]
     sched = connect_detokenizer(path, wakers[0])
     outs = [connect_detokenizer(path, wakers[1 + w], worker=w) for w in range(2)]
-    flags = OpenFlags.SKIP_SPECIAL_TOKENS | OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS
+    flags = OpenFlags.SKIP_SPECIAL_TOKENS
     reqs = [(0, 1, TEXTS[0], ()), (1, 1, TEXTS[1], ()), (0, 2, TEXTS[2] + " and more", ("and",))]
     ids = [tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id] for _, _, text, _ in reqs]
     steps = [[dict(kind=TokenKind.OPEN, worker=w, slot=s, gen=5, flags=flags, stop=stop) for w, s, _, stop in reqs]]

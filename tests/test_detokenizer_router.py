@@ -10,7 +10,7 @@ from ipc.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder
 from ipc.ring import Batch
 from runtime.detok_router import NO_TOKEN, DetokRouter, split_by_worker
 
-DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS | OpenFlags.SPACES_BETWEEN_SPECIAL_TOKENS
+DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")
