@@ -1,5 +1,6 @@
 """The offline Engine (vLLM's LLM, SGLang's Engine): generate() drives the same Scheduler
-core as the server, in this process, without HTTP or rings.
+core and the same batch detokenizer as the server, in this process, without HTTP or
+rings, so its texts are the server's (stop strings, min_tokens, stop tokens' text).
 
     engine = Engine(max_running_requests=64)
     outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_new_tokens=8))
@@ -17,6 +18,7 @@ import numpy as np
 from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.config import ServerArgs
+from runtime.detok_batch import BatchDetokenizer, DetokOptions
 from runtime.request import FinishReason
 from runtime.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler import NO_TOKEN, Scheduler, SchedulerConfig
@@ -52,6 +54,7 @@ class Engine:
         config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
         self.scheduler = Scheduler(self.runner, config)
         self._generations = itertools.count(1)
+        self._detok: BatchDetokenizer | None = None  # built on first use (its byte table takes a second)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -63,34 +66,46 @@ class Engine:
         for p in params:
             p.validate(vocab)
         sched, generation = self.scheduler, next(self._generations)
+        detok = self._detokenizer(len(prompt_ids))
         runs = [_Run(ids, p) for ids, p in zip(prompt_ids, params)]
         for slot, run in enumerate(runs):
+            p = run.params
+            detok.open(slot, DetokOptions(skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                                          min_tokens=p.min_new_tokens))
             sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
         pending = len(runs)
         while pending or sched.has_work:  # has_work: the end events of stop-string aborts
             res = sched.step()
             ev = res.events
-            for i, (slot, gen, token, finish) in enumerate(zip(
-                    ev["slot"].tolist(), ev["gen"].tolist(), ev["token"].tolist(), ev["finish"].tolist())):
-                run = runs[slot]
-                if gen != generation or run.finish:
-                    continue  # the end event of a request this Engine stopped on a stop string
+            mine = [i for i, (slot, gen) in enumerate(zip(ev["slot"].tolist(), ev["gen"].tolist()))
+                    if gen == generation and runs[slot].finish is None]  # else: a stop string's abort
+            for i in mine:
+                run = runs[int(ev["slot"][i])]
+                token = int(ev["token"][i])
                 if token != NO_TOKEN:
                     run.tokens.append(token)
                     if run.params.logprobs:
                         run.logprobs.append(float(ev["logprob"][i]))
                         if run.params.top_logprobs and res.top_ids is not None:
                             k = run.params.top_logprobs
-                            run.top.append(dict(zip(res.top_ids[i, :k].tolist(),
-                                                    res.top_logprobs[i, :k].tolist())))
-                    if run.params.stop and finish == FinishReason.NONE and self._hit_stop(run):
-                        sched.abort(ENGINE_WORKER, slot, generation)
-                        finish = FinishReason.STOP
-                if finish != FinishReason.NONE:
-                    run.finish = FinishReason(finish)
-                    run.counts = (int(ev["prompt_tokens"][i]), int(ev["completion_tokens"][i]),
-                                  int(ev["cached_tokens"][i]))
+                            run.top.append(dict(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
+                run.counts = (int(ev["prompt_tokens"][i]), int(ev["completion_tokens"][i]), int(ev["cached_tokens"][i]))
+            rows = ev[mine]
+            finish = rows["finish"]
+            # as the server's detokenizer: a stop token's text (EOS, stop_token_ids) is not output
+            text_token = np.where((finish == FinishReason.STOP) | (rows["token"] == NO_TOKEN), -1,
+                                  rows["token"].astype(np.int64))
+            out = detok.step(rows["slot"].astype(np.int64), text_token, finish != FinishReason.NONE)
+            stopped = set(out.req[out.stop >= 0].tolist())  # a stop string: the scheduler does not know it
+            for k, slot in enumerate(out.req.tolist()):
+                runs[slot].parts.append(out.delta(k))
+            for slot, f in zip(rows["slot"].tolist(), finish.tolist()):
+                run = runs[slot]
+                if run.finish is None and (f != FinishReason.NONE or slot in stopped):
+                    run.finish = FinishReason.STOP if slot in stopped else FinishReason(f)
                     pending -= 1
+                    if slot in stopped:
+                        sched.abort(ENGINE_WORKER, slot, generation)
         return [self._output(run) for run in runs]
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
@@ -103,6 +118,12 @@ class Engine:
         ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True)
                for c in conversations]
         return self.generate([_as_ids(i) for i in ids], sampling_params)
+
+    def _detokenizer(self, n: int) -> BatchDetokenizer:
+        """The Engine's detokenizer, with room for n requests (slots 0..n-1)."""
+        if self._detok is None or self._detok.capacity < n:
+            self._detok = BatchDetokenizer(self.tokenizer, max(n, 2 * self._detok.capacity if self._detok else 256))
+        return self._detok
 
     def flush_cache(self) -> int:
         return self.scheduler.flush_cache()
@@ -120,26 +141,10 @@ class Engine:
             out.append(np.asarray(ids, dtype=np.int32).reshape(-1))
         return out
 
-    def _hit_stop(self, run: "_Run") -> bool:
-        """Stop strings: done here for the Engine (in the server the detokenizer does it), by
-        the detokenizer's rule: the match that ends first wins, and none ends in the text of
-        the first min_new_tokens tokens."""
-        p = run.params
-        text = self.tokenizer.decode(run.tokens, skip_special_tokens=p.skip_special_tokens)
-        guard = len(self.tokenizer.decode(run.tokens[:p.min_new_tokens], skip_special_tokens=p.skip_special_tokens))
-        matches = [(start + len(s), start) for s in p.stop if (start := text.find(s, max(guard - len(s) + 1, 0))) >= 0]
-        if not matches:
-            return False
-        run.text = text[:min(matches)[1]]
-        return True
-
     def _output(self, run: "_Run") -> GenerateOutput:
         p = run.params
-        text = run.text if run.text is not None else self.tokenizer.decode(
-            run.tokens, skip_special_tokens=p.skip_special_tokens,
-            spaces_between_special_tokens=p.spaces_between_special_tokens)
         prompt_tokens, completion_tokens, cached = run.counts
-        return GenerateOutput(text=text, token_ids=run.tokens, finish_reason=run.finish.api_name,
+        return GenerateOutput(text=b"".join(run.parts).decode(), token_ids=run.tokens, finish_reason=run.finish.api_name,
                               prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                               cached_tokens=cached, logprobs=run.logprobs if p.logprobs else None,
                               top_logprobs=run.top if p.top_logprobs else None,
@@ -148,7 +153,7 @@ class Engine:
 
 class _Run:
     """One prompt's progress inside generate()."""
-    __slots__ = ("prompt", "params", "tokens", "logprobs", "top", "finish", "counts", "text")
+    __slots__ = ("prompt", "params", "tokens", "logprobs", "top", "finish", "counts", "parts")
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams) -> None:
         self.prompt, self.params = prompt, params
@@ -157,7 +162,7 @@ class _Run:
         self.top: list[dict[int, float]] = []
         self.finish: FinishReason | None = None
         self.counts = (len(prompt), 0, 0)
-        self.text: str | None = None  # set when a stop string cut it
+        self.parts: list[bytes] = []  # the detokenizer's UTF-8 deltas
 
 
 def make_runner(args: ServerArgs):

@@ -37,6 +37,8 @@ def test_eos_ignore_eos_and_cached_tokens(engine):
     first = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=16))[0]
     assert first.finish_reason == "stop" and first.token_ids[-1] in engine.runner.model_config.eos_token_ids
     assert "4" in first.text and "<|im_end|>" not in first.text
+    kept = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=16, skip_special_tokens=False))[0]
+    assert kept.text == first.text  # EOS ends the text without being in it, special tokens kept or not
     again = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))[0]
     assert again.finish_reason == "length" and len(again.token_ids) == 16
     assert again.token_ids[:len(first.token_ids)] == first.token_ids
@@ -50,6 +52,7 @@ def test_stop_token_ids_and_stop_strings(engine):
     o = engine.generate("The capital of France is",
                         SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_id,)))[0]
     assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:cut + 1]
+    assert o.text == engine.tokenizer.decode(base.token_ids[:cut])  # a stop token's text is not output
     word = base.text.split()[2]
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,)))[0]
     assert o.finish_reason == "stop" and o.text == base.text[:base.text.index(word)]
@@ -61,6 +64,11 @@ def test_stop_token_ids_and_stop_strings(engine):
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,),
                                                                    min_new_tokens=12))[0]
     assert (o.finish_reason, o.text) == ("length", base.text)
+    # a stop string completed by the last token max_new_tokens allows ends the request with "stop"
+    last = engine.tokenizer.decode(base.token_ids[5:6])
+    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=6, stop=(last,)))[0]
+    head = engine.tokenizer.decode(base.token_ids[:6])
+    assert (o.finish_reason, o.text) == ("stop", head[:head.index(last)])
     assert engine.scheduler.num_running == 0 and not engine.scheduler.has_work
 
 
