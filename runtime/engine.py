@@ -54,7 +54,7 @@ class Engine:
         config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
         self.scheduler = Scheduler(self.runner, config)
         self._generations = itertools.count(1)
-        self._detok: BatchDetokenizer | None = None  # built on first use (its byte table takes a second)
+        self._detok = BatchDetokenizer(self.tokenizer, 256)  # here: its byte table takes a second
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -121,8 +121,8 @@ class Engine:
 
     def _detokenizer(self, n: int) -> BatchDetokenizer:
         """The Engine's detokenizer, with room for n requests (slots 0..n-1)."""
-        if self._detok is None or self._detok.capacity < n:
-            self._detok = BatchDetokenizer(self.tokenizer, max(n, 2 * self._detok.capacity if self._detok else 256))
+        if self._detok.capacity < n:
+            self._detok = BatchDetokenizer(self.tokenizer, max(n, 2 * self._detok.capacity))
         return self._detok
 
     def flush_cache(self) -> int:
