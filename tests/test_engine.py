@@ -95,3 +95,14 @@ def test_bad_input_raises_naming_the_parameter(engine):
     too_long = engine.generate([1] * engine.runner.model_config.context_length, GREEDY)[0]
     assert too_long.finish_reason == "error" and too_long.token_ids == []
     assert engine.runner.pool.num_free + engine.scheduler.cache.cached_pages == engine.runner.pool.num_pages
+
+
+def test_more_prompts_than_the_detokenizer_holds():
+    """generate() with more prompts than the Engine's detokenizer was built for (256): it grows,
+    and every text is still its tokens' decode (null model: instant tokens)."""
+    engine = Engine(null_model=True, max_total_tokens=65536, max_running_requests=64)
+    params = SamplingParams(temperature=0.0, max_new_tokens=3)
+    for n in (1, 300, 5):
+        outs = engine.generate([[1, 2, 3 + k] for k in range(n)], params)
+        assert [o.completion_tokens for o in outs] == [3] * n
+        assert [o.text for o in outs] == [engine.tokenizer.decode(o.token_ids) for o in outs]
