@@ -77,6 +77,7 @@ class GenerateRequest:
 class TokenizeRequest:
     model: str | None
     prompts: tuple[str, ...]
+    messages: list[dict[str, str]] | None  # instead of prompts: a chat, through the chat template
     batch: bool
     add_special_tokens: bool
 
@@ -86,6 +87,7 @@ class DetokenizeRequest:
     model: str | None
     token_ids: tuple[list[int], ...]
     batch: bool
+    skip_special_tokens: bool
 
 
 @dataclass(frozen=True)
@@ -171,10 +173,16 @@ def parse_generate(body: bytes) -> GenerateRequest:
 def parse_tokenize(body: bytes) -> TokenizeRequest:
     f = Fields(load_object(body))
     model = f.get_str("model")
-    prompts, batch = _prompts(f.raw("prompt"), "prompt", token_ids_allowed=False, empty_allowed=True)
+    if (f.raw("prompt") is None) == (f.raw("messages") is None):
+        raise bad_request("Give exactly one of prompt or messages", "prompt")
+    prompts, messages, batch = (), None, False
+    if f.raw("messages") is not None:
+        messages = _messages(f.raw("messages"))
+    else:
+        prompts, batch = _prompts(f.raw("prompt"), "prompt", token_ids_allowed=False, empty_allowed=True)
     add_special_tokens = f.get_bool("add_special_tokens", True)
     f.warn_unknown("/tokenize")
-    return TokenizeRequest(model, prompts, batch, add_special_tokens)
+    return TokenizeRequest(model, prompts, messages, batch, add_special_tokens)
 
 
 def parse_detokenize(body: bytes) -> DetokenizeRequest:
@@ -187,8 +195,9 @@ def parse_detokenize(body: bytes) -> DetokenizeRequest:
         token_ids, batch = tuple(tokens), True
     else:
         raise bad_request("tokens must be a list of token ids or a non-empty list of lists of token ids", "tokens")
+    skip_special_tokens = f.get_bool("skip_special_tokens", True)  # SGLang's default
     f.warn_unknown("/detokenize")
-    return DetokenizeRequest(model, token_ids, batch)
+    return DetokenizeRequest(model, token_ids, batch, skip_special_tokens)
 
 
 def parse_abort(body: bytes) -> AbortRequest:
@@ -272,13 +281,13 @@ def _prompts(value: Any, param: str, *, token_ids_allowed: bool, text_allowed: b
 def _rids(value: Any, n_prompts: int) -> tuple[str | None, ...]:
     if value is None:
         return (None,) * n_prompts
-    if type(value) is str and n_prompts == 1:
-        return (value,)
+    if type(value) is str:  # a batch's prompts are <rid>_0, <rid>_1, ... as SGLang names them
+        return (value,) if n_prompts == 1 else tuple(f"{value}_{i}" for i in range(n_prompts))
     if type(value) is list and len(value) == n_prompts and all(type(r) is str for r in value):
         if len(set(value)) < n_prompts:  # /abort_request names one request by its rid
             raise bad_request("rid must not repeat: each prompt's request needs its own rid", "rid")
         return tuple(value)
-    raise bad_request("rid must be a string for one prompt, or a list of strings with one per prompt", "rid")
+    raise bad_request("rid must be a string, or a list of strings with one per prompt", "rid")
 
 
 def _stream(f: Fields) -> tuple[bool, bool]:

@@ -55,6 +55,7 @@ class ChoiceResult:
     usage: Usage  # this choice's own counts
     logprobs: TokenLogprobs | None = None
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it (/generate)
+    e2e_latency: float | None = None  # seconds from arrival to its end, once finished (/generate)
 
 
 def chat_completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
@@ -85,6 +86,8 @@ def generate_output(rid: str, choice: ChoiceResult, vocab: LogprobVocab | None =
     """One SGLang /generate output: {"text", "meta_info"}; a stream sends partial choices."""
     meta = {"id": rid, "finish_reason": sglang_finish_reason(choice), "prompt_tokens": choice.usage.prompt_tokens,
             "completion_tokens": choice.usage.completion_tokens, "cached_tokens": choice.usage.cached_tokens}
+    if choice.e2e_latency is not None:
+        meta["e2e_latency"] = choice.e2e_latency
     if choice.logprobs is not None:
         tokens, top = sglang_logprobs(choice.logprobs, vocab, return_text_in_logprobs)
         meta["output_token_logprobs"] = tokens

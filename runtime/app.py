@@ -158,8 +158,14 @@ def choice_results(states: list[ReqState], prefixes: list[str] | None = None) ->
         text, lp, finish = state.take()
         if prefixes is not None:
             text = prefixes[state.index] + text
-        results.append(ChoiceResult(state.index, text, finish, usage_of(state), lp, state.matched_stop))
+        results.append(ChoiceResult(state.index, text, finish, usage_of(state), lp, state.matched_stop,
+                                    e2e_latency(state)))
     return results
+
+
+def e2e_latency(state: ReqState) -> float:
+    """Seconds from the request's arrival to now (its end, when asked of a finished choice)."""
+    return (time.monotonic_ns() - state.group.arrival_ns) * 1e-9
 
 
 def usage_of(state: ReqState) -> Usage:
@@ -298,7 +304,8 @@ async def generate(worker, request: Request) -> Response:
 def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIterator[bytes]:
     def render(state: ReqState) -> bytes:
         text, lp, finish = state.take()
-        return stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp)
+        return stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp,
+                            e2e_latency(state) if finish else None)
 
     return sse_events(worker, group, render, b"", lambda: DONE)
 
@@ -307,7 +314,10 @@ def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIte
 async def tokenize(worker, request: Request) -> Response:
     req = parse_tokenize(await request.body())
     check_model(req.model, worker.model.served_name)
-    tokens = [await worker.tm.encode(p, req.add_special_tokens) for p in req.prompts]
+    if req.messages is not None:
+        tokens = [await worker.tm.chat_ids(req.messages)]
+    else:
+        tokens = [await worker.tm.encode(p, req.add_special_tokens) for p in req.prompts]
     body = {"tokens": tokens, "count": [len(t) for t in tokens]} if req.batch else \
         {"tokens": tokens[0], "count": len(tokens[0])}
     return json_response(orjson_dumps({**body, "max_model_len": worker.model.context_length}))
@@ -319,7 +329,7 @@ async def detokenize(worker, request: Request) -> Response:
     check_model(req.model, worker.model.served_name)
     for ids in req.token_ids:
         check_token_ids(ids, worker.model.vocab_size, "tokens")
-    texts = [worker.tm.decode(ids) for ids in req.token_ids]
+    texts = [worker.tm.decode(ids, req.skip_special_tokens) for ids in req.token_ids]
     return json_response(orjson_dumps({"text": texts if req.batch else texts[0]}))
 
 
@@ -613,9 +623,11 @@ app = App({
     "/v1/chat/completions": {"POST": chat_completions},
     "/v1/completions": {"POST": completions},
     "/v1/models": {"GET": models},
-    "/generate": {"POST": generate},
+    "/generate": {"POST": generate, "PUT": generate},
     "/tokenize": {"POST": tokenize},
     "/detokenize": {"POST": detokenize},
+    "/v1/tokenize": {"POST": tokenize},
+    "/v1/detokenize": {"POST": detokenize},
     "/get_model_info": {"GET": get_model_info},
     "/get_server_info": {"GET": get_server_info},
     "/flush_cache": {"POST": flush_cache, "GET": flush_cache},

@@ -279,10 +279,10 @@ class TokenizerManager:
             raise bad_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
         return await self.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of token ids as given, special tokens included (an echoed prompt, /detokenize
-        as vLLM's: the inverse of /tokenize)."""
-        return self.tokenizer.decode(list(ids))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids, special tokens included unless skipped (an echoed prompt is
+        the prompt as given)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ---------------------------------------------------------------- requests in
 

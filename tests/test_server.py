@@ -193,8 +193,23 @@ def test_native_routes(server, client):
     assert ids["count"] == len(ids["tokens"]) == 2
     text = httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": ids["tokens"]}).json()["text"]
     assert text == "Hello world"
-    chat = httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": [1, 4093, 198]}).json()["text"]
-    assert chat == "<|im_start|>user\n"  # special tokens kept: the inverse of /tokenize
+    # SGLang's: special tokens skipped unless skip_special_tokens is false; /v1/ aliases
+    chat = httpx.post(server.url("/v1/detokenize"), headers=AUTH, json={"tokens": [1, 4093, 198]}).json()["text"]
+    assert chat == "user\n"
+    kept = httpx.post(server.url("/detokenize"), headers=AUTH,
+                      json={"tokens": [1, 4093, 198], "skip_special_tokens": False}).json()["text"]
+    assert kept == "<|im_start|>user\n"
+    messages = [{"role": "user", "content": "Hi"}]
+    tokens = httpx.post(server.url("/v1/tokenize"), headers=AUTH, json={"messages": messages}).json()["tokens"]
+    assert len(tokens) == client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1
+                                                         ).usage.prompt_tokens  # the chat template's ids
+    assert httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": tokens, "skip_special_tokens": False}
+                      ).json()["text"].startswith("<|im_start|>")
+    # a string rid of a batch names its prompts <rid>_0, <rid>_1 (SGLang); e2e_latency once finished
+    outs = httpx.put(server.url("/generate"), headers=AUTH, timeout=60, json={
+        "text": ["Hi", "Hello"], "rid": "pair", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert [o["meta_info"]["id"] for o in outs] == ["pair_0", "pair_1"]
+    assert all(o["meta_info"]["e2e_latency"] > 0 for o in outs)
     echo = client.completions.create(model=MODEL, prompt=[1, 4093, 198], max_tokens=1, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("<|im_start|>user\n")
     assert httpx.post(server.url("/flush_cache"), headers=AUTH).status_code == 200
