@@ -105,7 +105,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
     max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
     max_tokens = f.get_int("max_tokens") if max_completion_tokens is None else max_completion_tokens
-    values = read_sampling(f, seed="seed", min_tokens="min_tokens",
+    values = read_sampling(f, seed="seed", min_tokens="min_tokens", no_stop_trim="include_stop_str_in_output",
                            logprobs=f.get_bool("logprobs", False), top_logprobs=f.get_int("top_logprobs", 0))
     _reject_unsupported_openai(f)
     f.warn_unknown("/v1/chat/completions")
@@ -129,7 +129,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise bad_request("best_of is not supported; use n", "best_of")
     if f.get_str("suffix"):
         raise bad_request("suffix is not supported", "suffix")
-    values = read_sampling(f, seed="seed", min_tokens="min_tokens",
+    values = read_sampling(f, seed="seed", min_tokens="min_tokens", no_stop_trim="include_stop_str_in_output",
                            logprobs=logprobs is not None, top_logprobs=logprobs or 0)
     _reject_unsupported_openai(f)
     f.warn_unknown("/v1/completions")
@@ -153,12 +153,17 @@ def parse_generate(body: bytes) -> GenerateRequest:
     top_logprobs_num = f.get_int("top_logprobs_num", 0)  # SGLang ignores it without return_logprob
     if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
         raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
-    values = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens",
+    values = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens", no_stop_trim="no_stop_trim",
                            logprobs=return_logprob,
                            top_logprobs=top_logprobs_num if return_logprob else 0)
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         if sp.raw(key) is not None:
             raise bad_request(f"{sp.param(key)}: structured output is not supported", sp.param(key))
+    for key in ("stop_regex", "logit_bias", "custom_params"):  # each would change the output
+        if sp.raw(key):
+            raise bad_request(f"{sp.param(key)} is not supported by this server", sp.param(key))
+    if f.raw("token_ids_logprob") is not None:
+        raise bad_request("token_ids_logprob is not supported by this server", "token_ids_logprob")
     for key in ("image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
         if f.raw(key) is not None:
             raise bad_request(f"{key} is not supported by this server", key)

@@ -21,10 +21,10 @@ _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 _DEFAULTS = SamplingParams()
 
 
-def read_sampling(fields: Fields, *, seed: str, min_tokens: str, **given) -> dict[str, Any]:
-    """The sampling fields of `fields` (`seed` and `min_tokens` named as given, the rest as
-    SamplingParams names them), plus `given` fields the caller read itself: SamplingParams'
-    arguments but max_new_tokens (SamplingSpec.build's), not validated."""
+def read_sampling(fields: Fields, *, seed: str, min_tokens: str, no_stop_trim: str, **given) -> dict[str, Any]:
+    """The sampling fields of `fields` (`seed`, `min_tokens` and `no_stop_trim` named as given,
+    the rest as SamplingParams names them), plus `given` fields the caller read itself:
+    SamplingParams' arguments but max_new_tokens (SamplingSpec.build's), not validated."""
     values = dict(given)
     for name in _FLOATS:
         values[name] = fields.get_float(name, getattr(_DEFAULTS, name))
@@ -33,6 +33,7 @@ def read_sampling(fields: Fields, *, seed: str, min_tokens: str, **given) -> dic
     values["top_k"] = fields.get_int("top_k", _DEFAULTS.top_k)
     values["seed"] = fields.get_int(seed)
     values["min_new_tokens"] = fields.get_int(min_tokens, _DEFAULTS.min_new_tokens)
+    values["no_stop_trim"] = fields.get_bool(no_stop_trim, _DEFAULTS.no_stop_trim)
     values["stop"] = fields.get_strs("stop")
     values["stop_token_ids"] = fields.get_token_ids("stop_token_ids")
     return values

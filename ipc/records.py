@@ -94,6 +94,7 @@ class ErrorCode(enum.IntEnum):
 
 class OpenFlags(enum.IntFlag):
     SKIP_SPECIAL_TOKENS = 1
+    NO_STOP_TRIM = 2
     LOGPROBS = 4
 
 
@@ -121,6 +122,7 @@ REQUEST = RecordLayout("request", np.dtype([
     ("top_logprobs", np.uint8),
     ("skip_special_tokens", np.uint8),
     ("spaces_between_special_tokens", np.uint8),
+    ("no_stop_trim", np.uint8),
     ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
     ("prompt_off", np.uint32),  # prompt token ids, uint32
     ("prompt_len", np.uint32),
@@ -302,7 +304,7 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
         "repetition_penalty": params.repetition_penalty, "frequency_penalty": params.frequency_penalty,
         "presence_penalty": params.presence_penalty, "ignore_eos": params.ignore_eos, "logprobs": params.logprobs,
         "top_logprobs": params.top_logprobs, "skip_special_tokens": params.skip_special_tokens,
-        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens, "no_stop_trim": params.no_stop_trim,
         "n_stop_token_ids": len(stop_ids), "stop_token_ids": stop_ids + (0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
         "arrival_ns": arrival_ns,
         "prompt_off": 0, "prompt_len": len(prompt), "stop_off": len(prompt), "stop_len": len(stop),  # 4-aligned
@@ -330,7 +332,7 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
         presence_penalty=r["presence_penalty"], stop=stop,
         stop_token_ids=tuple(r["stop_token_ids"][:r["n_stop_token_ids"]].tolist()),
         ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
-        spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]),
+        spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]), no_stop_trim=bool(r["no_stop_trim"]),
         logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"])
     return params, prompt
 

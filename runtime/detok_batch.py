@@ -40,6 +40,7 @@ class DetokOptions:
     skip_special_tokens: bool = True
     stop: tuple[str, ...] = ()
     min_tokens: int = 0  # no stop string ends in the text of the first min_tokens tokens
+    no_stop_trim: bool = False  # a matched stop string stays in the text (SGLang's no_stop_trim)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class _Request:
 
     def __init__(self, options: DetokOptions) -> None:
         self.skip = options.skip_special_tokens
-        self.stop = StopMatcher(options.stop) if options.stop else None
+        self.stop = StopMatcher(options.stop, options.no_stop_trim) if options.stop else None
         self.protect = options.min_tokens if options.stop else 0  # tokens left whose text ends no stop
         self.pending = b""           # byte-table path: bytes of a character not complete yet
         self.window: list[int] = []  # window path: ids from the last emitted token on

@@ -37,6 +37,7 @@ NO_TOKEN = np.iinfo(np.uint32).max  # TOKEN_OUT.token of a record that ends a re
 _TOKEN, _STOP, _NONE = int(TokenKind.TOKEN), int(Finish.STOP), int(Finish.NONE)
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
+_NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)
 
 
 class DetokRouter:
@@ -53,6 +54,7 @@ class DetokRouter:
         self._usage = np.zeros((max_open, 3), np.uint32)  # prompt, completion, cached tokens
         self._finish = np.zeros(max_open, np.uint8)      # the scheduler's finish, once it came
         self._stop_token = np.full(max_open, -1, np.int32)
+        self._trim_stop_token = np.ones(max_open, bool)  # its stop token's text is not output
         self._mark = np.zeros(max_open, bool)            # scratch
 
     @property
@@ -122,8 +124,10 @@ class DetokRouter:
         if not self._free:
             return False
         i = self._free.pop()
+        keep_stop = bool(flags & _NO_STOP_TRIM)
         self.core.open(i, DetokOptions(skip_special_tokens=bool(flags & _SKIP_SPECIAL), stop=decode_strings(body),
-                                       min_tokens=min_tokens))
+                                       min_tokens=min_tokens, no_stop_trim=keep_stop))
+        self._trim_stop_token[i] = not keep_stop
         self._index[w, s], self._gen[w, s] = i, gen
         self._addr[i] = w, s, gen
         self._logprobs[i] = bool(flags & _LOGPROBS)
@@ -169,7 +173,7 @@ class DetokRouter:
         token = recs["token"]
         is_stop_token = finish == _STOP
         real = token != NO_TOKEN
-        text_token = np.where(is_stop_token | ~real, -1, token.astype(np.int64))
+        text_token = np.where((is_stop_token & self._trim_stop_token[idx]) | ~real, -1, token.astype(np.int64))
         np.add.at(self._unsent, idx[real], 1)
         self._usage[idx, 0] = recs["prompt_tokens"]
         self._usage[idx, 2] = recs["cached_tokens"]

@@ -2,7 +2,8 @@
 
 Text that could still be the start of a stop string is withheld until the next delta
 shows it is not; on a match the text is cut where the stop string starts (the stop string
-itself is not output, as OpenAI does). Matching is on UTF-8 bytes: the text is valid UTF-8,
+itself is not output, as OpenAI does), or where it ends when asked to keep it (SGLang's
+no_stop_trim, vLLM's include_stop_str_in_output). Matching is on UTF-8 bytes: the text is valid UTF-8,
 which is self-synchronising, so a byte match of a stop string is always a character match.
 
 Text fed as `protected` (the text of a request's first min_tokens tokens) ends no match; a
@@ -15,10 +16,11 @@ from __future__ import annotations
 class StopMatcher:
     """One request's stop strings and the text it is holding back."""
 
-    __slots__ = ("stops", "held", "guard")
+    __slots__ = ("stops", "keep", "held", "guard")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], keep: bool = False) -> None:
         self.stops = tuple(s.encode() for s in stops)
+        self.keep = keep  # a match's text is released with what came before it
         self.held = b""
         self.guard = 0  # held[:guard] is protected text: no match ends in it
 
@@ -36,7 +38,7 @@ class StopMatcher:
                 best_end, best_start, best = start + len(stop), start, i
         if best >= 0:
             self.held, self.guard = b"", 0
-            return buf[:best_start], best
+            return buf[:best_end if self.keep else best_start], best
         keep = 0 if final else self._partial_suffix(buf)
         self.held = buf[len(buf) - keep:]
         self.guard = max(guard - (len(buf) - keep), 0)

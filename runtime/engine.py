@@ -71,7 +71,7 @@ class Engine:
         for slot, run in enumerate(runs):
             p = run.params
             detok.open(slot, DetokOptions(skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-                                          min_tokens=p.min_new_tokens))
+                                          min_tokens=p.min_new_tokens, no_stop_trim=p.no_stop_trim))
             sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
         pending = len(runs)
         while pending or sched.has_work:  # has_work: the end events of stop-string aborts
@@ -93,7 +93,9 @@ class Engine:
             rows = ev[mine]
             finish = rows["finish"]
             # as the server's detokenizer: a stop token's text (EOS, stop_token_ids) is not output
-            text_token = np.where((finish == FinishReason.STOP) | (rows["token"] == NO_TOKEN), -1,
+            # unless no_stop_trim
+            trim = np.array([not runs[slot].params.no_stop_trim for slot in rows["slot"].tolist()], bool)
+            text_token = np.where(((finish == FinishReason.STOP) & trim) | (rows["token"] == NO_TOKEN), -1,
                                   rows["token"].astype(np.int64))
             out = detok.step(rows["slot"].astype(np.int64), text_token, finish != FinishReason.NONE)
             stopped = set(out.req[out.stop >= 0].tolist())  # a stop string: the scheduler does not know it

@@ -39,6 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    no_stop_trim: bool = False  # keep the matched stop string / stop token's text in the output
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -238,6 +238,7 @@ class SchedulerProcess:
         out["prompt_tokens"][k] = len(req.prompt)
         out["completion_tokens"][k] = p.min_new_tokens
         out["flags"][k] = ((OpenFlags.SKIP_SPECIAL_TOKENS if p.skip_special_tokens else 0)
+                           | (OpenFlags.NO_STOP_TRIM if p.no_stop_trim else 0)
                            | (OpenFlags.LOGPROBS if p.logprobs else 0))
         out["n_top"][k] = p.top_logprobs if p.logprobs else 0
         if p.stop:

@@ -215,6 +215,10 @@ def test_stop_string_trims_text_arriving_with_it(tokenizer, detok):
     ids = tokenizer.encode(text, add_special_tokens=False)
     got, stop = stream(detok, [ids], [DetokOptions(stop=("STOP",))], np.random.default_rng(6), max_per_step=20)
     assert (got[0], stop[0]) == ("abc ", 0)
+    # no_stop_trim: the match stays, what follows it still goes
+    got, stop = stream(detok, [ids], [DetokOptions(stop=("STOP",), no_stop_trim=True)], np.random.default_rng(6),
+                       max_per_step=20)
+    assert (got[0], stop[0]) == ("abc STOP", 0)
 
 
 def test_many_requests_with_and_without_stop_strings(tokenizer, detok):

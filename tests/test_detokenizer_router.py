@@ -90,6 +90,16 @@ def test_stream_two_requests_with_stop_token_and_stale_records(tokenizer, router
     assert router.num_open == before + 1
 
 
+def test_no_stop_trim_keeps_the_stop_token_text(tokenizer, router):
+    """OPEN flag NO_STOP_TRIM: a stop token's text stays in the output (stop_token_ids, SGLang's
+    no_stop_trim); without it the text is dropped."""
+    dot = tokenizer.encode(".", add_special_tokens=False)[0]
+    for flags, want in ((DEFAULT_FLAGS, b""), (DEFAULT_FLAGS | OpenFlags.NO_STOP_TRIM, b".")):
+        router.handle(batch(opened(2, 0, 1, flags=flags)))
+        out = rows(*router.handle(batch(tok(2, 0, 1, dot, Finish.STOP, completion=1))))
+        assert [(r["text"], r["finish"], r["stop_token"]) for r in out] == [(want, Finish.STOP, dot)]
+
+
 def test_tokens_completing_no_character_are_counted_in_the_next_record(tokenizer, router):
     ids = tokenizer.encode("😀!", add_special_tokens=False)
     assert "\ufffd" in tokenizer.decode(ids[:1])

@@ -53,6 +53,9 @@ def test_stop_token_ids_and_stop_strings(engine):
                         SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_id,)))[0]
     assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:cut + 1]
     assert o.text == engine.tokenizer.decode(base.token_ids[:cut])  # a stop token's text is not output
+    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                   stop_token_ids=(stop_id,), no_stop_trim=True))[0]
+    assert o.text == engine.tokenizer.decode(base.token_ids[:cut + 1])  # unless no_stop_trim
     word = base.text.split()[2]
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,)))[0]
     assert o.finish_reason == "stop" and o.text == base.text[:base.text.index(word)]

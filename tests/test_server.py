@@ -73,6 +73,8 @@ def got(server, client, want):
                                                               **completion)),
         "stop_min_tokens": lambda: client.completions.create(
             prompt=PROMPTS[0], stop=stop, extra_body={"min_tokens": MAX_TOKENS}, **completion),
+        "stop_kept": lambda: client.completions.create(
+            prompt=PROMPTS[0], stop=stop, extra_body={"include_stop_str_in_output": True}, **completion),
         "stop_generate": lambda: httpx.post(server.url("/generate"), headers=AUTH, timeout=120, json={
             "text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
                                                     "stop": stop}}).json(),
@@ -138,6 +140,8 @@ def test_stop_strings(got, want):
     assert got["stop_stream"][-1].choices[0].finish_reason == "stop"
     assert got["stop_generate"]["text"] == cut
     assert got["stop_generate"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # include_stop_str_in_output (vLLM's; SGLang's no_stop_trim): the match stays in the text
+    assert (got["stop_kept"].choices[0].text, got["stop_kept"].choices[0].finish_reason) == (cut + stop, "stop")
     # a stop string may not end in the text of the first min_tokens tokens: here, all of them
     assert want["completions"][0].finish_reason == "length"
     assert (got["stop_min_tokens"].choices[0].text, got["stop_min_tokens"].choices[0].finish_reason) == \
