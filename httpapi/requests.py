@@ -154,6 +154,7 @@ def parse_generate(body: bytes) -> GenerateRequest:
     if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
         raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
     values = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens", no_stop_trim="no_stop_trim",
+                           return_ids=True,  # SGLang's /generate answers output_ids
                            logprobs=return_logprob,
                            top_logprobs=top_logprobs_num if return_logprob else 0)
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):

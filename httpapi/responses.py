@@ -56,6 +56,7 @@ class ChoiceResult:
     logprobs: TokenLogprobs | None = None
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it (/generate)
     e2e_latency: float | None = None  # seconds from arrival to its end, once finished (/generate)
+    output_ids: list[int] | None = None  # its token ids so far (/generate)
 
 
 def chat_completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
@@ -83,7 +84,8 @@ def completion_body(request_id: str, created: int, model: str, choices: Sequence
 
 def generate_output(rid: str, choice: ChoiceResult, vocab: LogprobVocab | None = None,
                     return_text_in_logprobs: bool = False) -> dict:
-    """One SGLang /generate output: {"text", "meta_info"}; a stream sends partial choices."""
+    """One SGLang /generate output: {"text", "output_ids", "meta_info"}; a stream sends partial
+    choices (SGLang's default: the text and ids so far)."""
     meta = {"id": rid, "finish_reason": sglang_finish_reason(choice), "prompt_tokens": choice.usage.prompt_tokens,
             "completion_tokens": choice.usage.completion_tokens, "cached_tokens": choice.usage.cached_tokens}
     if choice.e2e_latency is not None:
@@ -92,7 +94,10 @@ def generate_output(rid: str, choice: ChoiceResult, vocab: LogprobVocab | None =
         tokens, top = sglang_logprobs(choice.logprobs, vocab, return_text_in_logprobs)
         meta["output_token_logprobs"] = tokens
         meta["output_top_logprobs"] = top
-    return {"text": choice.text, "meta_info": meta}
+    out = {"text": choice.text, "meta_info": meta}
+    if choice.output_ids is not None:
+        out["output_ids"] = choice.output_ids
+    return out
 
 
 def generate_body(rids: Sequence[str], choices: Sequence[ChoiceResult], batch: bool,

@@ -106,13 +106,14 @@ class GenerateStream:
 
     def delta(self, index: int, text: str, usage: Usage, finish_reason: str | None = None,
               matched_stop: int | str | None = None, logprobs: TokenLogprobs | None = None,
-              e2e_latency: float | None = None) -> bytes:
+              e2e_latency: float | None = None, output_ids: list[int] | None = None) -> bytes:
         self._text[index] += text
         so_far = None
         if logprobs is not None:
             self._logprobs[index].append(logprobs)
             so_far = TokenLogprobs.concat(self._logprobs[index])
-        choice = ChoiceResult(index, self._text[index], finish_reason, usage, so_far, matched_stop, e2e_latency)
+        choice = ChoiceResult(index, self._text[index], finish_reason, usage, so_far, matched_stop, e2e_latency,
+                              output_ids)
         out = generate_output(self._rids[index], choice, self._vocab, self._return_text)
         if self._batch:
             out["index"] = index

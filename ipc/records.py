@@ -96,6 +96,7 @@ class OpenFlags(enum.IntFlag):
     SKIP_SPECIAL_TOKENS = 1
     NO_STOP_TRIM = 2
     LOGPROBS = 4
+    RETURN_IDS = 8
 
 
 REQUEST = RecordLayout("request", np.dtype([
@@ -123,6 +124,7 @@ REQUEST = RecordLayout("request", np.dtype([
     ("skip_special_tokens", np.uint8),
     ("spaces_between_special_tokens", np.uint8),
     ("no_stop_trim", np.uint8),
+    ("return_ids", np.uint8),
     ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
     ("prompt_off", np.uint32),  # prompt token ids, uint32
     ("prompt_len", np.uint32),
@@ -165,12 +167,15 @@ TEXT_OUT = RecordLayout("text_out", np.dtype([
     ("cached_tokens", np.uint32),
     ("logprobs_off", np.uint32),  # pack_logprobs() of the n_tokens tokens, when asked
     ("logprobs_len", np.uint32),
+    ("ids_off", np.uint32),  # the n_tokens tokens' ids (uint32), when asked (return_ids)
+    ("ids_len", np.uint32),
     ("stop_token", np.int32),  # the stop token id that finished the request, else -1
     ("stop_index", np.int16),  # index of the matched stop string, else -1
     ("error", np.uint16),  # ErrorCode
     ("n_top", np.uint8),  # alternatives per token in the logprobs payload
 ], align=True), payloads=(PayloadRef("text_off", "text_len", np.dtype(np.uint8)),
-                          PayloadRef("logprobs_off", "logprobs_len", np.dtype(np.uint8))))
+                          PayloadRef("logprobs_off", "logprobs_len", np.dtype(np.uint8)),
+                          PayloadRef("ids_off", "ids_len", np.dtype(np.uint32))))
 
 LAYOUTS = {layout.name: layout for layout in (REQUEST, TOKEN_OUT, TEXT_OUT)}
 
@@ -305,6 +310,7 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
         "presence_penalty": params.presence_penalty, "ignore_eos": params.ignore_eos, "logprobs": params.logprobs,
         "top_logprobs": params.top_logprobs, "skip_special_tokens": params.skip_special_tokens,
         "spaces_between_special_tokens": params.spaces_between_special_tokens, "no_stop_trim": params.no_stop_trim,
+        "return_ids": params.return_ids,
         "n_stop_token_ids": len(stop_ids), "stop_token_ids": stop_ids + (0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
         "arrival_ns": arrival_ns,
         "prompt_off": 0, "prompt_len": len(prompt), "stop_off": len(prompt), "stop_len": len(stop),  # 4-aligned
@@ -333,7 +339,7 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
         stop_token_ids=tuple(r["stop_token_ids"][:r["n_stop_token_ids"]].tolist()),
         ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
         spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]), no_stop_trim=bool(r["no_stop_trim"]),
-        logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"])
+        logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"], return_ids=bool(r["return_ids"]))
     return params, prompt
 
 

@@ -159,8 +159,12 @@ def choice_results(states: list[ReqState], prefixes: list[str] | None = None) ->
         if prefixes is not None:
             text = prefixes[state.index] + text
         results.append(ChoiceResult(state.index, text, finish, usage_of(state), lp, state.matched_stop,
-                                    e2e_latency(state)))
+                                    e2e_latency(state), output_ids_of(state)))
     return results
+
+
+def output_ids_of(state: ReqState) -> list[int] | None:
+    return state.output_ids if state.params.return_ids else None
 
 
 def e2e_latency(state: ReqState) -> float:
@@ -305,7 +309,7 @@ def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIte
     def render(state: ReqState) -> bytes:
         text, lp, finish = state.take()
         return stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp,
-                            e2e_latency(state) if finish else None)
+                            e2e_latency(state) if finish else None, output_ids_of(state))
 
     return sse_events(worker, group, render, b"", lambda: DONE)
 

@@ -16,8 +16,11 @@ stop_token_ids: a TOKEN with finish STOP) is not output, as SGLang trims it; its
 the scheduler does not know about it, so the TokenizerManager must send an ABORT for it
 (to free its KV pages); the detokenizer drops the request's later tokens meanwhile.
 
+Per step, a request that asked for logprobs or for its token ids (OpenFlags.RETURN_IDS:
+/generate's output_ids) gets a record whenever it got tokens, with them.
+
 Payload blob: every logprobs part first (pack_logprobs; each a multiple of 4 bytes, so
-they stay 4-byte aligned), then the text deltas.
+they stay 4-byte aligned), then the token-id runs (uint32), then the text deltas.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ _TOKEN, _STOP, _NONE = int(TokenKind.TOKEN), int(Finish.STOP), int(Finish.NONE)
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
 _NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)
+_RETURN_IDS = int(OpenFlags.RETURN_IDS)
+_BLOB_ORDER = (("logprobs_off", "logprobs_len"), ("ids_off", "ids_len"), ("text_off", "text_len"))
 
 
 class DetokRouter:
@@ -49,6 +54,7 @@ class DetokRouter:
         self._free = list(range(max_open - 1, -1, -1))
         self._addr = np.zeros((max_open, 3), np.int64)   # per core index: worker, slot, gen
         self._logprobs = np.zeros(max_open, bool)
+        self._ids = np.zeros(max_open, bool)             # return_ids: its tokens' ids go with its text
         self._n_top = np.zeros(max_open, np.uint8)
         self._unsent = np.zeros(max_open, np.int64)      # tokens since the request's last record
         self._usage = np.zeros((max_open, 3), np.uint32)  # prompt, completion, cached tokens
@@ -56,6 +62,7 @@ class DetokRouter:
         self._stop_token = np.full(max_open, -1, np.int32)
         self._trim_stop_token = np.ones(max_open, bool)  # its stop token's text is not output
         self._mark = np.zeros(max_open, bool)            # scratch
+        self._row = np.zeros(max_open, np.int64)         # scratch: a request's row in a step's records
 
     @property
     def num_open(self) -> int:
@@ -131,6 +138,7 @@ class DetokRouter:
         self._index[w, s], self._gen[w, s] = i, gen
         self._addr[i] = w, s, gen
         self._logprobs[i] = bool(flags & _LOGPROBS)
+        self._ids[i] = bool(flags & _RETURN_IDS)
         self._n_top[i] = n_top
         self._unsent[i] = 0
         self._usage[i] = 0
@@ -186,8 +194,9 @@ class DetokRouter:
 
         out = self.core.step(idx, text_token, ended)
 
-        asked = self._logprobs[idx]
-        if asked.any():  # logprob requests get a record for every step with tokens
+        lp_asked, ids_asked = self._logprobs[idx], self._ids[idx]
+        asked = lp_asked | ids_asked
+        if asked.any():  # logprob and return_ids requests get a record for every step with tokens
             mark = self._mark
             mark[out.req] = True
             extra = idx[asked][~mark[idx[asked]]]
@@ -197,10 +206,10 @@ class DetokRouter:
             rows = out.req
         if len(rows) == 0:
             return _NOTHING
-        return self._records(rows, out, recs, idx, asked, payload)
+        return self._records(rows, out, recs, idx, lp_asked, ids_asked, payload)
 
     def _records(self, rows: np.ndarray, out: DetokOutput, recs: np.ndarray, idx: np.ndarray,
-                 asked: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 lp_asked: np.ndarray, ids_asked: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n, m = len(rows), len(out.req)
         res = np.zeros(n, TEXT_OUT.dtype)  # kind TEXT (0), no logprobs unless set below
         addr = self._addr[rows]
@@ -217,11 +226,13 @@ class DetokRouter:
         res["finish"] = np.where(finished, np.where(stop_hit >= 0, _STOP, self._finish[rows]), _NONE)
         res["stop_token"] = np.where(finished & (stop_hit < 0), self._stop_token[rows], -1)
 
-        parts: list[bytes] = []
-        lp_size = 0
-        if asked.any():
-            lp_size = self._logprob_parts(res, rows, recs[asked], idx[asked], payload, parts)
-        res["text_off"][:m] = out.offset + lp_size
+        parts: list[bytes] = []  # logprobs, then ids (each a multiple of 4 bytes), then the text
+        size = 0
+        if lp_asked.any():
+            size = self._logprob_parts(res, rows, recs[lp_asked], idx[lp_asked], payload, parts)
+        if ids_asked.any():
+            size += self._id_parts(res, rows, recs[ids_asked], idx[ids_asked], size, parts)
+        res["text_off"][:m] = out.offset + size
         res["text_len"][:m] = out.length
         for w, s, _ in addr[finished].tolist():
             self._close(w, s)
@@ -258,6 +269,24 @@ class DetokRouter:
         return size
 
 
+    def _id_parts(self, res: np.ndarray, rows: np.ndarray, recs: np.ndarray, idx: np.ndarray, base: int,
+                  parts: list[bytes]) -> int:
+        """The token ids of each return_ids request's tokens of this step, in order, one uint32
+        run a request at `base` bytes into the blob. Returns their size."""
+        real = recs["token"] != NO_TOKEN
+        idx, tokens = idx[real], recs["token"][real]
+        if not len(idx):
+            return 0
+        order = np.argsort(idx, kind="stable")
+        reqs, starts, counts = np.unique(idx[order], return_index=True, return_counts=True)
+        self._row[rows] = np.arange(len(rows))
+        at = self._row[reqs]
+        res["ids_off"][at] = base + 4 * starts
+        res["ids_len"][at] = 4 * counts
+        parts.append(tokens[order].astype(np.uint32).tobytes())
+        return 4 * len(tokens)
+
+
 def _error(w: int, s: int, gen: int, code: int, message, rec: np.void) -> tuple[np.ndarray, np.ndarray]:
     out = np.zeros(1, TEXT_OUT.dtype)
     out["worker"], out["slot"], out["gen"] = w, s, gen
@@ -280,10 +309,7 @@ def split_by_worker(records: np.ndarray, blob: np.ndarray) -> dict[int, tuple[np
     out = {}
     for w in np.unique(workers).tolist():
         sel = take_records(records, workers == w)
-        lp, lp_off = _gather(blob, sel["logprobs_off"], sel["logprobs_len"])
-        text, text_off = _gather(blob, sel["text_off"], sel["text_len"])
-        sel["logprobs_off"], sel["text_off"] = lp_off, text_off + len(lp)
-        out[w] = sel, np.concatenate([lp, text])
+        out[w] = sel, _regather(sel, blob, [sel[off] for off, _ in _BLOB_ORDER])
     return out
 
 
@@ -304,10 +330,19 @@ def _merge(outs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.nd
         return outs[0] if outs else _NOTHING
     records = concat_records([r for r, _ in outs])
     blob = np.concatenate([b for _, b in outs])
-    lp, lp_off = _gather(blob, _shifted(outs, "logprobs_off"), records["logprobs_len"])
-    text, text_off = _gather(blob, _shifted(outs, "text_off"), records["text_len"])
-    records["logprobs_off"], records["text_off"] = lp_off, text_off + len(lp)
-    return records, np.concatenate([lp, text])
+    return records, _regather(records, blob, [_shifted(outs, off) for off, _ in _BLOB_ORDER])
+
+
+def _regather(records: np.ndarray, blob: np.ndarray, offsets: list[np.ndarray]) -> np.ndarray:
+    """A blob holding just `records`' payloads, in _BLOB_ORDER (`offsets`: where each field's
+    spans start in `blob`); the records' offsets are set to where they are in it."""
+    pieces, size = [], 0
+    for (off, length), starts in zip(_BLOB_ORDER, offsets):
+        data, new = _gather(blob, starts, records[length])
+        records[off] = new + size
+        pieces.append(data)
+        size += len(data)
+    return np.concatenate(pieces)
 
 
 def _shifted(outs: list[tuple[np.ndarray, np.ndarray]], field: str) -> np.ndarray:

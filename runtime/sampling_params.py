@@ -45,6 +45,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0  # number of alternatives per position, needs logprobs
+    return_ids: bool = False  # the output's token ids reach the HTTP worker (/generate's output_ids)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -239,7 +239,8 @@ class SchedulerProcess:
         out["completion_tokens"][k] = p.min_new_tokens
         out["flags"][k] = ((OpenFlags.SKIP_SPECIAL_TOKENS if p.skip_special_tokens else 0)
                            | (OpenFlags.NO_STOP_TRIM if p.no_stop_trim else 0)
-                           | (OpenFlags.LOGPROBS if p.logprobs else 0))
+                           | (OpenFlags.LOGPROBS if p.logprobs else 0)
+                           | (OpenFlags.RETURN_IDS if p.return_ids else 0))
         out["n_top"][k] = p.top_logprobs if p.logprobs else 0
         if p.stop:
             out["payload_off"][k], out["payload_len"][k] = payload.add(encode_strings(p.stop))

@@ -125,7 +125,7 @@ class ReqState:
     """One choice in flight: what the reader appended and its coroutine has not taken yet."""
     __slots__ = ("group", "index", "slot", "gen", "params", "parts", "logprobs", "finish", "stop_token",
                  "stop_index", "prompt_tokens", "completion_tokens", "cached_tokens", "first_ns", "error",
-                 "in_news", "wake_at", "sent_tokens", "last_ns")
+                 "in_news", "wake_at", "sent_tokens", "last_ns", "output_ids")
 
     def __init__(self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams,
                  prompt_tokens: int) -> None:
@@ -144,6 +144,7 @@ class ReqState:
         self.in_news = False  # listed in group.news
         self.wake_at = 1 if group.wake_every else NEVER  # completion_tokens that wakes its coroutine
         self.sent_tokens, self.last_ns = 0, 0  # streamed so far, and when (the HTTP layer's)
+        self.output_ids: list[int] = []  # every token id so far, when params.return_ids
 
     @property
     def finished(self) -> bool:
@@ -450,7 +451,8 @@ class TokenizerManager:
         states = self._states
         now_ns = time.monotonic_ns()
         aborts = []
-        special = (recs["finish"] != Finish.NONE) | (recs["kind"] != TextKind.TEXT) | (recs["logprobs_len"] > 0)
+        special = ((recs["finish"] != Finish.NONE) | (recs["kind"] != TextKind.TEXT) | (recs["logprobs_len"] > 0)
+                   | (recs["ids_len"] > 0))
         for slot, off, n, completion, odd, i in zip(recs["slot"].tolist(), recs["text_off"].tolist(),
                                                     recs["text_len"].tolist(), recs["completion_tokens"].tolist(),
                                                     special.tolist(), range(len(recs))):
@@ -474,11 +476,13 @@ class TokenizerManager:
             self._send(concat_records(aborts), None)
 
     def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
-        """Logprobs, errors and finishes of one record; True when the scheduler must be told
+        """Token ids, logprobs, errors and finishes of one record; True when the scheduler must be told
         to abort the request: a stop string ended it in the detokenizer, or an error did (the
         detokenizer refuses a request past its open limit while the scheduler holds it; an
         engine rejection's abort is stale there and ignored)."""
         r = record_fields(rec)
+        if r["ids_len"]:
+            state.output_ids += payload[r["ids_off"]:r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
         if r["logprobs_len"]:
             k = r["n_top"]
             n_tokens = r["logprobs_len"] // (8 * (1 + k))

@@ -57,6 +57,9 @@ def rows(records, blob):
         d = {k: r[k].item() for k in ("worker", "slot", "gen", "kind", "finish", "n_tokens", "stop_index",
                                       "stop_token", "completion_tokens", "error")}
         d["text"] = blob[r["text_off"]: r["text_off"] + r["text_len"]].tobytes()
+        if r["ids_len"]:
+            assert r["ids_off"] % 4 == 0
+            d["ids"] = blob[r["ids_off"]: r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
         if r["logprobs_len"]:
             part = blob[r["logprobs_off"]: r["logprobs_off"] + r["logprobs_len"]]
             assert r["logprobs_off"] % 4 == 0
@@ -187,7 +190,9 @@ def test_out_of_capacity_open_is_an_error(tokenizer):
 def test_split_by_worker(tokenizer, router):
     a = tokenizer.encode("alpha beta", add_special_tokens=False)
     workers = (6, 7, 8)
-    items = [opened(w, 0, 1, flags=DEFAULT_FLAGS | (OpenFlags.LOGPROBS if w == 7 else 0)) for w in workers]
+    flags = {6: DEFAULT_FLAGS, 7: DEFAULT_FLAGS | OpenFlags.LOGPROBS | OpenFlags.RETURN_IDS,
+             8: DEFAULT_FLAGS | OpenFlags.RETURN_IDS}
+    items = [opened(w, 0, 1, flags=flags[w]) for w in workers]
     items += [tok(w, 0, 1, t, logprob=-1.0) for t in a for w in workers]
     records, blob = router.handle(batch(*items))
     parts = split_by_worker(records, blob)
@@ -196,4 +201,20 @@ def test_split_by_worker(tokenizer, router):
         got = rows(recs, sub)
         assert [r["worker"] for r in got] == [w] and got[0]["text"] == b"alpha beta"
         assert ("logprobs" in got[0]) == (w == 7)
+        assert got[0].get("ids", []) == (a if w != 6 else [])
     assert split_by_worker(*parts[7]) == {7: parts[7]}
+
+
+def test_return_ids_come_with_every_step_that_has_tokens(tokenizer, router):
+    """RETURN_IDS: a record for every step with tokens, text or not (a split character), with
+    their ids in order, several steps of one popped batch included; the stop token's id too."""
+    ids = tokenizer.encode("a😀b", add_special_tokens=False)
+    assert "\ufffd" in tokenizer.decode(ids[:2])
+    router.handle(batch(opened(3, 0, 1, flags=DEFAULT_FLAGS | OpenFlags.RETURN_IDS)))
+    first = rows(*router.handle(batch(tok(3, 0, 1, ids[0], completion=1))))
+    partial = rows(*router.handle(batch(tok(3, 0, 1, ids[1], completion=2))))
+    assert [(r["text"], r["ids"]) for r in first + partial] == [(b"a", ids[:1]), (b"", ids[1:2])]
+    eos = tokenizer.eos_token_id
+    rest = [tok(3, 0, 1, t, completion=k) for k, t in enumerate(ids[2:], 3)]
+    last = rows(*router.handle(batch(*rest, opened(3, 1, 1), tok(3, 0, 1, eos, Finish.STOP, completion=len(ids) + 1))))
+    assert [(r["text"], r["ids"], r["finish"]) for r in last] == [("😀b".encode(), ids[2:] + [eos], Finish.STOP)]

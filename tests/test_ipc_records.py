@@ -33,7 +33,7 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
     params = SamplingParams(max_new_tokens=77, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
                             seed=-(2 ** 63), repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=1.5,
                             stop=("\n\n", "stop\x00with nul", "é🙂"), stop_token_ids=tuple(range(16)),
-                            no_stop_trim=True, ignore_eos=True, skip_special_tokens=False,
+                            no_stop_trim=True, ignore_eos=True, skip_special_tokens=False, return_ids=True,
                             spaces_between_special_tokens=False,
                             logprobs=True, top_logprobs=20).validate()
     changed = {f.name for f in dataclasses.fields(SamplingParams)

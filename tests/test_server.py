@@ -8,6 +8,7 @@ server answers 503 from then on; SIGINT stops every process and leaves no shared
 The tests of this module run in order and share one server (the last two end it)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -75,6 +76,12 @@ def got(server, client, want):
             prompt=PROMPTS[0], stop=stop, extra_body={"min_tokens": MAX_TOKENS}, **completion),
         "stop_kept": lambda: client.completions.create(
             prompt=PROMPTS[0], stop=stop, extra_body={"include_stop_str_in_output": True}, **completion),
+        "generate_ids": lambda: httpx.post(server.url("/generate"), headers=AUTH, timeout=120, json={
+            "text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}).json(),
+        "generate_ids_stream": lambda: [json.loads(line[6:]) for line in httpx.post(
+            server.url("/generate"), headers=AUTH, timeout=120, json={
+                "text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
+        ).text.split("\n\n") if line.startswith("data: {")],
         "stop_generate": lambda: httpx.post(server.url("/generate"), headers=AUTH, timeout=120, json={
             "text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
                                                     "stop": stop}}).json(),
@@ -129,6 +136,15 @@ def test_chat_equals_the_offline_engine(got, want):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens
     assert chunks[-1].usage.prompt_tokens == want.prompt_tokens
+
+
+def test_generate_output_ids(got, want):
+    """SGLang's /generate answers output_ids: the generated token ids, so far in each stream event."""
+    ids = want["completions"][0].token_ids
+    assert got["generate_ids"]["output_ids"] == ids
+    events = got["generate_ids_stream"]
+    assert events[-1]["output_ids"] == ids and events[-1]["text"] == want["completions"][0].text
+    assert all(ids[:len(e["output_ids"])] == e["output_ids"] for e in events)
 
 
 def test_stop_strings(got, want):
