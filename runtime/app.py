@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 from gpu.model_files import ModelLoadError
 from httpapi.auth import check_api_key
-from httpapi.errors import APIError, engine_unavailable, internal_error
+from httpapi.errors import APIError, engine_unavailable, internal_error, model_not_found
 from httpapi.info import check_model, model_card, model_info_body, models_body, served_model_name, server_info_body
 from httpapi.logprobs import LogprobVocab
 from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize, parse_generate,
@@ -47,6 +47,7 @@ logger = logging.getLogger("ringserve.app")
 
 JSON = "application/json"
 WORKER_HEADER = "x-ringserve-worker"  # which HTTP worker answered (its index)
+MODEL_PATH = "/v1/models/"  # + the served name: its card (routed at start-up)
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
 _SSE_HEADERS = [(k.encode(), v.encode()) for k, v in HEADERS.items()]
@@ -590,6 +591,8 @@ class App:
                 except Exception:  # api_route answers errors; this is a bug in a route outside it
                     logger.exception("%s %s failed", scope["method"], scope["path"])
                     response = error_response(internal_error())
+            elif methods is None and scope["path"].startswith(MODEL_PATH):  # another model's card
+                response = error_response(model_not_found(scope["path"][len(MODEL_PATH):]))
             elif methods is None:
                 response = error_response(APIError(404, f"{scope['method']} {scope['path']}: Not Found"))
             else:
@@ -614,7 +617,7 @@ class App:
                     logger.exception("the worker failed to start")
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
                     return
-                self.add_route(f"/v1/models/{self.worker.model.served_name}", {"GET": retrieve_model})
+                self.add_route(MODEL_PATH + self.worker.model.served_name, {"GET": retrieve_model})
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.worker is not None:

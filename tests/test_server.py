@@ -205,7 +205,8 @@ def test_native_routes(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
     missing = httpx.get(server.url("/v1/models/not-" + MODEL), headers=AUTH)
-    assert missing.status_code == 404 and missing.json()["error"]["message"]
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert missing.json()["error"]["param"] == "model"
     info = httpx.get(server.url("/get_model_info"), headers=AUTH).json()
     assert info["context_length"] == 8192 and info["vocab_size"] == 49152
     assert httpx.get(server.url("/get_server_info"), headers=AUTH).json()["max_total_num_tokens"] == 32768
