@@ -51,6 +51,8 @@ class DetokOutput:
     length: np.ndarray    # int64 [R]
     finished: np.ndarray  # bool [R]: finished this step (finish flag given, or a stop string hit)
     stop: np.ndarray      # int16 [R]: index of the matched stop string in DetokOptions.stop, -1 if none
+    used: np.ndarray      # int64 [R]: at a stop string, the request's tokens of this step through the one
+    #                       that completed it (the rest are not its); -1 otherwise
     text: np.ndarray      # uint8 [total]: every delta, back to back
 
     def delta(self, row: int) -> bytes:
@@ -96,7 +98,8 @@ class BatchDetokenizer:
         self._iota = np.arange(4096)               # 0, 1, 2, ... grown on demand
         self._no_finish = np.zeros(capacity, bool)
         self._no_stop = np.full(capacity, -1, np.int16)
-        self._no_finish.flags.writeable = self._no_stop.flags.writeable = False
+        self._no_used = np.full(capacity, -1, np.int64)
+        self._no_finish.flags.writeable = self._no_stop.flags.writeable = self._no_used.flags.writeable = False
         self._stop_first = np.zeros((capacity, 4), np.uint64)  # bitmap of the first bytes of each request's stops
         self._with_stop = 0                        # open requests that have stop strings
 
@@ -205,7 +208,7 @@ class BatchDetokenizer:
             reqs, start, length = reqs[has], start[has], length[has]
         n = len(reqs)
         return DetokOutput(req=reqs, offset=start, length=length, finished=self._no_finish[:n],
-                           stop=self._no_stop[:n], text=text)
+                           stop=self._no_stop[:n], used=self._no_used[:n], text=text)
 
     def _arange(self, n: int) -> np.ndarray:
         if len(self._iota) < n:
@@ -216,56 +219,59 @@ class BatchDetokenizer:
         """The Python path: groups are (request, its tokens in order, their finish flags)."""
         if not groups:
             return _EMPTY
-        rows = self._decode_groups(self._split_protected(groups))
-        out_req, out_len, out_fin, out_stop, chunks = [], [], [], [], []
-        for r, text, final, stop in rows:
-            if out_req and out_req[-1] == r:  # the second part of a split group
-                chunks[-1] += text
-                out_len[-1] += len(text)
-                out_fin[-1], out_stop[-1] = final, stop
-            elif text or final:
-                out_req.append(r)
-                out_len.append(len(text))
-                out_fin.append(final)
-                out_stop.append(stop)
-                chunks.append(text)
-        length = np.array(out_len, np.int64)
-        return DetokOutput(req=np.array(out_req, np.int64), offset=np.cumsum(length) - length,
-                           length=length, finished=np.array(out_fin, bool),
-                           stop=np.array(out_stop, np.int16),
-                           text=np.frombuffer(b"".join(chunks), np.uint8))
-
-    def _split_protected(self, groups: list[tuple[int, list[int], list[bool]]]
-                         ) -> list[list[tuple[int, list[int], list[bool]]]]:
-        """Rounds of groups to decode in turn: one, unless a group's tokens cross its request's
-        min_tokens; then its protected tokens are decoded in a first round, the rest after."""
-        heads, rest = [], []
-        for r, tokens, finished in groups:
-            k = self._requests[r].protect
-            if 0 < k < len(tokens) and True not in finished[:k]:
-                heads.append((r, tokens[:k], finished[:k]))
-                rest.append((r, tokens[k:], finished[k:]))
+        merged: list[list] = []  # [request, text, finished, stop, tokens used]: a split group's parts joined
+        for r, text, final, stop, n in self._decode_groups(self._rounds(groups)):
+            if merged and merged[-1][0] == r:
+                last = merged[-1]
+                last[1] += text
+                last[2], last[3], last[4] = final, stop, last[4] + n
             else:
-                rest.append((r, tokens, finished))
-        return [heads, rest] if heads else [rest]
+                merged.append([r, text, final, stop, n])
+        merged = [m for m in merged if m[1] or m[2]]
+        length = np.array([len(m[1]) for m in merged], np.int64)
+        return DetokOutput(req=np.array([m[0] for m in merged], np.int64), offset=np.cumsum(length) - length,
+                           length=length, finished=np.array([m[2] for m in merged], bool),
+                           stop=np.array([m[3] for m in merged], np.int16),
+                           used=np.array([m[4] if m[3] >= 0 else -1 for m in merged], np.int64),
+                           text=np.frombuffer(b"".join(m[1] for m in merged), np.uint8))
+
+    def _rounds(self, groups: list[tuple[int, list[int], list[bool]]]
+                ) -> list[list[tuple[int, list[int], list[bool]]]]:
+        """Groups to decode in turn. A request with stop strings goes one token a round: a
+        match is then known to end with that round's token (the tokens after it are not the
+        request's: not its text, nor in its counts), and the tokens' text crosses its
+        min_tokens (protected or not) one token at a time. The others go whole in the first."""
+        rounds: list[list[tuple[int, list[int], list[bool]]]] = [[]]
+        for r, tokens, finished in groups:
+            if self._requests[r].stop is None or len(tokens) == 1:
+                rounds[0].append((r, tokens, finished))
+                continue
+            for k in range(len(tokens)):
+                if k == len(rounds):
+                    rounds.append([])
+                rounds[k].append((r, tokens[k:k + 1], finished[k:k + 1]))
+        return rounds
 
     def _decode_groups(self, rounds: list[list[tuple[int, list[int], list[bool]]]]
-                       ) -> list[tuple[int, bytes, bool, int]]:
-        """(request, text released, finished, stop index) per group, a request's rows in order."""
+                       ) -> list[tuple[int, bytes, bool, int, int]]:
+        """(request, text released, finished, stop index, tokens used) per group, a request's
+        rows in order; a request that finished in a round takes no part in later ones."""
         rows = []
         for groups in rounds:
-            jobs = []  # (req, state, text so far, final, protected)
+            jobs = []  # (req, state, text so far, final, protected, tokens used)
             for r, tokens, finished in groups:
+                state = self._requests[r]
+                if state is None:  # finished in an earlier round
+                    continue
                 final = True in finished
                 if final:  # nothing after a request's finishing token belongs to it
                     tokens = tokens[: finished.index(True) + 1]
-                state = self._requests[r]
                 protected = state.protect > 0
                 state.protect = max(state.protect - len(tokens), 0)
-                jobs.append((r, state, self._feed(state, tokens, final), final, protected))
+                jobs.append((r, state, self._feed(state, tokens, final), final, protected, len(tokens)))
             if self.table is None:
                 self._decode_windows(jobs)
-            for r, state, parts, final, protected in jobs:
+            for r, state, parts, final, protected, n in jobs:
                 text = "".join(parts).encode()
                 stop = -1
                 if state.stop is not None:
@@ -275,8 +281,8 @@ class BatchDetokenizer:
                     self.close(r)
                 else:
                     self._python[r] = self._needs_python(state)
-                rows.append((r, text, final, stop))
-        if len(rounds) > 1:  # a split group's two rows side by side (the sort is stable)
+                rows.append((r, text, final, stop, n))
+        if len(rounds) > 1:  # a split group's rows side by side, in order (the sort is stable)
             rows.sort(key=lambda row: row[0])
         return rows
 
@@ -303,7 +309,7 @@ class BatchDetokenizer:
 
     def _decode_windows(self, jobs) -> None:
         """Window path, all requests at once: delta = decode(window) minus decode(emitted part)."""
-        windows = [(parts, state, final) for _, state, parts, final, _ in jobs if len(state.window) > state.read]
+        windows = [(parts, state, final) for _, state, parts, final, _, _ in jobs if len(state.window) > state.read]
         if not windows:
             return
         texts = self.tokenizer.batch_decode([s.window[: s.read] for _, s, _ in windows]
@@ -333,8 +339,10 @@ def _concat(a: DetokOutput, b: DetokOutput) -> DetokOutput:
                        length=np.concatenate([a.length, b.length]),
                        finished=np.concatenate([a.finished, b.finished]),
                        stop=np.concatenate([a.stop, b.stop]),
+                       used=np.concatenate([a.used, b.used]),
                        text=np.concatenate([a.text, b.text]))
 
 
 _EMPTY = DetokOutput(req=np.zeros(0, np.int64), offset=np.zeros(0, np.int64), length=np.zeros(0, np.int64),
-                     finished=np.zeros(0, bool), stop=np.zeros(0, np.int16), text=np.zeros(0, np.uint8))
+                     finished=np.zeros(0, bool), stop=np.zeros(0, np.int16), used=np.zeros(0, np.int64),
+                     text=np.zeros(0, np.uint8))

@@ -42,6 +42,7 @@ _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
 _NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)
 _RETURN_IDS = int(OpenFlags.RETURN_IDS)
+_NO_LIMIT = np.iinfo(np.int64).max
 _BLOB_ORDER = (("logprobs_off", "logprobs_len"), ("ids_off", "ids_len"), ("text_off", "text_len"))
 
 
@@ -63,6 +64,7 @@ class DetokRouter:
         self._trim_stop_token = np.ones(max_open, bool)  # its stop token's text is not output
         self._mark = np.zeros(max_open, bool)            # scratch
         self._row = np.zeros(max_open, np.int64)         # scratch: a request's row in a step's records
+        self._limit = np.full(max_open, _NO_LIMIT, np.int64)  # scratch: records a request keeps in a step
 
     @property
     def num_open(self) -> int:
@@ -177,11 +179,16 @@ class DetokRouter:
             recs, idx = take_records(recs, live), idx[live]
             if len(recs) == 0:
                 return _NOTHING
-        finish = recs["finish"]
-        token = recs["token"]
-        is_stop_token = finish == _STOP
+        is_stop_token = recs["finish"] == _STOP
+        real = recs["token"] != NO_TOKEN
+        text_token = np.where((is_stop_token & self._trim_stop_token[idx]) | ~real, -1, recs["token"].astype(np.int64))
+        out = self.core.step(idx, text_token, recs["finish"] != _NONE)
+        cut = out.used >= 0
+        if cut.any():  # a stop string ended a request: its later tokens are not its own
+            recs, idx = self._through_stops(recs, idx, out.req[cut], out.used[cut])
+
+        finish, token = recs["finish"], recs["token"]
         real = token != NO_TOKEN
-        text_token = np.where((is_stop_token & self._trim_stop_token[idx]) | ~real, -1, token.astype(np.int64))
         np.add.at(self._unsent, idx[real], 1)
         self._usage[idx, 0] = recs["prompt_tokens"]
         self._usage[idx, 2] = recs["cached_tokens"]
@@ -189,10 +196,8 @@ class DetokRouter:
         ended = finish != _NONE
         if ended.any():
             self._finish[idx[ended]] = finish[ended]
-            stops = is_stop_token & real
+            stops = (finish == _STOP) & real
             self._stop_token[idx[stops]] = token[stops]
-
-        out = self.core.step(idx, text_token, ended)
 
         lp_asked, ids_asked = self._logprobs[idx], self._ids[idx]
         asked = lp_asked | ids_asked
@@ -207,6 +212,24 @@ class DetokRouter:
         if len(rows) == 0:
             return _NOTHING
         return self._records(rows, out, recs, idx, lp_asked, ids_asked, payload)
+
+    def _through_stops(self, recs: np.ndarray, idx: np.ndarray, stopped: np.ndarray, used: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """recs (and their idx) without the records of each stopped request past its first
+        `used` (the one that completed its stop string): their tokens are not in its usage,
+        logprobs or ids."""
+        order = np.argsort(idx, kind="stable")
+        grouped = idx[order]
+        head = np.ones(len(grouped), bool)
+        head[1:] = grouped[1:] != grouped[:-1]
+        starts = np.flatnonzero(head)
+        rank = np.empty(len(idx), np.int64)  # each record's place among its request's records
+        rank[order] = np.arange(len(idx)) - np.repeat(starts, np.diff(np.append(starts, len(idx))))
+        limit = self._limit
+        limit[stopped] = used
+        keep = rank < limit[idx]
+        limit[stopped] = _NO_LIMIT
+        return take_records(recs, keep), idx[keep]
 
     def _records(self, rows: np.ndarray, out: DetokOutput, recs: np.ndarray, idx: np.ndarray,
                  lp_asked: np.ndarray, ids_asked: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -122,6 +122,21 @@ def test_stop_string_finishes_and_trims(tokenizer, router):
     assert router.num_open == before
 
 
+def test_tokens_after_a_stop_string_are_not_the_request_s(tokenizer, router):
+    """Several steps of tokens in one batch, a stop string completed by the third: the record
+    counts three tokens, with their logprobs and ids only (it counted all, and the usage said
+    40 tokens for a 6-token text)."""
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    k = next(k for k in range(len(ids)) if "three" in tokenizer.decode(ids[:k + 1])) + 1  # tokens through "three"
+    assert k < len(ids)
+    flags = DEFAULT_FLAGS | OpenFlags.LOGPROBS | OpenFlags.RETURN_IDS
+    router.handle(batch(opened(2, 2, 1, stop=("three",), flags=flags)))
+    out = rows(*router.handle(batch(*[tok(2, 2, 1, t, logprob=-0.5, completion=c) for c, t in enumerate(ids, 1)])))
+    assert [(r["text"], r["finish"], r["completion_tokens"], r["n_tokens"]) for r in out] == \
+        [(b"one two ", Finish.STOP, k, k)]
+    assert out[0]["ids"] == ids[:k] and out[0]["logprobs"][0] == ids[:k]
+
+
 def test_slot_reuse_within_one_batch(tokenizer, router):
     x, y = tokenizer.encode(" x", add_special_tokens=False)[0], tokenizer.encode(" y", add_special_tokens=False)[0]
     out = rows(*router.handle(batch(opened(3, 0, 1), tok(3, 0, 1, x), tok(3, 0, 1, x, Finish.LENGTH),
