@@ -27,6 +27,7 @@ from runtime.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 # columns of the per-row float parameter table
 _TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES, _TOP_K = range(7)
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) over the 64-bit seed space
+_U64 = 0xFFFFFFFFFFFFFFFF
 TOP_CANDIDATES = 1024  # rows with top_k / top_p choose among this many most likely tokens (see filter_probs)
 
 
@@ -82,7 +83,7 @@ class Sampler:
         self.min_tokens[row] = params.min_new_tokens
         self.num_generated[row] = len(output_ids)
         self.seeded[row] = params.seed is not None
-        self.seed[row] = (params.seed or 0) & 0x7FFFFFFFFFFFFFFF
+        self.seed[row] = params.seed or 0  # any int64: all 2**64 seeds sample apart
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
         self._dirty[row] = True
@@ -198,8 +199,7 @@ class Sampler:
         u = torch.rand(len(rows), 1, generator=self.generator, device=self.device)
         for i in np.flatnonzero(self.seeded[rows]):
             row = rows[i]
-            self.row_generator.manual_seed(
-                (int(self.seed[row]) + int(self.num_generated[row]) * _SEED_MIX) & 0x7FFFFFFFFFFFFFFF)
+            self.row_generator.manual_seed(_row_seed(int(self.seed[row]), int(self.num_generated[row])))
             u[i] = torch.rand(1, generator=self.row_generator, device=self.device)
         ranked = self.uses_top_k_p[rows]
         if ranked.all() or not ranked.any():
@@ -238,3 +238,13 @@ class Sampler:
 def _take(x: torch.Tensor, mask: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
     """x's rows where mask, without a copy when that is all of them."""
     return x if mask.all() else x[idx]
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """A seeded row's generator seed at `step`: (seed, step) mixed (splitmix64) into the 63 bits
+    torch's CPU generator tells apart (manual_seed(2**63) samples as manual_seed(0)), so that
+    seeds aliasing in fewer bits (s and s + 2**63, as a wrapped seed + j can be) sample apart."""
+    z = (seed + step * _SEED_MIX) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

@@ -117,6 +117,21 @@ def test_seed_reproduces_regardless_of_batch_and_resume():
     assert [int(resumed.sample(flat[None].clone(), np.array([0])).tokens[0]) for _ in range(7)] == alone[5:]
 
 
+def test_seeds_differing_in_the_top_bit_sample_apart():
+    """-1 and 2**63 - 1, 0 and -2**63 differ only in the bit torch's CPU generator drops
+    (manual_seed(2**63) samples as manual_seed(0)); n > 1 with seed + j wraps onto such pairs."""
+    flat = torch.zeros(V)
+
+    def draws(seed: int) -> list[int]:
+        sampler = make()
+        sampler.set_request(0, SamplingParams(seed=seed), no_output(), no_output())
+        return [int(sampler.sample(flat[None].clone(), np.array([0])).tokens[0]) for _ in range(12)]
+
+    assert draws(-1) != draws(2**63 - 1)
+    assert draws(0) != draws(-(2**63))
+    assert draws(5) == draws(5)
+
+
 def test_seed_reproduces_next_to_rows_with_top_k_or_top_p():
     """A seeded row without top_k/top_p beside rows with them: those rows' sorted candidate
     list must not reorder its distribution, or the same uniform picks another token (served:
