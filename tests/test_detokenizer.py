@@ -221,77 +221,48 @@ def test_stop_string_trims_text_arriving_with_it(tokenizer, detok):
     assert (got[0], stop[0]) == ("abc STOP", 0)
 
 
-def test_many_requests_with_and_without_stop_strings(tokenizer, detok):
-    """Stop strings cut at random places of random texts, mixed with requests without stops."""
-    rng = np.random.default_rng(8)
-    words = "the of and to in is café 😀 世界 naïve x = 1 ; { } \n".split(" ")
+def first_stop(full: bytes, stops: list[bytes], guard: int = 0) -> tuple[bytes, int]:
+    """The reference: `full` cut where the stop string that ends first (then the longest)
+    starts, among matches that end past full[:guard]; (full, -1) when none does."""
+    found = [(start + len(stop), start, i) for i, stop in enumerate(stops)
+             if (start := full.find(stop, max(guard - len(stop) + 1, 0))) >= 0]
+    return (full[:min(found)[1]], min(found)[2]) if found else (full, -1)
+
+
+@pytest.mark.parametrize("with_min_tokens", [False, True])
+def test_many_requests_with_and_without_stop_strings(tokenizer, detok, with_min_tokens):
+    """Stop strings cut at random places of random texts, mixed with requests without stops;
+    with min_tokens, no stop string ends in the text of a request's first min_tokens tokens
+    (vLLM's rule: a match may start there and end later), steps crossing it included."""
+    rng = np.random.default_rng(8 + with_min_tokens)
+    # whole characters a token with min_tokens: its text is then the guard's exactly
+    words = ("the of and to in is x = 1 ; stop here { } ok\n" if with_min_tokens else
+             "the of and to in is café 😀 世界 naïve x = 1 ; { } \n").split(" ")
     streams, opts, want = [], [], []
     for r in range(CAPACITY):
-        text = "".join(rng.choice(words, 30).tolist())
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode("".join(rng.choice(words, 30).tolist()), add_special_tokens=False)
         full = tokenizer.decode(ids)
-        a = int(rng.integers(0, len(full) - 4))
-        stops = [full[a: a + int(rng.integers(1, 5))], "never" + full[:3]][: r % 3]
-        ends = [(full.find(s) + len(s), full.find(s), i) for i, s in enumerate(stops) if s in full]
-        streams.append(ids)
-        opts.append(DetokOptions(stop=tuple(stops)))
-        want.append((full[: min(ends)[1]], min(ends)[2]) if ends else (full, -1))
-    got, stop = stream(detok, streams, opts, rng)
-    assert list(zip(got, stop)) == want
-
-
-@settings(max_examples=300, deadline=None)
-@given(chunks=st.lists(st.text(alphabet="abé😀 ", max_size=6), max_size=12),
-       stops=st.lists(st.text(alphabet="abé😀 ", min_size=1, max_size=4), min_size=1, max_size=3))
-def test_stop_matcher_matches_reference(chunks, stops):
-    """Streaming with hold-back == cutting the whole text at the stop string that ends first."""
-    full = "".join(chunks)
-    ends = [(full.find(s) + len(s), full.find(s), i) for i, s in enumerate(stops) if s in full]
-    want = (full[: min(ends)[1]], min(ends)[2]) if ends else (full, -1)
-    m = StopMatcher(tuple(stops))
-    out, hit = b"", -1
-    for k, chunk in enumerate(chunks + [""]):
-        released, hit = m.feed(chunk.encode(), final=k == len(chunks))
-        out += released
-        if hit >= 0:
-            break
-    assert (out.decode(), hit) == want
-
-
-def test_stop_strings_wait_for_min_tokens(tokenizer, detok):
-    """No stop string ends in the text of a request's first min_tokens tokens (vLLM's rule: a
-    match may start there and end later); tokens crossing min_tokens in one step included."""
-    rng = np.random.default_rng(9)
-    words = "the of and to in is x = 1 ; stop here { } ok\n".split(" ")
-    streams, opts, want = [], [], []
-    for r in range(CAPACITY):
-        text = "".join(rng.choice(words, 24).tolist())
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        full = tokenizer.decode(ids).encode()
         a = int(rng.integers(0, len(full) // 2))
-        stops = [full[a: a + int(rng.integers(1, 4))], b"stop", b"of"][: 1 + r % 3]
-        min_tokens = int(rng.integers(0, len(ids)))
-        guard = len(tokenizer.decode(ids[:min_tokens]).encode())
-        ends = [(start + len(s), start, i) for i, s in enumerate(stops)
-                if (start := full.find(s, max(guard - len(s) + 1, 0))) >= 0]
+        stops = [full[a: a + int(rng.integers(1, 5))], "stop", "never" + full[:3]][: r % 3 + with_min_tokens]
+        min_tokens = int(rng.integers(0, len(ids))) if with_min_tokens else 0
         streams.append(ids)
-        opts.append(DetokOptions(stop=tuple(s.decode() for s in stops), min_tokens=min_tokens))
-        want.append((full[: min(ends)[1]].decode(), min(ends)[2]) if ends else (full.decode(), -1))
+        opts.append(DetokOptions(stop=tuple(stops), min_tokens=min_tokens))
+        text, index = first_stop(full.encode(), [x.encode() for x in stops],
+                                 len(tokenizer.decode(ids[:min_tokens]).encode()))
+        want.append((text.decode(), index))
     got, stop = stream(detok, streams, opts, rng, max_per_step=4)
     assert list(zip(got, stop)) == want
 
 
 @settings(max_examples=300, deadline=None)
-@given(chunks=st.lists(st.text(alphabet="abé ", max_size=5), max_size=10),
-       stops=st.lists(st.text(alphabet="abé ", min_size=1, max_size=4), min_size=1, max_size=3),
-       protected=st.integers(0, 10))
-def test_stop_matcher_protected_text_ends_no_match(chunks, stops, protected):
-    """The first `protected` chunks (a request's first min_tokens tokens) end no match."""
+@given(chunks=st.lists(st.text(alphabet="abé😀 ", max_size=6), max_size=12),
+       stops=st.lists(st.text(alphabet="abé😀 ", min_size=1, max_size=4), min_size=1, max_size=3),
+       protected=st.integers(0, 12))
+def test_stop_matcher_matches_reference(chunks, stops, protected):
+    """Streaming with hold-back == cutting the whole text at the stop string that ends first;
+    the first `protected` chunks (a request's first min_tokens tokens) end no match."""
     full = "".join(chunks).encode()
-    guard = len("".join(chunks[:protected]).encode())
-    found = [(start + len(s), start, i) for i, s in enumerate(x.encode() for x in stops)
-             if (start := full.find(s, max(guard - len(s) + 1, 0))) >= 0]
-    want = (full[: min(found)[1]], min(found)[2]) if found else (full, -1)
+    want = first_stop(full, [x.encode() for x in stops], len("".join(chunks[:protected]).encode()))
     m = StopMatcher(tuple(stops))
     out, hit = b"", -1
     for k, chunk in enumerate(chunks + [""]):
