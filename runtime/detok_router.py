@@ -8,16 +8,14 @@ carrying a finish ends it. Records whose gen is not the open one are stale (an a
 request) and dropped.
 
 Per step, a request gets a TEXT_OUT record when its new tokens complete some text, when
-it finishes, or, if it asked for logprobs, whenever it got tokens (text possibly empty).
+it finishes, or, if it asked for logprobs or its token ids (OpenFlags.RETURN_IDS:
+/generate's output_ids), whenever it got tokens (text possibly empty), with them.
 `n_tokens` counts the tokens since its previous record, so a request whose tokens
 completed no character is simply not mentioned. The text of a stop token (EOS or one of
 stop_token_ids: a TOKEN with finish STOP) is not output, as SGLang trims it; its id is in
 `stop_token`. A stop string hit finishes the request with finish STOP and `stop_index`;
 the scheduler does not know about it, so the TokenizerManager must send an ABORT for it
 (to free its KV pages); the detokenizer drops the request's later tokens meanwhile.
-
-Per step, a request that asked for logprobs or for its token ids (OpenFlags.RETURN_IDS:
-/generate's output_ids) gets a record whenever it got tokens, with them.
 
 Payload blob: every logprobs part first (pack_logprobs; each a multiple of 4 bytes, so
 they stay 4-byte aligned), then the token-id runs (uint32), then the text deltas.
@@ -290,7 +288,6 @@ class DetokRouter:
             parts.append(part)
             size += len(part)
         return size
-
 
     def _id_parts(self, res: np.ndarray, rows: np.ndarray, recs: np.ndarray, idx: np.ndarray, base: int,
                   parts: list[bytes]) -> int:

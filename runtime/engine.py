@@ -146,8 +146,8 @@ class Engine:
     def _output(self, run: "_Run") -> GenerateOutput:
         p = run.params
         prompt_tokens, completion_tokens, cached = run.counts
-        return GenerateOutput(text=b"".join(run.parts).decode(), token_ids=run.tokens, finish_reason=run.finish.api_name,
-                              prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        return GenerateOutput(text=b"".join(run.parts).decode(), token_ids=run.tokens,
+                              finish_reason=run.finish.api_name, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                               cached_tokens=cached, logprobs=run.logprobs if p.logprobs else None,
                               top_logprobs=run.top if p.top_logprobs else None,
                               prompt_token_ids=run.prompt.tolist())

@@ -60,8 +60,8 @@ def test_stop_token_ids_and_stop_strings(engine):
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,)))[0]
     assert o.finish_reason == "stop" and o.text == base.text[:base.text.index(word)]
     a = base.text.index(word)  # of two matches, the one that ends first wins (as in the server)
-    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                                   stop=(base.text[a:a + 8], base.text[a + 2:a + 4])))[0]
+    two = (base.text[a:a + 8], base.text[a + 2:a + 4])
+    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=two))[0]
     assert o.finish_reason == "stop" and o.text == base.text[:a + 2]
     assert base.finish_reason == "length"  # no stop string ends in the first min_new_tokens tokens' text
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,),
