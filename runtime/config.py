@@ -45,7 +45,8 @@ class ServerArgs:
     log_level: str = "info"
     request_timeout: float = 600.0  # soft limit on a request's life, seconds
     # a stream's events: at its first token, then once every stream_interval tokens (and at its
-    # end); larger values send fewer, larger events for less server CPU a token
+    # end): fewer, larger events for clients that keep up (one that falls behind gets its
+    # pending tokens in one event anyway)
     stream_interval: int = 1
     # scheduler
     page_size: int = 16
