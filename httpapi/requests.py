@@ -70,7 +70,7 @@ class GenerateRequest:
     stream: bool
     return_logprob: bool
     return_text_in_logprobs: bool
-    sampling: SamplingSpec
+    samplings: tuple[SamplingSpec, ...]  # one per prompt (sampling_params may be a list of them)
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,43 @@ def parse_generate(body: bytes) -> GenerateRequest:
     prompts, batch = _prompts(text if text is not None else input_ids, prompt_param,
                               token_ids_allowed=input_ids is not None, text_allowed=text is not None)
     rids = _rids(f.raw("rid"), len(prompts))
-    sp = f.get_object("sampling_params") or Fields({}, "sampling_params.")
-    n = _n(sp, prompts=len(prompts))
-    max_new_tokens = sp.get_int("max_new_tokens", GENERATE_MAX_NEW_TOKENS)
     return_logprob = f.get_bool("return_logprob", False)
     top_logprobs_num = f.get_int("top_logprobs_num", 0)  # SGLang ignores it without return_logprob
     if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
         raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
+    per_prompt = [_generate_sampling(sp, len(prompts), prompt_param, return_logprob, top_logprobs_num)
+                  for sp in _sampling_objects(f.raw("sampling_params"), len(prompts))]
+    n = per_prompt[0][0]
+    if any(k != n for k, _ in per_prompt):
+        raise bad_request("sampling_params: every prompt's n must be the same", "sampling_params")
+    samplings = tuple(spec for _, spec in per_prompt) * (len(prompts) if len(per_prompt) == 1 else 1)
+    if f.raw("token_ids_logprob") is not None:
+        raise bad_request("token_ids_logprob is not supported by this server", "token_ids_logprob")
+    for key in ("image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
+        if f.raw(key) is not None:
+            raise bad_request(f"{key} is not supported by this server", key)
+    stream = f.get_bool("stream", False)
+    return_text = f.get_bool("return_text_in_logprobs", False)
+    f.ignore("sampling_params")
+    f.warn_unknown("/generate")
+    return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, samplings)
+
+
+def _sampling_objects(value: Any, n_prompts: int) -> list[Fields]:
+    """/generate's sampling_params: one object for every prompt, or a list with one per prompt."""
+    if value is None or type(value) is dict:
+        return [Fields(value or {}, "sampling_params.")]
+    if type(value) is list and len(value) == n_prompts and all(type(v) is dict for v in value):
+        return [Fields(v, f"sampling_params[{i}].") for i, v in enumerate(value)]
+    raise bad_request("sampling_params must be an object, or a list of objects with one per prompt",
+                      "sampling_params")
+
+
+def _generate_sampling(sp: Fields, n_prompts: int, prompt_param: str, return_logprob: bool,
+                       top_logprobs_num: int) -> tuple[int, SamplingSpec]:
+    """(n, the sampling) of one sampling_params object of /generate."""
+    n = _n(sp, prompts=n_prompts)
+    max_new_tokens = sp.get_int("max_new_tokens", GENERATE_MAX_NEW_TOKENS)
     values = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens", no_stop_trim="no_stop_trim",
                            return_ids=True,  # SGLang's /generate answers output_ids
                            logprobs=return_logprob,
@@ -163,17 +193,9 @@ def parse_generate(body: bytes) -> GenerateRequest:
     for key in ("stop_regex", "logit_bias", "custom_params"):  # each would change the output
         if sp.raw(key):
             raise bad_request(f"{sp.param(key)} is not supported by this server", sp.param(key))
-    if f.raw("token_ids_logprob") is not None:
-        raise bad_request("token_ids_logprob is not supported by this server", "token_ids_logprob")
-    for key in ("image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
-        if f.raw(key) is not None:
-            raise bad_request(f"{key} is not supported by this server", key)
-    stream = f.get_bool("stream", False)
-    return_text = f.get_bool("return_text_in_logprobs", False)
     sp.warn_unknown("/generate")
-    f.warn_unknown("/generate")
-    sampling = SamplingSpec.build(values, max_new_tokens, GENERATE_NAMES, prompt_param)
-    return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, sampling)
+    names = {k: v.replace("sampling_params.", sp.prefix) for k, v in GENERATE_NAMES.items()}
+    return n, SamplingSpec.build(values, max_new_tokens, names, prompt_param)
 
 
 def parse_tokenize(body: bytes) -> TokenizeRequest:

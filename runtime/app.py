@@ -291,7 +291,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await request.body())
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
-    params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
+    params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]
     n = req.n
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]

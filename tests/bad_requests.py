@@ -174,7 +174,7 @@ BAD_REQUESTS: list[BadRequest] = [
     # SGLang's /generate
     _row("neither text nor input_ids", GENERATE, generate(text=None), 400, "text"),
     _row("both text and input_ids", GENERATE, generate(input_ids=[1, 2]), 400, "text"),
-    _row("sampling_params is a list", GENERATE, generate(sampling_params=[{"max_new_tokens": 8}]), 400,
+    _row("sampling_params list not one per prompt", GENERATE, generate(sampling_params=[{}, {}]), 400,
          "sampling_params"),
     _row("max_new_tokens zero", GENERATE, generate(sampling_params={"max_new_tokens": 0}), 400,
          "sampling_params.max_new_tokens"),

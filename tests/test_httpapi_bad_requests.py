@@ -32,9 +32,10 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
     elif path in ("/v1/completions", "/generate"):
         req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
         check_model(getattr(req, "model", None), MODEL)
-        for prompt in req.prompts:
+        samplings = req.samplings if path == "/generate" else [req.sampling] * len(req.prompts)
+        for prompt, sampling in zip(req.prompts, samplings):
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+            sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
     elif path == "/tokenize":
         check_model(parse_tokenize(body).model, MODEL)
     elif path == "/detokenize":
@@ -120,9 +121,10 @@ def test_a_prompt_past_the_kv_cache_names_the_prompt(path, body, param):
     """A KV cache smaller than the context (--max-total-tokens): the prompt gets its 400 here,
     not the scheduler's rejection without a param (inside a 200 stream when streaming)."""
     req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
+    sampling = req.samplings[0] if path == "/generate" else req.sampling
     with pytest.raises(APIError) as caught:
-        req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)
+        sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)
     err = caught.value
     assert (err.status, err.param, err.code) == (400, param, "context_length_exceeded"), err.message
     assert "2048" in err.message
-    req.sampling.resolve([1] * 2047, CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)
+    sampling.resolve([1] * 2047, CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)

@@ -92,17 +92,28 @@ def test_generate_speaks_sglang():
                                                "temperature": 0.5, "stop": ["x"], "n": 1}))
     assert (req.prompts, req.rids, req.batch, req.stream, req.return_text_in_logprobs) == (("hi",), ("abc",), False,
                                                                                         True, True)
-    params = req.sampling.resolve([1], 8192, 49152)
+    params = req.samplings[0].resolve([1], 8192, 49152)
     assert (params.max_new_tokens, params.min_new_tokens, params.seed, params.temperature, params.stop) == \
         (5, 1, 7, 0.5, ("x",))
     assert (params.logprobs, params.top_logprobs) == (True, 2)
     default = parse_generate(body(input_ids=[1, 2]))
-    assert default.sampling.resolve([1, 2], 8192, 49152).max_new_tokens == 128 and default.rids == (None,)
+    assert default.samplings[0].resolve([1, 2], 8192, 49152).max_new_tokens == 128 and default.rids == (None,)
     assert parse_generate(body(text="hi", sampling_params={"n": 2})).batch  # n > 1 answers with a list
+    # a list of sampling_params: one per prompt (SGLang's); each names its own fields
+    two = parse_generate(body(text=["a", "b"], sampling_params=[{"max_new_tokens": 3}, {"max_new_tokens": 4}]))
+    assert [s.resolve([1], 8192, 49152).max_new_tokens for s in two.samplings] == [3, 4]
+    with pytest.raises(APIError) as caught:
+        parse_generate(body(text=["a", "b"], sampling_params=[{}, {"temperature": -1}])).samplings[1].resolve(
+            [1], 8192, 49152)
+    assert caught.value.param == "sampling_params[1].temperature"
+    for bad in ([{}], [{"n": 1}, {"n": 2}], "x"):
+        with pytest.raises(APIError) as caught:
+            parse_generate(body(text=["a", "b"], sampling_params=bad))
+        assert caught.value.param == "sampling_params"
 
 
 def test_generate_ignores_top_logprobs_num_without_return_logprob():
-    params = parse_generate(body(text="hi", top_logprobs_num=5)).sampling.resolve([1], 8192, 49152)
+    params = parse_generate(body(text="hi", top_logprobs_num=5)).samplings[0].resolve([1], 8192, 49152)
     assert (params.logprobs, params.top_logprobs) == (False, 0)
 
 

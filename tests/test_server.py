@@ -226,10 +226,13 @@ def test_native_routes(server, client):
                                                          ).usage.prompt_tokens  # the chat template's ids
     assert httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": tokens, "skip_special_tokens": False}
                       ).json()["text"].startswith("<|im_start|>")
-    # a string rid of a batch names its prompts <rid>_0, <rid>_1 (SGLang); e2e_latency once finished
+    # a string rid of a batch names its prompts <rid>_0, <rid>_1 (SGLang); e2e_latency once
+    # finished; sampling_params one per prompt
     outs = httpx.put(server.url("/generate"), headers=AUTH, timeout=60, json={
-        "text": ["Hi", "Hello"], "rid": "pair", "sampling_params": {"max_new_tokens": 1}}).json()
+        "text": ["Hi", "Hello"], "rid": "pair",
+        "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2, "ignore_eos": True}]}).json()
     assert [o["meta_info"]["id"] for o in outs] == ["pair_0", "pair_1"]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [1, 2]
     assert all(o["meta_info"]["e2e_latency"] > 0 for o in outs)
     echo = client.completions.create(model=MODEL, prompt=[1, 4093, 198], max_tokens=1, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("<|im_start|>user\n")
