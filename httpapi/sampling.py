@@ -83,14 +83,12 @@ def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab
     n = len(prompt_ids)
     if n == 0:
         raise bad_request(f"{param} is empty: the prompt must have at least one token", param)
-    if n >= context_len:
-        raise bad_request(f"This model's maximum context length is {context_len} tokens, and the prompt "
-                          f"({param}) has {n} tokens, which leaves no room to generate. "
-                          f"Shorten the prompt.", param, code="context_length_exceeded")
-    if kv_tokens is not None and n >= kv_tokens:  # the scheduler would reject it, after a stream began
-        raise bad_request(f"This server's KV cache holds {kv_tokens} tokens, and the prompt ({param}) has {n} "
-                          f"tokens, which leaves no room to generate. Shorten the prompt.", param,
-                          code="context_length_exceeded")
+    # the KV cache may hold less than the context: the scheduler would reject such a prompt, after a stream began
+    for limit, holds in ((context_len, "This model's maximum context length is"),
+                         (kv_tokens, "This server's KV cache holds")):
+        if limit is not None and n >= limit:
+            raise bad_request(f"{holds} {limit} tokens, and the prompt ({param}) has {n} tokens, which leaves "
+                              f"no room to generate. Shorten the prompt.", param, code="context_length_exceeded")
     check_token_ids(prompt_ids, vocab_size, param)
 
 

@@ -177,10 +177,8 @@ class DetokRouter:
             recs, idx = take_records(recs, live), idx[live]
             if len(recs) == 0:
                 return _NOTHING
-        is_stop_token = recs["finish"] == _STOP
-        real = recs["token"] != NO_TOKEN
-        text_token = np.where((is_stop_token & self._trim_stop_token[idx]) | ~real, -1, recs["token"].astype(np.int64))
-        out = self.core.step(idx, text_token, recs["finish"] != _NONE)
+        out = self.core.step(idx, text_tokens(recs["token"], recs["finish"], self._trim_stop_token[idx]),
+                             recs["finish"] != _NONE)
         cut = out.used >= 0
         if cut.any():  # a stop string ended a request: its later tokens are not its own
             recs, idx = self._through_stops(recs, idx, out.req[cut], out.used[cut])
@@ -305,6 +303,13 @@ class DetokRouter:
         res["ids_len"][at] = 4 * counts
         parts.append(tokens[order].astype(np.uint32).tobytes())
         return 4 * len(tokens)
+
+
+def text_tokens(token: np.ndarray, finish: np.ndarray, trim_stop_token: np.ndarray) -> np.ndarray:
+    """The ids of TOKEN_OUT tokens whose text the detokenizer outputs, -1 for none: a record
+    without a token, and a stop token (EOS, stop_token_ids: finish STOP) whose text is trimmed,
+    as SGLang trims it (all but no_stop_trim requests)."""
+    return np.where(((finish == _STOP) & trim_stop_token) | (token == NO_TOKEN), -1, token.astype(np.int64))
 
 
 def _error(w: int, s: int, gen: int, code: int, message, rec: np.void) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.config import ServerArgs
 from runtime.detok_batch import BatchDetokenizer, DetokOptions
+from runtime.detok_router import text_tokens
 from runtime.request import FinishReason
 from runtime.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler import NO_TOKEN, Scheduler, SchedulerConfig
@@ -92,12 +93,9 @@ class Engine:
                 run.counts = (int(ev["prompt_tokens"][i]), int(ev["completion_tokens"][i]), int(ev["cached_tokens"][i]))
             rows = ev[mine]
             finish = rows["finish"]
-            # as the server's detokenizer: a stop token's text (EOS, stop_token_ids) is not output
-            # unless no_stop_trim
             trim = np.array([not runs[slot].params.no_stop_trim for slot in rows["slot"].tolist()], bool)
-            text_token = np.where(((finish == FinishReason.STOP) & trim) | (rows["token"] == NO_TOKEN), -1,
-                                  rows["token"].astype(np.int64))
-            out = detok.step(rows["slot"].astype(np.int64), text_token, finish != FinishReason.NONE)
+            out = detok.step(rows["slot"].astype(np.int64), text_tokens(rows["token"], finish, trim),
+                             finish != FinishReason.NONE)
             stopped = set(out.req[out.stop >= 0].tolist())  # a stop string: the scheduler does not know it
             for k, slot in enumerate(out.req.tolist()):
                 runs[slot].parts.append(out.delta(k))
@@ -147,8 +145,9 @@ class Engine:
         p = run.params
         prompt_tokens, completion_tokens, cached = run.counts
         return GenerateOutput(text=b"".join(run.parts).decode(), token_ids=run.tokens,
-                              finish_reason=run.finish.api_name, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              cached_tokens=cached, logprobs=run.logprobs if p.logprobs else None,
+                              finish_reason=run.finish.api_name, prompt_tokens=prompt_tokens,
+                              completion_tokens=completion_tokens, cached_tokens=cached,
+                              logprobs=run.logprobs if p.logprobs else None,
                               top_logprobs=run.top if p.top_logprobs else None,
                               prompt_token_ids=run.prompt.tolist())
 

@@ -4,8 +4,8 @@ the Scheduler core (runtime/scheduler.py) and the model runner.
 Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
 flushes), run one step, and push that step's TOKEN_OUT records to the detokenizer in one
 batch: an OPEN record per request received since the last step (detokenizer options in
-`flags`, stop strings in the payload, min_new_tokens), then one record per request with news (its sampled
-token, or how it ended). While there is work the loop never makes a syscall to look for
+`flags`, stop strings in the payload, min_new_tokens), then one record per request with
+news (its sampled token, or how it ended). While there is work the loop never makes a syscall to look for
 more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
 published EngineStats) advance every iteration and before each forward.
 
