@@ -1,6 +1,9 @@
 """Typed reads of a request body's fields. A wrong type raises a 400 naming the field;
 JSON null reads as "unset" (the default), as pydantic's Optional fields do in vLLM.
-Types are strict: "0.5" is not a number and true is not an integer."""
+Types are strict: "0.5" is not a number and true is not an integer.
+
+A request names a few of the ~40 fields an endpoint reads, so a read of an absent field
+is one dict lookup: no call, nothing recorded."""
 from __future__ import annotations
 
 import logging
@@ -47,17 +50,20 @@ class Fields:
         return self.prefix + key
 
     def raw(self, key: str) -> Any:
-        self.read.add(key)
-        return self.obj.get(key)
+        value = self.obj.get(key)
+        if value is not None:
+            self.read.add(key)
+        return value
 
     def ignore(self, *keys: str) -> None:
         """Fields the API defines that this server accepts and does not use (e.g. `user`)."""
         self.read.update(keys)
 
     def get_int(self, key: str, default: int | None = None) -> int | None:
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return default
+        self.read.add(key)
         if type(value) is not int:
             if type(value) is float and abs(value) >= 2**63:  # orjson reads an integer past 64 bits as a float
                 raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
@@ -65,34 +71,38 @@ class Fields:
         return value
 
     def get_float(self, key: str, default: float | None = None) -> float | None:
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return default
+        self.read.add(key)
         if type(value) not in (int, float):
             raise bad_request(f"{self.param(key)} must be a number, not {_json_type(value)}", self.param(key))
         return float(value)
 
     def get_bool(self, key: str, default: bool) -> bool:
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return default
+        self.read.add(key)
         if type(value) is not bool:
             raise bad_request(f"{self.param(key)} must be true or false, not {_json_type(value)}", self.param(key))
         return value
 
     def get_str(self, key: str, default: str | None = None) -> str | None:
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return default
+        self.read.add(key)
         if type(value) is not str:
             raise bad_request(f"{self.param(key)} must be a string, not {_json_type(value)}", self.param(key))
         return value
 
     def get_strs(self, key: str) -> tuple[str, ...]:
         """A string or a list of strings (`stop`)."""
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return ()
+        self.read.add(key)
         if type(value) is str:
             return (value,)
         if type(value) is list and all(type(s) is str for s in value):
@@ -100,25 +110,27 @@ class Fields:
         raise bad_request(f"{self.param(key)} must be a string or a list of strings", self.param(key))
 
     def get_token_ids(self, key: str) -> tuple[int, ...]:
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return ()
+        self.read.add(key)
         if not is_token_ids(value):
             raise bad_request(f"{self.param(key)} must be a list of non-negative integer token ids",
                               self.param(key))
         return tuple(value)
 
     def get_object(self, key: str) -> "Fields | None":
-        value = self.raw(key)
+        value = self.obj.get(key)
         if value is None:
             return None
+        self.read.add(key)
         if type(value) is not dict:
             raise bad_request(f"{self.param(key)} must be an object, not {_json_type(value)}", self.param(key))
         return Fields(value, self.param(key) + ".")
 
     def warn_unknown(self, endpoint: str) -> None:
-        """Unknown fields are ignored, with a warning, as vLLM does."""
-        unknown = [k for k in self.obj if k not in self.read]
+        """Unknown fields are ignored, with a warning, as vLLM does (a null one: silently)."""
+        unknown = [k for k, v in self.obj.items() if k not in self.read and v is not None]
         if unknown:
             log.warning("%s: ignoring unknown fields %s", endpoint, [self.param(k) for k in unknown])
 

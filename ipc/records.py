@@ -19,6 +19,7 @@ with offsets relative to the blob; the channel translates them on pop.
 """
 from __future__ import annotations
 
+import array
 import enum
 import hashlib
 from dataclasses import dataclass
@@ -229,9 +230,14 @@ class PayloadBuilder:
 
 def encode_strings(strings: tuple[str, ...] | list[str]) -> bytes:
     """[count u32][count x length u32][UTF-8 bytes]: any string, NULs included."""
+    if not strings:
+        return _NO_STRINGS
     encoded = [s.encode() for s in strings]
     head = np.array([len(encoded)] + [len(e) for e in encoded], np.uint32).tobytes()
     return head + b"".join(encoded)
+
+
+_NO_STRINGS = bytes(4)
 
 
 def decode_strings(buf: bytes | np.ndarray) -> tuple[str, ...]:
@@ -299,7 +305,7 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
     stop_ids = tuple(params.stop_token_ids)
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} fit a request record")
-    prompt = np.asarray(prompt_ids, np.uint32).tobytes()
+    prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
     stop = encode_strings(params.stop)
     fields = {
         "kind": RequestKind.NEW, "worker": worker, "slot": slot, "gen": gen, "rid_hash": rid,

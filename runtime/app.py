@@ -91,9 +91,11 @@ probe_route = functools.partial(api_route, key_required=False)
 
 class EventStream:
     """An SSE response fed by an async iterator of ready-made event bytes, one write each;
-    the item ending with DONE is the last and ends the body with it. A disconnected client
-    (http.disconnect) calls `on_disconnect`, which aborts the request, so the iterator
-    ends at its next wait."""
+    the item ending with DONE is the last and ends the body with it. The status line and
+    headers go out with the first event, not before it: granian hands each send to its I/O
+    thread, and a wakeup of that thread fewer is ~5% of a streamed request's CPU. A
+    disconnected client (http.disconnect) calls `on_disconnect`, which aborts the request,
+    so the iterator ends at its next wait."""
 
     def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None]) -> None:
         self.events = events
@@ -101,13 +103,18 @@ class EventStream:
         self.headers = MutableHeaders(raw=list(_SSE_HEADERS))
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers.raw})
+        start: dict | None = {"type": "http.response.start", "status": 200, "headers": self.headers.raw}
         watch = DisconnectWatch(receive, self.on_disconnect)
         more = True
         try:
             async for chunk in self.events:
+                if start is not None:
+                    await send(start)
+                    start = None
                 more = not chunk.endswith(DONE)
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            if start is not None:  # no event at all (the client left first)
+                await send(start)
             if more:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

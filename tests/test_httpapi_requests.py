@@ -129,10 +129,13 @@ def test_tokenize_detokenize_abort():
 
 def test_unknown_fields_are_ignored_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="ringserve.httpapi"):
-        parse_chat_completion(body(messages=HI, user="u", metadata={}, frobnicate=1))
+        parse_chat_completion(body(messages=HI, user="u", metadata={}, frobnicate=1, seed=None, top_k=None,
+                                   unset_knob=None))
         parse_generate(body(text="x", sampling_params={"no_such_knob": 1}))
     assert "frobnicate" in caplog.text and "sampling_params.no_such_knob" in caplog.text
     assert "user" not in caplog.text and "metadata" not in caplog.text
+    # null reads as unset, known field or not
+    assert "seed" not in caplog.text and "top_k" not in caplog.text and "unset_knob" not in caplog.text
 
 
 @pytest.mark.parametrize("max_tokens,prompt_len,expected", [(None, 100, 8092), (None, 8191, 1), (92, 8100, 92),
