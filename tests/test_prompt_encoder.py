@@ -41,13 +41,13 @@ ascii_text = st.lists(st.one_of(st.sampled_from([chr(c) for c in range(128)]),
                       max_size=40).map("".join)
 
 
-def pieces_and_ids(encode, text: str, start: int, end: int, cache: dict) -> tuple[list[tuple[int, int]], list[int]]:
+def pieces_and_ids(encode, text: str, start: int, end: int, cache) -> tuple[list[tuple[int, int]], list[int]]:
     """Every miss `encode` reports on text[start:end] (each then cached, as the encoder does,
     with made-up ids) and the ids it appended."""
     misses, ids = [], []
     while (miss := encode(text, start, end, cache, ids)) is not None:
         misses.append(miss)
-        cache[text[miss[0]:miss[1]]] = piece_ids = [miss[0], -miss[1]]
+        cache[text[miss[0]:miss[1]]] = piece_ids = [miss[0], 1000 + miss[1]]
         ids += piece_ids
         start = miss[1]
     return misses, ids
@@ -56,15 +56,44 @@ def pieces_and_ids(encode, text: str, start: int, end: int, cache: dict) -> tupl
 @settings(max_examples=600, deadline=None)
 @given(text=ascii_text, cut=st.tuples(st.integers(-2, 45), st.integers(-2, 45)), cached=st.integers(0, 3))
 def test_c_encode_equals_the_regex(text, cut, cached):
-    encode = cached_encoder()
+    encode, table = cached_encoder()
     assert encode is not _encode_with_regex, "the C split was not built"
     start, end = max(cut[0], 0), min(max(cut[1], 0), len(text))
     spans = [m.span() for m in ASCII_SPLIT.finditer(text, start, end)]
-    warm = {text[i:j]: [7, j - i] for i, j in spans[::2]} if cached else {}  # some pieces cached already
-    cache = dict(warm)
+    # some pieces cached already, with one id (kept in the table's slot) or more
+    warm = {text[i:j]: [7] * (1 + (j - i) % 3) for i, j in spans[::2]} if cached else {}
+    cache = table()
+    for piece, piece_ids in warm.items():
+        cache[piece] = piece_ids
     misses, ids = pieces_and_ids(encode, text, start, end, cache)
     assert (misses, ids) == pieces_and_ids(_encode_with_regex, text, start, end, dict(warm))
     assert ids == [t for i, j in spans for t in cache[text[i:j]]]  # every piece's ids, in order
+
+
+def test_piece_table_is_a_mapping_of_ascii_pieces():
+    _, table = cached_encoder()
+    pieces = table()
+    want = {f" w{i}" + "x" * (i % 40): list(range(i % 5 + 1)) for i in range(5000)}  # grows; keys past 16 bytes
+    for piece, piece_ids in want.items():
+        pieces[piece] = piece_ids
+    pieces[" w0"] = want[" w0"] = [2**32 - 1]  # replaced
+    pieces["\x04"] = want["\x04"] = []  # BPE drops a byte its vocabulary lacks
+    assert len(pieces) == len(want) and all(pieces[k] == v for k, v in want.items())
+    assert " w0" in pieces and " w0 " not in pieces and "" not in pieces and "é" not in pieces
+    with pytest.raises(KeyError):
+        pieces[" missing"]
+    for key, value, error in (("é", [1], KeyError), ("", [1], KeyError), ("a", [-1], OverflowError),
+                              ("a", [2**32], OverflowError), ("a", 5, TypeError), ("a", [0] * 65536, ValueError)):
+        with pytest.raises(error):
+            pieces[key] = value
+    pieces.clear()
+    assert len(pieces) == 0 and " w1" not in pieces
+
+
+@pytest.mark.parametrize("text", ["x" * 300 + " hi", " " + "7" * 1000, "a" * 70000])
+def test_pieces_too_long_to_cache(tokenizer, encoder, text):
+    for _ in range(2):
+        assert encoder.encode(text, False) == reference(tokenizer, text, False)
 
 
 def test_default_model_takes_the_fast_path(encoder):
