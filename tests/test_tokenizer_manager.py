@@ -4,6 +4,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
@@ -14,7 +15,7 @@ from ipc.ring import Batch
 from ipc.wakeup import Waker
 from runtime.detok_router import DetokRouter
 from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import ModelInfo, TokenizerManager
+from runtime.tokenizer_manager import ChatTemplate, ModelInfo, TokenizerManager
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +127,22 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
     want = tokenizer.decode(ids)
     assert (stream_woken, stream_text) == ([1, 4, 7, 8], want)
     assert (whole_woken, whole_text) == ([8], want)
+
+
+@pytest.fixture(scope="module")
+def template(tokenizer):
+    return ChatTemplate(tokenizer)
+
+
+ROLE_TEXT = st.tuples(st.sampled_from(["system", "user", "assistant"]),
+                      st.text(st.characters(codec="utf-8"), max_size=30))
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversation=st.lists(ROLE_TEXT, min_size=1, max_size=5))
+def test_chat_template_renders_as_apply_chat_template(tokenizer, template, conversation):
+    messages = [{"role": role, "content": text} for role, text in conversation]
+    assert template.fast
+    want = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
+    assert template.render(messages) == want
+    assert template.render(messages) == want  # a render leaves nothing behind for the next
