@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import enum
 import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -194,6 +195,21 @@ def concat_records(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([_rows(p) for p in parts]).view(parts[0].dtype)
 
 
+def record_struct(dtype: np.dtype) -> struct.Struct:
+    """A struct.Struct laid out as one record of `dtype`, padding included: it packs the
+    fields' values (an array field's items in order) into a record's bytes in ~1 µs, where
+    np.array([values], dtype) takes several."""
+    codes = {"b1": "?", "u1": "B", "u2": "H", "u4": "I", "u8": "Q", "i1": "b", "i2": "h", "i4": "i", "i8": "q",
+             "f4": "f", "f8": "d"}
+    fmt, at = "=", 0
+    for name in dtype.names:
+        field, offset = dtype.fields[name][:2]
+        base = field.base
+        fmt += f"{offset - at}x{field.itemsize // base.itemsize}{codes[base.str[1:]]}"
+        at = offset + field.itemsize
+    return struct.Struct(fmt + f"{dtype.itemsize - at}x")
+
+
 def record_fields(record: np.void) -> dict[str, Any]:
     """One record's fields as Python values, read in one call (~1 µs a field one by one)."""
     return dict(zip(record.dtype.names, record.item()))
@@ -300,8 +316,8 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
                  prompt_ids: np.ndarray | list[int], arrival_ns: int, rid: int = 0) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
     strings), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's id,
-    0 for none. The record is built from one tuple: set field by field, a numpy record
-    costs a microsecond a field."""
+    0 for none. The record is packed in one call (record_struct): set field by field, a
+    numpy record costs a microsecond a field."""
     stop_ids = tuple(params.stop_token_ids)
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} fit a request record")
@@ -321,7 +337,14 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
         "arrival_ns": arrival_ns,
         "prompt_off": 0, "prompt_len": len(prompt), "stop_off": len(prompt), "stop_len": len(stop),  # 4-aligned
     }
-    return np.array([tuple([fields[name] for name in REQUEST.dtype.names])], REQUEST.dtype), prompt + stop
+    values = [fields[name] for name in _REQUEST_SCALARS]
+    values[_STOP_IDS_AT:_STOP_IDS_AT + 1] = fields["stop_token_ids"]
+    return np.frombuffer(bytearray(_REQUEST_STRUCT.pack(*values)), REQUEST.dtype), prompt + stop
+
+
+_REQUEST_STRUCT = record_struct(REQUEST.dtype)
+_REQUEST_SCALARS = REQUEST.dtype.names  # stop_token_ids, the one array field, stands for its items
+_STOP_IDS_AT = _REQUEST_SCALARS.index("stop_token_ids")
 
 
 def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:

@@ -134,11 +134,17 @@ static int table_set(PieceTable *t, PyObject *piece, PyObject *value) {
     }
     uint32_t first = 0;
     const Py_ssize_t ids_at = t->ids_used;
-    if (k > 1 && reserve((void **)&t->ids, &t->ids_cap, ids_at + k, sizeof(uint32_t)) < 0) { Py_DECREF(seq); return -1; }
+    if (k > 1 && reserve((void **)&t->ids, &t->ids_cap, ids_at + k, sizeof(uint32_t)) < 0) {
+        Py_DECREF(seq);
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < k; i++) {
         const unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == (unsigned long)-1 && PyErr_Occurred()) { Py_DECREF(seq); return -1; }
-        if (v > UINT32_MAX) { Py_DECREF(seq); PyErr_SetString(PyExc_OverflowError, "token ids are below 2**32"); return -1; }
+        if ((v == (unsigned long)-1 && PyErr_Occurred()) || v > UINT32_MAX) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "token ids are below 2**32");
+            Py_DECREF(seq);
+            return -1;
+        }
         if (k == 1) first = (uint32_t)v; else t->ids[ids_at + i] = (uint32_t)v;
     }
     Py_DECREF(seq);
@@ -314,7 +320,8 @@ static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL,
-     "encode(text, start, end, pieces: PieceTable, ids) -> None or (i, j): cached ids of ASCII text's pieces, up to a miss"},
+     "encode(text, start, end, pieces: PieceTable, ids) -> None or (i, j): cached ids of ASCII text's pieces, "
+     "up to a miss"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,7 +7,7 @@ import pytest
 from ipc import Channel, ChannelSpec, Waker
 from ipc.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, concat_records, decode_strings,
                          encode_strings, live_mask, pack_control, pack_logprobs, pack_request, pack_top_logprobs,
-                         take_records, unpack_logprobs, unpack_request, unpack_top_logprobs)
+                         record_struct, take_records, unpack_logprobs, unpack_request, unpack_top_logprobs)
 from runtime.sampling_params import SamplingParams
 
 
@@ -133,3 +133,28 @@ def test_record_copies_equal_numpys(layout):
                       (concat_records([recs[:7], recs[::2], recs[:0]]), np.concatenate([recs[:7], recs[::2]]))):
         assert got.dtype == layout.dtype and len(got) == len(want)
         assert all(got[f].tobytes() == want[f].tobytes() for f in layout.dtype.names)  # padding aside
+
+
+@pytest.mark.parametrize("layout", [REQUEST, TOKEN_OUT, TEXT_OUT], ids=lambda layout: layout.name)
+def test_record_struct_packs_as_numpy(layout):
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        values = []
+        for name in layout.dtype.names:
+            field = layout.dtype.fields[name][0]
+            base, count = field.base, max(1, int(np.prod(field.shape)))
+            if base.kind == "f":
+                items = rng.standard_normal(count).astype(base).tolist()
+            elif base.kind == "b":
+                items = rng.integers(0, 2, count).astype(bool).tolist()
+            else:
+                info = np.iinfo(base)
+                items = rng.integers(info.min, info.max, count, dtype=base, endpoint=True).tolist()
+            values.append(tuple(items) if field.shape else items[0])
+        flat = [item for v in values for item in (v if isinstance(v, tuple) else (v,))]
+        packed = record_struct(layout.dtype).pack(*flat)
+        assert len(packed) == layout.dtype.itemsize  # padding included (numpy leaves it unset: not compared)
+        got, want = np.frombuffer(packed, layout.dtype), np.array([tuple(values)], layout.dtype)
+        for name in layout.dtype.names:
+            np.testing.assert_array_equal(got[name], want[name])
+
