@@ -53,6 +53,7 @@ def run_detokenizer(server_args: ServerArgs, socket_path: str, parent_pid: int |
     setproctitle(PROCESS_TITLE)
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="%(asctime)s %(levelname)s detokenizer: %(message)s")
+    run_as_batch()
     detok = Detokenizer(server_args, socket_path, parent_pid)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: detok.stop())
@@ -62,6 +63,18 @@ def run_detokenizer(server_args: ServerArgs, socket_path: str, parent_pid: int |
         detok.serve()
     finally:
         detok.close()
+
+
+def run_as_batch() -> None:
+    """SCHED_BATCH: the scheduler wakes this process with each step's tokens, and a
+    SCHED_NORMAL wakee preempts its waker on the waker's CPU, where the kernel likes to place
+    it; as a batch task it runs when a CPU is free or at the next tick instead, and the
+    scheduler goes on with its next step (the path a forward waits on). On the null model at
+    256 streams: ~5% less server CPU a token (interleaved A/B, 12 rounds). Linux only."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as e:  # another OS, or a sandbox that forbids it: a normal task
+        logger.info("SCHED_BATCH unavailable (%s): the detokenizer runs as a normal task", e)
 
 
 def connect_detokenizer(socket_path: str, waker, worker: int | None = None, timeout: float = 60.0):

@@ -324,6 +324,12 @@ def test_healthy_after_bad_requests(server, client):
     assert resp.usage.completion_tokens == 2
 
 
+def test_detokenizer_runs_as_a_batch_task(server):
+    """Its wakeups (one a step) must not preempt the scheduler that woke it (runtime/detokenizer.py)."""
+    assert os.sched_getscheduler(server.engine["detokenizer"]) == os.SCHED_BATCH
+    assert os.sched_getscheduler(server.engine["scheduler"]) == os.SCHED_OTHER
+
+
 # ---------------------------------------------------------------- clients that leave
 
 def wait_for(condition, timeout: float) -> bool:
