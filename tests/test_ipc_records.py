@@ -157,4 +157,3 @@ def test_record_struct_packs_as_numpy(layout):
         got, want = np.frombuffer(packed, layout.dtype), np.array([tuple(values)], layout.dtype)
         for name in layout.dtype.names:
             np.testing.assert_array_equal(got[name], want[name])
-
