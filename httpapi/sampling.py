@@ -71,8 +71,9 @@ class SamplingSpec:
         check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param, kv_tokens)
         max_new = resolve_max_tokens(self.max_tokens, len(prompt_ids), context_len,
                                      self.names.get("max_tokens", "max_tokens"))
-        params = self.params if max_new == self.params.max_new_tokens else \
-            dataclasses.replace(self.params, max_new_tokens=max_new)
+        if max_new == self.params.max_new_tokens and not self.params.stop_token_ids:
+            return self.params  # validated in build(): only these two can differ with the prompt
+        params = dataclasses.replace(self.params, max_new_tokens=max_new)
         return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
 
 
