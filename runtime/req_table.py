@@ -1,22 +1,49 @@
 """Per-row state of the running requests as numpy arrays, so that a step's bookkeeping
-(page needs, token append, finish checks, token-out records) is a few vectorised ops over
-the batch instead of a Python loop over requests (SGLang's req_to_token pool).
+(page needs, token append, finish checks, token-out records) is a few calls over the batch
+instead of a Python loop over requests (SGLang's req_to_token pool).
 
 A row is held from admission to finish/abort/retraction and is the same row index the
 model runner keeps its per-request sampler state in.
+
+The per-step methods (decode_rows, add_pages, decode_input, append) run in C
+(runtime/step_core.c: one call each, where numpy needs ~35 a step of ~1-3 µs each) or, where
+it cannot be built, as the numpy below: same results (tests run both).
 """
 from __future__ import annotations
 
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
 import numpy as np
 
-from ipc.records import TOKEN_OUT
-from runtime.request import Request
+from cbuild import BuildError, build_extension
+from ipc.records import TOKEN_OUT, take_records
+from runtime.request import FinishReason, Request
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request
+_LENGTH, _STOP = np.uint8(FinishReason.LENGTH), np.uint8(FinishReason.STOP)
+_SOURCE = Path(__file__).with_name("step_core.c")
+
+
+@lru_cache(maxsize=1)
+def step_core() -> type | None:
+    """The StepCore type, or None where the numpy path is used."""
+    try:
+        return build_extension("runtime.step_core", _SOURCE, subdir="runtime").StepCore
+    except (BuildError, ImportError, OSError) as e:
+        warnings.warn(f"scheduler: the C step bookkeeping is unavailable ({e}); numpy does it", RuntimeWarning,
+                      stacklevel=2)
+        return None
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 class ReqTable:
-    def __init__(self, num_rows: int, max_seq_len: int, page_size: int) -> None:
+    def __init__(self, num_rows: int, max_seq_len: int, page_size: int, native: bool = True) -> None:
         self.num_rows = num_rows
         self.max_seq_len = max_seq_len
         self.page_size = page_size
@@ -37,6 +64,16 @@ class ReqTable:
         self.active = np.zeros(num_rows, dtype=bool)
         self.reqs: list[Request | None] = [None] * num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        # a decode step's q_lens and sample: slices of these (read-only: shared by every step)
+        self.ones = _read_only(np.ones(num_rows, np.int64))
+        self.trues = _read_only(np.ones(num_rows, bool))
+        core = step_core() if native else None
+        f = TOKEN_OUT.dtype.fields
+        self._core = None if core is None else core(
+            self.ids, self.page_table, self.length, self.kv_len, self.num_pages, self.prompt_len, self.max_len,
+            self.min_len, self.stop_ids, self.active, self.events,
+            (TOKEN_OUT.dtype.itemsize, f["token"][1], f["logprob"][1], f["finish"][1], f["completion_tokens"][1],
+             int(_LENGTH), int(_STOP)))
 
     @property
     def num_free_rows(self) -> int:
@@ -77,6 +114,54 @@ class ReqTable:
     def pages(self, row: int) -> np.ndarray:
         return self.page_table[row, :self.num_pages[row]]
 
-    def decode_rows(self) -> np.ndarray:
-        """Rows whose every known token but the last is in the KV cache: one token each."""
-        return np.flatnonzero(self.active & (self.kv_len == self.length - 1))
+    # ---- a step's bookkeeping ---------------------------------------------------------
+    def decode_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows whose every known token but the last is in the KV cache: one token each,
+        those of them whose pages are full), int64."""
+        if self._core is None:
+            rows = np.flatnonzero(self.active & (self.kv_len == self.length - 1))
+            return rows, rows[self.num_pages[rows] * self.page_size <= self.kv_len[rows]]
+        rows, need = np.empty(self.num_rows, np.int64), np.empty(self.num_rows, np.int64)
+        n, k = self._core.decode_rows(self.page_size, rows, need)
+        return rows[:n], need[:k]
+
+    def add_pages(self, rows: np.ndarray, pages: np.ndarray) -> None:
+        """One more page for each of rows (int64), in order: pages (int32)."""
+        if self._core is None:
+            self.page_table[rows, self.num_pages[rows]] = pages
+            self.num_pages[rows] += 1
+        else:
+            self._core.add_pages(rows, pages)
+
+    def decode_input(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(starts int64, next token ids int32, num_pages int64, page_table int32 [B, P]) of
+        decoding rows (int64 [B]): the runner's columns for them."""
+        if self._core is None:
+            starts = self.kv_len[rows]
+            num_pages = self.num_pages[rows].astype(np.int64)
+            P = int(num_pages.max()) if len(rows) else 0
+            return starts.astype(np.int64), self.ids[rows, starts], num_pages, self.page_table[rows, :P]
+        B = len(rows)
+        starts, token_ids, num_pages = np.empty(B, np.int64), np.empty(B, np.int32), np.empty(B, np.int64)
+        page_table = np.empty(B * self.page_table.shape[1], np.int32)
+        P = self._core.decode_input(rows, starts, token_ids, num_pages, page_table)
+        return starts, token_ids, num_pages, page_table[:B * P].reshape(B, P)
+
+    def append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """Appends one sampled token (int32) to each of rows (int64): (their TOKEN_OUT records
+        with token, logprob (float32), finish and completion_tokens, the rows that finished).
+        A stop token counts only past min_len and wins over the length limit."""
+        if self._core is None:
+            length = self.length[rows]
+            self.ids[rows, length] = tokens
+            length += 1
+            self.length[rows] = length
+            finish = (length >= self.max_len[rows]).astype(np.uint8) * _LENGTH
+            finish[(self.stop_ids[rows] == tokens[:, None]).any(axis=1) & (length > self.min_len[rows])] = _STOP
+            events = take_records(self.events, rows)
+            events["token"], events["logprob"], events["finish"] = tokens, logprobs, finish
+            events["completion_tokens"] = length - self.prompt_len[rows]
+            return events, rows[finish != 0].tolist()
+        events, finished = np.empty(len(rows), TOKEN_OUT.dtype), np.empty(len(rows), np.int64)
+        k = self._core.append(rows, tokens, logprobs, events, finished)
+        return events, finished[:k].tolist()

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from gpu.forward_batch import StepInput
-from ipc.records import TOKEN_OUT, TokenKind, concat_records, take_records
+from ipc.records import TOKEN_OUT, TokenKind, concat_records
 from runtime.config import ServerArgs
 from runtime.radix_cache import RadixCache
 from runtime.req_table import MAX_STOP_IDS, ReqTable
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 # kind ERROR and finish ERROR (its message is Request.error).
 TOKEN_EVENT = TOKEN_OUT.dtype
 NO_TOKEN = np.uint32(0xFFFFFFFF)
-_NONE, _STOP, _LENGTH = int(FinishReason.NONE), int(FinishReason.STOP), int(FinishReason.LENGTH)
 
 _NO_IDS = np.zeros(0, np.int32)
 CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
@@ -186,10 +185,9 @@ class Scheduler:
     def _schedule_decode(self) -> np.ndarray:
         """Every running decode, each with a page for its next token: evicts cached pages,
         then retracts the newest requests, until the pool has enough."""
-        t, ps = self.table, self.page_size
+        t = self.table
         while True:
-            rows = t.decode_rows()
-            need = rows[t.num_pages[rows] * ps <= t.kv_len[rows]]
+            rows, need = t.decode_rows()
             if self._make_room(len(need)):
                 break
             if t.num_active == 1:  # alone and still no page: the pool is its length limit
@@ -198,8 +196,7 @@ class Scheduler:
             active = np.flatnonzero(t.active)
             self._retract(t.reqs[int(active[np.argmax(t.arrival[active])])])
         if len(need):
-            t.page_table[need, t.num_pages[need]] = self.pool.alloc(len(need))
-            t.num_pages[need] += 1
+            t.add_pages(need, self.pool.alloc(len(need)))
         return rows
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
@@ -312,52 +309,39 @@ class Scheduler:
     def _step_input(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]]) -> StepInput:
         """The decodes (one token each), then the prefill chunks, as columns of the table."""
         t = self.table
-        rows, starts = decode_rows, t.kv_len[decode_rows]
-        q_lens = np.ones(len(rows), np.int64)
-        token_ids = t.ids[rows, starts]
-        sample = np.ones(len(rows), bool)
-        if prefill:
-            p_rows = np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))
-            p_lens = np.fromiter((n for _, n in prefill), np.int64, len(prefill))
-            p_starts = t.kv_len[p_rows]
-            rows, starts = np.concatenate([rows, p_rows]), np.concatenate([starts, p_starts])
-            q_lens = np.concatenate([q_lens, p_lens])
-            token_ids = np.concatenate([token_ids] + [t.ids[r, k:k + n] for r, k, n in
-                                                      zip(p_rows.tolist(), p_starts.tolist(), p_lens.tolist())])
-            sample = np.concatenate([sample, p_starts + p_lens == t.length[p_rows]])
-        num_pages = t.num_pages[rows].astype(np.int64)
-        return StepInput(rows=rows, starts=starts.astype(np.int64), q_lens=q_lens, token_ids=token_ids,
-                         page_table=t.page_table[rows, :int(num_pages.max())], num_pages=num_pages, sample=sample)
+        B = len(decode_rows)
+        starts, token_ids, num_pages, page_table = t.decode_input(decode_rows)
+        if not prefill:
+            return StepInput(rows=decode_rows, starts=starts, q_lens=t.ones[:B], token_ids=token_ids,
+                             page_table=page_table, num_pages=num_pages, sample=t.trues[:B])
+        p_rows = np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))
+        p_lens = np.fromiter((n for _, n in prefill), np.int64, len(prefill))
+        p_starts = t.kv_len[p_rows].astype(np.int64)
+        rows = np.concatenate([decode_rows, p_rows])
+        num_pages = np.concatenate([num_pages, t.num_pages[p_rows].astype(np.int64)])
+        return StepInput(
+            rows=rows, starts=np.concatenate([starts, p_starts]), q_lens=np.concatenate([t.ones[:B], p_lens]),
+            token_ids=np.concatenate([token_ids] + [t.ids[r, k:k + n] for r, k, n in
+                                                    zip(p_rows.tolist(), p_starts.tolist(), p_lens.tolist())]),
+            page_table=t.page_table[rows, :int(num_pages.max())], num_pages=num_pages,
+            sample=np.concatenate([t.trues[:B], p_starts + p_lens == t.length[p_rows]]))
 
     # ---- after the forward -------------------------------------------------------------
     def _process(self, step: StepInput, prefill: list[tuple[Request, int]], out) -> StepResult:
         t, stats = self.table, self.stats
         t.kv_len[step.rows] += step.q_lens.astype(t.kv_len.dtype)  # each row once: decodes then prefill chunks
-        forward = int(step.q_lens.sum())
+        forward = len(step.token_ids)
         stats.forward_tokens += forward
         stats.prefill_tokens += forward - (len(step.rows) - len(prefill))  # every decode is one token
         stats.steps += 1
         for req, _ in prefill:  # their full pages are shareable from now on
             self._cache_running(req)
-        rows = step.rows[step.sample]  # the decodes, then the prompts whose last chunk this was
-
-        tokens = out.tokens
-        length = t.length[rows]
-        t.ids[rows, length] = tokens
-        length += 1
-        t.length[rows] = length
-        finish = (length >= t.max_len[rows]).astype(np.uint8) * np.uint8(_LENGTH)
-        finish[(t.stop_ids[rows] == tokens[:, None]).any(axis=1) & (length > t.min_len[rows])] = _STOP
-        events = take_records(t.events, rows)  # worker, slot, gen, prompt and cached tokens of each row
-        events["token"] = tokens
-        events["logprob"] = out.logprobs
-        events["finish"] = finish
-        events["completion_tokens"] = length - t.prompt_len[rows]
+        # the decodes, then the prompts whose last chunk this was
+        rows = step.rows[step.sample] if prefill else step.rows
+        events, finished = t.append(rows, np.asarray(out.tokens, np.int32), np.asarray(out.logprobs, np.float32))
         stats.generated_tokens += len(rows)
-
-        if finish.any():
-            for row in rows[finish != _NONE].tolist():
-                self._finish(t.reqs[row])
+        for row in finished:
+            self._finish(t.reqs[row])
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         return self._result(events, out.top_ids, out.top_logprobs)
