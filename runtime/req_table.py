@@ -5,7 +5,7 @@ instead of a Python loop over requests (SGLang's req_to_token pool).
 A row is held from admission to finish/abort/retraction and is the same row index the
 model runner keeps its per-request sampler state in.
 
-The per-step methods (decode_rows, add_pages, decode_input, append) run in C
+The per-step methods (decode_rows, add_pages, step_input, append, reserved_tokens) run in C
 (runtime/step_core.c: one call each, where numpy needs ~35 a step of ~1-3 µs each) or, where
 it cannot be built, as the numpy below: same results (tests run both).
 """
@@ -37,11 +37,6 @@ def step_core() -> type | None:
         return None
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
-
-
 class ReqTable:
     def __init__(self, num_rows: int, max_seq_len: int, page_size: int, native: bool = True) -> None:
         self.num_rows = num_rows
@@ -64,9 +59,8 @@ class ReqTable:
         self.active = np.zeros(num_rows, dtype=bool)
         self.reqs: list[Request | None] = [None] * num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
-        # a decode step's q_lens and sample: slices of these (read-only: shared by every step)
-        self.ones = _read_only(np.ones(num_rows, np.int64))
-        self.trues = _read_only(np.ones(num_rows, bool))
+        self.ones = np.ones(num_rows, np.int64)  # decodes' q_lens: a slice (shared, so read-only)
+        self.ones.flags.writeable = False
         core = step_core() if native else None
         f = TOKEN_OUT.dtype.fields
         self._core = None if core is None else core(
@@ -133,19 +127,33 @@ class ReqTable:
         else:
             self._core.add_pages(rows, pages)
 
-    def decode_input(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(starts int64, next token ids int32, num_pages int64, page_table int32 [B, P]) of
-        decoding rows (int64 [B]): the runner's columns for them."""
+    def step_input(self, rows: np.ndarray, q_lens: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The runner's columns for rows (int64 [B]) each running q_lens (int64 [B]) tokens
+        from its kv_len: (starts int64, token ids int32 [sum(q_lens)], num_pages int64,
+        page_table int32 [B, P], sample bool: the row's last known token is among them)."""
         if self._core is None:
-            starts = self.kv_len[rows]
+            starts = self.kv_len[rows].astype(np.int64)
             num_pages = self.num_pages[rows].astype(np.int64)
             P = int(num_pages.max()) if len(rows) else 0
-            return starts.astype(np.int64), self.ids[rows, starts], num_pages, self.page_table[rows, :P]
+            token_ids = (self.ids[rows, starts] if int(q_lens.sum()) == len(rows) else  # decodes only
+                         np.concatenate([self.ids[r, k:k + n] for r, k, n in
+                                         zip(rows.tolist(), starts.tolist(), q_lens.tolist())]))
+            return starts, token_ids, num_pages, self.page_table[rows, :P], starts + q_lens == self.length[rows]
         B = len(rows)
-        starts, token_ids, num_pages = np.empty(B, np.int64), np.empty(B, np.int32), np.empty(B, np.int64)
-        page_table = np.empty(B * self.page_table.shape[1], np.int32)
-        P = self._core.decode_input(rows, starts, token_ids, num_pages, page_table)
-        return starts, token_ids, num_pages, page_table[:B * P].reshape(B, P)
+        starts, num_pages, sample = np.empty(B, np.int64), np.empty(B, np.int64), np.empty(B, bool)
+        token_ids, page_table = np.empty(int(q_lens.sum()), np.int32), np.empty(B * self.page_table.shape[1], np.int32)
+        P = self._core.step_input(rows, q_lens, starts, token_ids, num_pages, page_table, sample)
+        return starts, token_ids, num_pages, page_table[:B * P].reshape(B, P), sample
+
+    def reserved_tokens(self, ratio: float, clip: int) -> float:
+        """Over the active rows: known tokens not yet in the KV cache, plus `ratio` of what
+        each may still generate (at most `clip` a row)."""
+        if self._core is not None:
+            return self._core.reserved_tokens(ratio, clip)
+        a = self.active
+        future = np.minimum(self.max_len[a] - self.length[a], clip)
+        return float(np.sum(self.length[a] - self.kv_len[a]) + ratio * np.sum(future))
 
     def append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Appends one sampled token (int32) to each of rows (int64): (their TOKEN_OUT records

@@ -237,9 +237,7 @@ class Scheduler:
     def _reserved_tokens(self) -> float:
         """KV tokens the running requests are still expected to need: their prompts' tokens not
         yet computed and new_token_ratio of what they may still generate."""
-        t = self.table
-        future = np.minimum(t.max_len[t.active] - t.length[t.active], CLIP_MAX_NEW_TOKENS)
-        return float(np.sum(t.length[t.active] - t.kv_len[t.active]) + self.new_token_ratio * np.sum(future))
+        return self.table.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS)
 
     def _admit(self, req: Request, budget: int, reserve: float) -> tuple[int, float]:
         """Admits `req` with up to `budget` prefill tokens: (how many, 0 for not now; the KV
@@ -308,23 +306,14 @@ class Scheduler:
 
     def _step_input(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]]) -> StepInput:
         """The decodes (one token each), then the prefill chunks, as columns of the table."""
-        t = self.table
-        B = len(decode_rows)
-        starts, token_ids, num_pages, page_table = t.decode_input(decode_rows)
-        if not prefill:
-            return StepInput(rows=decode_rows, starts=starts, q_lens=t.ones[:B], token_ids=token_ids,
-                             page_table=page_table, num_pages=num_pages, sample=t.trues[:B])
-        p_rows = np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))
-        p_lens = np.fromiter((n for _, n in prefill), np.int64, len(prefill))
-        p_starts = t.kv_len[p_rows].astype(np.int64)
-        rows = np.concatenate([decode_rows, p_rows])
-        num_pages = np.concatenate([num_pages, t.num_pages[p_rows].astype(np.int64)])
-        return StepInput(
-            rows=rows, starts=np.concatenate([starts, p_starts]), q_lens=np.concatenate([t.ones[:B], p_lens]),
-            token_ids=np.concatenate([token_ids] + [t.ids[r, k:k + n] for r, k, n in
-                                                    zip(p_rows.tolist(), p_starts.tolist(), p_lens.tolist())]),
-            page_table=t.page_table[rows, :int(num_pages.max())], num_pages=num_pages,
-            sample=np.concatenate([t.trues[:B], p_starts + p_lens == t.length[p_rows]]))
+        t, B = self.table, len(decode_rows)
+        rows, q_lens = decode_rows, t.ones[:B]
+        if prefill:
+            rows = np.concatenate([rows, np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))])
+            q_lens = np.concatenate([q_lens, np.fromiter((n for _, n in prefill), np.int64, len(prefill))])
+        starts, token_ids, num_pages, page_table, sample = t.step_input(rows, q_lens)
+        return StepInput(rows=rows, starts=starts, q_lens=q_lens, token_ids=token_ids, page_table=page_table,
+                         num_pages=num_pages, sample=sample)
 
     # ---- after the forward -------------------------------------------------------------
     def _process(self, step: StepInput, prefill: list[tuple[Request, int]], out) -> StepResult:

@@ -6,7 +6,7 @@
  * runner, then append each sampled token, check length and stop tokens, and fill its
  * TOKEN_OUT record. As numpy that is ~35 calls a step, each ~1-3 µs of fixed cost whatever
  * the batch (~110 µs a step at 64 rows, half of what a null-model step costs the scheduler);
- * here it is four calls that loop over the rows.
+ * here it is a few calls that loop over the rows.
  *
  * StepCore(ids, page_table, length, kv_len, num_pages, prompt_len, max_len, min_len, stop_ids,
  *          active, events, layout) holds the table's arrays (C-contiguous, int32 but `active`,
@@ -16,10 +16,14 @@
  *       token but the last is in the KV cache (they decode one token), need[:k] those of them
  *       whose pages are full; rows and need are int64 [num_rows].
  *   add_pages(rows, pages): each row's next page (rows int64 [n], pages int32 [n]).
- *   decode_input(rows, starts, token_ids, num_pages, page_table) -> P: for rows int64 [n],
- *       starts int64 [n] (= kv_len), token_ids int32 [n] (the token at kv_len), num_pages
- *       int64 [n] and page_table int32 [n * P] (each row's first P pages), P = the most pages
- *       of any of the rows; page_table must hold n * max_pages.
+ *   step_input(rows, q_lens, starts, token_ids, num_pages, page_table, sample) -> P: the
+ *       runner's columns for rows (int64 [n]) each running q_lens (int64 [n]) tokens from its
+ *       kv_len: starts int64 [n] (= kv_len), token_ids int32 [sum(q_lens)], num_pages int64
+ *       [n], page_table int32 [n * P] (each row's first P pages; it must hold n * max_pages),
+ *       sample bool [n] (the row's last known token is among them); P = the most pages of
+ *       any of the rows.
+ *   reserved_tokens(ratio, clip) -> float: over active rows, the known tokens not yet in the
+ *       KV cache plus ratio times what each may still generate, at most clip a row.
  *   append(rows, tokens, logprobs, events, finished) -> k: appends tokens (int32 [n]) to rows
  *       (int64 [n]), fills events[:n] (TOKEN_OUT) from each row's record with the token, its
  *       logprob (float32 [n]), finish and completion tokens, and finished[:k] (int64) with
@@ -190,41 +194,53 @@ done:
     return result;
 }
 
-static PyObject *StepCore_decode_input(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "decode_input(rows, starts, token_ids, num_pages, page_table)");
+static PyObject *StepCore_step_input(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "step_input(rows, q_lens, starts, token_ids, num_pages, page_table, sample)");
         return NULL;
     }
-    Py_buffer v[5] = {{0}};
+    Py_buffer v[7] = {{0}};
     PyObject *result = NULL;
     int got = 0;
     if (arg(args[0], &v[0], 8, -1, 0, "rows") < 0)
         return NULL;
     got = 1;
     Py_ssize_t n = v[0].len / 8;
-    const Py_ssize_t sizes[5] = {8, 8, 4, 8, 4};
-    const Py_ssize_t counts[5] = {n, n, n, n, n * c->max_pages};
-    const char *what[5] = {"rows", "starts", "token_ids", "num_pages", "page_table"};
-    for (; got < 5; got++)
-        if (arg(args[got], &v[got], sizes[got], counts[got], 1, what[got]) < 0)
-            goto done;
-    const int64_t *rows = v[0].buf;
-    int64_t *starts = v[1].buf, *num_out = v[3].buf;
-    int32_t *tok = v[2].buf, *pt_out = v[4].buf;
-    const int32_t *kv = COL(c, KV_LEN), *ids = COL(c, IDS), *num = COL(c, NUM_PAGES), *table = COL(c, PAGE_TABLE);
+    if (arg(args[1], &v[1], 8, n, 0, "q_lens") < 0)
+        goto done;
+    got = 2;
+    const int64_t *rows = v[0].buf, *q = v[1].buf;
     if (check_rows(c, rows, n) < 0)
         goto done;
-    Py_ssize_t P = 0;
+    const int32_t *kv = COL(c, KV_LEN), *len = COL(c, LENGTH), *ids = COL(c, IDS), *num = COL(c, NUM_PAGES),
+                  *table = COL(c, PAGE_TABLE);
+    Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i];
-        if (kv[r] < 0 || kv[r] >= c->max_seq) {
-            PyErr_Format(PyExc_IndexError, "row %lld: kv_len %d outside its %zd tokens", (long long)r, kv[r],
-                         c->max_seq);
+        if (q[i] < 1 || kv[r] < 0 || kv[r] + q[i] > len[r] || len[r] > c->max_seq) {
+            PyErr_Format(PyExc_IndexError, "row %lld: %lld new tokens from %d of its %d known tokens", (long long)r,
+                         (long long)q[i], kv[r], len[r]);
             goto done;
         }
+        total += q[i];
+    }
+    const Py_ssize_t sizes[7] = {8, 8, 8, 4, 8, 4, 1};
+    const Py_ssize_t counts[7] = {n, n, n, total, n, n * c->max_pages, n};
+    const char *what[7] = {"rows", "q_lens", "starts", "token_ids", "num_pages", "page_table", "sample"};
+    for (; got < 7; got++)
+        if (arg(args[got], &v[got], sizes[got], counts[got], 1, what[got]) < 0)
+            goto done;
+    int64_t *starts = v[2].buf, *num_out = v[4].buf;
+    int32_t *tok = v[3].buf, *pt_out = v[5].buf;
+    uint8_t *sample = v[6].buf;
+    Py_ssize_t P = 0;
+    for (Py_ssize_t i = 0, at = 0; i < n; i++) {
+        int64_t r = rows[i];
         starts[i] = kv[r];
-        tok[i] = ids[r * c->max_seq + kv[r]];
+        memcpy(tok + at, ids + r * c->max_seq + kv[r], q[i] * sizeof(int32_t));
+        at += q[i];
         num_out[i] = num[r];
+        sample[i] = kv[r] + q[i] == len[r];
         if (num[r] > P)
             P = num[r];
     }
@@ -237,6 +253,28 @@ done:
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&v[i]);
     return result;
+}
+
+/* KV tokens the running requests are still expected to need (Scheduler._reserved_tokens). */
+static PyObject *StepCore_reserved_tokens(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "reserved_tokens(ratio, clip)");
+        return NULL;
+    }
+    double ratio = PyFloat_AsDouble(args[0]);
+    long long clip = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    const uint8_t *active = c->arrays[ACTIVE].buf;
+    const int32_t *kv = COL(c, KV_LEN), *len = COL(c, LENGTH), *max_len = COL(c, MAX_LEN);
+    long long pending = 0, future = 0;
+    for (Py_ssize_t r = 0; r < c->rows; r++)
+        if (active[r]) {
+            long long left = (long long)max_len[r] - len[r];
+            pending += len[r] - kv[r];
+            future += left < clip ? left : clip;
+        }
+    return PyFloat_FromDouble((double)pending + ratio * (double)future);
 }
 
 static PyObject *StepCore_append(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -309,8 +347,10 @@ static PyMethodDef StepCore_methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))StepCore_decode_rows, METH_FASTCALL,
      "decode_rows(page_size, rows, need) -> (n, k)"},
     {"add_pages", (PyCFunction)(void (*)(void))StepCore_add_pages, METH_FASTCALL, "add_pages(rows, pages)"},
-    {"decode_input", (PyCFunction)(void (*)(void))StepCore_decode_input, METH_FASTCALL,
-     "decode_input(rows, starts, token_ids, num_pages, page_table) -> P"},
+    {"step_input", (PyCFunction)(void (*)(void))StepCore_step_input, METH_FASTCALL,
+     "step_input(rows, q_lens, starts, token_ids, num_pages, page_table, sample) -> P"},
+    {"reserved_tokens", (PyCFunction)(void (*)(void))StepCore_reserved_tokens, METH_FASTCALL,
+     "reserved_tokens(ratio, clip) -> float"},
     {"append", (PyCFunction)(void (*)(void))StepCore_append, METH_FASTCALL,
      "append(rows, tokens, logprobs, events, finished) -> k"},
     {NULL, NULL, 0, NULL},

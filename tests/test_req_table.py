@@ -68,15 +68,18 @@ def test_c_and_numpy_bookkeeping_agree_step_by_step(seed):
 @native
 def test_c_bookkeeping_refuses_rows_outside_the_table_and_wrong_element_sizes():
     t = ReqTable(4, 32, PS)
+    one = np.ones(1, np.int64)
     with pytest.raises(IndexError):
-        t.decode_input(np.array([4], np.int64))
+        t.step_input(np.array([4], np.int64), one)
+    with pytest.raises(IndexError):  # more tokens than the row knows
+        t.step_input(np.array([0], np.int64), one)
     with pytest.raises(IndexError):
         t.add_pages(np.array([-1], np.int64), np.array([0], np.int32))
     with pytest.raises(IndexError):  # a full row: no room for another token
         t.length[1] = 32
         t.append(np.array([1], np.int64), np.array([5], np.int32), np.zeros(1, np.float32))
     with pytest.raises(ValueError):  # rows as int32
-        t.decode_input(np.array([0], np.int32))
+        t.step_input(np.array([0], np.int32), one)
     with pytest.raises(ValueError):  # fewer tokens than rows
         t.append(np.array([0, 2], np.int64), np.array([5], np.int32), np.zeros(2, np.float32))
     assert t.length[0] == 0 and (t.ids == 0).all()  # nothing was written by the refused calls
