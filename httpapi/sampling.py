@@ -59,10 +59,20 @@ class SamplingSpec:
     def build(cls, values: dict[str, Any], max_tokens: int | None, names: Mapping[str, str],
               prompt_param: str) -> "SamplingSpec":
         """values: read_sampling()'s. Without max_tokens, everything else is validated now
-        (min_tokens against itself) and min_tokens against the real budget in resolve()."""
-        provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
-        return cls(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
-                   prompt_param)
+        (min_tokens against itself) and min_tokens against the real budget in resolve().
+        Requests asking the same get the same spec, made once (~6 µs a request: clients
+        send a few distinct settings), and so the same SamplingParams, whose record bytes
+        pack_request makes once too."""
+        key = (tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
+        spec = _BUILT.get(key)
+        if spec is None:
+            provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
+            spec = cls(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
+                       prompt_param)
+            if len(_BUILT) >= _BUILT_SIZE:
+                _BUILT.clear()
+            _BUILT[key] = spec
+        return spec
 
     def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int,
                 kv_tokens: int | None = None) -> SamplingParams:
@@ -75,6 +85,10 @@ class SamplingSpec:
             return self.params  # validated in build(): only these two can differ with the prompt
         params = dataclasses.replace(self.params, max_new_tokens=max_new)
         return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
+
+
+_BUILT: dict[tuple, SamplingSpec] = {}
+_BUILT_SIZE = 1024
 
 
 def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str,

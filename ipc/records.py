@@ -102,24 +102,21 @@ class OpenFlags(enum.IntFlag):
 
 
 REQUEST = RecordLayout("request", np.dtype([
+    # this request's own
     ("kind", np.uint8),  # RequestKind
-    ("has_seed", np.uint8),
     ("worker", np.uint16),
     ("slot", np.uint32),
     ("gen", np.uint32),
-    ("max_new_tokens", np.uint32),
-    ("min_new_tokens", np.uint32),
-    ("temperature", np.float64),
-    ("top_p", np.float64),
-    ("top_k", np.int32),
-    ("n_stop_token_ids", np.uint8),
-    ("min_p", np.float64),
-    ("repetition_penalty", np.float64),
-    ("frequency_penalty", np.float64),
-    ("presence_penalty", np.float64),
-    ("seed", np.int64),
     ("arrival_ns", np.int64),  # CLOCK_MONOTONIC
     ("rid_hash", np.uint64),  # rid_hash() of the request's id (0: none), what ABORT_RID matches
+    ("prompt_off", np.uint32),  # prompt token ids, uint32
+    ("prompt_len", np.uint32),
+    ("stop_off", np.uint32),  # stop strings, encode_strings()
+    ("stop_len", np.uint32),
+    # its sampling parameters, from SAMPLING_AT to the end: requests that share them share these
+    # bytes, so each side converts them once (pack_request, unpack_request)
+    ("has_seed", np.uint8),
+    ("n_stop_token_ids", np.uint8),
     ("ignore_eos", np.uint8),
     ("logprobs", np.uint8),
     ("top_logprobs", np.uint8),
@@ -127,13 +124,20 @@ REQUEST = RecordLayout("request", np.dtype([
     ("spaces_between_special_tokens", np.uint8),
     ("no_stop_trim", np.uint8),
     ("return_ids", np.uint8),
+    ("max_new_tokens", np.uint32),
+    ("min_new_tokens", np.uint32),
+    ("top_k", np.int32),
+    ("temperature", np.float64),
+    ("top_p", np.float64),
+    ("min_p", np.float64),
+    ("repetition_penalty", np.float64),
+    ("frequency_penalty", np.float64),
+    ("presence_penalty", np.float64),
+    ("seed", np.int64),
     ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
-    ("prompt_off", np.uint32),  # prompt token ids, uint32
-    ("prompt_len", np.uint32),
-    ("stop_off", np.uint32),  # stop strings, encode_strings()
-    ("stop_len", np.uint32),
 ], align=True), payloads=(PayloadRef("prompt_off", "prompt_len", np.dtype(np.uint32)),
                           PayloadRef("stop_off", "stop_len", np.dtype(np.uint8))))
+SAMPLING_AT = REQUEST.dtype.fields["has_seed"][1]
 
 TOKEN_OUT = RecordLayout("token_out", np.dtype([
     ("worker", np.uint16),
@@ -195,19 +199,23 @@ def concat_records(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([_rows(p) for p in parts]).view(parts[0].dtype)
 
 
-def record_struct(dtype: np.dtype) -> struct.Struct:
-    """A struct.Struct laid out as one record of `dtype`, padding included: it packs the
-    fields' values (an array field's items in order) into a record's bytes in ~1 µs, where
-    np.array([values], dtype) takes several."""
+def record_struct(dtype: np.dtype, start: int = 0, stop: int | None = None) -> struct.Struct:
+    """A struct.Struct laid out as bytes [start, stop) of one record of `dtype` (the fields in
+    there, padding included; by default the whole record): it packs the fields' values (an
+    array field's items in order) into a record's bytes in ~1 µs, where np.array([values],
+    dtype) takes several."""
     codes = {"b1": "?", "u1": "B", "u2": "H", "u4": "I", "u8": "Q", "i1": "b", "i2": "h", "i4": "i", "i8": "q",
              "f4": "f", "f8": "d"}
-    fmt, at = "=", 0
+    stop = dtype.itemsize if stop is None else stop
+    fmt, at = "=", start
     for name in dtype.names:
         field, offset = dtype.fields[name][:2]
+        if not start <= offset < stop:
+            continue
         base = field.base
         fmt += f"{offset - at}x{field.itemsize // base.itemsize}{codes[base.str[1:]]}"
         at = offset + field.itemsize
-    return struct.Struct(fmt + f"{dtype.itemsize - at}x")
+    return struct.Struct(fmt + f"{stop - at}x")
 
 
 def record_fields(record: np.void) -> dict[str, Any]:
@@ -316,35 +324,71 @@ def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
                  prompt_ids: np.ndarray | list[int], arrival_ns: int, rid: int = 0) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
     strings), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's id,
-    0 for none. The record is packed in one call (record_struct): set field by field, a
-    numpy record costs a microsecond a field."""
+    0 for none. The record is packed by struct (record_struct), the sampling part once per
+    SamplingParams object: set field by field, a numpy record costs a microsecond a field."""
+    sampling, stop = _packed_sampling(params)
+    prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
+    head = _REQUEST_HEAD.pack(RequestKind.NEW, worker, slot, gen, arrival_ns, rid,
+                              0, len(prompt), len(prompt), len(stop))  # the stop strings stay 4-aligned
+    return np.frombuffer(bytearray(head + sampling), REQUEST.dtype), prompt + stop
+
+
+def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams, np.ndarray]:
+    """(params, prompt ids u32 view) of one NEW record of a popped batch. Requests with the
+    same sampling bytes and stop strings get the same (frozen) SamplingParams object."""
+    raw = record.tobytes()
+    prompt_off, prompt_len, stop_off, stop_len = _REQUEST_HEAD.unpack_from(raw)[6:]
+    stop = payload[stop_off:stop_off + stop_len].tobytes()
+    key = raw[SAMPLING_AT:] + stop
+    params = _UNPACKED.get(key)
+    if params is None:
+        values = _REQUEST_SAMPLING.unpack_from(raw, SAMPLING_AT)
+        r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
+        params = SamplingParams(
+            max_new_tokens=r["max_new_tokens"], min_new_tokens=r["min_new_tokens"], temperature=r["temperature"],
+            top_p=r["top_p"], top_k=r["top_k"], min_p=r["min_p"], seed=r["seed"] if r["has_seed"] else None,
+            repetition_penalty=r["repetition_penalty"], frequency_penalty=r["frequency_penalty"],
+            presence_penalty=r["presence_penalty"], stop=decode_strings(stop),
+            stop_token_ids=values[len(_SAMPLING_NAMES):len(_SAMPLING_NAMES) + r["n_stop_token_ids"]],
+            ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
+            spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]),
+            no_stop_trim=bool(r["no_stop_trim"]), logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"],
+            return_ids=bool(r["return_ids"]))
+        _remember(_UNPACKED, key, params)
+    return params, payload[prompt_off:prompt_off + prompt_len].view(np.uint32)
+
+
+def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
+    """(the record's sampling bytes, the stop strings' payload) of `params`, made once per object."""
+    hit = _PACKED.get(id(params))
+    if hit is not None and hit[0] is params:
+        return hit[1], hit[2]
     stop_ids = tuple(params.stop_token_ids)
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} fit a request record")
-    prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
-    stop = encode_strings(params.stop)
-    fields = {
-        "kind": RequestKind.NEW, "worker": worker, "slot": slot, "gen": gen, "rid_hash": rid,
-        "max_new_tokens": params.max_new_tokens, "min_new_tokens": params.min_new_tokens,
-        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
-        "has_seed": params.seed is not None, "seed": params.seed or 0,
-        "repetition_penalty": params.repetition_penalty, "frequency_penalty": params.frequency_penalty,
-        "presence_penalty": params.presence_penalty, "ignore_eos": params.ignore_eos, "logprobs": params.logprobs,
-        "top_logprobs": params.top_logprobs, "skip_special_tokens": params.skip_special_tokens,
-        "spaces_between_special_tokens": params.spaces_between_special_tokens, "no_stop_trim": params.no_stop_trim,
-        "return_ids": params.return_ids,
-        "n_stop_token_ids": len(stop_ids), "stop_token_ids": stop_ids + (0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
-        "arrival_ns": arrival_ns,
-        "prompt_off": 0, "prompt_len": len(prompt), "stop_off": len(prompt), "stop_len": len(stop),  # 4-aligned
-    }
-    values = [fields[name] for name in _REQUEST_SCALARS]
-    values[_STOP_IDS_AT:_STOP_IDS_AT + 1] = fields["stop_token_ids"]
-    return np.frombuffer(bytearray(_REQUEST_STRUCT.pack(*values)), REQUEST.dtype), prompt + stop
+    p = params
+    sampling = _REQUEST_SAMPLING.pack(
+        p.seed is not None, len(stop_ids), p.ignore_eos, p.logprobs, p.top_logprobs, p.skip_special_tokens,
+        p.spaces_between_special_tokens, p.no_stop_trim, p.return_ids, p.max_new_tokens, p.min_new_tokens, p.top_k,
+        p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.seed or 0,
+        *stop_ids, *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)))
+    packed = (params, sampling, encode_strings(params.stop))  # params held: its id stays its own
+    _remember(_PACKED, id(params), packed)
+    return packed[1], packed[2]
 
 
-_REQUEST_STRUCT = record_struct(REQUEST.dtype)
-_REQUEST_SCALARS = REQUEST.dtype.names  # stop_token_ids, the one array field, stands for its items
-_STOP_IDS_AT = _REQUEST_SCALARS.index("stop_token_ids")
+def _remember(cache: dict, key, value) -> None:
+    if len(cache) >= _MEMO_SIZE:  # a server sees a few distinct sampling settings: rarely hit
+        cache.clear()
+    cache[key] = value
+
+
+_REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
+_REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
+_SAMPLING_NAMES = [n for n in REQUEST.dtype.names if REQUEST.dtype.fields[n][1] >= SAMPLING_AT][:-1]  # scalars
+_MEMO_SIZE = 1024
+_PACKED: dict[int, tuple[SamplingParams, bytes, bytes]] = {}
+_UNPACKED: dict[bytes, SamplingParams] = {}
 
 
 def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:
@@ -353,23 +397,6 @@ def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0
     rec = np.zeros(1, REQUEST.dtype)
     rec["kind"], rec["worker"], rec["slot"], rec["gen"], rec["rid_hash"] = kind, worker, slot, gen, rid
     return rec
-
-
-def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams, np.ndarray]:
-    """(params, prompt ids u32 view) of one NEW record of a popped batch."""
-    r = record_fields(record)
-    prompt = payload[r["prompt_off"]:r["prompt_off"] + r["prompt_len"]].view(np.uint32)
-    stop = decode_strings(payload[r["stop_off"]:r["stop_off"] + r["stop_len"]])
-    params = SamplingParams(
-        max_new_tokens=r["max_new_tokens"], min_new_tokens=r["min_new_tokens"], temperature=r["temperature"],
-        top_p=r["top_p"], top_k=r["top_k"], min_p=r["min_p"], seed=r["seed"] if r["has_seed"] else None,
-        repetition_penalty=r["repetition_penalty"], frequency_penalty=r["frequency_penalty"],
-        presence_penalty=r["presence_penalty"], stop=stop,
-        stop_token_ids=tuple(r["stop_token_ids"][:r["n_stop_token_ids"]].tolist()),
-        ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
-        spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]), no_stop_trim=bool(r["no_stop_trim"]),
-        logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"], return_ids=bool(r["return_ids"]))
-    return params, prompt
 
 
 # ---------------------------------------------------------------- addressing

@@ -45,6 +45,19 @@ def test_chat_fields_reach_sampling_params():
         top_logprobs=4)
 
 
+def test_requests_asking_the_same_share_one_sampling_spec():
+    def spec(**fields):
+        return parse_chat_completion(body(messages=HI, **fields)).sampling
+
+    a = spec(max_tokens=8, temperature=0.5, stop=["x"])
+    assert spec(max_tokens=8, temperature=0.5, stop="x") is a  # the same request, another spelling
+    others = [spec(max_tokens=8, temperature=0.5, stop=["y"]), spec(max_tokens=8, temperature=0.25, stop=["x"]),
+              spec(max_completion_tokens=8, temperature=0.5, stop=["x"]), spec(temperature=0.5, stop=["x"]),
+              spec(max_tokens=8, temperature=0.5, stop=["x"], seed=1)]
+    assert all(o is not a and o.params != a.params or o.names != a.names for o in others)
+    assert parse_completion(body(prompt="Hi", max_tokens=8, temperature=0.5, stop=["x"])).sampling is not a
+
+
 def test_messages_become_template_input():
     req = parse_chat_completion(body(messages=[
         {"role": "developer", "content": "Be brief.", "name": "ops"},

@@ -56,6 +56,26 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
     assert got2 == default and got_prompt2.tolist() == [1, 2, 3]
 
 
+def test_requests_sharing_sampling_share_its_params_and_nothing_else(pair):
+    """Each side converts a sampling setting once (memoized by object, and by record bytes plus
+    stop strings): equal settings unpack to one object, settings that differ only in a stop
+    string, a stop token or a per-request field do not mix."""
+    base = SamplingParams(max_new_tokens=9, stop=("x",))
+    variants = [base, SamplingParams(max_new_tokens=9, stop=("y",)), SamplingParams(max_new_tokens=9, stop=("x", "y")),
+                SamplingParams(max_new_tokens=9, stop=("x",), stop_token_ids=(5,)), SamplingParams(max_new_tokens=9)]
+    prod, cons = pair(REQUEST)
+    sent = [(base, 1), *((v, 2 + k) for k, v in enumerate(variants)), (base, 99)]
+    for p, slot in sent:
+        prod.push(*pack_request(0, slot, slot, p, [slot, slot + 1], arrival_ns=slot))
+    batch = cons.pop()
+    got = [unpack_request(r, batch.payload) for r in batch.records]
+    assert [g for g, _ in got] == [p for p, _ in sent]
+    assert [prompt.tolist() for _, prompt in got] == [[slot, slot + 1] for _, slot in sent]
+    assert batch.records["slot"].tolist() == [slot for _, slot in sent]
+    assert got[0][0] is got[1][0] is got[-1][0]  # one object for the three requests of `base`
+    assert len({id(g) for g, _ in got}) == len(variants)
+
+
 def test_hot_records_stay_small():
     assert TOKEN_OUT.dtype.itemsize <= 48
     assert TEXT_OUT.dtype.itemsize <= 64
