@@ -34,14 +34,18 @@ class NullModelRunner:
         self.generated = np.zeros(R, np.int64)
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
+        self.num_logprobs = 0  # rows whose request asked for logprobs
 
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
                     output_ids: np.ndarray) -> None:
+        self.clear_request(row)
         self.generated[row] = len(output_ids)
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
+        self.num_logprobs += params.logprobs
 
     def clear_request(self, row: int) -> None:
+        self.num_logprobs -= int(self.logprobs[row])
         self.logprobs[row], self.top_logprobs[row] = False, 0
 
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
@@ -50,6 +54,8 @@ class NullModelRunner:
         n = len(self.cycle)
         tokens = self.cycle[self.generated[rows] % n]
         self.generated[rows] += 1
+        if not self.num_logprobs:  # the common case, in two numpy calls fewer
+            return StepOutput(tokens, np.full(len(rows), np.nan, np.float32), None, None)
         logprobs = np.where(self.logprobs[rows], 0.0, np.nan).astype(np.float32)
         K = int(self.top_logprobs[rows].max()) if len(rows) else 0
         if K == 0:

@@ -103,6 +103,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._ended: list[np.ndarray] = []  # TOKEN_EVENT records of requests ended between steps
         self._opened: list[Request] = []
+        self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
 
     # ---- requests in -----------------------------------------------------------
     @property
@@ -142,12 +143,14 @@ class Scheduler:
                     f"including at least one generated token")
         if n + 1 > kv:
             return Rejection.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
-        if req.prompt.min() < 0 or req.prompt.max() >= self.vocab_size:
+        if req.prompt.view(np.uint32).max() >= self.vocab_size:  # a negative id too, seen as uint32
             return Rejection.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
-        try:
-            req.params.validate(self.vocab_size)
-        except InvalidParam as e:
-            return Rejection.INVALID_REQUEST, f"{e.param}: {e.message}"
+        if req.params is not self._valid_params:  # requests that share settings share their object
+            try:
+                req.params.validate(self.vocab_size)
+            except InvalidParam as e:
+                return Rejection.INVALID_REQUEST, f"{e.param}: {e.message}"
+            self._valid_params = req.params
         return Rejection.NONE, ""
 
     def abort(self, worker: int, slot: int, generation: int) -> bool:

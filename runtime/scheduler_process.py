@@ -39,7 +39,7 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, RequestKind,
-                         TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
+                         TokenKind, concat_records, encode_strings, pack_top_logprobs, record_struct, unpack_request)
 from runtime.config import ServerArgs
 from runtime.heap import settle_heap
 from runtime.request import Rejection, Request
@@ -55,6 +55,13 @@ IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop fla
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
 _ERROR_CODES = {Rejection.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
                 Rejection.INVALID_REQUEST: ErrorCode.INVALID_REQUEST}
+_OPEN = int(TokenKind.OPEN)
+_SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM,
+                                                               OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS))
+# an OPEN record's fields, in TOKEN_OUT's order: worker, kind, finish, slot, gen, token, prompt_tokens,
+# completion_tokens (min_new_tokens), cached_tokens, logprob, payload_off, payload_len (stop strings),
+# n_top, flags, error
+_TOKEN_OUT_STRUCT = record_struct(TOKEN_OUT.dtype)
 _NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE,
                                                          RequestKind.ABORT_RID, RequestKind.ABORT_ALL))
 
@@ -216,10 +223,8 @@ class SchedulerProcess:
             return
         payload = PayloadBuilder()
         if opened:
-            opens = np.zeros(len(opened), TOKEN_OUT.dtype)
-            for k, req in enumerate(opened):
-                self._open_record(opens, k, req, payload)
-            ev = concat_records([opens, ev])
+            opens = b"".join([self._open_record(req, payload) for req in opened])
+            ev = concat_records([np.frombuffer(opens, TOKEN_OUT.dtype), ev])
         if res.top_ids is not None:
             blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
             base, _ = payload.add(blob)
@@ -234,21 +239,17 @@ class SchedulerProcess:
                 ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
         self.token_out.push_all(ev, payload.blob())
 
-    def _open_record(self, out: np.ndarray, k: int, req: Request, payload: PayloadBuilder) -> None:
+    def _open_record(self, req: Request, payload: PayloadBuilder) -> bytes:
+        """The OPEN record of `req`, packed in one call (numpy sets a record's field in ~1 µs)."""
         p = req.params
-        out["kind"][k] = TokenKind.OPEN
-        out["worker"][k], out["slot"][k], out["gen"][k] = req.worker, req.slot, req.generation
-        out["prompt_tokens"][k] = len(req.prompt)
-        out["completion_tokens"][k] = p.min_new_tokens
-        out["flags"][k] = ((OpenFlags.SKIP_SPECIAL_TOKENS if p.skip_special_tokens else 0)
-                           | (OpenFlags.NO_STOP_TRIM if p.no_stop_trim else 0)
-                           | (OpenFlags.LOGPROBS if p.logprobs else 0)
-                           | (OpenFlags.RETURN_IDS if p.return_ids else 0))
-        out["n_top"][k] = p.top_logprobs if p.logprobs else 0
-        if p.stop:
-            out["payload_off"][k], out["payload_len"][k] = payload.add(encode_strings(p.stop))
+        flags = ((_SKIP_SPECIAL if p.skip_special_tokens else 0) | (_NO_STOP_TRIM if p.no_stop_trim else 0)
+                 | (_LOGPROBS if p.logprobs else 0) | (_RETURN_IDS if p.return_ids else 0))
+        stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
         if req.rejection:
             self._rejected[(req.worker, req.slot, req.generation)] = req
+        return _TOKEN_OUT_STRUCT.pack(req.worker, _OPEN, 0, req.slot, req.generation, 0, len(req.prompt),
+                                      p.min_new_tokens, 0, 0.0, stop_off, stop_len,
+                                      p.top_logprobs if p.logprobs else 0, flags, 0)
 
     def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
         rec = np.zeros(1, TOKEN_OUT.dtype)
