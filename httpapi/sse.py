@@ -28,6 +28,9 @@ HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": 
            "x-accel-buffering": "no"}
 
 _REASONS = {None: b"null", **{r: b'"' + r.encode() + b'"' for r in FINISH_REASONS}}
+# what closes a delta without logprobs, by finish reason: a chat delta, a completion's text
+_CHAT_CLOSE = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
+_COMPLETION_CLOSE = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
 
 
 def error_event(err: APIError) -> bytes:
@@ -52,8 +55,6 @@ class ChatStream(_OpenAIStream):
         super().__init__(request_id, created, model, "chat.completion.chunk")
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"delta":{"content":' % i for i in range(n_choices)]
-        # closes the delta; then logprobs and finish_reason
-        self._close = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
 
     def start(self) -> bytes:
         """The first chunk of every choice: role "assistant", empty content."""
@@ -64,7 +65,7 @@ class ChatStream(_OpenAIStream):
     def delta(self, index: int, text: str, finish_reason: str | None = None,
               logprobs: TokenLogprobs | None = None) -> bytes:
         if logprobs is None:
-            return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
+            return b"".join((self._open[index], orjson.dumps(text), _CHAT_CLOSE[finish_reason]))
         return b"".join((self._open[index], orjson.dumps(text), b'},"logprobs":',
                          orjson.dumps(chat_logprobs(logprobs, self._vocab)),
                          b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
@@ -78,13 +79,12 @@ class CompletionStream(_OpenAIStream):
         super().__init__(request_id, created, model, "text_completion")
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"text":' % i for i in range(n_choices)]
-        self._close = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
         self._text_offset = [0] * n_choices  # where each choice's next token's text starts
 
     def delta(self, index: int, text: str, finish_reason: str | None = None,
               logprobs: TokenLogprobs | None = None) -> bytes:
         if logprobs is None:
-            return b"".join((self._open[index], orjson.dumps(text), self._close[finish_reason]))
+            return b"".join((self._open[index], orjson.dumps(text), _COMPLETION_CLOSE[finish_reason]))
         lp, self._text_offset[index] = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
         return b"".join((self._open[index], orjson.dumps(text), b',"logprobs":', orjson.dumps(lp),
                          b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))

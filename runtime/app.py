@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
@@ -57,6 +58,20 @@ def json_response(body: bytes, status: int = 200) -> Response:
     return Response(body, status, media_type=JSON)
 
 
+async def read_body(request: Request) -> bytes:
+    """The request body, from receive() itself: one message for a usual body, where
+    starlette's Request.body() runs an async generator a request (~5% of the worker's
+    Python time). A client that leaves before sending it all is gone (ClientGone)."""
+    chunks = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status)
 
@@ -97,14 +112,16 @@ class EventStream:
     disconnected client (http.disconnect) calls `on_disconnect`, which aborts the request,
     so the iterator ends at its next wait."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None],
+                 watches: DisconnectWatches) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
+        self.watches = watches
         self.headers = MutableHeaders(raw=list(_SSE_HEADERS))
 
     async def __call__(self, scope, receive, send) -> None:
         start: dict | None = {"type": "http.response.start", "status": 200, "headers": self.headers.raw}
-        watch = DisconnectWatch(receive, self.on_disconnect)
+        watch = self.watches.watch(receive, self.on_disconnect)
         more = True
         try:
             async for chunk in self.events:
@@ -128,22 +145,19 @@ class DisconnectWatch:
     streamed request). Another message (granian sends an empty http.request after the body)
     re-arms it.
 
-    Armed only once the request has run for WATCH_AFTER_S: granian runs each receive() as a
-    task on its I/O thread, which posts the result back to the event loop (~6% of the HTTP
-    worker's Python time in a short streamed request); a client that left sooner is still
-    seen then (granian keeps the connection's close for the next receive), so its request
-    runs at most that much longer."""
+    Armed only once the request has run for WATCH_AFTER_S (DisconnectWatches): granian
+    runs each receive() as a task on its I/O thread, which posts the result back to the
+    event loop (~6% of the HTTP worker's Python time in a short streamed request); a client
+    that left sooner is still seen then (granian keeps the connection's close for the next
+    receive), so its request runs at most that much longer."""
 
-    WATCH_AFTER_S = 1.0
-
-    def __init__(self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None]) -> None:
-        self._receive, self._on_disconnect = receive, on_disconnect
+    def __init__(self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None],
+                 watches: "DisconnectWatches") -> None:
+        self._receive, self._on_disconnect, self._watches = receive, on_disconnect, watches
         self._waiting: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(self.WATCH_AFTER_S,
-                                                                                         self._arm)
+        watches.unarmed[self] = time.monotonic()
 
-    def _arm(self) -> None:
-        self._timer = None
+    def arm(self) -> None:
         self._waiting = asyncio.ensure_future(self._receive())
         self._waiting.add_done_callback(self._received)
 
@@ -151,21 +165,43 @@ class DisconnectWatch:
         if fut.cancelled() or fut is not self._waiting:
             return
         if fut.exception() is None and fut.result()["type"] != "http.disconnect":
-            self._arm()
+            self.arm()
         else:  # gone, or receive() failed: nobody is there to answer
             self._on_disconnect()
 
     def close(self) -> None:
-        timer, waiting, self._timer, self._waiting = self._timer, self._waiting, None, None
-        if timer is not None:
-            timer.cancel()
+        self._watches.unarmed.pop(self, None)
+        waiting, self._waiting = self._waiting, None
         if waiting is not None:
             waiting.cancel()
 
 
+class DisconnectWatches:
+    """A worker's watches not yet armed, oldest first; run() arms those that have waited
+    WATCH_AFTER_S, every half of that (so after 1-1.5 times it). One task for all of them:
+    a timer a request (call_later, and its cancel) cost ~2% of the worker's Python time."""
+
+    WATCH_AFTER_S = 1.0
+
+    def __init__(self) -> None:
+        self.unarmed: dict[DisconnectWatch, float] = {}  # -> when it started (time.monotonic)
+
+    def watch(self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None]) -> DisconnectWatch:
+        return DisconnectWatch(receive, on_disconnect, self)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.WATCH_AFTER_S / 2)
+            due = time.monotonic() - self.WATCH_AFTER_S
+            ready = list(itertools.takewhile(lambda item: item[1] <= due, self.unarmed.items()))
+            for watch, _ in ready:
+                del self.unarmed[watch]
+                watch.arm()
+
+
 async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
     """A non-streamed request's choices, all finished; aborted if the client leaves first."""
-    watch = DisconnectWatch(request.receive, lambda: worker.tm.abort(group))
+    watch = worker.watches.watch(request.receive, lambda: worker.tm.abort(group))
     try:
         return await group.finished()
     finally:
@@ -200,7 +236,7 @@ def usage_of(state: ReqState) -> Usage:
 
 @api_route
 async def chat_completions(worker, request: Request) -> Response:
-    req = parse_chat_completion(await request.body())
+    req = parse_chat_completion(await read_body(request))
     check_model(req.model, worker.model.served_name)
     ids = await worker.tm.chat_ids(req.messages)
     params = worker.sampling_params(req.sampling, ids)
@@ -210,7 +246,7 @@ async def chat_completions(worker, request: Request) -> Response:
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
         events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
-        return EventStream(events, lambda: worker.tm.abort(group))
+        return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
     return json_response(chat_completion_body(request_id, created, worker.model.served_name,
@@ -219,7 +255,7 @@ async def chat_completions(worker, request: Request) -> Response:
 
 @api_route
 async def completions(worker, request: Request) -> Response:
-    req = parse_completion(await request.body())
+    req = parse_completion(await read_body(request))
     check_model(req.model, worker.model.served_name)
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
@@ -234,7 +270,7 @@ async def completions(worker, request: Request) -> Response:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
         first = b"".join(stream.delta(i, text) for i, text in enumerate(echoes)) if echoes else b""
         events = openai_events(worker, group, stream, n, req.include_usage, first)
-        return EventStream(events, lambda: worker.tm.abort(group))
+        return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
     return json_response(completion_body(request_id, created, worker.model.served_name,
@@ -308,7 +344,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 
 @api_route
 async def generate(worker, request: Request) -> Response:
-    req = parse_generate(await request.body())
+    req = parse_generate(await read_body(request))
     prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
     params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]
     n = req.n
@@ -318,7 +354,8 @@ async def generate(worker, request: Request) -> Response:
     vocab = worker.vocab if req.return_logprob else None
     if req.stream:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
-        return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group))
+        return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group),
+                           worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
     return json_response(generate_body(choice_rids, choice_results(states), req.batch, vocab,
@@ -336,7 +373,7 @@ def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIte
 
 @api_route
 async def tokenize(worker, request: Request) -> Response:
-    req = parse_tokenize(await request.body())
+    req = parse_tokenize(await read_body(request))
     check_model(req.model, worker.model.served_name)
     if req.messages is not None:
         tokens = [await worker.tm.chat_ids(req.messages)]
@@ -349,7 +386,7 @@ async def tokenize(worker, request: Request) -> Response:
 
 @api_route
 async def detokenize(worker, request: Request) -> Response:
-    req = parse_detokenize(await request.body())
+    req = parse_detokenize(await read_body(request))
     check_model(req.model, worker.model.served_name)
     for ids in req.token_ids:
         check_token_ids(ids, worker.model.vocab_size, "tokens")
@@ -377,7 +414,7 @@ async def flush_cache(worker, request: Request) -> Response:
 
 @api_route
 async def abort_request(worker, request: Request) -> Response:
-    req = parse_abort(await request.body())
+    req = parse_abort(await read_body(request))
     aborted = worker.tm.abort_rid(None if req.abort_all else req.rid)
     return json_response(orjson_dumps({"aborted": aborted}))
 
@@ -434,7 +471,8 @@ class HTTPWorker:
         self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0
         self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
         self.watchdog = EngineWatchdog(link.procs, files.server_pid, self._engine_exited)
-        self._flusher: asyncio.Task | None = None
+        self.watches = DisconnectWatches()
+        self._tasks: list[asyncio.Task] = []  # metrics flushing, disconnect watches
 
     @classmethod
     async def start(cls) -> HTTPWorker:
@@ -459,7 +497,7 @@ class HTTPWorker:
         worker = cls(args, files, link, tm, vocab, metrics)
         tm.start()
         worker.watchdog.start(asyncio.get_running_loop())
-        worker._flusher = asyncio.create_task(worker._flush_metrics())
+        worker._tasks = [asyncio.create_task(worker._flush_metrics()), asyncio.create_task(worker.watches.run())]
         settle_heap()
         logger.info("HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, "
                     "detokenizer pid %d", link.worker, os.getpid(), files.server_pid,
@@ -468,8 +506,8 @@ class HTTPWorker:
 
     async def close(self) -> None:
         self.watchdog.close()
-        if self._flusher is not None:
-            self._flusher.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.metrics.flush()
         await self.tm.close()
         if self.stats is not None:
