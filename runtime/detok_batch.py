@@ -113,10 +113,13 @@ class BatchDetokenizer:
         self._requests[req] = state = _Request(options)
         self._live[req] = True
         self._python[req] = self._needs_python(state)
+        if state.stop is None:  # most requests: no numpy calls for the bitmap
+            self._stop_first[req] = 0
+            return
         first = np.zeros(256, bool)
-        first[[s[0] for s in state.stop.stops] if state.stop else []] = True
+        first[[s[0] for s in state.stop.stops]] = True
         self._stop_first[req] = np.packbits(first, bitorder="little").view(np.uint64)
-        self._with_stop += state.stop is not None
+        self._with_stop += 1
 
     def close(self, req: int) -> None:
         """Drops request `req` (aborted); its later tokens are ignored until open() again."""
