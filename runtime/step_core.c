@@ -119,6 +119,18 @@ static int arg(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t n
     return 0;
 }
 
+/* args[0] of a method of `want` arguments, the rows (int64): their count, or -1 with an exception. */
+static Py_ssize_t rows_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage,
+                           Py_buffer *rows) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (arg(args[0], rows, 8, -1, 0, "rows") < 0)
+        return -1;
+    return rows->len / 8;
+}
+
 static int check_rows(StepCore *c, const int64_t *rows, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= c->rows) {
@@ -159,14 +171,10 @@ static PyObject *StepCore_decode_rows(StepCore *c, PyObject *const *args, Py_ssi
 }
 
 static PyObject *StepCore_add_pages(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add_pages(rows, pages)");
-        return NULL;
-    }
     Py_buffer rows_v, pages_v;
-    if (arg(args[0], &rows_v, 8, -1, 0, "rows") < 0)
+    Py_ssize_t n = rows_arg(args, nargs, 2, "add_pages(rows, pages)", &rows_v);
+    if (n < 0)
         return NULL;
-    Py_ssize_t n = rows_v.len / 8;
     if (arg(args[1], &pages_v, 4, n, 0, "pages") < 0) {
         PyBuffer_Release(&rows_v);
         return NULL;
@@ -195,17 +203,13 @@ done:
 }
 
 static PyObject *StepCore_step_input(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "step_input(rows, q_lens, starts, token_ids, num_pages, page_table, sample)");
-        return NULL;
-    }
     Py_buffer v[7] = {{0}};
     PyObject *result = NULL;
-    int got = 0;
-    if (arg(args[0], &v[0], 8, -1, 0, "rows") < 0)
+    Py_ssize_t n = rows_arg(args, nargs, 7, "step_input(rows, q_lens, starts, token_ids, num_pages, page_table, "
+                            "sample)", &v[0]);
+    if (n < 0)
         return NULL;
-    got = 1;
-    Py_ssize_t n = v[0].len / 8;
+    int got = 1;
     if (arg(args[1], &v[1], 8, n, 0, "q_lens") < 0)
         goto done;
     got = 2;
@@ -278,17 +282,12 @@ static PyObject *StepCore_reserved_tokens(StepCore *c, PyObject *const *args, Py
 }
 
 static PyObject *StepCore_append(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "append(rows, tokens, logprobs, events, finished)");
-        return NULL;
-    }
     Py_buffer v[5] = {{0}};
     PyObject *result = NULL;
-    int got = 0;
-    if (arg(args[0], &v[0], 8, -1, 0, "rows") < 0)
+    Py_ssize_t n = rows_arg(args, nargs, 5, "append(rows, tokens, logprobs, events, finished)", &v[0]);
+    if (n < 0)
         return NULL;
-    got = 1;
-    Py_ssize_t n = v[0].len / 8;
+    int got = 1;
     const Py_ssize_t sizes[5] = {8, 4, 4, c->rec_size, 8};
     const int writable[5] = {0, 0, 0, 1, 1};
     const char *what[5] = {"rows", "tokens", "logprobs", "events", "finished"};
