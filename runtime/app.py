@@ -84,7 +84,7 @@ def api_route(handler: Callable[..., Awaitable[Response]], key_required: bool = 
     async def route(request: Request) -> Response:
         worker = request.app.worker
         try:
-            if key_required:
+            if key_required and worker.args.api_key is not None:  # else no header to read
                 check_api_key(request.headers.get("authorization"), worker.args.api_key)
             response = await handler(worker, request)
         except APIError as err:

@@ -112,8 +112,11 @@ class ChatTemplate:
             pass
 
     def _render(self, compiled: Any, messages: list[dict[str, str]]) -> str:
-        context = compiled.new_context({**self._variables, "messages": messages}, shared=True)
-        return compiled.environment.concat(compiled.root_render_func(context))
+        # the context made as new_context(shared=True) makes it, less the set of the template's
+        # globals' names it builds from their ChainMap each time (only imports read it)
+        env = compiled.environment
+        context = env.context_class(env, {**self._variables, "messages": messages}, compiled.name, compiled.blocks)
+        return env.concat(compiled.root_render_func(context))
 
     @property
     def fast(self) -> bool:
