@@ -74,7 +74,7 @@ class RadixCache:
             found.append(child.pages)
             pos += m
             node = child  # on a split, the next lookup is the first differing page: no child
-        pages = np.concatenate(found) if found else _EMPTY
+        pages = _EMPTY if not found else found[0] if len(found) == 1 else np.concatenate(found)
         return pages, node
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
@@ -228,7 +228,10 @@ def _evictable(node: TreeNode) -> bool:
 
 
 def _common_pages(key: np.ndarray, ids: np.ndarray, page_size: int) -> int:
-    """Whole pages at the start of `key` that equal the start of `ids`."""
+    """Whole pages at the start of `key` that equal the start of `ids`, whose first pages are
+    equal (the node was found by them): no compare at all for a one-page node."""
     n = min(len(key), len(ids)) // page_size * page_size
-    diff = np.flatnonzero(key[:n] != ids[:n])
-    return (int(diff[0]) if len(diff) else n) // page_size
+    if n == page_size:
+        return 1
+    diff = np.flatnonzero(key[page_size:n] != ids[page_size:n])
+    return (int(diff[0]) + page_size if len(diff) else n) // page_size
