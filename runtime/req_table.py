@@ -37,6 +37,11 @@ def step_core() -> type | None:
         return None
 
 
+def _c(a: np.ndarray, dtype: type) -> np.ndarray:
+    """`a` as the C-contiguous array of `dtype` step_core takes (itself when it is one already)."""
+    return np.ascontiguousarray(a, dtype)
+
+
 class ReqTable:
     def __init__(self, num_rows: int, max_seq_len: int, page_size: int, native: bool = True) -> None:
         self.num_rows = num_rows
@@ -125,7 +130,7 @@ class ReqTable:
             self.page_table[rows, self.num_pages[rows]] = pages
             self.num_pages[rows] += 1
         else:
-            self._core.add_pages(rows, pages)
+            self._core.add_pages(_c(rows, np.int64), _c(pages, np.int32))
 
     def step_input(self, rows: np.ndarray, q_lens: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -143,7 +148,8 @@ class ReqTable:
         B = len(rows)
         starts, num_pages, sample = np.empty(B, np.int64), np.empty(B, np.int64), np.empty(B, bool)
         token_ids, page_table = np.empty(int(q_lens.sum()), np.int32), np.empty(B * self.page_table.shape[1], np.int32)
-        P = self._core.step_input(rows, q_lens, starts, token_ids, num_pages, page_table, sample)
+        P = self._core.step_input(_c(rows, np.int64), _c(q_lens, np.int64), starts, token_ids, num_pages, page_table,
+                                  sample)
         return starts, token_ids, num_pages, page_table[:B * P].reshape(B, P), sample
 
     def reserved_tokens(self, ratio: float, clip: int) -> float:
@@ -171,5 +177,5 @@ class ReqTable:
             events["completion_tokens"] = length - self.prompt_len[rows]
             return events, rows[finish != 0].tolist()
         events, finished = np.empty(len(rows), TOKEN_OUT.dtype), np.empty(len(rows), np.int64)
-        k = self._core.append(rows, tokens, logprobs, events, finished)
+        k = self._core.append(_c(rows, np.int64), _c(tokens, np.int32), _c(logprobs, np.float32), events, finished)
         return events, finished[:k].tolist()

@@ -330,7 +330,7 @@ class Scheduler:
             self._cache_running(req)
         # the decodes, then the prompts whose last chunk this was
         rows = step.rows[step.sample] if prefill else step.rows
-        events, finished = t.append(rows, np.asarray(out.tokens, np.int32), np.asarray(out.logprobs, np.float32))
+        events, finished = t.append(rows, out.tokens, out.logprobs)
         stats.generated_tokens += len(rows)
         for row in finished:
             self._finish(t.reqs[row])
