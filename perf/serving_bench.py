@@ -394,9 +394,10 @@ def role_of(title: str, pid: int, server_pid: int) -> str:
 
 class Server:
     """`python -m runtime serve` (granian after its exec: same pid) on a free port, in a
-    session of its own, its output in `log`."""
+    session of its own, its output in `log`; run from `cwd` (another checkout's code: `-m`
+    imports the working directory's packages first), this one's by default."""
 
-    def __init__(self, extra_args: list[str], log: Path) -> None:
+    def __init__(self, extra_args: list[str], log: Path, cwd: Path | None = None) -> None:
         self.port = free_port()
         self.extra_args = extra_args
         self.argv = [sys.executable, "-m", "runtime", "serve", "--port", str(self.port), "--log-level", "warning",
@@ -405,7 +406,7 @@ class Server:
         self.log = log
         self.started = time.monotonic()
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                          start_new_session=True, preexec_fn=_sigint_when_parent_dies)
         self.pids: list[int] = []  # the whole tree, once healthy
 

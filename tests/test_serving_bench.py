@@ -57,3 +57,24 @@ def test_quick_null_model_run_writes_every_field(tmp_path):
     assert "--null-model" in run["server_args"]
     assert result["targets"] == {}  # none applies at concurrency 1 and 4
     assert "server CPU µs/tok" in proc.stdout
+
+
+def test_ab_run_alternates_two_servers_and_reports_ratios(tmp_path):
+    """perf/serving_ab.py: two servers up at once (one tree, two settings), rounds in turn,
+    each side's levels complete, the ratios computed, nothing left behind."""
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, "perf/serving_ab.py", "--rounds", "2", "--requests", "8", "--concurrency",
+                           "4", "--output-tokens", str(OUTPUT_TOKENS), "--warmup", "1", "--b-args",
+                           "--stream-interval 2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [r["round"] for r in result["rounds"]] == [0, 1]
+    for r in result["rounds"]:
+        for side in ("a", "b"):
+            assert (r[side]["completed"], r[side]["failed"]) == (8, 0), r[side]["failures"]
+            assert r[side]["output_tokens"] == 8 * OUTPUT_TOKENS and r[side]["server_cpu_us_per_token"] > 0
+    assert result["sides"]["b"]["server_args"][-2:] == ["--stream-interval", "2"]
+    assert result["median_ratio"]["server_cpu_us_per_token"] > 0 and 0 <= result["lower_in"] <= 2
+    for left in result["leftovers"].values():
+        assert left["stopped_by_sigint"] and left["processes"] == left["shm_segments"] == left["engine_files"] == []
