@@ -192,6 +192,10 @@ static PyObject *StepCore_add_pages(StepCore *c, PyObject *const *args, Py_ssize
         }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i];
+        if (num[r] >= c->max_pages) {  /* a row given twice: checked above only once */
+            PyErr_Format(PyExc_IndexError, "row %lld holds its most pages already", (long long)r);
+            goto done;
+        }
         table[r * c->max_pages + num[r]++] = pages[i];
     }
     result = Py_None;
@@ -314,6 +318,10 @@ static PyObject *StepCore_append(StepCore *c, PyObject *const *args, Py_ssize_t 
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         int32_t t = tokens[i], L = len[r];
+        if (L >= c->max_seq) {  /* a row given twice: checked above only once */
+            PyErr_Format(PyExc_IndexError, "row %lld is full: %d tokens", (long long)r, L);
+            goto done;
+        }
         ids[r * c->max_seq + L] = t;
         len[r] = ++L;
         uint8_t finish = L >= max_len[r] ? c->finish_length : 0;

@@ -83,6 +83,13 @@ def test_c_bookkeeping_refuses_rows_outside_the_table_and_wrong_element_sizes():
     with pytest.raises(ValueError):  # the C core itself takes rows as int64 only (ReqTable converts)
         t._core.add_pages(np.array([0], np.int32), np.array([0], np.int32))
     assert t.length[0] == 0 and (t.ids == 0).all()  # nothing was written by the refused calls
+    t.length[3], t.num_pages[3] = 31, 1
+    with pytest.raises(IndexError):  # a row given twice may not write past its end
+        t.append(np.array([3, 3], np.int64), np.array([5, 6], np.int32), np.zeros(2, np.float32))
+    with pytest.raises(IndexError):
+        t.add_pages(np.array([3, 3], np.int64), np.array([7, 8], np.int32))
+    assert t.length[3] == 32 and t.num_pages[3] == 2 and t.ids[3, 31] == 5  # the first of each went in
+    t.length[3], t.num_pages[3] = 0, 0
     # other dtypes and strided arrays are converted, not refused
     t.length[:2], t.max_len[:2] = 3, 10
     events, finished = t.append(np.array([[1, 0]], np.int32)[0, ::-1], np.arange(4, dtype=np.int64)[::2],
