@@ -158,7 +158,11 @@ class DisconnectWatch:
         watches.unarmed[self] = time.monotonic()
 
     def arm(self) -> None:
-        self._waiting = asyncio.ensure_future(self._receive())
+        try:
+            self._waiting = asyncio.ensure_future(self._receive())
+        except Exception:  # receive() refused: the connection is gone, nobody is there to answer
+            self._on_disconnect()
+            return
         self._waiting.add_done_callback(self._received)
 
     def _received(self, fut: asyncio.Future) -> None:
@@ -196,7 +200,10 @@ class DisconnectWatches:
             ready = list(itertools.takewhile(lambda item: item[1] <= due, self.unarmed.items()))
             for watch, _ in ready:
                 del self.unarmed[watch]
-                watch.arm()
+                try:
+                    watch.arm()
+                except Exception:  # a bug in one request's abort must not leave the later ones unwatched
+                    logger.exception("a disconnect watch failed")
 
 
 async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
