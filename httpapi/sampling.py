@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -63,16 +64,7 @@ class SamplingSpec:
         Requests asking the same get the same spec, made once (~6 µs a request: clients
         send a few distinct settings), and so the same SamplingParams, whose record bytes
         pack_request makes once too."""
-        key = (tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
-        spec = _BUILT.get(key)
-        if spec is None:
-            provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
-            spec = cls(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
-                       prompt_param)
-            if len(_BUILT) >= _BUILT_SIZE:
-                _BUILT.clear()
-            _BUILT[key] = spec
-        return spec
+        return _spec(tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
 
     def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int,
                 kv_tokens: int | None = None) -> SamplingParams:
@@ -87,8 +79,13 @@ class SamplingSpec:
         return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
 
 
-_BUILT: dict[tuple, SamplingSpec] = {}
-_BUILT_SIZE = 1024
+@lru_cache(maxsize=1024)  # clients send a few distinct settings
+def _spec(values: tuple, max_tokens: int | None, names: tuple, prompt_param: str) -> SamplingSpec:
+    """SamplingSpec.build of hashable arguments: (name, value) pairs for the dicts."""
+    values, names = dict(values), dict(names)
+    provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
+    return SamplingSpec(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
+                        prompt_param)
 
 
 def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str,

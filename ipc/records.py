@@ -24,6 +24,7 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -218,6 +219,11 @@ def record_struct(dtype: np.dtype, start: int = 0, stop: int | None = None) -> s
     return struct.Struct(fmt + f"{stop - at}x")
 
 
+# one TOKEN_OUT record's fields in order: worker, kind, finish, slot, gen, token, prompt_tokens,
+# completion_tokens, cached_tokens, logprob, payload_off, payload_len, n_top, flags, error
+TOKEN_OUT_STRUCT = record_struct(TOKEN_OUT.dtype)
+
+
 def record_fields(record: np.void) -> dict[str, Any]:
     """One record's fields as Python values, read in one call (~1 µs a field one by one)."""
     return dict(zip(record.dtype.names, record.item()))
@@ -338,24 +344,25 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
     same sampling bytes and stop strings get the same (frozen) SamplingParams object."""
     raw = record.tobytes()
     prompt_off, prompt_len, stop_off, stop_len = _REQUEST_HEAD.unpack_from(raw)[6:]
-    stop = payload[stop_off:stop_off + stop_len].tobytes()
-    key = raw[SAMPLING_AT:] + stop
-    params = _UNPACKED.get(key)
-    if params is None:
-        values = _REQUEST_SAMPLING.unpack_from(raw, SAMPLING_AT)
-        r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
-        params = SamplingParams(
-            max_new_tokens=r["max_new_tokens"], min_new_tokens=r["min_new_tokens"], temperature=r["temperature"],
-            top_p=r["top_p"], top_k=r["top_k"], min_p=r["min_p"], seed=r["seed"] if r["has_seed"] else None,
-            repetition_penalty=r["repetition_penalty"], frequency_penalty=r["frequency_penalty"],
-            presence_penalty=r["presence_penalty"], stop=decode_strings(stop),
-            stop_token_ids=values[len(_SAMPLING_NAMES):len(_SAMPLING_NAMES) + r["n_stop_token_ids"]],
-            ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
-            spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]),
-            no_stop_trim=bool(r["no_stop_trim"]), logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"],
-            return_ids=bool(r["return_ids"]))
-        _remember(_UNPACKED, key, params)
+    params = _params_of(raw[SAMPLING_AT:] + payload[stop_off:stop_off + stop_len].tobytes())
     return params, payload[prompt_off:prompt_off + prompt_len].view(np.uint32)
+
+
+@lru_cache(maxsize=1024)  # a server sees a few distinct sampling settings
+def _params_of(sampling_and_stop: bytes) -> SamplingParams:
+    """The SamplingParams of a REQUEST record's sampling bytes followed by its stop strings."""
+    values = _REQUEST_SAMPLING.unpack_from(sampling_and_stop)
+    r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
+    return SamplingParams(
+        max_new_tokens=r["max_new_tokens"], min_new_tokens=r["min_new_tokens"], temperature=r["temperature"],
+        top_p=r["top_p"], top_k=r["top_k"], min_p=r["min_p"], seed=r["seed"] if r["has_seed"] else None,
+        repetition_penalty=r["repetition_penalty"], frequency_penalty=r["frequency_penalty"],
+        presence_penalty=r["presence_penalty"], stop=decode_strings(sampling_and_stop[_REQUEST_SAMPLING.size:]),
+        stop_token_ids=values[len(_SAMPLING_NAMES):len(_SAMPLING_NAMES) + r["n_stop_token_ids"]],
+        ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
+        spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]),
+        no_stop_trim=bool(r["no_stop_trim"]), logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"],
+        return_ids=bool(r["return_ids"]))
 
 
 def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
@@ -372,23 +379,17 @@ def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
         p.spaces_between_special_tokens, p.no_stop_trim, p.return_ids, p.max_new_tokens, p.min_new_tokens, p.top_k,
         p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.seed or 0,
         *stop_ids, *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)))
-    packed = (params, sampling, encode_strings(params.stop))  # params held: its id stays its own
-    _remember(_PACKED, id(params), packed)
+    if len(_PACKED) >= _PACKED_SIZE:  # by object, not value (hashing one costs more than packing it)
+        _PACKED.clear()
+    _PACKED[id(params)] = packed = (params, sampling, encode_strings(params.stop))  # held: its id stays its own
     return packed[1], packed[2]
-
-
-def _remember(cache: dict, key, value) -> None:
-    if len(cache) >= _MEMO_SIZE:  # a server sees a few distinct sampling settings: rarely hit
-        cache.clear()
-    cache[key] = value
 
 
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
 _SAMPLING_NAMES = [n for n in REQUEST.dtype.names if REQUEST.dtype.fields[n][1] >= SAMPLING_AT][:-1]  # scalars
-_MEMO_SIZE = 1024
+_PACKED_SIZE = 1024
 _PACKED: dict[int, tuple[SamplingParams, bytes, bytes]] = {}
-_UNPACKED: dict[bytes, SamplingParams] = {}
 
 
 def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:

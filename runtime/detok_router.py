@@ -27,8 +27,8 @@ import logging
 
 import numpy as np
 
-from ipc.records import (TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind, concat_records,
-                         decode_strings, pack_logprobs, record_struct, take_records, unpack_top_logprobs)
+from ipc.records import (TEXT_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind,
+                         concat_records, decode_strings, pack_logprobs, take_records, unpack_top_logprobs)
 from ipc.ring import Batch
 from runtime.detok_batch import BatchDetokenizer, DetokOptions, DetokOutput
 
@@ -42,7 +42,6 @@ _LOGPROBS = int(OpenFlags.LOGPROBS)
 _NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)
 _RETURN_IDS = int(OpenFlags.RETURN_IDS)
 _NO_LIMIT = np.iinfo(np.int64).max
-_TOKEN_OUT_STRUCT = record_struct(TOKEN_OUT.dtype)
 _BLOB_ORDER = (("logprobs_off", "logprobs_len"), ("ids_off", "ids_len"), ("text_off", "text_len"))
 
 
@@ -111,7 +110,7 @@ class DetokRouter:
     def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # TOKEN_OUT's fields in order, read in one call (numpy reads a record's field in ~1 µs)
         (w, kind, _, s, gen, _, _, min_tokens, _, _, off, size, n_top, flags,
-         error) = _TOKEN_OUT_STRUCT.unpack(rec.tobytes())
+         error) = TOKEN_OUT_STRUCT.unpack(rec.tobytes())
         body = payload[off:off + size]
         if kind == TokenKind.OPEN:
             if self._open(w, s, gen, flags, n_top, min_tokens, body):

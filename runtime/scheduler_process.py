@@ -38,8 +38,8 @@ import numpy as np
 
 from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from ipc.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, RequestKind,
-                         TokenKind, concat_records, encode_strings, pack_top_logprobs, record_struct, unpack_request)
+from ipc.records import (REQUEST, TOKEN_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, PayloadBuilder,
+                         RequestKind, TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
 from runtime.config import ServerArgs
 from runtime.heap import settle_heap
 from runtime.request import Rejection, Request
@@ -58,10 +58,6 @@ _ERROR_CODES = {Rejection.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
 _OPEN = int(TokenKind.OPEN)
 _SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM,
                                                                OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS))
-# an OPEN record's fields, in TOKEN_OUT's order: worker, kind, finish, slot, gen, token, prompt_tokens,
-# completion_tokens (min_new_tokens), cached_tokens, logprob, payload_off, payload_len (stop strings),
-# n_top, flags, error
-_TOKEN_OUT_STRUCT = record_struct(TOKEN_OUT.dtype)
 _NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE,
                                                          RequestKind.ABORT_RID, RequestKind.ABORT_ALL))
 
@@ -247,7 +243,7 @@ class SchedulerProcess:
         stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
         if req.rejection:
             self._rejected[(req.worker, req.slot, req.generation)] = req
-        return _TOKEN_OUT_STRUCT.pack(req.worker, _OPEN, 0, req.slot, req.generation, 0, len(req.prompt),
+        return TOKEN_OUT_STRUCT.pack(req.worker, _OPEN, 0, req.slot, req.generation, 0, len(req.prompt),
                                       p.min_new_tokens, 0, 0.0, stop_off, stop_len,
                                       p.top_logprobs if p.logprobs else 0, flags, 0)
 
