@@ -93,9 +93,8 @@ static int alloc_slots(PieceTable *t, Py_ssize_t capacity) {
 static int grow(PieceTable *t) {
     Entry *old = t->slots;
     const Py_ssize_t old_cap = t->mask + 1;
-    Entry *slots = PyMem_Calloc((size_t)old_cap * 2, sizeof(Entry));
-    if (slots == NULL) { PyErr_NoMemory(); return -1; }
-    t->slots = slots, t->mask = old_cap * 2 - 1;
+    t->slots = NULL;  /* kept in `old` for the rehash */
+    if (alloc_slots(t, old_cap * 2) < 0) { t->slots = old; return -1; }
     for (Py_ssize_t i = 0; i < old_cap; i++) {
         if (old[i].hash == 0) continue;
         Py_ssize_t j = (Py_ssize_t)old[i].hash & t->mask;
