@@ -25,7 +25,7 @@ from gpu.quant import ACTIVATIONS, load_quantized
 from gpu.sampler import Sampler
 from gpu.weights import load_weights
 from runtime.config import ServerArgs
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,  # besides auto: the model's

@@ -12,7 +12,7 @@ from gpu.model_config import ModelConfig
 from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunnerConfig, StepOutput
 from gpu.page_pool import PagePool
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 SENTENCE = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
             "behind the quiet green hills of the valley, and")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 # columns of the per-row float parameter table
 _TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES, _TOP_K = range(7)

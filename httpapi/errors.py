@@ -17,7 +17,7 @@ from typing import Mapping
 
 import orjson
 
-from runtime.sampling_params import InvalidParam
+from protocol.sampling_params import InvalidParam
 
 
 class APIError(Exception):

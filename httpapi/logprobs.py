@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from runtime.detok_vocab import AddedTokens, NotByteExact, build_token_table
+from protocol.vocab import AddedTokens, NotByteExact, build_token_table
 
 LOGPROB_FLOOR = -9999.0  # -inf has no JSON form; OpenAI and vLLM report this instead
 

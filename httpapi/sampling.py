@@ -14,7 +14,7 @@ import numpy as np
 
 from httpapi.errors import bad_request, from_invalid_param
 from httpapi.fields import Fields
-from runtime.sampling_params import InvalidParam, SamplingParams
+from protocol.sampling_params import InvalidParam, SamplingParams
 
 # SamplingParams fields that every generation endpoint names the same way.
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")

@@ -3,7 +3,7 @@
 One channel per direction and per pair of processes, single producer and single
 consumer; many producers mean many channels, never a lock.
 
-    ipc.records      record layouts of every channel (REQUEST, TOKEN_OUT, TEXT_OUT), addressing
+    protocol.records      record layouts of every channel (REQUEST, TOKEN_OUT, TEXT_OUT), addressing
                      (worker, slot, gen) and live_mask() for stale generations, payload helpers
     ipc.channel      Channel: ring + payload arena + wakeups; ChannelSpec(layout, capacity, arena_bytes)
     ipc.wakeup       Waker: this process's eventfd; sync and asyncio waits on several channels

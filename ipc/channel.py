@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ipc.records import LAYOUTS, RecordLayout
+from protocol.records import LAYOUTS, RecordLayout
 from ipc.ring import Batch, as_bytes, open_ring, segment_size
 from ipc.shm import create_segment, map_segment
 from ipc.wakeup import Waker
@@ -95,7 +95,7 @@ class Channel:
     def attach(cls, desc: dict, fds: Sequence[int], waker: Waker, layout: RecordLayout | None = None, *,
                native: bool | None = None) -> Channel:
         """The peer's side of a described channel. `layout` is looked up by name in
-        ipc.records.LAYOUTS unless given (tests and benchmarks use their own)."""
+        protocol.records.LAYOUTS unless given (tests and benchmarks use their own)."""
         layout = layout or LAYOUTS.get(desc["layout"])
         if layout is None or layout.name != desc["layout"]:
             raise ValueError(f"unknown record layout {desc['layout']!r}")

@@ -20,7 +20,7 @@ import socket
 import struct
 from typing import Any, Mapping, Sequence
 
-from ipc.records import RecordLayout
+from protocol.records import RecordLayout
 
 MAX_FDS = 64
 _LEN = struct.Struct("<I")
@@ -85,7 +85,7 @@ def send_channels(sock: socket.socket, channels: Sequence[Any], meta: Mapping[st
 def recv_channels(sock: socket.socket, waker: Any,
                   layouts: Mapping[str, RecordLayout] | None = None) -> tuple[list[Any], dict]:
     """Attaches every channel of the next message: (channels, meta). `layouts` by name
-    override ipc.records.LAYOUTS (for tests and benchmarks)."""
+    override protocol.records.LAYOUTS (for tests and benchmarks)."""
     from ipc.channel import Channel
 
     header, fds = recv_message(sock)

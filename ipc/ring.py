@@ -86,7 +86,7 @@ import numpy as np
 from ipc.arena import Arena, align_up
 from ipc.memory import Counters, model
 from ipc.native import ring_core
-from ipc.records import RecordLayout
+from protocol.records import RecordLayout
 
 MAGIC = 0x52494E4753455256  # "RINGSERV"
 VERSION = 1

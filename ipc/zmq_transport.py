@@ -34,7 +34,7 @@ import zmq
 
 from ipc.channel import ROLES, ChannelSpec
 from ipc.memory import Counters
-from ipc.records import LAYOUTS, RecordLayout
+from protocol.records import LAYOUTS, RecordLayout
 from ipc.ring import Batch, as_bytes, check_max_records, check_records
 from ipc.shm import create_segment, map_segment
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from protocol.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cuda_decode.json"
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -24,10 +24,10 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
-from ipc.records import TOKEN_OUT, OpenFlags, TokenKind
+from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from ipc.ring import Batch
-from runtime.detok_batch import BatchDetokenizer, DetokOptions
-from runtime.detok_router import DetokRouter
+from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
+from runtime.detokenizer.deltas import DetokRouter
 
 BATCHES = (1, 64, 256)
 WARMUP_STEPS = 10

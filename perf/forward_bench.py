@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu.llama import linear  # noqa: E402
 from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
 from gpu.quant import ACTIVATIONS  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from protocol.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
 MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights

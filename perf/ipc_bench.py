@@ -40,8 +40,8 @@ from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.memory import model
-from ipc.records import REQUEST, TOKEN_OUT, RequestKind, pack_control, pack_request
-from runtime.sampling_params import SamplingParams
+from protocol.records import REQUEST, TOKEN_OUT, RequestKind, pack_control, pack_request
+from protocol.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ipc.json"
 TRANSPORTS = ("ring", "zmq", "zmq-msgpack")

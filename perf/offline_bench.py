@@ -37,8 +37,8 @@ def make_prompts(n: int, input_len: tuple[int, int], output_len: tuple[int, int]
 
 
 def run_engine(args, prompts, out_lens) -> dict:
-    from runtime.engine import Engine
-    from runtime.sampling_params import SamplingParams
+    from runtime.offline import Engine
+    from protocol.sampling_params import SamplingParams
 
     engine = Engine(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
                     max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
@@ -89,8 +89,8 @@ def run_null_scheduler(streams: int, steps: int = 300) -> dict:
     (instant tokens), what the server's scheduler process spends per step besides the forward."""
     from gpu.model_runner import ModelRunnerConfig
     from gpu.null_model import NullModelRunner
-    from runtime.sampling_params import SamplingParams
-    from runtime.scheduler import Scheduler, SchedulerConfig
+    from protocol.sampling_params import SamplingParams
+    from runtime.scheduler.core import Scheduler, SchedulerConfig
 
     runner = NullModelRunner(ModelRunnerConfig(max_total_tokens=streams * 512, max_running_requests=streams))
     sched = Scheduler(runner, SchedulerConfig(context_length=runner.model_config.context_length,

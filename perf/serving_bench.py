@@ -469,7 +469,7 @@ class Server:
         """SIGINT, then what is left behind: processes of the tree still running, shared
         memory segments they created, engine files in the runtime directory."""
         from ipc.shm import our_segments
-        from runtime.launcher import ServerFiles
+        from runtime.supervise.launcher import ServerFiles
 
         pids = sorted(set(self.pids) | set(descendants(self.proc.pid)))
         t0 = time.monotonic()

@@ -34,7 +34,7 @@ def check_model(args: ServerArgs) -> str | None:
     """Why the model cannot be served (one line), or None. Converts a GGUF once."""
     from gpu.model_config import ModelConfig
     from gpu.model_files import ModelLoadError, resolve_model_dir
-    from runtime.tokenizer_manager import read_chat_template
+    from runtime.http_worker.tokenizer_manager import read_chat_template
 
     try:
         ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)

@@ -1,7 +1,7 @@
 """The ASGI app: `granian --interface asgi runtime.app:app [--workers N]`.
 
 Each granian worker runs this module's lifespan: it starts the engine or attaches to
-the one another worker started (runtime/launcher.py), takes a worker index, connects
+the one another worker started (runtime/supervise/launcher.py), takes a worker index, connects
 its REQUEST and TEXT_OUT channels, and runs one TokenizerManager. Settings come from
 RINGSERVE_* environment variables (ServerArgs.from_env; `python -m runtime serve`
 sets them from its flags).
@@ -37,12 +37,12 @@ from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, comple
 from httpapi.sampling import SamplingSpec, check_token_ids
 from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
 from runtime.config import ServerArgs
-from runtime.heap import settle_heap
-from runtime.launcher import EngineLink, EngineStartError, ServerFiles, attach_engine
-from runtime.metrics import EngineStats, WorkerMetrics, use_multiprocess_dir
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import ClientGone, ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
-from runtime.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
+from runtime.gc_tuning import settle_heap
+from runtime.supervise.launcher import EngineLink, EngineStartError, ServerFiles, attach_engine
+from runtime.http_worker.metrics import EngineStats, WorkerMetrics, use_multiprocess_dir
+from protocol.sampling_params import SamplingParams
+from runtime.http_worker.tokenizer_manager import ClientGone, ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
+from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
 
 logger = logging.getLogger("ringserve.app")
 

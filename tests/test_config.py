@@ -1,7 +1,7 @@
 import pytest
 
 from runtime.config import ServerArgs
-from runtime.sampling_params import InvalidParam, SamplingParams
+from protocol.sampling_params import InvalidParam, SamplingParams
 
 
 def test_cli_and_env_agree():

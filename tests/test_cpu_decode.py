@@ -13,7 +13,7 @@ from gpu.cpu_decode import CpuDecoder
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kernels import cpu_kernels_available
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
 

@@ -1,4 +1,4 @@
-"""The batch incremental detokenizer (runtime/detok_batch.py) against tokenizer.decode, with the
+"""The batch incremental detokenizer (runtime/detokenizer/incremental.py) against tokenizer.decode, with the
 real SmolLM2 tokenizer (byte table and window paths) and a SentencePiece-style tokenizer."""
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gpu.model_files import resolve_model_dir
-from runtime.detok_batch import BatchDetokenizer, DetokOptions
-from runtime.detok_stop import StopMatcher
+from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
+from runtime.detokenizer.stop_strings import StopMatcher
 
 CAPACITY = 64
 TEXTS = [

@@ -15,10 +15,10 @@ from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
 from ipc import get_transport
-from ipc.records import TOKEN_OUT, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind, encode_strings
+from protocol.records import TOKEN_OUT, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind, encode_strings
 from ipc.shm import our_segments
 from runtime.config import ServerArgs
-from runtime.detokenizer import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
+from runtime.detokenizer.process import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
 
 TEXTS = ["Hello there, how are you? 😀", "世界 and café", "short"]
 
@@ -141,7 +141,7 @@ def test_a_dead_workers_channel_is_closed(tmp_path):
     """kill -9 of a worker that no new process replaces: the detokenizer sees its pidfd fire
     and closes its channel, so a ring nobody reads can never block the other workers."""
     detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"), parent_pid=None)
-    code = ("import sys, time; from ipc import Waker; from runtime.detokenizer import connect_detokenizer; "
+    code = ("import sys, time; from ipc import Waker; from runtime.detokenizer.process import connect_detokenizer; "
             "connect_detokenizer(sys.argv[1], Waker(), worker=1, timeout=60); time.sleep(600)")
     worker = subprocess.Popen([sys.executable, "-c", code, detok.socket_path])
     try:

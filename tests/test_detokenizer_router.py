@@ -1,14 +1,14 @@
-"""DetokRouter: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detok_router.py), with the
-real tokenizer and the real record layouts of ipc/records.py."""
+"""DetokRouter: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detokenizer/deltas.py), with the
+real tokenizer and the real record layouts of protocol/records.py."""
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
-from ipc.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
+from protocol.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
                          encode_strings, unpack_logprobs)
 from ipc.ring import Batch
-from runtime.detok_router import NO_TOKEN, DetokRouter, split_by_worker
+from runtime.detokenizer.deltas import NO_TOKEN, DetokRouter, split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
 

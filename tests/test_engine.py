@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import Engine
-from runtime.sampling_params import InvalidParam, SamplingParams
+from runtime.offline import Engine
+from protocol.sampling_params import InvalidParam, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 QUESTION = [{"role": "user", "content": "What is 2+2? Answer with one number only."}]

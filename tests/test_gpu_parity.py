@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 PAGE = 16
 NEW_TOKENS = 8

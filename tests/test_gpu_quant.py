@@ -19,7 +19,7 @@ from gpu.model_files import ModelLoadError, default_model_path, resolve_model_di
 from gpu.quant import BLOCK, blocks_cache, from_blocks, load_quantized, quantize_q8
 from gpu.weights import load_weights
 from runtime.config import ServerArgs
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels_available(),
                                    reason="the GGUF kernels need an AVX2 CPU and a C compiler")
@@ -42,7 +42,7 @@ def weights():
 
 @pytest.fixture(scope="module")
 def gguf_engine():
-    from runtime.engine import Engine
+    from runtime.offline import Engine
 
     return Engine(quantization="gguf", max_total_tokens=2048, max_running_requests=4)
 
@@ -156,7 +156,7 @@ def test_q8_products(weights, tokens, name):
 
 @needs_kernels
 def test_q8_greedy_tokens_follow_gguf(gguf_engine):
-    from runtime.engine import Engine
+    from runtime.offline import Engine
 
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
     engine = Engine(quantization="gguf-q8", max_total_tokens=2048, max_running_requests=4)

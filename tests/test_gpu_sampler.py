@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu.sampler import TOP_CANDIDATES, Sampler
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 V, EOS = 8, 7
 CPU = torch.device("cpu")

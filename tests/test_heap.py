@@ -5,7 +5,7 @@ import sys
 
 CHECK = """
 import gc, weakref
-from runtime.heap import YOUNG_THRESHOLD, settle_heap
+from runtime.gc_tuning import YOUNG_THRESHOLD, settle_heap
 before = gc.get_threshold()
 settle_heap()
 assert gc.get_freeze_count() > 1000, gc.get_freeze_count()

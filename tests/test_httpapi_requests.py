@@ -9,7 +9,7 @@ from httpapi.errors import APIError
 from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize,
                               parse_generate, parse_tokenize)
 from httpapi.sampling import resolve_max_tokens
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -19,9 +19,9 @@ import pytest
 
 from ipc import Channel, ChannelSpec, Waker
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from ipc.records import REQUEST, TEXT_OUT, RequestKind, pack_request, unpack_request
+from protocol.records import REQUEST, TEXT_OUT, RequestKind, pack_request, unpack_request
 from ipc.shm import PREFIX, our_segments, sweep_orphans
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 PEER_GONE = 3  # exit status of a peer whose other side stopped answering
 TIMEOUT = 30.0

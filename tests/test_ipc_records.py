@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from ipc import Channel, ChannelSpec, Waker
-from ipc.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, concat_records, decode_strings,
+from protocol.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, concat_records, decode_strings,
                          encode_strings, live_mask, pack_control, pack_logprobs, pack_request, pack_top_logprobs,
                          record_struct, take_records, unpack_logprobs, unpack_request, unpack_top_logprobs)
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 @pytest.fixture()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ipc import Channel, ChannelSpec, Waker
 from ipc.arena import align_up
-from ipc.records import PayloadRef, RecordLayout
+from protocol.records import PayloadRef, RecordLayout
 
 LAYOUT = RecordLayout("model_test", np.dtype([("seq", np.uint64), ("off", np.uint32), ("len", np.uint32)]),
                       payloads=(PayloadRef("off", "len", np.dtype(np.uint8)),))

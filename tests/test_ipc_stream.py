@@ -17,7 +17,7 @@ import pytest
 
 from ipc import Channel, ChannelSpec, Waker
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from ipc.records import PayloadRef, RecordLayout
+from protocol.records import PayloadRef, RecordLayout
 from ipc.shm import our_segments
 
 STREAM = RecordLayout("stream_test", np.dtype([

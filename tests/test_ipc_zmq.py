@@ -11,8 +11,8 @@ import pytest
 from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, send_channels
-from ipc.records import REQUEST, TOKEN_OUT, pack_request, pack_top_logprobs, unpack_request, unpack_top_logprobs
-from runtime.sampling_params import SamplingParams
+from protocol.records import REQUEST, TOKEN_OUT, pack_request, pack_top_logprobs, unpack_request, unpack_top_logprobs
+from protocol.sampling_params import SamplingParams
 
 
 def open_pair(name: str, spec: ChannelSpec):

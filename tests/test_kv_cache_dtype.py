@@ -15,7 +15,7 @@ from gpu.kv_cache import KVCache
 from gpu.model_files import ModelLoadError
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, resolve_kv_cache_dtype
 from runtime.config import ServerArgs
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 HQ, HKV, D, PS = 9, 3, 64, 16  # SmolLM2's heads
 REDUCED = [torch.float16, torch.bfloat16, torch.float8_e5m2]

@@ -1,4 +1,4 @@
-"""runtime/prompt_encoder.py against the tokenizer's own encode: the ASCII fast path on the real
+"""runtime/http_worker/prompt_encoder.py against the tokenizer's own encode: the ASCII fast path on the real
 SmolLM2 tokenizer, with an added BOS/EOS template, and the fallbacks."""
 import json
 import string
@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gpu.model_files import resolve_model_dir
-from runtime.prompt_encoder import ASCII_SPLIT, PromptEncoder, _encode_with_regex, cached_encoder
+from runtime.http_worker.prompt_encoder import ASCII_SPLIT, PromptEncoder, _encode_with_regex, cached_encoder
 
 
 @pytest.fixture(scope="module")

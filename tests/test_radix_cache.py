@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpu.page_pool import PagePool
-from runtime.radix_cache import RadixCache
+from runtime.scheduler.radix_cache import RadixCache
 
 PS = 4
 

@@ -1,4 +1,4 @@
-"""The request table's per-step bookkeeping: the C version (runtime/step_core.c) against the
+"""The request table's per-step bookkeeping: the C version (runtime/scheduler/step_core.c) against the
 numpy one, through whole schedulers run side by side on random traffic (chunked prefill,
 retraction, stop tokens, min_tokens, aborts), and the C version's argument checks."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ipc.records import TOKEN_OUT
-from runtime.req_table import ReqTable, step_core
-from runtime.sampling_params import SamplingParams
+from protocol.records import TOKEN_OUT
+from runtime.scheduler.req_table import ReqTable, step_core
+from protocol.sampling_params import SamplingParams
 from test_scheduler import PS, Recording, assert_pages_accounted, make, null_runner
 
 native = pytest.mark.skipif(step_core() is None, reason="the C step bookkeeping cannot be built here")

@@ -9,9 +9,9 @@ import pytest
 
 from gpu.model_runner import ModelRunnerConfig
 from gpu.null_model import NullModelRunner
-from runtime.request import FinishReason, ReqStatus
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import NO_TOKEN, Scheduler, SchedulerConfig
+from runtime.scheduler.req import FinishReason, ReqStatus
+from protocol.sampling_params import SamplingParams
+from runtime.scheduler.core import NO_TOKEN, Scheduler, SchedulerConfig
 
 PS = 16
 

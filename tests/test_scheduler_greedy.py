@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.request import FinishReason
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler.req import FinishReason
+from protocol.sampling_params import SamplingParams
+from runtime.scheduler.core import Scheduler, SchedulerConfig
 from test_scheduler import drive
 
 PS = 16

@@ -17,18 +17,18 @@ import pytest
 from ipc import ChannelSpec, Waker
 from ipc.channel import Channel
 from ipc.handoff import recv_waker, send_channels
-from ipc.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, RequestKind, TokenKind, decode_strings,
+from protocol.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, RequestKind, TokenKind, decode_strings,
                          pack_control, pack_request)
 from runtime.config import ServerArgs
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler_process import connect_scheduler
+from protocol.sampling_params import SamplingParams
+from runtime.scheduler.process import connect_scheduler
 
 NO_TOKEN = 0xFFFFFFFF
 
 
 class FakeDetokenizerSocket:
     """Listens where the detokenizer would and hands the scheduler a TOKEN_OUT channel,
-    consumed here: the same exchange as runtime/detokenizer.py, done by the test."""
+    consumed here: the same exchange as runtime/detokenizer/process.py, done by the test."""
 
     def __init__(self, path: str, waker: Waker) -> None:
         self.path, self.waker, self.channel = path, waker, None
@@ -60,7 +60,7 @@ def engine(tmp_path_factory):
     waker = Waker()
     detok = FakeDetokenizerSocket(detok_sock, waker)
     args = ServerArgs(null_model=True, max_total_tokens=8192, max_running_requests=8, log_level="warning")
-    code = ("import sys; from runtime.config import ServerArgs; from runtime.scheduler_process import run_scheduler; "
+    code = ("import sys; from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
             f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r}, {stats!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **args.to_env()})
     try:
@@ -150,7 +150,7 @@ def test_errors_aborts_stale_records_and_flush(engine):
     assert [int(r["finish"]) for r, _ in by(13)][-1] == Finish.LENGTH
     # the aborted request's pages are back: after a flush every page is free
     push(req_ch, pack_control(RequestKind.FLUSH_CACHE, 3))
-    from runtime.metrics import EngineStats
+    from runtime.http_worker.metrics import EngineStats
     stats = EngineStats.open(stats_path)
     deadline = time.monotonic() + 10
     while True:
@@ -170,9 +170,9 @@ WORKER_THAT_DIES = """
 import sys, time
 import numpy as np
 from ipc import Waker
-from ipc.records import pack_request
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler_process import connect_scheduler
+from protocol.records import pack_request
+from protocol.sampling_params import SamplingParams
+from runtime.scheduler.process import connect_scheduler
 ch, meta = connect_scheduler(sys.argv[1], Waker(), worker=5, timeout=120)
 params = SamplingParams(max_new_tokens=meta["max_total_tokens"] - 64, ignore_eos=True)
 ch.push_all(*pack_request(5, 0, 1, params, np.arange(8, dtype=np.uint32) + 100, time.monotonic_ns()), timeout=10)
@@ -205,7 +205,7 @@ def test_sigterm_stops_cleanly(tmp_path):
     waker = Waker()
     detok = FakeDetokenizerSocket(detok_sock, waker)
     args = ServerArgs(null_model=True, max_total_tokens=256, max_running_requests=4, log_level="warning")
-    code = ("from runtime.config import ServerArgs; from runtime.scheduler_process import run_scheduler; "
+    code = ("from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
             f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r})")
     before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **args.to_env()})

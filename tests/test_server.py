@@ -1,7 +1,7 @@
 """The whole server for real: `granian --interface asgi runtime.app:app` with one worker and
 an API key, the default model, driven with the official openai client and httpx.
 
-Greedy outputs equal the offline Engine's for the same prompts (runtime/engine.py); usage,
+Greedy outputs equal the offline Engine's for the same prompts (runtime/offline.py); usage,
 stop strings, n, logprobs; the bad-request table over HTTP; a client that leaves frees its
 request's KV pages; kill -9 of the scheduler fails every open stream within 2 s and the
 server answers 503 from then on; SIGINT stops every process and leaves no shared memory.
@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from bad_requests import API_KEY, BAD_REQUESTS, MODEL
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -327,7 +327,7 @@ def test_healthy_after_bad_requests(server, client):
 
 
 def test_detokenizer_runs_as_a_batch_task(server):
-    """Its wakeups (one a step) must not preempt the scheduler that woke it (runtime/detokenizer.py)."""
+    """Its wakeups (one a step) must not preempt the scheduler that woke it (runtime/detokenizer/process.py)."""
     probe = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_BATCH, "
                             "os.sched_param(0))"], capture_output=True)
     if probe.returncode:

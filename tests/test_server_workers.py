@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.launcher import ServerFiles
-from runtime.sampling_params import SamplingParams
+from runtime.supervise.launcher import ServerFiles
+from protocol.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 6

@@ -10,12 +10,12 @@ from transformers import AutoTokenizer
 from gpu.model_files import resolve_model_dir
 from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
-from ipc.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
+from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from ipc.ring import Batch
 from ipc.wakeup import Waker
-from runtime.detok_router import DetokRouter
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import ChatTemplate, ModelInfo, TokenizerManager
+from runtime.detokenizer.deltas import DetokRouter
+from protocol.sampling_params import SamplingParams
+from runtime.http_worker.tokenizer_manager import ChatTemplate, ModelInfo, TokenizerManager
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ A row is held from admission to finish/abort/retraction and is the same row inde
 model runner keeps its per-request sampler state in.
 
 The per-step methods (decode_rows, add_pages, step_input, append, reserved_tokens) run in C
-(runtime/step_core.c: one call each, where numpy needs ~35 a step of ~1-3 µs each) or, where
+(runtime/scheduler/step_core.c: one call each, where numpy needs ~35 a step of ~1-3 µs each) or, where
 it cannot be built, as the numpy below: same results (tests run both).
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from cbuild import BuildError, build_extension
-from ipc.records import TOKEN_OUT, take_records
-from runtime.request import FinishReason, Request
+from protocol.records import TOKEN_OUT, take_records
+from runtime.scheduler.req import FinishReason, Request
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request
 _LENGTH, _STOP = np.uint8(FinishReason.LENGTH), np.uint8(FinishReason.STOP)

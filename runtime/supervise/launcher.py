@@ -9,13 +9,13 @@ private runtime directory (runtime_dir(), mode 0700):
     engine-<pid>.json            the running engine: each process's pid and start time
     engine-<pid>.scheduler       the scheduler's unix socket (REQUEST channels)
     engine-<pid>.detokenizer     the detokenizer's unix socket (TEXT_OUT channels)
-    engine-<pid>.stats           the scheduler's published stats (runtime/metrics.py EngineStats)
+    engine-<pid>.stats           the scheduler's published stats (runtime/http_worker/metrics.py EngineStats)
     engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
     engine-<pid>.metrics/        prometheus_client's multiprocess files
 
-Engine processes are started with `python -m runtime.launcher <role>` in a session of
+Engine processes are started with `python -m runtime.supervise.launcher <role>` in a session of
 their own, so they survive the worker that started them (granian may respawn it).
-Each watches the granian main process and its peer with pidfds (runtime/watchdog.py)
+Each watches the granian main process and its peer with pidfds (runtime/supervise/watchdog.py)
 and stops when either exits, kill -9 included. The starting worker hands them the pids
 to watch on stdin: a starter that dies before that leaves them an EOF, and they exit.
 
@@ -174,7 +174,7 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
     files.metrics_dir.mkdir(mode=0o700, exist_ok=True)
     spec = json.dumps({"server_args": dataclasses.asdict(args), "server_pid": files.server_pid,
                        "root": str(files.root)})
-    popens = {role: subprocess.Popen([sys.executable, "-m", "runtime.launcher", role, spec],
+    popens = {role: subprocess.Popen([sys.executable, "-m", "runtime.supervise.launcher", role, spec],
                                      stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
               for role in ROLES}
     procs = []
@@ -254,8 +254,8 @@ def attach_engine(args: ServerArgs, files: ServerFiles) -> EngineLink:
     """Starts or finds the server's engine, takes a worker index and connects this
     worker's channels. Blocking: run it off the event loop."""
     from ipc import get_transport
-    from runtime.detokenizer import connect_detokenizer
-    from runtime.scheduler_process import connect_scheduler
+    from runtime.detokenizer.process import connect_detokenizer
+    from runtime.scheduler.process import connect_scheduler
 
     procs = ensure_engine(args, files)
     try:
@@ -326,9 +326,9 @@ def _sweep_stale(root: Path) -> None:
 # ---------------------------------------------------------------- engine side
 
 def engine_process_main(role: str, spec_json: str) -> int:
-    """`python -m runtime.launcher <role> <spec>`: reads the pids to watch from stdin, then
+    """`python -m runtime.supervise.launcher <role> <spec>`: reads the pids to watch from stdin, then
     runs the scheduler or the detokenizer until it is told to stop or a watched process exits."""
-    from runtime.watchdog import stop_when_any_exits
+    from runtime.supervise.watchdog import stop_when_any_exits
 
     # until run_scheduler / run_detokenizer install their own handlers, a stop request
     # unwinds (finally blocks run) instead of killing the process where it stands
@@ -345,10 +345,10 @@ def engine_process_main(role: str, spec_json: str) -> int:
     from gpu.model_files import ModelLoadError
     try:
         if role == "scheduler":
-            from runtime.scheduler_process import run_scheduler
+            from runtime.scheduler.process import run_scheduler
             run_scheduler(args, str(files.socket("scheduler")), str(files.socket("detokenizer")), str(files.stats))
         else:
-            from runtime.detokenizer import run_detokenizer
+            from runtime.detokenizer.process import run_detokenizer
             run_detokenizer(args, str(files.socket("detokenizer")))
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
@@ -364,7 +364,7 @@ def engine_process_main(role: str, spec_json: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ROLES:
-        print(f"usage: python -m runtime.launcher {{{'|'.join(ROLES)}}} SPEC_JSON (started by the server)",
+        print(f"usage: python -m runtime.supervise.launcher {{{'|'.join(ROLES)}}} SPEC_JSON (started by the server)",
               file=sys.stderr)
         sys.exit(2)
     sys.exit(engine_process_main(sys.argv[1], sys.argv[2]))

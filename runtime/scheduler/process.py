@@ -1,5 +1,5 @@
 """The Scheduler+Worker process (`ringserve::scheduler`): a plain synchronous loop around
-the Scheduler core (runtime/scheduler.py) and the model runner.
+the Scheduler core (runtime/scheduler/core.py) and the model runner.
 
 Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
 flushes), run one step, and push that step's TOKEN_OUT records to the detokenizer in one
@@ -17,10 +17,10 @@ The socket is bound only once the model is loaded and the detokenizer connected,
 socket file means the scheduler is ready. A worker that connects again (granian respawned
 it) replaces its channel, and the requests of its previous process are aborted.
 
-TOKEN_OUT protocol (what runtime/detok_router.py reads): token == 0xFFFFFFFF marks a
+TOKEN_OUT protocol (what runtime/detokenizer/deltas.py reads): token == 0xFFFFFFFF marks a
 record that ends a request without a new token (abort, or the KV pool ran out); kind ERROR
 carries an ErrorCode and a UTF-8 message for a request that could never run. The
-scheduler core builds these records itself (runtime/scheduler.py); this loop adds the
+scheduler core builds these records itself (runtime/scheduler/core.py); this loop adds the
 OPEN records and the payloads.
 """
 from __future__ import annotations
@@ -38,13 +38,13 @@ import numpy as np
 
 from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from ipc.records import (REQUEST, TOKEN_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, PayloadBuilder,
+from protocol.records import (REQUEST, TOKEN_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, PayloadBuilder,
                          RequestKind, TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
 from runtime.config import ServerArgs
-from runtime.heap import settle_heap
-from runtime.request import Rejection, Request
-from runtime.scheduler import Scheduler, SchedulerConfig, StepResult
-from runtime.watchdog import WorkerWatch
+from runtime.gc_tuning import settle_heap
+from runtime.scheduler.req import Rejection, Request
+from runtime.scheduler.core import Scheduler, SchedulerConfig, StepResult
+from runtime.supervise.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket:
                   stats_path: str | None = None) -> None:
     """The process's entry point: loads the model, connects to the detokenizer, listens on
     `socket_path` for HTTP workers and runs the loop until SIGTERM / SIGINT. `stats_path`:
-    where to publish EngineStats (runtime/metrics.py) every iteration; None publishes none."""
+    where to publish EngineStats (runtime/http_worker/metrics.py) every iteration; None publishes none."""
     from setproctitle import setproctitle
 
     setproctitle(PROCESS_TITLE)
@@ -131,8 +131,8 @@ class SchedulerProcess:
         self._stopping = False
 
     def start(self) -> None:
-        from runtime.detokenizer import connect_detokenizer
-        from runtime.engine import make_runner
+        from runtime.detokenizer.process import connect_detokenizer
+        from runtime.offline import make_runner
 
         t0 = time.perf_counter()
         runner = make_runner(self.args)
@@ -152,7 +152,7 @@ class SchedulerProcess:
                     pool.page_size, self.meta["attention_backend"], config.max_running_requests,
                     cfg.context_length)
         if self.stats_path is not None:
-            from runtime.metrics import EngineStats
+            from runtime.http_worker.metrics import EngineStats
             self.stats = EngineStats.create(self.stats_path)
         self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
         self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell

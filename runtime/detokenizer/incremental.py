@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.detok_stop import StopMatcher
-from runtime.detok_vocab import (REPLACEMENT, AddedTokens, NotByteExact, TokenTable, build_token_table,
+from runtime.detokenizer.stop_strings import StopMatcher
+from protocol.vocab import (REPLACEMENT, AddedTokens, NotByteExact, TokenTable, build_token_table,
                                  byte_fallback_ids)
 
 

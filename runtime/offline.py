@@ -18,11 +18,11 @@ import numpy as np
 from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from runtime.config import ServerArgs
-from runtime.detok_batch import BatchDetokenizer, DetokOptions
-from runtime.detok_router import text_tokens
-from runtime.request import FinishReason
-from runtime.sampling_params import InvalidParam, SamplingParams
-from runtime.scheduler import NO_TOKEN, Scheduler, SchedulerConfig
+from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
+from runtime.detokenizer.deltas import text_tokens
+from runtime.scheduler.req import FinishReason
+from protocol.sampling_params import InvalidParam, SamplingParams
+from runtime.scheduler.core import NO_TOKEN, Scheduler, SchedulerConfig
 
 ENGINE_WORKER = 0  # the worker id the Engine's requests carry
 

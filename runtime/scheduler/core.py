@@ -19,17 +19,17 @@ from typing import Callable
 import numpy as np
 
 from gpu.forward_batch import StepInput
-from ipc.records import TOKEN_OUT, TokenKind, concat_records
+from protocol.records import TOKEN_OUT, TokenKind, concat_records
 from runtime.config import ServerArgs
-from runtime.radix_cache import RadixCache
-from runtime.req_table import MAX_STOP_IDS, ReqTable
-from runtime.request import FinishReason, Rejection, ReqStatus, Request
-from runtime.sampling_params import InvalidParam, SamplingParams
-from runtime.schedule_policy import order_queue
+from runtime.scheduler.radix_cache import RadixCache
+from runtime.scheduler.req_table import MAX_STOP_IDS, ReqTable
+from runtime.scheduler.req import FinishReason, Rejection, ReqStatus, Request
+from protocol.sampling_params import InvalidParam, SamplingParams
+from runtime.scheduler.policy import order_queue
 
 logger = logging.getLogger(__name__)
 
-# Events are TOKEN_OUT records (ipc/records.py), so the scheduler process pushes them as they
+# Events are TOKEN_OUT records (protocol/records.py), so the scheduler process pushes them as they
 # are: one per request with news this step, its sampled token or its end. A record that ends a
 # request without a new token has token NO_TOKEN; a request that could never run ends with
 # kind ERROR and finish ERROR (its message is Request.error).

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from runtime.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
+from protocol.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The detokenizer's record work, transport-free: a popped batch of TOKEN_OUT records in,
-TEXT_OUT records and their payload blob out (ipc/records.py has both layouts).
+TEXT_OUT records and their payload blob out (protocol/records.py has both layouts).
 
 Requests are addressed by (worker, slot, gen). The scheduler's OPEN record starts one
 (detokenizer options in `flags`, top_logprobs asked in `n_top`, stop strings in the
@@ -27,10 +27,10 @@ import logging
 
 import numpy as np
 
-from ipc.records import (TEXT_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind,
+from protocol.records import (TEXT_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind,
                          concat_records, decode_strings, pack_logprobs, take_records, unpack_top_logprobs)
 from ipc.ring import Batch
-from runtime.detok_batch import BatchDetokenizer, DetokOptions, DetokOutput
+from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions, DetokOutput
 
 logger = logging.getLogger(__name__)
 

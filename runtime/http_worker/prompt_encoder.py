@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, MutableMapping
 
 from cbuild import BuildError, build_extension
-from runtime.detok_vocab import byte_level_char_map
+from protocol.vocab import byte_level_char_map
 
 # GPT-2's split (tokenizers' ByteLevel pre-tokenizer with use_regex) restricted to ASCII: there
 # \p{L} is [A-Za-z], \p{N} is [0-9] and \s is [\t\n\v\f\r ] (not \x1c-\x1f, which Python's \s

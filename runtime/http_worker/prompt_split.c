@@ -1,4 +1,4 @@
-/* GPT-2's pre-tokenizer split of ASCII text, in C (runtime/prompt_encoder.py builds this on
+/* GPT-2's pre-tokenizer split of ASCII text, in C (runtime/http_worker/prompt_encoder.py builds this on
  * first use): the same pieces as prompt_encoder.ASCII_SPLIT.findall, the regex
  *     's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
  * with \s = [\t\n\v\f\r ], which Python's re runs at ~0.2 µs a piece (a 110-token prompt:

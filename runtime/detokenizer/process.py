@@ -1,5 +1,5 @@
 """The Detokenizer process (`ringserve::detokenizer`): pops the scheduler's TOKEN_OUT batches,
-turns them into text deltas (runtime/detok_router.py -> detok_batch.py) and pushes each
+turns them into text deltas (runtime/detokenizer/deltas.py -> detok_batch.py) and pushes each
 HTTP worker's TEXT_OUT records to that worker's channel, one push per worker per batch.
 
 Channels come from the detokenizer's own unix socket, at start-up or later (a worker
@@ -27,11 +27,11 @@ import time
 
 from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from ipc.records import TEXT_OUT, TOKEN_OUT
+from protocol.records import TEXT_OUT, TOKEN_OUT
 from runtime.config import ServerArgs
-from runtime.detok_router import DetokRouter, split_by_worker
-from runtime.heap import settle_heap
-from runtime.watchdog import WorkerWatch
+from runtime.detokenizer.deltas import DetokRouter, split_by_worker
+from runtime.gc_tuning import settle_heap
+from runtime.supervise.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 which keeps a shared prefix hot and saves prefill work; SGLang's default)."""
 from __future__ import annotations
 
-from runtime.radix_cache import RadixCache
-from runtime.request import Request
+from runtime.scheduler.radix_cache import RadixCache
+from runtime.scheduler.req import Request
 
 LPM_MAX_QUEUE = 128  # past this, matching every queued prompt each step costs more than it saves
 

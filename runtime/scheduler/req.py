@@ -9,7 +9,7 @@ import enum
 
 import numpy as np
 
-from runtime.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):

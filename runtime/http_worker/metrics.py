@@ -73,7 +73,7 @@ class EngineStats:
             return None
 
     def publish(self, scheduler: Any, token_out_depth: int) -> None:
-        """One store of the whole record from a runtime.scheduler.Scheduler (once per step)."""
+        """One store of the whole record from a runtime.scheduler.core.Scheduler (once per step)."""
         s, pool = scheduler.stats, scheduler.pool
         self.record[0] = (time.monotonic_ns(), scheduler.num_running, len(scheduler.queue), pool.num_pages,
                           pool.num_free, scheduler.cache.evictable_pages, pool.page_size, token_out_depth,

@@ -40,10 +40,10 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
-from ipc.records import (ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control, pack_request,
+from protocol.records import (ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control, pack_request,
                          record_fields, rid_hash, take_records, unpack_logprobs)
-from runtime.prompt_encoder import PromptEncoder
-from runtime.sampling_params import SamplingParams
+from runtime.http_worker.prompt_encoder import PromptEncoder
+from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
 

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from runtime.launcher import EngineProcess
+from runtime.supervise.launcher import EngineProcess
 
 logger = logging.getLogger("ringserve.watchdog")
 

@@ -1,0 +1,3 @@
+"""What ringserve's processes agree on, importing nothing of ringserve's: the record layouts
+of every ring and their protocol (records.py), the sampling parameters a request carries
+(sampling_params.py) and the bytes each token id stands for (vocab.py)."""

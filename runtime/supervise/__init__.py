@@ -1,0 +1,2 @@
+"""Starting, finding and watching the engine processes of a server: one engine per server
+whatever the number of HTTP workers, none outliving the server."""
