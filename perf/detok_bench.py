@@ -6,7 +6,7 @@ step, steady state), for:
   per-request    the classic loop: per request per step, tokenizer.decode of its window
                  (surrogate/read offsets), one request at a time
   router         the detokenizer process's whole per-batch work minus the ring: TOKEN_OUT
-                 records in, DetokRouter.handle, TEXT_OUT records + payload out
+                 records in, TextDeltas.handle, TEXT_OUT records + payload out
 Writes perf/results/detok.json and prints a table.
 
     python perf/detok_bench.py [--seconds 1.0]
@@ -27,7 +27,7 @@ from gpu.model_files import resolve_model_dir
 from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from ipc.ring import Batch
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
-from runtime.detokenizer.deltas import DetokRouter
+from runtime.detokenizer.deltas import TextDeltas
 
 BATCHES = (1, 64, 256)
 WARMUP_STEPS = 10
@@ -81,10 +81,10 @@ class PerRequestDecode:
 
 
 class RouterStep:
-    """Feeds DetokRouter one TOKEN_OUT record per request per step (what the process pops)."""
+    """Feeds TextDeltas one TOKEN_OUT record per request per step (what the process pops)."""
 
     def __init__(self, tokenizer, n: int) -> None:
-        self.router = DetokRouter(tokenizer, max_open=n)
+        self.router = TextDeltas(tokenizer, max_open=n)
         opens = np.zeros(n, TOKEN_OUT.dtype)
         opens["kind"], opens["slot"], opens["gen"] = TokenKind.OPEN, np.arange(n), 1
         opens["flags"] = OpenFlags.SKIP_SPECIAL_TOKENS

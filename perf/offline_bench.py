@@ -37,10 +37,10 @@ def make_prompts(n: int, input_len: tuple[int, int], output_len: tuple[int, int]
 
 
 def run_engine(args, prompts, out_lens) -> dict:
-    from runtime.offline import Engine
+    from runtime.offline import OfflineEngine
     from protocol.sampling_params import SamplingParams
 
-    engine = Engine(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+    engine = OfflineEngine(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
                     max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                     quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, shared by the HTTP layer, the offline Engine,
+"""Per-request sampling parameters, shared by the HTTP layer, the OfflineEngine,
 the record layouts and the sampler."""
 from __future__ import annotations
 

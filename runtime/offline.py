@@ -1,8 +1,8 @@
-"""The offline Engine (vLLM's LLM, SGLang's Engine): generate() drives the same Scheduler
+"""The OfflineEngine (vLLM's LLM, SGLang's Engine): generate() drives the same Scheduler
 core and the same batch detokenizer as the server, in this process, without HTTP or
 rings, so its texts are the server's (stop strings, min_tokens, stop tokens' text).
 
-    engine = Engine(max_running_requests=64)
+    engine = OfflineEngine(max_running_requests=64)
     outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_new_tokens=8))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].cached_tokens
 """
@@ -40,7 +40,7 @@ class GenerateOutput:
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
 
 
-class Engine:
+class OfflineEngine:
     def __init__(self, server_args: ServerArgs | None = None, **kwargs) -> None:
         """`kwargs` are ServerArgs fields (max_running_requests=..., disable_radix_cache=...);
         given with server_args they override it. Scheduler knobs that are not server flags

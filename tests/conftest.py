@@ -181,6 +181,6 @@ def start_server():
 
 @pytest.fixture(scope="session")
 def offline_engine():
-    """The offline Engine on the default model: the reference the servers' outputs must equal."""
-    from runtime.offline import Engine
-    return Engine(max_total_tokens=8192, max_running_requests=8)
+    """The OfflineEngine on the default model: the reference the servers' outputs must equal."""
+    from runtime.offline import OfflineEngine
+    return OfflineEngine(max_total_tokens=8192, max_running_requests=8)

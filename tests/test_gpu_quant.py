@@ -42,9 +42,9 @@ def weights():
 
 @pytest.fixture(scope="module")
 def gguf_engine():
-    from runtime.offline import Engine
+    from runtime.offline import OfflineEngine
 
-    return Engine(quantization="gguf", max_total_tokens=2048, max_running_requests=4)
+    return OfflineEngine(quantization="gguf", max_total_tokens=2048, max_running_requests=4)
 
 
 def reference_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +156,10 @@ def test_q8_products(weights, tokens, name):
 
 @needs_kernels
 def test_q8_greedy_tokens_follow_gguf(gguf_engine):
-    from runtime.offline import Engine
+    from runtime.offline import OfflineEngine
 
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    engine = Engine(quantization="gguf-q8", max_total_tokens=2048, max_running_requests=4)
+    engine = OfflineEngine(quantization="gguf-q8", max_total_tokens=2048, max_running_requests=4)
     want = gguf_engine.generate(list(Q8_PROMPTS), params)
     got = engine.generate(list(Q8_PROMPTS), params)
     for (prompt, n), g, w in zip(Q8_PROMPTS.items(), got, want):

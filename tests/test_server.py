@@ -1,7 +1,7 @@
 """The whole server for real: `granian --interface asgi runtime.app:app` with one worker and
 an API key, the default model, driven with the official openai client and httpx.
 
-Greedy outputs equal the offline Engine's for the same prompts (runtime/offline.py); usage,
+Greedy outputs equal the OfflineEngine's for the same prompts (runtime/offline.py); usage,
 stop strings, n, logprobs; the bad-request table over HTTP; a client that leaves frees its
 request's KV pages; kill -9 of the scheduler fails every open stream within 2 s and the
 server answers 503 from then on; SIGINT stops every process and leaves no shared memory.
@@ -44,7 +44,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def want(offline_engine):
-    """The offline Engine's greedy outputs: PROMPTS, PROMPTS[0] with logprobs, and CHAT."""
+    """The OfflineEngine's greedy outputs: PROMPTS, PROMPTS[0] with logprobs, and CHAT."""
     engine = offline_engine
     outs = engine.generate([*PROMPTS, PROMPTS[0]], [greedy(), greedy(), greedy(logprobs=True, top_logprobs=2)])
     (chat,) = engine.chat(CHAT, greedy())

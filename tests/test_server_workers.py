@@ -2,7 +2,7 @@
 for the server; a worker killed with kill -9 is respawned by granian under the same worker
 index, its dead predecessor's requests are aborted (their KV pages freed) and its records
 never reach the new one; both workers serve (the x-ringserve-worker header says which
-answered) and give the offline Engine's greedy output, stream and not; kill -9 of granian's
+answered) and give the OfflineEngine's greedy output, stream and not; kill -9 of granian's
 main process takes every process of the server with it and leaves nothing behind."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The TokenizerManager between real rings in this process: this test plays the scheduler
-(pops the REQUEST channel) and feeds the TEXT_OUT channel through a real DetokRouter."""
+(pops the REQUEST channel) and feeds the TEXT_OUT channel through a real TextDeltas."""
 import asyncio
 
 import numpy as np
@@ -13,7 +13,7 @@ from ipc.channel import Channel, ChannelSpec
 from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from ipc.ring import Batch
 from ipc.wakeup import Waker
-from runtime.detokenizer.deltas import DetokRouter
+from runtime.detokenizer.deltas import TextDeltas
 from protocol.sampling_params import SamplingParams
 from runtime.http_worker.tokenizer_manager import ChatTemplate, ModelInfo, TokenizerManager
 
@@ -54,7 +54,7 @@ def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, 
     holds it: the TM must abort it there, or it runs to max_tokens for nobody (seen: six such
     requests of 4000 tokens each after a burst of 70 x 128 choices)."""
     waker, req_out, req_in, text_out, text_in = rings
-    router = DetokRouter(tokenizer, max_open=1)
+    router = TextDeltas(tokenizer, max_open=1)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
 
     async def run() -> tuple[np.ndarray, np.ndarray]:
@@ -87,7 +87,7 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
     """--stream-interval 3: a streamed choice's coroutine wakes at tokens 1, 4, 7 and at its
     end (SGLang's rule), with every token's text; a non-streamed one once, at its end."""
     waker, req_out, req_in, text_out, text_in = rings
-    router = DetokRouter(tokenizer, max_open=4)
+    router = TextDeltas(tokenizer, max_open=4)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
     ids = tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
     assert len(ids) == 8

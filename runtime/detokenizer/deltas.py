@@ -45,7 +45,7 @@ _NO_LIMIT = np.iinfo(np.int64).max
 _BLOB_ORDER = (("logprobs_off", "logprobs_len"), ("ids_off", "ids_len"), ("text_off", "text_len"))
 
 
-class DetokRouter:
+class TextDeltas:
     def __init__(self, tokenizer, max_open: int = 8192, use_byte_table: bool = True) -> None:
         """max_open: requests open at once (OPENed and not finished, queued ones included)."""
         self.core = BatchDetokenizer(tokenizer, max_open, use_byte_table=use_byte_table)

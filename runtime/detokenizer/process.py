@@ -29,7 +29,7 @@ from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from protocol.records import TEXT_OUT, TOKEN_OUT
 from runtime.config import ServerArgs
-from runtime.detokenizer.deltas import DetokRouter, split_by_worker
+from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 from runtime.gc_tuning import settle_heap
 from runtime.supervise.watchdog import WorkerWatch
 
@@ -107,7 +107,7 @@ class Detokenizer:
         self.socket_path = socket_path
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
-        self.router: DetokRouter | None = None
+        self.deltas: TextDeltas | None = None
         self.inputs: list = []        # TOKEN_OUT channels (one per scheduler; one in practice)
         self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
@@ -130,8 +130,8 @@ class Detokenizer:
         model_dir = resolve_model_dir(self.args.model_path)
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.router = DetokRouter(tokenizer, max_open=max_open)
-        core = self.router.core
+        self.deltas = TextDeltas(tokenizer, max_open=max_open)
+        core = self.deltas.core
         how = "numpy byte table" if core.table is not None else f"window decode ({core.fallback_reason})"
         logger.info("tokenizer of %s (%d tokens) loaded in %.1f s; decoding with the %s; listening on %s",
                     model_dir, core.vocab_size, time.perf_counter() - t0, how, self.socket_path)
@@ -140,7 +140,7 @@ class Detokenizer:
         self._stopping = True
 
     def serve(self) -> None:
-        router, waker = self.router, self.waker
+        deltas, waker = self.deltas, self.waker
         while not self._stopping:
             if not self._new.empty():
                 self._attach_new()
@@ -151,7 +151,7 @@ class Detokenizer:
                 batch = ch.pop()
                 if batch is not None:
                     busy = True
-                    records, blob = router.handle(batch)
+                    records, blob = deltas.handle(batch)
                     if len(records):
                         self._send(records, blob)
             if not busy:

@@ -5,7 +5,7 @@ Each step() serves every running decode plus as many prefill tokens as the budge
 (one request at a time may be mid-prefill, split into chunks), calls the model runner once,
 and returns one token event per request that sampled a token, as one numpy structured array.
 Requests are addressed by (worker, slot, generation); the server's scheduler process and the
-offline Engine both drive this class.
+OfflineEngine both drive this class.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The offline Engine on the real model: prompt forms, finish reasons (EOS, ignore_eos,
+"""The OfflineEngine on the real model: prompt forms, finish reasons (EOS, ignore_eos,
 stop token ids, stop strings, length), usage with cached tokens, logprobs, bad input."""
 from __future__ import annotations
 
 import pytest
 
-from runtime.offline import Engine
+from runtime.offline import OfflineEngine
 from protocol.sampling_params import InvalidParam, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -12,8 +12,8 @@ QUESTION = [{"role": "user", "content": "What is 2+2? Answer with one number onl
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(max_total_tokens=4096, max_running_requests=8)
+def engine() -> OfflineEngine:
+    return OfflineEngine(max_total_tokens=4096, max_running_requests=8)
 
 
 def test_prompt_forms_and_outputs_in_order(engine):
@@ -103,7 +103,7 @@ def test_bad_input_raises_naming_the_parameter(engine):
 def test_more_prompts_than_the_detokenizer_holds():
     """generate() with more prompts than the Engine's detokenizer was built for (256): it grows,
     and every text is still its tokens' decode (null model: instant tokens)."""
-    engine = Engine(null_model=True, max_total_tokens=65536, max_running_requests=64)
+    engine = OfflineEngine(null_model=True, max_total_tokens=65536, max_running_requests=64)
     params = SamplingParams(temperature=0.0, max_new_tokens=3)
     for n in (1, 300, 5):
         outs = engine.generate([[1, 2, 3 + k] for k in range(n)], params)

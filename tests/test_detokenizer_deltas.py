@@ -1,4 +1,4 @@
-"""DetokRouter: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detokenizer/deltas.py), with the
+"""TextDeltas: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detokenizer/deltas.py), with the
 real tokenizer and the real record layouts of protocol/records.py."""
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from gpu.model_files import resolve_model_dir
 from protocol.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
                          encode_strings, unpack_logprobs)
 from ipc.ring import Batch
-from runtime.detokenizer.deltas import NO_TOKEN, DetokRouter, split_by_worker
+from runtime.detokenizer.deltas import NO_TOKEN, TextDeltas, split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
 
@@ -21,7 +21,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def router(tokenizer):
     """Shared by the tests (building the byte table takes a second): each test uses its own workers."""
-    return DetokRouter(tokenizer, max_open=64)
+    return TextDeltas(tokenizer, max_open=64)
 
 
 def opened(w, s, g, stop=(), flags=DEFAULT_FLAGS, n_top=0):
@@ -161,9 +161,9 @@ def test_steps_in_one_batch_equal_steps_one_by_one(tokenizer):
             got[r["slot"]] = (text + r["text"], n + r["n_tokens"], r["finish"] or finish)
         return got
 
-    one_by_one = DetokRouter(tokenizer, max_open=8)
+    one_by_one = TextDeltas(tokenizer, max_open=8)
     want = per_request([r for step in steps for r in rows(*one_by_one.handle(batch(*step)))])
-    together = DetokRouter(tokenizer, max_open=8)
+    together = TextDeltas(tokenizer, max_open=8)
     got = rows(*together.handle(batch(*[item for step in steps for item in step])))
     assert per_request(got) == want and len(got) == 3
     assert want[0] == (b" one two \xf0\x9f\x98\x80 ", 5, Finish.STOP) and want[2][2] == Finish.LENGTH
@@ -197,7 +197,7 @@ def test_logprobs_every_step_with_top_n(tokenizer, router):
 
 
 def test_out_of_capacity_open_is_an_error(tokenizer):
-    small = DetokRouter(tokenizer, max_open=4, use_byte_table=False)
+    small = TextDeltas(tokenizer, max_open=4, use_byte_table=False)
     out = rows(*small.handle(batch(*[opened(0, s, 1) for s in range(5)])))
     assert [(r["slot"], r["kind"], r["error"]) for r in out] == [(4, TextKind.ERROR, ErrorCode.OVERLOADED)]
 
