@@ -1,4 +1,5 @@
-"""Record layouts of every channel of the server, and helpers to fill and read them.
+"""Record layouts of every ring of the server, the protocol they carry, and helpers to fill
+and read them. This module is the one contract between the processes.
 
 Channels (one SPSC ring each):
   REQUEST    HTTP worker k -> scheduler      one record per new request / abort / control
@@ -16,6 +17,24 @@ Variable-length data lives in the channel's arena: a record holds `<name>_off` a
 `<name>_len`, both in BYTES, where the offset indexes the popped `Batch.payload`.
 A producer builds one payload blob per push (`PayloadBuilder` or vectorised code)
 with offsets relative to the blob; the channel translates them on pop.
+
+TOKEN_OUT protocol (scheduler -> detokenizer). A step's push holds, in order:
+  OPEN   one per request admitted since the previous step, before any of its tokens; its own
+         layout (OPEN_RECORD, same size and header as TOKEN_OUT): the detokenizer's options in
+         `flags` (OpenFlags), `top_logprobs` asked for, `min_new_tokens` (no stop string may end
+         in their text), the prompt's length, its stop strings in the payload (encode_strings)
+  TOKEN  one per request with news: its sampled `token` and `logprob` (top-N alternatives in the
+         payload, pack_top_logprobs, `n_top` of them), usage counts, and `finish` when the
+         scheduler ended it (EOS or a stop token: STOP; max tokens or no KV room: LENGTH; ABORT).
+         token == NO_TOKEN ends a request without a new token (abort, or the KV pool ran out)
+  ERROR  a request that could never run: `error` holds an ErrorCode, the payload a UTF-8 message
+Stop strings are the detokenizer's: it finishes such a request itself (finish STOP with
+`stop_index` in TEXT_OUT) and the HTTP worker sends the scheduler an ABORT to free its pages.
+
+TEXT_OUT protocol (detokenizer -> HTTP worker k): a TEXT record when a request's new tokens
+complete some text, when it finishes, or, when it asked for logprobs or token ids, whenever it
+got tokens; `n_tokens` counts the tokens since its previous record. An ERROR record ends a
+request with an ErrorCode and a message.
 """
 from __future__ import annotations
 
@@ -25,7 +44,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -69,8 +88,7 @@ class RequestKind(enum.IntEnum):
 
 class TokenKind(enum.IntEnum):
     TOKEN = 0  # one generated token of a running request
-    OPEN = 1  # a newly admitted request: detokenizer options in `flags`, stop strings in the payload,
-    #           min_new_tokens in `completion_tokens`
+    OPEN = 1  # a newly admitted request, in the OPEN_RECORD layout
     ERROR = 2  # the request failed: `error` holds an ErrorCode, the payload a UTF-8 message
 
 
@@ -80,14 +98,21 @@ class TextKind(enum.IntEnum):
 
 
 class Finish(enum.IntEnum):
-    NONE = 0
-    STOP = 1  # eos, a stop token or a stop string
-    LENGTH = 2
+    """How a request ended, as every process records it."""
+    NONE = 0  # still running
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens, or the context / KV pool ran out
     ABORT = 3
-    ERROR = 4
+    ERROR = 4  # never ran (see ErrorCode)
+
+    @property
+    def api_name(self) -> str | None:
+        """The OpenAI `finish_reason` string."""
+        return None if self is Finish.NONE else self.name.lower()
 
 
 class ErrorCode(enum.IntEnum):
+    """Why a request failed, from whichever process failed it."""
     NONE = 0
     INTERNAL = 1
     PROMPT_TOO_LONG = 2
@@ -148,17 +173,28 @@ TOKEN_OUT = RecordLayout("token_out", np.dtype([
     ("gen", np.uint32),
     ("token", np.uint32),
     ("prompt_tokens", np.uint32),
-    ("completion_tokens", np.uint32),  # OPEN: min_new_tokens (no stop string ends in their text)
+    ("completion_tokens", np.uint32),
     ("cached_tokens", np.uint32),
     ("logprob", np.float32),  # of `token`, when the request asked for logprobs
-    # TOKEN: top-N alternatives (pack_top_logprobs) when asked; OPEN: stop strings
-    # (encode_strings); ERROR: UTF-8 message
+    # TOKEN: top-N alternatives (pack_top_logprobs) when asked; ERROR: UTF-8 message
     ("payload_off", np.uint32),
     ("payload_len", np.uint32),
-    ("n_top", np.uint8),  # TOKEN: alternatives in the payload; OPEN: top_logprobs asked for
-    ("flags", np.uint8),  # OPEN: OpenFlags
+    ("n_top", np.uint8),  # alternatives in the payload
+    ("flags", np.uint8),  # unused by TOKEN and ERROR: OPEN_RECORD's `flags`
     ("error", np.uint16),  # ErrorCode
 ], align=True), payloads=(PayloadRef("payload_off", "payload_len", np.dtype(np.uint8)),))
+
+NO_TOKEN = 0xFFFFFFFF  # TOKEN_OUT.token of a record that ends a request without a new token
+
+# OPEN_RECORD's fields, each at the offset of the TOKEN_OUT field named beside it: the same
+# ring carries both, and the ring translates `payload_off` (here `stop_off`) on pop.
+_OPEN_AT = {"worker": "worker", "kind": "kind", "slot": "slot", "gen": "gen", "prompt_tokens": "prompt_tokens",
+            "min_new_tokens": "completion_tokens", "stop_off": "payload_off", "stop_len": "payload_len",
+            "top_logprobs": "n_top", "flags": "flags"}
+OPEN_RECORD = np.dtype({"names": list(_OPEN_AT),
+                        "formats": [TOKEN_OUT.dtype.fields[f][0] for f in _OPEN_AT.values()],
+                        "offsets": [TOKEN_OUT.dtype.fields[f][1] for f in _OPEN_AT.values()],
+                        "itemsize": TOKEN_OUT.dtype.itemsize})
 
 TEXT_OUT = RecordLayout("text_out", np.dtype([
     ("worker", np.uint16),
@@ -222,6 +258,33 @@ def record_struct(dtype: np.dtype, start: int = 0, stop: int | None = None) -> s
 # one TOKEN_OUT record's fields in order: worker, kind, finish, slot, gen, token, prompt_tokens,
 # completion_tokens, cached_tokens, logprob, payload_off, payload_len, n_top, flags, error
 TOKEN_OUT_STRUCT = record_struct(TOKEN_OUT.dtype)
+_OPEN_STRUCT = record_struct(OPEN_RECORD)
+
+
+class OpenFields(NamedTuple):
+    """An OPEN record's fields, in OPEN_RECORD's order."""
+    worker: int
+    kind: int
+    slot: int
+    gen: int
+    prompt_tokens: int
+    min_new_tokens: int
+    stop_off: int
+    stop_len: int
+    top_logprobs: int
+    flags: int
+
+
+def pack_open(*, worker: int, slot: int, gen: int, prompt_tokens: int, min_new_tokens: int, top_logprobs: int,
+              flags: int, stop_off: int = 0, stop_len: int = 0) -> bytes:
+    """One OPEN record's bytes (stop_off, stop_len: the stop strings' part of the push's blob)."""
+    return _OPEN_STRUCT.pack(worker, TokenKind.OPEN, slot, gen, prompt_tokens, min_new_tokens, stop_off, stop_len,
+                             top_logprobs, flags)
+
+
+def unpack_open(record: bytes) -> OpenFields:
+    """The fields of one OPEN record's bytes, read in one call."""
+    return OpenFields._make(_OPEN_STRUCT.unpack(record))
 
 
 def record_fields(record: np.void) -> dict[str, Any]:

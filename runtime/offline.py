@@ -17,12 +17,12 @@ import numpy as np
 
 from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from protocol.records import NO_TOKEN, Finish
 from runtime.config import ServerArgs
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 from runtime.detokenizer.deltas import text_tokens
-from runtime.scheduler.req import FinishReason
 from protocol.sampling_params import InvalidParam, SamplingParams
-from runtime.scheduler.core import NO_TOKEN, Scheduler, SchedulerConfig
+from runtime.scheduler.core import Scheduler, SchedulerConfig
 
 ENGINE_WORKER = 0  # the worker id the Engine's requests carry
 
@@ -95,14 +95,14 @@ class OfflineEngine:
             finish = rows["finish"]
             trim = np.array([not runs[slot].params.no_stop_trim for slot in rows["slot"].tolist()], bool)
             out = detok.step(rows["slot"].astype(np.int64), text_tokens(rows["token"], finish, trim),
-                             finish != FinishReason.NONE)
+                             finish != Finish.NONE)
             stopped = set(out.req[out.stop >= 0].tolist())  # a stop string: the scheduler does not know it
             for k, slot in enumerate(out.req.tolist()):
                 runs[slot].parts.append(out.delta(k))
             for slot, f in zip(rows["slot"].tolist(), finish.tolist()):
                 run = runs[slot]
-                if run.finish is None and (f != FinishReason.NONE or slot in stopped):
-                    run.finish = FinishReason.STOP if slot in stopped else FinishReason(f)
+                if run.finish is None and (f != Finish.NONE or slot in stopped):
+                    run.finish = Finish.STOP if slot in stopped else Finish(f)
                     pending -= 1
                     if slot in stopped:
                         sched.abort(ENGINE_WORKER, slot, generation)
@@ -161,7 +161,7 @@ class _Run:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[dict[int, float]] = []
-        self.finish: FinishReason | None = None
+        self.finish: Finish | None = None
         self.counts = (len(prompt), 0, 0)
         self.parts: list[bytes] = []  # the detokenizer's UTF-8 deltas
 

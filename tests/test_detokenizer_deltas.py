@@ -5,10 +5,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
-from protocol.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
+from protocol.records import (NO_TOKEN, OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
                          encode_strings, unpack_logprobs)
 from ipc.ring import Batch
-from runtime.detokenizer.deltas import NO_TOKEN, TextDeltas, split_by_worker
+from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
 
@@ -25,7 +25,7 @@ def router(tokenizer):
 
 
 def opened(w, s, g, stop=(), flags=DEFAULT_FLAGS, n_top=0):
-    return dict(kind=TokenKind.OPEN, worker=w, slot=s, gen=g, flags=flags, n_top=n_top,
+    return dict(kind=TokenKind.OPEN, worker=w, slot=s, gen=g, flags=flags, top_logprobs=n_top,
                 payload=encode_strings(stop))
 
 
@@ -41,10 +41,13 @@ def tok(w, s, g, token, finish=Finish.NONE, logprob=0.0, top=None, completion=0)
 def batch(*items) -> Batch:
     recs = np.zeros(len(items), TOKEN_OUT.dtype)
     payload = PayloadBuilder()
-    for rec, item in zip(recs, items):
+    for i, item in enumerate(items):
+        is_open = item["kind"] == TokenKind.OPEN  # OPEN records in their own layout
+        rec = recs[i:i + 1].view(OPEN_RECORD)[0] if is_open else recs[i]
         for k, v in item.items():
             if k == "payload":
-                rec["payload_off"], rec["payload_len"] = payload.add(v)
+                rec["stop_off" if is_open else "payload_off"], rec["stop_len" if is_open else "payload_len"] = \
+                    payload.add(v)
             else:
                 rec[k] = v
     return Batch(recs, np.frombuffer(payload.blob(), np.uint8))

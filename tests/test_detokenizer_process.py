@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
 from ipc import get_transport
-from protocol.records import TOKEN_OUT, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind, encode_strings
+from protocol.records import (TOKEN_OUT, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind, encode_strings,
+                              pack_open)
 from ipc.shm import our_segments
 from runtime.config import ServerArgs
 from runtime.detokenizer.process import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
@@ -39,12 +40,16 @@ def start(tmp_path: Path):
 def records(items) -> tuple[np.ndarray, bytes]:
     recs = np.zeros(len(items), TOKEN_OUT.dtype)
     payload = PayloadBuilder()
-    for rec, item in zip(recs, items):
+    for i, item in enumerate(items):
+        if item["kind"] == TokenKind.OPEN:  # OPEN records in their own layout
+            recs[i:i + 1] = np.frombuffer(pack_open(
+                worker=item["worker"], slot=item["slot"], gen=item["gen"], prompt_tokens=0, min_new_tokens=0,
+                top_logprobs=0, flags=item["flags"], **dict(zip(("stop_off", "stop_len"),
+                                                                 payload.add(encode_strings(item["stop"]))))),
+                TOKEN_OUT.dtype)
+            continue
         for k, v in item.items():
-            if k == "stop":
-                rec["payload_off"], rec["payload_len"] = payload.add(encode_strings(v))
-            else:
-                rec[k] = v
+            recs[i][k] = v
     return recs, payload.blob()
 
 

@@ -9,9 +9,10 @@ import pytest
 
 from gpu.model_runner import ModelRunnerConfig
 from gpu.null_model import NullModelRunner
-from runtime.scheduler.req import FinishReason, ReqStatus
+from protocol.records import NO_TOKEN, Finish
+from runtime.scheduler.req import ReqStatus
 from protocol.sampling_params import SamplingParams
-from runtime.scheduler.core import NO_TOKEN, Scheduler, SchedulerConfig
+from runtime.scheduler.core import Scheduler, SchedulerConfig
 
 PS = 16
 
@@ -69,7 +70,7 @@ def assert_pages_accounted(s: Scheduler) -> None:
 class Out:
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.finish = FinishReason.NONE
+        self.finish = Finish.NONE
         self.counts = None
         self.records = 0
 
@@ -84,11 +85,11 @@ def drive(s: Scheduler, outs: dict | None = None, max_steps: int = 10_000, on_st
         res = s.step()
         for e in res.events:
             o = outs.setdefault((int(e["worker"]), int(e["slot"]), int(e["gen"])), Out())
-            assert o.finish == FinishReason.NONE, "an event after the request ended"
+            assert o.finish == Finish.NONE, "an event after the request ended"
             o.records += 1
             if e["token"] != NO_TOKEN:
                 o.tokens.append(int(e["token"]))
-            o.finish = FinishReason(int(e["finish"]))
+            o.finish = Finish(int(e["finish"]))
             o.counts = (int(e["prompt_tokens"]), int(e["completion_tokens"]), int(e["cached_tokens"]))
         assert_pages_accounted(s)
         if on_step:
@@ -119,7 +120,7 @@ def test_chunked_prefill_mixes_with_decodes_within_budget(runner):
     s.add_request(0, 1, 1, prompt(100, base=3000), GREEDY)
     s.add_request(0, 2, 1, prompt(7, base=5000), GREEDY)
     outs = drive(s)
-    assert all(o.tokens == expected(runner, 8) and o.finish == FinishReason.LENGTH for o in outs.values())
+    assert all(o.tokens == expected(runner, 8) and o.finish == Finish.LENGTH for o in outs.values())
     for step in rec.steps:
         prefill = sum(n for _, n, _, sample in step if n > 1 or not sample)
         assert prefill <= 32
@@ -192,7 +193,7 @@ def test_retraction_when_decode_runs_out_of_pages():
     assert s.stats.retractions > 0
     assert len(outs) == 8
     for key, o in outs.items():
-        assert o.tokens == expected(runner, 40) and o.finish == FinishReason.LENGTH, key
+        assert o.tokens == expected(runner, 40) and o.finish == Finish.LENGTH, key
         assert o.counts[:2] == (20 + key[1], 40)
 
 
@@ -202,7 +203,7 @@ def test_a_request_alone_in_a_too_small_pool_ends_with_length():
     s.add_request(0, 0, 1, prompt(40), SamplingParams(max_new_tokens=100))
     o = drive(s)[(0, 0, 1)]
     # the KV holds 4 pages; the token sampled after the last of them has no room
-    assert o.finish == FinishReason.LENGTH and len(o.tokens) == 4 * PS - 40 + 1
+    assert o.finish == Finish.LENGTH and len(o.tokens) == 4 * PS - 40 + 1
 
 
 def held_pages(s: Scheduler, req) -> int:
@@ -228,8 +229,8 @@ def test_abort_in_every_state_frees_pages_at_once():
         assert s.abort(req.worker, req.slot, req.generation)
         assert req.status is ReqStatus.FINISHED and s.pool.num_free == free + held
         assert_pages_accounted(s)
-    ended = {int(e["slot"]): FinishReason(int(e["finish"])) for e in s.step().events}
-    assert ended == {0: FinishReason.ABORT, 1: FinishReason.ABORT, 2: FinishReason.ABORT}
+    ended = {int(e["slot"]): Finish(int(e["finish"])) for e in s.step().events}
+    assert ended == {0: Finish.ABORT, 1: Finish.ABORT, 2: Finish.ABORT}
     assert s.pool.num_free == total and not s.has_work
 
     # retracted: two requests outgrow the pool; the newer one goes back to the queue
@@ -242,7 +243,7 @@ def test_abort_in_every_state_frees_pages_at_once():
     assert s.abort(0, 1, 2) and b not in s.queue
     assert s.abort(0, 0, 2)
     events = s.step().events
-    assert sorted(events["finish"].tolist()) == [FinishReason.ABORT] * 2
+    assert sorted(events["finish"].tolist()) == [Finish.ABORT] * 2
     assert events[events["slot"] == 1]["completion_tokens"][0] == len(b.output)
     assert s.pool.num_free == total and not s.has_work
 
@@ -261,7 +262,7 @@ def test_stale_addresses_are_ignored(runner):
     s.step()
     s.add_request(1, 6, 2, prompt(12), GREEDY)
     outs = drive(s)
-    assert outs[(1, 6, 1)].finish == FinishReason.ABORT
+    assert outs[(1, 6, 1)].finish == Finish.ABORT
     assert outs[(1, 6, 2)].tokens == expected(runner, 8)
 
 
@@ -275,8 +276,8 @@ def test_requests_that_cannot_run_end_with_an_error(runner):
     s.add_request(0, 5, 1, prompt(63), SamplingParams(max_new_tokens=100))  # capped by the context
     outs = drive(s)
     for slot in range(5):
-        assert outs[(0, slot, 1)].finish == FinishReason.ERROR and outs[(0, slot, 1)].tokens == []
-    assert outs[(0, 5, 1)].finish == FinishReason.LENGTH and len(outs[(0, 5, 1)].tokens) == 1
+        assert outs[(0, slot, 1)].finish == Finish.ERROR and outs[(0, slot, 1)].tokens == []
+    assert outs[(0, 5, 1)].finish == Finish.LENGTH and len(outs[(0, 5, 1)].tokens) == 1
     assert s.pool.num_free + s.cache.cached_pages == s.pool.num_pages
 
 
@@ -289,12 +290,12 @@ def test_stop_token_ids_and_min_tokens(runner):
                                                      min_new_tokens=5))
     outs = drive(s)
     first = cyc.index(stop)
-    assert outs[(0, 0, 1)].tokens == cyc[:first + 1] and outs[(0, 0, 1)].finish == FinishReason.STOP
+    assert outs[(0, 0, 1)].tokens == cyc[:first + 1] and outs[(0, 0, 1)].finish == Finish.STOP
     # before min_tokens a stop token does not count (the real sampler also masks it)
     hits = [i for i, t in enumerate(cyc[:30]) if t == stop and i >= 5]
     want = cyc[:hits[0] + 1] if hits else cyc[:30]
     assert outs[(0, 1, 1)].tokens == want
-    assert outs[(0, 1, 1)].finish == (FinishReason.STOP if hits else FinishReason.LENGTH)
+    assert outs[(0, 1, 1)].finish == (Finish.STOP if hits else Finish.LENGTH)
 
 
 def test_open_records_and_one_event_per_running_request_per_step(runner):
@@ -317,5 +318,5 @@ def test_abort_worker_ends_only_that_workers_requests(runner):
     aborted = []
     outs = drive(s, on_step=lambda s, _: aborted or aborted.append(s.abort_where(lambda r: r.worker == 1)))
     assert aborted == [3]
-    assert all(outs[(1, slot, 1)].finish == FinishReason.ABORT for slot in range(3))
+    assert all(outs[(1, slot, 1)].finish == Finish.ABORT for slot in range(3))
     assert all(outs[(0, slot, 1)].tokens == expected(runner, 8) for slot in range(3))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
-from runtime.scheduler.req import FinishReason
+from protocol.records import Finish
 from protocol.sampling_params import SamplingParams
 from runtime.scheduler.core import Scheduler, SchedulerConfig
 from test_scheduler import drive
@@ -79,7 +79,7 @@ def test_64_requests_together_equal_each_alone(big, prompts, alone):
         s.add_request(0, i, 1, p, GREEDY)
     outs = drive(s)
     assert [outs[(0, i, 1)].tokens for i in range(64)] == alone
-    assert all(outs[(0, i, 1)].finish == FinishReason.LENGTH for i in range(64))
+    assert all(outs[(0, i, 1)].finish == Finish.LENGTH for i in range(64))
     assert s.stats.steps < 64 * NEW_TOKENS / 4  # it did batch
     s.flush_cache()
     assert big.pool.num_free == big.pool.num_pages

@@ -17,7 +17,7 @@ import pytest
 from ipc import ChannelSpec, Waker
 from ipc.channel import Channel
 from ipc.handoff import recv_waker, send_channels
-from protocol.records import (TOKEN_OUT, ErrorCode, Finish, OpenFlags, RequestKind, TokenKind, decode_strings,
+from protocol.records import (TOKEN_OUT, unpack_open, ErrorCode, Finish, OpenFlags, RequestKind, TokenKind, decode_strings,
                          pack_control, pack_request)
 from runtime.config import ServerArgs
 from protocol.sampling_params import SamplingParams
@@ -114,9 +114,11 @@ def test_requests_stream_tokens_with_open_and_finish_records(engine):
         mine = [(r, b) for r, b in got if r["slot"] == slot and r["gen"] == 7]
         assert all(r["worker"] == 3 for r, _ in mine)
         first, batch = mine[0]
-        assert first["kind"] == TokenKind.OPEN and first["prompt_tokens"] == 3 + slot and first["n_top"] == 2
-        assert OpenFlags(int(first["flags"])) & OpenFlags.LOGPROBS
-        assert decode_strings(batch.view(first["payload_off"], first["payload_len"])) == ("fox", "dog")
+        assert first["kind"] == TokenKind.OPEN
+        opened = unpack_open(first.tobytes())
+        assert opened.prompt_tokens == 3 + slot and opened.top_logprobs == 2 and opened.min_new_tokens == 0
+        assert OpenFlags(opened.flags) & OpenFlags.LOGPROBS
+        assert decode_strings(batch.view(opened.stop_off, opened.stop_len)) == ("fox", "dog")
         tokens = [r for r, _ in mine[1:]]
         assert [r["kind"] for r in tokens] == [TokenKind.TOKEN] * 5
         assert [int(r["completion_tokens"]) for r in tokens] == [1, 2, 3, 4, 5]

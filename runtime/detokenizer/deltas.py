@@ -2,9 +2,8 @@
 TEXT_OUT records and their payload blob out (protocol/records.py has both layouts).
 
 Requests are addressed by (worker, slot, gen). The scheduler's OPEN record starts one
-(detokenizer options in `flags`, top_logprobs asked in `n_top`, stop strings in the
-payload, min_new_tokens in `completion_tokens`); its TOKEN records follow; the record
-carrying a finish ends it. Records whose gen is not the open one are stale (an aborted
+(protocol/records.py OPEN_RECORD); its TOKEN records follow; the record carrying a
+finish ends it. Records whose gen is not the open one are stale (an aborted
 request) and dropped.
 
 Per step, a request gets a TEXT_OUT record when its new tokens complete some text, when
@@ -27,16 +26,16 @@ import logging
 
 import numpy as np
 
-from protocol.records import (TEXT_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind,
-                         concat_records, decode_strings, pack_logprobs, take_records, unpack_top_logprobs)
+from protocol.records import (NO_TOKEN, TEXT_OUT, TOKEN_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind,
+                         concat_records, decode_strings, pack_logprobs, take_records, unpack_open, unpack_top_logprobs)
 from ipc.ring import Batch
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions, DetokOutput
 
 logger = logging.getLogger(__name__)
 
-NO_TOKEN = np.iinfo(np.uint32).max  # TOKEN_OUT.token of a record that ends a request without one
 # plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
-_TOKEN, _STOP, _NONE = int(TokenKind.TOKEN), int(Finish.STOP), int(Finish.NONE)
+_TOKEN, _OPEN, _STOP, _NONE = int(TokenKind.TOKEN), int(TokenKind.OPEN), int(Finish.STOP), int(Finish.NONE)
+_KIND_AT = TOKEN_OUT.dtype.fields["kind"][1]
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
 _NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)
@@ -108,21 +107,21 @@ class TextDeltas:
         return not (self._index[w[inside], s[inside]] >= 0).any()
 
     def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # TOKEN_OUT's fields in order, read in one call (numpy reads a record's field in ~1 µs)
-        (w, kind, _, s, gen, _, _, min_tokens, _, _, off, size, n_top, flags,
-         error) = TOKEN_OUT_STRUCT.unpack(rec.tobytes())
-        body = payload[off:off + size]
-        if kind == TokenKind.OPEN:
-            if self._open(w, s, gen, flags, n_top, min_tokens, body):
+        raw = rec.tobytes()  # fields read in one call: numpy reads a record's fields one at a time
+        if raw[_KIND_AT] == _OPEN:
+            o = unpack_open(raw)
+            if self._open(o.worker, o.slot, o.gen, o.flags, o.top_logprobs, o.min_new_tokens,
+                          payload[o.stop_off:o.stop_off + o.stop_len]):
                 return _NOTHING
             message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
-            return _error(w, s, gen, ErrorCode.OVERLOADED, message, rec)
+            return _error(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
+        (w, kind, _, s, gen, _, _, _, _, _, off, size, _, _, error) = TOKEN_OUT_STRUCT.unpack(raw)
         if kind != TokenKind.ERROR:
             logger.error("token-out record of unknown kind %d for (%d, %d, %d) dropped", kind, w, s, gen)
             return _NOTHING
         if self._is_open(w, s, gen):
             self._close(w, s)
-        return _error(w, s, gen, error, np.ascontiguousarray(body), rec)
+        return _error(w, s, gen, error, np.ascontiguousarray(payload[off:off + size]), rec)
 
     def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, min_tokens: int, body: np.ndarray) -> bool:
         """False when max_open requests are open already. flags: OpenFlags bits."""

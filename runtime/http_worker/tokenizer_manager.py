@@ -49,7 +49,6 @@ logger = logging.getLogger("ringserve.tokenizer_manager")
 
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 NEVER = 1 << 62  # a non-streamed choice's wake_at: only its end wakes it
-FINISH_NAMES = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}
 TIMEOUT_SWEEP_S = 1.0
 
 
@@ -170,7 +169,7 @@ class ReqState:
         if self.logprobs:
             lp = self.logprobs[0] if len(self.logprobs) == 1 else TokenLogprobs.concat(self.logprobs)
             self.logprobs = []
-        return text, lp, FINISH_NAMES.get(self.finish) if self.finished else None
+        return text, lp, self.finish.api_name
 
     @property
     def matched_stop(self) -> int | str | None:

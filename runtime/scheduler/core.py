@@ -19,11 +19,11 @@ from typing import Callable
 import numpy as np
 
 from gpu.forward_batch import StepInput
-from protocol.records import TOKEN_OUT, TokenKind, concat_records
+from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, TokenKind, concat_records
 from runtime.config import ServerArgs
 from runtime.scheduler.radix_cache import RadixCache
 from runtime.scheduler.req_table import MAX_STOP_IDS, ReqTable
-from runtime.scheduler.req import FinishReason, Rejection, ReqStatus, Request
+from runtime.scheduler.req import Req, ReqStatus
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.policy import order_queue
 
@@ -32,9 +32,8 @@ logger = logging.getLogger(__name__)
 # Events are TOKEN_OUT records (protocol/records.py), so the scheduler process pushes them as they
 # are: one per request with news this step, its sampled token or its end. A record that ends a
 # request without a new token has token NO_TOKEN; a request that could never run ends with
-# kind ERROR and finish ERROR (its message is Request.error).
+# kind ERROR and finish ERROR (its message is Req.error).
 TOKEN_EVENT = TOKEN_OUT.dtype
-NO_TOKEN = np.uint32(0xFFFFFFFF)
 
 _NO_IDS = np.zeros(0, np.int32)
 CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
@@ -70,7 +69,7 @@ class StepResult:
     num_sampled: int
     top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
     top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
-    opened: list[Request]  # requests added since the last step, in order (the OPEN records)
+    opened: list[Req]  # requests added since the last step, in order (the OPEN records)
 
 
 @dataclass
@@ -95,14 +94,14 @@ class Scheduler:
         self.table = ReqTable(config.max_running_requests, config.context_length, self.page_size)
         self.eos_ids = np.unique(np.asarray(runner.model_config.eos_token_ids, dtype=np.int32))[:MAX_STOP_IDS]
         self.heartbeat = heartbeat  # called before each forward: a long one starts with a fresh beat
-        self.queue: list[Request] = []  # waiting to be (re)admitted, in arrival order
-        self.requests: dict[tuple[int, int], Request] = {}  # every live request by (worker, slot)
-        self.chunked: Request | None = None  # the request mid-prefill, if any
+        self.queue: list[Req] = []  # waiting to be (re)admitted, in arrival order
+        self.requests: dict[tuple[int, int], Req] = {}  # every live request by (worker, slot)
+        self.chunked: Req | None = None  # the request mid-prefill, if any
         self.new_token_ratio = config.init_new_token_ratio
         self.stats = SchedulerStats()
         self._arrivals = itertools.count()
         self._ended: list[np.ndarray] = []  # TOKEN_EVENT records of requests ended between steps
-        self._opened: list[Request] = []
+        self._opened: list[Req] = []
         self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
 
     # ---- requests in -----------------------------------------------------------
@@ -116,42 +115,42 @@ class Scheduler:
         return self.table.num_active
 
     def add_request(self, worker: int, slot: int, generation: int, prompt_ids,
-                    params: SamplingParams, tag: object = None) -> Request:
+                    params: SamplingParams, tag: object = None) -> Req:
         """Queues a request. One that can never run (bad prompt or parameters) ends at once
         with an ERROR event, named in the log; it never reaches the model."""
         prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
-        req = Request(worker, slot, generation, prompt, params, next(self._arrivals), tag)
+        req = Req(worker, slot, generation, prompt, params, next(self._arrivals), tag)
         old = self.requests.get(req.key)
         if old is not None:  # the slot was reused, so its old request is gone for its owner
-            self._end(old, FinishReason.ABORT)
+            self._end(old, Finish.ABORT)
         self._opened.append(req)
         self.requests[req.key] = req
-        req.rejection, req.error = self._check(req)
-        if req.rejection:
+        req.error_code, req.error = self._check(req)
+        if req.error_code:
             logger.warning("request (%d, %d, %d) rejected: %s", worker, slot, generation, req.error)
-            self._end(req, FinishReason.ERROR)
+            self._end(req, Finish.ERROR)
         else:
             self.queue.append(req)
         return req
 
-    def _check(self, req: Request) -> tuple[Rejection, str]:
+    def _check(self, req: Req) -> tuple[ErrorCode, str]:
         n, ctx, kv = len(req.prompt), self.config.context_length, self.pool.num_pages * self.page_size
         if n == 0:
-            return Rejection.INVALID_REQUEST, "the prompt is empty"
+            return ErrorCode.INVALID_REQUEST, "the prompt is empty"
         if n >= ctx:
-            return (Rejection.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the context holds {ctx} "
+            return (ErrorCode.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the context holds {ctx} "
                     f"including at least one generated token")
         if n + 1 > kv:
-            return Rejection.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
+            return ErrorCode.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
         if req.prompt.view(np.uint32).max() >= self.vocab_size:  # a negative id too, seen as uint32
-            return Rejection.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
+            return ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
         if req.params is not self._valid_params:  # requests that share settings share their object
             try:
                 req.params.validate(self.vocab_size)
             except InvalidParam as e:
-                return Rejection.INVALID_REQUEST, f"{e.param}: {e.message}"
+                return ErrorCode.INVALID_REQUEST, f"{e.param}: {e.message}"
             self._valid_params = req.params
-        return Rejection.NONE, ""
+        return ErrorCode.NONE, ""
 
     def abort(self, worker: int, slot: int, generation: int) -> bool:
         """Ends a request in whatever state it is (queued, mid-prefill, decoding, retracted)
@@ -159,15 +158,15 @@ class Scheduler:
         req = self.requests.get((worker, slot))
         if req is None or req.generation != generation:
             return False
-        self._end(req, FinishReason.ABORT)
+        self._end(req, Finish.ABORT)
         return True
 
-    def abort_where(self, match: Callable[[Request], bool]) -> int:
+    def abort_where(self, match: Callable[[Req], bool]) -> int:
         """Ends every request `match` holds for (all of a worker whose process is gone, those
         of one rid...), in whatever state; returns how many."""
         gone = [r for r in self.requests.values() if match(r)]
         for req in gone:
-            self._end(req, FinishReason.ABORT)
+            self._end(req, Finish.ABORT)
         return len(gone)
 
     def flush_cache(self) -> int:
@@ -194,7 +193,7 @@ class Scheduler:
             if self._make_room(len(need)):
                 break
             if t.num_active == 1:  # alone and still no page: the pool is its length limit
-                self._end(t.reqs[int(need[0])], FinishReason.LENGTH)
+                self._end(t.reqs[int(need[0])], Finish.LENGTH)
                 continue
             active = np.flatnonzero(t.active)
             self._retract(t.reqs[int(active[np.argmax(t.arrival[active])])])
@@ -202,12 +201,12 @@ class Scheduler:
             t.add_pages(need, self.pool.alloc(len(need)))
         return rows
 
-    def _schedule_prefill(self) -> list[tuple[Request, int]]:
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
         """(request, prefill tokens this step): the chunked request first, then queued ones
         in policy order while rows, the token budget and KV room last."""
         t, cfg = self.table, self.config
         budget = min(cfg.chunked_prefill_size, cfg.max_prefill_tokens)
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Req, int]] = []
         req = self.chunked
         if req is not None:
             remaining = int(t.length[req.row] - t.kv_len[req.row])
@@ -242,7 +241,7 @@ class Scheduler:
         yet computed and new_token_ratio of what they may still generate."""
         return self.table.reserved_tokens(self.new_token_ratio, CLIP_MAX_NEW_TOKENS)
 
-    def _admit(self, req: Request, budget: int, reserve: float) -> tuple[int, float]:
+    def _admit(self, req: Req, budget: int, reserve: float) -> tuple[int, float]:
         """Admits `req` with up to `budget` prefill tokens: (how many, 0 for not now; the KV
         tokens it is expected to need, as _reserved_tokens counts them)."""
         t, ps = self.table, self.page_size
@@ -307,7 +306,7 @@ class Scheduler:
             self.cache.evict(short)
         return self.pool.num_free >= num_pages
 
-    def _step_input(self, decode_rows: np.ndarray, prefill: list[tuple[Request, int]]) -> StepInput:
+    def _step_input(self, decode_rows: np.ndarray, prefill: list[tuple[Req, int]]) -> StepInput:
         """The decodes (one token each), then the prefill chunks, as columns of the table."""
         t, B = self.table, len(decode_rows)
         rows, q_lens = decode_rows, t.ones[:B]
@@ -319,7 +318,7 @@ class Scheduler:
                          num_pages=num_pages, sample=sample)
 
     # ---- after the forward -------------------------------------------------------------
-    def _process(self, step: StepInput, prefill: list[tuple[Request, int]], out) -> StepResult:
+    def _process(self, step: StepInput, prefill: list[tuple[Req, int]], out) -> StepResult:
         t, stats = self.table, self.stats
         t.kv_len[step.rows] += step.q_lens.astype(t.kv_len.dtype)  # each row once: decodes then prefill chunks
         forward = len(step.token_ids)
@@ -338,7 +337,7 @@ class Scheduler:
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         return self._result(events, out.top_ids, out.top_logprobs)
 
-    def _cache_running(self, req: Request) -> None:
+    def _cache_running(self, req: Req) -> None:
         t, r = self.table, req.row
         tree_pages, req.node = self.cache.cache_prefix(t.ids[r, :t.kv_len[r]], t.pages(r),
                                                        req.prefix_pages, req.node)
@@ -354,7 +353,7 @@ class Scheduler:
         return StepResult(events, num_sampled, top_ids, top_logprobs, opened)
 
     # ---- leaving the running set ----------------------------------------------------------
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Req) -> None:
         """Gives back the request's row and KV pages (full pages stay in the radix cache)."""
         t, r = self.table, req.row
         self.cache.release(t.ids[r, :t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
@@ -364,7 +363,7 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
 
-    def _retract(self, req: Request) -> None:
+    def _retract(self, req: Req) -> None:
         t, r = self.table, req.row
         logger.info("KV pool exhausted: retracting request (%d, %d, %d) after %d tokens",
                     req.worker, req.slot, req.generation, t.length[r] - t.prompt_len[r])
@@ -375,12 +374,12 @@ class Scheduler:
         self.stats.retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Req) -> None:
         self._release(req)
         req.status = ReqStatus.FINISHED
         del self.requests[req.key]
 
-    def _end(self, req: Request, reason: FinishReason) -> None:
+    def _end(self, req: Req, reason: Finish) -> None:
         """Ends a request outside the normal token flow, with an event that carries no token."""
         t = self.table
         if req.status is ReqStatus.RUNNING:
@@ -394,7 +393,7 @@ class Scheduler:
         if self.requests.get(req.key) is req:
             del self.requests[req.key]
         rec = np.zeros((), TOKEN_EVENT)
-        rec["kind"] = TokenKind.ERROR if reason == FinishReason.ERROR else TokenKind.TOKEN
+        rec["kind"] = TokenKind.ERROR if reason == Finish.ERROR else TokenKind.TOKEN
         rec["worker"], rec["slot"], rec["gen"] = req.worker, req.slot, req.generation
         rec["token"], rec["logprob"], rec["finish"] = NO_TOKEN, math.nan, reason
         rec["prompt_tokens"], rec["completion_tokens"] = len(req.prompt), completion

@@ -3,12 +3,12 @@ which keeps a shared prefix hot and saves prefill work; SGLang's default)."""
 from __future__ import annotations
 
 from runtime.scheduler.radix_cache import RadixCache
-from runtime.scheduler.req import Request
+from runtime.scheduler.req import Req
 
 LPM_MAX_QUEUE = 128  # past this, matching every queued prompt each step costs more than it saves
 
 
-def order_queue(queue: list[Request], policy: str, cache: RadixCache) -> list[Request]:
+def order_queue(queue: list[Req], policy: str, cache: RadixCache) -> list[Req]:
     """`queue` is in arrival order; returns a new list, the order to try admitting in."""
     if policy == "fcfs" or cache.disabled or len(queue) < 2 or len(queue) > LPM_MAX_QUEUE:
         return list(queue)

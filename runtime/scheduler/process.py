@@ -38,11 +38,11 @@ import numpy as np
 
 from ipc import ChannelSpec, get_transport
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from protocol.records import (REQUEST, TOKEN_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, PayloadBuilder,
+from protocol.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, pack_open,
                          RequestKind, TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
 from runtime.config import ServerArgs
 from runtime.gc_tuning import settle_heap
-from runtime.scheduler.req import Rejection, Request
+from runtime.scheduler.req import Req
 from runtime.scheduler.core import Scheduler, SchedulerConfig, StepResult
 from runtime.supervise.watchdog import WorkerWatch
 
@@ -53,9 +53,6 @@ REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=16 << 20)  # work
 SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
-_ERROR_CODES = {Rejection.PROMPT_TOO_LONG: ErrorCode.PROMPT_TOO_LONG,
-                Rejection.INVALID_REQUEST: ErrorCode.INVALID_REQUEST}
-_OPEN = int(TokenKind.OPEN)
 _SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM,
                                                                OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS))
 _NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE,
@@ -123,7 +120,7 @@ class SchedulerProcess:
         self.stats = None
         self.scheduler: Scheduler | None = None
         self.meta: dict = {}
-        self._rejected: dict[tuple[int, int, int], Request] = {}  # opened this step, ERROR to send
+        self._rejected: dict[tuple[int, int, int], Req] = {}  # opened this step, ERROR to send
         # from the acceptor: (worker, pid, channel) when a worker attaches, (worker, pid, None) when it exits
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = WorkerWatch()
@@ -231,21 +228,21 @@ class SchedulerProcess:
         if self._rejected:
             for k in np.flatnonzero(ev["kind"] == TokenKind.ERROR).tolist():
                 req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
-                ev["error"][k] = _ERROR_CODES[req.rejection]
+                ev["error"][k] = req.error_code
                 ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
         self.token_out.push_all(ev, payload.blob())
 
-    def _open_record(self, req: Request, payload: PayloadBuilder) -> bytes:
+    def _open_record(self, req: Req, payload: PayloadBuilder) -> bytes:
         """The OPEN record of `req`, packed in one call (numpy sets a record's field in ~1 µs)."""
         p = req.params
         flags = ((_SKIP_SPECIAL if p.skip_special_tokens else 0) | (_NO_STOP_TRIM if p.no_stop_trim else 0)
                  | (_LOGPROBS if p.logprobs else 0) | (_RETURN_IDS if p.return_ids else 0))
         stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
-        if req.rejection:
+        if req.error_code:
             self._rejected[(req.worker, req.slot, req.generation)] = req
-        return TOKEN_OUT_STRUCT.pack(req.worker, _OPEN, 0, req.slot, req.generation, 0, len(req.prompt),
-                                      p.min_new_tokens, 0, 0.0, stop_off, stop_len,
-                                      p.top_logprobs if p.logprobs else 0, flags, 0)
+        return pack_open(worker=req.worker, slot=req.slot, gen=req.generation, prompt_tokens=len(req.prompt),
+                         min_new_tokens=p.min_new_tokens, top_logprobs=p.top_logprobs if p.logprobs else 0,
+                         flags=flags, stop_off=stop_off, stop_len=stop_len)
 
     def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
         rec = np.zeros(1, TOKEN_OUT.dtype)

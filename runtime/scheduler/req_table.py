@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from cbuild import BuildError, build_extension
-from protocol.records import TOKEN_OUT, take_records
-from runtime.scheduler.req import FinishReason, Request
+from protocol.records import TOKEN_OUT, Finish, take_records
+from runtime.scheduler.req import Req
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request
-_LENGTH, _STOP = np.uint8(FinishReason.LENGTH), np.uint8(FinishReason.STOP)
+_LENGTH, _STOP = np.uint8(Finish.LENGTH), np.uint8(Finish.STOP)
 _SOURCE = Path(__file__).with_name("step_core.c")
 
 
@@ -62,7 +62,7 @@ class ReqTable:
         # cached tokens): a step's records start as one gather of these
         self.events = np.zeros(num_rows, dtype=TOKEN_OUT.dtype)
         self.active = np.zeros(num_rows, dtype=bool)
-        self.reqs: list[Request | None] = [None] * num_rows
+        self.reqs: list[Req | None] = [None] * num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.ones = np.ones(num_rows, np.int64)  # decodes' q_lens: a slice (shared, so read-only)
         self.ones.flags.writeable = False
@@ -82,7 +82,7 @@ class ReqTable:
     def num_active(self) -> int:
         return self.num_rows - len(self._free_rows)
 
-    def admit(self, req: Request, fill: np.ndarray, max_len: int, stop_ids: np.ndarray) -> int:
+    def admit(self, req: Req, fill: np.ndarray, max_len: int, stop_ids: np.ndarray) -> int:
         """Takes a free row for `req`, whose known tokens are `fill`; returns the row."""
         row = self._free_rows.pop()
         n, p = len(fill), len(req.prompt)
