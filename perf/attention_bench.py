@@ -17,14 +17,14 @@ pages scattered through the pool.
 
     python perf/attention_bench.py [--threads N] [--batches 1,8,32] [--quantization gguf|gguf-q8]
                                    [--kv-cache-dtype auto|float16|bfloat16]
-                                   # writes perf/results/attention.json
+                                   # writes perf/results/attention.json and .md
     python perf/attention_bench.py --mode extend [--shapes 24x85,24x85+30,1x512] [--threads N]
-                                   [--kv-cache-dtype ...]   # writes perf/results/attention_extend.json
+                                   [--kv-cache-dtype ...]   # writes perf/results/attention_extend.json and .md
+Prints the tables; the files are written by perf/report.py.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import report  # noqa: E402  (perf/, beside this file)
 from forward_bench import ours_decoder  # noqa: E402  (perf/, beside this file)
 from gpu.attention import create_backend  # noqa: E402
 from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
@@ -42,7 +43,6 @@ from gpu.kv_cache import KVCache  # noqa: E402
 from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig  # noqa: E402
 from gpu.quant import ACTIVATIONS  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, HQ, HKV, D, PAGE = 30, 9, 3, 64, 16
 BACKENDS = ("torch", "cpu")
 
@@ -104,7 +104,7 @@ def compare(backends: dict, meta, q, k, v, repeat: int) -> dict:
     return {"best": best, "max_abs_diff": float((outs["torch"] - outs["cpu"]).abs().max())}
 
 
-def extend_main(args: argparse.Namespace, backends: dict) -> None:
+def extend_main(args: argparse.Namespace, backends: dict, started: report.Started) -> None:
     rng = np.random.default_rng(0)
     rows = []
     for shape in args.shapes.split(","):
@@ -122,32 +122,21 @@ def extend_main(args: argparse.Namespace, backends: dict) -> None:
         rows.append({"shape": shape, "requests": B, "new_tokens": n, "cached_prefix": prefix,
                      **{f"{name}_ms_per_layer": r["best"][name] / LAYERS * 1e3 for name in BACKENDS},
                      "speedup": r["best"]["torch"] / r["best"]["cpu"], "max_abs_diff": r["max_abs_diff"]})
-    result = {"machine": machine(args), "config": {**config(args), "mode": "extend", "shapes": args.shapes},
-              "steps": rows}
-    args.out = args.out or RESULTS / "attention_extend.json"
-    write(args.out, result)
-    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
-          f"ms per layer of a prefill step (plan + {LAYERS} layers, / {LAYERS}), best of {args.repeat}")
-    print("| shape | torch ms | cpu ms | x torch | max abs diff |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['shape']} | {r['torch_ms_per_layer']:.2f} | {r['cpu_ms_per_layer']:.2f} | {r['speedup']:.2f} | "
-              f"{r['max_abs_diff']:.1e} |")
-    print(f"wrote {args.out}")
-
-
-def machine(args: argparse.Namespace) -> dict:
-    return {"cores": os.cpu_count(), "threads": args.threads, "load_avg": os.getloadavg()}
+    result = {"config": {**config(args), "mode": "extend", "shapes": args.shapes}, "steps": rows}
+    md = "\n".join([
+        f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
+        f"ms per layer of a prefill step (plan + {LAYERS} layers, / {LAYERS}), best of {args.repeat}", "",
+        report.table(("shape", "torch ms", "cpu ms", "x torch", "max abs diff"),
+                     [(r["shape"], f"{r['torch_ms_per_layer']:.2f}", f"{r['cpu_ms_per_layer']:.2f}",
+                       f"{r['speedup']:.2f}", f"{r['max_abs_diff']:.1e}") for r in rows])])
+    print(md)
+    print("wrote " + " and ".join(map(str, report.write_results("attention_extend", result, md, started,
+                                                                out=args.out))))
 
 
 def config(args: argparse.Namespace) -> dict:
-    return {"layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page_size": PAGE,
-            "repeat": args.repeat, "kv_cache_dtype": args.kv_cache_dtype}
-
-
-def write(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    return {"threads": args.threads, "layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D,
+            "page_size": PAGE, "repeat": args.repeat, "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def main() -> None:
@@ -165,8 +154,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="24x85,24x85+30,1x512",
                     help="extend mode: BxN (B requests of N new tokens) or BxN+P (after a P-token cached prefix)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default perf/results/attention.json (decode), attention_extend.json (extend)")
+                    help="the JSON (the .md beside it); default perf/results/attention.json (decode), "
+                         "attention_extend.json (extend)")
     args = ap.parse_args()
+    started = report.start()
     try:
         [parse_shape(shape) for shape in args.shapes.split(",")]
     except ValueError as e:
@@ -177,7 +168,7 @@ def main() -> None:
     cache.buffer.normal_()  # every slot finite and resident
     backends = {name: create_backend(name, cache, HQ) for name in BACKENDS}
     if args.mode == "extend":
-        extend_main(args, backends)
+        extend_main(args, backends, started)
         return
     rng = np.random.default_rng(0)
     rows = []
@@ -196,25 +187,21 @@ def main() -> None:
                          "speedup": r["best"]["torch"] / r["best"]["cpu"], "max_abs_diff": r["max_abs_diff"]})
     del cache, backends
     step_rows = whole_steps(args, [int(b) for b in args.batches.split(",")])
-    result = {"machine": machine(args),
-              "config": {**config(args), "kv_len": list(args.kv_len), "quantization": args.quantization,
+    result = {"config": {**config(args), "kv_len": list(args.kv_len), "quantization": args.quantization,
                          "context": args.context},
               "steps": rows, "model_steps": step_rows}
-    args.out = args.out or RESULTS / "attention.json"
-    write(args.out, result)
-    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
-          f"ms per decode step, all {LAYERS} layers")
-    print("| pages | batch | kv tokens | torch ms | cpu ms | x torch | max abs diff |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['pages']} | {r['batch']} | {r['kv_tokens']} | {r['torch_ms']:.1f} | {r['cpu_ms']:.1f} | "
-              f"{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
-    print(f"whole decode steps of the model (quantization {args.quantization}), ms")
-    print("| batch | torch ms | cpu ms | x torch |")
-    print("|---|---|---|---|")
-    for r in step_rows:
-        print(f"| {r['batch']} | {r['torch_ms']:.1f} | {r['cpu_ms']:.1f} | {r['speedup']:.2f} |")
-    print(f"wrote {args.out}")
+    md = "\n".join([
+        f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
+        f"ms per decode step, all {LAYERS} layers", "",
+        report.table(("pages", "batch", "kv tokens", "torch ms", "cpu ms", "x torch", "max abs diff"),
+                     [(r["pages"], r["batch"], r["kv_tokens"], f"{r['torch_ms']:.1f}", f"{r['cpu_ms']:.1f}",
+                       f"{r['speedup']:.2f}", f"{r['max_abs_diff']:.1e}") for r in rows]), "",
+        f"whole decode steps of the model (quantization {args.quantization}), ms", "",
+        report.table(("batch", "torch ms", "cpu ms", "x torch"),
+                     [(r["batch"], f"{r['torch_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['speedup']:.2f}")
+                      for r in step_rows])])
+    print(md)
+    print("wrote " + " and ".join(map(str, report.write_results("attention", result, md, started, out=args.out))))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 hidden 576, 9 / 3 heads of 64, vocab 49152) with random weights in bf16 (the time does not depend
 on the values), batch 1 and 32, each request holding --context tokens. A step is runner.step()
 as the scheduler calls it: batch built on the host, forward, greedy sampling, tokens back on the
-host; no CUDA graphs. Writes perf/results/cuda_decode.json and prints a table.
+host; no CUDA graphs. Prints a table; writes perf/results/cuda_decode.json and cuda_decode.md
+(perf/report.py). Without a CUDA device it says so and exits with status 1.
 
     python perf/cuda_decode_bench.py [--backends torch,triton,flashinfer] [--batches 1,32]
                                      [--context 512] [--steps 50]
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import tempfile
 import time
@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import report  # noqa: E402  (perf/, beside this file)
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cuda_decode.json"
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
@@ -65,10 +65,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    report.add_out_argument(ap, "cuda_decode")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("cuda_decode_bench: needs a CUDA device")
+        raise SystemExit("cuda_decode_bench: needs a CUDA device (torch.cuda.is_available() is False); "
+                         "nothing written")
+    started = report.start()
     batches = [int(b) for b in args.batches.split(",")]
     backends = [b for b in args.backends.split(",") if b != "flashinfer" or importlib.util.find_spec("flashinfer")]
     rows = []
@@ -87,14 +89,18 @@ def main() -> None:
                                  p90_ms=float(np.percentile(ms, 90)), tok_s=float(batch * 1e3 / np.median(ms))))
             del runner
             torch.cuda.empty_cache()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bfloat16", rows=rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"{result['device']}, torch {torch.__version__}, bf16, context {args.context}, {args.steps} steps")
+    result = dict(device=torch.cuda.get_device_name(), dtype="bfloat16", rows=rows)
+    title = f"{result['device']}, torch {torch.__version__}, bf16, context {args.context}, {args.steps} steps"
+    print(title)
     print(f"{'backend':<11}{'batch':>6}{'median ms':>11}{'p10':>8}{'p90':>8}{'tok/s':>9}")
     for r in rows:
         print(f"{r['backend']:<11}{r['batch']:>6}{r['median_ms']:>11.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}"
               f"{r['tok_s']:>9.0f}")
+    md = title + " (decode step ms)\n\n" + report.table(
+        ("backend", "batch", "median ms", "p10 ms", "p90 ms", "tok/s"),
+        [(r["backend"], r["batch"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}", f"{r['p90_ms']:.2f}",
+          f"{r['tok_s']:.0f}") for r in rows])
+    print("wrote " + " and ".join(map(str, report.write_results("cuda_decode", result, md, started, out=args.out))))
 
 
 if __name__ == "__main__":

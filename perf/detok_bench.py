@@ -7,22 +7,19 @@ step, steady state), for:
                  (surrogate/read offsets), one request at a time
   router         the detokenizer process's whole per-batch work minus the ring: TOKEN_OUT
                  records in, TextDeltas.handle, TEXT_OUT records + payload out
-Writes perf/results/detok.json and prints a table.
+Prints a table; writes perf/results/detok.json and detok.md (perf/report.py).
 
     python perf/detok_bench.py [--seconds 1.0]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 from transformers import AutoTokenizer
 
+import report
 from gpu.model_files import resolve_model_dir
 from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from ipc.ring import Batch
@@ -128,8 +125,9 @@ def measure(make, corpus_ids: np.ndarray, batch: int, seconds: float, rng) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds per configuration")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "detok.json"))
+    report.add_out_argument(ap, "detok")
     args = ap.parse_args()
+    started = report.start()
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     cap = max(BATCHES)
@@ -161,14 +159,16 @@ def main() -> None:
     for r in results:
         print(f"{r['corpus']:<13} {r['variant']:<12} {r['batch']:>5} {r['us_per_token']:>9.2f} "
               f"{r['cpu_us_per_token']:>10.2f} {r['us_per_step']:>9.1f} {r['steps']:>6}")
-    print("partial_token_fraction: " + ", ".join(f"{c} {r['partial_token_fraction']}"
-                                                for c, r in {r['corpus']: r for r in results}.items()))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "detok", "host": platform.node(), "cpus": len(os.sched_getaffinity(0)),
-                               "seconds_per_config": args.seconds,
-                               "results": results}, indent=2))
-    print(f"wrote {out}")
+    partial = "partial_token_fraction: " + ", ".join(f"{c} {r['partial_token_fraction']}"
+                                                     for c, r in {r['corpus']: r for r in results}.items())
+    print(partial)
+    md = report.table(("corpus", "variant", "batch", "µs/token", "CPU µs/token", "µs/step", "steps"),
+                      [(r["corpus"], r["variant"], r["batch"], f"{r['us_per_token']:.2f}",
+                        f"{r['cpu_us_per_token']:.2f}", f"{r['us_per_step']:.1f}", r["steps"]) for r in results])
+    md += f"\n\n{args.seconds:g} s timed per configuration; {partial} (tokens that decode to part of a character)."
+    paths = report.write_results("detok", {"seconds_per_config": args.seconds, "results": results}, md, started,
+                                 out=args.out)
+    print("wrote " + " and ".join(map(str, paths)))
 
 
 def _opened(det: BatchDetokenizer, options: DetokOptions) -> BatchDetokenizer:

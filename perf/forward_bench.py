@@ -3,7 +3,8 @@ weights (the embedded SmolLM2 unless --model-path), same process, same run.
 
 Measures decode step time and tokens/s at several batch sizes (each request holding
 --context tokens of prompt), prefill tokens/s for one --prefill-token prompt, and the start
-time of the ModelRunner; writes perf/results/forward.json and prints a table. With several
+time of the ModelRunner; prints a table and writes perf/results/forward.json and forward.md
+(perf/report.py). With several
 --quantization modes and/or --kv-cache-dtype values, one ModelRunner per pair in this process,
 all interleaved with transformers (which stays fp32) in each timed round.
 
@@ -18,9 +19,7 @@ QUANTIZED_MAX_TOKENS (gpu/quant.py) comes from.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -31,12 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import report  # noqa: E402  (perf/, beside this file)
 from gpu.llama import linear  # noqa: E402
 from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
 from gpu.quant import ACTIVATIONS  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "forward.json"
 MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights
 KV_DTYPES = ("auto", *KV_CACHE_DTYPES)  # --kv-cache-dtype values; auto: the model's dtype
 
@@ -161,8 +160,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", type=choices(KV_DTYPES), default=["auto"],
                     help="KV cache element types, comma-separated, each with every --quantization mode")
     ap.add_argument("--products", default="", help="token counts at which to time the products alone")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    report.add_out_argument(ap, "forward")
     args = ap.parse_args()
+    started = report.start()
     torch.set_num_threads(args.threads)  # this process is the benchmark's own
     batches = [int(b) for b in args.batches.split(",")]
     product_tokens = [int(t) for t in args.products.split(",") if t]
@@ -237,21 +237,17 @@ def main() -> None:
         prefill.append({"runner": name, "tokens": args.prefill, "ours_tok_s": args.prefill / o[0],
                         "hf_tok_s": args.prefill / hf_p[0], "ratio": hf_p[0] / o[0], "cpu_ratio": hf_p[1] / o[1]})
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads": args.threads, "load_avg": os.getloadavg()},
-        "config": {"context": args.context, "steps": args.steps, "repeat": args.repeat, "dtype": "float32",
+        "config": {"threads": args.threads, "context": args.context, "steps": args.steps, "repeat": args.repeat,
+                   "dtype": "float32",
                    "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                    "attention_backend": first.attention_backend, "device": str(first.device)},
         "start_seconds_cached": start_s,
         "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
         "decode": rows, "prefill": prefill, "products": products,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-
     print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
           f"steps={args.steps} (best of {args.repeat})")
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)
+    fmt = report.fmt
     print(f"{'batch':>5} {'runner':>22} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} "
           f"{'generate tok/s':>14} {'x hf':>6} {'x generate':>10} {'x hf (cpu)':>10} {'x generate (cpu)':>16}")
     for r in rows:
@@ -269,7 +265,32 @@ def main() -> None:
     cold = result["start_seconds_cold"]
     print("ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in start_s.items())
           + (f"; {cold:.1f} s with GGUF conversion" if cold else ""))
-    print(f"wrote {args.out}")
+    print("wrote " + " and ".join(map(str, report.write_results("forward", result, markdown(result, runners), started,
+                                                                out=args.out))))
+
+
+def markdown(result: dict, runners: dict) -> str:
+    c, fmt = result["config"], report.fmt
+    lines = [f"{c['threads']} torch threads, context {c['context']}, {c['steps']} decode steps, best of {c['repeat']}; "
+             f"x: their time / ours (wall, and CPU time of this process).", "",
+             report.table(("batch", "runner", "ours ms/step", "ours tok/s", "hf tok/s", "generate tok/s", "x hf",
+                           "x generate", "x hf (cpu)", "x generate (cpu)"),
+                          [(r["batch"], r["runner"], f"{r['ours_ms']:.1f}", f"{r['ours_tok_s']:.1f}",
+                            f"{r['hf_tok_s']:.1f}", fmt(r["hf_generate_tok_s"]), f"{r['ratio_vs_hf']:.2f}",
+                            fmt(r["ratio_vs_generate"], ".2f"), f"{r['cpu_ratio_vs_hf']:.2f}",
+                            fmt(r["cpu_ratio_vs_generate"], ".2f")) for r in result["decode"]]),
+             "", report.table(("prefill runner", "tokens", "ours tok/s", "transformers tok/s", "x", "x (cpu)"),
+                              [(p["runner"], p["tokens"], f"{p['ours_tok_s']:.0f}", f"{p['hf_tok_s']:.0f}",
+                                f"{p['ratio']:.2f}", f"{p['cpu_ratio']:.2f}") for p in result["prefill"]])]
+    if result["products"]:
+        lines += ["", "All products of a forward, ms:", "",
+                  report.table(("tokens", *runners), [(p["tokens"], *(f"{p[f'{name}_ms']:.1f}" for name in runners))
+                                                      for p in result["products"]])]
+    cold = result["start_seconds_cold"]
+    lines += ["", "ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in
+                                                            result["start_seconds_cached"].items())
+              + (f"; {cold:.1f} s with GGUF conversion" if cold else "")]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -17,25 +17,23 @@ Per (transport, mode, message), three runs:
               timed path
   msgs/s      back-to-back pushes (back-pressure included) until the consumer popped them all
 
-    python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 300] [--spin-us 50] [--markdown]
-Writes perf/results/ipc.json and prints a table (--markdown: also the README's).
+    python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 300] [--spin-us 50]
+Prints a table; writes perf/results/ipc.json and ipc.md (perf/report.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+import report
 from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
@@ -43,7 +41,6 @@ from ipc.memory import model
 from protocol.records import REQUEST, TOKEN_OUT, RequestKind, pack_control, pack_request
 from protocol.sampling_params import SamplingParams
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ipc.json"
 TRANSPORTS = ("ring", "zmq", "zmq-msgpack")
 LABELS = {"ring": "ring", "zmq": "zmq+pickle", "zmq-msgpack": "zmq+msgpack"}
 MODES = ("spin", "sleep", "spin_then_sleep")
@@ -233,8 +230,8 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
-def markdown(rows: list[dict]) -> str:
-    """The README table: one line per (mode, message), the three transports side by side."""
+def markdown(rows: list[dict], checks: dict) -> str:
+    """One line per (mode, message), the three transports side by side; then the targets."""
     by = {(r["transport"], r["mode"], r["message"]): r for r in rows}
     names = [LABELS[t] for t in TRANSPORTS]
     lines = ["| mode | message | " + " | ".join(f"{n} p50 / p99 µs" for n in names) + " | "
@@ -249,7 +246,12 @@ def markdown(rows: list[dict]) -> str:
             rate = [f"{c['msgs_per_s']:.0f}" if c else "" for c in cells]
             cpu = [f"{c['producer_cpu_us']:.1f}" if c else "" for c in cells]
             lines.append(f"| {mode} | {m.name} | " + " | ".join(lat + rate + cpu) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {line}" for line in target_lines(checks))
+
+
+def target_lines(checks: dict) -> list[str]:
+    return [f"{name}: {value:.1f}" if isinstance(value, float) else f"{name}: {value}"
+            for name, value in checks.items()]
 
 
 def main() -> None:
@@ -261,12 +263,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20, help="latency messages left out of the statistics")
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown (README)")
+    report.add_out_argument(ap, "ipc")
     args = ap.parse_args()
     if args.latency_messages <= args.warmup:
         ap.error("--latency-messages must exceed --warmup")
-    load_before = os.getloadavg()
+    started = report.start()
     rows = []
     for mode in args.modes:
         for transport_name in args.transports:
@@ -276,22 +277,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['transport']:<12} {r['mode']:<16} {r['message']:<12} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f} "
               f"{r['msgs_per_s']:>9.0f} {r['producer_cpu_us']:>11.1f} {r['consumer_cpu_us']:>11.1f}")
-    if args.markdown:
-        print(markdown(rows))
     checks = targets(rows)
-    for name, value in checks.items():
-        print(f"  {name}: {value:.1f}" if isinstance(value, float) and not isinstance(value, bool)
-              else f"  {name}: {value}")
+    for line in target_lines(checks):
+        print(f"  {line}")
     mm = model()
-    result = {"benchmark": "ipc", "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-                                                "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                                                "python": platform.python_version(),
-                                                "memory_model": {"counters": mm.counters, "barrier": mm.barrier}},
-              "settings": {k: v for k, v in vars(args).items() if k not in ("out", "markdown")},
-              "targets": checks, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result = {"memory_model": {"counters": mm.counters, "barrier": mm.barrier},
+              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "targets": checks, "rows": rows}
+    print("wrote " + " and ".join(map(str, report.write_results("ipc", result, markdown(rows, checks), started,
+                                                                out=args.out))))
 
 
 if __name__ == "__main__":

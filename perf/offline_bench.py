@@ -8,23 +8,19 @@ request generates exactly its output length (ignore_eos / min_new_tokens), greed
 transformers runs the prompts in batches of --hf-batch-size, each generating the longest
 output length of its batch; both sides are credited with the requested tokens only.
 Also measures the scheduler core's own CPU per token with the null model (--null-streams).
-Writes perf/results/offline.json and prints a table.
+Prints a table; writes perf/results/offline.json and offline.md (perf/report.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+import report
 from gpu.model_runner import KV_CACHE_DTYPES
 from gpu.quant import ACTIVATIONS
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def make_prompts(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
@@ -125,7 +121,9 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--null-streams", type=int, default=256,
                     help="also measure the scheduler core's CPU per token at this many null-model streams (0: skip)")
+    report.add_out_argument(ap, "offline")
     args = ap.parse_args()
+    started = report.start()
 
     from gpu.model_config import ModelConfig
     from gpu.model_files import resolve_model_dir
@@ -140,20 +138,18 @@ def main() -> None:
         r["output_tok_s"] = output_tokens / r["elapsed_s"]
         r["total_tok_s"] = (input_tokens + output_tokens) / r["elapsed_s"]
         r["requests_s"] = len(prompts) / r["elapsed_s"]
-    result = {"config": {**vars(args), "input_tokens": input_tokens, "output_tokens": output_tokens,
-                         "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()},
+    result = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "input_tokens": input_tokens,
+                         "output_tokens": output_tokens, "torch_threads": torch.get_num_threads()},
               "runs": runs}
     if args.null_streams:
         result["null_model_scheduler"] = run_null_scheduler(args.null_streams)
     if "transformers generate" in runs:
         result["output_tok_s_ratio"] = (runs["ringserve Engine"]["output_tok_s"]
                                         / runs["transformers generate"]["output_tok_s"])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "offline.json").write_text(json.dumps(result, indent=2))
-
-    print(f"{len(prompts)} prompts, {input_tokens} input tokens, {output_tokens} output tokens "
-          f"(input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-          f"seed {args.seed}), torch threads {torch.get_num_threads()}")
+    workload = (f"{len(prompts)} prompts, {input_tokens} input tokens, {output_tokens} output tokens "
+                f"(input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
+                f"seed {args.seed}), torch threads {torch.get_num_threads()}")
+    print(workload)
     print(f"{'':24} {'time s':>8} {'req/s':>8} {'output tok/s':>13} {'total tok/s':>12}")
     for name, r in runs.items():
         print(f"{name:24} {r['elapsed_s']:8.1f} {r['requests_s']:8.2f} {r['output_tok_s']:13.1f} {r['total_tok_s']:12.1f}")
@@ -163,7 +159,22 @@ def main() -> None:
         n = result["null_model_scheduler"]
         print(f"scheduler core on the null model, {n['streams']} streams: {n['cpu_us_per_step']:.0f} us CPU per step, "
               f"{n['cpu_us_per_token']:.2f} us per token")
-    print(f"wrote {RESULTS / 'offline.json'}")
+    print("wrote " + " and ".join(map(str, report.write_results("offline", result, markdown(result, workload), started,
+                                                                out=args.out))))
+
+
+def markdown(result: dict, workload: str) -> str:
+    lines = [workload + ", greedy, every request generating exactly its output length.", "",
+             report.table(("", "time s", "req/s", "output tok/s", "total tok/s"),
+                          [(name, f"{r['elapsed_s']:.1f}", f"{r['requests_s']:.2f}", f"{r['output_tok_s']:.1f}",
+                            f"{r['total_tok_s']:.1f}") for name, r in result["runs"].items()])]
+    if "output_tok_s_ratio" in result:
+        lines += ["", f"Output tokens/s ratio (Engine / transformers): {result['output_tok_s_ratio']:.2f}x"]
+    if "null_model_scheduler" in result:
+        n = result["null_model_scheduler"]
+        lines += ["", f"Scheduler core on the null model, {n['streams']} streams: {n['cpu_us_per_step']:.0f} µs CPU "
+                      f"per step, {n['cpu_us_per_token']:.2f} µs per token."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,25 +12,48 @@ Python's packages) and extra `python -m runtime serve` flags:
     python perf/serving_ab.py --b-args "--stream-interval 4"       # one tree, two settings
     python perf/serving_ab.py --model real --concurrency 32 --requests 96 --rounds 3 \\
         --a-args "--quantization gguf-q8" --b-args "--quantization gguf-q8"
-Writes perf/results/serving_ab.json (each server's log beside it).
+Writes perf/results/serving_ab.json and serving_ab.md (perf/report.py), each server's log
+beside them (not committed).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
+import report
 import serving_bench as sb
 
-RESULTS = Path(__file__).resolve().parent / "results" / "serving_ab.json"
 SIDES = ("a", "b")
 
 
 def ratios(rounds: list[dict], key: str) -> list[float]:
     return [r["b"][key] / r["a"][key] for r in rounds if r["a"][key] and r["b"][key] is not None]
+
+
+def markdown(result: dict) -> str:
+    """The medians, the sides, and each round's levels."""
+    fmt = report.fmt
+    ratio = result["median_ratio"]
+    summary = (f"{result['model']} model, concurrency {result['concurrency']}, {result['requests']} requests a side "
+               f"a round; median of the rounds' B / A ratios: server CPU µs/token "
+               f"{fmt(ratio.get('server_cpu_us_per_token'), '.3f')}, requests/s "
+               f"{fmt(ratio.get('request_throughput'), '.3f')}; B lower in {result.get('lower_in', '-')} of "
+               f"{len(result['rounds'])} rounds.")
+    sides = report.table(("side", "tree", "server args", "median server CPU µs/token"),
+                         [(side.upper(), f"`{s['tree']}`", f"`{shlex.join(s['server_args'])}`",
+                           fmt(s.get("median_cpu_us_per_token"), ".2f")) for side, s in result["sides"].items()])
+    rows = []
+    for r in result["rounds"]:
+        for side in SIDES:
+            lv = r[side]
+            rows.append((r["round"], side.upper(), fmt(lv["server_cpu_us_per_token"], ".2f"),
+                         f"{lv['request_throughput']:.0f}", fmt(lv["tokens_per_event"]), fmt(lv["tokens_per_step"]),
+                         lv["failed"]))
+    rounds = report.table(("round", "side", "server CPU µs/token", "req/s", "tok/event", "tok/step", "failed"), rows)
+    return "\n\n".join([summary, sides, rounds])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,16 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=sb.Workload.prompt_tokens)
     ap.add_argument("--output-tokens", type=int, default=sb.Workload.output_tokens)
     ap.add_argument("--request-timeout", type=float, default=600.0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    report.add_out_argument(ap, "serving_ab")  # the servers' logs go beside it too
     args = ap.parse_args(argv)
+    started = report.start(argv)
     for name in ("concurrency", "requests", "rounds", "output_tokens", "prompt_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     w = sb.Workload(args.prompt_tokens, args.output_tokens, 0.0, 0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     servers: dict[str, sb.Server] = {}
-    result = {"benchmark": "serving_ab", "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
-              "model": args.model, "concurrency": args.concurrency, "requests": args.requests,
+    result = {"model": args.model, "concurrency": args.concurrency, "requests": args.requests,
               "sides": {}, "rounds": [], "median_ratio": {}, "leftovers": {}}
     loop = None
     try:
@@ -105,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             loop.close()
         for side, server in servers.items():
             result["leftovers"][side] = server.stop()
-        args.out.write_text(json.dumps(result, indent=2))
+        report.write_results("serving_ab", result, markdown(result), started, out=args.out)
     failed = sum(r[s]["failed"] for r in result["rounds"] for s in SIDES)
     left = [v for v in result["leftovers"].values() if v["processes"] or v["shm_segments"] or v["engine_files"]]
     return 1 if failed or left else 0

@@ -34,9 +34,9 @@ it shares the CPUs with the server, so it must cost little per event.
     python perf/serving_bench.py --quick             # smoke run
     python perf/serving_bench.py --models null --transports ring --concurrency 256 --num-requests 1024
     python perf/serving_bench.py --models real --concurrency 1,32 --num-requests 8,64
-    python perf/serving_bench.py --server-args "--max-running-requests 128" --markdown
-Writes perf/results/serving.json (with each server's log beside it) and prints the tables
-(--markdown: also the README's).
+    python perf/serving_bench.py --server-args "--max-running-requests 128"
+Prints the tables; writes perf/results/serving.json and serving.md (perf/report.py), each
+server's log beside them (not committed).
 """
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ import asyncio
 import ctypes
 import http.client
 import itertools
-import json
 import os
 import platform
 import shlex
@@ -60,7 +59,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-RESULTS = Path(__file__).resolve().parent / "results" / "serving.json"
+import report
+
 MODELS = ("real", "null")
 TRANSPORTS = ("ring", "zmq")
 TRANSPORT_LABELS = {"ring": "ring", "zmq": "zmq+pickle"}
@@ -576,7 +576,7 @@ def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w
 def start_server(model: str, transport: str, args) -> Server:
     extra = ["--transport", transport, *(["--null-model"] if model == "null" else []),
              *(["--model-path", args.model_path] if args.model_path else []), *shlex.split(args.server_args)]
-    log = Path(args.out).with_name(f"serving_server_{model}_{transport}.log")
+    log = args.out.with_name(f"serving_server_{model}_{transport}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[{model} / {TRANSPORT_LABELS[transport]}] starting: {' '.join(extra)}", flush=True)
     return Server(extra, log)
@@ -653,11 +653,8 @@ def row_text(model: str, transport: str, lv: dict) -> str:
     return "  " + "  ".join(f"{h}={c}" for h, c in zip(COLUMNS[2:], row_cells(model, transport, lv)[2:]))
 
 
-def table(runs: list[dict], markdown: bool) -> str:
+def table(runs: list[dict]) -> str:
     rows = [row_cells(r["model"], r["transport"], lv) for r in runs for lv in r["levels"]]
-    if markdown:
-        return "\n".join(["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-                         + ["| " + " | ".join(cells) + " |" for cells in rows])
     widths = [max(len(h), *(len(c[i]) for c in rows)) if rows else len(h) for i, h in enumerate(COLUMNS)]
     return "\n".join("  ".join(c.rjust(wd) for c, wd in zip(cells, widths)) for cells in [list(COLUMNS), *rows])
 
@@ -686,10 +683,23 @@ def targets(runs: list[dict]) -> dict:
 
 # ---------------------------------------------------------------- main
 
-def write_result(out: Path, result: dict, complete: bool) -> None:
+def write_result(out: Path, result: dict, complete: bool, started: report.Started) -> None:
     result.update(complete=complete, loadavg_end=os.getloadavg(), targets=targets(result["runs"]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    report.write_results("serving", result, markdown(result), started, out=out)
+
+
+def markdown(result: dict) -> str:
+    """The levels' table, the workload, and the targets that applied."""
+    runs, w = result["runs"], result["workload"]
+    rows = [row_cells(r["model"], r["transport"], lv) for r in runs for lv in r["levels"]]
+    lines = [report.table(COLUMNS, rows), "",
+             f"Streamed chat completions, prompts of {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens, "
+             f"{w['output_tokens']} output tokens, temperature {w['temperature']:g}, ignore_eos; client on "
+             f"{result['client_loop']}; load is the 1-min load average before each level."
+             + ("" if result["complete"] else " **Incomplete run.**")]
+    lines += [""] + [f"- {name}: {_num(check['value'], '{:.1f}')} -> {'met' if check['met'] else 'NOT met'}"
+                     for name, check in result["targets"].items()]
+    return "\n".join(lines)
 
 
 def parse_list(text: str, kind=str) -> list:
@@ -716,9 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", default=None, help="passed to the server; default: the embedded SmolLM2")
     ap.add_argument("--server-args", default="", help="more `python -m runtime serve` flags, one string")
     ap.add_argument("--quick", action="store_true", help="few requests and levels: a smoke run")
-    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown (README)")
-    ap.add_argument("--out", default=str(RESULTS))
+    report.add_out_argument(ap, "serving")  # the servers' logs go beside it too
     args = ap.parse_args(argv)
+    started = report.start(argv)
     models, transports = parse_list(args.models), parse_list(args.transports)
     for name, values, allowed in (("--models", models, MODELS), ("--transports", transports, TRANSPORTS)):
         if not values or not set(values) <= set(allowed):
@@ -758,9 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(prompts)} prompts of {min(prompt_lengths)}-{max(prompt_lengths)} tokens, {w.output_tokens} output "
           f"tokens, temperature {w.temperature:g}, ignore_eos; client on {loop_name}; load {load_start[0]:.1f}",
           flush=True)
-    out = Path(args.out)
+    out = args.out
     result = {
-        "benchmark": "serving", "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
+        "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
         "host": platform.node(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
         "client_loop": loop_name, "loadavg_start": load_start, "loadavg_end": None,
         "thread_env": {k: v for k, v in os.environ.items() if k.startswith(THREAD_ENV)},  # the server inherits it
@@ -776,17 +786,16 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 server = start_server(model, transport, args)
             runs.append(run_server(server, model, transport, all_levels[model], prompts, w, args, loop))
-            write_result(out, result, complete=i == len(pairs) - 1)  # an interrupted run keeps the servers done
+            write_result(out, result, i == len(pairs) - 1, started)  # an interrupted run keeps the servers done
     finally:
         loop.close()
     checks = result["targets"]
-    print(table(runs, markdown=False))
-    if args.markdown:
-        print(table(runs, markdown=True))
+    print(table(runs))
     for name, check in checks.items():
         print(f"  {name}: {check['value']:.1f} -> {'met' if check['met'] else 'NOT met'}"
               if check["value"] is not None else f"  {name}: no value -> NOT met")
-    print(f"load average {load_start[0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end; wrote {out}")
+    print(f"load average {load_start[0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end; "
+          f"wrote {out} and {out.with_suffix('.md')}")
     leftovers = [r for r in runs if r["leftovers"]["processes"] or r["leftovers"]["shm_segments"]
                  or r["leftovers"]["engine_files"]]
     return 1 if leftovers else 0

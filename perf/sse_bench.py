@@ -2,22 +2,18 @@
 usual way (a dict per chunk, all through orjson). Single thread, best of several repeats.
 
     python perf/sse_bench.py [--events 200000] [--repeats 5]
-Writes perf/results/sse_bench.json and prints a vocab."""
+Prints a table; writes perf/results/sse.json and sse.md (perf/report.py)."""
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
-import numpy as np
 import orjson
 
+import report
 from httpapi.logprobs import TokenLogprobs, LogprobVocab
 from httpapi.sse import ChatStream, CompletionStream
 
-RESULTS = Path(__file__).parent / "results" / "sse_bench.json"
 MODEL = "SmolLM2-135M-Instruct"
 ID = "chatcmpl-0123456789abcdef0123456789abcdef"
 
@@ -44,7 +40,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=5)
+    report.add_out_argument(ap, "sse")
     args = ap.parse_args()
+    started = report.start()
 
     vocab = LogprobVocab([bytes([i]) for i in range(256)] + [b" word"] * 49152)
     chat = ChatStream(ID, 1700000000, MODEL, n_choices=4, vocab=vocab)
@@ -66,16 +64,16 @@ def main() -> None:
                for name, fn in cases.items()}
     assert chat.delta(2, " word") == naive_chat_chunk(2, " word", None)  # same bytes, cheaper
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "sse_event_build", "unit": "ns/event", "events": args.events, "repeats": args.repeats,
-        "python": platform.python_version(), "machine": platform.machine(), "orjson": orjson.__version__,
-        "numpy": np.__version__, "results": results}, indent=2))
     width = max(map(len, results))
     print(f"{'event':<{width}}  ns/event")
     for name, ns in results.items():
         print(f"{name:<{width}}  {ns:8.0f}")
-    print(f"wrote {RESULTS}")
+    md = report.table(("event", "ns/event"), [(name, f"{ns:.0f}") for name, ns in results.items()])
+    md += (f"\n\nBest of {args.repeats} repeats of {args.events} events ({args.events // 10} with logprobs), "
+           f"one thread; orjson {orjson.__version__}.")
+    paths = report.write_results("sse", {"unit": "ns/event", "events": args.events, "repeats": args.repeats,
+                                         "orjson": orjson.__version__, "results": results}, md, started, out=args.out)
+    print("wrote " + " and ".join(map(str, paths)))
 
 
 if __name__ == "__main__":

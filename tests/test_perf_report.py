@@ -1,0 +1,146 @@
+"""perf/report.py, where every benchmark writes its results: both files written, the run's
+facts in them (commit, date, machine, load, versions, command), secrets redacted; and every
+script in perf/ goes through it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PERF = ROOT / "perf"
+
+
+def _load_report():
+    spec = importlib.util.spec_from_file_location("perf_report", PERF / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load_report()
+SECRETS = ("sk-one", "sk-two", "sk-three", "sk-four", "sk-five", "sk-six")
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def write(tmp_path, monkeypatch, argv=("--levels", "1,2"), data=None, markdown="| a |\n|---|\n| 1 |"):
+    monkeypatch.setattr(sys, "argv", [str(PERF / "ipc_bench.py"), *argv])
+    started = report.start()
+    return report.write_results("demo", data or {"rows": [{"x": 1}]}, markdown, started, out=tmp_path / "demo.json")
+
+
+def test_writes_json_and_markdown_with_the_run_facts(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    json_path, md_path = write(tmp_path, monkeypatch)
+    assert (json_path, md_path) == (tmp_path / "demo.json", tmp_path / "demo.md")
+    result = json.loads(json_path.read_text())
+    assert result["benchmark"] == "demo" and result["rows"] == [{"x": 1}]
+    run = result["run"]
+    assert {"commit", "dirty_files", "date", "duration_s", "command", "machine", "load", "versions"} <= run.keys()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["date"])
+    assert run["command"] == "python perf/ipc_bench.py --levels 1,2"  # the interpreter as `python`, the path relative
+    machine = run["machine"]
+    assert machine["cpu"] and machine["logical_cores"] >= 1 and machine["memory_gib"] > 0
+    assert len(run["load"]["loadavg_before"]) == 3 and run["load"]["openblas_coretype"] == "Haswell"
+    assert run["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert run["versions"]["numpy"] and run["versions"]["torch"]
+
+
+def test_commit_is_the_checkouts_short_hash(tmp_path, monkeypatch):
+    commit = json.loads(write(tmp_path, monkeypatch)[0].read_text())["run"]["commit"]
+    assert commit.removesuffix("+dirty") == git(ROOT, "rev-parse", "--short", "HEAD")
+
+
+def test_dirty_means_tracked_changes_outside_the_results(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "perf" / "results").mkdir(parents=True)
+    (repo / "code.py").write_text("x = 1\n")
+    (repo / "perf" / "results" / "old.json").write_text("{}\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "one")
+    monkeypatch.setattr(report, "ROOT", repo)
+    head = git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "untracked.py").write_text("")
+    assert report.git_state() == (head, [])  # untracked files do not count
+    (repo / "perf" / "results" / "old.json").write_text('{"new": 1}\n')
+    assert report.git_state() == (head, [])  # nor earlier results not yet committed
+    (repo / "code.py").write_text("x = 2\n")
+    assert report.git_state() == (f"{head}+dirty", ["code.py"])
+    monkeypatch.setattr(report, "ROOT", tmp_path / "nowhere")
+    assert report.git_state() == ("unknown", [])
+
+
+def test_api_key_values_are_redacted_everywhere(tmp_path, monkeypatch):
+    argv = ["--api-key", "sk-one", "--server-args", "--api-key=sk-two --max-running-requests 8", "--output-tokens",
+            "16"]
+    data = {"server_args": ["--transport", "ring", "--api-key", "sk-three"], "note": "ran with --api-key 'sk-four'",
+            "runs": [{"args": "--hf-token=sk-six"}]}
+    json_path, md_path = write(tmp_path, monkeypatch, argv, data, "| args |\n|---|\n| `--api-key sk-five` |")
+    text = json_path.read_text() + md_path.read_text()
+    for secret in SECRETS:
+        assert secret not in text
+    result = json.loads(json_path.read_text())
+    assert result["run"]["command"] == ("python perf/ipc_bench.py --api-key '<redacted>' --server-args "
+                                        "'--api-key=<redacted> --max-running-requests 8' --output-tokens 16")
+    assert result["server_args"] == ["--transport", "ring", "--api-key", "<redacted>"]
+    assert "--output-tokens 16" in md_path.read_text()  # a flag that only looks like one stays
+
+
+def test_markdown_has_the_header_then_the_tables(tmp_path, monkeypatch):
+    _, md_path = write(tmp_path, monkeypatch, markdown=report.table(("name", "µs"), [("ring", "1.5"), ("zmq", None)]))
+    lines = md_path.read_text().splitlines()
+    assert lines[0] == "# demo"
+    head = "\n".join(lines[:10])
+    for fact in ("- commit: `", "- date: ", "- machine: ", "logical cores", "- load average before",
+                 "OPENBLAS_CORETYPE", "- versions: Python ", "- command: `python perf/ipc_bench.py --levels 1,2`"):
+        assert fact in head, fact
+    at = lines.index("| name | µs |")
+    assert lines[at:at + 4] == ["| name | µs |", "|---|---|", "| ring | 1.5 |", "| zmq | - |"]
+    assert all(line.startswith("- ") for line in lines[2:at] if line)
+
+
+def test_default_path_and_reserved_keys(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    started = report.start([])
+    paths = report.write_results("bench", {"x": 1}, "", started)
+    assert paths == (tmp_path / "results" / "bench.json", tmp_path / "results" / "bench.md")
+    with pytest.raises(ValueError, match="run"):
+        report.write_results("bench", {"run": 1}, "", started)
+
+
+SCRIPTS = sorted(p for p in PERF.glob("*.py") if p.name != "report.py")
+
+
+def test_there_are_benchmarks():
+    assert len(SCRIPTS) >= 9, SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_benchmark_writes_through_the_report(script):
+    """A new benchmark cannot skip perf/report.py, nor keep a JSON writer of its own."""
+    text = script.read_text()
+    assert re.search(r"^import report\b|^from report import", text, re.M), f"{script.name} does not import report"
+    assert "write_results(" in text, f"{script.name} does not call report.write_results"
+    assert not re.search(r"\bjson\.dumps?\(", text), f"{script.name} writes JSON itself"
+
+
+def test_cuda_decode_bench_without_cuda_says_so(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    out = tmp_path / "cuda.json"
+    proc = subprocess.run([sys.executable, "perf/cuda_decode_bench.py", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stdout + proc.stderr
+    assert not out.exists()
