@@ -24,7 +24,6 @@ from gpu.page_pool import PagePool
 from gpu.quant import ACTIVATIONS, load_quantized
 from gpu.sampler import Sampler
 from gpu.weights import load_weights
-from runtime.config import ServerArgs
 from protocol.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,14 +52,6 @@ class ModelRunnerConfig:
     quantization: str | None = None     # gguf | gguf-q8: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
     kv_cache_dtype: str = "auto"        # auto (the model's dtype) | float16 | bfloat16
 
-    @classmethod
-    def from_server_args(cls, args: ServerArgs) -> "ModelRunnerConfig":
-        return cls(model_path=args.model_path, dtype=args.dtype, device=args.device,
-                   attention_backend=args.attention_backend, page_size=args.page_size,
-                   max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                   max_running_requests=args.max_running_requests, context_length=args.context_length,
-                   random_seed=args.random_seed, quantization=args.quantization,
-                   kv_cache_dtype=args.kv_cache_dtype)
 
 
 @dataclass

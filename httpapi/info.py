@@ -2,25 +2,24 @@
 other, /v1/models, SGLang's /get_model_info and /get_server_info."""
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import orjson
 
 from httpapi.errors import model_not_found
-from runtime.config import ServerArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def served_model_name(args: ServerArgs) -> str:
-    """--served-model-name, else the model's directory or file name (no .gguf suffix)."""
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model_path is None:
+def served_model_name(model_path: str | None, name: str | None = None) -> str:
+    """`name` (--served-model-name), else the model's directory or file name (no .gguf suffix)."""
+    if name:
+        return name
+    if model_path is None:
         return DEFAULT_MODEL_NAME
-    path = Path(args.model_path.rstrip("/"))
+    path = Path(model_path.rstrip("/"))
     return path.stem if path.suffix == ".gguf" else path.name
 
 
@@ -47,10 +46,10 @@ def model_info_body(served: str, model_path: str, context_len: int, vocab_size: 
                          "has_audio_understanding": False, "preferred_sampling_params": None})
 
 
-def server_info_body(args: ServerArgs, **state: object) -> bytes:
-    """The server arguments (never the API key), the version, and whatever engine state
+def server_info_body(settings: Mapping[str, object], **state: object) -> bytes:
+    """The server's settings (never the API key), the version, and whatever engine state
     the caller adds (e.g. max_total_num_tokens, internal_states)."""
-    info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+    info = {k: v for k, v in settings.items() if k != "api_key"}
     info["version"] = _version()
     info.update(state)
     return orjson.dumps(info)

@@ -24,7 +24,7 @@ import numpy as np
 from protocol.records import LAYOUTS, RecordLayout
 from ipc.ring import Batch, as_bytes, open_ring, segment_size
 from ipc.shm import create_segment, map_segment
-from ipc.wakeup import Waker
+from ipc.wakeup import SleepFlag, Waker
 
 ROLES = ("producer", "consumer")
 
@@ -59,7 +59,8 @@ class Channel:
             os.close(self._peer_fd)
             raise
         self._segment_fd = segment_fd  # kept by the creator, to hand over
-        self._announcers = 0  # coroutines of this process waiting on this channel right now
+        self.sleep_flag = SleepFlag(self._ring.set_producer_waiting if role == "producer"
+                                    else self._ring.set_consumer_sleeping)
         # this side's hot calls go straight to the ring: a Python frame costs ~0.5 µs, several
         # times that with cold caches; the methods below remain to refuse the other side's calls
         if role == "producer":
@@ -174,18 +175,6 @@ class Channel:
 
     def heartbeat_ns(self) -> int:
         return self._ring.heartbeat_ns()
-
-    # ---------------------------------------------------------------- wake protocol (ipc/wakeup.py)
-
-    def _announce_sleep(self, on: bool) -> None:
-        self._announcers += 1 if on else -1
-        if self._announcers == int(on):  # first to announce, or last to withdraw
-            self._ring.set_consumer_sleeping(on)
-
-    def _announce_waiting(self, on: bool) -> None:
-        self._announcers += 1 if on else -1
-        if self._announcers == int(on):
-            self._ring.set_producer_waiting(on)
 
     def close(self) -> None:
         if self._peer_fd < 0:

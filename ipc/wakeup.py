@@ -8,8 +8,19 @@ it only when the channel's flag says this process announced it would sleep on
 that channel; after waking, the process re-checks its channels. Waiting on N
 channels costs one poll() on one fd, and an asyncio loop registers one reader.
 
-Waits (all take channels of ipc/channel.py; the flag protocol and its memory
-ordering are in ipc/ring.py):
+The sleep protocol, whole: a waiting process (1) spins on its channels for a while, then
+(2) announces on each channel, in the ring's header, that it is about to sleep
+(SleepFlag: a consumer's "sleeping" flag, a producer's "waiting for room" flag), (3) runs
+a full barrier, (4) looks at its channels once more and (5) sleeps on its eventfd only if
+they still have nothing. The peer, after publishing (a push) or freeing room (a pop), reads
+the flag and writes the eventfd when it is set (ipc/ring.py `_wake_if`, and the same in
+ring_core.c). Each side stores (flag / counter) and then loads (counter / flag), and
+ipc/memory.py orders that store before that load on both sides (an asymmetric membarrier
+that the waiting side alone pays, or a fence on each side), so at least one of them sees
+the other's store: the waiter finds the records in (4), or the peer finds the flag and
+wakes it. Only the waiter clears its flag. The argument in full: ipc/ring.py.
+
+Waits (all take channels of ipc/channel.py, through the Waitable protocol):
   wait_readable(channels, spin_us, timeout)   sync: spin, then sleep (consumer)
   wait_readable_async(channels, timeout)      asyncio, via loop.add_reader
   wait_room(channel, nbytes, timeout)         sync back-pressure (producer)
@@ -25,12 +36,33 @@ import math
 import os
 import select
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from ipc.memory import model
 
-if TYPE_CHECKING:
-    from ipc.channel import Channel
+
+class SleepFlag:
+    """One channel's announcement, in its ring's header, that this process is about to sleep
+    on its eventfd (step 2 above). Several coroutines of one process may wait on the same
+    channel at once: the first to announce sets the flag, the last to withdraw clears it."""
+
+    def __init__(self, set_flag: Callable[[bool], None]) -> None:
+        self._set = set_flag
+        self._announcers = 0
+
+    def announce(self, on: bool) -> None:
+        self._announcers += 1 if on else -1
+        if self._announcers == int(on):  # first to announce, or last to withdraw
+            self._set(on)
+
+
+class Waitable(Protocol):
+    """What the waits need of a channel."""
+    sleep_flag: SleepFlag
+
+    def readable(self) -> bool: ...
+
+    def room_for(self, nbytes: int = 0) -> bool: ...
 
 
 class Waker:
@@ -50,7 +82,7 @@ class Waker:
 
     # ---------------------------------------------------------------- sync
 
-    def wait_readable(self, channels: Sequence[Channel], spin_us: float = 0.0,
+    def wait_readable(self, channels: Sequence[Waitable], spin_us: float = 0.0,
                       timeout: float | None = None) -> bool:
         """Blocks until one of `channels` has records (True) or `timeout` s pass (False)."""
         if _any_readable(channels):
@@ -67,7 +99,7 @@ class Waker:
         while True:
             self._drain()
             for ch in channels:
-                ch._announce_sleep(True)
+                ch.sleep_flag.announce(True)
             try:
                 self._sleep_barrier()
                 if _any_readable(channels):
@@ -76,18 +108,18 @@ class Waker:
                     return _any_readable(channels)
             finally:
                 for ch in channels:
-                    ch._announce_sleep(False)
+                    ch.sleep_flag.announce(False)
             if _any_readable(channels):
                 return True
 
-    def wait_room(self, channel: Channel, nbytes: int = 0, timeout: float | None = None) -> bool:
+    def wait_room(self, channel: Waitable, nbytes: int = 0, timeout: float | None = None) -> bool:
         """Blocks until `channel` takes at least one record with an `nbytes` payload."""
         if channel.room_for(nbytes):
             return True
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         while True:
             self._drain()
-            channel._announce_waiting(True)
+            channel.sleep_flag.announce(True)
             try:
                 self._sleep_barrier()
                 if channel.room_for(nbytes):
@@ -95,7 +127,7 @@ class Waker:
                 if not self._sleep(deadline):
                     return channel.room_for(nbytes)
             finally:
-                channel._announce_waiting(False)
+                channel.sleep_flag.announce(False)
 
     def _sleep(self, deadline: float) -> bool:
         """Sleeps on the eventfd until written (True) or the deadline (False). The count is
@@ -122,14 +154,14 @@ class Waker:
 
     # ---------------------------------------------------------------- asyncio
 
-    async def wait_readable_async(self, channels: Sequence[Channel], timeout: float | None = None) -> bool:
+    async def wait_readable_async(self, channels: Sequence[Waitable], timeout: float | None = None) -> bool:
         def announce(on: bool) -> None:
             for ch in channels:
-                ch._announce_sleep(on)
+                ch.sleep_flag.announce(on)
         return await self._wait_async(lambda: _any_readable(channels), announce, timeout)
 
-    async def wait_room_async(self, channel: Channel, nbytes: int = 0, timeout: float | None = None) -> bool:
-        return await self._wait_async(lambda: channel.room_for(nbytes), channel._announce_waiting, timeout)
+    async def wait_room_async(self, channel: Waitable, nbytes: int = 0, timeout: float | None = None) -> bool:
+        return await self._wait_async(lambda: channel.room_for(nbytes), channel.sleep_flag.announce, timeout)
 
     async def _wait_async(self, ready: Callable[[], bool], announce: Callable[[bool], None],
                           timeout: float | None) -> bool:
@@ -183,7 +215,7 @@ class Waker:
         self.fd = -1
 
 
-def _any_readable(channels: Sequence[Channel]) -> bool:
+def _any_readable(channels: Sequence[Waitable]) -> bool:
     for ch in channels:
         if ch.readable():
             return True

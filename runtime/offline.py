@@ -16,13 +16,13 @@ from typing import Sequence
 import numpy as np
 
 from gpu.model_files import resolve_model_dir
-from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.records import NO_TOKEN, Finish
 from runtime.config import ServerArgs
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 from runtime.detokenizer.deltas import text_tokens
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.runner import make_runner
 
 ENGINE_WORKER = 0  # the worker id the Engine's requests carry
 
@@ -164,15 +164,6 @@ class _Run:
         self.finish: Finish | None = None
         self.counts = (len(prompt), 0, 0)
         self.parts: list[bytes] = []  # the detokenizer's UTF-8 deltas
-
-
-def make_runner(args: ServerArgs):
-    """The model executor the server args ask for: the real model, or the null model."""
-    config = ModelRunnerConfig.from_server_args(args)
-    if args.null_model:
-        from gpu.null_model import NullModelRunner
-        return NullModelRunner(config)
-    return ModelRunner(config)
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

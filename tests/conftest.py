@@ -113,7 +113,7 @@ class Server:
 
     def refresh(self) -> None:
         """Learns the server's processes: granian's workers (again, after a respawn), the engine's."""
-        from runtime.supervise.launcher import ServerFiles, process_start_time
+        from runtime.supervise.files import ServerFiles, process_start_time
 
         self.workers = children(self.pid)
         info = ServerFiles.of(self.pid).info
@@ -141,7 +141,7 @@ class Server:
     def kill(self) -> None:
         """Last resort (a failed test): SIGKILL to every process of the tree still running
         (the same process: its start time is the one seen at start-up)."""
-        from runtime.supervise.launcher import process_start_time
+        from runtime.supervise.files import process_start_time
 
         for pid, started in self.start_times.items():
             if process_start_time(pid) == started:

@@ -110,7 +110,7 @@ def test_streams_and_stops_on_sigterm(tokenizer, tmp_path):
 
 def test_zmq_transport(tokenizer, tmp_path):
     """The same loop over the ZMQ baseline transport, run in a thread of this process."""
-    detok = Detokenizer(ServerArgs(transport="zmq"), str(tmp_path / "detok.sock"), parent_pid=None)
+    detok = Detokenizer(ServerArgs(transport="zmq"), str(tmp_path / "detok.sock"))
     loop = threading.Thread(target=detok.serve)
     try:
         detok.load(max_open=64)
@@ -125,27 +125,10 @@ def test_zmq_transport(tokenizer, tmp_path):
     assert not os.path.exists(detok.socket_path)
 
 
-def test_stops_when_its_parent_exits(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"), parent_pid=parent.pid)
-    try:
-        time.sleep(0.2)
-        assert not detok._stopping
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 5
-        while not detok._stopping and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert detok._stopping
-    finally:
-        parent.kill()
-        detok.close()
-
-
 def test_a_dead_workers_channel_is_closed(tmp_path):
     """kill -9 of a worker that no new process replaces: the detokenizer sees its pidfd fire
     and closes its channel, so a ring nobody reads can never block the other workers."""
-    detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"), parent_pid=None)
+    detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"))
     code = ("import sys, time; from ipc import Waker; from runtime.detokenizer.process import connect_detokenizer; "
             "connect_detokenizer(sys.argv[1], Waker(), worker=1, timeout=60); time.sleep(600)")
     worker = subprocess.Popen([sys.executable, "-c", code, detok.socket_path])

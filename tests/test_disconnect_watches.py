@@ -1,11 +1,11 @@
-"""runtime.app's disconnect watches without a server: armed only after WATCH_AFTER_S, by one
+"""runtime.http_worker.disconnect: watches without a server: armed only after WATCH_AFTER_S, by one
 task for all requests; a client gone (http.disconnect, or a receive() that refuses) calls its
 request's abort; a watch closed first is never armed; one failing watch spoils none other."""
 from __future__ import annotations
 
 import asyncio
 
-from runtime.app import DisconnectWatches
+from runtime.http_worker.disconnect import DisconnectWatches
 
 
 def test_watches_are_armed_after_their_wait_and_report_clients_gone():

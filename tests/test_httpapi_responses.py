@@ -1,5 +1,7 @@
 """Response bodies checked with the official openai client's own types and parser, and
 the logprobs token vocab against the real SmolLM2 tokenizer."""
+import dataclasses
+
 import httpx
 import numpy as np
 import openai
@@ -160,16 +162,17 @@ def test_models_and_server_info():
     assert page["object"] == "list" and Model.model_validate(page["data"][0]).id == MODEL
     listed = client(serve(200, body)).models.list()
     assert [m.id for m in listed] == [MODEL]
-    info = orjson.loads(server_info_body(ServerArgs(api_key="secret", port=1234), max_total_num_tokens=1000))
+    info = orjson.loads(server_info_body(dataclasses.asdict(ServerArgs(api_key="secret", port=1234)),
+                                       max_total_num_tokens=1000))
     assert info["port"] == 1234 and info["max_total_num_tokens"] == 1000 and "api_key" not in info
     assert "secret" not in orjson.dumps(info).decode()
 
 
 def test_served_model_name_and_model_check():
-    assert served_model_name(ServerArgs()) == MODEL
-    assert served_model_name(ServerArgs(model_path="/m/Qwen2-0.5B/")) == "Qwen2-0.5B"
-    assert served_model_name(ServerArgs(model_path="/m/tiny.Q4_0.gguf")) == "tiny.Q4_0"
-    assert served_model_name(ServerArgs(model_path="/m/x", served_model_name="mine")) == "mine"
+    assert served_model_name(None) == MODEL
+    assert served_model_name("/m/Qwen2-0.5B/") == "Qwen2-0.5B"
+    assert served_model_name("/m/tiny.Q4_0.gguf") == "tiny.Q4_0"
+    assert served_model_name("/m/x", "mine") == "mine"
     check_model(None, MODEL)
     check_model(MODEL, MODEL)
     with pytest.raises(APIError) as caught:

@@ -152,7 +152,7 @@ def test_errors_aborts_stale_records_and_flush(engine):
     assert [int(r["finish"]) for r, _ in by(13)][-1] == Finish.LENGTH
     # the aborted request's pages are back: after a flush every page is free
     push(req_ch, pack_control(RequestKind.FLUSH_CACHE, 3))
-    from runtime.http_worker.metrics import EngineStats
+    from runtime.engine_stats import EngineStats
     stats = EngineStats.open(stats_path)
     deadline = time.monotonic() + 10
     while True:

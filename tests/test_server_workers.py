@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.supervise.launcher import ServerFiles
+from runtime.supervise.files import ServerFiles
 from protocol.sampling_params import SamplingParams
 
 PROMPT = "The capital of France is"

@@ -1,37 +1,31 @@
 """The Detokenizer process (`ringserve::detokenizer`): pops the scheduler's TOKEN_OUT batches,
-turns them into text deltas (runtime/detokenizer/deltas.py -> detok_batch.py) and pushes each
+turns them into text deltas (deltas.py -> incremental.py) and pushes each
 HTTP worker's TEXT_OUT records to that worker's channel, one push per worker per batch.
 
-Channels come from the detokenizer's own unix socket, at start-up or later (a worker
-that granian respawns reconnects), with the exchange of ipc/handoff.py: the peer sends
-its waker, the detokenizer creates the channel and sends it back.
+Channels come from the detokenizer's own unix socket (ipc/peers.py), at start-up or later
+(a worker that granian respawns reconnects).
 
-    launcher:       spawn run_detokenizer(server_args, socket_path, parent_pid=...)
+    launcher:       run_detokenizer(server_args, socket_path)
     scheduler:      ch = connect_detokenizer(socket_path, waker)            TOKEN_OUT, producer side
     HTTP worker k:  ch = connect_detokenizer(socket_path, waker, worker=k)  TEXT_OUT, consumer side
 
 The socket is listening as soon as the process has started (before the tokenizer is
-loaded), so peers can connect right away. The process stops on SIGTERM / SIGINT, or when
-`parent_pid` exits; it then closes its channels and removes the socket file.
+loaded), so peers can connect right away. The process stops on SIGTERM / SIGINT; it then
+closes its channels and removes the socket file.
 """
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import select
 import signal
-import socket
-import threading
 import time
 
 from ipc import ChannelSpec, get_transport
-from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
+from ipc.peers import PeerServer, connect
 from protocol.records import TEXT_OUT, TOKEN_OUT
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 from runtime.gc_tuning import settle_heap
-from runtime.supervise.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +37,7 @@ IDLE_WAKE_S = 0.1     # an idle loop still wakes this often: new channels, stop 
 PUSH_RETRY_S = 0.5    # a worker's full ring is re-checked this often (a respawned worker replaces it)
 
 
-def run_detokenizer(server_args: ServerArgs, socket_path: str, parent_pid: int | None = None,
+def run_detokenizer(server_args: ServerArgs, socket_path: str,
                     max_open: int = 8192) -> None:
     """The process's entry point (spawn it). server_args: model_path (for the tokenizer),
     transport, log_level. socket_path: where peers connect (must not exist yet).
@@ -54,7 +48,7 @@ def run_detokenizer(server_args: ServerArgs, socket_path: str, parent_pid: int |
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="%(asctime)s %(levelname)s detokenizer: %(message)s")
     run_as_batch()
-    detok = Detokenizer(server_args, socket_path, parent_pid)
+    detok = Detokenizer(server_args, socket_path)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: detok.stop())
     try:
@@ -81,28 +75,12 @@ def connect_detokenizer(socket_path: str, waker, worker: int | None = None, time
     """The caller's channel from the detokenizer at `socket_path`, waiting up to `timeout` s
     for it to listen: the scheduler's TOKEN_OUT (worker=None, producer side) or HTTP worker
     k's TEXT_OUT (consumer side). `waker` is the caller's (ipc.Waker, or the zmq one)."""
-    deadline = time.monotonic() + timeout
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        while True:
-            try:
-                sock.connect(socket_path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no detokenizer listening on {socket_path} after {timeout} s") from None
-                time.sleep(0.02)
-        sock.settimeout(max(deadline - time.monotonic(), 1.0))
-        send_waker(sock, waker, {"role": "scheduler"} if worker is None else
-                   {"role": "worker", "worker": worker, "pid": os.getpid()})
-        (channel,), _ = recv_channels(sock, waker)
-        return channel
-    finally:
-        sock.close()
+    hello = {"role": "scheduler"} if worker is None else {"role": "worker", "worker": worker, "pid": os.getpid()}
+    return connect(socket_path, waker, hello, timeout)[0]
 
 
 class Detokenizer:
-    def __init__(self, server_args: ServerArgs, socket_path: str, parent_pid: int | None) -> None:
+    def __init__(self, server_args: ServerArgs, socket_path: str) -> None:
         self.args = server_args
         self.socket_path = socket_path
         self.transport = get_transport(server_args.transport)
@@ -111,16 +89,9 @@ class Detokenizer:
         self.inputs: list = []        # TOKEN_OUT channels (one per scheduler; one in practice)
         self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
-        # from the acceptor: (meta, channel) when a peer attaches, (meta, None) when a worker exits
-        self._new: queue.SimpleQueue = queue.SimpleQueue()
-        self._workers = WorkerWatch()
         self._stopping = False
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(socket_path)
-        os.chmod(socket_path, 0o600)
-        self._listener.listen(64)
-        self._parent_fd = os.pidfd_open(parent_pid) if parent_pid is not None else None
-        threading.Thread(target=self._accept, name="detok-accept", daemon=True).start()
+        self.peers = PeerServer(socket_path, self._peer_channel, {"pid": os.getpid()})
+        self.peers.start()
 
     def load(self, max_open: int) -> None:
         from transformers import AutoTokenizer
@@ -142,7 +113,7 @@ class Detokenizer:
     def serve(self) -> None:
         deltas, waker = self.deltas, self.waker
         while not self._stopping:
-            if not self._new.empty():
+            if self.peers.has_events():
                 self._attach_new()
             for ch in self.outputs.values():  # before any push: a reader that sees text sees a beat
                 ch.beat()
@@ -160,7 +131,7 @@ class Detokenizer:
     def _send(self, records, blob) -> None:
         for worker, (recs, part) in split_by_worker(records, blob).items():
             ch = self.outputs.get(worker)
-            if ch is None and not self._new.empty():  # attached after this loop's last look
+            if ch is None and self.peers.has_events():  # attached after this loop's last look
                 self._attach_new()
                 ch = self.outputs.get(worker)
             if ch is None:
@@ -169,7 +140,7 @@ class Detokenizer:
             done = ch.push(recs, part)
             while done < len(recs) and not self._stopping:  # back-pressure: wait for the worker
                 self.waker.wait_room(ch, len(part), PUSH_RETRY_S)
-                if not self._new.empty():
+                if self.peers.has_events():
                     self._attach_new()
                     if self.outputs.get(worker) is not ch:  # the worker exited, or was respawned
                         logger.warning("worker %d's process is gone: %d text records for it dropped",
@@ -178,95 +149,46 @@ class Detokenizer:
                 done += ch.push(recs[done:], part)
 
     def _attach_new(self) -> None:
-        while not self._new.empty():
-            meta, ch = self._new.get()
-            if meta["role"] == "failed":  # its handshake broke after it was queued
+        for event in self.peers.events():
+            hello, ch = event.hello, event.channel
+            if event.kind == "failed":
                 if ch in self.inputs:
                     self.inputs.remove(ch)
                 for worker in [w for w, c in self.outputs.items() if c is ch]:
                     del self.outputs[worker], self.worker_pids[worker]
                 ch.close()
-                continue
-            if meta["role"] == "scheduler":
+            elif hello["role"] == "scheduler":
                 self.inputs.append(ch)
                 logger.info("scheduler attached")
-                continue
-            worker, pid = meta["worker"], meta["pid"]
-            if ch is None:  # the worker's process exited
+            elif event.kind == "exited":
+                worker, pid = hello["worker"], hello["pid"]
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
                     self.outputs.pop(worker).close()
                     logger.info("worker %d (pid %d) exited: its channel is closed", worker, pid)
-                continue
-            old = self.outputs.pop(worker, None)
-            if old is not None:
-                old.close()
-            self.outputs[worker] = ch
-            self.worker_pids[worker] = pid
-            logger.info("worker %d attached", worker)
-
-    def _accept(self) -> None:
-        """Acceptor thread: hands each peer its channel, reports the exit of each attached
-        worker's process; stops the process if the parent exits."""
-        watch = [self._listener.fileno()] + ([self._parent_fd] if self._parent_fd is not None else [])
-        while not self._stopping:
-            ready, _, _ = select.select(watch + self._workers.fds(), [], [], IDLE_WAKE_S)
-            if self._parent_fd in ready:
-                logger.info("parent process exited: stopping")
-                self.stop()
-                return
-            for worker, pid in self._workers.exited(ready):
-                self._new.put(({"role": "worker", "worker": worker, "pid": pid}, None))
-            if self._listener.fileno() in ready:
-                try:
-                    conn, _ = self._listener.accept()
-                except OSError:
-                    return  # closed by close()
-                with conn:
-                    try:
-                        self._handshake(conn)
-                    except Exception:
-                        logger.exception("a peer failed to attach")
-
-    def _handshake(self, conn: socket.socket) -> None:
-        conn.settimeout(10.0)
-        meta, peer_fd = recv_waker(conn)
-        try:
-            if meta.get("role") == "scheduler":
-                ch = self.transport.create_channel(TOKEN_OUT_SPEC, "consumer", self.waker, peer_fd)
-            elif (meta.get("role") == "worker" and isinstance(meta.get("worker"), int) and meta["worker"] >= 0
-                  and isinstance(meta.get("pid"), int)):
-                ch = self.transport.create_channel(TEXT_OUT_SPEC, "producer", self.waker, peer_fd)
             else:
-                raise ValueError(f"unknown peer {meta!r}: expected role 'scheduler', or 'worker' with a worker "
-                                 "index and its pid")
-        finally:
-            if peer_fd is not None:
-                os.close(peer_fd)
-        # queued before the peer holds it: what the peer then causes to be sent finds it attached
-        self._new.put((meta, ch))
-        try:
-            send_channels(conn, [ch], {"pid": os.getpid()})
-        except BaseException:
-            self._new.put(({"role": "failed"}, ch))
-            raise
-        if meta["role"] == "worker" and not self._workers.add(meta["worker"], meta["pid"]):
-            self._new.put((meta, None))
+                old = self.outputs.pop(hello["worker"], None)
+                if old is not None:
+                    old.close()
+                self.outputs[hello["worker"]] = ch
+                self.worker_pids[hello["worker"]] = hello["pid"]
+                logger.info("worker %d attached", hello["worker"])
+
+    def _peer_channel(self, hello: dict, peer_waker_fd: int | None):
+        """The scheduler's TOKEN_OUT or a worker's TEXT_OUT channel (the PeerServer's acceptor
+        thread calls this)."""
+        if hello.get("role") == "scheduler":
+            return self.transport.create_channel(TOKEN_OUT_SPEC, "consumer", self.waker, peer_waker_fd)
+        if (hello.get("role") == "worker" and isinstance(hello.get("worker"), int) and hello["worker"] >= 0
+                and "pid" in hello):
+            return self.transport.create_channel(TEXT_OUT_SPEC, "producer", self.waker, peer_waker_fd)
+        raise ValueError(f"unknown peer {hello!r}: expected role 'scheduler', or 'worker' with a worker index "
+                         "and its pid")
 
     def close(self) -> None:
         self._stopping = True
-        self._listener.close()
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        while not self._new.empty():
-            ch = self._new.get()[1]
-            if ch is not None:
-                ch.close()
+        self.peers.close()
         for ch in [*self.inputs, *self.outputs.values()]:
             ch.close()
         self.inputs, self.outputs = [], {}
-        if self._parent_fd is not None:
-            os.close(self._parent_fd)
         self.waker.close()

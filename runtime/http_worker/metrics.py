@@ -1,11 +1,5 @@
-"""Metrics: the engine's published stats (shared by all workers) and each worker's
-Prometheus counters and histograms, merged at scrape time.
-
-Engine-wide numbers (running and queued requests, KV pages, prefix cache, the
-scheduler-to-detokenizer ring) come from one small record the scheduler rewrites
-every step in a file-backed shared mapping of the server's private runtime dir
-(`EngineStats`: no syscall per step, a plain store of one numpy record). Workers read
-it when /metrics is scraped. A read may interleave with a write; metrics tolerate that.
+"""Metrics: the engine's published stats (runtime/engine_stats.py, shared by all workers)
+and each worker's Prometheus counters and histograms, merged at scrape time.
 
 Per-worker counters and histograms use prometheus_client's multiprocess mode: each
 granian worker writes its own files in the server's metrics dir (set up by
@@ -17,76 +11,14 @@ second: a prometheus_client observe costs about 8 us in multiprocess mode.
 from __future__ import annotations
 
 import bisect
-import mmap
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-ENGINE_STATS = np.dtype([
-    ("updated_ns", np.int64),  # CLOCK_MONOTONIC of the last publish
-    ("running", np.uint32),
-    ("queued", np.uint32),
-    ("kv_pages_total", np.uint32),
-    ("kv_pages_free", np.uint32),
-    ("kv_pages_cached", np.uint32),  # held only by the radix cache (evictable)
-    ("page_size", np.uint32),
-    ("token_out_depth", np.uint32),  # records waiting in the scheduler -> detokenizer ring
-    ("max_running_requests", np.uint32),
-    ("prefill_tokens", np.uint64),  # prompt tokens computed (cache hits excluded)
-    ("cached_tokens", np.uint64),  # prompt tokens served from the prefix cache
-    ("generated_tokens", np.uint64),
-    ("steps", np.uint64),
-    ("retractions", np.uint64),
-])
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class EngineStats:
-    """The scheduler's published stats: `create` (the scheduler, writer) or `open` (a worker)."""
-
-    def __init__(self, path: Path, writable: bool) -> None:
-        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if writable else os.O_RDONLY, 0o600)
-        try:
-            if writable:
-                os.ftruncate(fd, ENGINE_STATS.itemsize)
-            self._map = mmap.mmap(fd, ENGINE_STATS.itemsize, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-        finally:
-            os.close(fd)
-        self.record = np.ndarray(1, ENGINE_STATS, buffer=self._map)
-
-    @classmethod
-    def create(cls, path: str | Path) -> EngineStats:
-        return cls(Path(path), writable=True)
-
-    @classmethod
-    def open(cls, path: str | Path) -> EngineStats | None:
-        """None when the engine publishes none (yet)."""
-        try:
-            return cls(Path(path), writable=False)
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def publish(self, scheduler: Any, token_out_depth: int) -> None:
-        """One store of the whole record from a runtime.scheduler.core.Scheduler (once per step)."""
-        s, pool = scheduler.stats, scheduler.pool
-        self.record[0] = (time.monotonic_ns(), scheduler.num_running, len(scheduler.queue), pool.num_pages,
-                          pool.num_free, scheduler.cache.evictable_pages, pool.page_size, token_out_depth,
-                          scheduler.config.max_running_requests, s.prefill_tokens, s.cached_tokens,
-                          s.generated_tokens, s.steps, s.retractions)
-
-    def read(self) -> dict[str, int]:
-        rec = self.record[0].copy()
-        return {name: int(rec[name]) for name in ENGINE_STATS.names}
-
-    def close(self) -> None:
-        self.record = None
-        self._map.close()
 
 
 def use_multiprocess_dir(path: Path) -> None:

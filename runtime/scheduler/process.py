@@ -3,48 +3,38 @@ the Scheduler core (runtime/scheduler/core.py) and the model runner.
 
 Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
 flushes), run one step, and push that step's TOKEN_OUT records to the detokenizer in one
-batch: an OPEN record per request received since the last step (detokenizer options in
-`flags`, stop strings in the payload, min_new_tokens), then one record per request with
-news (its sampled token, or how it ended). While there is work the loop never makes a syscall to look for
-more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
+batch (the protocol is in protocol/records.py): an OPEN record per request received since
+the last step, then one record per request with news. While there is work the loop never
+makes a syscall to look for more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
 published EngineStats) advance after each iteration and before each forward, at most once a
 millisecond while busy, and always before the loop sleeps.
 
     launcher:       run_scheduler(server_args, socket_path, detokenizer_socket, stats_path)
     HTTP worker k:  request_ch, meta = connect_scheduler(socket_path, waker, worker=k)
 
-The socket is bound only once the model is loaded and the detokenizer connected, so a
-socket file means the scheduler is ready. A worker that connects again (granian respawned
-it) replaces its channel, and the requests of its previous process are aborted.
-
-TOKEN_OUT protocol (what runtime/detokenizer/deltas.py reads): token == 0xFFFFFFFF marks a
-record that ends a request without a new token (abort, or the KV pool ran out); kind ERROR
-carries an ErrorCode and a UTF-8 message for a request that could never run. The
-scheduler core builds these records itself (runtime/scheduler/core.py); this loop adds the
+The socket (ipc/peers.py) is bound only once the model is loaded and the detokenizer
+connected, so a socket file means the scheduler is ready. A worker that connects again
+(granian respawned it) replaces its channel, and the requests of its previous process are
+aborted. The scheduler core builds the TOKEN and ERROR records itself; this loop adds the
 OPEN records and the payloads.
 """
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import select
 import signal
-import socket
-import threading
 import time
 
 import numpy as np
 
 from ipc import ChannelSpec, get_transport
-from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
+from ipc.peers import PeerServer, connect
 from protocol.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, pack_open,
                          RequestKind, TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
 from runtime.config import ServerArgs
 from runtime.gc_tuning import settle_heap
 from runtime.scheduler.req import Req
 from runtime.scheduler.core import Scheduler, SchedulerConfig, StepResult
-from runtime.supervise.watchdog import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +53,7 @@ def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket:
                   stats_path: str | None = None) -> None:
     """The process's entry point: loads the model, connects to the detokenizer, listens on
     `socket_path` for HTTP workers and runs the loop until SIGTERM / SIGINT. `stats_path`:
-    where to publish EngineStats (runtime/http_worker/metrics.py) every iteration; None publishes none."""
+    where to publish EngineStats (runtime/engine_stats.py) every iteration; None publishes none."""
     from setproctitle import setproctitle
 
     setproctitle(PROCESS_TITLE)
@@ -83,23 +73,7 @@ def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket:
 def connect_scheduler(socket_path: str, waker, worker: int, timeout: float = 60.0):
     """HTTP worker `worker`'s REQUEST channel (producer side) from the scheduler at
     `socket_path`, and the scheduler's description of the model and KV cache (a dict)."""
-    deadline = time.monotonic() + timeout
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        while True:
-            try:
-                sock.connect(socket_path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no scheduler listening on {socket_path} after {timeout} s") from None
-                time.sleep(0.02)
-        sock.settimeout(max(deadline - time.monotonic(), 1.0))
-        send_waker(sock, waker, {"worker": worker, "pid": os.getpid()})
-        (channel,), meta = recv_channels(sock, waker)
-        return channel, meta
-    finally:
-        sock.close()
+    return connect(socket_path, waker, {"worker": worker, "pid": os.getpid()}, timeout)
 
 
 class SchedulerProcess:
@@ -121,15 +95,12 @@ class SchedulerProcess:
         self.scheduler: Scheduler | None = None
         self.meta: dict = {}
         self._rejected: dict[tuple[int, int, int], Req] = {}  # opened this step, ERROR to send
-        # from the acceptor: (worker, pid, channel) when a worker attaches, (worker, pid, None) when it exits
-        self._new: queue.SimpleQueue = queue.SimpleQueue()
-        self._workers = WorkerWatch()
-        self._listener: socket.socket | None = None
+        self.peers: PeerServer | None = None
         self._stopping = False
 
     def start(self) -> None:
         from runtime.detokenizer.process import connect_detokenizer
-        from runtime.offline import make_runner
+        from runtime.scheduler.runner import make_runner
 
         t0 = time.perf_counter()
         runner = make_runner(self.args)
@@ -149,15 +120,12 @@ class SchedulerProcess:
                     pool.page_size, self.meta["attention_backend"], config.max_running_requests,
                     cfg.context_length)
         if self.stats_path is not None:
-            from runtime.http_worker.metrics import EngineStats
+            from runtime.engine_stats import EngineStats
             self.stats = EngineStats.create(self.stats_path)
         self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
         self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.socket_path)
-        os.chmod(self.socket_path, 0o600)
-        self._listener.listen(64)
-        threading.Thread(target=self._accept, name="scheduler-accept", daemon=True).start()
+        self.peers = PeerServer(self.socket_path, self._request_channel, self.meta)
+        self.peers.start()
         self._publish()
 
     def stop(self) -> None:
@@ -167,7 +135,7 @@ class SchedulerProcess:
     def serve(self) -> None:
         sched, waker = self.scheduler, self.waker
         while not self._stopping:
-            if not self._new.empty():
+            if self.peers.has_events():
                 self._attach_new()
             for ch in self._input_list:
                 batch = ch.pop()
@@ -269,23 +237,32 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- workers attaching
     def _attach_new(self) -> None:
-        while not self._new.empty():
-            worker, pid, ch = self._new.get()
-            if ch is None:  # the worker's process exited
+        for event in self.peers.events():
+            worker, pid = event.hello["worker"], event.hello["pid"]
+            if event.kind == "exited":
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
                     aborted = self._retire(worker)
                     logger.log(logging.WARNING if aborted else logging.INFO,  # none: a clean stop
                                "worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
-                continue
-            if worker in self.inputs:
+            elif event.kind == "failed":
+                if self.inputs.get(worker) is event.channel:
+                    del self.worker_pids[worker]
+                    self._retire(worker)
+                else:
+                    event.channel.close()
+            elif worker in self.inputs:
                 logger.info("worker %d reconnected: %d requests of its previous process aborted", worker,
                             self._retire(worker))
+                self._add_input(worker, pid, event.channel)
             else:
                 logger.info("worker %d attached", worker)
-            self.inputs[worker] = ch
-            self.worker_pids[worker] = pid
-            self._input_list = list(self.inputs.values())
+                self._add_input(worker, pid, event.channel)
+
+    def _add_input(self, worker: int, pid: int, channel) -> None:
+        self.inputs[worker] = channel
+        self.worker_pids[worker] = pid
+        self._input_list = list(self.inputs.values())
 
     def _retire(self, worker: int) -> int:
         """Closes `worker`'s channel and ends every request of the process that held it."""
@@ -293,57 +270,17 @@ class SchedulerProcess:
         self._input_list = list(self.inputs.values())
         return self.scheduler.abort_where(lambda r: r.worker == worker)
 
-    def _accept(self) -> None:
-        """Acceptor thread: hands each connecting worker its REQUEST channel and reports the
-        exit of each attached worker's process."""
-        while not self._stopping:
-            ready, _, _ = select.select([self._listener.fileno(), *self._workers.fds()], [], [], IDLE_WAKE_S)
-            for worker, pid in self._workers.exited(ready):
-                self._new.put((worker, pid, None))
-            if self._listener.fileno() not in ready:
-                continue
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed by close()
-            with conn:
-                try:
-                    self._handshake(conn)
-                except Exception:
-                    logger.exception("a worker failed to attach")
-
-    def _handshake(self, conn: socket.socket) -> None:
-        conn.settimeout(10.0)
-        meta, peer_fd = recv_waker(conn)
-        try:
-            worker, pid = meta.get("worker"), meta.get("pid")
-            if not isinstance(worker, int) or not 0 <= worker < 1 << 16 or not isinstance(pid, int):
-                raise ValueError(f"unknown peer {meta!r}: expected a worker index and its pid")
-            ch = self.transport.create_channel(REQUEST_SPEC, "consumer", self.waker, peer_fd)
-        finally:
-            if peer_fd is not None:
-                os.close(peer_fd)
-        try:
-            send_channels(conn, [ch], self.meta)
-        except BaseException:
-            ch.close()
-            raise
-        self._new.put((worker, pid, ch))
-        if not self._workers.add(worker, pid):
-            self._new.put((worker, pid, None))
+    def _request_channel(self, hello: dict, peer_waker_fd: int | None):
+        """A worker's REQUEST channel (the PeerServer's acceptor thread calls this)."""
+        worker = hello.get("worker")
+        if not isinstance(worker, int) or not 0 <= worker < 1 << 16 or "pid" not in hello:
+            raise ValueError(f"unknown peer {hello!r}: expected a worker index and its pid")
+        return self.transport.create_channel(REQUEST_SPEC, "consumer", self.waker, peer_waker_fd)
 
     def close(self) -> None:
         self._stopping = True
-        if self._listener is not None:
-            self._listener.close()
-            try:
-                os.unlink(self.socket_path)
-            except FileNotFoundError:
-                pass
-        while not self._new.empty():
-            ch = self._new.get()[2]
-            if ch is not None:
-                ch.close()
+        if self.peers is not None:
+            self.peers.close()
         for ch in self.inputs.values():
             ch.close()
         self.inputs, self._input_list = {}, []

@@ -2,16 +2,8 @@
 whichever HTTP worker comes first and attached to by the others.
 
 The engine of a server is keyed by the pid of granian's main process (`os.getppid()`
-in a worker; `python -m runtime serve` is that process itself). Its files live in a
-private runtime directory (runtime_dir(), mode 0700):
-
-    engine-<pid>.lock            flock held only for the check-or-start critical section
-    engine-<pid>.json            the running engine: each process's pid and start time
-    engine-<pid>.scheduler       the scheduler's unix socket (REQUEST channels)
-    engine-<pid>.detokenizer     the detokenizer's unix socket (TEXT_OUT channels)
-    engine-<pid>.stats           the scheduler's published stats (runtime/http_worker/metrics.py EngineStats)
-    engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
-    engine-<pid>.metrics/        prometheus_client's multiprocess files
+in a worker; `python -m runtime serve` is that process itself); its files are
+runtime/supervise/files.py's.
 
 Engine processes are started with `python -m runtime.supervise.launcher <role>` in a session of
 their own, so they survive the worker that started them (granian may respawn it).
@@ -30,17 +22,17 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime.config import ServerArgs
+from runtime.supervise.files import EngineProcess, EngineStartError, ServerFiles, process_start_time
+from runtime.supervise.watchdog import stop_when_any_exits
 
 logger = logging.getLogger("ringserve.launcher")
 
@@ -48,89 +40,6 @@ ROLES = ("scheduler", "detokenizer")
 START_TIMEOUT_S = 600.0  # model conversion (first GGUF start) and loading on a slow CPU
 STOP_GRACE_S = 10.0      # an engine process asked to stop is killed after this long
 PROGRESS_EVERY_S = 10.0  # how often a worker waiting for the engine says so
-
-
-class EngineStartError(RuntimeError):
-    """The engine could not be started or attached; the message is one line for the user."""
-
-
-def runtime_dir() -> Path:
-    """$XDG_RUNTIME_DIR/ringserve, else <tmp>/ringserve-<uid>; created 0700, and refused
-    when another user could have prepared it."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        path = Path(base) / "ringserve"
-    else:
-        path = Path(tempfile.gettempdir()) / f"ringserve-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    st = path.lstat()
-    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise EngineStartError(f"{path} must be a directory of this user with mode 0700")
-    return path
-
-
-@dataclass(frozen=True)
-class ServerFiles:
-    """The paths of one server's engine (see the module docstring)."""
-    server_pid: int
-    root: Path
-
-    @classmethod
-    def of(cls, server_pid: int) -> ServerFiles:
-        return cls(server_pid, runtime_dir())
-
-    def _path(self, suffix: str) -> Path:
-        return self.root / f"engine-{self.server_pid}.{suffix}"
-
-    @property
-    def lock(self) -> Path:
-        return self._path("lock")
-
-    @property
-    def info(self) -> Path:
-        return self._path("json")
-
-    @property
-    def stats(self) -> Path:
-        return self._path("stats")
-
-    @property
-    def metrics_dir(self) -> Path:
-        return self._path("metrics")
-
-    def socket(self, role: str) -> Path:
-        return self._path(role)
-
-    def worker_lock(self, index: int) -> Path:
-        return self._path(f"worker-{index}")
-
-    def remove(self) -> None:
-        """Every file of this server (its engine is gone)."""
-        for path in self.root.glob(f"engine-{self.server_pid}.*"):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
-@dataclass(frozen=True)
-class EngineProcess:
-    role: str
-    pid: int
-    start_time: int  # /proc/<pid>/stat field 22: tells a reused pid apart
-
-    def alive(self) -> bool:
-        return process_start_time(self.pid) == self.start_time
-
-
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot; None when it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 # ---------------------------------------------------------------- worker side
@@ -328,7 +237,7 @@ def _sweep_stale(root: Path) -> None:
 def engine_process_main(role: str, spec_json: str) -> int:
     """`python -m runtime.supervise.launcher <role> <spec>`: reads the pids to watch from stdin, then
     runs the scheduler or the detokenizer until it is told to stop or a watched process exits."""
-    from runtime.supervise.watchdog import stop_when_any_exits
+
 
     # until run_scheduler / run_detokenizer install their own handlers, a stop request
     # unwinds (finally blocks run) instead of killing the process where it stands

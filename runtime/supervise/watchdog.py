@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from runtime.supervise.launcher import EngineProcess
+from runtime.supervise.files import EngineProcess
 
 logger = logging.getLogger("ringserve.watchdog")
 
@@ -117,33 +117,3 @@ class EngineWatchdog:
                 self._loop.remove_reader(fd)
             os.close(fd)
         self._fds = []
-
-
-class WorkerWatch:
-    """The pidfds of the HTTP workers attached to an engine process, polled by its acceptor
-    thread. Without granian's --respawn-failed-workers a dead worker gets no successor whose
-    attach would retire it: its requests would run to max_tokens for nobody, and its full
-    TEXT_OUT ring would block the detokenizer, stalling every other worker's streams."""
-
-    def __init__(self) -> None:
-        self._fds: dict[int, tuple[int, int]] = {}  # pidfd -> (worker index, pid)
-
-    def add(self, worker: int, pid: int) -> bool:
-        """Watches `pid`; False when it has already exited."""
-        fd = _pidfd(pid)
-        if fd is None:
-            return False
-        self._fds[fd] = (worker, pid)
-        return True
-
-    def fds(self) -> list[int]:
-        return list(self._fds)
-
-    def exited(self, ready: list[int]) -> list[tuple[int, int]]:
-        """(worker, pid) of each process whose pidfd is in `ready`; they are no longer watched."""
-        gone = []
-        for fd in ready:
-            if fd in self._fds:
-                gone.append(self._fds.pop(fd))
-                os.close(fd)
-        return gone

@@ -1,0 +1,267 @@
+"""The routes: OpenAI's, SGLang's native ones, health and metrics. Each stays thin: httpapi/
+does the protocol (parsing, validation, bodies, SSE templates), the TokenizerManager the
+engine side, the HTTPWorker the state they share."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from httpapi.errors import engine_unavailable
+from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
+from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize, parse_generate,
+                              parse_tokenize)
+from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
+                               new_request_id, now)
+from httpapi.sampling import check_token_ids
+from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
+from protocol.sampling_params import SamplingParams
+from runtime.http_worker.asgi import (Handler, api_route, error_response, json_response, orjson_dumps, probe_route,
+                                     read_body)
+from runtime.http_worker.streaming import EventStream, sse_events
+from runtime.http_worker.tokenizer_manager import ReqGroup, ReqState
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
+    """A non-streamed request's choices, all finished; aborted if the client leaves first."""
+    watch = worker.watches.watch(request.receive, lambda: worker.tm.abort(group))
+    try:
+        return await group.finished()
+    finally:
+        watch.close()
+
+
+def choice_results(states: list[ReqState], prefixes: list[str] | None = None) -> list[ChoiceResult]:
+    results = []
+    for state in states:
+        text, lp, finish = state.take()
+        if prefixes is not None:
+            text = prefixes[state.index] + text
+        results.append(ChoiceResult(state.index, text, finish, usage_of(state), lp, state.matched_stop,
+                                    e2e_latency(state), output_ids_of(state)))
+    return results
+
+
+def output_ids_of(state: ReqState) -> list[int] | None:
+    return state.output_ids if state.params.return_ids else None
+
+
+def e2e_latency(state: ReqState) -> float:
+    """Seconds from the request's arrival to now (its end, when asked of a finished choice)."""
+    return (time.monotonic_ns() - state.group.arrival_ns) * 1e-9
+
+
+def usage_of(state: ReqState) -> Usage:
+    return Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
+
+
+# ---------------------------------------------------------------- OpenAI
+
+@api_route
+async def chat_completions(worker, request: Request) -> Response:
+    req = parse_chat_completion(await read_body(request))
+    check_model(req.model, worker.model.served_name)
+    ids = await worker.tm.chat_ids(req.messages)
+    params = worker.sampling_params(req.sampling, ids)
+    request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
+    group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
+    vocab = worker.vocab if params.logprobs else None
+    if req.stream:
+        stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
+        events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
+        return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
+    states = await finished(worker, request, group)
+    worker.observe(group)
+    return json_response(chat_completion_body(request_id, created, worker.model.served_name,
+                                              choice_results(states), req.n, vocab))
+
+
+@api_route
+async def completions(worker, request: Request) -> Response:
+    req = parse_completion(await read_body(request))
+    check_model(req.model, worker.model.served_name)
+    prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
+    params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
+    n = req.n
+    request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
+    group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
+    echoes = None
+    if req.echo:
+        echoes = [p if isinstance(p, str) else worker.tm.decode(p) for p in req.prompts for _ in range(n)]
+    vocab = worker.vocab if params[0].logprobs else None
+    if req.stream:
+        stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
+        first = b"".join(stream.delta(i, text) for i, text in enumerate(echoes)) if echoes else b""
+        events = openai_events(worker, group, stream, n, req.include_usage, first)
+        return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
+    states = await finished(worker, request, group)
+    worker.observe(group)
+    return json_response(completion_body(request_id, created, worker.model.served_name,
+                                         choice_results(states, echoes), n, vocab))
+
+
+def openai_events(worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int,
+                  include_usage: bool, head: bytes) -> AsyncIterator[bytes]:
+    def render(state: ReqState) -> bytes | None:
+        text, lp, finish = state.take()
+        if text or finish or lp is not None:
+            return stream.delta(state.index, text, finish, lp)
+        return None
+
+    def tail() -> bytes:
+        if include_usage:
+            return stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
+        return DONE
+
+    return sse_events(worker, group, render, head, tail)
+
+
+async def prompt_tokens(worker, prompt: str | list[int]) -> list[int]:
+    return await worker.tm.encode(prompt) if isinstance(prompt, str) else prompt
+
+
+@api_route
+async def models(worker, request: Request) -> Response:
+    m = worker.model
+    return json_response(models_body(m.served_name, worker.started, m.context_length, m.model_dir))
+
+
+@api_route
+async def retrieve_model(worker, request: Request) -> Response:
+    """GET /v1/models/{id}: routed at start-up, once the served name is known; another id is a 404."""
+    m = worker.model
+    return json_response(orjson_dumps(model_card(m.served_name, worker.started, m.context_length, m.model_dir)))
+
+
+# ---------------------------------------------------------------- SGLang native
+
+@api_route
+async def generate(worker, request: Request) -> Response:
+    req = parse_generate(await read_body(request))
+    prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
+    params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]
+    n = req.n
+    rids = [rid or new_request_id("gen") for rid in req.rids]
+    choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
+    group = await worker.submit("generate", prompt_ids, params, n, rids, req.stream)
+    vocab = worker.vocab if req.return_logprob else None
+    if req.stream:
+        stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
+        return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group),
+                           worker.watches)
+    states = await finished(worker, request, group)
+    worker.observe(group)
+    return json_response(generate_body(choice_rids, choice_results(states), req.batch, vocab,
+                                       req.return_text_in_logprobs))
+
+
+def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIterator[bytes]:
+    def render(state: ReqState) -> bytes:
+        text, lp, finish = state.take()
+        return stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp,
+                            e2e_latency(state) if finish else None, output_ids_of(state))
+
+    return sse_events(worker, group, render, b"", lambda: DONE)
+
+
+@api_route
+async def tokenize(worker, request: Request) -> Response:
+    req = parse_tokenize(await read_body(request))
+    check_model(req.model, worker.model.served_name)
+    if req.messages is not None:
+        tokens = [await worker.tm.chat_ids(req.messages)]
+    else:
+        tokens = [await worker.tm.encode(p, req.add_special_tokens) for p in req.prompts]
+    body = {"tokens": tokens, "count": [len(t) for t in tokens]} if req.batch else \
+        {"tokens": tokens[0], "count": len(tokens[0])}
+    return json_response(orjson_dumps({**body, "max_model_len": worker.model.context_length}))
+
+
+@api_route
+async def detokenize(worker, request: Request) -> Response:
+    req = parse_detokenize(await read_body(request))
+    check_model(req.model, worker.model.served_name)
+    for ids in req.token_ids:
+        check_token_ids(ids, worker.model.vocab_size, "tokens")
+    texts = [worker.tm.decode(ids, req.skip_special_tokens) for ids in req.token_ids]
+    return json_response(orjson_dumps({"text": texts if req.batch else texts[0]}))
+
+
+@api_route
+async def get_model_info(worker, request: Request) -> Response:
+    m = worker.model
+    return json_response(model_info_body(m.served_name, m.model_dir, m.context_length, m.vocab_size, m.architecture))
+
+
+@api_route
+async def get_server_info(worker, request: Request) -> Response:
+    return json_response(server_info_body(dataclasses.asdict(worker.args), **worker.engine_state()))
+
+
+@api_route
+async def flush_cache(worker, request: Request) -> Response:
+    worker.check_alive()
+    worker.tm.flush_cache()
+    return Response("Cache flushed.\n", media_type="text/plain")
+
+
+@api_route
+async def abort_request(worker, request: Request) -> Response:
+    req = parse_abort(await read_body(request))
+    aborted = worker.tm.abort_rid(None if req.abort_all else req.rid)
+    return json_response(orjson_dumps({"aborted": aborted}))
+
+
+# ---------------------------------------------------------------- health and metrics
+
+async def health(request: Request) -> Response:
+    problem = request.app.worker.health_problem()
+    if problem:
+        return error_response(engine_unavailable(problem))
+    return Response(b"", 200)
+
+
+@probe_route
+async def health_generate(worker, request: Request) -> Response:
+    """Runs one greedy token through the whole engine."""
+    worker.check_alive()
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    group = await worker.tm.submit([[worker.health_token]], [params])
+    try:
+        await asyncio.wait_for(group.finished(), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        worker.tm.abort(group)
+        raise engine_unavailable(f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s")
+    return Response(b"", 200)
+
+
+@probe_route
+async def metrics(worker, request: Request) -> Response:
+    body, content_type = worker.metrics.render(worker.engine_stats(), {
+        "dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.tm.ring_depths()})
+    return Response(body, media_type=content_type)
+
+
+ROUTES: dict[str, dict[str, Handler]] = {
+    "/v1/chat/completions": {"POST": chat_completions},
+    "/v1/completions": {"POST": completions},
+    "/v1/models": {"GET": models},
+    "/generate": {"POST": generate, "PUT": generate},
+    "/tokenize": {"POST": tokenize},
+    "/detokenize": {"POST": detokenize},
+    "/v1/tokenize": {"POST": tokenize},
+    "/v1/detokenize": {"POST": detokenize},
+    "/get_model_info": {"GET": get_model_info},
+    "/get_server_info": {"GET": get_server_info},
+    "/flush_cache": {"POST": flush_cache, "GET": flush_cache},
+    "/abort_request": {"POST": abort_request},
+    "/health": {"GET": health},
+    "/health_generate": {"GET": health_generate},
+    "/metrics": {"GET": metrics},
+}

@@ -1,0 +1,186 @@
+"""One granian worker's state (HTTPWorker): its link to the engine, its TokenizerManager, the
+watchdog on the engine's processes, its metrics; and what the routes ask of them."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from gpu.model_files import ModelLoadError
+from httpapi.errors import engine_unavailable
+from httpapi.info import served_model_name
+from httpapi.logprobs import LogprobVocab
+from httpapi.responses import now
+from httpapi.sampling import SamplingSpec
+from protocol.sampling_params import SamplingParams
+from runtime.config import ServerArgs
+from runtime.engine_stats import EngineStats
+from runtime.gc_tuning import settle_heap
+from runtime.http_worker.disconnect import DisconnectWatches
+from runtime.http_worker.metrics import WorkerMetrics, use_multiprocess_dir
+from runtime.http_worker.tokenizer_manager import ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
+from runtime.supervise.files import ServerFiles
+from runtime.supervise.launcher import EngineLink, attach_engine
+from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
+
+logger = logging.getLogger("ringserve.app")
+
+METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
+
+
+class HTTPWorker:
+    """One granian worker's state: its engine link, TokenizerManager, watchdog and metrics."""
+
+    def __init__(self, args: ServerArgs, files: ServerFiles, link: EngineLink, tm: TokenizerManager,
+                 vocab: LogprobVocab, metrics: WorkerMetrics) -> None:
+        self.args, self.files, self.link, self.tm = args, files, link, tm
+        self.model = tm.model
+        self.vocab = vocab
+        self.metrics = metrics
+        self.kv_tokens: int | None = link.meta.get("max_total_tokens")  # may hold less than the context
+        self.started = now()
+        self.index_header = str(link.worker)
+        self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0
+        self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
+        self.watchdog = EngineWatchdog(link.procs, files.server_pid, self._engine_exited)
+        self.watches = DisconnectWatches()
+        self._tasks: list[asyncio.Task] = []  # metrics flushing, disconnect watches
+
+    @classmethod
+    async def start(cls) -> HTTPWorker:
+        args = ServerArgs.from_env()
+        _configure_logging(args.log_level)
+        files = ServerFiles.of(os.getppid())  # granian's main process: the server
+        use_multiprocess_dir(files.metrics_dir)  # before prometheus_client is imported
+        loading = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args))  # while the engine starts
+        try:
+            link = await asyncio.to_thread(attach_engine, args, files)
+        except BaseException:
+            await asyncio.gather(loading, return_exceptions=True)
+            raise
+        try:
+            tokenizer, model, vocab = await loading
+            metrics = WorkerMetrics()
+        except BaseException:
+            link.close(files)
+            raise
+        tm = TokenizerManager(link.worker, link.request_ch, link.text_ch, link.waker, tokenizer, model,
+                              args.request_timeout, args.stream_interval)
+        worker = cls(args, files, link, tm, vocab, metrics)
+        tm.start()
+        worker.watchdog.start(asyncio.get_running_loop())
+        worker._tasks = [asyncio.create_task(worker._flush_metrics()), asyncio.create_task(worker.watches.run())]
+        settle_heap()
+        logger.info("HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, "
+                    "detokenizer pid %d", link.worker, os.getpid(), files.server_pid,
+                    *(p.pid for p in link.procs))
+        return worker
+
+    async def close(self) -> None:
+        self.watchdog.close()
+        for task in self._tasks:
+            task.cancel()
+        self.metrics.flush()
+        await self.tm.close()
+        if self.stats is not None:
+            self.stats.close()
+        self.link.close(self.files)
+
+    def _engine_exited(self, role: str) -> None:
+        self.tm.fail_all(engine_unavailable(f"The engine's {role} process exited; restart the server."))
+
+    async def _flush_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_S)
+            self.metrics.flush()
+
+    # ---------------------------------------------------------------- used by the routes
+
+    def check_alive(self) -> None:
+        if self.tm.dead is not None:
+            raise self.tm.dead
+
+    def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int]) -> SamplingParams:
+        """A request's final sampling parameters for one tokenized prompt; raises APIError(400)."""
+        m = self.model
+        return spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
+
+    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams], n: int, rids: list[str],
+                     stream: bool) -> ReqGroup:
+        """n choices of each prompt, prompt-major. A seeded prompt's j-th choice samples with
+        seed + j, as vLLM's: the n samples differ, and the request is still reproducible."""
+        self.metrics.count_request(endpoint)
+        choice_params = [p if p.seed is None or j == 0 else dataclasses.replace(p, seed=_wrap_int64(p.seed + j))
+                         for p in params for j in range(n)]
+        return await self.tm.submit([ids for ids in prompts for _ in range(n)], choice_params, rids, stream)
+
+    def observe(self, group: ReqGroup) -> None:
+        """A request that ran to its end (not one that failed or whose client left)."""
+        self.metrics.observe_request(group.arrival_ns, time.monotonic_ns(), group.states)
+
+    def observe_delta(self, state: ReqState, now_ns: int) -> None:
+        """Inter-token latency of a streamed delta: its interval spread over its tokens."""
+        k = state.completion_tokens - state.sent_tokens
+        if k > 0:
+            if state.sent_tokens:
+                self.metrics.itl.observe((now_ns - state.last_ns) * 1e-9 / k, k)
+            state.sent_tokens, state.last_ns = state.completion_tokens, now_ns
+
+    def engine_stats(self) -> dict[str, int] | None:
+        if self.stats is None:
+            self.stats = EngineStats.open(self.files.stats)
+        return None if self.stats is None else self.stats.read()
+
+    def health_problem(self) -> str | None:
+        """Why /health is not 200, or None."""
+        if self.tm.dead is not None:
+            return self.tm.dead.message
+        stats = self.engine_stats()
+        if stats is not None and stats["updated_ns"]:
+            age = (time.monotonic_ns() - stats["updated_ns"]) * 1e-9
+            if age > HEARTBEAT_STALE_S:
+                return f"The scheduler has not completed a step for {age:.0f} s."
+        return None
+
+    def engine_state(self) -> dict:
+        """What /get_server_info adds to the arguments: the engine as the scheduler described it."""
+        meta = self.link.meta
+        return {"max_total_num_tokens": meta.get("max_total_tokens"), "context_length": self.model.context_length,
+                "attention_backend": meta.get("attention_backend"), "worker_index": self.link.worker,
+                "engine": {p.role: p.pid for p in self.link.procs}, "engine_up": self.tm.dead is None,
+                "internal_states": [self.engine_stats() or {}]}
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def _configure_logging(level: str) -> None:
+    log = logging.getLogger("ringserve")
+    log.setLevel(level.upper())
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s worker {os.getpid()}: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
+    from transformers import AutoTokenizer
+
+    from gpu.model_config import ModelConfig
+    from gpu.model_files import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model_path)
+    cfg = ModelConfig.from_dir(model_dir, args.context_length)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.chat_template is not None:
+        try:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(str(e)) from None
+    model = ModelInfo(str(model_dir), served_model_name(args.model_path, args.served_model_name), cfg.architecture, cfg.context_length, cfg.vocab_size)
+    return tokenizer, model, LogprobVocab.from_tokenizer(tokenizer, cfg.vocab_size)
