@@ -4,6 +4,7 @@ Shared by gpu.kernels (ctypes libraries), ipc and runtime (CPython extensions): 
 `build`, which compiles once into the cache directory, keyed by the sources, the
 headers they may include and the flags, so an edited source or another Python
 rebuilds and an unchanged one is only loaded."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +13,9 @@ import os
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
 
 
 class BuildError(RuntimeError):
@@ -26,8 +27,14 @@ def cache_root() -> Path:
     return Path(base) / "ringserve" if base else Path.home() / ".cache" / "ringserve"
 
 
-def build(name: str, sources: Sequence[Path], flags: Sequence[str], headers: Sequence[Path] = (),
-          subdir: str = "kernels", suffix: str = ".so") -> Path:
+def build(
+    name: str,
+    sources: Sequence[Path],
+    flags: Sequence[str],
+    headers: Sequence[Path] = (),
+    subdir: str = "kernels",
+    suffix: str = ".so",
+) -> Path:
     """The shared library `name` built from `sources` with `flags` (cached)."""
     content = b"".join(p.read_bytes() for p in [*sources, *headers])
     key = hashlib.sha256(content + " ".join(flags).encode()).hexdigest()[:16]

@@ -4,6 +4,7 @@ call a step instead of ~10 a layer. Used by the ModelRunner for steps where ever
 has one new token, when the model's projections are all GGUF blocks, the per-layer glue is
 the C kernels (CpuLayerOps) and the attention backend is `cpu`; anything else takes the
 Python forward."""
+
 from __future__ import annotations
 
 import ctypes
@@ -22,26 +23,49 @@ _KERNEL_CODES = {name: code for code, name in enumerate(("gemm_q4_1", "gemm_q8_0
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("k", ctypes.c_int64), ("kernel", ctypes.c_int64)]
+    _fields_ = [
+        ("qs", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("kernel", ctypes.c_int64),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
-                ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("qkv", _Projection),
+        ("o", _Projection),
+        ("gate_up", _Projection),
+        ("down", _Projection),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
 
 
 class _Dims(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("q_heads", ctypes.c_int64),
-                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("page_size", ctypes.c_int64),
-                ("kv_dtype", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("q_heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 def _projection(w: QuantizedWeight) -> _Projection:
     n, k = w.shape
-    return _Projection(w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), n, k,
-                       _KERNEL_CODES[GEMMS[w.kind, w.activations]])
+    return _Projection(
+        w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), n, k, _KERNEL_CODES[GEMMS[w.kind, w.activations]]
+    )
 
 
 class CpuDecoder:
@@ -56,25 +80,49 @@ class CpuDecoder:
         self._decode = lib.decode_layers
         cfg, ops = model.cfg, model.ops
         self.model = model
-        self.max_tokens = min((w.max_tokens for w in (*model.qkv, *model.o, *model.gate_up, *model.down)
-                               if w.max_tokens is not None), default=None)
-        self._layers = (_Layer * cfg.num_layers)(*(
-            _Layer(model.input_norm[i].data_ptr(), model.post_norm[i].data_ptr(),
-                   None if model.qkv_bias[i] is None else model.qkv_bias[i].data_ptr(),
-                   _projection(model.qkv[i]), _projection(model.o[i]), _projection(model.gate_up[i]),
-                   _projection(model.down[i]), kv_cache.k[i].data_ptr(), kv_cache.v[i].data_ptr())
-            for i in range(cfg.num_layers)))
+        self.max_tokens = min(
+            (w.max_tokens for w in (*model.qkv, *model.o, *model.gate_up, *model.down) if w.max_tokens is not None),
+            default=None,
+        )
+        self._layers = (_Layer * cfg.num_layers)(
+            *(
+                _Layer(
+                    model.input_norm[i].data_ptr(),
+                    model.post_norm[i].data_ptr(),
+                    None if model.qkv_bias[i] is None else model.qkv_bias[i].data_ptr(),
+                    _projection(model.qkv[i]),
+                    _projection(model.o[i]),
+                    _projection(model.gate_up[i]),
+                    _projection(model.down[i]),
+                    kv_cache.k[i].data_ptr(),
+                    kv_cache.v[i].data_ptr(),
+                )
+                for i in range(cfg.num_layers)
+            )
+        )
         intermediate = model.gate_up[0].shape[0] // 2
-        self._dims = _Dims(model.embed.shape[1], intermediate, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim,
-                           kv_cache.page_size, KV_DTYPE_CODES[kv_cache.dtype], cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+        self._dims = _Dims(
+            model.embed.shape[1],
+            intermediate,
+            cfg.num_q_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            kv_cache.page_size,
+            KV_DTYPE_CODES[kv_cache.dtype],
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+        )
         self._tables = (ops.cos, ops.sin)  # contiguous [P, D/2], held by the ops
 
     @staticmethod
     def applies(model: LlamaForCausalLM, attention_backend: str) -> bool:
         """Whether `model` run with `attention_backend` is one this decoder reproduces."""
         projections = (*model.qkv, *model.o, *model.gate_up, *model.down)
-        return (attention_backend == "cpu" and isinstance(model.ops, CpuLayerOps)
-                and all(isinstance(w, QuantizedWeight) for w in projections))
+        return (
+            attention_backend == "cpu"
+            and isinstance(model.ops, CpuLayerOps)
+            and all(isinstance(w, QuantizedWeight) for w in projections)
+        )
 
     def takes(self, meta: AttentionMetadata) -> bool:
         """A decode step of no more tokens than every projection runs through its blocks."""
@@ -86,9 +134,21 @@ class CpuDecoder:
         residual = torch.empty_like(x)
         page_table = meta.page_table if meta.page_table.is_contiguous() else meta.page_table.contiguous()
         cos, sin = self._tables
-        if self._decode(ctypes.addressof(self._layers), len(self._layers), ctypes.addressof(self._dims), x.shape[0],
-                        x.data_ptr(), residual.data_ptr(), meta.positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                        meta.out_cache_loc.data_ptr(), page_table.data_ptr(), page_table.shape[1],
-                        meta.kv_lens.data_ptr(), torch.get_num_threads()):
+        if self._decode(
+            ctypes.addressof(self._layers),
+            len(self._layers),
+            ctypes.addressof(self._dims),
+            x.shape[0],
+            x.data_ptr(),
+            residual.data_ptr(),
+            meta.positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            meta.out_cache_loc.data_ptr(),
+            page_table.data_ptr(),
+            page_table.shape[1],
+            meta.kv_lens.data_ptr(),
+            torch.get_num_threads(),
+        ):
             raise MemoryError("decode_cpu: no memory for a step's activations")
         return self.model.logits(x, residual, logits_index)

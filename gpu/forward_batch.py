@@ -1,9 +1,10 @@
 """One step's batch: the flat token ids, positions and attention metadata of the step's
 sequences, built with a handful of vectorised numpy ops whatever the batch size."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -14,11 +15,12 @@ from gpu.attention.base import AttentionMetadata
 @dataclass(frozen=True)
 class SeqInput:
     """One request's slice of one step."""
-    row: int               # the request's row in [0, max_running_requests): its sampler state
+
+    row: int  # the request's row in [0, max_running_requests): its sampler state
     token_ids: np.ndarray  # int32 [n], this step's new tokens (n >= 1; n == 1 for decode)
-    start: int             # tokens of this request already in the KV cache
-    page_ids: np.ndarray   # int32, the pages covering positions [0, start + n), in order
-    sample: bool           # this slice ends at the request's last known token: sample one
+    start: int  # tokens of this request already in the KV cache
+    page_ids: np.ndarray  # int32, the pages covering positions [0, start + n), in order
+    sample: bool  # this slice ends at the request's last known token: sample one
 
 
 @dataclass(frozen=True)
@@ -26,45 +28,51 @@ class StepInput:
     """A step's sequences as columns: what the scheduler hands the runner, built from its
     request table without an object per request (at 256 running requests, a SeqInput each
     was a fifth of the scheduler's time a step). A list of SeqInputs converts with of()."""
-    rows: np.ndarray        # int64 [B], the sampler rows
-    starts: np.ndarray      # int64 [B], tokens of each sequence already in the KV cache
-    q_lens: np.ndarray      # int64 [B], its new tokens this step (>= 1)
-    token_ids: np.ndarray   # int32 [sum(q_lens)], the new tokens, sequence after sequence
+
+    rows: np.ndarray  # int64 [B], the sampler rows
+    starts: np.ndarray  # int64 [B], tokens of each sequence already in the KV cache
+    q_lens: np.ndarray  # int64 [B], its new tokens this step (>= 1)
+    token_ids: np.ndarray  # int32 [sum(q_lens)], the new tokens, sequence after sequence
     page_table: np.ndarray  # int32 [B, P], each sequence's pages in order; entries past num_pages unused
-    num_pages: np.ndarray   # int64 [B]
-    sample: np.ndarray      # bool [B], sample a token after this sequence's last new one
+    num_pages: np.ndarray  # int64 [B]
+    sample: np.ndarray  # bool [B], sample a token after this sequence's last new one
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @classmethod
-    def of(cls, seqs: "StepInput | Sequence[SeqInput]") -> "StepInput":
+    def of(cls, seqs: StepInput | Sequence[SeqInput]) -> StepInput:
         if isinstance(seqs, StepInput):
             return seqs
         B = len(seqs)
         num_pages = np.fromiter((len(s.page_ids) for s in seqs), np.int64, B)
         page_table = np.zeros((B, int(num_pages.max()) if B else 0), np.int32)
         for b, s in enumerate(seqs):
-            page_table[b, :num_pages[b]] = s.page_ids
-        return cls(rows=np.fromiter((s.row for s in seqs), np.int64, B),
-                   starts=np.fromiter((s.start for s in seqs), np.int64, B),
-                   q_lens=np.fromiter((len(s.token_ids) for s in seqs), np.int64, B),
-                   token_ids=np.concatenate([np.asarray(s.token_ids, np.int32).reshape(-1) for s in seqs])
-                   if B else np.zeros(0, np.int32),
-                   page_table=page_table, num_pages=num_pages,
-                   sample=np.fromiter((s.sample for s in seqs), bool, B))
+            page_table[b, : num_pages[b]] = s.page_ids
+        return cls(
+            rows=np.fromiter((s.row for s in seqs), np.int64, B),
+            starts=np.fromiter((s.start for s in seqs), np.int64, B),
+            q_lens=np.fromiter((len(s.token_ids) for s in seqs), np.int64, B),
+            token_ids=np.concatenate([np.asarray(s.token_ids, np.int32).reshape(-1) for s in seqs])
+            if B
+            else np.zeros(0, np.int32),
+            page_table=page_table,
+            num_pages=num_pages,
+            sample=np.fromiter((s.sample for s in seqs), bool, B),
+        )
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    input_ids: torch.Tensor     # int64 [T]
+    input_ids: torch.Tensor  # int64 [T]
     logits_index: torch.Tensor  # int64 [S], the flat token whose logits are sampled, per sampled seq
-    sample_rows: np.ndarray     # int64 [S], their sampler rows
+    sample_rows: np.ndarray  # int64 [S], their sampler rows
     meta: AttentionMetadata
 
 
-def build_forward_batch(seqs: StepInput | Sequence[SeqInput], page_size: int, context_length: int,
-                        device: torch.device) -> ForwardBatch:
+def build_forward_batch(
+    seqs: StepInput | Sequence[SeqInput], page_size: int, context_length: int, device: torch.device
+) -> ForwardBatch:
     step = StepInput.of(seqs)
     B = len(step)
     if B == 0:
@@ -75,9 +83,11 @@ def build_forward_batch(seqs: StepInput | Sequence[SeqInput], page_size: int, co
     bad = np.flatnonzero((q_lens < 1) | (starts < 0) | (n_pages < need) | (kv_lens > context_length))
     if len(bad):
         b = bad[0]
-        raise ValueError(f"the sequence of row {step.rows[b]}: {q_lens[b]} tokens from start {starts[b]} "
-                         f"need >= 1 token, {need[b]} pages (has {n_pages[b]}) and at most "
-                         f"context_length={context_length} positions")
+        raise ValueError(
+            f"the sequence of row {step.rows[b]}: {q_lens[b]} tokens from start {starts[b]} "
+            f"need >= 1 token, {need[b]} pages (has {n_pages[b]}) and at most "
+            f"context_length={context_length} positions"
+        )
     if len(step.token_ids) != int(q_lens.sum()):
         raise ValueError(f"{len(step.token_ids)} token ids for {int(q_lens.sum())} new tokens")
     input_ids = step.token_ids.astype(np.int64)
@@ -87,11 +97,12 @@ def build_forward_batch(seqs: StepInput | Sequence[SeqInput], page_size: int, co
     T = int(qo_indptr[-1])
     tok_seq = np.repeat(np.arange(B), q_lens)
     positions = np.arange(T) - qo_indptr[tok_seq] + starts[tok_seq]
-    out_cache_loc = step.page_table[tok_seq, positions // page_size].astype(np.int64) * page_size \
-        + positions % page_size
+    out_cache_loc = (
+        step.page_table[tok_seq, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    )
 
     max_pages = int(need.max())
-    valid = np.arange(max_pages)[None, :] < need[:, None]      # [B, max_pages]
+    valid = np.arange(max_pages)[None, :] < need[:, None]  # [B, max_pages]
     page_table = np.where(valid, step.page_table[:, :max_pages], 0).astype(np.int32)
     kv_page_indptr = np.zeros(B + 1, np.int32)
     np.cumsum(need, out=kv_page_indptr[1:])
@@ -102,9 +113,17 @@ def build_forward_batch(seqs: StepInput | Sequence[SeqInput], page_size: int, co
     qo_indptr32, kv_lens32 = qo_indptr.astype(np.int32), kv_lens.astype(np.int32)
     t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)
     meta = AttentionMetadata(
-        qo_indptr=t(qo_indptr32), kv_lens=t(kv_lens32), page_table=t(page_table),
-        out_cache_loc=t(out_cache_loc), positions=t(positions),
-        kv_page_indptr=t(kv_page_indptr), kv_page_ids=t(page_table[valid]),
-        qo_indptr_host=qo_indptr32, kv_lens_host=kv_lens32, page_table_host=page_table,
-        max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()))
+        qo_indptr=t(qo_indptr32),
+        kv_lens=t(kv_lens32),
+        page_table=t(page_table),
+        out_cache_loc=t(out_cache_loc),
+        positions=t(positions),
+        kv_page_indptr=t(kv_page_indptr),
+        kv_page_ids=t(page_table[valid]),
+        qo_indptr_host=qo_indptr32,
+        kv_lens_host=kv_lens32,
+        page_table_host=page_table,
+        max_q_len=int(q_lens.max()),
+        max_kv_len=int(kv_lens.max()),
+    )
     return ForwardBatch(t(input_ids), t(logits_index), sample_rows, meta)

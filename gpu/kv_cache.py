@@ -1,4 +1,5 @@
 """The paged KV cache tensors: one allocation holding every layer's K and V pages."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,16 @@ class KVCache:
     """dtype is the cache's element type (--kv-cache-dtype), which may be narrower than the
     model's: the backends convert on store and on read."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size

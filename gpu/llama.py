@@ -1,11 +1,12 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch over a
 paged KV cache: one forward for a flat batch of tokens from many requests, attention
 delegated to the backend, logits only for the tokens that are sampled."""
+
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 SHORT_GEMM_TOKENS = 128
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
-           w_t: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    w_t: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x: [T, K], w: [N, K] (or GGUF blocks), w_t: the same weight as a [K, N] copy or None
     -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
     if isinstance(w, QuantizedWeight):
@@ -62,8 +67,9 @@ class TorchLayerOps:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos, sin  # [P, D/2]
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: [T, H] -> (x + residual, rms_norm(x + residual)); residual None: x as it is."""
         x = x if residual is None else x + residual
         return x, rms_norm(x, weight, eps)
@@ -95,14 +101,23 @@ class CpuLayerOps:
             fn.restype = None
         self.lib, self.cos, self.sin = lib, cos.contiguous(), sin.contiguous()
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         T, H = x.shape
         x = x.contiguous()
         residual = None if residual is None else residual.contiguous()
         out = torch.empty_like(x)
-        self.lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                          T, H, eps, out.data_ptr(), torch.get_num_threads())
+        self.lib.rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            T,
+            H,
+            eps,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return x, out
 
     def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -112,9 +127,19 @@ class CpuLayerOps:
             T, H, D = qk.shape  # heads contiguous within a row; rows at any stride (the fused qkv's)
             if qk.stride(2) != 1 or qk.stride(1) != D:
                 raise ValueError(f"rope: q and k heads must be contiguous within a row, strides {qk.stride()}")
-            self.lib.rope(qk.data_ptr(), qk.stride(0), T, H, D, positions.data_ptr(), self.cos.data_ptr(),
-                          self.sin.data_ptr(), torch.get_num_threads())
+            self.lib.rope(
+                qk.data_ptr(),
+                qk.stride(0),
+                T,
+                H,
+                D,
+                positions.data_ptr(),
+                self.cos.data_ptr(),
+                self.sin.data_ptr(),
+                torch.get_num_threads(),
+            )
             return qk
+
         return rope
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -151,6 +176,7 @@ class LlamaForCausalLM:
         self.o = [weights[f"layers.{i}.o"] for i in range(n)]
         self.gate_up = [weights[f"layers.{i}.gate_up"] for i in range(n)]
         self.down = [weights[f"layers.{i}.down"] for i in range(n)]
+
         # On the CPU a one-token product x @ W^T streams W ~2x faster from a [K, N] copy than from
         # the [N, K] weight when K is the short hidden size (MKL; measured for gate_up and lm_head,
         # not for qkv, o or down). Single-token steps, i.e. batch-1 decode, the latency case, use
@@ -169,9 +195,19 @@ class LlamaForCausalLM:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.lm_head, self.norm, *self.input_norm, *self.post_norm, *self.qkv, *self.o,
-                   *self.gate_up, *self.down, *[b for b in self.qkv_bias if b is not None],
-                   *[t for t in (*self.gate_up_t, self.lm_head_t) if t is not None]]
+        tensors = [
+            self.embed,
+            self.lm_head,
+            self.norm,
+            *self.input_norm,
+            *self.post_norm,
+            *self.qkv,
+            *self.o,
+            *self.gate_up,
+            *self.down,
+            *[b for b in self.qkv_bias if b is not None],
+            *[t for t in (*self.gate_up_t, self.lm_head_t) if t is not None],
+        ]
         parts = {}  # by identity: a tied lm_head (or a quantized one's dense copy) is the embedding itself
         for t in tensors:
             for part in (t.qs, t.d, t.m, t.dense) if isinstance(t, QuantizedWeight) else (t,):
@@ -179,8 +215,9 @@ class LlamaForCausalLM:
                     parts[id(part)] = part
         return sum(part.numel() * part.element_size() for part in parts.values())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]."""
         cfg = self.cfg
         T, D, Hq, Hkv = len(input_ids), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
@@ -189,13 +226,13 @@ class LlamaForCausalLM:
         x, residual = F.embedding(input_ids, self.embed), None  # [T, H]; residual: the last layer's MLP output
         for i in range(cfg.num_layers):
             x, h = ops.add_rms_norm(x, residual, self.input_norm[i], eps)
-            qkv = linear(h, self.qkv[i], self.qkv_bias[i])             # [T, (Hq + 2Hkv) D]
+            qkv = linear(h, self.qkv[i], self.qkv_bias[i])  # [T, (Hq + 2Hkv) D]
             qk = rope(qkv[:, :qk_width].view(T, Hq + Hkv, D))
             v = qkv[:, qk_width:].view(T, Hkv, D)
-            o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)             # [T, Hq, D]
+            o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)  # [T, Hq, D]
             x, h = ops.add_rms_norm(x, linear(o.reshape(T, Hq * D), self.o[i]), self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
-            residual = linear(ops.silu_mul(gate_up), self.down[i])       # [T, H]
+            residual = linear(ops.silu_mul(gate_up), self.down[i])  # [T, H]
         return self.logits(x, residual, logits_index)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:

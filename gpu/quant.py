@@ -15,6 +15,7 @@ MKL's fp32 at every size, so every product goes through it and no fp32 copy is k
 
 Embeddings, norms and biases stay fp32.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,8 +40,12 @@ FORMATS = {"Q4_1": (20, 16), "Q8_0": (34, 32)}
 # --quantization value -> how the kernels take the activations
 ACTIVATIONS = {"gguf": "fp32", "gguf-q8": "q8"}
 # (block type, activations) -> the kernel; all take (x, T, K, qs, d, m, N, y, threads)
-GEMMS = {("Q4_1", "fp32"): "gemm_q4_1", ("Q8_0", "fp32"): "gemm_q8_0",
-         ("Q4_1", "q8"): "gemm_q4_1_q8", ("Q8_0", "q8"): "gemm_q8_0_q8"}
+GEMMS = {
+    ("Q4_1", "fp32"): "gemm_q4_1",
+    ("Q8_0", "fp32"): "gemm_q8_0",
+    ("Q4_1", "q8"): "gemm_q4_1_q8",
+    ("Q8_0", "q8"): "gemm_q8_0_q8",
+}
 
 # Up to this many tokens a product reads the blocks; beyond, the dense fp32 copy through MKL.
 # fp32 activations: memory bound at few tokens (~5x fewer bytes than fp32), compute bound
@@ -58,14 +63,15 @@ ROW_GROUP = 8  # rows the q8 kernels interleave (gpu/kernels/ggml_cpu.c ROWS)
 class QuantizedWeight:
     """A [N, K] weight as N rows of K / 32 blocks: value = d * q + m (m = 0 for Q8_0). With
     activations "q8", qs, d and m hold the same values in the q8 kernels' order (with_activations)."""
-    kind: str          # "Q4_1" | "Q8_0"
-    qs: torch.Tensor   # uint8 [N, K / 32, 16 (two nibbles a byte) or 32 (int8)]
-    d: torch.Tensor    # float32 [N, K / 32]
-    m: torch.Tensor    # float32 [N, K / 32]
+
+    kind: str  # "Q4_1" | "Q8_0"
+    qs: torch.Tensor  # uint8 [N, K / 32, 16 (two nibbles a byte) or 32 (int8)]
+    d: torch.Tensor  # float32 [N, K / 32]
+    m: torch.Tensor  # float32 [N, K / 32]
     dense: torch.Tensor | None = None  # float32 [N, K], the same values, for products of > max_tokens
     activations: str = "fp32"  # "fp32": x as it is | "q8": x quantized per 32-block (quantize_q8)
 
-    def with_activations(self, activations: str) -> "QuantizedWeight":
+    def with_activations(self, activations: str) -> QuantizedWeight:
         """The same weight for the other kernels. For "q8" each group of 8 rows is interleaved 4
         bytes at a time, qs as [N/8, nb, bytes/4, 8, 4] and d, m as [N/8, nb, 8], so that one
         32-byte load holds the same 4 bytes of 8 rows; for "fp32" rows are one after another."""
@@ -75,16 +81,16 @@ class QuantizedWeight:
             return self
         (N, nb, q_bytes), g = self.qs.shape, ROW_GROUP
         if N % g:
-            raise ModelLoadError(f"--quantization gguf-q8: its kernels take weights of a multiple of {g} "
-                                 f"rows, not {N}")
+            raise ModelLoadError(f"--quantization gguf-q8: its kernels take weights of a multiple of {g} rows, not {N}")
         if activations == "q8":
             qs = self.qs.view(N // g, g, nb, q_bytes // 4, 4).permute(0, 2, 3, 1, 4)
             d, m = (t.view(N // g, g, nb).transpose(1, 2) for t in (self.d, self.m))
         else:
             qs = self.qs.view(N // g, nb, q_bytes // 4, g, 4).permute(0, 3, 1, 2, 4)
             d, m = (t.view(N // g, nb, g).transpose(1, 2) for t in (self.d, self.m))
-        return dataclasses.replace(self, qs=qs.reshape(N, nb, q_bytes), d=d.reshape(N, nb), m=m.reshape(N, nb),
-                                   activations=activations)
+        return dataclasses.replace(
+            self, qs=qs.reshape(N, nb, q_bytes), d=d.reshape(N, nb), m=m.reshape(N, nb), activations=activations
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,8 +109,17 @@ class QuantizedWeight:
             raise ValueError(f"x: expected float32 [T, {K}], got {x.dtype} {tuple(x.shape)}")
         y = torch.empty(x.shape[0], N, dtype=torch.float32)
         gemm = getattr(_kernels(), GEMMS[self.kind, self.activations])
-        if gemm(x.data_ptr(), x.shape[0], K, self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), N,
-                y.data_ptr(), torch.get_num_threads()):
+        if gemm(
+            x.data_ptr(),
+            x.shape[0],
+            K,
+            self.qs.data_ptr(),
+            self.d.data_ptr(),
+            self.m.data_ptr(),
+            N,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        ):
             raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
         return y
 
@@ -125,8 +140,9 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     as llama.cpp's Q8_1; a block of zeros gives d = s = 0, q = 0."""
     T, K = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous() or K % BLOCK:
-        raise ValueError(f"x: expected contiguous float32 [T, K] with K a multiple of {BLOCK}, "
-                         f"got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(
+            f"x: expected contiguous float32 [T, K] with K a multiple of {BLOCK}, got {x.dtype} {tuple(x.shape)}"
+        )
     q = torch.empty(T, K, dtype=torch.int8)
     d, s = torch.empty(T, K // BLOCK), torch.empty(T, K // BLOCK)
     _kernels().quantize_q8(x.data_ptr(), T, K, q.data_ptr(), d.data_ptr(), s.data_ptr())
@@ -142,7 +158,7 @@ def from_blocks(kind: str, raw: np.ndarray) -> QuantizedWeight:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
         m = np.zeros_like(d)
-    qs = np.ascontiguousarray(blocks[..., block_bytes - q_bytes:])
+    qs = np.ascontiguousarray(blocks[..., block_bytes - q_bytes :])
     return QuantizedWeight(kind, torch.from_numpy(qs), torch.from_numpy(d), torch.from_numpy(m))
 
 
@@ -161,8 +177,6 @@ def unpermute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
     # out row (h, s, j) <- in row (h, j, s)
     order = torch.arange(N).reshape(n_head, N // n_head // 2, 2).transpose(1, 2).reshape(N)
     return QuantizedWeight(w.kind, w.qs[order].contiguous(), w.d[order].contiguous(), w.m[order].contiguous())
-
-
 
 
 def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32") -> dict[str, QuantizedWeight]:
@@ -198,16 +212,21 @@ def _blocks_from_gguf(gguf_path: Path, cfg: ModelConfig) -> dict[str, QuantizedW
         if t is None:
             raise ModelLoadError(f"{gguf_path}: tensor {name} is missing")
         if t.tensor_type.name not in FORMATS:
-            raise ModelLoadError(f"--quantization gguf: {name} is {t.tensor_type.name}; the CPU kernels "
-                                 f"take {', '.join(FORMATS)}")
+            raise ModelLoadError(
+                f"--quantization gguf: {name} is {t.tensor_type.name}; the CPU kernels take {', '.join(FORMATS)}"
+            )
         return from_blocks(t.tensor_type.name, t.data)
 
     out = {"lm_head": take("output.weight" if "output.weight" in tensors else "token_embd.weight")}
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        out[f"layers.{i}.qkv"] = concat_rows([unpermute_rows(take(p + "attn_q.weight"), cfg.num_q_heads),
-                                              unpermute_rows(take(p + "attn_k.weight"), cfg.num_kv_heads),
-                                              take(p + "attn_v.weight")])
+        out[f"layers.{i}.qkv"] = concat_rows(
+            [
+                unpermute_rows(take(p + "attn_q.weight"), cfg.num_q_heads),
+                unpermute_rows(take(p + "attn_k.weight"), cfg.num_kv_heads),
+                take(p + "attn_v.weight"),
+            ]
+        )
         out[f"layers.{i}.o"] = take(p + "attn_output.weight")
         out[f"layers.{i}.gate_up"] = concat_rows([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
         out[f"layers.{i}.down"] = take(p + "ffn_down.weight")
@@ -218,7 +237,9 @@ def _write_blocks(path: Path, weights: dict[str, QuantizedWeight]) -> None:
     """Atomically (a concurrent start reads the whole file or none); a read-only cache is skipped."""
     from safetensors.torch import save_file
 
-    tensors = {f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items() for part in ("qs", "d", "m")}
+    tensors = {
+        f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items() for part in ("qs", "d", "m")
+    }
     kinds = json.dumps({name: w.kind for name, w in weights.items()})
     try:
         fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
@@ -239,8 +260,10 @@ def _read_blocks(path: Path) -> dict[str, QuantizedWeight] | None:
     try:
         with safe_open(str(path), "pt") as f:
             kinds = json.loads((f.metadata() or {})["kinds"])
-            return {name: QuantizedWeight(kind, *(f.get_tensor(f"{name}.{part}") for part in ("qs", "d", "m")))
-                    for name, kind in kinds.items()}
+            return {
+                name: QuantizedWeight(kind, *(f.get_tensor(f"{name}.{part}") for part in ("qs", "d", "m")))
+                for name, kind in kinds.items()
+            }
     except Exception:  # truncated or foreign file: not worth failing the start over
         return None
 

@@ -15,6 +15,7 @@ Seeded rows draw their uniform from a generator seeded by (seed, tokens generate
 so a seeded request gives the same tokens whatever else is in the batch and after being
 retracted and resumed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,15 +34,16 @@ TOP_CANDIDATES = 1024  # rows with top_k / top_p choose among this many most lik
 
 @dataclass
 class SampleResult:
-    tokens: torch.Tensor                 # int64 [S]
-    logprobs: torch.Tensor | None        # float32 [S], nan for rows that did not ask; None if none asked
-    top_ids: torch.Tensor | None         # int64 [S, K]
-    top_logprobs: torch.Tensor | None    # float32 [S, K]
+    tokens: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor | None  # float32 [S], nan for rows that did not ask; None if none asked
+    top_ids: torch.Tensor | None  # int64 [S, K]
+    top_logprobs: torch.Tensor | None  # float32 [S, K]
 
 
 class Sampler:
-    def __init__(self, max_rows: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 device: torch.device, random_seed: int = 0) -> None:
+    def __init__(
+        self, max_rows: int, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device, random_seed: int = 0
+    ) -> None:
         self.V = vocab_size
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -62,22 +64,30 @@ class Sampler:
         # device state
         self.params_t = torch.zeros(R, 7, dtype=torch.float32, device=device)
         self.output_counts = torch.zeros(R, vocab_size, dtype=torch.int32, device=device)  # [R, V]
-        self.prompt_seen = torch.zeros(R, vocab_size, dtype=torch.bool, device=device)     # [R, V]
+        self.prompt_seen = torch.zeros(R, vocab_size, dtype=torch.bool, device=device)  # [R, V]
         # ids masked until min_tokens, padded with V (a dummy column past the vocabulary)
-        self.stop_ids = torch.full((R, MAX_STOP_TOKEN_IDS + len(eos_token_ids)), vocab_size,
-                                   dtype=torch.int64, device=device)
+        self.stop_ids = torch.full(
+            (R, MAX_STOP_TOKEN_IDS + len(eos_token_ids)), vocab_size, dtype=torch.int64, device=device
+        )
         self.generator = torch.Generator(device=device).manual_seed(random_seed)
         self.row_generator = torch.Generator(device=device)
 
-    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
-                    output_ids: np.ndarray) -> None:
+    def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         self._check_rows(np.array([row]))
         top_k = params.top_k if params.top_k > 0 else self.V
-        self.params[row] = (params.temperature, params.top_p, params.min_p, params.repetition_penalty,
-                            params.frequency_penalty, params.presence_penalty, min(top_k, self.V))
+        self.params[row] = (
+            params.temperature,
+            params.top_p,
+            params.min_p,
+            params.repetition_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+            min(top_k, self.V),
+        )
         self.greedy[row] = params.greedy
-        self.penalized[row] = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                               or params.presence_penalty != 0.0)
+        self.penalized[row] = (
+            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        )
         self.uses_top_k_p[row] = top_k < self.V or params.top_p < 1.0
         self.uses_min_p[row] = params.min_p > 0.0
         self.min_tokens[row] = params.min_new_tokens
@@ -140,8 +150,9 @@ class Sampler:
             idx = self._t(np.flatnonzero(~greedy))
             tokens[idx] = self._sample_random(_take(logits, ~greedy, idx), rows[~greedy], rows_t[idx])
 
-        self.output_counts.index_put_((rows_t, tokens), torch.ones(S, dtype=torch.int32, device=self.device),
-                                      accumulate=True)
+        self.output_counts.index_put_(
+            (rows_t, tokens), torch.ones(S, dtype=torch.int32, device=self.device), accumulate=True
+        )
         self.num_generated[rows] += 1
 
         if raw_logprobs is None:
@@ -159,8 +170,8 @@ class Sampler:
     def apply_penalties(self, logits: torch.Tensor, rows_t: torch.Tensor) -> torch.Tensor:
         """OpenAI/vLLM: repetition divides positive / multiplies negative logits of tokens seen in
         prompt or output; frequency subtracts penalty * output count, presence penalty * (count > 0)."""
-        p = self.params_t[rows_t]                             # [P, 7]
-        counts = self.output_counts[rows_t]                   # [P, V]
+        p = self.params_t[rows_t]  # [P, 7]
+        counts = self.output_counts[rows_t]  # [P, V]
         in_output = counts > 0
         seen = in_output | self.prompt_seen[rows_t]
         rep = p[:, _REP, None]
@@ -178,12 +189,12 @@ class Sampler:
         ids = None
         if self.uses_top_k_p[rows].any():
             K = min(self.V, TOP_CANDIDATES)
-            cand, ids = probs.topk(K, dim=-1)                  # [N, K], descending
+            cand, ids = probs.topk(K, dim=-1)  # [N, K], descending
             if K < self.V and ((cand.sum(-1) < p[:, _TOP_P]) & (p[:, _TOP_K] > K)).any():
                 cand, ids = probs.sort(dim=-1, descending=True)
                 K = self.V
             rank = torch.arange(K, device=self.device)[None, :]
-            before = cand.cumsum(dim=-1) - cand                # probability mass ranked above
+            before = cand.cumsum(dim=-1) - cand  # probability mass ranked above
             drop = (rank >= p[:, _TOP_K, None]) | ((before >= p[:, _TOP_P, None]) & (rank > 0))
             probs = cand.masked_fill(drop, 0.0)
         if self.uses_min_p[rows].any():
@@ -213,11 +224,11 @@ class Sampler:
     def _inverse_cdf(self, logits: torch.Tensor, rows: np.ndarray, u: torch.Tensor) -> torch.Tensor:
         """The kept token whose CDF interval holds u (float32 [N, 1]) of each row."""
         probs, ids = self.filter_probs(logits, rows)
-        cdf = probs.cumsum(dim=-1)                             # non-decreasing, so searchable
+        cdf = probs.cumsum(dim=-1)  # non-decreasing, so searchable
         total = cdf[:, -1:]
         # strictly below the total, so the first cdf entry above u is a kept token
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        picked = torch.searchsorted(cdf, target, right=True)   # [N, 1]
+        picked = torch.searchsorted(cdf, target, right=True)  # [N, 1]
         # a row whose distribution is not one (inf or NaN logits from the model) finds no token
         # (picked == its width): it takes its most likely kept token rather than an id past the end
         broken = ~(total > 0) | ~torch.isfinite(total)
@@ -228,8 +239,9 @@ class Sampler:
     def _check_rows(self, rows: np.ndarray) -> None:
         R = len(self.greedy)
         if len(rows) and (rows.min() < 0 or rows.max() >= R):
-            raise ValueError(f"sampler row {rows[(rows < 0) | (rows >= R)][0]} is outside [0, {R}) "
-                             f"(max_running_requests)")
+            raise ValueError(
+                f"sampler row {rows[(rows < 0) | (rows >= R)][0]} is outside [0, {R}) (max_running_requests)"
+            )
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)

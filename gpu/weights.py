@@ -1,5 +1,6 @@
 """Reads an HF directory's safetensors shards into the fused tensors the model uses:
 q/k/v stacked into one qkv projection, gate/up into one gate_up projection."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,32 +35,43 @@ def load_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
         if t is None:
             raise ModelLoadError(f"{cfg.model_dir}: weight {name} is missing")
         if tuple(t.shape) != shape:
-            raise ModelLoadError(f"{cfg.model_dir}: weight {name} has shape {tuple(t.shape)}, "
-                                 f"config.json implies {shape}")
+            raise ModelLoadError(
+                f"{cfg.model_dir}: weight {name} has shape {tuple(t.shape)}, config.json implies {shape}"
+            )
         return t.to(device=device, dtype=dtype)
 
-    out = {"embed": take("model.embed_tokens.weight", (cfg.vocab_size, H)),
-           "norm": take("model.norm.weight", (H,))}
+    out = {"embed": take("model.embed_tokens.weight", (cfg.vocab_size, H)), "norm": take("model.norm.weight", (H,))}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = take("lm_head.weight", (cfg.vocab_size, H))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight", (H,))
         out[f"layers.{i}.post_norm"] = take(p + "post_attention_layernorm.weight", (H,))
-        out[f"layers.{i}.qkv"] = torch.cat([take(p + "self_attn.q_proj.weight", (Hq * D, H)),
-                                            take(p + "self_attn.k_proj.weight", (Hkv * D, H)),
-                                            take(p + "self_attn.v_proj.weight", (Hkv * D, H))])
+        out[f"layers.{i}.qkv"] = torch.cat(
+            [
+                take(p + "self_attn.q_proj.weight", (Hq * D, H)),
+                take(p + "self_attn.k_proj.weight", (Hkv * D, H)),
+                take(p + "self_attn.v_proj.weight", (Hkv * D, H)),
+            ]
+        )
         if cfg.qkv_bias:
-            out[f"layers.{i}.qkv_bias"] = torch.cat([take(p + "self_attn.q_proj.bias", (Hq * D,)),
-                                                     take(p + "self_attn.k_proj.bias", (Hkv * D,)),
-                                                     take(p + "self_attn.v_proj.bias", (Hkv * D,))])
+            out[f"layers.{i}.qkv_bias"] = torch.cat(
+                [
+                    take(p + "self_attn.q_proj.bias", (Hq * D,)),
+                    take(p + "self_attn.k_proj.bias", (Hkv * D,)),
+                    take(p + "self_attn.v_proj.bias", (Hkv * D,)),
+                ]
+            )
         out[f"layers.{i}.o"] = take(p + "self_attn.o_proj.weight", (H, Hq * D))
-        out[f"layers.{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight", (cfg.intermediate_size, H)),
-                                                take(p + "mlp.up_proj.weight", (cfg.intermediate_size, H))])
+        out[f"layers.{i}.gate_up"] = torch.cat(
+            [
+                take(p + "mlp.gate_proj.weight", (cfg.intermediate_size, H)),
+                take(p + "mlp.up_proj.weight", (cfg.intermediate_size, H)),
+            ]
+        )
         out[f"layers.{i}.down"] = take(p + "mlp.down_proj.weight", (H, cfg.intermediate_size))
     # a tied checkpoint may still carry lm_head.weight (a copy of the embedding); rotary buffers are recomputed
     leftover = [n for n in raw if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")]
     if leftover:
-        raise ModelLoadError(f"{cfg.model_dir}: unexpected weights for {cfg.architecture}, "
-                             f"e.g. {leftover[0]}")
+        raise ModelLoadError(f"{cfg.model_dir}: unexpected weights for {cfg.architecture}, e.g. {leftover[0]}")
     return out

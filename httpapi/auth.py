@@ -1,4 +1,5 @@
 """API-key check: `Authorization: Bearer <key>`, compared in constant time."""
+
 from __future__ import annotations
 
 import hmac

@@ -11,9 +11,10 @@ exception class):
   503 server_error           code engine_unavailable: the engine is down or stopping
   500 server_error           code internal_error: a bug, never the client's input
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import orjson
 
@@ -23,8 +24,14 @@ from protocol.sampling_params import InvalidParam
 class APIError(Exception):
     """An error the routes turn into `status` with body() as JSON."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -33,8 +40,7 @@ class APIError(Exception):
         self.code = code
 
     def as_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def body(self) -> bytes:
         return orjson.dumps(self.as_dict())
@@ -60,8 +66,9 @@ def model_not_found(model: str) -> APIError:
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "Invalid or missing API key: send the header `Authorization: Bearer <key>`.",
-                    code="invalid_api_key")
+    return APIError(
+        401, "Invalid or missing API key: send the header `Authorization: Bearer <key>`.", code="invalid_api_key"
+    )
 
 
 def engine_unavailable(message: str = "The inference engine is not running.") -> APIError:

@@ -4,6 +4,7 @@ Types are strict: "0.5" is not a number and true is not an integer.
 
 A request names a few of the ~40 fields an endpoint reads, so a read of an absent field
 is one dict lookup: no call, nothing recorded."""
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ def load_object(body: bytes) -> dict:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         if body[:2] == GZIP_MAGIC:  # checked only here: the happy path reads no header for it
-            raise bad_request("The request body is gzip-compressed; Content-Encoding is not supported: "
-                              "send plain JSON", None) from None
+            raise bad_request(
+                "The request body is gzip-compressed; Content-Encoding is not supported: send plain JSON", None
+            ) from None
         raise bad_request(f"The request body is not valid JSON: {e}", None) from None
     if not isinstance(obj, dict):
         raise bad_request("The request body must be a JSON object.", None)
@@ -115,11 +117,10 @@ class Fields:
             return ()
         self.read.add(key)
         if not is_token_ids(value):
-            raise bad_request(f"{self.param(key)} must be a list of non-negative integer token ids",
-                              self.param(key))
+            raise bad_request(f"{self.param(key)} must be a list of non-negative integer token ids", self.param(key))
         return tuple(value)
 
-    def get_object(self, key: str) -> "Fields | None":
+    def get_object(self, key: str) -> Fields | None:
         value = self.obj.get(key)
         if value is None:
             return None
@@ -138,5 +139,11 @@ class Fields:
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)

@@ -1,5 +1,6 @@
 """What the server says about itself: the served model's name and the 404 for any
 other, /v1/models, SGLang's /get_model_info and /get_server_info."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -31,8 +32,15 @@ def check_model(model: str | None, served: str) -> None:
 
 def model_card(served: str, created: int, context_len: int, model_path: str) -> dict:
     """The served model as GET /v1/models lists it and GET /v1/models/{id} returns it."""
-    return {"id": served, "object": "model", "created": created, "owned_by": "ringserve",
-            "root": model_path, "parent": None, "max_model_len": context_len}
+    return {
+        "id": served,
+        "object": "model",
+        "created": created,
+        "owned_by": "ringserve",
+        "root": model_path,
+        "parent": None,
+        "max_model_len": context_len,
+    }
 
 
 def models_body(served: str, created: int, context_len: int, model_path: str) -> bytes:
@@ -40,10 +48,20 @@ def models_body(served: str, created: int, context_len: int, model_path: str) ->
 
 
 def model_info_body(served: str, model_path: str, context_len: int, vocab_size: int, architecture: str) -> bytes:
-    return orjson.dumps({"model_path": model_path, "tokenizer_path": model_path, "served_model_name": served,
-                         "is_generation": True, "context_length": context_len, "vocab_size": vocab_size,
-                         "architectures": [architecture], "has_image_understanding": False,
-                         "has_audio_understanding": False, "preferred_sampling_params": None})
+    return orjson.dumps(
+        {
+            "model_path": model_path,
+            "tokenizer_path": model_path,
+            "served_model_name": served,
+            "is_generation": True,
+            "context_length": context_len,
+            "vocab_size": vocab_size,
+            "architectures": [architecture],
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "preferred_sampling_params": None,
+        }
+    )
 
 
 def server_info_body(settings: Mapping[str, object], **state: object) -> bytes:

@@ -2,11 +2,13 @@
 ({"content": [{"token", "logprob", "bytes", "top_logprobs"}]}), OpenAI completions
 ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}) and SGLang's
 ([logprob, token_id, text] triples)."""
+
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,36 +20,51 @@ LOGPROB_FLOOR = -9999.0  # -inf has no JSON form; OpenAI and vLLM report this in
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Consecutive generated tokens of one choice (one streamed delta, or the whole choice)."""
+
     token_ids: np.ndarray  # [T] int
     logprobs: np.ndarray  # [T] float
     top_ids: np.ndarray  # [T, K] int, best first; K is the top_logprobs asked for (may be 0)
     top_logprobs: np.ndarray  # [T, K] float
 
     @classmethod
-    def of(cls, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None) -> "TokenLogprobs":
+    def of(cls, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None) -> TokenLogprobs:
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         shape = (len(token_ids), 0)
         top_ids = np.zeros(shape, np.int64) if top_ids is None else np.asarray(top_ids, dtype=np.int64)
         top_logprobs = np.zeros(shape) if top_logprobs is None else np.asarray(top_logprobs, dtype=np.float64)
         logprobs = np.asarray(logprobs, dtype=np.float64).reshape(-1)
-        if logprobs.shape != token_ids.shape or top_ids.shape != top_logprobs.shape or top_ids.shape[0] != len(token_ids):
-            raise ValueError(f"TokenLogprobs: shapes disagree: ids {token_ids.shape}, logprobs {logprobs.shape}, "
-                             f"top ids {top_ids.shape}, top logprobs {top_logprobs.shape}")
+        if (
+            logprobs.shape != token_ids.shape
+            or top_ids.shape != top_logprobs.shape
+            or top_ids.shape[0] != len(token_ids)
+        ):
+            raise ValueError(
+                f"TokenLogprobs: shapes disagree: ids {token_ids.shape}, logprobs {logprobs.shape}, "
+                f"top ids {top_ids.shape}, top logprobs {top_logprobs.shape}"
+            )
         return cls(token_ids, logprobs, top_ids, top_logprobs)
 
     @classmethod
-    def concat(cls, parts: Sequence["TokenLogprobs"]) -> "TokenLogprobs":
+    def concat(cls, parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
         """One choice's logprobs from its streamed deltas."""
-        return cls(*(np.concatenate([getattr(p, name) for p in parts])
-                     for name in ("token_ids", "logprobs", "top_ids", "top_logprobs")))
+        return cls(
+            *(
+                np.concatenate([getattr(p, name) for p in parts])
+                for name in ("token_ids", "logprobs", "top_ids", "top_logprobs")
+            )
+        )
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def lists(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
         """Python lists, with -inf raised to LOGPROB_FLOOR."""
-        return (self.token_ids.tolist(), np.maximum(self.logprobs, LOGPROB_FLOOR).tolist(),
-                self.top_ids.tolist(), np.maximum(self.top_logprobs, LOGPROB_FLOOR).tolist())
+        return (
+            self.token_ids.tolist(),
+            np.maximum(self.logprobs, LOGPROB_FLOOR).tolist(),
+            self.top_ids.tolist(),
+            np.maximum(self.top_logprobs, LOGPROB_FLOOR).tolist(),
+        )
 
 
 class LogprobVocab:
@@ -62,7 +79,7 @@ class LogprobVocab:
         self.chars = [sum((c & 0xC0) != 0x80 for c in b) for b in self.bytes]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> "LogprobVocab":
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> LogprobVocab:
         """From a Hugging Face tokenizer: the detokenizer's exact byte vocab for byte-level
         BPE (GPT-2, Llama 3, Qwen, SmolLM), else SentencePiece pieces ("\u2581" for a space,
         <0xNN> byte fallback). Ids past the tokenizer (a padded embedding) get no bytes."""
@@ -96,10 +113,15 @@ def chat_logprobs(lp: TokenLogprobs, vocab: LogprobVocab) -> dict:
     """OpenAI chat's choice.logprobs (top_logprobs [] when none were asked for)."""
     ids, lps, top_ids, top_lps = lp.lists()
     text, raw = vocab.text, vocab.bytes
-    content = [{"token": text[t], "logprob": x, "bytes": list(raw[t]),
-                "top_logprobs": [{"token": text[a], "logprob": y, "bytes": list(raw[a])}
-                                 for a, y in zip(alt_ids, alt_lps)]}
-               for t, x, alt_ids, alt_lps in zip(ids, lps, top_ids, top_lps)]
+    content = [
+        {
+            "token": text[t],
+            "logprob": x,
+            "bytes": list(raw[t]),
+            "top_logprobs": [{"token": text[a], "logprob": y, "bytes": list(raw[a])} for a, y in zip(alt_ids, alt_lps)],
+        }
+        for t, x, alt_ids, alt_lps in zip(ids, lps, top_ids, top_lps)
+    ]
     return {"content": content, "refusal": None}
 
 
@@ -114,8 +136,11 @@ def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int
     for t in ids:
         offsets.append(text_offset)
         text_offset += chars[t]
-    top = ([{text[a]: y for a, y in zip(alt_ids, alt_lps)} for alt_ids, alt_lps in zip(top_ids, top_lps)]
-           if lp.top_ids.shape[1] else None)
+    top = (
+        [{text[a]: y for a, y in zip(alt_ids, alt_lps)} for alt_ids, alt_lps in zip(top_ids, top_lps)]
+        if lp.top_ids.shape[1]
+        else None
+    )
     body = {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
     return body, text_offset
 
@@ -127,7 +152,7 @@ def sglang_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, with_text: bool) -> 
 
     def name(t: int) -> str | None:
         return text[t] if with_text else None
+
     tokens = [[x, t, name(t)] for t, x in zip(ids, lps)]
-    top = [[[y, a, name(a)] for a, y in zip(alt_ids, alt_lps)]
-           for alt_ids, alt_lps in zip(top_ids, top_lps)]
+    top = [[[y, a, name(a)] for a, y in zip(alt_ids, alt_lps)] for alt_ids, alt_lps in zip(top_ids, top_lps)]
     return tokens, top

@@ -8,10 +8,11 @@ What a route does with a generation request:
     params = req.sampling.resolve(prompt_ids, context_len, vocab_size)   # 400s that need the prompt
 Choices are numbered prompt-major: choice i * n + j is the j-th sample of prompts[i].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, load_object
@@ -27,15 +28,28 @@ IGNORED_STRS, IGNORED_BOOLS, IGNORED_OBJECTS = ("user", "service_tier"), ("store
 # tool_choice / function_call values that ask for no call, or leave it to a model that has no tools
 NO_FORCED_CALL = (None, "none", "auto")
 
-Prompt = Union[str, list]  # text, or a list of token ids
+Prompt = str | list  # text, or a list of token ids
 
 # SamplingParams.validate()'s parameter names -> /generate's fields
 GENERATE_NAMES = {
-    "max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
-    "seed": "sampling_params.sampling_seed", "top_logprobs": "top_logprobs_num",
-    **{name: "sampling_params." + name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                    "frequency_penalty", "presence_penalty", "stop",
-                                                    "stop_token_ids")},
+    "max_tokens": "sampling_params.max_new_tokens",
+    "min_tokens": "sampling_params.min_new_tokens",
+    "seed": "sampling_params.sampling_seed",
+    "top_logprobs": "top_logprobs_num",
+    **{
+        name: "sampling_params." + name
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "stop",
+            "stop_token_ids",
+        )
+    },
 }
 
 
@@ -63,6 +77,7 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class GenerateRequest:
     """SGLang's native /generate."""
+
     prompts: tuple[Prompt, ...]
     rids: tuple[str | None, ...]  # one per prompt; None: the server names the request
     batch: bool  # answer with a list, as SGLang does for a list of prompts or n > 1
@@ -105,8 +120,14 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
     max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
     max_tokens = f.get_int("max_tokens") if max_completion_tokens is None else max_completion_tokens
-    values = read_sampling(f, seed="seed", min_tokens="min_tokens", no_stop_trim="include_stop_str_in_output",
-                           logprobs=f.get_bool("logprobs", False), top_logprobs=f.get_int("top_logprobs", 0))
+    values = read_sampling(
+        f,
+        seed="seed",
+        min_tokens="min_tokens",
+        no_stop_trim="include_stop_str_in_output",
+        logprobs=f.get_bool("logprobs", False),
+        top_logprobs=f.get_int("top_logprobs", 0),
+    )
     _reject_unsupported_openai(f)
     f.warn_unknown("/v1/chat/completions")
     sampling = SamplingSpec.build(values, max_tokens, {"max_tokens": max_tokens_param}, "messages")
@@ -129,8 +150,14 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise bad_request("best_of is not supported; use n", "best_of")
     if f.get_str("suffix"):
         raise bad_request("suffix is not supported", "suffix")
-    values = read_sampling(f, seed="seed", min_tokens="min_tokens", no_stop_trim="include_stop_str_in_output",
-                           logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    values = read_sampling(
+        f,
+        seed="seed",
+        min_tokens="min_tokens",
+        no_stop_trim="include_stop_str_in_output",
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+    )
     _reject_unsupported_openai(f)
     f.warn_unknown("/v1/completions")
     sampling = SamplingSpec.build(values, max_tokens, {"top_logprobs": "logprobs"}, "prompt")
@@ -143,15 +170,21 @@ def parse_generate(body: bytes) -> GenerateRequest:
     if (text is None) == (input_ids is None):
         raise bad_request("Give exactly one of text or input_ids", "text")
     prompt_param = "text" if text is not None else "input_ids"
-    prompts, batch = _prompts(text if text is not None else input_ids, prompt_param,
-                              token_ids_allowed=input_ids is not None, text_allowed=text is not None)
+    prompts, batch = _prompts(
+        text if text is not None else input_ids,
+        prompt_param,
+        token_ids_allowed=input_ids is not None,
+        text_allowed=text is not None,
+    )
     rids = _rids(f.raw("rid"), len(prompts))
     return_logprob = f.get_bool("return_logprob", False)
     top_logprobs_num = f.get_int("top_logprobs_num", 0)  # SGLang ignores it without return_logprob
     if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
         raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
-    per_prompt = [_generate_sampling(sp, len(prompts), prompt_param, return_logprob, top_logprobs_num)
-                  for sp in _sampling_objects(f.raw("sampling_params"), len(prompts))]
+    per_prompt = [
+        _generate_sampling(sp, len(prompts), prompt_param, return_logprob, top_logprobs_num)
+        for sp in _sampling_objects(f.raw("sampling_params"), len(prompts))
+    ]
     n = per_prompt[0][0]
     if any(k != n for k, _ in per_prompt):
         raise bad_request("sampling_params: every prompt's n must be the same", "sampling_params")
@@ -174,19 +207,24 @@ def _sampling_objects(value: Any, n_prompts: int) -> list[Fields]:
         return [Fields(value or {}, "sampling_params.")]
     if type(value) is list and len(value) == n_prompts and all(type(v) is dict for v in value):
         return [Fields(v, f"sampling_params[{i}].") for i, v in enumerate(value)]
-    raise bad_request("sampling_params must be an object, or a list of objects with one per prompt",
-                      "sampling_params")
+    raise bad_request("sampling_params must be an object, or a list of objects with one per prompt", "sampling_params")
 
 
-def _generate_sampling(sp: Fields, n_prompts: int, prompt_param: str, return_logprob: bool,
-                       top_logprobs_num: int) -> tuple[int, SamplingSpec]:
+def _generate_sampling(
+    sp: Fields, n_prompts: int, prompt_param: str, return_logprob: bool, top_logprobs_num: int
+) -> tuple[int, SamplingSpec]:
     """(n, the sampling) of one sampling_params object of /generate."""
     n = _n(sp, prompts=n_prompts)
     max_new_tokens = sp.get_int("max_new_tokens", GENERATE_MAX_NEW_TOKENS)
-    values = read_sampling(sp, seed="sampling_seed", min_tokens="min_new_tokens", no_stop_trim="no_stop_trim",
-                           return_ids=True,  # SGLang's /generate answers output_ids
-                           logprobs=return_logprob,
-                           top_logprobs=top_logprobs_num if return_logprob else 0)
+    values = read_sampling(
+        sp,
+        seed="sampling_seed",
+        min_tokens="min_new_tokens",
+        no_stop_trim="no_stop_trim",
+        return_ids=True,  # SGLang's /generate answers output_ids
+        logprobs=return_logprob,
+        top_logprobs=top_logprobs_num if return_logprob else 0,
+    )
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         if sp.raw(key) is not None:
             raise bad_request(f"{sp.param(key)}: structured output is not supported", sp.param(key))
@@ -272,12 +310,16 @@ def _content(value: Any, role: str, where: str) -> str:
     for j, part in enumerate(value):
         kind = part.get("type") if type(part) is dict else None
         if kind in MEDIA_PARTS:
-            raise bad_request(f"{where}[{j}] is a {kind!r} part: this server runs a text-only model, "
-                              f"so only 'text' content parts are supported", f"{where}[{j}].type")
+            raise bad_request(
+                f"{where}[{j}] is a {kind!r} part: this server runs a text-only model, "
+                f"so only 'text' content parts are supported",
+                f"{where}[{j}].type",
+            )
         key = "refusal" if kind == "refusal" and role == "assistant" else "text"  # OpenAI's assistant parts
         if kind != key:
-            raise bad_request(f"{where}[{j}] must be a content part like {{\"type\": \"text\", \"text\": \"...\"}}",
-                              f"{where}[{j}]")
+            raise bad_request(
+                f'{where}[{j}] must be a content part like {{"type": "text", "text": "..."}}', f"{where}[{j}]"
+            )
         text = part.get(key)
         if type(text) is not str:
             raise bad_request(f"{where}[{j}].{key} must be a string", f"{where}[{j}].{key}")
@@ -285,8 +327,9 @@ def _content(value: Any, role: str, where: str) -> str:
     return "\n".join(texts)
 
 
-def _prompts(value: Any, param: str, *, token_ids_allowed: bool, text_allowed: bool = True,
-             empty_allowed: bool = False) -> tuple[tuple[Prompt, ...], bool]:
+def _prompts(
+    value: Any, param: str, *, token_ids_allowed: bool, text_allowed: bool = True, empty_allowed: bool = False
+) -> tuple[tuple[Prompt, ...], bool]:
     """A string, a list of strings, a list of token ids or a list of lists of token ids ->
     (prompts, whether the client sent a batch)."""
     if text_allowed and type(value) is str:
@@ -298,8 +341,9 @@ def _prompts(value: Any, param: str, *, token_ids_allowed: bool, text_allowed: b
     elif token_ids_allowed and type(value) is list and value and all(is_token_ids(p) for p in value):
         prompts, batch = tuple(value), True
     else:
-        kinds = (["a string", "a list of strings"] if text_allowed else []) + \
-                (["a list of token ids", "a list of lists of token ids"] if token_ids_allowed else [])
+        kinds = (["a string", "a list of strings"] if text_allowed else []) + (
+            ["a list of token ids", "a list of lists of token ids"] if token_ids_allowed else []
+        )
         raise bad_request(f"{param} must be {', '.join(kinds[:-1])} or {kinds[-1]}", param)
     if not empty_allowed and not all(prompts):
         raise bad_request(f"{param} must not be empty", param)
@@ -335,8 +379,9 @@ def _n(f: Fields, prompts: int) -> int:
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"{f.param('n')} must be between 1 and {MAX_CHOICES}", f.param("n"))
     if n * prompts > MAX_CHOICES:
-        raise bad_request(f"{f.param('n')} times the number of prompts ({n} x {prompts}) must be at most "
-                          f"{MAX_CHOICES}", f.param("n"))
+        raise bad_request(
+            f"{f.param('n')} times the number of prompts ({n} x {prompts}) must be at most {MAX_CHOICES}", f.param("n")
+        )
     return n
 
 
@@ -348,7 +393,7 @@ def _reject_unsupported_openai(f: Fields) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
     response_format = f.raw("response_format")
     if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported", "response_format")
+        raise bad_request('response_format other than {"type": "text"} is not supported', "response_format")
     tools, tool_choice = f.raw("tools"), f.raw("tool_choice")
     if tools and tool_choice != "none":
         raise bad_request("tools are not supported: this server has no tool calling", "tools")
@@ -356,8 +401,11 @@ def _reject_unsupported_openai(f: Fields) -> None:
         raise bad_request("functions are not supported: this server has no function calling", "functions")
     for key, value in (("tool_choice", tool_choice), ("function_call", f.raw("function_call"))):
         if value not in NO_FORCED_CALL:  # "required", a named function: a call this server cannot make
-            raise bad_request(f"{key} {_short(value)} is not supported: this server has no tool calling; "
-                              f"leave {key} unset, \"none\" or \"auto\"", key)
+            raise bad_request(
+                f"{key} {_short(value)} is not supported: this server has no tool calling; "
+                f'leave {key} unset, "none" or "auto"',
+                key,
+            )
     for key in IGNORED_STRS:
         f.get_str(key)
     for key in IGNORED_BOOLS:

@@ -2,22 +2,23 @@
 
 The TokenizerManager collects one ChoiceResult per choice (index i * n + j for the j-th
 sample of prompt i) and hands them here in index order."""
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import orjson
 
-from httpapi.logprobs import TokenLogprobs, LogprobVocab, chat_logprobs, completion_logprobs, sglang_logprobs
+from httpapi.logprobs import LogprobVocab, TokenLogprobs, chat_logprobs, completion_logprobs, sglang_logprobs
 
 FINISH_REASONS = ("stop", "length", "abort")
 
 
 def new_request_id(kind: str) -> str:
-    """"chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses: 128 random bits, as
+    """ "chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses: 128 random bits, as
     uuid4().hex has (less 6 fixed bits) at a fifth of its cost."""
     return f"{kind}-{os.urandom(16).hex()}"
 
@@ -34,17 +35,23 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     @classmethod
-    def combine(cls, per_choice: Sequence["Usage"], n: int) -> "Usage":
+    def combine(cls, per_choice: Sequence[Usage], n: int) -> Usage:
         """A request's usage from its choices' (in index order): the n samples of one prompt
         count that prompt once, as vLLM does."""
         firsts = per_choice[::n]
-        return cls(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in per_choice),
-                   sum(u.cached_tokens for u in firsts))
+        return cls(
+            sum(u.prompt_tokens for u in firsts),
+            sum(u.completion_tokens for u in per_choice),
+            sum(u.cached_tokens for u in firsts),
+        )
 
 
 @dataclass(frozen=True)
@@ -59,35 +66,75 @@ class ChoiceResult:
     output_ids: list[int] | None = None  # its token ids so far (/generate)
 
 
-def chat_completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
-                         vocab: LogprobVocab | None = None) -> bytes:
+def chat_completion_body(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    n: int,
+    vocab: LogprobVocab | None = None,
+) -> bytes:
     """`vocab` is needed when the choices carry logprobs."""
-    return orjson.dumps({
-        "id": request_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
-                     "finish_reason": c.finish_reason} for c in choices],
-        "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
-    })
+    return orjson.dumps(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
+        }
+    )
 
 
-def completion_body(request_id: str, created: int, model: str, choices: Sequence[ChoiceResult], n: int,
-                    vocab: LogprobVocab | None = None) -> bytes:
-    return orjson.dumps({
-        "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "text": c.text,
-                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, vocab, 0)[0],
-                     "finish_reason": c.finish_reason} for c in choices],
-        "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
-    })
+def completion_body(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    n: int,
+    vocab: LogprobVocab | None = None,
+) -> bytes:
+    return orjson.dumps(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, vocab, 0)[0],
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
+        }
+    )
 
 
-def generate_output(rid: str, choice: ChoiceResult, vocab: LogprobVocab | None = None,
-                    return_text_in_logprobs: bool = False) -> dict:
+def generate_output(
+    rid: str, choice: ChoiceResult, vocab: LogprobVocab | None = None, return_text_in_logprobs: bool = False
+) -> dict:
     """One SGLang /generate output: {"text", "output_ids", "meta_info"}; a stream sends partial
     choices (SGLang's default: the text and ids so far)."""
-    meta = {"id": rid, "finish_reason": sglang_finish_reason(choice), "prompt_tokens": choice.usage.prompt_tokens,
-            "completion_tokens": choice.usage.completion_tokens, "cached_tokens": choice.usage.cached_tokens}
+    meta = {
+        "id": rid,
+        "finish_reason": sglang_finish_reason(choice),
+        "prompt_tokens": choice.usage.prompt_tokens,
+        "completion_tokens": choice.usage.completion_tokens,
+        "cached_tokens": choice.usage.cached_tokens,
+    }
     if choice.e2e_latency is not None:
         meta["e2e_latency"] = choice.e2e_latency
     if choice.logprobs is not None:
@@ -100,8 +147,13 @@ def generate_output(rid: str, choice: ChoiceResult, vocab: LogprobVocab | None =
     return out
 
 
-def generate_body(rids: Sequence[str], choices: Sequence[ChoiceResult], batch: bool,
-                  vocab: LogprobVocab | None = None, return_text_in_logprobs: bool = False) -> bytes:
+def generate_body(
+    rids: Sequence[str],
+    choices: Sequence[ChoiceResult],
+    batch: bool,
+    vocab: LogprobVocab | None = None,
+    return_text_in_logprobs: bool = False,
+) -> bytes:
     """SGLang's /generate answer: one output, or a list of them for a batch (or n > 1);
     `rids` has one id per choice."""
     outputs = [generate_output(rid, c, vocab, return_text_in_logprobs) for rid, c in zip(rids, choices)]

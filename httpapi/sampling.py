@@ -3,12 +3,14 @@ non-empty, in the vocabulary, and leave room in the context for max_tokens.
 
 Ranges live in SamplingParams.validate() (one place); this module only renames its
 parameter names to the fields of each endpoint."""
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,14 +53,16 @@ def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int 
 class SamplingSpec:
     """A request's sampling before its prompt is tokenized. `max_tokens` None means "as
     many as the context leaves" (chat's default); resolve() decides it per prompt."""
+
     params: SamplingParams  # validated; its max_new_tokens is provisional while max_tokens is None
     max_tokens: int | None
     names: Mapping[str, str]  # validate()'s param names -> this endpoint's fields
     prompt_param: str  # the field holding the prompt: messages, prompt, text, input_ids
 
     @classmethod
-    def build(cls, values: dict[str, Any], max_tokens: int | None, names: Mapping[str, str],
-              prompt_param: str) -> "SamplingSpec":
+    def build(
+        cls, values: dict[str, Any], max_tokens: int | None, names: Mapping[str, str], prompt_param: str
+    ) -> SamplingSpec:
         """values: read_sampling()'s. Without max_tokens, everything else is validated now
         (min_tokens against itself) and min_tokens against the real budget in resolve().
         Requests asking the same get the same spec, made once (~6 µs a request: clients
@@ -66,13 +70,15 @@ class SamplingSpec:
         pack_request makes once too."""
         return _spec(tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
 
-    def resolve(self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int,
-                kv_tokens: int | None = None) -> SamplingParams:
+    def resolve(
+        self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, kv_tokens: int | None = None
+    ) -> SamplingParams:
         """The final SamplingParams for one tokenized prompt; raises APIError(400). kv_tokens:
         the engine's KV cache in tokens, when it may hold less than the context."""
         check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param, kv_tokens)
-        max_new = resolve_max_tokens(self.max_tokens, len(prompt_ids), context_len,
-                                     self.names.get("max_tokens", "max_tokens"))
+        max_new = resolve_max_tokens(
+            self.max_tokens, len(prompt_ids), context_len, self.names.get("max_tokens", "max_tokens")
+        )
         if max_new == self.params.max_new_tokens and not self.params.stop_token_ids:
             return self.params  # validated in build(): only these two can differ with the prompt
         params = dataclasses.replace(self.params, max_new_tokens=max_new)
@@ -84,23 +90,31 @@ def _spec(values: tuple, max_tokens: int | None, names: tuple, prompt_param: str
     """SamplingSpec.build of hashable arguments: (name, value) pairs for the dicts."""
     values, names = dict(values), dict(names)
     provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
-    return SamplingSpec(validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names,
-                        prompt_param)
+    return SamplingSpec(
+        validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names, prompt_param
+    )
 
 
-def check_prompt(prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str,
-                 kv_tokens: int | None = None) -> None:
+def check_prompt(
+    prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, param: str, kv_tokens: int | None = None
+) -> None:
     """A prompt must have a token, fit the context and the KV cache with room for one more,
     and use the vocabulary."""
     n = len(prompt_ids)
     if n == 0:
         raise bad_request(f"{param} is empty: the prompt must have at least one token", param)
     # the KV cache may hold less than the context: the scheduler would reject such a prompt, after a stream began
-    for limit, holds in ((context_len, "This model's maximum context length is"),
-                         (kv_tokens, "This server's KV cache holds")):
+    for limit, holds in (
+        (context_len, "This model's maximum context length is"),
+        (kv_tokens, "This server's KV cache holds"),
+    ):
         if limit is not None and n >= limit:
-            raise bad_request(f"{holds} {limit} tokens, and the prompt ({param}) has {n} tokens, which leaves "
-                              f"no room to generate. Shorten the prompt.", param, code="context_length_exceeded")
+            raise bad_request(
+                f"{holds} {limit} tokens, and the prompt ({param}) has {n} tokens, which leaves "
+                f"no room to generate. Shorten the prompt.",
+                param,
+                code="context_length_exceeded",
+            )
     check_token_ids(prompt_ids, vocab_size, param)
 
 
@@ -113,20 +127,25 @@ def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, para
         raise bad_request(f"{param} has token id {top}, outside the vocabulary of {vocab_size} tokens", param)
 
 
-def resolve_max_tokens(max_tokens: int | None, prompt_len: int, context_len: int,
-                       param: str = "max_tokens") -> int:
+def resolve_max_tokens(max_tokens: int | None, prompt_len: int, context_len: int, param: str = "max_tokens") -> int:
     """max_tokens as asked, or all the context the prompt leaves when unset; a 400 naming
     `param` when prompt and completion together would not fit."""
     room = context_len - prompt_len
     if max_tokens is None:
         if room < 1:
-            raise bad_request(f"The prompt has {prompt_len} tokens and fills this model's context of "
-                              f"{context_len} tokens; no room is left for {param}", param,
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"The prompt has {prompt_len} tokens and fills this model's context of "
+                f"{context_len} tokens; no room is left for {param}",
+                param,
+                code="context_length_exceeded",
+            )
         return room
     if max_tokens > room:
-        raise bad_request(f"This model's maximum context length is {context_len} tokens. However, you requested "
-                          f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
-                          f"the completion). Reduce the prompt or {param}.", param,
-                          code="context_length_exceeded")
+        raise bad_request(
+            f"This model's maximum context length is {context_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+            f"the completion). Reduce the prompt or {param}.",
+            param,
+            code="context_length_exceeded",
+        )
     return max_tokens

@@ -13,19 +13,19 @@ Event order for the OpenAI endpoints:
     DONE
 and on a failure mid-stream: error_event(APIError), then DONE.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import orjson
 
 from httpapi.errors import APIError
-from httpapi.logprobs import TokenLogprobs, LogprobVocab, chat_logprobs, completion_logprobs
+from httpapi.logprobs import LogprobVocab, TokenLogprobs, chat_logprobs, completion_logprobs
 from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_output
 
 DONE = b"data: [DONE]\n\n"
-HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-           "x-accel-buffering": "no"}
+HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache", "x-accel-buffering": "no"}
 
 _REASONS = {None: b"null", **{r: b'"' + r.encode() + b'"' for r in FINISH_REASONS}}
 # what closes a delta without logprobs, by finish reason: a chat delta, a completion's text
@@ -39,8 +39,19 @@ def error_event(err: APIError) -> bytes:
 
 class _OpenAIStream:
     def __init__(self, request_id: str, created: int, model: str, object_name: str) -> None:
-        self._head = b"".join((b'data: {"id":', orjson.dumps(request_id), b',"object":"', object_name.encode(),
-                               b'","created":', str(created).encode(), b',"model":', orjson.dumps(model), b','))
+        self._head = b"".join(
+            (
+                b'data: {"id":',
+                orjson.dumps(request_id),
+                b',"object":"',
+                object_name.encode(),
+                b'","created":',
+                str(created).encode(),
+                b',"model":',
+                orjson.dumps(model),
+                b",",
+            )
+        )
 
     def usage(self, usage: Usage) -> bytes:
         """The last chunk before DONE with stream_options.include_usage: no choices, the usage."""
@@ -50,44 +61,67 @@ class _OpenAIStream:
 class ChatStream(_OpenAIStream):
     """chat.completion.chunk events; `vocab` is needed when deltas carry logprobs."""
 
-    def __init__(self, request_id: str, created: int, model: str, n_choices: int,
-                 vocab: LogprobVocab | None = None) -> None:
+    def __init__(
+        self, request_id: str, created: int, model: str, n_choices: int, vocab: LogprobVocab | None = None
+    ) -> None:
         super().__init__(request_id, created, model, "chat.completion.chunk")
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"delta":{"content":' % i for i in range(n_choices)]
 
     def start(self) -> bytes:
         """The first chunk of every choice: role "assistant", empty content."""
-        return b"".join(self._head + b'"choices":[{"index":%d,"delta":{"role":"assistant","content":""},'
-                                     b'"logprobs":null,"finish_reason":null}]}\n\n' % i
-                        for i in range(len(self._open)))
+        return b"".join(
+            self._head + b'"choices":[{"index":%d,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}\n\n' % i
+            for i in range(len(self._open))
+        )
 
-    def delta(self, index: int, text: str, finish_reason: str | None = None,
-              logprobs: TokenLogprobs | None = None) -> bytes:
+    def delta(
+        self, index: int, text: str, finish_reason: str | None = None, logprobs: TokenLogprobs | None = None
+    ) -> bytes:
         if logprobs is None:
             return b"".join((self._open[index], orjson.dumps(text), _CHAT_CLOSE[finish_reason]))
-        return b"".join((self._open[index], orjson.dumps(text), b'},"logprobs":',
-                         orjson.dumps(chat_logprobs(logprobs, self._vocab)),
-                         b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
+        return b"".join(
+            (
+                self._open[index],
+                orjson.dumps(text),
+                b'},"logprobs":',
+                orjson.dumps(chat_logprobs(logprobs, self._vocab)),
+                b',"finish_reason":',
+                _REASONS[finish_reason],
+                b"}]}\n\n",
+            )
+        )
 
 
 class CompletionStream(_OpenAIStream):
     """text_completion events; `vocab` is needed when deltas carry logprobs."""
 
-    def __init__(self, request_id: str, created: int, model: str, n_choices: int,
-                 vocab: LogprobVocab | None = None) -> None:
+    def __init__(
+        self, request_id: str, created: int, model: str, n_choices: int, vocab: LogprobVocab | None = None
+    ) -> None:
         super().__init__(request_id, created, model, "text_completion")
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"text":' % i for i in range(n_choices)]
         self._text_offset = [0] * n_choices  # where each choice's next token's text starts
 
-    def delta(self, index: int, text: str, finish_reason: str | None = None,
-              logprobs: TokenLogprobs | None = None) -> bytes:
+    def delta(
+        self, index: int, text: str, finish_reason: str | None = None, logprobs: TokenLogprobs | None = None
+    ) -> bytes:
         if logprobs is None:
             return b"".join((self._open[index], orjson.dumps(text), _COMPLETION_CLOSE[finish_reason]))
         lp, self._text_offset[index] = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
-        return b"".join((self._open[index], orjson.dumps(text), b',"logprobs":', orjson.dumps(lp),
-                         b',"finish_reason":', _REASONS[finish_reason], b"}]}\n\n"))
+        return b"".join(
+            (
+                self._open[index],
+                orjson.dumps(text),
+                b',"logprobs":',
+                orjson.dumps(lp),
+                b',"finish_reason":',
+                _REASONS[finish_reason],
+                b"}]}\n\n",
+            )
+        )
 
 
 class GenerateStream:
@@ -95,8 +129,9 @@ class GenerateStream:
     choice's whole text so far (and logprobs so far), its meta_info, and "index" when
     the request is a batch."""
 
-    def __init__(self, rids: Sequence[str], batch: bool, vocab: LogprobVocab | None = None,
-                 return_text_in_logprobs: bool = False) -> None:
+    def __init__(
+        self, rids: Sequence[str], batch: bool, vocab: LogprobVocab | None = None, return_text_in_logprobs: bool = False
+    ) -> None:
         self._rids = rids
         self._batch = batch
         self._vocab = vocab
@@ -104,16 +139,25 @@ class GenerateStream:
         self._text = [""] * len(rids)
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in rids]
 
-    def delta(self, index: int, text: str, usage: Usage, finish_reason: str | None = None,
-              matched_stop: int | str | None = None, logprobs: TokenLogprobs | None = None,
-              e2e_latency: float | None = None, output_ids: list[int] | None = None) -> bytes:
+    def delta(
+        self,
+        index: int,
+        text: str,
+        usage: Usage,
+        finish_reason: str | None = None,
+        matched_stop: int | str | None = None,
+        logprobs: TokenLogprobs | None = None,
+        e2e_latency: float | None = None,
+        output_ids: list[int] | None = None,
+    ) -> bytes:
         self._text[index] += text
         so_far = None
         if logprobs is not None:
             self._logprobs[index].append(logprobs)
             so_far = TokenLogprobs.concat(self._logprobs[index])
-        choice = ChoiceResult(index, self._text[index], finish_reason, usage, so_far, matched_stop, e2e_latency,
-                              output_ids)
+        choice = ChoiceResult(
+            index, self._text[index], finish_reason, usage, so_far, matched_stop, e2e_latency, output_ids
+        )
         out = generate_output(self._rids[index], choice, self._vocab, self._return_text)
         if self._batch:
             out["index"] = index

@@ -34,11 +34,13 @@ fd and sends them (`send_channels`), the peer attaches (`recv_channels`).
 `get_transport("ring" | "zmq" | "zmq-msgpack")` gives the Waker and channel
 constructor of each transport so the server code is the same for all three.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from ipc.channel import Channel, ChannelSpec
 from ipc.ring import Batch
@@ -60,6 +62,7 @@ def get_transport(name: str) -> Transport:
         return Transport(name, Waker, Channel.create)
     if name in ("zmq", "zmq-msgpack"):
         from ipc.zmq_transport import ZmqChannel, ZmqWaker
+
         codec = "pickle" if name == "zmq" else "msgpack"
         return Transport(name, ZmqWaker, partial(ZmqChannel.create, codec=codec))
     raise ValueError(f"transport must be one of {list(TRANSPORTS)}, not {name!r}")

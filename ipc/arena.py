@@ -10,6 +10,7 @@ The arena keeps no counters itself: the producer places blobs after its own
 tail, the ring records each record's blob bounds, and the consumer frees up to
 the first blob still referenced (ipc/ring.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,7 +39,7 @@ class Arena:
 
     def write(self, pos: int, blob: np.ndarray) -> None:
         index = pos % self.size
-        self.data[index:index + blob.size] = blob
+        self.data[index : index + blob.size] = blob
 
     def read(self, start: int, end: int) -> np.ndarray:
         """A private copy of positions [start, end); at most one wrap (end - start <= size)."""
@@ -46,7 +47,7 @@ class Arena:
         out = np.empty(n, np.uint8)
         index = start % self.size
         first = min(n, self.size - index)
-        out[:first] = self.data[index:index + first]
+        out[:first] = self.data[index : index + first]
         if first < n:
-            out[first:] = self.data[:n - first]
+            out[first:] = self.data[: n - first]
         return out

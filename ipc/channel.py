@@ -10,21 +10,22 @@ it in its hello, ipc/handoff.py); `describe()` then gives what the peer needs to
 attach: a JSON-able dict and [segment fd, creator's waker fd], sent with SCM_RIGHTS.
 Channels dup the fds they are given; callers keep ownership of their own.
 """
+
 from __future__ import annotations
 
 import math
 import mmap
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from protocol.records import LAYOUTS, RecordLayout
 from ipc.ring import Batch, as_bytes, open_ring, segment_size
 from ipc.shm import create_segment, map_segment
 from ipc.wakeup import SleepFlag, Waker
+from protocol.records import LAYOUTS, RecordLayout
 
 ROLES = ("producer", "consumer")
 
@@ -45,22 +46,40 @@ class ChannelSpec:
 class Channel:
     transport = "ring"
 
-    def __init__(self, spec: ChannelSpec, role: str, waker: Waker, buf: mmap.mmap, segment_fd: int | None,
-                 peer_waker_fd: int, *, initialise: bool, native: bool | None = None) -> None:
+    def __init__(
+        self,
+        spec: ChannelSpec,
+        role: str,
+        waker: Waker,
+        buf: mmap.mmap,
+        segment_fd: int | None,
+        peer_waker_fd: int,
+        *,
+        initialise: bool,
+        native: bool | None = None,
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.spec, self.role, self.waker = spec, role, waker
         self._buf = buf
         self._peer_fd = os.dup(peer_waker_fd)
         try:
-            self._ring = open_ring(buf, spec.layout, spec.capacity, spec.arena_bytes, initialise=initialise,
-                                   peer_fd=self._peer_fd, native=native)
+            self._ring = open_ring(
+                buf,
+                spec.layout,
+                spec.capacity,
+                spec.arena_bytes,
+                initialise=initialise,
+                peer_fd=self._peer_fd,
+                native=native,
+            )
         except BaseException:
             os.close(self._peer_fd)
             raise
         self._segment_fd = segment_fd  # kept by the creator, to hand over
-        self.sleep_flag = SleepFlag(self._ring.set_producer_waiting if role == "producer"
-                                    else self._ring.set_consumer_sleeping)
+        self.sleep_flag = SleepFlag(
+            self._ring.set_producer_waiting if role == "producer" else self._ring.set_consumer_sleeping
+        )
         # this side's hot calls go straight to the ring: a Python frame costs ~0.5 µs, several
         # times that with cold caches; the methods below remain to refuse the other side's calls
         if role == "producer":
@@ -69,8 +88,9 @@ class Channel:
             self.pop, self.readable = self._ring.pop, self._ring.readable
 
     @classmethod
-    def create(cls, spec: ChannelSpec, role: str, waker: Waker, peer_waker_fd: int, *,
-               native: bool | None = None) -> Channel:
+    def create(
+        cls, spec: ChannelSpec, role: str, waker: Waker, peer_waker_fd: int, *, native: bool | None = None
+    ) -> Channel:
         """A new channel in a fresh segment; this process is `role` ("producer"/"consumer").
         `native`: the C data path (True), the Python one (False), whichever is available (None)."""
         if role not in ROLES:
@@ -88,13 +108,25 @@ class Channel:
         if self._segment_fd is None:
             raise ValueError("only the process that created a channel can hand it over")
         peer_role = ROLES[1 - ROLES.index(self.role)]
-        desc = {"transport": self.transport, "layout": self.spec.layout.name, "capacity": self.spec.capacity,
-                "arena_bytes": self.spec.arena_bytes, "role": peer_role}
+        desc = {
+            "transport": self.transport,
+            "layout": self.spec.layout.name,
+            "capacity": self.spec.capacity,
+            "arena_bytes": self.spec.arena_bytes,
+            "role": peer_role,
+        }
         return desc, [self._segment_fd, *self.waker.fds]
 
     @classmethod
-    def attach(cls, desc: dict, fds: Sequence[int], waker: Waker, layout: RecordLayout | None = None, *,
-               native: bool | None = None) -> Channel:
+    def attach(
+        cls,
+        desc: dict,
+        fds: Sequence[int],
+        waker: Waker,
+        layout: RecordLayout | None = None,
+        *,
+        native: bool | None = None,
+    ) -> Channel:
         """The peer's side of a described channel. `layout` is looked up by name in
         protocol.records.LAYOUTS unless given (tests and benchmarks use their own)."""
         layout = layout or LAYOUTS.get(desc["layout"])
@@ -120,8 +152,9 @@ class Channel:
             raise ValueError(f"push: this process is the consumer of the {self.spec.layout.name} channel")
         return self._ring.push(records, payload)  # wakes the consumer if it announced sleep
 
-    def push_all(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
-                 timeout: float | None = None) -> None:
+    def push_all(
+        self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
+    ) -> None:
         """Pushes every record, sleeping on this process's waker while the channel is full."""
         done = self.push(records, payload)
         if done == len(records):
@@ -134,8 +167,9 @@ class Channel:
                 raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
             done += self.push(records[done:], blob)
 
-    async def push_all_async(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
-                             timeout: float | None = None) -> None:
+    async def push_all_async(
+        self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
+    ) -> None:
         done = self.push(records, payload)
         if done == len(records):
             return

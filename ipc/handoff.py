@@ -12,13 +12,15 @@ The usual exchange, e.g. an HTTP worker (W) connecting to the engine (E):
 Both sides now hold every fd they need, and the segments have no name left
 (ipc/shm.py), so nothing outlives the two processes.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import socket
 import struct
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from protocol.records import RecordLayout
 
@@ -82,8 +84,9 @@ def send_channels(sock: socket.socket, channels: Sequence[Any], meta: Mapping[st
     send_message(sock, {"channels": descs, "meta": dict(meta or {})}, fds)
 
 
-def recv_channels(sock: socket.socket, waker: Any,
-                  layouts: Mapping[str, RecordLayout] | None = None) -> tuple[list[Any], dict]:
+def recv_channels(
+    sock: socket.socket, waker: Any, layouts: Mapping[str, RecordLayout] | None = None
+) -> tuple[list[Any], dict]:
     """Attaches every channel of the next message: (channels, meta). `layouts` by name
     override protocol.records.LAYOUTS (for tests and benchmarks)."""
     from ipc.channel import Channel
@@ -93,13 +96,14 @@ def recv_channels(sock: socket.socket, waker: Any,
     pos = 0
     try:
         for desc in header["channels"]:
-            mine = fds[pos:pos + desc["nfds"]]
+            mine = fds[pos : pos + desc["nfds"]]
             pos += desc["nfds"]
             layout = (layouts or {}).get(desc["layout"])
             if desc["transport"] == "ring":
                 channels.append(Channel.attach(desc, mine, waker, layout))
             elif desc["transport"] == "zmq":
                 from ipc.zmq_transport import ZmqChannel
+
                 channels.append(ZmqChannel.attach(desc, mine, waker, layout))
             else:
                 raise ValueError(f"unknown transport {desc['transport']!r}")

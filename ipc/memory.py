@@ -24,6 +24,7 @@ module only provides the primitives:
 RINGSERVE_IPC_PORTABLE=1 forces "atomic" + "fence" on any CPU, so the code path a
 weakly ordered machine takes can be exercised on x86-64 too.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,9 +32,9 @@ import ctypes.util
 import mmap
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 _SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283}
 _MEMBARRIER_CMD_QUERY = 0
@@ -56,8 +57,7 @@ class MemoryModel:
 def _libatomic() -> ctypes.CDLL:
     path = ctypes.util.find_library("atomic")
     if path is None:
-        raise RuntimeError("ipc needs libatomic on this CPU (or without membarrier): "
-                           "install the libatomic1 package")
+        raise RuntimeError("ipc needs libatomic on this CPU (or without membarrier): install the libatomic1 package")
     lib = ctypes.CDLL(path)
     lib.atomic_thread_fence.argtypes = [ctypes.c_int]
     lib.atomic_thread_fence.restype = None
@@ -92,6 +92,7 @@ def _membarrier() -> Callable[[], None] | None:
     def barrier() -> None:
         if syscall(nr, _MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "membarrier failed")
+
     return barrier
 
 
@@ -118,7 +119,7 @@ class Counters:
         self._views: list[memoryview] = []
         self._anchor: ctypes.Array | None = None
         if model().counters == "plain":
-            raw = memoryview(buf)[offset:offset + 8 * n]
+            raw = memoryview(buf)[offset : offset + 8 * n]
             words = raw.cast("Q")
             self._views = [words, raw]  # released in this order on close
             self.load: Callable[[int], int] = words.__getitem__

@@ -3,6 +3,7 @@
 Where it cannot be built (no compiler, no Python headers) the rings use the Python data
 path of ipc/ring.py instead, with a warning: same protocol, same segment, ~4x the CPU
 per push and pop. RINGSERVE_IPC_NATIVE=0 asks for the Python path (tests cover both)."""
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,10 @@ def ring_core() -> type | None:
     try:
         module = build_extension("ipc.ring_core", _SOURCE, subdir="ipc")
     except (BuildError, ImportError, OSError) as e:
-        warnings.warn(f"ipc: the C ring data path is unavailable ({e}); the rings use the slower Python one",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"ipc: the C ring data path is unavailable ({e}); the rings use the slower Python one",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     return module.RingCore

@@ -14,6 +14,7 @@ from a pidfd, so that a ring nobody reads any more cannot block the owner.
 The acceptor never touches the owner's state: every change reaches the owner's loop as a
 PeerEvent, taken when the loop is ready for it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,9 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 
@@ -43,8 +45,9 @@ class PeerEvent:
 
 
 class PeerServer:
-    def __init__(self, socket_path: str, make_channel: Callable[[dict, int | None], Any],
-                 reply: dict[str, Any]) -> None:
+    def __init__(
+        self, socket_path: str, make_channel: Callable[[dict, int | None], Any], reply: dict[str, Any]
+    ) -> None:
         """make_channel(hello, peer_waker_fd): the new peer's channel (the fd is the caller's to
         dup, not to close); raises ValueError for a hello it refuses. reply: what every peer
         gets with its channel."""
@@ -62,8 +65,7 @@ class PeerServer:
         self._listener.bind(self.socket_path)
         os.chmod(self.socket_path, 0o600)
         self._listener.listen(64)
-        threading.Thread(target=self._accept, name=f"accept {os.path.basename(self.socket_path)}",
-                         daemon=True).start()
+        threading.Thread(target=self._accept, name=f"accept {os.path.basename(self.socket_path)}", daemon=True).start()
 
     def has_events(self) -> bool:
         return not self._events.empty()

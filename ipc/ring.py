@@ -69,10 +69,11 @@ ring (lost wakeup). ipc/memory.py supplies the barrier: asymmetric membarrier
 (the hot side pays nothing; the side going to sleep pays one syscall) or a
 seq_cst fence on both sides (the C data path issues its own
 __atomic_thread_fence(SEQ_CST) when the segment's mode is "fence"). The hot side's
-flag check and eventfd write are part of push and pop, in both data paths. Only the waiting side clears its flag, after it
-woke: a clear by the other side could land after a fresh announcement and lose
-the next wakeup. Extra eventfd writes while the waiter is waking are harmless.
+flag check and eventfd write are part of push and pop, in both data paths. Only the
+waiting side clears its flag, after it woke: a clear by the other side could land after
+a fresh announcement and lose the next wakeup. Extra eventfd writes while the waiter is waking are harmless.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -107,6 +108,7 @@ _NO_PAYLOAD.flags.writeable = False
 @dataclass(slots=True)
 class Batch:
     """Records popped in one call and the payloads they reference (both private copies)."""
+
     records: np.ndarray  # [n] of the channel's layout dtype
     payload: np.ndarray  # [bytes] uint8; records' `*_off` fields index into it
 
@@ -115,7 +117,7 @@ class Batch:
 
     def view(self, off: int, nbytes: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
         """The payload bytes [off, off + nbytes) as an array of `dtype`, without a copy."""
-        return self.payload[off:off + nbytes].view(dtype)
+        return self.payload[off : off + nbytes].view(dtype)
 
 
 def layout_hash(layout: RecordLayout) -> int:
@@ -134,8 +136,16 @@ def segment_size(layout: RecordLayout, capacity: int, arena_bytes: int) -> int:
     return _offsets(layout, capacity, arena_bytes)[2]
 
 
-def open_ring(buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *, initialise: bool,
-              peer_fd: int, native: bool | None = None) -> Ring:
+def open_ring(
+    buf: mmap.mmap,
+    layout: RecordLayout,
+    capacity: int,
+    arena_bytes: int,
+    *,
+    initialise: bool,
+    peer_fd: int,
+    native: bool | None = None,
+) -> Ring:
     """This side's view of a channel segment, with the C data path (ipc/ring_core.c) unless
     `native` is False or it cannot be built here (None: whichever is available)."""
     core = ring_core() if native is not False else None
@@ -152,8 +162,9 @@ class Ring:
     here is Python; NativeRing runs the same one in C. After publishing, push and pop wake
     the peer through `peer_fd` (its eventfd; the caller owns it) if it announced a wait."""
 
-    def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *,
-                 initialise: bool, peer_fd: int) -> None:
+    def __init__(
+        self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *, initialise: bool, peer_fd: int
+    ) -> None:
         self.layout, self.capacity = layout, capacity
         self._peer_fd = peer_fd
         self._publish_barrier = model().publish_barrier
@@ -164,17 +175,26 @@ class Ring:
         self._hdr = Counters(buf, 0, HEADER_BYTES // 8)
         self._load, self._store = self._hdr.load, self._hdr.store  # hot-path shortcuts
         const = np.frombuffer(buf, np.uint64, 7, 0)
-        expected = (MAGIC, VERSION, capacity, arena_bytes, layout.dtype.itemsize, layout_hash(layout),
-                    _BARRIERS[model().barrier])
+        expected = (
+            MAGIC,
+            VERSION,
+            capacity,
+            arena_bytes,
+            layout.dtype.itemsize,
+            layout_hash(layout),
+            _BARRIERS[model().barrier],
+        )
         if initialise:
             const[:] = expected
         elif tuple(const.tolist()) != expected:
             names = ("magic", "version", "capacity", "arena_bytes", "itemsize", "layout", "barrier mode")
             diff = [n for n, a, b in zip(names, const.tolist(), expected) if a != b]
-            raise ValueError(f"shared segment does not match this {layout.name} channel: {', '.join(diff)} "
-                             "differ (a different build, layout or memory model on the other side?)")
+            raise ValueError(
+                f"shared segment does not match this {layout.name} channel: {', '.join(diff)} "
+                "differ (a different build, layout or memory model on the other side?)"
+            )
         self._dtype, self._itemsize = layout.dtype, layout.dtype.itemsize
-        self._slots_mv = memoryview(buf)[slots_at:slots_at + capacity * self._itemsize]  # [capacity * itemsize]
+        self._slots_mv = memoryview(buf)[slots_at : slots_at + capacity * self._itemsize]  # [capacity * itemsize]
         self.arena = Arena(np.frombuffer(buf, np.uint8, arena_bytes, arena_at)) if arena_bytes else None
         if self.arena is not None:
             # bounds: [capacity, 2] (start, end) of the blob of each slot's push; _bound reads one word
@@ -202,9 +222,11 @@ class Ring:
         nbytes = blob.size
         arena = self.arena
         if nbytes and (arena is None or nbytes > arena.size):
-            raise ValueError(f"payload: the {self.layout.name} channel was created without an arena"
-                             if arena is None else
-                             f"payload of {nbytes} bytes can never fit this channel's {arena.size}-byte arena")
+            raise ValueError(
+                f"payload: the {self.layout.name} channel was created without an arena"
+                if arena is None
+                else f"payload of {nbytes} bytes can never fit this channel's {arena.size}-byte arena"
+            )
         n = len(records)
         tail, cap = self._tail, self.capacity
         free = cap - (tail - self._head)
@@ -231,18 +253,18 @@ class Ring:
                 self._store_bound(2 * i + 1, start + nbytes)
             else:
                 self._pair[0], self._pair[1] = start, start + nbytes
-                self._bounds[i:i + first] = self._pair
+                self._bounds[i : i + first] = self._pair
                 if first < k:
-                    self._bounds[:k - first] = self._pair
+                    self._bounds[: k - first] = self._pair
         # copied as bytes: numpy assigns structured arrays field by field, ~10x slower
         try:
             src = np.frombuffer(records, np.uint8)
         except ValueError:  # not C-contiguous
             src = np.frombuffer(np.ascontiguousarray(records), np.uint8)
         size = self._itemsize
-        self._slots_mv[i * size:(i + first) * size] = src if first == n else src[:first * size]
+        self._slots_mv[i * size : (i + first) * size] = src if first == n else src[: first * size]
         if first < k:
-            self._slots_mv[:(k - first) * size] = src[first * size:k * size]
+            self._slots_mv[: (k - first) * size] = src[first * size : k * size]
         self._tail = tail + k
         self._store(TAIL, tail + k)
         self._wake_if(CONSUMER_SLEEPING)
@@ -287,9 +309,9 @@ class Ring:
         i = head % cap
         first = n if n <= cap - i else cap - i  # records before the wrap
         size = self._itemsize
-        raw = bytearray(self._slots_mv[i * size:(i + first) * size])
+        raw = bytearray(self._slots_mv[i * size : (i + first) * size])
         if first < n:
-            raw += self._slots_mv[:(n - first) * size]
+            raw += self._slots_mv[: (n - first) * size]
         records = np.frombuffer(raw, self._dtype)
         payload = _NO_PAYLOAD
         new_head = head + n
@@ -301,8 +323,9 @@ class Ring:
                 payload = self.arena.read(start, end)
                 if self._rebase and bound(2 * last) != start:
                     # read before HEAD is stored: then the producer may reuse these slots' bounds
-                    self._rebase_offsets(records, self._bounds[(head + np.arange(n, dtype=np.uint64))
-                                                               % np.uint64(cap), 0])
+                    self._rebase_offsets(
+                        records, self._bounds[(head + np.arange(n, dtype=np.uint64)) % np.uint64(cap), 0]
+                    )
             # free up to the first blob still referenced by an unpopped record
             self._store(ARENA_HEAD, end if new_head == tail else bound(2 * (new_head % cap)))
         self._head = new_head
@@ -360,16 +383,38 @@ class NativeRing(Ring):
     """A Ring whose push, pop, readable, free_records and room_for are one C call each
     (ipc/ring_core.c); the flags, heartbeat and close are Ring's."""
 
-    def __init__(self, buf: mmap.mmap, layout: RecordLayout, capacity: int, arena_bytes: int, *,
-                 initialise: bool, peer_fd: int, core: type) -> None:
+    def __init__(
+        self,
+        buf: mmap.mmap,
+        layout: RecordLayout,
+        capacity: int,
+        arena_bytes: int,
+        *,
+        initialise: bool,
+        peer_fd: int,
+        core: type,
+    ) -> None:
         super().__init__(buf, layout, capacity, arena_bytes, initialise=initialise, peer_fd=peer_fd)
         slots_at, arena_at, _ = _offsets(layout, capacity, arena_bytes)
-        self._core = core(buf, slots_at, capacity, self._itemsize, HEADER_BYTES, arena_at, arena_bytes,
-                          (TAIL, HEAD, ARENA_HEAD, CONSUMER_SLEEPING, PRODUCER_WAITING),
-                          model().barrier == "fence", peer_fd, layout.name)
+        self._core = core(
+            buf,
+            slots_at,
+            capacity,
+            self._itemsize,
+            HEADER_BYTES,
+            arena_at,
+            arena_bytes,
+            (TAIL, HEAD, ARENA_HEAD, CONSUMER_SLEEPING, PRODUCER_WAITING),
+            model().barrier == "fence",
+            peer_fd,
+            layout.name,
+        )
         # the consumer's wait loop calls readable() per spin: bound C methods, no Python frame
-        self.readable, self.free_records, self.room_for = (self._core.readable, self._core.free_records,
-                                                           self._core.room_for)
+        self.readable, self.free_records, self.room_for = (
+            self._core.readable,
+            self._core.free_records,
+            self._core.room_for,
+        )
 
     def push(self, records: np.ndarray, payload: np.ndarray | bytes | None = None) -> int:
         if records.dtype is not self._dtype or records.ndim != 1:  # the common case costs no comparison of dtypes
@@ -401,8 +446,10 @@ class NativeRing(Ring):
 def check_records(records: np.ndarray, layout: RecordLayout) -> None:
     """Refuses anything but a 1-D array of `layout`'s dtype (every transport's push)."""
     if records.dtype != layout.dtype or records.ndim != 1:
-        raise TypeError(f"records: expected a 1-D array of the {layout.name} layout's dtype, "
-                        f"got {records.dtype} with shape {records.shape}")
+        raise TypeError(
+            f"records: expected a 1-D array of the {layout.name} layout's dtype, "
+            f"got {records.dtype} with shape {records.shape}"
+        )
 
 
 def check_max_records(max_records: int) -> None:

@@ -11,6 +11,7 @@ The only window in which a name exists is between shm_open and shm_unlink inside
 leaves one name behind; the pid in the name makes it attributable, and
 `sweep_orphans()` (run before every create) unlinks names whose pid is dead.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -47,8 +48,7 @@ def map_segment(fd: int, size: int) -> mmap.mmap:
     actual = os.fstat(fd).st_size
     if actual < size:
         raise ValueError(f"shared segment is {actual} bytes, expected at least {size}")
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def our_segments() -> list[str]:
@@ -64,7 +64,7 @@ def sweep_orphans() -> list[str]:
     swept = []
     for name in our_segments():
         try:
-            pid = int(name[len(PREFIX):].split(".", 1)[0])
+            pid = int(name[len(PREFIX) :].split(".", 1)[0])
         except ValueError:
             continue
         if pid == os.getpid() or _alive(pid):

@@ -29,6 +29,7 @@ Consumer modes: spin_us=0 sleeps at once (eventfd), spin_us=math.inf never sleep
 (pure spin), anything between spins that long then sleeps (the server's mode: on
 few cores a spinning consumer steals the producer's CPU).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,8 @@ import math
 import os
 import select
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ipc.memory import model
 
@@ -58,6 +60,7 @@ class SleepFlag:
 
 class Waitable(Protocol):
     """What the waits need of a channel."""
+
     sleep_flag: SleepFlag
 
     def readable(self) -> bool: ...
@@ -82,8 +85,7 @@ class Waker:
 
     # ---------------------------------------------------------------- sync
 
-    def wait_readable(self, channels: Sequence[Waitable], spin_us: float = 0.0,
-                      timeout: float | None = None) -> bool:
+    def wait_readable(self, channels: Sequence[Waitable], spin_us: float = 0.0, timeout: float | None = None) -> bool:
         """Blocks until one of `channels` has records (True) or `timeout` s pass (False)."""
         if _any_readable(channels):
             return True
@@ -158,13 +160,15 @@ class Waker:
         def announce(on: bool) -> None:
             for ch in channels:
                 ch.sleep_flag.announce(on)
+
         return await self._wait_async(lambda: _any_readable(channels), announce, timeout)
 
     async def wait_room_async(self, channel: Waitable, nbytes: int = 0, timeout: float | None = None) -> bool:
         return await self._wait_async(lambda: channel.room_for(nbytes), channel.sleep_flag.announce, timeout)
 
-    async def _wait_async(self, ready: Callable[[], bool], announce: Callable[[bool], None],
-                          timeout: float | None) -> bool:
+    async def _wait_async(
+        self, ready: Callable[[], bool], announce: Callable[[bool], None], timeout: float | None
+    ) -> bool:
         if ready():
             return True
         loop = asyncio.get_running_loop()

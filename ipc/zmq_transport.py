@@ -16,6 +16,7 @@ the dir on close (a kill -9 of the creator leaves the empty dir behind; this
 transport exists only as a baseline). The heartbeat lives in a one-line shared
 segment handed over like a ring's, so watchdog code is the same for both.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -34,9 +36,9 @@ import zmq
 
 from ipc.channel import ROLES, ChannelSpec
 from ipc.memory import Counters
-from protocol.records import LAYOUTS, RecordLayout
 from ipc.ring import Batch, as_bytes, check_max_records, check_records
 from ipc.shm import create_segment, map_segment
+from protocol.records import LAYOUTS, RecordLayout
 
 _HEARTBEAT_BYTES = 64
 
@@ -44,6 +46,7 @@ _HEARTBEAT_BYTES = 64
 @dataclass
 class ColumnBatch:
     """What the pickle codec sends, shaped like SGLang's BatchTokenIDOut / TokenizedGenerateReqInput."""
+
     columns: dict[str, list]  # field -> one value per record
     payloads: dict[str, list]  # offset field -> one list[int] (token ids) or bytes per record
 
@@ -55,7 +58,7 @@ def _payload_objects(layout: RecordLayout, records: np.ndarray, blob: np.ndarray
         if ref.elem == np.uint32:
             out[ref.off] = [np.frombuffer(blob, np.uint32, n // 4, o).tolist() if n else [] for o, n in zip(offs, lens)]
         else:
-            out[ref.off] = [blob[o:o + n].tobytes() for o, n in zip(offs, lens)]
+            out[ref.off] = [blob[o : o + n].tobytes() for o, n in zip(offs, lens)]
     return out
 
 
@@ -73,7 +76,7 @@ def _batch_from_objects(layout: RecordLayout, records: np.ndarray, payloads: dic
         records[ref.off], records[ref.len] = offs, lens
     payload = np.zeros(size, np.uint8)
     for off, raw in parts:
-        payload[off:off + len(raw)] = np.frombuffer(raw, np.uint8)
+        payload[off : off + len(raw)] = np.frombuffer(raw, np.uint8)
     return Batch(records, payload)
 
 
@@ -113,14 +116,14 @@ CODECS: dict[str, Callable[[], Any]] = {"pickle": PickleCodec, "msgpack": Msgpac
 
 class ZmqWaker:
     """The ZMQ counterpart of ipc.wakeup.Waker: sockets wake their own pollers, so it holds no fd."""
+
     fds: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         # one poller per set of sockets waited on; the entry pins the sockets, so ids are not reused
         self._pollers: dict[tuple[int, ...], tuple[zmq.Poller, tuple[zmq.Socket, ...]]] = {}
 
-    def wait_readable(self, channels: Sequence[ZmqChannel], spin_us: float = 0.0,
-                      timeout: float | None = None) -> bool:
+    def wait_readable(self, channels: Sequence[ZmqChannel], spin_us: float = 0.0, timeout: float | None = None) -> bool:
         if any(ch.readable() for ch in channels):
             return True
         now = time.perf_counter()
@@ -147,8 +150,9 @@ class ZmqWaker:
         return bool(channel.sock.poll(None if timeout is None else math.ceil(timeout * 1000), zmq.POLLOUT))
 
     async def wait_readable_async(self, channels: Sequence[ZmqChannel], timeout: float | None = None) -> bool:
-        return await self._wait_async([ch.sock for ch in channels],
-                                      lambda: any(ch.readable() for ch in channels), timeout)
+        return await self._wait_async(
+            [ch.sock for ch in channels], lambda: any(ch.readable() for ch in channels), timeout
+        )
 
     async def wait_room_async(self, channel: ZmqChannel, nbytes: int = 0, timeout: float | None = None) -> bool:
         return await self._wait_async([channel.sock], lambda: channel.room_for(nbytes), timeout)
@@ -165,6 +169,7 @@ class ZmqWaker:
             def wake() -> None:
                 if not fut.done():
                     fut.set_result(None)
+
             fds = [sock.getsockopt(zmq.FD) for sock in socks]
             for fd in fds:
                 loop.add_reader(fd, wake)
@@ -185,8 +190,16 @@ class ZmqWaker:
 class ZmqChannel:
     transport = "zmq"
 
-    def __init__(self, spec: ChannelSpec, role: str, waker: ZmqWaker, codec: str, address: str,
-                 heartbeat_fd: int, private_dir: str | None) -> None:
+    def __init__(
+        self,
+        spec: ChannelSpec,
+        role: str,
+        waker: ZmqWaker,
+        codec: str,
+        address: str,
+        heartbeat_fd: int,
+        private_dir: str | None,
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         if codec not in CODECS:
@@ -204,8 +217,9 @@ class ZmqChannel:
         self._pending: Batch | None = None
 
     @classmethod
-    def create(cls, spec: ChannelSpec, role: str, waker: ZmqWaker, peer_waker_fd: int | None = None,
-               codec: str = "pickle") -> ZmqChannel:
+    def create(
+        cls, spec: ChannelSpec, role: str, waker: ZmqWaker, peer_waker_fd: int | None = None, codec: str = "pickle"
+    ) -> ZmqChannel:
         private_dir = tempfile.mkdtemp(prefix="ringserve-zmq-")
         fd, buf = create_segment(_HEARTBEAT_BYTES)
         buf.close()
@@ -220,14 +234,19 @@ class ZmqChannel:
     def describe(self) -> tuple[dict, list[int]]:
         if self._private_dir is None:
             raise ValueError("only the process that created a channel can hand it over")
-        desc = {"transport": self.transport, "layout": self.spec.layout.name, "capacity": self.spec.capacity,
-                "arena_bytes": self.spec.arena_bytes, "role": ROLES[1 - ROLES.index(self.role)],
-                "codec": self.codec_name, "address": self.address}
+        desc = {
+            "transport": self.transport,
+            "layout": self.spec.layout.name,
+            "capacity": self.spec.capacity,
+            "arena_bytes": self.spec.arena_bytes,
+            "role": ROLES[1 - ROLES.index(self.role)],
+            "codec": self.codec_name,
+            "address": self.address,
+        }
         return desc, [self._heartbeat_fd]
 
     @classmethod
-    def attach(cls, desc: dict, fds: Sequence[int], waker: ZmqWaker,
-               layout: RecordLayout | None = None) -> ZmqChannel:
+    def attach(cls, desc: dict, fds: Sequence[int], waker: ZmqWaker, layout: RecordLayout | None = None) -> ZmqChannel:
         layout = layout or LAYOUTS.get(desc["layout"])
         if layout is None or layout.name != desc["layout"]:
             raise ValueError(f"unknown record layout {desc['layout']!r}")
@@ -247,16 +266,18 @@ class ZmqChannel:
             return 0
         return len(records)
 
-    def push_all(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
-                 timeout: float | None = None) -> None:
+    def push_all(
+        self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
+    ) -> None:
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         while len(records) and not self.push(records, payload):
             remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
             if not self.waker.wait_room(self, 0, remaining):
                 raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
 
-    async def push_all_async(self, records: np.ndarray, payload: np.ndarray | bytes | None = None,
-                             timeout: float | None = None) -> None:
+    async def push_all_async(
+        self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
+    ) -> None:
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         while len(records) and not self.push(records, payload):
             remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())

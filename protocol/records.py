@@ -36,15 +36,17 @@ complete some text, when it finishes, or, when it asked for logprobs or token id
 got tokens; `n_tokens` counts the tokens since its previous record. An ERROR record ends a
 request with an ErrorCode and a message.
 """
+
 from __future__ import annotations
 
 import array
 import enum
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -99,6 +101,7 @@ class TextKind(enum.IntEnum):
 
 class Finish(enum.IntEnum):
     """How a request ended, as every process records it."""
+
     NONE = 0  # still running
     STOP = 1  # EOS, a stop token or a stop string
     LENGTH = 2  # max_tokens, or the context / KV pool ran out
@@ -113,6 +116,7 @@ class Finish(enum.IntEnum):
 
 class ErrorCode(enum.IntEnum):
     """Why a request failed, from whichever process failed it."""
+
     NONE = 0
     INTERNAL = 1
     PROMPT_TOO_LONG = 2
@@ -127,103 +131,142 @@ class OpenFlags(enum.IntFlag):
     RETURN_IDS = 8
 
 
-REQUEST = RecordLayout("request", np.dtype([
-    # this request's own
-    ("kind", np.uint8),  # RequestKind
-    ("worker", np.uint16),
-    ("slot", np.uint32),
-    ("gen", np.uint32),
-    ("arrival_ns", np.int64),  # CLOCK_MONOTONIC
-    ("rid_hash", np.uint64),  # rid_hash() of the request's id (0: none), what ABORT_RID matches
-    ("prompt_off", np.uint32),  # prompt token ids, uint32
-    ("prompt_len", np.uint32),
-    ("stop_off", np.uint32),  # stop strings, encode_strings()
-    ("stop_len", np.uint32),
-    # its sampling parameters, from SAMPLING_AT to the end: requests that share them share these
-    # bytes, so each side converts them once (pack_request, unpack_request)
-    ("has_seed", np.uint8),
-    ("n_stop_token_ids", np.uint8),
-    ("ignore_eos", np.uint8),
-    ("logprobs", np.uint8),
-    ("top_logprobs", np.uint8),
-    ("skip_special_tokens", np.uint8),
-    ("spaces_between_special_tokens", np.uint8),
-    ("no_stop_trim", np.uint8),
-    ("return_ids", np.uint8),
-    ("max_new_tokens", np.uint32),
-    ("min_new_tokens", np.uint32),
-    ("top_k", np.int32),
-    ("temperature", np.float64),
-    ("top_p", np.float64),
-    ("min_p", np.float64),
-    ("repetition_penalty", np.float64),
-    ("frequency_penalty", np.float64),
-    ("presence_penalty", np.float64),
-    ("seed", np.int64),
-    ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
-], align=True), payloads=(PayloadRef("prompt_off", "prompt_len", np.dtype(np.uint32)),
-                          PayloadRef("stop_off", "stop_len", np.dtype(np.uint8))))
+REQUEST = RecordLayout(
+    "request",
+    np.dtype(
+        [
+            # this request's own
+            ("kind", np.uint8),  # RequestKind
+            ("worker", np.uint16),
+            ("slot", np.uint32),
+            ("gen", np.uint32),
+            ("arrival_ns", np.int64),  # CLOCK_MONOTONIC
+            ("rid_hash", np.uint64),  # rid_hash() of the request's id (0: none), what ABORT_RID matches
+            ("prompt_off", np.uint32),  # prompt token ids, uint32
+            ("prompt_len", np.uint32),
+            ("stop_off", np.uint32),  # stop strings, encode_strings()
+            ("stop_len", np.uint32),
+            # its sampling parameters, from SAMPLING_AT to the end: requests that share them share these
+            # bytes, so each side converts them once (pack_request, unpack_request)
+            ("has_seed", np.uint8),
+            ("n_stop_token_ids", np.uint8),
+            ("ignore_eos", np.uint8),
+            ("logprobs", np.uint8),
+            ("top_logprobs", np.uint8),
+            ("skip_special_tokens", np.uint8),
+            ("spaces_between_special_tokens", np.uint8),
+            ("no_stop_trim", np.uint8),
+            ("return_ids", np.uint8),
+            ("max_new_tokens", np.uint32),
+            ("min_new_tokens", np.uint32),
+            ("top_k", np.int32),
+            ("temperature", np.float64),
+            ("top_p", np.float64),
+            ("min_p", np.float64),
+            ("repetition_penalty", np.float64),
+            ("frequency_penalty", np.float64),
+            ("presence_penalty", np.float64),
+            ("seed", np.int64),
+            ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
+        ],
+        align=True,
+    ),
+    payloads=(
+        PayloadRef("prompt_off", "prompt_len", np.dtype(np.uint32)),
+        PayloadRef("stop_off", "stop_len", np.dtype(np.uint8)),
+    ),
+)
 SAMPLING_AT = REQUEST.dtype.fields["has_seed"][1]
 
-TOKEN_OUT = RecordLayout("token_out", np.dtype([
-    ("worker", np.uint16),
-    ("kind", np.uint8),  # TokenKind
-    ("finish", np.uint8),  # Finish
-    ("slot", np.uint32),
-    ("gen", np.uint32),
-    ("token", np.uint32),
-    ("prompt_tokens", np.uint32),
-    ("completion_tokens", np.uint32),
-    ("cached_tokens", np.uint32),
-    ("logprob", np.float32),  # of `token`, when the request asked for logprobs
-    # TOKEN: top-N alternatives (pack_top_logprobs) when asked; ERROR: UTF-8 message
-    ("payload_off", np.uint32),
-    ("payload_len", np.uint32),
-    ("n_top", np.uint8),  # alternatives in the payload
-    ("flags", np.uint8),  # unused by TOKEN and ERROR: OPEN_RECORD's `flags`
-    ("error", np.uint16),  # ErrorCode
-], align=True), payloads=(PayloadRef("payload_off", "payload_len", np.dtype(np.uint8)),))
+TOKEN_OUT = RecordLayout(
+    "token_out",
+    np.dtype(
+        [
+            ("worker", np.uint16),
+            ("kind", np.uint8),  # TokenKind
+            ("finish", np.uint8),  # Finish
+            ("slot", np.uint32),
+            ("gen", np.uint32),
+            ("token", np.uint32),
+            ("prompt_tokens", np.uint32),
+            ("completion_tokens", np.uint32),
+            ("cached_tokens", np.uint32),
+            ("logprob", np.float32),  # of `token`, when the request asked for logprobs
+            # TOKEN: top-N alternatives (pack_top_logprobs) when asked; ERROR: UTF-8 message
+            ("payload_off", np.uint32),
+            ("payload_len", np.uint32),
+            ("n_top", np.uint8),  # alternatives in the payload
+            ("flags", np.uint8),  # unused by TOKEN and ERROR: OPEN_RECORD's `flags`
+            ("error", np.uint16),  # ErrorCode
+        ],
+        align=True,
+    ),
+    payloads=(PayloadRef("payload_off", "payload_len", np.dtype(np.uint8)),),
+)
 
 NO_TOKEN = 0xFFFFFFFF  # TOKEN_OUT.token of a record that ends a request without a new token
 
 # OPEN_RECORD's fields, each at the offset of the TOKEN_OUT field named beside it: the same
 # ring carries both, and the ring translates `payload_off` (here `stop_off`) on pop.
-_OPEN_AT = {"worker": "worker", "kind": "kind", "slot": "slot", "gen": "gen", "prompt_tokens": "prompt_tokens",
-            "min_new_tokens": "completion_tokens", "stop_off": "payload_off", "stop_len": "payload_len",
-            "top_logprobs": "n_top", "flags": "flags"}
-OPEN_RECORD = np.dtype({"names": list(_OPEN_AT),
-                        "formats": [TOKEN_OUT.dtype.fields[f][0] for f in _OPEN_AT.values()],
-                        "offsets": [TOKEN_OUT.dtype.fields[f][1] for f in _OPEN_AT.values()],
-                        "itemsize": TOKEN_OUT.dtype.itemsize})
+_OPEN_AT = {
+    "worker": "worker",
+    "kind": "kind",
+    "slot": "slot",
+    "gen": "gen",
+    "prompt_tokens": "prompt_tokens",
+    "min_new_tokens": "completion_tokens",
+    "stop_off": "payload_off",
+    "stop_len": "payload_len",
+    "top_logprobs": "n_top",
+    "flags": "flags",
+}
+OPEN_RECORD = np.dtype(
+    {
+        "names": list(_OPEN_AT),
+        "formats": [TOKEN_OUT.dtype.fields[f][0] for f in _OPEN_AT.values()],
+        "offsets": [TOKEN_OUT.dtype.fields[f][1] for f in _OPEN_AT.values()],
+        "itemsize": TOKEN_OUT.dtype.itemsize,
+    }
+)
 
-TEXT_OUT = RecordLayout("text_out", np.dtype([
-    ("worker", np.uint16),
-    ("kind", np.uint8),  # TextKind
-    ("finish", np.uint8),  # Finish
-    ("slot", np.uint32),
-    ("gen", np.uint32),
-    ("text_off", np.uint32),  # UTF-8 delta (possibly empty on finish), or the error message
-    ("text_len", np.uint32),
-    ("n_tokens", np.uint32),  # tokens this delta covers
-    ("prompt_tokens", np.uint32),
-    ("completion_tokens", np.uint32),
-    ("cached_tokens", np.uint32),
-    ("logprobs_off", np.uint32),  # pack_logprobs() of the n_tokens tokens, when asked
-    ("logprobs_len", np.uint32),
-    ("ids_off", np.uint32),  # the n_tokens tokens' ids (uint32), when asked (return_ids)
-    ("ids_len", np.uint32),
-    ("stop_token", np.int32),  # the stop token id that finished the request, else -1
-    ("stop_index", np.int16),  # index of the matched stop string, else -1
-    ("error", np.uint16),  # ErrorCode
-    ("n_top", np.uint8),  # alternatives per token in the logprobs payload
-], align=True), payloads=(PayloadRef("text_off", "text_len", np.dtype(np.uint8)),
-                          PayloadRef("logprobs_off", "logprobs_len", np.dtype(np.uint8)),
-                          PayloadRef("ids_off", "ids_len", np.dtype(np.uint32))))
+TEXT_OUT = RecordLayout(
+    "text_out",
+    np.dtype(
+        [
+            ("worker", np.uint16),
+            ("kind", np.uint8),  # TextKind
+            ("finish", np.uint8),  # Finish
+            ("slot", np.uint32),
+            ("gen", np.uint32),
+            ("text_off", np.uint32),  # UTF-8 delta (possibly empty on finish), or the error message
+            ("text_len", np.uint32),
+            ("n_tokens", np.uint32),  # tokens this delta covers
+            ("prompt_tokens", np.uint32),
+            ("completion_tokens", np.uint32),
+            ("cached_tokens", np.uint32),
+            ("logprobs_off", np.uint32),  # pack_logprobs() of the n_tokens tokens, when asked
+            ("logprobs_len", np.uint32),
+            ("ids_off", np.uint32),  # the n_tokens tokens' ids (uint32), when asked (return_ids)
+            ("ids_len", np.uint32),
+            ("stop_token", np.int32),  # the stop token id that finished the request, else -1
+            ("stop_index", np.int16),  # index of the matched stop string, else -1
+            ("error", np.uint16),  # ErrorCode
+            ("n_top", np.uint8),  # alternatives per token in the logprobs payload
+        ],
+        align=True,
+    ),
+    payloads=(
+        PayloadRef("text_off", "text_len", np.dtype(np.uint8)),
+        PayloadRef("logprobs_off", "logprobs_len", np.dtype(np.uint8)),
+        PayloadRef("ids_off", "ids_len", np.dtype(np.uint32)),
+    ),
+)
 
 LAYOUTS = {layout.name: layout for layout in (REQUEST, TOKEN_OUT, TEXT_OUT)}
 
 
 # ---------------------------------------------------------------- copies of records
+
 
 def take_records(records: np.ndarray, index: np.ndarray) -> np.ndarray:
     """records[index] (an integer or boolean index), copied as whole rows of bytes: numpy
@@ -241,8 +284,19 @@ def record_struct(dtype: np.dtype, start: int = 0, stop: int | None = None) -> s
     there, padding included; by default the whole record): it packs the fields' values (an
     array field's items in order) into a record's bytes in ~1 µs, where np.array([values],
     dtype) takes several."""
-    codes = {"b1": "?", "u1": "B", "u2": "H", "u4": "I", "u8": "Q", "i1": "b", "i2": "h", "i4": "i", "i8": "q",
-             "f4": "f", "f8": "d"}
+    codes = {
+        "b1": "?",
+        "u1": "B",
+        "u2": "H",
+        "u4": "I",
+        "u8": "Q",
+        "i1": "b",
+        "i2": "h",
+        "i4": "i",
+        "i8": "q",
+        "f4": "f",
+        "f8": "d",
+    }
     stop = dtype.itemsize if stop is None else stop
     fmt, at = "=", start
     for name in dtype.names:
@@ -263,6 +317,7 @@ _OPEN_STRUCT = record_struct(OPEN_RECORD)
 
 class OpenFields(NamedTuple):
     """An OPEN record's fields, in OPEN_RECORD's order."""
+
     worker: int
     kind: int
     slot: int
@@ -275,11 +330,22 @@ class OpenFields(NamedTuple):
     flags: int
 
 
-def pack_open(*, worker: int, slot: int, gen: int, prompt_tokens: int, min_new_tokens: int, top_logprobs: int,
-              flags: int, stop_off: int = 0, stop_len: int = 0) -> bytes:
+def pack_open(
+    *,
+    worker: int,
+    slot: int,
+    gen: int,
+    prompt_tokens: int,
+    min_new_tokens: int,
+    top_logprobs: int,
+    flags: int,
+    stop_off: int = 0,
+    stop_len: int = 0,
+) -> bytes:
     """One OPEN record's bytes (stop_off, stop_len: the stop strings' part of the push's blob)."""
-    return _OPEN_STRUCT.pack(worker, TokenKind.OPEN, slot, gen, prompt_tokens, min_new_tokens, stop_off, stop_len,
-                             top_logprobs, flags)
+    return _OPEN_STRUCT.pack(
+        worker, TokenKind.OPEN, slot, gen, prompt_tokens, min_new_tokens, stop_off, stop_len, top_logprobs, flags
+    )
 
 
 def unpack_open(record: bytes) -> OpenFields:
@@ -297,6 +363,7 @@ def _rows(records: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- payload blobs
+
 
 class PayloadBuilder:
     """Collects the payloads of one push into one blob; each part starts 4-byte aligned."""
@@ -341,7 +408,7 @@ def decode_strings(buf: bytes | np.ndarray) -> tuple[str, ...]:
     lengths = np.frombuffer(raw, np.uint32, count, offset=4).tolist()
     pos, out = 4 + 4 * count, []
     for n in lengths:
-        out.append(raw[pos:pos + n].decode())
+        out.append(raw[pos : pos + n].decode())
         pos += n
     return tuple(out)
 
@@ -364,8 +431,9 @@ def unpack_top_logprobs(part: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarra
     return words[:n], words[n:].view(np.float32)
 
 
-def pack_logprobs(ids: np.ndarray, logprobs: np.ndarray,
-                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> bytes:
+def pack_logprobs(
+    ids: np.ndarray, logprobs: np.ndarray, top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None
+) -> bytes:
     """Text-out logprobs of the T tokens a delta covers: [T u32 ids][T f32][T*N u32 top ids][T*N f32]."""
     parts = [np.asarray(ids, np.uint32), np.asarray(logprobs, np.float32)]
     if top_ids is not None:
@@ -373,32 +441,46 @@ def pack_logprobs(ids: np.ndarray, logprobs: np.ndarray,
     return b"".join(p.tobytes() for p in parts)
 
 
-def unpack_logprobs(part: np.ndarray, n_tokens: int, n_top: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def unpack_logprobs(
+    part: np.ndarray, n_tokens: int, n_top: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Inverse of pack_logprobs: ids [T], logprobs [T], top_ids [T, N], top_logprobs [T, N]."""
     t, k = n_tokens, n_top
     words = np.frombuffer(part, np.uint32, 2 * t + 2 * t * k)
-    return (words[:t], words[t:2 * t].view(np.float32),
-            words[2 * t:2 * t + t * k].reshape(t, k), words[2 * t + t * k:].view(np.float32).reshape(t, k))
+    return (
+        words[:t],
+        words[t : 2 * t].view(np.float32),
+        words[2 * t : 2 * t + t * k].reshape(t, k),
+        words[2 * t + t * k :].view(np.float32).reshape(t, k),
+    )
 
 
 # ---------------------------------------------------------------- requests
+
 
 def rid_hash(rid: str) -> int:
     """A request id as the u64 the scheduler matches ABORT_RID against (never 0)."""
     return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") or 1
 
 
-def pack_request(worker: int, slot: int, gen: int, params: SamplingParams,
-                 prompt_ids: np.ndarray | list[int], arrival_ns: int, rid: int = 0) -> tuple[np.ndarray, bytes]:
+def pack_request(
+    worker: int,
+    slot: int,
+    gen: int,
+    params: SamplingParams,
+    prompt_ids: np.ndarray | list[int],
+    arrival_ns: int,
+    rid: int = 0,
+) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
     strings), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's id,
     0 for none. The record is packed by struct (record_struct), the sampling part once per
     SamplingParams object: set field by field, a numpy record costs a microsecond a field."""
     sampling, stop = _packed_sampling(params)
     prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
-    head = _REQUEST_HEAD.pack(RequestKind.NEW, worker, slot, gen, arrival_ns, rid,
-                              0, len(prompt), len(prompt), len(stop))  # the stop strings stay 4-aligned
+    head = _REQUEST_HEAD.pack(
+        RequestKind.NEW, worker, slot, gen, arrival_ns, rid, 0, len(prompt), len(prompt), len(stop)
+    )  # the stop strings stay 4-aligned
     return np.frombuffer(bytearray(head + sampling), REQUEST.dtype), prompt + stop
 
 
@@ -407,8 +489,8 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
     same sampling bytes and stop strings get the same (frozen) SamplingParams object."""
     raw = record.tobytes()
     prompt_off, prompt_len, stop_off, stop_len = _REQUEST_HEAD.unpack_from(raw)[6:]
-    params = _params_of(raw[SAMPLING_AT:] + payload[stop_off:stop_off + stop_len].tobytes())
-    return params, payload[prompt_off:prompt_off + prompt_len].view(np.uint32)
+    params = _params_of(raw[SAMPLING_AT:] + payload[stop_off : stop_off + stop_len].tobytes())
+    return params, payload[prompt_off : prompt_off + prompt_len].view(np.uint32)
 
 
 @lru_cache(maxsize=1024)  # a server sees a few distinct sampling settings
@@ -417,15 +499,26 @@ def _params_of(sampling_and_stop: bytes) -> SamplingParams:
     values = _REQUEST_SAMPLING.unpack_from(sampling_and_stop)
     r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
     return SamplingParams(
-        max_new_tokens=r["max_new_tokens"], min_new_tokens=r["min_new_tokens"], temperature=r["temperature"],
-        top_p=r["top_p"], top_k=r["top_k"], min_p=r["min_p"], seed=r["seed"] if r["has_seed"] else None,
-        repetition_penalty=r["repetition_penalty"], frequency_penalty=r["frequency_penalty"],
-        presence_penalty=r["presence_penalty"], stop=decode_strings(sampling_and_stop[_REQUEST_SAMPLING.size:]),
-        stop_token_ids=values[len(_SAMPLING_NAMES):len(_SAMPLING_NAMES) + r["n_stop_token_ids"]],
-        ignore_eos=bool(r["ignore_eos"]), skip_special_tokens=bool(r["skip_special_tokens"]),
+        max_new_tokens=r["max_new_tokens"],
+        min_new_tokens=r["min_new_tokens"],
+        temperature=r["temperature"],
+        top_p=r["top_p"],
+        top_k=r["top_k"],
+        min_p=r["min_p"],
+        seed=r["seed"] if r["has_seed"] else None,
+        repetition_penalty=r["repetition_penalty"],
+        frequency_penalty=r["frequency_penalty"],
+        presence_penalty=r["presence_penalty"],
+        stop=decode_strings(sampling_and_stop[_REQUEST_SAMPLING.size :]),
+        stop_token_ids=values[len(_SAMPLING_NAMES) : len(_SAMPLING_NAMES) + r["n_stop_token_ids"]],
+        ignore_eos=bool(r["ignore_eos"]),
+        skip_special_tokens=bool(r["skip_special_tokens"]),
         spaces_between_special_tokens=bool(r["spaces_between_special_tokens"]),
-        no_stop_trim=bool(r["no_stop_trim"]), logprobs=bool(r["logprobs"]), top_logprobs=r["top_logprobs"],
-        return_ids=bool(r["return_ids"]))
+        no_stop_trim=bool(r["no_stop_trim"]),
+        logprobs=bool(r["logprobs"]),
+        top_logprobs=r["top_logprobs"],
+        return_ids=bool(r["return_ids"]),
+    )
 
 
 def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
@@ -438,10 +531,28 @@ def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
         raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} fit a request record")
     p = params
     sampling = _REQUEST_SAMPLING.pack(
-        p.seed is not None, len(stop_ids), p.ignore_eos, p.logprobs, p.top_logprobs, p.skip_special_tokens,
-        p.spaces_between_special_tokens, p.no_stop_trim, p.return_ids, p.max_new_tokens, p.min_new_tokens, p.top_k,
-        p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.seed or 0,
-        *stop_ids, *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)))
+        p.seed is not None,
+        len(stop_ids),
+        p.ignore_eos,
+        p.logprobs,
+        p.top_logprobs,
+        p.skip_special_tokens,
+        p.spaces_between_special_tokens,
+        p.no_stop_trim,
+        p.return_ids,
+        p.max_new_tokens,
+        p.min_new_tokens,
+        p.top_k,
+        p.temperature,
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.frequency_penalty,
+        p.presence_penalty,
+        p.seed or 0,
+        *stop_ids,
+        *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
+    )
     if len(_PACKED) >= _PACKED_SIZE:  # by object, not value (hashing one costs more than packing it)
         _PACKED.clear()
     _PACKED[id(params)] = packed = (params, sampling, encode_strings(params.stop))  # held: its id stays its own
@@ -464,6 +575,7 @@ def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0
 
 
 # ---------------------------------------------------------------- addressing
+
 
 def live_mask(records: np.ndarray, generations: np.ndarray) -> np.ndarray:
     """True where a record's gen matches the consumer's table; out-of-range slots are stale.

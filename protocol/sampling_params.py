@@ -1,5 +1,6 @@
 """Per-request sampling parameters, shared by the HTTP layer, the OfflineEngine,
 the record layouts and the sampler."""
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raises InvalidParam naming the first parameter out of range; returns self.
         Straight-line checks: a request is validated three times on its way (request,
         prompt, scheduler), and a helper call per check cost more than the checks."""
@@ -79,11 +80,14 @@ class SamplingParams:
         if not (len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop)):
             raise InvalidParam("stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         if not (
-                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-                and all(isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
-                        for t in self.stop_token_ids)):
-            raise InvalidParam("stop_token_ids",
-                               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary")
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+            and all(
+                isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids
+            )
+        ):
+            raise InvalidParam(
+                "stop_token_ids", f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary"
+            )
         if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not (self.top_logprobs == 0 or self.logprobs):

@@ -8,6 +8,7 @@ each character of a token back to one byte and falls back to the token's own UTF
 a character is outside that map, then decodes the joined bytes with replacement. This is
 checked at start-up against the tokenizer itself; anything else uses the window decode.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,25 +26,29 @@ class NotByteExact(Exception):
 @dataclass(frozen=True)
 class AddedTokens:
     """Added-vocabulary tokens (`<|im_end|>` ...): decode skips the special ones when asked."""
+
     special: frozenset[int]
     text: dict[int, str]  # id -> what decode([id]) returns
 
     @classmethod
-    def of(cls, tokenizer) -> "AddedTokens":
+    def of(cls, tokenizer) -> AddedTokens:
         decoder = tokenizer.added_tokens_decoder  # id -> AddedToken
-        return cls(special=frozenset(i for i, tok in decoder.items() if tok.special),
-                   text={i: tokenizer.decode([i]) for i in decoder})
+        return cls(
+            special=frozenset(i for i, tok in decoder.items() if tok.special),
+            text={i: tokenizer.decode([i]) for i in decoder},
+        )
 
 
 @dataclass(frozen=True)
 class TokenTable:
     """Bytes of every token id; index `size` is an empty entry for ids outside the vocabulary."""
-    size: int                 # vocabulary size; valid ids are [0, size)
-    blob: np.ndarray          # uint8 [total]: every token's bytes, back to back
-    offset: np.ndarray        # int64 [size + 1]: where each id's bytes start in blob
-    length: np.ndarray        # int64 [size + 1]
-    plain: np.ndarray         # bool [size + 1]: not an added token and valid UTF-8 on its own
-    byte_bits: np.ndarray     # uint64 [size + 1, 4]: bitmap of the byte values in each token
+
+    size: int  # vocabulary size; valid ids are [0, size)
+    blob: np.ndarray  # uint8 [total]: every token's bytes, back to back
+    offset: np.ndarray  # int64 [size + 1]: where each id's bytes start in blob
+    length: np.ndarray  # int64 [size + 1]
+    plain: np.ndarray  # bool [size + 1]: not an added token and valid UTF-8 on its own
+    byte_bits: np.ndarray  # uint64 [size + 1, 4]: bitmap of the byte values in each token
     pieces: tuple[bytes, ...]  # [size + 1]: the same bytes as Python objects, for the per-request path
 
 
@@ -106,8 +111,9 @@ def build_token_table(tokenizer, added: AddedTokens, probes: int = 64, seed: int
     has_byte = np.zeros((size + 1, 256), bool)
     has_byte[np.repeat(np.arange(size + 1), length), blob] = True
     byte_bits = np.packbits(has_byte, axis=1, bitorder="little").view(np.uint64)
-    return TokenTable(size=size, blob=blob, offset=offset, length=length, plain=plain,
-                      byte_bits=byte_bits, pieces=tuple(pieces))
+    return TokenTable(
+        size=size, blob=blob, offset=offset, length=length, plain=plain, byte_bits=byte_bits, pieces=tuple(pieces)
+    )
 
 
 def byte_fallback_ids(tokenizer) -> frozenset[int]:

@@ -6,6 +6,7 @@ as RINGSERVE_* environment variables, exactly as `granian --interface asgi
 runtime.app:app` does with them set by hand. The exec leaves nothing of this
 process's imports behind in granian's main process, whose workers it forks.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,14 +14,28 @@ import sys
 
 from runtime.config import ENV_PREFIX, ServerArgs
 
-GRANIAN_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warning", "error": "error",
-                      "critical": "critical"}
+GRANIAN_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warning", "error": "error", "critical": "critical"}
 
 
 def granian_command(args: ServerArgs) -> list[str]:
-    return [sys.executable, "-m", "granian", "--interface", "asgi", "--host", args.host, "--port", str(args.port),
-            "--workers", str(args.workers), "--log-level", GRANIAN_LOG_LEVELS[args.log_level],
-            "--process-name", "ringserve", "runtime.app:app"]
+    return [
+        sys.executable,
+        "-m",
+        "granian",
+        "--interface",
+        "asgi",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--workers",
+        str(args.workers),
+        "--log-level",
+        GRANIAN_LOG_LEVELS[args.log_level],
+        "--process-name",
+        "ringserve",
+        "runtime.app:app",
+    ]
 
 
 def server_env(args: ServerArgs) -> dict[str, str]:
@@ -48,8 +63,11 @@ def check_model(args: ServerArgs) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
-        print("usage: python -m runtime serve [--model-path PATH] [--host H] [--port N] [--workers N] ... "
-              "(python -m runtime serve --help)", file=sys.stderr)
+        print(
+            "usage: python -m runtime serve [--model-path PATH] [--host H] [--port N] [--workers N] ... "
+            "(python -m runtime serve --help)",
+            file=sys.stderr,
+        )
         return 2
     try:
         args = ServerArgs.from_cli(argv[1:])

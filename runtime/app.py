@@ -6,6 +6,7 @@ REQUEST and TEXT_OUT channels and runs one TokenizerManager (runtime/http_worker
 come from RINGSERVE_* environment variables (ServerArgs.from_env; `python -m runtime serve`
 sets them from its flags).
 """
+
 from runtime.http_worker.asgi import App
 from runtime.http_worker.routes import ROUTES, retrieve_model
 

@@ -4,6 +4,7 @@ serve`) or from RINGSERVE_* environment variables (`granian ... runtime.app:app`
 Flag names follow SGLang's launch_server where they mean the same thing; the
 environment variable of `--max-running-requests` is RINGSERVE_MAX_RUNNING_REQUESTS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 ENV_PREFIX = "RINGSERVE_"
 
@@ -73,24 +75,35 @@ class ServerArgs:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{_flag(name)} must be one of {[a for a in allowed if a]}, "
-                                 f"not {getattr(self, name)!r}")
-        positive = ("port", "workers", "stream_interval", "page_size", "max_running_requests",
-                    "chunked_prefill_size", "max_prefill_tokens")
+                raise ValueError(
+                    f"--{_flag(name)} must be one of {[a for a in allowed if a]}, not {getattr(self, name)!r}"
+                )
+        positive = (
+            "port",
+            "workers",
+            "stream_interval",
+            "page_size",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "max_prefill_tokens",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
-        if self.chat_template is not None and not (os.path.isfile(self.chat_template)
-                                                   or "{{" in self.chat_template or "{%" in self.chat_template):
-            raise ValueError(f"--chat-template must be a Jinja template or a file holding one: "
-                             f"{self.chat_template!r} is neither")
+        if self.chat_template is not None and not (
+            os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
+        ):
+            raise ValueError(
+                f"--chat-template must be a Jinja template or a file holding one: {self.chat_template!r} is neither"
+            )
 
     @classmethod
-    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
-        parser = argparse.ArgumentParser(prog="python -m runtime serve",
-                                         description="Start the ringserve OpenAI-compatible server.")
+    def from_cli(cls, argv: Sequence[str] | None = None) -> ServerArgs:
+        parser = argparse.ArgumentParser(
+            prog="python -m runtime serve", description="Start the ringserve OpenAI-compatible server."
+        )
         for f in dataclasses.fields(cls):
             kind = _base_type(f.type)
             if kind is bool:
@@ -100,7 +113,7 @@ class ServerArgs:
         return cls(**vars(parser.parse_args(argv)))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServerArgs":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerArgs:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
@@ -111,13 +124,16 @@ class ServerArgs:
             try:
                 values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
             except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}")
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes from_env() rebuild these arguments."""
-        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
-                for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return {
+            ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
 
 
 def _flag(name: str) -> str:

@@ -6,6 +6,7 @@ server's private runtime dir: no syscall per step, a plain store of one numpy re
 workers read it for /metrics and /health. A read may interleave with a write; metrics
 tolerate that.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -16,22 +17,24 @@ from typing import Any
 
 import numpy as np
 
-ENGINE_STATS = np.dtype([
-    ("updated_ns", np.int64),  # CLOCK_MONOTONIC of the last publish
-    ("running", np.uint32),
-    ("queued", np.uint32),
-    ("kv_pages_total", np.uint32),
-    ("kv_pages_free", np.uint32),
-    ("kv_pages_cached", np.uint32),  # held only by the radix cache (evictable)
-    ("page_size", np.uint32),
-    ("token_out_depth", np.uint32),  # records waiting in the scheduler -> detokenizer ring
-    ("max_running_requests", np.uint32),
-    ("prefill_tokens", np.uint64),  # prompt tokens computed (cache hits excluded)
-    ("cached_tokens", np.uint64),  # prompt tokens served from the prefix cache
-    ("generated_tokens", np.uint64),
-    ("steps", np.uint64),
-    ("retractions", np.uint64),
-])
+ENGINE_STATS = np.dtype(
+    [
+        ("updated_ns", np.int64),  # CLOCK_MONOTONIC of the last publish
+        ("running", np.uint32),
+        ("queued", np.uint32),
+        ("kv_pages_total", np.uint32),
+        ("kv_pages_free", np.uint32),
+        ("kv_pages_cached", np.uint32),  # held only by the radix cache (evictable)
+        ("page_size", np.uint32),
+        ("token_out_depth", np.uint32),  # records waiting in the scheduler -> detokenizer ring
+        ("max_running_requests", np.uint32),
+        ("prefill_tokens", np.uint64),  # prompt tokens computed (cache hits excluded)
+        ("cached_tokens", np.uint64),  # prompt tokens served from the prefix cache
+        ("generated_tokens", np.uint64),
+        ("steps", np.uint64),
+        ("retractions", np.uint64),
+    ]
+)
 
 
 class EngineStats:
@@ -62,10 +65,22 @@ class EngineStats:
     def publish(self, scheduler: Any, token_out_depth: int) -> None:
         """One store of the whole record from a runtime.scheduler.core.Scheduler (once per step)."""
         s, pool = scheduler.stats, scheduler.pool
-        self.record[0] = (time.monotonic_ns(), scheduler.num_running, len(scheduler.queue), pool.num_pages,
-                          pool.num_free, scheduler.cache.evictable_pages, pool.page_size, token_out_depth,
-                          scheduler.config.max_running_requests, s.prefill_tokens, s.cached_tokens,
-                          s.generated_tokens, s.steps, s.retractions)
+        self.record[0] = (
+            time.monotonic_ns(),
+            scheduler.num_running,
+            len(scheduler.queue),
+            pool.num_pages,
+            pool.num_free,
+            scheduler.cache.evictable_pages,
+            pool.page_size,
+            token_out_depth,
+            scheduler.config.max_running_requests,
+            s.prefill_tokens,
+            s.cached_tokens,
+            s.generated_tokens,
+            s.steps,
+            s.retractions,
+        )
 
     def read(self) -> dict[str, int]:
         rec = self.record[0].copy()

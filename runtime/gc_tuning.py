@@ -12,6 +12,7 @@ freezing the start-up heap, ~33 µs with the larger first generation as well.
   objects, scans them and promotes them, and the older generations scan them again. With
   20000, most of them have died by refcount before any collection sees them. Requests'
   cycles are still collected, a little later."""
+
 from __future__ import annotations
 
 import gc

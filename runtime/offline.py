@@ -6,21 +6,22 @@ rings, so its texts are the server's (stop strings, min_tokens, stop tokens' tex
     outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_new_tokens=8))
     outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].cached_tokens
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from gpu.model_files import resolve_model_dir
 from protocol.records import NO_TOKEN, Finish
-from runtime.config import ServerArgs
-from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
-from runtime.detokenizer.deltas import text_tokens
 from protocol.sampling_params import InvalidParam, SamplingParams
+from runtime.config import ServerArgs
+from runtime.detokenizer.deltas import text_tokens
+from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 from runtime.scheduler.core import Scheduler, SchedulerConfig
 from runtime.scheduler.runner import make_runner
 
@@ -51,15 +52,18 @@ class OfflineEngine:
         self.runner = make_runner(args)
         model_dir = resolve_model_dir(args.model_path)
         from transformers import AutoTokenizer  # slow import: only where a tokenizer is needed
+
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
         self.scheduler = Scheduler(self.runner, config)
         self._generations = itertools.count(1)
         self._detok = BatchDetokenizer(self.tokenizer, 256)  # here: its byte table takes a second
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[GenerateOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
         """Runs every prompt to completion, batched; outputs are in the prompts' order."""
         prompt_ids = self._tokenize(prompts)
         params = _per_prompt(sampling_params, len(prompt_ids))
@@ -71,15 +75,25 @@ class OfflineEngine:
         runs = [_Run(ids, p) for ids, p in zip(prompt_ids, params)]
         for slot, run in enumerate(runs):
             p = run.params
-            detok.open(slot, DetokOptions(skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-                                          min_tokens=p.min_new_tokens, no_stop_trim=p.no_stop_trim))
+            detok.open(
+                slot,
+                DetokOptions(
+                    skip_special_tokens=p.skip_special_tokens,
+                    stop=p.stop,
+                    min_tokens=p.min_new_tokens,
+                    no_stop_trim=p.no_stop_trim,
+                ),
+            )
             sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
         pending = len(runs)
         while pending or sched.has_work:  # has_work: the end events of stop-string aborts
             res = sched.step()
             ev = res.events
-            mine = [i for i, (slot, gen) in enumerate(zip(ev["slot"].tolist(), ev["gen"].tolist()))
-                    if gen == generation and runs[slot].finish is None]  # else: a stop string's abort
+            mine = [
+                i
+                for i, (slot, gen) in enumerate(zip(ev["slot"].tolist(), ev["gen"].tolist()))
+                if gen == generation and runs[slot].finish is None
+            ]  # else: a stop string's abort
             for i in mine:
                 run = runs[int(ev["slot"][i])]
                 token = int(ev["token"][i])
@@ -94,8 +108,9 @@ class OfflineEngine:
             rows = ev[mine]
             finish = rows["finish"]
             trim = np.array([not runs[slot].params.no_stop_trim for slot in rows["slot"].tolist()], bool)
-            out = detok.step(rows["slot"].astype(np.int64), text_tokens(rows["token"], finish, trim),
-                             finish != Finish.NONE)
+            out = detok.step(
+                rows["slot"].astype(np.int64), text_tokens(rows["token"], finish, trim), finish != Finish.NONE
+            )
             stopped = set(out.req[out.stop >= 0].tolist())  # a stop string: the scheduler does not know it
             for k, slot in enumerate(out.req.tolist()):
                 runs[slot].parts.append(out.delta(k))
@@ -108,15 +123,19 @@ class OfflineEngine:
                         sched.abort(ENGINE_WORKER, slot, generation)
         return [self._output(run) for run in runs]
 
-    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-             ) -> list[GenerateOutput]:
+    def chat(
+        self,
+        conversations: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
         """generate() over chat conversations (lists of {"role", "content"}) through the
         tokenizer's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True)
-               for c in conversations]
+        ids = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True)
+            for c in conversations
+        ]
         return self.generate([_as_ids(i) for i in ids], sampling_params)
 
     def _detokenizer(self, n: int) -> BatchDetokenizer:
@@ -141,19 +160,25 @@ class OfflineEngine:
             out.append(np.asarray(ids, dtype=np.int32).reshape(-1))
         return out
 
-    def _output(self, run: "_Run") -> GenerateOutput:
+    def _output(self, run: _Run) -> GenerateOutput:
         p = run.params
         prompt_tokens, completion_tokens, cached = run.counts
-        return GenerateOutput(text=b"".join(run.parts).decode(), token_ids=run.tokens,
-                              finish_reason=run.finish.api_name, prompt_tokens=prompt_tokens,
-                              completion_tokens=completion_tokens, cached_tokens=cached,
-                              logprobs=run.logprobs if p.logprobs else None,
-                              top_logprobs=run.top if p.top_logprobs else None,
-                              prompt_token_ids=run.prompt.tolist())
+        return GenerateOutput(
+            text=b"".join(run.parts).decode(),
+            token_ids=run.tokens,
+            finish_reason=run.finish.api_name,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached,
+            logprobs=run.logprobs if p.logprobs else None,
+            top_logprobs=run.top if p.top_logprobs else None,
+            prompt_token_ids=run.prompt.tolist(),
+        )
 
 
 class _Run:
     """One prompt's progress inside generate()."""
+
     __slots__ = ("prompt", "params", "tokens", "logprobs", "top", "finish", "counts", "parts")
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams) -> None:

@@ -6,6 +6,7 @@ It assumes a server of SmolLM2-135M-Instruct (context 8192 tokens, vocabulary 49
 started with `--api-key API_KEY`; every row sends `Authorization: <auth>`.
 A server checks, in this order: API key (401), body (400), model (404), prompt (400).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -86,18 +87,56 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("message is a string", CHAT, chat(messages=["Hi"]), 400, "messages[0]"),
     _row("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages[0].role"),
     _row("content is a number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
-    _row("image content part", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]),
-        400, "messages[0].content[1].type"),
-    _row("refusal part from the user", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "refusal", "refusal": "No."}]}]), 400, "messages[0].content[0]"),
-    _row("refusal part without refusal", CHAT, chat(messages=[{"role": "user", "content": "Hi"}, {
-        "role": "assistant", "content": [{"type": "refusal", "text": "No."}]}]), 400, "messages[1].content[0].refusal"),
-    _row("text part without text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
-         400, "messages[0].content[0].text"),
-    _row("over-long chat prompt", CHAT, chat(messages=[{"role": "user", "content": _LONG_TEXT}], max_tokens=None),
-         400, "messages"),
+    _row(
+        "image content part",
+        CHAT,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ]
+        ),
+        400,
+        "messages[0].content[1].type",
+    ),
+    _row(
+        "refusal part from the user",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
+    _row(
+        "refusal part without refusal",
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": [{"type": "refusal", "text": "No."}]},
+            ]
+        ),
+        400,
+        "messages[1].content[0].refusal",
+    ),
+    _row(
+        "text part without text",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        400,
+        "messages[0].content[0].text",
+    ),
+    _row(
+        "over-long chat prompt",
+        CHAT,
+        chat(messages=[{"role": "user", "content": _LONG_TEXT}], max_tokens=None),
+        400,
+        "messages",
+    ),
     # sampling: types and ranges
     _row("temperature is a string", CHAT, chat(temperature="hot"), 400, "temperature"),
     _row("temperature above 2", CHAT, chat(temperature=3), 400, "temperature"),
@@ -126,13 +165,25 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
     _row("max_tokens negative", COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens"),
     _row("max_tokens is a string", CHAT, chat(max_tokens="ten"), 400, "max_tokens"),
-    _row("max_tokens past 64 bits", CHAT, chat().replace(b'"max_tokens":8', b'"max_tokens":100000000000000000000000'), 400, "max_tokens"),
+    _row(
+        "max_tokens past 64 bits",
+        CHAT,
+        chat().replace(b'"max_tokens":8', b'"max_tokens":100000000000000000000000'),
+        400,
+        "max_tokens",
+    ),
     _row("max_completion_tokens zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     _row("max_tokens past the context", CHAT, chat(max_tokens=9000), 400, "max_tokens"),
-    _row("max_completion_tokens past the context", CHAT, chat(max_completion_tokens=8192), 400,
-         "max_completion_tokens"),
-    _row("prompt plus max_tokens past the context", COMPLETIONS, completion(prompt=[1] * 8000, max_tokens=500),
-         400, "max_tokens"),
+    _row(
+        "max_completion_tokens past the context", CHAT, chat(max_completion_tokens=8192), 400, "max_completion_tokens"
+    ),
+    _row(
+        "prompt plus max_tokens past the context",
+        COMPLETIONS,
+        completion(prompt=[1] * 8000, max_tokens=500),
+        400,
+        "max_tokens",
+    ),
     # logprobs
     _row("chat logprobs is a number", CHAT, chat(logprobs=5), 400, "logprobs"),
     _row("top_logprobs above 20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
@@ -142,16 +193,26 @@ BAD_REQUESTS: list[BadRequest] = [
     # streaming
     _row("stream is a string", CHAT, chat(stream="yes"), 400, "stream"),
     _row("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
-    _row("include_usage is a string", CHAT, chat(stream=True, stream_options={"include_usage": "x"}), 400,
-         "stream_options.include_usage"),
+    _row(
+        "include_usage is a string",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": "x"}),
+        400,
+        "stream_options.include_usage",
+    ),
     # features this server does not have
     _row("logit_bias", CHAT, chat(logit_bias={"50": 10}), 400, "logit_bias"),
     _row("json response_format", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     _row("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     _row("logit_bias is a list", CHAT, chat(logit_bias=[]), 400, "logit_bias"),
     _row("tool_choice required", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
-    _row("tool_choice names a function", CHAT, chat(tools=[], tool_choice={"type": "function", "function": {
-        "name": "f"}}), 400, "tool_choice"),
+    _row(
+        "tool_choice names a function",
+        CHAT,
+        chat(tools=[], tool_choice={"type": "function", "function": {"name": "f"}}),
+        400,
+        "tool_choice",
+    ),
     _row("function_call names a function", CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
     _row("best_of", COMPLETIONS, completion(best_of=3), 400, "best_of"),
     _row("suffix", COMPLETIONS, completion(suffix="end"), 400, "suffix"),
@@ -174,14 +235,30 @@ BAD_REQUESTS: list[BadRequest] = [
     # SGLang's /generate
     _row("neither text nor input_ids", GENERATE, generate(text=None), 400, "text"),
     _row("both text and input_ids", GENERATE, generate(input_ids=[1, 2]), 400, "text"),
-    _row("sampling_params list not one per prompt", GENERATE, generate(sampling_params=[{}, {}]), 400,
-         "sampling_params"),
-    _row("max_new_tokens zero", GENERATE, generate(sampling_params={"max_new_tokens": 0}), 400,
-         "sampling_params.max_new_tokens"),
-    _row("generate temperature negative", GENERATE, generate(sampling_params={"temperature": -1}), 400,
-         "sampling_params.temperature"),
-    _row("generate max_new_tokens past the context", GENERATE, generate(sampling_params={"max_new_tokens": 9000}),
-         400, "sampling_params.max_new_tokens"),
+    _row(
+        "sampling_params list not one per prompt", GENERATE, generate(sampling_params=[{}, {}]), 400, "sampling_params"
+    ),
+    _row(
+        "max_new_tokens zero",
+        GENERATE,
+        generate(sampling_params={"max_new_tokens": 0}),
+        400,
+        "sampling_params.max_new_tokens",
+    ),
+    _row(
+        "generate temperature negative",
+        GENERATE,
+        generate(sampling_params={"temperature": -1}),
+        400,
+        "sampling_params.temperature",
+    ),
+    _row(
+        "generate max_new_tokens past the context",
+        GENERATE,
+        generate(sampling_params={"max_new_tokens": 9000}),
+        400,
+        "sampling_params.max_new_tokens",
+    ),
     _row("input_ids past the vocabulary", GENERATE, generate(text=None, input_ids=[1, 99999]), 400, "input_ids"),
     _row("regex", GENERATE, generate(sampling_params={"regex": "a+"}), 400, "sampling_params.regex"),
     _row("rid list of the wrong length", GENERATE, generate(text=["a", "b"], rid=["r1"]), 400, "rid"),

@@ -1,6 +1,7 @@
 """A real server for the server tests: `granian --interface asgi runtime.app:app` (or
 `python -m runtime serve`) in a subprocess on a free port, with its settings in
 RINGSERVE_* variables; stopped with SIGINT, and every process it started accounted for."""
+
 from __future__ import annotations
 
 import json
@@ -83,8 +84,21 @@ class Server:
     @classmethod
     def granian(cls, workers: int = 1, granian_flags: tuple[str, ...] = (), **settings) -> Server:
         port = free_port()
-        argv = [sys.executable, "-m", "granian", "--interface", "asgi", "--port", str(port),
-                "--workers", str(workers), "--log-level", "warning", *granian_flags, "runtime.app:app"]
+        argv = [
+            sys.executable,
+            "-m",
+            "granian",
+            "--interface",
+            "asgi",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--log-level",
+            "warning",
+            *granian_flags,
+            "runtime.app:app",
+        ]
         env = {"RINGSERVE_" + k.upper(): str(v) for k, v in settings.items()}
         return cls(argv, env, port)
 
@@ -183,4 +197,5 @@ def start_server():
 def offline_engine():
     """The OfflineEngine on the default model: the reference the servers' outputs must equal."""
     from runtime.offline import OfflineEngine
+
     return OfflineEngine(max_total_tokens=8192, max_running_requests=8)

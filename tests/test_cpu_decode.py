@@ -3,6 +3,7 @@ forward's logits: same kernels, same order, same values, on a batch of requests 
 lengths sit around page boundaries, with and without a qkv bias, with a fp32, fp16 or bf16
 KV cache (the C store rounds as torch's .to() does); and the decoder is used only where it
 reproduces the model (GGUF blocks, C glue, the cpu attention backend)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,13 +21,28 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="needs an AV
 LENGTHS = [1, 15, 16, 17, 33, 70]  # the page size is 16
 
 
-@pytest.fixture(scope="module", params=[("gguf", "auto"), ("gguf-q8", "auto"), ("gguf-q8", "float16"),
-                                        ("gguf-q8", "bfloat16"), ("gguf", "float16"),
-                                        ("gguf-q8", "fp8_e5m2")], ids="-".join)
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("gguf", "auto"),
+        ("gguf-q8", "auto"),
+        ("gguf-q8", "float16"),
+        ("gguf-q8", "bfloat16"),
+        ("gguf", "float16"),
+        ("gguf-q8", "fp8_e5m2"),
+    ],
+    ids="-".join,
+)
 def runner(request):
     quantization, kv_cache_dtype = request.param
-    return ModelRunner(ModelRunnerConfig(quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                                         max_total_tokens=1024, max_running_requests=len(LENGTHS)))
+    return ModelRunner(
+        ModelRunnerConfig(
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            max_total_tokens=1024,
+            max_running_requests=len(LENGTHS),
+        )
+    )
 
 
 def decode_batch(runner: ModelRunner):
@@ -76,17 +92,29 @@ def test_qkv_bias_is_added(runner, monkeypatch):
 
 def test_only_where_it_reproduces_the_model():
     assert ModelRunner(ModelRunnerConfig(max_total_tokens=256, max_running_requests=2)).decoder is None  # fp32: MKL
-    assert ModelRunner(ModelRunnerConfig(quantization="gguf-q8", attention_backend="torch", max_total_tokens=256,
-                                         max_running_requests=2)).decoder is None
+    assert (
+        ModelRunner(
+            ModelRunnerConfig(
+                quantization="gguf-q8", attention_backend="torch", max_total_tokens=256, max_running_requests=2
+            )
+        ).decoder
+        is None
+    )
 
 
 def test_prefill_and_long_steps_take_the_python_forward(runner):
     decoder = runner.decoder
-    prefill = build_forward_batch([SeqInput(0, np.arange(5, dtype=np.int32), 0, np.arange(1, dtype=np.int32), True)],
-                                  runner.config.page_size, runner.model_config.context_length, runner.device)
+    prefill = build_forward_batch(
+        [SeqInput(0, np.arange(5, dtype=np.int32), 0, np.arange(1, dtype=np.int32), True)],
+        runner.config.page_size,
+        runner.model_config.context_length,
+        runner.device,
+    )
     assert not decoder.takes(prefill.meta)
     if decoder.max_tokens is not None:  # gguf: fp32 activations run the dense weights past 32 tokens
-        many = [SeqInput(r, np.ones(1, np.int32), 0, np.array([r], np.int32), True)
-                for r in range(decoder.max_tokens + 1)]
-        assert not decoder.takes(build_forward_batch(many, runner.config.page_size,
-                                                     runner.model_config.context_length, runner.device).meta)
+        many = [
+            SeqInput(r, np.ones(1, np.int32), 0, np.array([r], np.int32), True) for r in range(decoder.max_tokens + 1)
+        ]
+        assert not decoder.takes(
+            build_forward_batch(many, runner.config.page_size, runner.model_config.context_length, runner.device).meta
+        )

@@ -1,8 +1,10 @@
 """The batch incremental detokenizer (runtime/detokenizer/incremental.py) against tokenizer.decode, with the
 real SmolLM2 tokenizer (byte table and window paths) and a SentencePiece-style tokenizer."""
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -62,8 +64,9 @@ def stream(det, streams, options, rng, max_per_step=3):
         for r in range(len(streams)):
             if stop[r] is None and rng.random() < 0.8:
                 n = int(rng.integers(1, max_per_step + 1))
-                queues.append([(r, t, pos[r] + k + 1 == len(streams[r]))
-                               for k, t in enumerate(streams[r][pos[r]: pos[r] + n])])
+                queues.append(
+                    [(r, t, pos[r] + k + 1 == len(streams[r])) for k, t in enumerate(streams[r][pos[r] : pos[r] + n])]
+                )
                 pos[r] = min(pos[r] + n, len(streams[r]))
         rows = []  # requests interleaved at random, each request's tokens in order
         while queues:
@@ -101,7 +104,7 @@ def test_byte_table_is_chosen_and_exact(tokenizer, table_detok):
     assert table_detok.fallback_reason == ""
     t = table_detok.table
     for i in (0, 2, 100, 10813, len(tokenizer) - 1):
-        assert t.pieces[i] == t.blob[t.offset[i]: t.offset[i] + t.length[i]].tobytes()
+        assert t.pieces[i] == t.blob[t.offset[i] : t.offset[i] + t.length[i]].tobytes()
     assert t.length[t.size] == 0 and t.plain[t.size]
     assert not t.plain[2], "added tokens never take the vectorised path"
 
@@ -137,8 +140,14 @@ def test_adversarial_streams_equal_decode(tokenizer, detok):
     rng = np.random.default_rng(3)
     emoji = tokenizer.encode("😀🤖世界é", add_special_tokens=False)
     streams = [
-        emoji[:1], emoji[1:2], emoji[:2] + [2] + emoji[2:], emoji[::-1], emoji[:2] * 3,
-        [1] + emoji[:1] + [0] + emoji[1:] + [2], [2, 2, 2], emoji[-1:] + emoji,
+        emoji[:1],
+        emoji[1:2],
+        emoji[:2] + [2] + emoji[2:],
+        emoji[::-1],
+        emoji[:2] * 3,
+        [1] + emoji[:1] + [0] + emoji[1:] + [2],
+        [2, 2, 2],
+        emoji[-1:] + emoji,
     ]
     for skip in (True, False):
         opts = [DetokOptions(skip_special_tokens=skip)] * len(streams)
@@ -179,7 +188,7 @@ def test_stop_string_spanning_three_tokens(tokenizer, detok):
     text = "The answer is forty-two. Then more text follows"
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.decode([i]) for i in ids]
-    k = next(k for k in range(len(pieces) - 2) if min(map(len, pieces[k: k + 3])) >= 2)
+    k = next(k for k in range(len(pieces) - 2) if min(map(len, pieces[k : k + 3])) >= 2)
     stop = pieces[k][1:] + pieces[k + 1] + pieces[k + 2][:-1]  # starts in one token, ends in the third
     start = len("".join(pieces[:k])) + 1
     assert text.find(stop) == start
@@ -216,17 +225,21 @@ def test_stop_string_trims_text_arriving_with_it(tokenizer, detok):
     got, stop = stream(detok, [ids], [DetokOptions(stop=("STOP",))], np.random.default_rng(6), max_per_step=20)
     assert (got[0], stop[0]) == ("abc ", 0)
     # no_stop_trim: the match stays, what follows it still goes
-    got, stop = stream(detok, [ids], [DetokOptions(stop=("STOP",), no_stop_trim=True)], np.random.default_rng(6),
-                       max_per_step=20)
+    got, stop = stream(
+        detok, [ids], [DetokOptions(stop=("STOP",), no_stop_trim=True)], np.random.default_rng(6), max_per_step=20
+    )
     assert (got[0], stop[0]) == ("abc STOP", 0)
 
 
 def first_stop(full: bytes, stops: list[bytes], guard: int = 0) -> tuple[bytes, int]:
     """The reference: `full` cut where the stop string that ends first (then the longest)
     starts, among matches that end past full[:guard]; (full, -1) when none does."""
-    found = [(start + len(stop), start, i) for i, stop in enumerate(stops)
-             if (start := full.find(stop, max(guard - len(stop) + 1, 0))) >= 0]
-    return (full[:min(found)[1]], min(found)[2]) if found else (full, -1)
+    found = [
+        (start + len(stop), start, i)
+        for i, stop in enumerate(stops)
+        if (start := full.find(stop, max(guard - len(stop) + 1, 0))) >= 0
+    ]
+    return (full[: min(found)[1]], min(found)[2]) if found else (full, -1)
 
 
 @pytest.mark.parametrize("with_min_tokens", [False, True])
@@ -236,28 +249,34 @@ def test_many_requests_with_and_without_stop_strings(tokenizer, detok, with_min_
     (vLLM's rule: a match may start there and end later), steps crossing it included."""
     rng = np.random.default_rng(8 + with_min_tokens)
     # whole characters a token with min_tokens: its text is then the guard's exactly
-    words = ("the of and to in is x = 1 ; stop here { } ok\n" if with_min_tokens else
-             "the of and to in is café 😀 世界 naïve x = 1 ; { } \n").split(" ")
+    words = (
+        "the of and to in is x = 1 ; stop here { } ok\n"
+        if with_min_tokens
+        else "the of and to in is café 😀 世界 naïve x = 1 ; { } \n"
+    ).split(" ")
     streams, opts, want = [], [], []
     for r in range(CAPACITY):
         ids = tokenizer.encode("".join(rng.choice(words, 30).tolist()), add_special_tokens=False)
         full = tokenizer.decode(ids)
         a = int(rng.integers(0, len(full) // 2))
-        stops = [full[a: a + int(rng.integers(1, 5))], "stop", "never" + full[:3]][: r % 3 + with_min_tokens]
+        stops = [full[a : a + int(rng.integers(1, 5))], "stop", "never" + full[:3]][: r % 3 + with_min_tokens]
         min_tokens = int(rng.integers(0, len(ids))) if with_min_tokens else 0
         streams.append(ids)
         opts.append(DetokOptions(stop=tuple(stops), min_tokens=min_tokens))
-        text, index = first_stop(full.encode(), [x.encode() for x in stops],
-                                 len(tokenizer.decode(ids[:min_tokens]).encode()))
+        text, index = first_stop(
+            full.encode(), [x.encode() for x in stops], len(tokenizer.decode(ids[:min_tokens]).encode())
+        )
         want.append((text.decode(), index))
     got, stop = stream(detok, streams, opts, rng, max_per_step=4)
     assert list(zip(got, stop)) == want
 
 
 @settings(max_examples=300, deadline=None)
-@given(chunks=st.lists(st.text(alphabet="abé😀 ", max_size=6), max_size=12),
-       stops=st.lists(st.text(alphabet="abé😀 ", min_size=1, max_size=4), min_size=1, max_size=3),
-       protected=st.integers(0, 12))
+@given(
+    chunks=st.lists(st.text(alphabet="abé😀 ", max_size=6), max_size=12),
+    stops=st.lists(st.text(alphabet="abé😀 ", min_size=1, max_size=4), min_size=1, max_size=3),
+    protected=st.integers(0, 12),
+)
 def test_stop_matcher_matches_reference(chunks, stops, protected):
     """Streaming with hold-back == cutting the whole text at the stop string that ends first;
     the first `protected` chunks (a request's first min_tokens tokens) end no match."""
@@ -283,8 +302,9 @@ def sentencepiece_tokenizer():
     merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b"), ("▁", "é")]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens(["<s>", "</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 

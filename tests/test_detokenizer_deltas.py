@@ -1,13 +1,25 @@
 """TextDeltas: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detokenizer/deltas.py), with the
 real tokenizer and the real record layouts of protocol/records.py."""
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
-from protocol.records import (NO_TOKEN, OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind,
-                         encode_strings, unpack_logprobs)
 from ipc.ring import Batch
+from protocol.records import (
+    NO_TOKEN,
+    OPEN_RECORD,
+    TOKEN_OUT,
+    ErrorCode,
+    Finish,
+    OpenFlags,
+    PayloadBuilder,
+    TextKind,
+    TokenKind,
+    encode_strings,
+    unpack_logprobs,
+)
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
@@ -25,13 +37,24 @@ def router(tokenizer):
 
 
 def opened(w, s, g, stop=(), flags=DEFAULT_FLAGS, n_top=0):
-    return dict(kind=TokenKind.OPEN, worker=w, slot=s, gen=g, flags=flags, top_logprobs=n_top,
-                payload=encode_strings(stop))
+    return dict(
+        kind=TokenKind.OPEN, worker=w, slot=s, gen=g, flags=flags, top_logprobs=n_top, payload=encode_strings(stop)
+    )
 
 
 def tok(w, s, g, token, finish=Finish.NONE, logprob=0.0, top=None, completion=0):
-    rec = dict(kind=TokenKind.TOKEN, worker=w, slot=s, gen=g, token=token, finish=finish, logprob=logprob,
-               prompt_tokens=5, completion_tokens=completion, cached_tokens=2)
+    rec = dict(
+        kind=TokenKind.TOKEN,
+        worker=w,
+        slot=s,
+        gen=g,
+        token=token,
+        finish=finish,
+        logprob=logprob,
+        prompt_tokens=5,
+        completion_tokens=completion,
+        cached_tokens=2,
+    )
     if top is not None:
         ids, lps = top
         rec.update(n_top=len(ids), payload=np.array(ids, np.uint32).tobytes() + np.array(lps, np.float32).tobytes())
@@ -43,11 +66,12 @@ def batch(*items) -> Batch:
     payload = PayloadBuilder()
     for i, item in enumerate(items):
         is_open = item["kind"] == TokenKind.OPEN  # OPEN records in their own layout
-        rec = recs[i:i + 1].view(OPEN_RECORD)[0] if is_open else recs[i]
+        rec = recs[i : i + 1].view(OPEN_RECORD)[0] if is_open else recs[i]
         for k, v in item.items():
             if k == "payload":
-                rec["stop_off" if is_open else "payload_off"], rec["stop_len" if is_open else "payload_len"] = \
+                rec["stop_off" if is_open else "payload_off"], rec["stop_len" if is_open else "payload_len"] = (
                     payload.add(v)
+                )
             else:
                 rec[k] = v
     return Batch(recs, np.frombuffer(payload.blob(), np.uint8))
@@ -57,14 +81,27 @@ def rows(records, blob):
     """TEXT_OUT records -> dicts, with the text and logprobs read from the blob."""
     out = []
     for r in records:
-        d = {k: r[k].item() for k in ("worker", "slot", "gen", "kind", "finish", "n_tokens", "stop_index",
-                                      "stop_token", "completion_tokens", "error")}
-        d["text"] = blob[r["text_off"]: r["text_off"] + r["text_len"]].tobytes()
+        d = {
+            k: r[k].item()
+            for k in (
+                "worker",
+                "slot",
+                "gen",
+                "kind",
+                "finish",
+                "n_tokens",
+                "stop_index",
+                "stop_token",
+                "completion_tokens",
+                "error",
+            )
+        }
+        d["text"] = blob[r["text_off"] : r["text_off"] + r["text_len"]].tobytes()
         if r["ids_len"]:
             assert r["ids_off"] % 4 == 0
-            d["ids"] = blob[r["ids_off"]: r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
+            d["ids"] = blob[r["ids_off"] : r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
         if r["logprobs_len"]:
-            part = blob[r["logprobs_off"]: r["logprobs_off"] + r["logprobs_len"]]
+            part = blob[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]]
             assert r["logprobs_off"] % 4 == 0
             ids, lps, top_ids, top_lps = unpack_logprobs(part, int(r["n_tokens"]), int(r["n_top"]))
             d["logprobs"] = (ids.tolist(), lps.tolist(), top_ids.tolist(), top_lps.tolist())
@@ -77,7 +114,10 @@ def test_stream_two_requests_with_stop_token_and_stale_records(tokenizer, router
     b = tokenizer.encode("Bonjour", add_special_tokens=False)
     before = router.num_open
     out = rows(*router.handle(batch(opened(0, 3, 7), opened(0, 4, 1), tok(0, 3, 7, a[0]), tok(0, 4, 1, b[0]))))
-    assert [(r["slot"], r["text"], r["n_tokens"]) for r in out] == [(3, b"Hello", 1), (4, tokenizer.decode(b[:1]).encode(), 1)]
+    assert [(r["slot"], r["text"], r["n_tokens"]) for r in out] == [
+        (3, b"Hello", 1),
+        (4, tokenizer.decode(b[:1]).encode(), 1),
+    ]
 
     text = b""
     for i, t in enumerate(a[1:], 1):
@@ -90,8 +130,21 @@ def test_stream_two_requests_with_stop_token_and_stale_records(tokenizer, router
 
     eos = tokenizer.eos_token_id
     out = rows(*router.handle(batch(tok(0, 3, 7, eos, Finish.STOP, completion=len(a) + 1))))
-    assert out == [dict(worker=0, slot=3, gen=7, kind=TextKind.TEXT, finish=Finish.STOP, n_tokens=1, stop_index=-1,
-                        stop_token=eos, completion_tokens=len(a) + 1, error=0, text=b"")]
+    assert out == [
+        dict(
+            worker=0,
+            slot=3,
+            gen=7,
+            kind=TextKind.TEXT,
+            finish=Finish.STOP,
+            n_tokens=1,
+            stop_index=-1,
+            stop_token=eos,
+            completion_tokens=len(a) + 1,
+            error=0,
+            text=b"",
+        )
+    ]
     assert rows(*router.handle(batch(tok(0, 3, 7, a[0])))) == [], "finished: later records are stale"
     assert router.num_open == before + 1
 
@@ -120,8 +173,9 @@ def test_stop_string_finishes_and_trims(tokenizer, router):
     before = router.num_open
     router.handle(batch(opened(2, 1, 1, stop=("xyz", "three"))))
     out = rows(*router.handle(batch(*[tok(2, 1, 1, t) for t in ids])))
-    assert [(r["text"], r["finish"], r["stop_index"], r["stop_token"]) for r in out] == \
-        [(b"one two ", Finish.STOP, 1, -1)]
+    assert [(r["text"], r["finish"], r["stop_index"], r["stop_token"]) for r in out] == [
+        (b"one two ", Finish.STOP, 1, -1)
+    ]
     assert router.num_open == before
 
 
@@ -130,22 +184,35 @@ def test_tokens_after_a_stop_string_are_not_the_request_s(tokenizer, router):
     counts three tokens, with their logprobs and ids only (it counted all, and the usage said
     40 tokens for a 6-token text)."""
     ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
-    k = next(k for k in range(len(ids)) if "three" in tokenizer.decode(ids[:k + 1])) + 1  # tokens through "three"
+    k = next(k for k in range(len(ids)) if "three" in tokenizer.decode(ids[: k + 1])) + 1  # tokens through "three"
     assert k < len(ids)
     flags = DEFAULT_FLAGS | OpenFlags.LOGPROBS | OpenFlags.RETURN_IDS
     router.handle(batch(opened(2, 2, 1, stop=("three",), flags=flags)))
     out = rows(*router.handle(batch(*[tok(2, 2, 1, t, logprob=-0.5, completion=c) for c, t in enumerate(ids, 1)])))
-    assert [(r["text"], r["finish"], r["completion_tokens"], r["n_tokens"]) for r in out] == \
-        [(b"one two ", Finish.STOP, k, k)]
+    assert [(r["text"], r["finish"], r["completion_tokens"], r["n_tokens"]) for r in out] == [
+        (b"one two ", Finish.STOP, k, k)
+    ]
     assert out[0]["ids"] == ids[:k] and out[0]["logprobs"][0] == ids[:k]
 
 
 def test_slot_reuse_within_one_batch(tokenizer, router):
     x, y = tokenizer.encode(" x", add_special_tokens=False)[0], tokenizer.encode(" y", add_special_tokens=False)[0]
-    out = rows(*router.handle(batch(opened(3, 0, 1), tok(3, 0, 1, x), tok(3, 0, 1, x, Finish.LENGTH),
-                                    opened(3, 0, 2), tok(3, 0, 2, y), tok(3, 0, 1, y))))
-    assert [(r["gen"], r["text"], r["finish"], r["n_tokens"]) for r in out] == \
-        [(1, b" x x", Finish.LENGTH, 2), (2, b" y", Finish.NONE, 1)]
+    out = rows(
+        *router.handle(
+            batch(
+                opened(3, 0, 1),
+                tok(3, 0, 1, x),
+                tok(3, 0, 1, x, Finish.LENGTH),
+                opened(3, 0, 2),
+                tok(3, 0, 2, y),
+                tok(3, 0, 1, y),
+            )
+        )
+    )
+    assert [(r["gen"], r["text"], r["finish"], r["n_tokens"]) for r in out] == [
+        (1, b" x x", Finish.LENGTH, 2),
+        (2, b" y", Finish.NONE, 1),
+    ]
 
 
 def test_steps_in_one_batch_equal_steps_one_by_one(tokenizer):
@@ -153,9 +220,11 @@ def test_steps_in_one_batch_equal_steps_one_by_one(tokenizer):
     the OPENs are handled first and every TOKEN record in one pass, with the texts, finishes
     and token counts of handling the steps one at a time (fewer records: one per request)."""
     ids = tokenizer.encode(" one two 😀 three", add_special_tokens=False)
-    steps = [[opened(9, 0, 1, stop=("three",)), opened(9, 1, 1)] + [tok(9, 0, 1, t) for t in ids[:2]],
-             [opened(9, 2, 1)] + [tok(9, 1, 1, t) for t in ids] + [tok(9, 0, 1, t) for t in ids[2:]],
-             [tok(9, 2, 1, ids[0], Finish.LENGTH, completion=1), tok(9, 1, 1, 2, Finish.STOP, completion=len(ids) + 1)]]
+    steps = [
+        [opened(9, 0, 1, stop=("three",)), opened(9, 1, 1)] + [tok(9, 0, 1, t) for t in ids[:2]],
+        [opened(9, 2, 1)] + [tok(9, 1, 1, t) for t in ids] + [tok(9, 0, 1, t) for t in ids[2:]],
+        [tok(9, 2, 1, ids[0], Finish.LENGTH, completion=1), tok(9, 1, 1, 2, Finish.STOP, completion=len(ids) + 1)],
+    ]
 
     def per_request(outs):
         got = {}
@@ -177,11 +246,13 @@ def test_abort_without_token_and_error_record(router):
     router.handle(batch(opened(4, 2, 1)))
     out = rows(*router.handle(batch(tok(4, 2, 1, NO_TOKEN, Finish.ABORT))))
     assert [(r["text"], r["finish"], r["n_tokens"]) for r in out] == [(b"", Finish.ABORT, 0)]
-    err = dict(kind=TokenKind.ERROR, worker=4, slot=5, gen=3, error=ErrorCode.PROMPT_TOO_LONG,
-               payload=b"prompt is too long")
+    err = dict(
+        kind=TokenKind.ERROR, worker=4, slot=5, gen=3, error=ErrorCode.PROMPT_TOO_LONG, payload=b"prompt is too long"
+    )
     out = rows(*router.handle(batch(err)))
-    assert [(r["kind"], r["finish"], r["error"], r["text"]) for r in out] == \
-        [(TextKind.ERROR, Finish.ERROR, ErrorCode.PROMPT_TOO_LONG, b"prompt is too long")]
+    assert [(r["kind"], r["finish"], r["error"], r["text"]) for r in out] == [
+        (TextKind.ERROR, Finish.ERROR, ErrorCode.PROMPT_TOO_LONG, b"prompt is too long")
+    ]
 
 
 def test_logprobs_every_step_with_top_n(tokenizer, router):
@@ -208,8 +279,11 @@ def test_out_of_capacity_open_is_an_error(tokenizer):
 def test_split_by_worker(tokenizer, router):
     a = tokenizer.encode("alpha beta", add_special_tokens=False)
     workers = (6, 7, 8)
-    flags = {6: DEFAULT_FLAGS, 7: DEFAULT_FLAGS | OpenFlags.LOGPROBS | OpenFlags.RETURN_IDS,
-             8: DEFAULT_FLAGS | OpenFlags.RETURN_IDS}
+    flags = {
+        6: DEFAULT_FLAGS,
+        7: DEFAULT_FLAGS | OpenFlags.LOGPROBS | OpenFlags.RETURN_IDS,
+        8: DEFAULT_FLAGS | OpenFlags.RETURN_IDS,
+    }
     items = [opened(w, 0, 1, flags=flags[w]) for w in workers]
     items += [tok(w, 0, 1, t, logprob=-1.0) for t in a for w in workers]
     records, blob = router.handle(batch(*items))

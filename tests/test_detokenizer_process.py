@@ -1,6 +1,7 @@
 """The Detokenizer process for real: spawned, channels from its unix socket, a "scheduler" and
 two "HTTP workers" (this test process) streaming through it, clean stop on SIGTERM with
 nothing left in /dev/shm; the same loop over the ZMQ transport; stop when the parent exits."""
+
 import multiprocessing
 import os
 import subprocess
@@ -15,9 +16,17 @@ from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
 from ipc import get_transport
-from protocol.records import (TOKEN_OUT, Finish, OpenFlags, PayloadBuilder, TextKind, TokenKind, encode_strings,
-                              pack_open)
 from ipc.shm import our_segments
+from protocol.records import (
+    TOKEN_OUT,
+    Finish,
+    OpenFlags,
+    PayloadBuilder,
+    TextKind,
+    TokenKind,
+    encode_strings,
+    pack_open,
+)
 from runtime.config import ServerArgs
 from runtime.detokenizer.process import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
 
@@ -32,7 +41,8 @@ def tokenizer():
 def start(tmp_path: Path):
     path = str(tmp_path / "detok.sock")
     proc = multiprocessing.get_context("spawn").Process(
-        target=run_detokenizer, args=(ServerArgs(log_level="warning"), path))
+        target=run_detokenizer, args=(ServerArgs(log_level="warning"), path)
+    )
     proc.start()
     return proc, path
 
@@ -42,11 +52,19 @@ def records(items) -> tuple[np.ndarray, bytes]:
     payload = PayloadBuilder()
     for i, item in enumerate(items):
         if item["kind"] == TokenKind.OPEN:  # OPEN records in their own layout
-            recs[i:i + 1] = np.frombuffer(pack_open(
-                worker=item["worker"], slot=item["slot"], gen=item["gen"], prompt_tokens=0, min_new_tokens=0,
-                top_logprobs=0, flags=item["flags"], **dict(zip(("stop_off", "stop_len"),
-                                                                 payload.add(encode_strings(item["stop"]))))),
-                TOKEN_OUT.dtype)
+            recs[i : i + 1] = np.frombuffer(
+                pack_open(
+                    worker=item["worker"],
+                    slot=item["slot"],
+                    gen=item["gen"],
+                    prompt_tokens=0,
+                    min_new_tokens=0,
+                    top_logprobs=0,
+                    flags=item["flags"],
+                    **dict(zip(("stop_off", "stop_len"), payload.add(encode_strings(item["stop"])))),
+                ),
+                TOKEN_OUT.dtype,
+            )
             continue
         for k, v in item.items():
             recs[i][k] = v
@@ -64,9 +82,21 @@ def stream(tokenizer, path: str, transport: str) -> None:
     ids = [tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id] for _, _, text, _ in reqs]
     steps = [[dict(kind=TokenKind.OPEN, worker=w, slot=s, gen=5, flags=flags, stop=stop) for w, s, _, stop in reqs]]
     for k in range(max(map(len, ids))):
-        steps.append([dict(kind=TokenKind.TOKEN, worker=w, slot=s, gen=5, token=seq[k], completion_tokens=k + 1,
-                           finish=Finish.STOP if k == len(seq) - 1 else Finish.NONE)
-                      for (w, s, _, _), seq in zip(reqs, ids) if k < len(seq)])
+        steps.append(
+            [
+                dict(
+                    kind=TokenKind.TOKEN,
+                    worker=w,
+                    slot=s,
+                    gen=5,
+                    token=seq[k],
+                    completion_tokens=k + 1,
+                    finish=Finish.STOP if k == len(seq) - 1 else Finish.NONE,
+                )
+                for (w, s, _, _), seq in zip(reqs, ids)
+                if k < len(seq)
+            ]
+        )
     for step in steps:
         sched.push_all(*records(step), timeout=10)
 
@@ -82,7 +112,7 @@ def stream(tokenizer, path: str, transport: str) -> None:
                 continue
             for r in batch.records:
                 assert r["worker"] == w and r["gen"] == 5 and r["kind"] == TextKind.TEXT
-                got[w, int(r["slot"])] += batch.payload[r["text_off"]: r["text_off"] + r["text_len"]].tobytes()
+                got[w, int(r["slot"])] += batch.payload[r["text_off"] : r["text_off"] + r["text_len"]].tobytes()
                 if r["finish"]:
                     finish[w, int(r["slot"])] = (int(r["finish"]), int(r["stop_index"]), int(r["stop_token"]))
     assert got == {(0, 1): TEXTS[0].encode(), (1, 1): TEXTS[1].encode(), (0, 2): b"short "}
@@ -129,8 +159,10 @@ def test_a_dead_workers_channel_is_closed(tmp_path):
     """kill -9 of a worker that no new process replaces: the detokenizer sees its pidfd fire
     and closes its channel, so a ring nobody reads can never block the other workers."""
     detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"))
-    code = ("import sys, time; from ipc import Waker; from runtime.detokenizer.process import connect_detokenizer; "
-            "connect_detokenizer(sys.argv[1], Waker(), worker=1, timeout=60); time.sleep(600)")
+    code = (
+        "import sys, time; from ipc import Waker; from runtime.detokenizer.process import connect_detokenizer; "
+        "connect_detokenizer(sys.argv[1], Waker(), worker=1, timeout=60); time.sleep(600)"
+    )
     worker = subprocess.Popen([sys.executable, "-c", code, detok.socket_path])
     try:
         detok.load(max_open=64)

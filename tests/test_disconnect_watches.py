@@ -1,6 +1,7 @@
 """runtime.http_worker.disconnect: watches without a server: armed only after WATCH_AFTER_S, by one
 task for all requests; a client gone (http.disconnect, or a receive() that refuses) calls its
 request's abort; a watch closed first is never armed; one failing watch spoils none other."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """settle_heap() in a fresh interpreter: what was alive is frozen out of the collector's
 reach, the first generation is raised, and cycles made afterwards are still collected."""
+
 import subprocess
 import sys
 

@@ -2,6 +2,7 @@
 longhand, on ragged batches mixing decode, prefill and chunked prefill with pages scattered in
 the pool; the cpu backend against the torch backend on mixed steps over page sizes, KV cache
 types, GQA ratios and head dims, and the same whatever its thread count."""
+
 import numpy as np
 import pytest
 import torch
@@ -19,29 +20,39 @@ def _reference(q, keys, vals, q_pos):
     # q: [n, Hq, D], keys/vals: [L, Hkv, D], q_pos: [n] -> [n, Hq, D]
     keys = keys.repeat_interleave(HQ // HKV, dim=1)
     vals = vals.repeat_interleave(HQ // HKV, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q, keys) * D ** -0.5
+    scores = torch.einsum("nhd,lhd->hnl", q, keys) * D**-0.5
     visible = torch.arange(len(keys))[None, :] <= torch.as_tensor(q_pos)[:, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hnl,lhd->nhd", probs, vals)
 
 
-@pytest.mark.parametrize("shape", [
-    [(0, 1), (5, 1), (12, 1)],            # decode only
-    [(0, 7), (0, 1), (3, 9), (13, 1)],    # prefill, decode, chunk after a cached prefix
-    [(0, 16)],                            # one prompt filling whole pages
-    [(0, 11)],                            # one prompt ending mid-page: SDPA's own causal mask
-    [(0, 9), (0, 14)],                    # two prompts
-    [(3, 5), (10, 5)],                    # equal chunks after different prefixes: no query padding
-    [(0, 1), (37, 1), (5, 1), (58, 1)],   # decode: lengths under, over and between 8-wide vectors
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [(0, 1), (5, 1), (12, 1)],  # decode only
+        [(0, 7), (0, 1), (3, 9), (13, 1)],  # prefill, decode, chunk after a cached prefix
+        [(0, 16)],  # one prompt filling whole pages
+        [(0, 11)],  # one prompt ending mid-page: SDPA's own causal mask
+        [(0, 9), (0, 14)],  # two prompts
+        [(3, 5), (10, 5)],  # equal chunks after different prefixes: no query padding
+        [(0, 1), (37, 1), (5, 1), (58, 1)],  # decode: lengths under, over and between 8-wide vectors
+    ],
+)
 @pytest.mark.parametrize("name", ["torch", "cpu"])
 def test_backend_matches_longhand_attention(name, shape):
     if name == "cpu" and not cpu_kernels_available():
         pytest.skip("the cpu backend needs an AVX2 CPU and a C compiler")
     gen = torch.Generator().manual_seed(0)
     pool = PagePool(num_pages=40, page_size=PS)
-    kv = KVCache(num_layers=2, num_pages=40, page_size=PS, num_kv_heads=HKV, head_dim=D,
-                 dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCache(
+        num_layers=2,
+        num_pages=40,
+        page_size=PS,
+        num_kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     backend = create_backend(name, kv, HQ)
     pool.alloc(3)  # so requests' pages do not start at 0
     seqs, history = [], []
@@ -62,8 +73,8 @@ def test_backend_matches_longhand_attention(name, shape):
     backend.plan(batch.meta)
     for layer in range(2):
         q = torch.randn(T, HQ + 2 * HKV, D, generator=gen)[:, :HQ]  # a slice, as of the model's fused qkv
-        k = torch.cat([h[0][s.start:] for h, s in zip(history, seqs)])
-        v = torch.cat([h[1][s.start:] for h, s in zip(history, seqs)])
+        k = torch.cat([h[0][s.start :] for h, s in zip(history, seqs)])
+        v = torch.cat([h[1][s.start :] for h, s in zip(history, seqs)])
         o = backend.forward(q, k, v, layer)
         indptr = batch.meta.qo_indptr_host
         for b, (s, (k_all, v_all)) in enumerate(zip(seqs, history)):
@@ -84,11 +95,18 @@ def _mixed_step(page_size, hq, hkv, d, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     counts = [-(-(start + n) // page_size) for start, n in MIXED]
     num_pages = sum(counts) + 8
-    kv = KVCache(num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=hkv, head_dim=d,
-                 dtype=dtype, device=torch.device("cpu"))
+    kv = KVCache(
+        num_layers=1,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
     kv.buffer.copy_(torch.randn(kv.buffer.shape, generator=gen))
     order = torch.randperm(num_pages, generator=gen).numpy().astype(np.int32)
-    pages = np.split(order[:sum(counts)], np.cumsum(counts)[:-1])
+    pages = np.split(order[: sum(counts)], np.cumsum(counts)[:-1])
     seqs = [SeqInput(b, np.zeros(n, np.int32), start, pages[b], True) for b, (start, n) in enumerate(MIXED)]
     meta = build_forward_batch(seqs, page_size, context_length=512, device=torch.device("cpu")).meta
     T = meta.num_tokens
@@ -137,13 +155,18 @@ def test_cpu_backend_runs_a_bf16_model_through_the_torch_backend():
     assert torch.equal(_attend("cpu", kv, 9, meta, q, k, v), _attend("torch", kv, 9, meta, q, k, v))
 
 
-@pytest.mark.parametrize("start, n, pages, message", [
-    (0, 5, 1, "need >= 1 token, 2 pages \\(has 1\\)"),
-    (60, 5, 17, "at most context_length=64"),
-    (0, 0, 1, "need >= 1 token"),
-])
+@pytest.mark.parametrize(
+    "start, n, pages, message",
+    [
+        (0, 5, 1, "need >= 1 token, 2 pages \\(has 1\\)"),
+        (60, 5, 17, "at most context_length=64"),
+        (0, 0, 1, "need >= 1 token"),
+    ],
+)
 def test_bad_seq_inputs_name_the_row(start, n, pages, message):
-    seqs = [SeqInput(0, np.zeros(1, np.int32), 0, np.zeros(1, np.int32), True),
-            SeqInput(7, np.zeros(n, np.int32), start, np.arange(pages, dtype=np.int32), True)]
+    seqs = [
+        SeqInput(0, np.zeros(1, np.int32), 0, np.zeros(1, np.int32), True),
+        SeqInput(7, np.zeros(n, np.int32), start, np.arange(pages, dtype=np.int32), True),
+    ]
     with pytest.raises(ValueError, match="the sequence of row 7: .*" + message):
         build_forward_batch(seqs, PS, context_length=64, device=torch.device("cpu"))

@@ -9,6 +9,7 @@ rope theta 1e5) with 4 layers instead of 30:
 
 Run by scripts/gpu_check.sh with the other CUDA tests.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,14 +21,25 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
-from gpu.model_runner import ModelRunner, ModelRunnerConfig  # noqa: E402
-from test_gpu_parity import NEW_TOKENS, PAGE, generate  # noqa: E402
+from test_gpu_parity import NEW_TOKENS, PAGE, generate
 
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                     rope_parameters=dict(rope_type="default", rope_theta=100000.0))
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+)
 CUDA = torch.device("cuda")
 PROMPT_LENS = [3, 17, 40, 64, 131]
 # bf16 logits (std ~19 here) of the same inputs through two backends: their attention outputs round
@@ -42,6 +54,7 @@ def model_dir(tmp_path_factory):
     """A random model (transformers' init) whose final norm weight is 40: its tied logits spread
     over tens of units, so greedy choices are decided by margins far above rounding."""
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_SHAPE), dtype=torch.float32)
     torch.nn.init.constant_(model.model.norm.weight, 40.0)
@@ -60,13 +73,18 @@ def prompts():
 def expected(model_dir, prompts):
     """transformers' greedy generate on the GPU, fp32."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(CUDA).eval()
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            gen = model.generate(torch.from_numpy(ids.astype(np.int64))[None].to(CUDA), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, pad_token_id=SMOLLM2_SHAPE["eos_token_id"])
-            out.append(gen[0, len(ids):].tolist())
+            gen = model.generate(
+                torch.from_numpy(ids.astype(np.int64))[None].to(CUDA),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                pad_token_id=SMOLLM2_SHAPE["eos_token_id"],
+            )
+            out.append(gen[0, len(ids) :].tolist())
     del model
     torch.cuda.empty_cache()
     return out
@@ -75,8 +93,16 @@ def expected(model_dir, prompts):
 @pytest.fixture(scope="module")
 def fp32_runner(model_dir):
     # no max_total_tokens: the KV pool is sized from the device's free memory
-    return ModelRunner(ModelRunnerConfig(model_path=str(model_dir), device="cuda", dtype="float32",
-                                         attention_backend="torch", page_size=PAGE, max_running_requests=8))
+    return ModelRunner(
+        ModelRunnerConfig(
+            model_path=str(model_dir),
+            device="cuda",
+            dtype="float32",
+            attention_backend="torch",
+            page_size=PAGE,
+            max_running_requests=8,
+        )
+    )
 
 
 def test_fp32_one_by_one_equals_transformers(fp32_runner, prompts, expected):
@@ -91,9 +117,17 @@ def test_fp32_mixed_batch_with_chunked_prefill_equals_transformers(fp32_runner, 
 
 
 def bf16_runner(model_dir, backend: str) -> ModelRunner:
-    return ModelRunner(ModelRunnerConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16",
-                                         attention_backend=backend, page_size=PAGE, max_total_tokens=4096,
-                                         max_running_requests=8))
+    return ModelRunner(
+        ModelRunnerConfig(
+            model_path=str(model_dir),
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend=backend,
+            page_size=PAGE,
+            max_total_tokens=4096,
+            max_running_requests=8,
+        )
+    )
 
 
 def step_logits(runner: ModelRunner, seqs: list[SeqInput]) -> torch.Tensor:
@@ -116,10 +150,15 @@ def mixed_schedule(runner: ModelRunner) -> list[list[SeqInput]]:
     p_long = runner.pool.alloc(runner.pool.pages_for(600 + decodes + 2))
     p_short = runner.pool.alloc(runner.pool.pages_for(37 + decodes + 2))
     p_shared = np.concatenate([p_long[:2], runner.pool.alloc(runner.pool.pages_for(2 * PAGE + 21 + decodes) - 2)])
-    steps = [[SeqInput(0, long[:300], 0, p_long, False), SeqInput(1, short, 0, p_short, True)],
-             [SeqInput(1, tokens(1), 37, p_short, True), SeqInput(0, long[300:], 300, p_long, True)],
-             [SeqInput(0, tokens(1), 600, p_long, True), SeqInput(2, own, 2 * PAGE, p_shared, True),
-              SeqInput(1, tokens(1), 38, p_short, True)]]
+    steps = [
+        [SeqInput(0, long[:300], 0, p_long, False), SeqInput(1, short, 0, p_short, True)],
+        [SeqInput(1, tokens(1), 37, p_short, True), SeqInput(0, long[300:], 300, p_long, True)],
+        [
+            SeqInput(0, tokens(1), 600, p_long, True),
+            SeqInput(2, own, 2 * PAGE, p_shared, True),
+            SeqInput(1, tokens(1), 38, p_short, True),
+        ],
+    ]
     lens = {0: 601, 1: 39, 2: 2 * PAGE + 21}
     pages = {0: p_long, 1: p_short, 2: p_shared}
     for _ in range(decodes):
@@ -141,8 +180,9 @@ def check_backend_matches_torch(model_dir, backend: str, reference: list[torch.T
         diff = (step_logits(runner, seqs) - want).abs()
         print(f"{backend} step {i}: |logits - torch's| max {diff.max():.3f} mean {diff.mean():.4f}")
         # within the max, the greedy token is the reference's wherever its margin exceeds twice that
-        assert diff.max() <= BF16_MAX_DIFF and diff.mean() <= BF16_MEAN_DIFF, \
+        assert diff.max() <= BF16_MAX_DIFF and diff.mean() <= BF16_MEAN_DIFF, (
             f"step {i}: max {diff.max():.3f} mean {diff.mean():.4f}"
+        )
 
 
 def test_bf16_triton_matches_torch_backend(model_dir, bf16_reference):

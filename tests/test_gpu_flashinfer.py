@@ -1,5 +1,6 @@
 """The flashinfer backend against the torch backend on CUDA (skipped without CUDA/flashinfer):
 same ragged batches of decodes, prompts and chunks after cached prefixes."""
+
 import numpy as np
 import pytest
 import torch
@@ -8,10 +9,10 @@ pytest.importorskip("flashinfer")
 if not torch.cuda.is_available():
     pytest.skip("flashinfer needs CUDA", allow_module_level=True)
 
-from gpu.attention import create_backend  # noqa: E402
-from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
-from gpu.kv_cache import KVCache  # noqa: E402
-from gpu.page_pool import PagePool  # noqa: E402
+from gpu.attention import create_backend
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kv_cache import KVCache
+from gpu.page_pool import PagePool
 
 HQ, HKV, D, PS = 9, 3, 64, 16
 
@@ -24,8 +25,10 @@ def test_flashinfer_matches_torch(dtype, shape):
     pool = PagePool(num_pages=64, page_size=PS)
     kv = KVCache(num_layers=1, num_pages=64, page_size=PS, num_kv_heads=HKV, head_dim=D, dtype=dtype, device=cuda)
     kv.buffer.normal_(generator=gen)  # the cached prefixes
-    seqs = [SeqInput(row, np.zeros(n, np.int32), start, pool.alloc(pool.pages_for(start + n)), True)
-            for row, (start, n) in enumerate(shape)]
+    seqs = [
+        SeqInput(row, np.zeros(n, np.int32), start, pool.alloc(pool.pages_for(start + n)), True)
+        for row, (start, n) in enumerate(shape)
+    ]
     batch = build_forward_batch(seqs, PS, context_length=4096, device=cuda)
     T = batch.meta.num_tokens
     q = torch.randn(T, HQ, D, device=cuda, dtype=dtype, generator=gen)

@@ -1,5 +1,6 @@
 """gpu/kernels/layer_cpu.c (through gpu.llama.CpuLayerOps) against the torch ops it replaces
 (gpu.llama.TorchLayerOps), at decode and prefill token counts and odd shapes."""
+
 import pytest
 import torch
 
@@ -59,12 +60,12 @@ def test_rope_in_place_on_the_fused_qkv_rows(T: int, Hq: int, Hkv: int) -> None:
     D = 2 * HALF
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D) * 4
     positions = torch.randint(0, P, (T,))
-    want = t.rope_at(positions)(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D))
+    want = t.rope_at(positions)(qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D))
     got_qkv = qkv.clone()
-    got = c.rope_at(positions)(got_qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D))
+    got = c.rope_at(positions)(got_qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D))
     assert got.data_ptr() == got_qkv.data_ptr()  # in place: q and k stay views of the qkv rows
     assert_close(got, want, 1e-6)
-    assert torch.equal(got_qkv[:, (Hq + Hkv) * D:], qkv[:, (Hq + Hkv) * D:])  # v untouched
+    assert torch.equal(got_qkv[:, (Hq + Hkv) * D :], qkv[:, (Hq + Hkv) * D :])  # v untouched
 
 
 @pytest.mark.parametrize("T", TOKENS)

@@ -1,4 +1,5 @@
 """Each bad model input gives a ModelLoadError whose message is one line naming the problem."""
+
 import json
 import shutil
 
@@ -13,11 +14,20 @@ from gpu.model_runner import ModelRunner, ModelRunnerConfig
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     path = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-                     ).save_pretrained(path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(path)
     return path
 
 
@@ -35,8 +45,11 @@ def edit_config(path, **changes):
 
 def load_error(model_path, **config) -> str:
     with pytest.raises(ModelLoadError) as e:
-        ModelRunner(ModelRunnerConfig(model_path=str(model_path), **{"max_total_tokens": 256,
-                                      "max_running_requests": 2, **config}))
+        ModelRunner(
+            ModelRunnerConfig(
+                model_path=str(model_path), **{"max_total_tokens": 256, "max_running_requests": 2, **config}
+            )
+        )
     message = str(e.value)
     assert "\n" not in message
     return message
@@ -142,8 +155,15 @@ def test_cpu_attention_is_the_default_only_where_it_can_be_built(monkeypatch):
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert default_backend(torch.device("cpu")) == "torch"
-    kv = KVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=12, dtype=torch.float32,
-                 device=torch.device("cpu"))
+    kv = KVCache(
+        num_layers=1,
+        num_pages=4,
+        page_size=4,
+        num_kv_heads=1,
+        head_dim=12,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     with pytest.raises(ValueError, match="head_dim that is a multiple of 8"):
         create_backend("cpu", kv, 2)
 

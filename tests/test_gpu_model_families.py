@@ -1,6 +1,7 @@
 """Tiny randomly initialised transformers models of each supported family, saved as
 safetensors, loaded by the ModelRunner: its logits over a mixed, chunked, paged batch equal
 transformers' own forward (real code on both sides)."""
+
 import numpy as np
 import pytest
 import torch
@@ -8,20 +9,41 @@ import torch
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=320)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=320,
+)
 PAGE = 4
 
 
 def tiny_config(family: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
     if family == "llama3_rope_untied":
-        return LlamaConfig(**SMALL, tie_word_embeddings=False, rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=64))
+        return LlamaConfig(
+            **SMALL,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        )
     if family == "llama_linear_rope_head_dim":
-        return LlamaConfig(**SMALL, head_dim=24, tie_word_embeddings=True,
-                           rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))
+        return LlamaConfig(
+            **SMALL,
+            head_dim=24,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+        )
     if family == "qwen2_bias":
         return Qwen2Config(**SMALL, tie_word_embeddings=True)
     if family == "mistral":
@@ -31,6 +53,7 @@ def tiny_config(family: str):
 
 def save_tiny(family: str, path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32).eval()
     if family == "qwen2_bias":  # random init leaves biases at zero; make them matter
@@ -53,11 +76,12 @@ def forward_logits(runner: ModelRunner, seqs: list[SeqInput]) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama3_rope_untied", "llama_linear_rope_head_dim", "qwen2_bias", "mistral"])
 def test_logits_match_transformers(family, tmp_path):
     hf = save_tiny(family, tmp_path)
-    runner = ModelRunner(ModelRunnerConfig(model_path=str(tmp_path), page_size=PAGE, max_total_tokens=1024,
-                                           max_running_requests=4))
+    runner = ModelRunner(
+        ModelRunnerConfig(model_path=str(tmp_path), page_size=PAGE, max_total_tokens=1024, max_running_requests=4)
+    )
     assert runner.model_config.architecture == type(hf).__name__
     rng = np.random.default_rng(1)
-    long = rng.integers(0, 256, 300).astype(np.int32)   # far past llama3's original 64 positions
+    long = rng.integers(0, 256, 300).astype(np.int32)  # far past llama3's original 64 positions
     short = rng.integers(0, 256, 9).astype(np.int32)
     p_long = runner.pool.alloc(runner.pool.pages_for(301))
     p_short = runner.pool.alloc(runner.pool.pages_for(9))
@@ -78,6 +102,7 @@ def test_rms_norm_is_bit_identical_to_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from gpu.llama import rms_norm
+
     ref = LlamaRMSNorm(576, eps=1e-5)
     torch.nn.init.normal_(ref.weight)
     for T in (1, 7, 300):

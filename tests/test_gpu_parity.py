@@ -1,6 +1,7 @@
 """Greedy token ids of the ModelRunner equal transformers' generate on the same weights (the
 embedded SmolLM2, fp32, CPU): one request at a time, all as one mixed batch (prefill chunks
 and decodes in the same step), and with a shared prefix served from another request's pages."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,7 @@ PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea and the moon at night.",
     "List three prime numbers greater than twenty, separated by commas, and explain why each is prime.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n',
     "Once upon a time, in a small village at the edge of a vast forest, there lived an old clockmaker "
     "who had spent his whole life repairing the clocks of the townsfolk. One winter morning, a stranger "
     "arrived carrying a clock unlike any he had ever seen, and",
@@ -43,6 +44,7 @@ def runner():
 def prompts(runner):
     """The PROMPTS, then a last one sharing the last prompt's first two pages (32 tokens)."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(runner.model_config.model_dir)
     ids = [np.array(tok(p)["input_ids"], np.int32) for p in PROMPTS]
     return ids + [np.concatenate([ids[-1][: 2 * PAGE], ids[2]])]
@@ -51,18 +53,28 @@ def prompts(runner):
 @pytest.fixture(scope="module")
 def expected(runner, prompts):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(runner.model_config.model_dir, dtype=torch.float32)
     out = []
     with torch.inference_mode():
         for ids in prompts:
-            gen = model.generate(torch.from_numpy(ids.astype(np.int64))[None], max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=runner.model_config.eos_token_ids[0])
-            out.append(gen[0, len(ids):].tolist())
+            gen = model.generate(
+                torch.from_numpy(ids.astype(np.int64))[None],
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=runner.model_config.eos_token_ids[0],
+            )
+            out.append(gen[0, len(ids) :].tolist())
     return out
 
 
-def generate(runner: ModelRunner, prompts: list[np.ndarray], arrive: list[int], chunk: list[int | None],
-             prefix_pages: list[tuple[int, int] | None] | None = None) -> list[list[int]]:
+def generate(
+    runner: ModelRunner,
+    prompts: list[np.ndarray],
+    arrive: list[int],
+    chunk: list[int | None],
+    prefix_pages: list[tuple[int, int] | None] | None = None,
+) -> list[list[int]]:
     """Runs requests to NEW_TOKENS (or EOS) the way a scheduler would: request i joins at step
     arrive[i], sends its prompt in chunks of chunk[i] tokens (None: at once) and then decodes.
     prefix_pages[i] = (j, n): request i starts from request j's first n pages, already cached."""
@@ -117,8 +129,9 @@ def test_one_by_one(runner, prompts, expected):
 
 @pytest.fixture(scope="module")
 def torch_runner():
-    return ModelRunner(ModelRunnerConfig(page_size=PAGE, max_total_tokens=4096, max_running_requests=8,
-                                         attention_backend="torch"))
+    return ModelRunner(
+        ModelRunnerConfig(page_size=PAGE, max_total_tokens=4096, max_running_requests=8, attention_backend="torch")
+    )
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])

@@ -7,6 +7,7 @@ fp32 executor's greedy tokens; a model that is not a GGUF file is refused in one
 against torch); the integer products equal that arithmetic done in float64, and differ from
 the fp32 product by no more than the rounding of x allows; greedy decoding keeps gguf's
 tokens for as long as measured below."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,11 +19,12 @@ from gpu.model_config import ModelConfig
 from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.quant import BLOCK, blocks_cache, from_blocks, load_quantized, quantize_q8
 from gpu.weights import load_weights
-from runtime.config import ServerArgs
 from protocol.sampling_params import SamplingParams
+from runtime.config import ServerArgs
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels_available(),
-                                   reason="the GGUF kernels need an AVX2 CPU and a C compiler")
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="the GGUF kernels need an AVX2 CPU and a C compiler"
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
 # gguf-q8's greedy tokens equal gguf's for at least this many of 16. Measured (32 asked, 6
@@ -65,7 +67,7 @@ def activations(tokens: int, K: int) -> torch.Tensor:
     x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(tokens)) * 3
     if tokens > 1:
         x[tokens // 2] = 0
-    x[-1, BLOCK:2 * BLOCK] = 0
+    x[-1, BLOCK : 2 * BLOCK] = 0
     return x
 
 
@@ -122,7 +124,7 @@ def test_q8_rounds_x_as_llama_cpp(tokens):
     want_q, want_d = reference_q8(x)
     assert torch.equal(q, want_q) and torch.equal(d, want_d)
     torch.testing.assert_close(s, want_d * want_q.view(tokens, -1, BLOCK).sum(-1).float(), rtol=1e-6, atol=0)
-    assert not q[-1, BLOCK:2 * BLOCK].any() and d[-1, 1] == 0 and s[-1, 1] == 0
+    assert not q[-1, BLOCK : 2 * BLOCK].any() and d[-1, 1] == 0 and s[-1, 1] == 0
     if tokens > 1:
         assert not q[tokens // 2].any() and not d[tokens // 2].any() and not s[tokens // 2].any()
 
@@ -186,8 +188,14 @@ def test_a_model_that_is_not_gguf_is_refused():
     from gpu.model_runner import ModelRunner, ModelRunnerConfig
 
     with pytest.raises(ModelLoadError, match="needs a .gguf model"):
-        ModelRunner(ModelRunnerConfig(model_path=str(resolve_model_dir(None)), quantization="gguf",
-                                      max_total_tokens=256, max_running_requests=1))
+        ModelRunner(
+            ModelRunnerConfig(
+                model_path=str(resolve_model_dir(None)),
+                quantization="gguf",
+                max_total_tokens=256,
+                max_running_requests=1,
+            )
+        )
 
 
 @needs_kernels

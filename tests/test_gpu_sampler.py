@@ -1,5 +1,6 @@
 """The batched sampler on hand-built logits: exact top_k / top_p / min_p masks, sampling
 frequencies, seeds, penalties (OpenAI/vLLM semantics), min_tokens and logprobs."""
+
 import math
 
 import numpy as np
@@ -34,27 +35,33 @@ def kept(sampler: Sampler, params: SamplingParams) -> list[int]:
     return sorted((kept_ids if ids is None else ids[0, kept_ids]).tolist())
 
 
-@pytest.mark.parametrize("params, want", [
-    (SamplingParams(top_k=3), [0, 1, 2]),
-    (SamplingParams(top_k=-1), list(range(V))),
-    (SamplingParams(top_p=0.6), [0, 1]),           # mass above token 1 is 0.4 < 0.6; above token 2, 0.65
-    (SamplingParams(top_p=0.66), [0, 1, 2]),
-    (SamplingParams(top_p=0.01), [0]),              # the top token always stays
-    (SamplingParams(min_p=0.3), [0, 1, 2]),         # keeps p >= 0.3 * 0.4 = 0.12
-    (SamplingParams(min_p=0.1), [0, 1, 2, 3, 4]),   # keeps p >= 0.04
-    (SamplingParams(top_k=4, top_p=0.9, min_p=0.2), [0, 1, 2, 3]),  # the intersection
-    (SamplingParams(top_k=2, min_p=0.01), [0, 1]),
-])
+@pytest.mark.parametrize(
+    "params, want",
+    [
+        (SamplingParams(top_k=3), [0, 1, 2]),
+        (SamplingParams(top_k=-1), list(range(V))),
+        (SamplingParams(top_p=0.6), [0, 1]),  # mass above token 1 is 0.4 < 0.6; above token 2, 0.65
+        (SamplingParams(top_p=0.66), [0, 1, 2]),
+        (SamplingParams(top_p=0.01), [0]),  # the top token always stays
+        (SamplingParams(min_p=0.3), [0, 1, 2]),  # keeps p >= 0.3 * 0.4 = 0.12
+        (SamplingParams(min_p=0.1), [0, 1, 2, 3, 4]),  # keeps p >= 0.04
+        (SamplingParams(top_k=4, top_p=0.9, min_p=0.2), [0, 1, 2, 3]),  # the intersection
+        (SamplingParams(top_k=2, min_p=0.01), [0, 1]),
+    ],
+)
 def test_masks_are_exact(params, want):
     assert kept(make(), params) == want
 
 
-@pytest.mark.parametrize("params, want", [
-    (SamplingParams(top_p=0.3), 615),     # ranks r with r / 2048 < 0.3: within the top 1024 candidates
-    (SamplingParams(top_p=0.9), 1844),    # past them: the whole vocabulary is sorted
-    (SamplingParams(top_k=1500), 1500),
-    (SamplingParams(top_k=1500, top_p=0.25), 512),
-])
+@pytest.mark.parametrize(
+    "params, want",
+    [
+        (SamplingParams(top_p=0.3), 615),  # ranks r with r / 2048 < 0.3: within the top 1024 candidates
+        (SamplingParams(top_p=0.9), 1844),  # past them: the whole vocabulary is sorted
+        (SamplingParams(top_k=1500), 1500),
+        (SamplingParams(top_k=1500, top_p=0.25), 512),
+    ],
+)
 def test_masks_are_exact_beyond_the_candidate_list(params, want):
     assert TOP_CANDIDATES == 1024
     sampler = Sampler(1, 2048, (0,), CPU)
@@ -105,9 +112,9 @@ def test_seed_reproduces_regardless_of_batch_and_resume():
         return out
 
     alone = run([0], 0)
-    assert run([3, 1, 5], 1) == alone       # other rows, another row number
+    assert run([3, 1, 5], 1) == alone  # other rows, another row number
     assert run([2, 0, 4, 6, 7], 0) == alone
-    assert len(set(alone)) > 2              # it does sample
+    assert len(set(alone)) > 2  # it does sample
     other = make()
     other.set_request(0, SamplingParams(seed=8), no_output(), no_output())
     assert [int(other.sample(flat[None].clone(), np.array([0])).tokens[0]) for _ in range(12)] != alone
@@ -156,25 +163,30 @@ def test_penalties_follow_openai_vllm_semantics():
     sampler = make()
     prompt = np.array([1, 2], np.int32)
     output = np.array([2, 3, 3, 3], np.int32)
-    sampler.set_request(0, SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5,
-                                          presence_penalty=0.25), prompt, output)
+    sampler.set_request(
+        0, SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25), prompt, output
+    )
     sampler.sample(torch.zeros(1, V), np.array([5]))  # sync parameters via an unrelated row
     logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, -1.0, 0.5, 0.0, 0.0]])
     got = sampler.apply_penalties(logits.clone(), torch.tensor([0]))[0]
     want = logits[0].clone()
-    want[1] = 2.0 / 2                       # prompt token, positive: divided
-    want[2] = -2.0 * 2 - 0.5 * 1 - 0.25     # prompt + output once, negative: multiplied, then freq + presence
-    want[3] = 4.0 / 2 - 0.5 * 3 - 0.25      # output three times
+    want[1] = 2.0 / 2  # prompt token, positive: divided
+    want[2] = -2.0 * 2 - 0.5 * 1 - 0.25  # prompt + output once, negative: multiplied, then freq + presence
+    want[3] = 4.0 / 2 - 0.5 * 3 - 0.25  # output three times
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1e-320),  # 0 in float32: greedy, not a division by zero
-    SamplingParams(temperature=1e-5, top_k=0),
-    SamplingParams(temperature=1e-5, repetition_penalty=0.01),
-    SamplingParams(temperature=2.0, top_p=1e-300, min_p=1.0),
-    SamplingParams(temperature=1e-5, frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0),
-], ids=repr)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-320),  # 0 in float32: greedy, not a division by zero
+        SamplingParams(temperature=1e-5, top_k=0),
+        SamplingParams(temperature=1e-5, repetition_penalty=0.01),
+        SamplingParams(temperature=2.0, top_p=1e-300, min_p=1.0),
+        SamplingParams(temperature=1e-5, frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0),
+    ],
+    ids=repr,
+)
 def test_every_valid_extreme_samples_a_token(params):
     """Parameters at their validated bounds, on large logits, never sample outside the
     vocabulary (a NaN distribution did, and the scheduler died on the out-of-range id)."""
@@ -186,8 +198,15 @@ def test_every_valid_extreme_samples_a_token(params):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=3),
-                                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1)], ids=repr)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1),
+    ],
+    ids=repr,
+)
 def test_non_finite_logits_still_sample_a_token(bad, params):
     """Logits the model got wrong (inf or NaN) give an id inside the vocabulary, never one past it."""
     sampler = make()
@@ -209,10 +228,18 @@ def test_penalties_see_tokens_as_they_are_sampled():
 
 def test_min_tokens_masks_eos_and_stop_ids():
     sampler = make()
-    sampler.set_request(0, SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=5,
-                                          stop_token_ids=(5,)), no_output(), no_output())
-    sampler.set_request(1, SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=5,
-                                          ignore_eos=True), no_output(), no_output())
+    sampler.set_request(
+        0,
+        SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=5, stop_token_ids=(5,)),
+        no_output(),
+        no_output(),
+    )
+    sampler.set_request(
+        1,
+        SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=5, ignore_eos=True),
+        no_output(),
+        no_output(),
+    )
     logits = torch.tensor([[0.0, 1, 0, 0, 0, 9, 0, 10]] * 2)  # EOS (7) best, then stop id 5
     steps = [sampler.sample(logits.clone(), np.array([0, 1])).tokens.tolist() for _ in range(3)]
     # row 0: EOS and 5 masked for two tokens; row 1 ignores EOS and has no stop ids: nothing masked
@@ -221,8 +248,12 @@ def test_min_tokens_masks_eos_and_stop_ids():
 
 def test_logprobs_are_the_raw_model_distribution():
     sampler = make()
-    sampler.set_request(0, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3,
-                                          repetition_penalty=2.0), np.array([0], np.int32), no_output())
+    sampler.set_request(
+        0,
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3, repetition_penalty=2.0),
+        np.array([0], np.int32),
+        no_output(),
+    )
     sampler.set_request(1, SamplingParams(temperature=0.0), no_output(), no_output())
     res = sampler.sample(logits_of(PROBS, 2), np.array([0, 1]))
     # the penalty moves the choice to token 1, the logprobs stay those of the model's output

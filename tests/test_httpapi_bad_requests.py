@@ -1,17 +1,24 @@
 """Issue 5's bad-request table through the real parsing layer and the real tokenizer,
 in the order a route applies the checks: API key, body, model, prompt."""
+
 import gzip
 
 import pytest
+from bad_requests import API_KEY, BAD_REQUESTS, CONTEXT_LEN, MODEL, VOCAB_SIZE, BadRequest, chat, completion, generate
 from transformers import AutoTokenizer
 
-from bad_requests import API_KEY, BAD_REQUESTS, CONTEXT_LEN, MODEL, VOCAB_SIZE, BadRequest, chat, completion, generate
 from gpu.model_files import resolve_model_dir
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError
 from httpapi.info import check_model
-from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize,
-                              parse_generate, parse_tokenize)
+from httpapi.requests import (
+    parse_abort,
+    parse_chat_completion,
+    parse_completion,
+    parse_detokenize,
+    parse_generate,
+    parse_tokenize,
+)
 from httpapi.sampling import check_token_ids
 
 
@@ -26,8 +33,7 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
     if path == "/v1/chat/completions":
         req = parse_chat_completion(body)
         check_model(req.model, MODEL)
-        ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
     elif path in ("/v1/completions", "/generate"):
         req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
@@ -62,33 +68,84 @@ def test_bad_request(row: BadRequest, tokenizer):
     assert (err.status, err.param) == (row.status, row.param), err.message
     assert err.message and err.type in ("invalid_request_error", "server_error")
     if row.param is not None:
-        assert row.param.split("[")[0].split(".")[-1] in err.message or row.param in err.message or \
-            err.code == "context_length_exceeded", err.message
+        assert (
+            row.param.split("[")[0].split(".")[-1] in err.message
+            or row.param in err.message
+            or err.code == "context_length_exceeded"
+        ), err.message
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", chat()),
-    ("/v1/chat/completions", chat(max_tokens=None, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-        {"role": "assistant", "content": None}, {"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}])),
-    ("/v1/chat/completions", chat(messages=[
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
-        {"role": "user", "content": "ok"}], tool_choice="auto", function_call="none", user="u", metadata={"k": "v"},
-        store=True, service_tier="auto", parallel_tool_calls=False, logit_bias={})),
-    ("/v1/chat/completions", chat(max_completion_tokens=8000, stream=True, stream_options={"include_usage": True},
-                                  logprobs=True, top_logprobs=20, stop=["\n"], seed=2**63 - 1, n=4, top_k=0)),
-    ("/v1/chat/completions", chat(model=None, user="u", tools=[], tool_choice="none", response_format={"type": "text"},
-                                  unknown_field=1)),
-    ("/v1/completions", completion(prompt=["a", "b"], n=64, echo=True, logprobs=None)),
-    ("/v1/completions", completion(prompt=[[1, 2], [3]], logprobs=0, max_tokens=8190)),
-    ("/v1/completions", completion(prompt=[1] * 8176, max_tokens=None)),
-    ("/generate", generate(text=None, input_ids=[[1, 2], [3]], rid=["a", "b"])),
-    ("/generate", generate(sampling_params={"max_new_tokens": 4, "n": 2, "sampling_seed": 3, "min_new_tokens": 2},
-                           return_logprob=True, top_logprobs_num=5, stream=True)),
-    ("/tokenize", b'{"prompt": ["", "a"]}'),
-    ("/detokenize", b'{"tokens": []}'),
-    ("/abort_request", b'{"abort_all": true}'),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", chat()),
+        (
+            "/v1/chat/completions",
+            chat(
+                max_tokens=None,
+                messages=[
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                    {"role": "assistant", "content": None},
+                    {"role": "tool", "content": "42"},
+                    {"role": "user", "content": "ok"},
+                ],
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                messages=[
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                    {"role": "user", "content": "ok"},
+                ],
+                tool_choice="auto",
+                function_call="none",
+                user="u",
+                metadata={"k": "v"},
+                store=True,
+                service_tier="auto",
+                parallel_tool_calls=False,
+                logit_bias={},
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                max_completion_tokens=8000,
+                stream=True,
+                stream_options={"include_usage": True},
+                logprobs=True,
+                top_logprobs=20,
+                stop=["\n"],
+                seed=2**63 - 1,
+                n=4,
+                top_k=0,
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(model=None, user="u", tools=[], tool_choice="none", response_format={"type": "text"}, unknown_field=1),
+        ),
+        ("/v1/completions", completion(prompt=["a", "b"], n=64, echo=True, logprobs=None)),
+        ("/v1/completions", completion(prompt=[[1, 2], [3]], logprobs=0, max_tokens=8190)),
+        ("/v1/completions", completion(prompt=[1] * 8176, max_tokens=None)),
+        ("/generate", generate(text=None, input_ids=[[1, 2], [3]], rid=["a", "b"])),
+        (
+            "/generate",
+            generate(
+                sampling_params={"max_new_tokens": 4, "n": 2, "sampling_seed": 3, "min_new_tokens": 2},
+                return_logprob=True,
+                top_logprobs_num=5,
+                stream=True,
+            ),
+        ),
+        ("/tokenize", b'{"prompt": ["", "a"]}'),
+        ("/detokenize", b'{"tokens": []}'),
+        ("/abort_request", b'{"abort_all": true}'),
+    ],
+)
 def test_good_requests_pass(path, body, tokenizer):
     handle(path, body, f"Bearer {API_KEY}", tokenizer)
 
@@ -113,10 +170,13 @@ def test_a_gzip_body_is_named():
     assert "gzip" in caught.value.message
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", completion(prompt=[1] * 3000), "prompt"),
-    ("/generate", generate(text=None, input_ids=[1] * 2048), "input_ids"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", completion(prompt=[1] * 3000), "prompt"),
+        ("/generate", generate(text=None, input_ids=[1] * 2048), "input_ids"),
+    ],
+)
 def test_a_prompt_past_the_kv_cache_names_the_prompt(path, body, param):
     """A KV cache smaller than the context (--max-total-tokens): the prompt gets its 400 here,
     not the scheduler's rejection without a param (inside a 200 stream when streaming)."""

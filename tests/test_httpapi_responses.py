@@ -1,5 +1,6 @@
 """Response bodies checked with the official openai client's own types and parser, and
 the logprobs token vocab against the real SmolLM2 tokenizer."""
+
 import dataclasses
 
 import httpx
@@ -14,10 +15,17 @@ from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
 from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found, unauthorized
-from httpapi.info import check_model, models_body, server_info_body, served_model_name
-from httpapi.logprobs import LOGPROB_FLOOR, TokenLogprobs, LogprobVocab
-from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
-                               new_request_id, now)
+from httpapi.info import check_model, models_body, served_model_name, server_info_body
+from httpapi.logprobs import LOGPROB_FLOOR, LogprobVocab, TokenLogprobs
+from httpapi.responses import (
+    ChoiceResult,
+    Usage,
+    chat_completion_body,
+    completion_body,
+    generate_body,
+    new_request_id,
+    now,
+)
 from runtime.config import ServerArgs
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,8 +43,12 @@ def vocab(tokenizer):
 
 def client(handler) -> openai.OpenAI:
     """The real openai client; only the network is replaced, by a handler serving our bytes."""
-    return openai.OpenAI(api_key="k", base_url="http://ringserve.test/v1", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    return openai.OpenAI(
+        api_key="k",
+        base_url="http://ringserve.test/v1",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
 
 
 def serve(status: int, body: bytes):
@@ -72,8 +84,10 @@ def _is_utf8(b: bytes) -> bool:
 
 def test_chat_completion_parses_with_openai_types(tokenizer, vocab):
     lp = logprobs_of(tokenizer, "Paris is 🦙", 3)
-    choices = [ChoiceResult(0, "Paris is 🦙", "stop", Usage(20, len(lp), 16), lp),
-               ChoiceResult(1, "Lyon", "length", Usage(20, 4, 0), logprobs_of(tokenizer, "Lyon", 3))]
+    choices = [
+        ChoiceResult(0, "Paris is 🦙", "stop", Usage(20, len(lp), 16), lp),
+        ChoiceResult(1, "Lyon", "length", Usage(20, 4, 0), logprobs_of(tokenizer, "Lyon", 3)),
+    ]
     body = chat_completion_body("chatcmpl-1", 1700000000, MODEL, choices, n=2, vocab=vocab)
     resp = ChatCompletion.model_validate(orjson.loads(body))
     assert resp.object == "chat.completion" and resp.model == MODEL and resp.created == 1700000000
@@ -91,8 +105,9 @@ def test_chat_completion_parses_with_openai_types(tokenizer, vocab):
 
 def test_completion_parses_with_openai_types(tokenizer, vocab):
     lp = logprobs_of(tokenizer, " a b ünï", 2)
-    body = completion_body("cmpl-1", now(), MODEL, [ChoiceResult(0, " a b ünï", "length", Usage(5, len(lp)), lp)],
-                           n=1, vocab=vocab)
+    body = completion_body(
+        "cmpl-1", now(), MODEL, [ChoiceResult(0, " a b ünï", "length", Usage(5, len(lp)), lp)], n=1, vocab=vocab
+    )
     resp = Completion.model_validate(orjson.loads(body))
     assert resp.object == "text_completion" and resp.choices[0].text == " a b ünï"
     logprobs = resp.choices[0].logprobs
@@ -111,7 +126,7 @@ def test_completion_without_alternatives_and_minus_infinity(vocab):
 
 
 def test_abort_finish_reason_reaches_the_client(vocab):
-    """"abort" is not in the openai types' Literal; the client's own parser takes it anyway."""
+    """ "abort" is not in the openai types' Literal; the client's own parser takes it anyway."""
     body = chat_completion_body("chatcmpl-3", now(), MODEL, [ChoiceResult(0, "Par", "abort", Usage(3, 1))], 1)
     parsed = construct_type(type_=ChatCompletion, value=orjson.loads(body))
     assert parsed.choices[0].finish_reason == "abort" and parsed.choices[0].message.content == "Par"
@@ -120,39 +135,56 @@ def test_abort_finish_reason_reaches_the_client(vocab):
 
 
 def test_openai_client_reads_a_completion(vocab):
-    body = completion_body(new_request_id("cmpl"), now(), MODEL,
-                           [ChoiceResult(i, f"t{i}", "stop", Usage(4, 1)) for i in range(4)], n=2)
+    body = completion_body(
+        new_request_id("cmpl"), now(), MODEL, [ChoiceResult(i, f"t{i}", "stop", Usage(4, 1)) for i in range(4)], n=2
+    )
     resp = client(serve(200, body)).completions.create(model=MODEL, prompt=["a", "b"], n=2)
     assert [c.text for c in resp.choices] == ["t0", "t1", "t2", "t3"] and resp.id.startswith("cmpl-")
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (8, 4)  # each prompt counted once
 
 
-@pytest.mark.parametrize("err,cls", [
-    (bad_request("temperature must be between 0 and 2", "temperature"), openai.BadRequestError),
-    (model_not_found("gpt-5"), openai.NotFoundError),
-    (unauthorized(), openai.AuthenticationError),
-    (engine_unavailable(), openai.InternalServerError),
-])
+@pytest.mark.parametrize(
+    "err,cls",
+    [
+        (bad_request("temperature must be between 0 and 2", "temperature"), openai.BadRequestError),
+        (model_not_found("gpt-5"), openai.NotFoundError),
+        (unauthorized(), openai.AuthenticationError),
+        (engine_unavailable(), openai.InternalServerError),
+    ],
+)
 def test_openai_client_maps_errors(err: APIError, cls):
     with pytest.raises(cls) as caught:
         client(serve(err.status, err.body())).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}])
+            model=MODEL, messages=[{"role": "user", "content": "x"}]
+        )
     assert caught.value.status_code == err.status
     assert caught.value.body == {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
 
 
 def test_generate_body_is_sglang_shaped(vocab):
     lp = TokenLogprobs.of([42], [-0.25], [[42, 7]], [[-0.25, -2.0]])
-    one = orjson.loads(generate_body(["r1"], [ChoiceResult(0, "x", "stop", Usage(3, 1, 2), lp, matched_stop=2)],
-                                     batch=False, vocab=vocab, return_text_in_logprobs=True))
+    one = orjson.loads(
+        generate_body(
+            ["r1"],
+            [ChoiceResult(0, "x", "stop", Usage(3, 1, 2), lp, matched_stop=2)],
+            batch=False,
+            vocab=vocab,
+            return_text_in_logprobs=True,
+        )
+    )
     assert one["text"] == "x"
     meta = one["meta_info"]
     assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "stop", "matched": 2}
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 1, 2)
     assert meta["output_token_logprobs"] == [[-0.25, 42, vocab.text[42]]]
     assert meta["output_top_logprobs"] == [[[-0.25, 42, vocab.text[42]], [-2.0, 7, vocab.text[7]]]]
-    batch = orjson.loads(generate_body(["a", "b"], [ChoiceResult(0, "x", "length", Usage(3, 5)),
-                                                    ChoiceResult(1, "y", "abort", Usage(3, 1))], batch=True))
+    batch = orjson.loads(
+        generate_body(
+            ["a", "b"],
+            [ChoiceResult(0, "x", "length", Usage(3, 5)), ChoiceResult(1, "y", "abort", Usage(3, 1))],
+            batch=True,
+        )
+    )
     assert [o["meta_info"]["finish_reason"] for o in batch] == [{"type": "length", "length": 5}, {"type": "abort"}]
 
 
@@ -162,8 +194,9 @@ def test_models_and_server_info():
     assert page["object"] == "list" and Model.model_validate(page["data"][0]).id == MODEL
     listed = client(serve(200, body)).models.list()
     assert [m.id for m in listed] == [MODEL]
-    info = orjson.loads(server_info_body(dataclasses.asdict(ServerArgs(api_key="secret", port=1234)),
-                                       max_total_num_tokens=1000))
+    info = orjson.loads(
+        server_info_body(dataclasses.asdict(ServerArgs(api_key="secret", port=1234)), max_total_num_tokens=1000)
+    )
     assert info["port"] == 1234 and info["max_total_num_tokens"] == 1000 and "api_key" not in info
     assert "secret" not in orjson.dumps(info).decode()
 
@@ -184,20 +217,27 @@ def test_usage_counts_each_prompt_once():
     per_choice = [Usage(10, 3, 8), Usage(10, 4, 10), Usage(7, 5, 0), Usage(7, 6, 7)]
     assert Usage.combine(per_choice, n=2) == Usage(17, 18, 8)
     assert Usage.combine(per_choice, n=1) == Usage(34, 18, 25)
-    assert Usage(3, 4).as_dict() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                                     "prompt_tokens_details": {"cached_tokens": 0}}
+    assert Usage(3, 4).as_dict() == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_logprob_vocab_of_a_sentencepiece_tokenizer():
     """Llama 2 / Mistral style: "▁" pieces and <0xNN> byte fallback (a real tokenizers object)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     pieces = ["<unk>", "<s>", "</s>", "<0xE2>", "<0x82>", "<0xAC>", "\u2581hello", "\u2581", "h", "i"]
-    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                                   byte_fallback=True))
+    backend = Tokenizer(
+        models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>", byte_fallback=True)
+    )
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     spm = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     vocab = LogprobVocab.from_tokenizer(spm, vocab_size=12)
     assert vocab.bytes[:7] == [b"<unk>", b"<s>", b"</s>", b"\xe2", b"\x82", b"\xac", b" hello"]

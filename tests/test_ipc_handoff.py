@@ -2,6 +2,7 @@
 shaped like the server: an asyncio "worker" sends requests to a sync "engine" that
 answers with text records. And: nothing in /dev/shm after a clean close, after a
 kill -9 of either side, or after a kill inside the segment-creation window."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,8 @@ import pytest
 
 from ipc import Channel, ChannelSpec, Waker
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from protocol.records import REQUEST, TEXT_OUT, RequestKind, pack_request, unpack_request
 from ipc.shm import PREFIX, our_segments, sweep_orphans
+from protocol.records import REQUEST, TEXT_OUT, RequestKind, pack_request, unpack_request
 from protocol.sampling_params import SamplingParams
 
 PEER_GONE = 3  # exit status of a peer whose other side stopped answering
@@ -106,7 +107,7 @@ async def worker(path: str, total: int, stall_timeout: float) -> int:
             continue
         for rec in batch.records:
             assert rec["worker"] == 7 and rec["gen"] == rec["slot"] + 1
-            text = batch.payload[rec["text_off"]:rec["text_off"] + rec["text_len"]].tobytes()
+            text = batch.payload[rec["text_off"] : rec["text_off"] + rec["text_len"]].tobytes()
             assert text == expected[int(rec["slot"])], f"slot {rec['slot']}"
             got += 1
     await sender
@@ -117,8 +118,9 @@ async def worker(path: str, total: int, stall_timeout: float) -> int:
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait(proc: subprocess.Popen) -> tuple[int, str]:

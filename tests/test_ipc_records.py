@@ -1,13 +1,31 @@
 """Record layouts: every SamplingParams field crosses the request channel; payload helpers round-trip."""
+
 import dataclasses
 
 import numpy as np
 import pytest
 
 from ipc import Channel, ChannelSpec, Waker
-from protocol.records import (REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, concat_records, decode_strings,
-                         encode_strings, live_mask, pack_control, pack_logprobs, pack_request, pack_top_logprobs,
-                         record_struct, take_records, unpack_logprobs, unpack_request, unpack_top_logprobs)
+from protocol.records import (
+    REQUEST,
+    TEXT_OUT,
+    TOKEN_OUT,
+    RecordLayout,
+    RequestKind,
+    concat_records,
+    decode_strings,
+    encode_strings,
+    live_mask,
+    pack_control,
+    pack_logprobs,
+    pack_request,
+    pack_top_logprobs,
+    record_struct,
+    take_records,
+    unpack_logprobs,
+    unpack_request,
+    unpack_top_logprobs,
+)
 from protocol.sampling_params import SamplingParams
 
 
@@ -22,6 +40,7 @@ def pair():
         cons = Channel.attach(desc, fds, wc)
         made.extend((prod, cons))
         return prod, cons
+
     yield make
     for ch in made:
         ch.close()
@@ -30,14 +49,30 @@ def pair():
 
 
 def test_every_sampling_param_crosses_the_request_channel(pair):
-    params = SamplingParams(max_new_tokens=77, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
-                            seed=-(2 ** 63), repetition_penalty=1.1, frequency_penalty=-0.5, presence_penalty=1.5,
-                            stop=("\n\n", "stop\x00with nul", "é🙂"), stop_token_ids=tuple(range(16)),
-                            no_stop_trim=True, ignore_eos=True, skip_special_tokens=False, return_ids=True,
-                            spaces_between_special_tokens=False,
-                            logprobs=True, top_logprobs=20).validate()
-    changed = {f.name for f in dataclasses.fields(SamplingParams)
-               if f.name != "extra" and getattr(params, f.name) != f.default}
+    params = SamplingParams(
+        max_new_tokens=77,
+        min_new_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=-(2**63),
+        repetition_penalty=1.1,
+        frequency_penalty=-0.5,
+        presence_penalty=1.5,
+        stop=("\n\n", "stop\x00with nul", "é🙂"),
+        stop_token_ids=tuple(range(16)),
+        no_stop_trim=True,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        return_ids=True,
+        spaces_between_special_tokens=False,
+        logprobs=True,
+        top_logprobs=20,
+    ).validate()
+    changed = {
+        f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra" and getattr(params, f.name) != f.default
+    }
     assert changed == {f.name for f in dataclasses.fields(SamplingParams)} - {"extra"}, "test must set every field"
     prod, cons = pair(REQUEST)
     prompt = np.arange(5000, dtype=np.uint32) * 7
@@ -61,8 +96,13 @@ def test_requests_sharing_sampling_share_its_params_and_nothing_else(pair):
     stop strings): equal settings unpack to one object, settings that differ only in a stop
     string, a stop token or a per-request field do not mix."""
     base = SamplingParams(max_new_tokens=9, stop=("x",))
-    variants = [base, SamplingParams(max_new_tokens=9, stop=("y",)), SamplingParams(max_new_tokens=9, stop=("x", "y")),
-                SamplingParams(max_new_tokens=9, stop=("x",), stop_token_ids=(5,)), SamplingParams(max_new_tokens=9)]
+    variants = [
+        base,
+        SamplingParams(max_new_tokens=9, stop=("y",)),
+        SamplingParams(max_new_tokens=9, stop=("x", "y")),
+        SamplingParams(max_new_tokens=9, stop=("x",), stop_token_ids=(5,)),
+        SamplingParams(max_new_tokens=9),
+    ]
     prod, cons = pair(REQUEST)
     sent = [(base, 1), *((v, 2 + k) for k, v in enumerate(variants)), (base, 99)]
     for p, slot in sent:
@@ -148,9 +188,12 @@ def test_record_copies_equal_numpys(layout):
     rng = np.random.default_rng(0)
     recs = np.frombuffer(rng.integers(0, 256, 50 * layout.dtype.itemsize, dtype=np.uint8).tobytes(), layout.dtype)
     mask, index = rng.random(50) < 0.5, rng.integers(0, 50, 30)
-    for got, want in ((take_records(recs, mask), recs[mask]), (take_records(recs, index), recs[index]),
-                      (take_records(recs[::3], [2, 0]), recs[::3][[2, 0]]),
-                      (concat_records([recs[:7], recs[::2], recs[:0]]), np.concatenate([recs[:7], recs[::2]]))):
+    for got, want in (
+        (take_records(recs, mask), recs[mask]),
+        (take_records(recs, index), recs[index]),
+        (take_records(recs[::3], [2, 0]), recs[::3][[2, 0]]),
+        (concat_records([recs[:7], recs[::2], recs[:0]]), np.concatenate([recs[:7], recs[::2]])),
+    ):
         assert got.dtype == layout.dtype and len(got) == len(want)
         assert all(got[f].tobytes() == want[f].tobytes() for f in layout.dtype.names)  # padding aside
 

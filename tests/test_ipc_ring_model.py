@@ -1,4 +1,5 @@
 """Property test: a channel (ring + arena) behaves like a bounded FIFO of (record, payload) pairs."""
+
 from collections import deque
 
 import numpy as np
@@ -10,8 +11,11 @@ from ipc import Channel, ChannelSpec, Waker
 from ipc.arena import align_up
 from protocol.records import PayloadRef, RecordLayout
 
-LAYOUT = RecordLayout("model_test", np.dtype([("seq", np.uint64), ("off", np.uint32), ("len", np.uint32)]),
-                      payloads=(PayloadRef("off", "len", np.dtype(np.uint8)),))
+LAYOUT = RecordLayout(
+    "model_test",
+    np.dtype([("seq", np.uint64), ("off", np.uint32), ("len", np.uint32)]),
+    payloads=(PayloadRef("off", "len", np.dtype(np.uint8)),),
+)
 
 push_op = st.tuples(st.just("push"), st.lists(st.integers(0, 24), min_size=1, max_size=12))
 pop_op = st.tuples(st.just("pop"), st.one_of(st.none(), st.integers(1, 10)))
@@ -23,12 +27,16 @@ def payload_of(seq: int, n: int) -> bytes:
 
 
 @settings(max_examples=300, deadline=None)
-@given(capacity=st.integers(1, 9), arena=st.sampled_from([64, 128, 256, 1024]),
-       ops=st.lists(st.one_of(push_op, pop_op, room_op), max_size=60))
+@given(
+    capacity=st.integers(1, 9),
+    arena=st.sampled_from([64, 128, 256, 1024]),
+    ops=st.lists(st.one_of(push_op, pop_op, room_op), max_size=60),
+)
 # a pop that splits a push must keep that push's blob: the producer may not wrap over it
 @example(capacity=4, arena=64, ops=[("push", [16, 16]), ("pop", 1), ("push", [16, 16]), ("push", [24]), ("pop", None)])
-@pytest.mark.parametrize("native", [(True, True), (False, True), (True, False)],
-                         ids=["c", "python-producer", "python-consumer"])
+@pytest.mark.parametrize(
+    "native", [(True, True), (False, True), (True, False)], ids=["c", "python-producer", "python-consumer"]
+)
 def test_channel_matches_fifo_model(native, capacity, arena, ops):
     """The C data path, and the Python one on either side of it (same segment, same protocol)."""
     wp, wc = Waker(), Waker()
@@ -81,7 +89,7 @@ def test_channel_matches_fifo_model(native, capacity, arena, ops):
                 expect = [model.popleft() for _ in range(min(len(model), arg or len(model)))]
                 assert batch.records["seq"].tolist() == [e[0] for e in expect]
                 for rec, (_, payload, _) in zip(batch.records, expect):
-                    assert batch.payload[rec["off"]:rec["off"] + rec["len"]].tobytes() == payload
+                    assert batch.payload[rec["off"] : rec["off"] + rec["len"]].tobytes() == payload
                 queued_pushes = {e[2] for e in model}
                 blobs = {k: v for k, v in blobs.items() if k in queued_pushes}
             assert len(cons) == len(model)

@@ -1,6 +1,7 @@
 """10^6 records between two real processes through a small ring: nothing lost, duplicated,
 reordered or torn, with every consumer wait mode. The producer is this file run as a
 script; it receives its channel over a unix socket (SCM_RIGHTS), not by inheritance."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,13 +18,25 @@ import pytest
 
 from ipc import Channel, ChannelSpec, Waker
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
-from protocol.records import PayloadRef, RecordLayout
 from ipc.shm import our_segments
+from protocol.records import PayloadRef, RecordLayout
 
-STREAM = RecordLayout("stream_test", np.dtype([
-    ("seq", np.uint64), ("check", np.uint64), ("off", np.uint32), ("len", np.uint32),
-    ("a", np.uint32), ("b", np.uint16), ("c", np.uint8), ("d", np.uint8)]),
-    payloads=(PayloadRef("off", "len", np.dtype(np.uint32)),))
+STREAM = RecordLayout(
+    "stream_test",
+    np.dtype(
+        [
+            ("seq", np.uint64),
+            ("check", np.uint64),
+            ("off", np.uint32),
+            ("len", np.uint32),
+            ("a", np.uint32),
+            ("b", np.uint16),
+            ("c", np.uint8),
+            ("d", np.uint8),
+        ]
+    ),
+    payloads=(PayloadRef("off", "len", np.dtype(np.uint32)),),
+)
 RECORDS = 1_000_000
 MAX_BATCH = 256
 CAPACITY = 509  # records; not a power of two, so wraparound lands mid-batch
@@ -59,23 +72,25 @@ class Stream:
 
     def batch(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Records [first, first + n) and their blob, offsets relative to the blob."""
-        recs = self.records[first:first + n].copy()
+        recs = self.records[first : first + n].copy()
         recs["off"] -= recs["off"][0]
-        return recs, self.words[self.word_at[first]:self.word_at[first + n]]
+        return recs, self.words[self.word_at[first] : self.word_at[first + n]]
 
     def verify(self, batch, first: int) -> int:
         recs = batch.records
         n = len(recs)
-        assert np.array_equal(recs["seq"], self.records["seq"][first:first + n]), \
+        assert np.array_equal(recs["seq"], self.records["seq"][first : first + n]), (
             f"lost, duplicated or reordered records after seq {first}"
+        )
         off = recs["off"].astype(np.int64)
         recs["off"] = 0
-        assert np.array_equal(np.frombuffer(recs, np.uint8), np.frombuffer(self.no_off[first:first + n], np.uint8)), \
+        assert np.array_equal(np.frombuffer(recs, np.uint8), np.frombuffer(self.no_off[first : first + n], np.uint8)), (
             f"torn record among seq {first}..{first + n}"
+        )
         w0, w1 = self.word_at[first], self.word_at[first + n]
         if w1 > w0:
-            words = batch.payload[:batch.payload.size // 4 * 4].view(np.uint32)
-            index = np.repeat(off // 4, self.words_per[first:first + n]) + self.within[w0:w1]
+            words = batch.payload[: batch.payload.size // 4 * 4].view(np.uint32)
+            index = np.repeat(off // 4, self.words_per[first : first + n]) + self.within[w0:w1]
             assert np.array_equal(words[index], self.words[w0:w1]), f"torn payload among seq {first}..{first + n}"
         return first + n
 
@@ -154,8 +169,9 @@ def produce(path: str, total: int, seed: int) -> None:
 
 
 def spawn(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, *args], env={**os.environ, **(env or {})},
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, *args], env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -184,9 +200,15 @@ def test_million_records_between_processes(tmp_path: Path, mode: str) -> None:
     assert our_segments() == []
 
 
-@pytest.mark.parametrize("env", [{"RINGSERVE_IPC_PORTABLE": "1"}, {"RINGSERVE_IPC_NATIVE": "0"},
-                                 {"RINGSERVE_IPC_PORTABLE": "1", "RINGSERVE_IPC_NATIVE": "0"}],
-                         ids=["c-weak", "python", "python-weak"])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RINGSERVE_IPC_PORTABLE": "1"},
+        {"RINGSERVE_IPC_NATIVE": "0"},
+        {"RINGSERVE_IPC_PORTABLE": "1", "RINGSERVE_IPC_NATIVE": "0"},
+    ],
+    ids=["c-weak", "python", "python-weak"],
+)
 def test_other_paths(tmp_path: Path, env: dict) -> None:
     """Both sides on the path a weakly ordered CPU takes (RINGSERVE_IPC_PORTABLE=1: seq_cst
     fences instead of membarrier, and libatomic release/acquire counters in Python), on the
@@ -212,6 +234,7 @@ if __name__ == "__main__":
     else:
         from ipc.memory import model
         from ipc.native import ring_core
+
         portable = os.environ.get("RINGSERVE_IPC_PORTABLE") == "1"
         assert (model().barrier == "fence" and model().counters == "atomic") == portable
         assert (ring_core() is None) == (os.environ.get("RINGSERVE_IPC_NATIVE") == "0")

@@ -1,4 +1,5 @@
 """The ZMQ baseline is a drop-in for ring channels: same calls, same popped batches."""
+
 from __future__ import annotations
 
 import asyncio
@@ -90,6 +91,7 @@ def test_waits_time_out_and_wake(name: str) -> None:
             loop.call_later(0.05, prod.push, np.zeros(3, TOKEN_OUT.dtype))
             assert await wc.wait_readable_async([cons], timeout=5)
             assert len(cons.pop()) == 3
+
         asyncio.run(scenario())
         prod.beat()
         assert cons.heartbeat_ns() > 0
@@ -99,7 +101,7 @@ def test_waits_time_out_and_wake(name: str) -> None:
 
 def test_zmq_back_pressure_and_private_dir() -> None:
     prod, cons, wakers = open_pair("zmq", ChannelSpec(TOKEN_OUT, 1, 0))
-    directory = os.path.dirname(prod.address[len("ipc://"):])
+    directory = os.path.dirname(prod.address[len("ipc://") :])
     try:
         assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
         recs = np.zeros(200, TOKEN_OUT.dtype)

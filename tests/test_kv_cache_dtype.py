@@ -2,6 +2,7 @@
 bf16 / fp8 pages agrees with the torch backend widening the same pages; greedy tokens of the
 embedded model with a fp16 cache follow the fp32 cache's, with a fp8 cache for a few tokens;
 a bad value names the flag; the same memory holds twice (four times) the tokens."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,9 +13,7 @@ from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kernels import cpu_kernels_available
 from gpu.kv_cache import KVCache
-from gpu.model_files import ModelLoadError
-from gpu.model_runner import ModelRunner, ModelRunnerConfig, resolve_kv_cache_dtype
-from runtime.config import ServerArgs
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.sampling_params import SamplingParams
 
 HQ, HKV, D, PS = 9, 3, 64, 16  # SmolLM2's heads
@@ -25,15 +24,16 @@ REDUCED = [torch.float16, torch.bfloat16, torch.float8_e5m2]
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_cpu_kernel_reads_reduced_pages_as_the_torch_backend(dtype):
     gen = torch.Generator().manual_seed(0)
-    kv = KVCache(num_layers=1, num_pages=64, page_size=PS, num_kv_heads=HKV, head_dim=D, dtype=dtype,
-                 device=torch.device("cpu"))
+    kv = KVCache(
+        num_layers=1, num_pages=64, page_size=PS, num_kv_heads=HKV, head_dim=D, dtype=dtype, device=torch.device("cpu")
+    )
     kv.buffer.copy_(torch.randn(kv.buffer.shape, generator=gen))
     backends = [create_backend(name, kv, HQ) for name in ("torch", "cpu")]
     # ragged decode lengths around the kernel's 8-token vectors and 32-token chunks, pages scattered
     lengths = [1, 7, 33, 64, 150]
     order = torch.randperm(64, generator=gen).numpy().astype(np.int32)
     counts = [-(-n // PS) for n in lengths]
-    pages = np.split(order[:sum(counts)], np.cumsum(counts)[:-1])
+    pages = np.split(order[: sum(counts)], np.cumsum(counts)[:-1])
     seqs = [SeqInput(b, np.zeros(1, np.int32), n - 1, pages[b], True) for b, n in enumerate(lengths)]
     meta = build_forward_batch(seqs, PS, context_length=256, device=torch.device("cpu")).meta
     q = torch.randn(len(lengths), HQ + 2 * HKV, D, generator=gen)[:, :HQ]  # a slice, as of the fused qkv
@@ -54,7 +54,7 @@ PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea and the moon at night.",
     "List three prime numbers greater than twenty, separated by commas, and explain why each is prime.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n',
     "Explain why the sky is blue in two sentences.",
     "Translate to French: I would like a cup of coffee, please.",
 ]
@@ -68,18 +68,22 @@ def greedy(runner: ModelRunner, prompts: list[np.ndarray], n: int) -> tuple[np.n
     and [len(prompts), n] each step's margin (top-1 minus top-2 logprob)."""
     pages = [runner.pool.alloc(runner.pool.pages_for(len(p) + n)) for p in prompts]
     for row, p in enumerate(prompts):
-        runner.set_request(row, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2), p,
-                           np.zeros(0, np.int32))
+        runner.set_request(
+            row, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2), p, np.zeros(0, np.int32)
+        )
     out = runner.step([SeqInput(row, p, 0, pages[row], True) for row, p in enumerate(prompts)])
     steps = [out]
     for i in range(n - 1):
-        out = runner.step([SeqInput(row, out.tokens[row:row + 1], len(p) + i, pages[row], True)
-                           for row, p in enumerate(prompts)])
+        out = runner.step(
+            [SeqInput(row, out.tokens[row : row + 1], len(p) + i, pages[row], True) for row, p in enumerate(prompts)]
+        )
         steps.append(out)
     for p in pages:
         runner.pool.free(p)
-    return (np.stack([o.tokens for o in steps], axis=1),
-            np.stack([o.top_logprobs[:, 0] - o.top_logprobs[:, 1] for o in steps], axis=1))
+    return (
+        np.stack([o.tokens for o in steps], axis=1),
+        np.stack([o.top_logprobs[:, 0] - o.top_logprobs[:, 1] for o in steps], axis=1),
+    )
 
 
 # Measured (fp32 weights, these 6 prompts): fp8_e5m2 (2 mantissa bits) equal to auto for the
@@ -92,14 +96,18 @@ NEAR_TIE = 0.25
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kv_cache_dtype, dtype, equal_tokens", [("float16", torch.float16, EQUAL_TOKENS),
-                                                                 ("fp8_e5m2", torch.float8_e5m2, FP8_EQUAL_TOKENS)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype, dtype, equal_tokens",
+    [("float16", torch.float16, EQUAL_TOKENS), ("fp8_e5m2", torch.float8_e5m2, FP8_EQUAL_TOKENS)],
+)
 def test_greedy_tokens_follow_auto(kv_cache_dtype, dtype, equal_tokens):
     from transformers import AutoTokenizer
+
     results = {}
     for name in ("auto", kv_cache_dtype):
-        runner = ModelRunner(ModelRunnerConfig(kv_cache_dtype=name, max_total_tokens=1024,
-                                               max_running_requests=len(PROMPTS)))
+        runner = ModelRunner(
+            ModelRunnerConfig(kv_cache_dtype=name, max_total_tokens=1024, max_running_requests=len(PROMPTS))
+        )
         tok = AutoTokenizer.from_pretrained(runner.model_config.model_dir)
         prompts = [np.array(tok(p)["input_ids"], np.int32) for p in PROMPTS]
         results[name] = greedy(runner, prompts, equal_tokens)

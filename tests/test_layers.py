@@ -5,6 +5,7 @@ functions too), so a lazy import cannot hide an upward edge. A module's layer is
 longest prefix of its name in LAYERS; it may import its own layer and those below it, never
 one above.
 """
+
 from __future__ import annotations
 
 import ast
@@ -55,7 +56,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         else:
             continue
@@ -90,15 +93,25 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_every_import_points_down(graph):
-    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
-              for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)]
+    upward = [
+        f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if layer_of(b) > layer_of(a)
+    ]
     assert not upward, "\n".join(upward)
 
 
 def test_process_folders_do_not_import_each_other(graph):
-    crossing = [f"{a} imports {b}" for a, targets in graph.items() for b in targets
-                if process_folder(a) and process_folder(b) and process_folder(a) != process_folder(b)
-                and (a, b) not in SIBLING_CALLS]
+    crossing = [
+        f"{a} imports {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if process_folder(a)
+        and process_folder(b)
+        and process_folder(a) != process_folder(b)
+        and (a, b) not in SIBLING_CALLS
+    ]
     assert not crossing, "\n".join(crossing)
 
 
@@ -111,7 +124,7 @@ def test_no_import_cycle(graph):
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:

@@ -1,11 +1,12 @@
 """The OfflineEngine on the real model: prompt forms, finish reasons (EOS, ignore_eos,
 stop token ids, stop strings, length), usage with cached tokens, logprobs, bad input."""
+
 from __future__ import annotations
 
 import pytest
 
-from runtime.offline import OfflineEngine
 from protocol.sampling_params import InvalidParam, SamplingParams
+from runtime.offline import OfflineEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 QUESTION = [{"role": "user", "content": "What is 2+2? Answer with one number only."}]
@@ -41,7 +42,7 @@ def test_eos_ignore_eos_and_cached_tokens(engine):
     assert kept.text == first.text  # EOS ends the text without being in it, special tokens kept or not
     again = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))[0]
     assert again.finish_reason == "length" and len(again.token_ids) == 16
-    assert again.token_ids[:len(first.token_ids)] == first.token_ids
+    assert again.token_ids[: len(first.token_ids)] == first.token_ids
     assert again.cached_tokens >= 16 and again.cached_tokens % 16 == 0 and again.cached_tokens < again.prompt_tokens
 
 
@@ -49,35 +50,40 @@ def test_stop_token_ids_and_stop_strings(engine):
     base = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12))[0]
     stop_id = base.token_ids[3]
     cut = base.token_ids.index(stop_id)
-    o = engine.generate("The capital of France is",
-                        SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_id,)))[0]
-    assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:cut + 1]
+    o = engine.generate(
+        "The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_id,))
+    )[0]
+    assert o.finish_reason == "stop" and o.token_ids == base.token_ids[: cut + 1]
     assert o.text == engine.tokenizer.decode(base.token_ids[:cut])  # a stop token's text is not output
-    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                                   stop_token_ids=(stop_id,), no_stop_trim=True))[0]
-    assert o.text == engine.tokenizer.decode(base.token_ids[:cut + 1])  # unless no_stop_trim
+    o = engine.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_id,), no_stop_trim=True),
+    )[0]
+    assert o.text == engine.tokenizer.decode(base.token_ids[: cut + 1])  # unless no_stop_trim
     word = base.text.split()[2]
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,)))[0]
-    assert o.finish_reason == "stop" and o.text == base.text[:base.text.index(word)]
+    assert o.finish_reason == "stop" and o.text == base.text[: base.text.index(word)]
     a = base.text.index(word)  # of two matches, the one that ends first wins (as in the server)
-    two = (base.text[a:a + 8], base.text[a + 2:a + 4])
+    two = (base.text[a : a + 8], base.text[a + 2 : a + 4])
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=two))[0]
-    assert o.finish_reason == "stop" and o.text == base.text[:a + 2]
+    assert o.finish_reason == "stop" and o.text == base.text[: a + 2]
     assert base.finish_reason == "length"  # no stop string ends in the first min_new_tokens tokens' text
-    o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,),
-                                                                   min_new_tokens=12))[0]
+    o = engine.generate(
+        "The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=12, stop=(word,), min_new_tokens=12)
+    )[0]
     assert (o.finish_reason, o.text) == ("length", base.text)
     # a stop string completed by the last token max_new_tokens allows ends the request with "stop"
     last = engine.tokenizer.decode(base.token_ids[5:6])
     o = engine.generate("The capital of France is", SamplingParams(temperature=0.0, max_new_tokens=6, stop=(last,)))[0]
     head = engine.tokenizer.decode(base.token_ids[:6])
-    assert (o.finish_reason, o.text) == ("stop", head[:head.index(last)])
+    assert (o.finish_reason, o.text) == ("stop", head[: head.index(last)])
     assert engine.scheduler.num_running == 0 and not engine.scheduler.has_work
 
 
 def test_logprobs(engine):
-    o = engine.generate("Once upon a time", SamplingParams(temperature=0.0, max_new_tokens=4, logprobs=True,
-                                                           top_logprobs=3))[0]
+    o = engine.generate(
+        "Once upon a time", SamplingParams(temperature=0.0, max_new_tokens=4, logprobs=True, top_logprobs=3)
+    )[0]
     assert len(o.logprobs) == 4 and all(lp <= 0.0 for lp in o.logprobs)
     assert len(o.top_logprobs) == 4
     for token, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):

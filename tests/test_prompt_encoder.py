@@ -1,10 +1,12 @@
 """runtime/http_worker/prompt_encoder.py against the tokenizer's own encode: the ASCII fast path on the real
 SmolLM2 tokenizer, with an added BOS/EOS template, and the fallbacks."""
+
 import json
 import string
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -35,10 +37,34 @@ def reference(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>"]
 # every ASCII character, and the pieces the split treats specially, often
-ascii_text = st.lists(st.one_of(st.sampled_from([chr(c) for c in range(128)]),
-                                st.sampled_from(["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "  ", "\n\n",
-                                                 " \n", "\t ", "123", " hello", "world", "!!", " ?"] + SPECIALS)),
-                      max_size=40).map("".join)
+ascii_text = st.lists(
+    st.one_of(
+        st.sampled_from([chr(c) for c in range(128)]),
+        st.sampled_from(
+            [
+                "'s",
+                "'t",
+                "'re",
+                "'ve",
+                "'m",
+                "'ll",
+                "'d",
+                "'S",
+                "  ",
+                "\n\n",
+                " \n",
+                "\t ",
+                "123",
+                " hello",
+                "world",
+                "!!",
+                " ?",
+            ]
+            + SPECIALS
+        ),
+    ),
+    max_size=40,
+).map("".join)
 
 
 def pieces_and_ids(encode, text: str, start: int, end: int, cache) -> tuple[list[tuple[int, int]], list[int]]:
@@ -47,7 +73,7 @@ def pieces_and_ids(encode, text: str, start: int, end: int, cache) -> tuple[list
     misses, ids = [], []
     while (miss := encode(text, start, end, cache, ids)) is not None:
         misses.append(miss)
-        cache[text[miss[0]:miss[1]]] = piece_ids = [miss[0], 1000 + miss[1]]
+        cache[text[miss[0] : miss[1]]] = piece_ids = [miss[0], 1000 + miss[1]]
         ids += piece_ids
         start = miss[1]
     return misses, ids
@@ -82,8 +108,14 @@ def test_piece_table_is_a_mapping_of_ascii_pieces():
     assert " w0" in pieces and " w0 " not in pieces and "" not in pieces and "é" not in pieces
     with pytest.raises(KeyError):
         pieces[" missing"]
-    for key, value, error in (("é", [1], KeyError), ("", [1], KeyError), ("a", [-1], OverflowError),
-                              ("a", [2**32], OverflowError), ("a", 5, TypeError), ("a", [0] * 65536, ValueError)):
+    for key, value, error in (
+        ("é", [1], KeyError),
+        ("", [1], KeyError),
+        ("a", [-1], OverflowError),
+        ("a", [2**32], OverflowError),
+        ("a", 5, TypeError),
+        ("a", [0] * 65536, ValueError),
+    ):
         with pytest.raises(error):
             pieces[key] = value
     pieces.clear()
@@ -113,8 +145,9 @@ def test_any_text_equals_the_tokenizer(tokenizer, encoder, text):
 
 
 def test_chat_prompt_and_the_piece_cache(tokenizer, encoder):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three " + string.ascii_letters}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three " + string.ascii_letters}], add_generation_prompt=True, tokenize=False
+    )
     want = reference(tokenizer, text, False)
     assert encoder.encode(text, False) == want
     assert encoder.encode(text, False) == want  # now from the cache
@@ -122,13 +155,20 @@ def test_chat_prompt_and_the_piece_cache(tokenizer, encoder):
 
 def test_bos_and_eos_template(tokenizer):
     def wrap(spec):
-        spec["post_processor"] = {"type": "TemplateProcessing",
-                                  "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
-                                             {"Sequence": {"id": "A", "type_id": 0}},
-                                             {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
-                                  "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                                  "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]},
-                                                     "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+        spec["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [
+                {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+            ],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {
+                "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]},
+                "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]},
+            },
+        }
+
     wrapped = variant(tokenizer, wrap)
     enc = PromptEncoder(wrapped)
     assert enc.fast
@@ -138,11 +178,15 @@ def test_bos_and_eos_template(tokenizer):
     assert enc.encode("Hi", True)[0] == 1 and enc.encode("Hi", True)[-1] == 0
 
 
-@pytest.mark.parametrize("change", [
-    lambda spec: spec["pre_tokenizer"].update(add_prefix_space=True),
-    lambda spec: spec.update(normalizer={"type": "Lowercase"}),
-    lambda spec: spec["added_tokens"][1].update(lstrip=True),
-], ids=["prefix-space", "normalizer", "lstrip"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda spec: spec["pre_tokenizer"].update(add_prefix_space=True),
+        lambda spec: spec.update(normalizer={"type": "Lowercase"}),
+        lambda spec: spec["added_tokens"][1].update(lstrip=True),
+    ],
+    ids=["prefix-space", "normalizer", "lstrip"],
+)
 def test_other_tokenizers_fall_back(tokenizer, change):
     other = variant(tokenizer, change)
     enc = PromptEncoder(other)

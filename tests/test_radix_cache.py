@@ -1,8 +1,10 @@
 """The radix prefix cache over a real PagePool: page-granular matching, node splits,
 duplicate pages, lock_ref protection, LRU eviction, and the disabled path."""
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu.page_pool import PagePool
 from runtime.scheduler.radix_cache import RadixCache
@@ -18,7 +20,7 @@ def finish(cache: RadixCache, tokens: np.ndarray, prefix_pages=0, node=None) -> 
     """What the scheduler does for a request that computed `tokens` on top of a matched
     prefix: allocate the rest, then release everything into the cache."""
     pool = cache.pool
-    matched, node = (cache.match_prefix(tokens[:-1]) if node is None else (None, node))
+    matched, node = cache.match_prefix(tokens[:-1]) if node is None else (None, node)
     prefix_pages = len(matched) if matched is not None else prefix_pages
     cache.lock(node)
     own = pool.alloc(pool.pages_for(len(tokens)) - prefix_pages)
@@ -133,8 +135,9 @@ def test_disabled_cache_matches_nothing_and_frees_everything():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.booleans()),
-                min_size=1, max_size=30))
+@given(
+    st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.booleans()), min_size=1, max_size=30)
+)
 def test_random_requests_keep_pages_accounted(ops):
     """Random prompts over a tiny alphabet (so prefixes collide) finish or stay running;
     pages are either free, in the tree, or held by a running request, never lost or doubled,
@@ -155,7 +158,7 @@ def test_random_requests_keep_pages_accounted(ops):
             continue
         pages = np.concatenate([matched, pool.alloc(need)])
         for i, p in enumerate(pages):
-            prefix = tuple(tokens[:(i + 1) * PS])
+            prefix = tuple(tokens[: (i + 1) * PS])
             if i < len(matched):
                 assert owner[int(p)] == prefix
             else:
@@ -168,7 +171,7 @@ def test_random_requests_keep_pages_accounted(ops):
         assert pool.num_free + cache.cached_pages + held == 64
         got, _ = cache.match_prefix(tokens)
         for i, p in enumerate(got):
-            assert owner[int(p)] == tuple(tokens[:(i + 1) * PS])
+            assert owner[int(p)] == tuple(tokens[: (i + 1) * PS])
     for tokens, pages, prefix, node in running:
         cache.release(tokens, pages, prefix, node)
     assert cache.protected_pages == 0
@@ -193,7 +196,7 @@ def _reference_evict(cache: RadixCache, num_pages: int) -> int:
         cache.pool.free(leaf.pages)
         freed += len(leaf.pages)
         cache.evictable_pages -= len(leaf.pages)
-        del leaf.parent.children[leaf.key[:cache.page_size].tobytes()]
+        del leaf.parent.children[leaf.key[: cache.page_size].tobytes()]
     return freed
 
 
@@ -208,9 +211,17 @@ def _tree_state(cache: RadixCache) -> list:
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14),
-                          st.sampled_from(["finish", "hold", "touch", "unhold", "evict"]),
-                          st.integers(1, 6)), min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2), min_size=1, max_size=14),
+            st.sampled_from(["finish", "hold", "touch", "unhold", "evict"]),
+            st.integers(1, 6),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_heap_eviction_matches_a_full_tree_walk(ops):
     """The heap of candidates evicts exactly what scanning every leaf for the least recently
     used unlocked one would, through touches, locks, splits and parents becoming leaves."""
@@ -233,7 +244,7 @@ def test_heap_eviction_matches_a_full_tree_walk(ops):
             pages = np.concatenate([matched, pool.alloc(need)])
             if op == "hold":  # a running request: its full pages in the tree, locked
                 tree_pages, node = cache.cache_prefix(tokens, pages, len(matched), node)
-                held.append((node, pages[len(tree_pages):]))
+                held.append((node, pages[len(tree_pages) :]))
             else:
                 cache.release(tokens, pages, len(matched), node)
         elif op == "touch":

@@ -1,15 +1,16 @@
 """The request table's per-step bookkeeping: the C version (runtime/scheduler/step_core.c) against the
 numpy one, through whole schedulers run side by side on random traffic (chunked prefill,
 retraction, stop tokens, min_tokens, aborts), and the C version's argument checks."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_scheduler import PS, Recording, assert_pages_accounted, make, null_runner
 
 from protocol.records import TOKEN_OUT
-from runtime.scheduler.req_table import ReqTable, step_core
 from protocol.sampling_params import SamplingParams
-from test_scheduler import PS, Recording, assert_pages_accounted, make, null_runner
+from runtime.scheduler.req_table import ReqTable, step_core
 
 native = pytest.mark.skipif(step_core() is None, reason="the C step bookkeeping cannot be built here")
 
@@ -22,8 +23,12 @@ def numpy_table(s) -> None:
 def random_params(rng, cycle: np.ndarray) -> SamplingParams:
     stops = tuple(int(x) for x in rng.choice(cycle, rng.integers(0, 3), replace=False))
     max_new = int(rng.integers(1, 100))
-    return SamplingParams(max_new_tokens=max_new, min_new_tokens=int(rng.integers(0, max_new + 1)),
-                          stop_token_ids=stops, ignore_eos=bool(rng.integers(0, 2)))
+    return SamplingParams(
+        max_new_tokens=max_new,
+        min_new_tokens=int(rng.integers(0, max_new + 1)),
+        stop_token_ids=stops,
+        ignore_eos=bool(rng.integers(0, 2)),
+    )
 
 
 @native
@@ -31,8 +36,7 @@ def random_params(rng, cycle: np.ndarray) -> SamplingParams:
 def test_c_and_numpy_bookkeeping_agree_step_by_step(seed):
     rng = np.random.default_rng(seed)
     # a pool of 24 pages for up to 8 requests of up to 180 tokens: retraction happens
-    pair = [make(Recording(null_runner(max_total_tokens=24 * PS, rows=8)), chunked_prefill_size=48)
-            for _ in range(2)]
+    pair = [make(Recording(null_runner(max_total_tokens=24 * PS, rows=8)), chunked_prefill_size=48) for _ in range(2)]
     numpy_table(pair[1])
     cycle = pair[0].runner.cycle
     live: list[tuple[int, int]] = []
@@ -41,7 +45,7 @@ def test_c_and_numpy_bookkeeping_agree_step_by_step(seed):
             slot = int(rng.integers(0, 64))
             prompt = rng.integers(0, 2000, int(rng.integers(1, 80))).astype(np.int32)
             if rng.random() < 0.3:  # shares a cached prefix
-                prompt[:min(32, len(prompt))] = np.arange(min(32, len(prompt)))
+                prompt[: min(32, len(prompt))] = np.arange(min(32, len(prompt)))
             params = random_params(rng, cycle)
             for s in pair:
                 s.add_request(0, slot, step + 1, prompt, params)
@@ -92,8 +96,9 @@ def test_c_bookkeeping_refuses_rows_outside_the_table_and_wrong_element_sizes():
     t.length[3], t.num_pages[3] = 0, 0
     # other dtypes and strided arrays are converted, not refused
     t.length[:2], t.max_len[:2] = 3, 10
-    events, finished = t.append(np.array([[1, 0]], np.int32)[0, ::-1], np.arange(4, dtype=np.int64)[::2],
-                                np.zeros(2, np.float64))
+    events, finished = t.append(
+        np.array([[1, 0]], np.int32)[0, ::-1], np.arange(4, dtype=np.int64)[::2], np.zeros(2, np.float64)
+    )
     assert events["token"].tolist() == [0, 2] and t.ids[0, 3] == 0 and t.ids[1, 3] == 2 and finished == []
 
 
@@ -103,7 +108,7 @@ def test_append_fills_each_rows_record_and_reports_finishes_in_order(c):
     for row, (prompt, max_len, min_len, stops) in enumerate([(3, 5, 3, [7]), (2, 4, 2, []), (1, 16, 4, [7, 9])]):
         t.length[row], t.prompt_len[row], t.max_len[row], t.min_len[row] = prompt, prompt, max_len, min_len
         t.stop_ids[row] = -1
-        t.stop_ids[row, :len(stops)] = stops
+        t.stop_ids[row, : len(stops)] = stops
         t.events[row]["slot"], t.events[row]["prompt_tokens"] = 10 + row, prompt
     rows = np.array([2, 0, 1], np.int64)
     events, finished = t.append(rows, np.array([9, 7, 8], np.int32), np.array([-1.5, -0.5, 0.0], np.float32))

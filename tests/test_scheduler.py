@@ -2,6 +2,7 @@
 prefill budgets, row limits, prefix-cache accounting, retraction, abort in every state,
 stale addresses, errors, finish reasons, policies. Greedy parity on the real model is in
 test_scheduler_greedy.py."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +11,9 @@ import pytest
 from gpu.model_runner import ModelRunnerConfig
 from gpu.null_model import NullModelRunner
 from protocol.records import NO_TOKEN, Finish
-from runtime.scheduler.req import ReqStatus
 from protocol.sampling_params import SamplingParams
 from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.req import ReqStatus
 
 PS = 16
 
@@ -27,14 +28,16 @@ class Recording:
         return getattr(self.runner, name)
 
     def step(self, step):
-        self.steps.append(list(zip(step.rows.tolist(), step.q_lens.tolist(), step.starts.tolist(),
-                                   step.sample.tolist())))
+        self.steps.append(
+            list(zip(step.rows.tolist(), step.q_lens.tolist(), step.starts.tolist(), step.sample.tolist()))
+        )
         return self.runner.step(step)
 
 
 def null_runner(max_total_tokens: int, rows: int = 16) -> NullModelRunner:
-    return NullModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=max_total_tokens,
-                                             max_running_requests=rows))
+    return NullModelRunner(
+        ModelRunnerConfig(page_size=PS, max_total_tokens=max_total_tokens, max_running_requests=rows)
+    )
 
 
 _made: list[Scheduler] = []
@@ -178,8 +181,7 @@ def test_lpm_admits_the_longest_cached_prefix_first(runner):
     order = []
     s.add_request(0, 1, 1, prompt(64, base=12000), GREEDY)  # nothing cached, arrived first
     s.add_request(0, 2, 1, np.append(warm, 2), GREEDY)  # 64 tokens cached
-    drive(s, on_step=lambda s, res: order.extend(
-        int(e["slot"]) for e in res.events if e["completion_tokens"] == 1))
+    drive(s, on_step=lambda s, res: order.extend(int(e["slot"]) for e in res.events if e["completion_tokens"] == 1))
     assert order == [2, 1]
 
 
@@ -212,8 +214,9 @@ def held_pages(s: Scheduler, req) -> int:
 
 def test_abort_in_every_state_frees_pages_at_once():
     runner = null_runner(max_total_tokens=16 * PS, rows=2)
-    s = make(runner, chunked_prefill_size=32, disable_radix_cache=True,
-             init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    s = make(
+        runner, chunked_prefill_size=32, disable_radix_cache=True, init_new_token_ratio=0.0, min_new_token_ratio=0.0
+    )
     total = s.pool.num_pages
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
     decoding = s.add_request(0, 0, 1, prompt(30), params)
@@ -286,14 +289,13 @@ def test_stop_token_ids_and_min_tokens(runner):
     cyc = expected(runner, 40)
     stop = cyc[3]
     s.add_request(0, 0, 1, prompt(8), SamplingParams(max_new_tokens=30, stop_token_ids=(stop,)))
-    s.add_request(0, 1, 1, prompt(8), SamplingParams(max_new_tokens=30, stop_token_ids=(stop,),
-                                                     min_new_tokens=5))
+    s.add_request(0, 1, 1, prompt(8), SamplingParams(max_new_tokens=30, stop_token_ids=(stop,), min_new_tokens=5))
     outs = drive(s)
     first = cyc.index(stop)
-    assert outs[(0, 0, 1)].tokens == cyc[:first + 1] and outs[(0, 0, 1)].finish == Finish.STOP
+    assert outs[(0, 0, 1)].tokens == cyc[: first + 1] and outs[(0, 0, 1)].finish == Finish.STOP
     # before min_tokens a stop token does not count (the real sampler also masks it)
     hits = [i for i, t in enumerate(cyc[:30]) if t == stop and i >= 5]
-    want = cyc[:hits[0] + 1] if hits else cyc[:30]
+    want = cyc[: hits[0] + 1] if hits else cyc[:30]
     assert outs[(0, 1, 1)].tokens == want
     assert outs[(0, 1, 1)].finish == (Finish.STOP if hits else Finish.LENGTH)
 

@@ -1,16 +1,17 @@
 """Greedy parity of the scheduler on the real model (SmolLM2-135M, fp32, CPU): batching,
 chunked prefill, prefix-cache hits, eviction and retraction never change a request's
 tokens from what it gets alone."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_scheduler import drive
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.records import Finish
 from protocol.sampling_params import SamplingParams
 from runtime.scheduler.core import Scheduler, SchedulerConfig
-from test_scheduler import drive
 
 PS = 16
 NEW_TOKENS = 4
@@ -24,7 +25,8 @@ TEXT = (
     "generation. Today the old harbour is a park, the warehouses hold museums and cafes, and "
     "students from all over the world study at its university, which is known for medicine, "
     "engineering and the study of languages. Visitors often climb the tower at sunset to watch "
-    "the boats return and the lights come on across the water.")
+    "the boats return and the lights come on across the water."
+)
 
 
 def make(runner, **kw) -> Scheduler:
@@ -38,13 +40,15 @@ def prompts() -> list[np.ndarray]:
     """64 prompts: 63 windows of 1 to 40 tokens of an English text, the first one 40 long,
     and the last one the first one's first 32 tokens (two pages) followed by another window."""
     from transformers import AutoTokenizer
+
     from gpu.model_files import resolve_model_dir
+
     ids = AutoTokenizer.from_pretrained(str(resolve_model_dir(None))).encode(TEXT)
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(ids) - 40, size=63)
     lengths = rng.integers(1, 41, size=63)
     lengths[0] = 40
-    windows = [np.asarray(ids[s:s + n], np.int32) for s, n in zip(starts, lengths)]
+    windows = [np.asarray(ids[s : s + n], np.int32) for s, n in zip(starts, lengths)]
     return windows + [np.concatenate([windows[0][:SHARED], windows[1]])]
 
 

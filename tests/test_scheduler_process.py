@@ -1,5 +1,6 @@
 """The scheduler process on real rings with the null model: this test plays the HTTP
 worker (pushes REQUEST records) and the detokenizer (pops TOKEN_OUT records)."""
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,20 @@ import pytest
 from ipc import ChannelSpec, Waker
 from ipc.channel import Channel
 from ipc.handoff import recv_waker, send_channels
-from protocol.records import (TOKEN_OUT, unpack_open, ErrorCode, Finish, OpenFlags, RequestKind, TokenKind, decode_strings,
-                         pack_control, pack_request)
-from runtime.config import ServerArgs
+from protocol.records import (
+    TOKEN_OUT,
+    ErrorCode,
+    Finish,
+    OpenFlags,
+    RequestKind,
+    TokenKind,
+    decode_strings,
+    pack_control,
+    pack_request,
+    unpack_open,
+)
 from protocol.sampling_params import SamplingParams
+from runtime.config import ServerArgs
 from runtime.scheduler.process import connect_scheduler
 
 NO_TOKEN = 0xFFFFFFFF
@@ -60,8 +71,10 @@ def engine(tmp_path_factory):
     waker = Waker()
     detok = FakeDetokenizerSocket(detok_sock, waker)
     args = ServerArgs(null_model=True, max_total_tokens=8192, max_running_requests=8, log_level="warning")
-    code = ("import sys; from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
-            f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r}, {stats!r})")
+    code = (
+        "import sys; from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
+        f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r}, {stats!r})"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **args.to_env()})
     try:
         request_ch, meta = connect_scheduler(sched_sock, waker, worker=3, timeout=120)
@@ -99,6 +112,7 @@ def ended(keys):
     def check(got):
         done = {(int(r["slot"]), int(r["gen"])) for r, _ in got if r["finish"] != Finish.NONE}
         return set(keys) <= done
+
     return check
 
 
@@ -125,8 +139,9 @@ def test_requests_stream_tokens_with_open_and_finish_records(engine):
         assert [int(r["finish"]) for r in tokens] == [Finish.NONE] * 4 + [Finish.LENGTH]
         assert all(r["token"] != NO_TOKEN and r["n_top"] == 2 for r in tokens)
     # every request got the same tokens (the null model's cycle)
-    streams = {s: [int(r["token"]) for r, _ in got if r["slot"] == s and r["kind"] == TokenKind.TOKEN]
-               for s in range(4)}
+    streams = {
+        s: [int(r["token"]) for r, _ in got if r["slot"] == s and r["kind"] == TokenKind.TOKEN] for s in range(4)
+    }
     assert len({tuple(v) for v in streams.values()}) == 1
 
 
@@ -142,7 +157,7 @@ def test_errors_aborts_stale_records_and_flush(engine):
     got = collect(out_ch, waker, lambda g: any(r["slot"] == 12 and r["kind"] == TokenKind.TOKEN for r, _ in g))
     push(req_ch, pack_control(RequestKind.ABORT, 3, 12, 1))
     collect(out_ch, waker, ended([(10, 1), (11, 1), (12, 1), (13, 1)]), got)
-    by = lambda slot: [(r, b) for r, b in got if r["slot"] == slot]  # noqa: E731
+    by = lambda slot: [(r, b) for r, b in got if r["slot"] == slot]
     (open10, _), (err10, b10) = by(10)
     assert err10["kind"] == TokenKind.ERROR and err10["error"] == ErrorCode.PROMPT_TOO_LONG
     assert b"context" in b10.view(err10["payload_off"], err10["payload_len"]).tobytes()
@@ -153,6 +168,7 @@ def test_errors_aborts_stale_records_and_flush(engine):
     # the aborted request's pages are back: after a flush every page is free
     push(req_ch, pack_control(RequestKind.FLUSH_CACHE, 3))
     from runtime.engine_stats import EngineStats
+
     stats = EngineStats.open(stats_path)
     deadline = time.monotonic() + 10
     while True:
@@ -189,7 +205,7 @@ def test_a_dead_workers_requests_are_aborted_without_a_successor(engine):
     _, _, out_ch, waker, _, sock, _ = engine
     worker = subprocess.Popen([sys.executable, "-c", WORKER_THAT_DIES, str(sock)])
     try:
-        mine = lambda got: [r for r, _ in got if r["worker"] == 5]  # noqa: E731
+        mine = lambda got: [r for r, _ in got if r["worker"] == 5]
         got = collect(out_ch, waker, lambda got: any(r["kind"] == TokenKind.TOKEN for r in mine(got)), timeout=120)
         worker.kill()
         worker.wait(10)
@@ -207,8 +223,10 @@ def test_sigterm_stops_cleanly(tmp_path):
     waker = Waker()
     detok = FakeDetokenizerSocket(detok_sock, waker)
     args = ServerArgs(null_model=True, max_total_tokens=256, max_running_requests=4, log_level="warning")
-    code = ("from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
-            f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r})")
+    code = (
+        "from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
+        f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r})"
+    )
     before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **args.to_env()})
     try:

@@ -6,6 +6,7 @@ stop strings, n, logprobs; the bad-request table over HTTP; a client that leaves
 request's KV pages; kill -9 of the scheduler fails every open stream within 2 s and the
 server answers 503 from then on; SIGINT stops every process and leaves no shared memory.
 The tests of this module run in order and share one server (the last two end it)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from bad_requests import API_KEY, BAD_REQUESTS, MODEL
+
 from protocol.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
@@ -33,8 +34,14 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(start_server.Server.granian, workers=1, api_key=API_KEY, log_level="warning",
-                        max_total_tokens=32768, max_running_requests=16)
+    return start_server(
+        start_server.Server.granian,
+        workers=1,
+        api_key=API_KEY,
+        log_level="warning",
+        max_total_tokens=32768,
+        max_running_requests=16,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,33 +76,64 @@ def got(server, client, want):
         "completions": lambda: client.completions.create(prompt=PROMPTS, **completion),
         "completions_stream": lambda: list(client.completions.create(prompt=PROMPTS, stream=True, **completion)),
         "chat": lambda: client.chat.completions.create(**chat),
-        "chat_stream": lambda: list(client.chat.completions.create(
-            stream=True, stream_options={"include_usage": True}, **chat)),
+        "chat_stream": lambda: list(
+            client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat)
+        ),
         "stop": lambda: client.completions.create(prompt=PROMPTS[0], stop=[stop, "never appears"], **completion),
-        "stop_stream": lambda: list(client.completions.create(prompt=PROMPTS[0], stop=stop, stream=True,
-                                                              **completion)),
+        "stop_stream": lambda: list(client.completions.create(prompt=PROMPTS[0], stop=stop, stream=True, **completion)),
         "stop_min_tokens": lambda: client.completions.create(
-            prompt=PROMPTS[0], stop=stop, extra_body={"min_tokens": MAX_TOKENS}, **completion),
+            prompt=PROMPTS[0], stop=stop, extra_body={"min_tokens": MAX_TOKENS}, **completion
+        ),
         "stop_kept": lambda: client.completions.create(
-            prompt=PROMPTS[0], stop=stop, extra_body={"include_stop_str_in_output": True}, **completion),
-        "generate_ids": lambda: httpx.post(server.url("/generate"), headers=AUTH, timeout=120, json={
-            "text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}).json(),
-        "generate_ids_stream": lambda: [json.loads(line[6:]) for line in httpx.post(
-            server.url("/generate"), headers=AUTH, timeout=120, json={
-                "text": PROMPTS[0], "stream": True, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
-        ).text.split("\n\n") if line.startswith("data: {")],
-        "stop_generate": lambda: httpx.post(server.url("/generate"), headers=AUTH, timeout=120, json={
-            "text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
-                                                    "stop": stop}}).json(),
+            prompt=PROMPTS[0], stop=stop, extra_body={"include_stop_str_in_output": True}, **completion
+        ),
+        "generate_ids": lambda: httpx.post(
+            server.url("/generate"),
+            headers=AUTH,
+            timeout=120,
+            json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}},
+        ).json(),
+        "generate_ids_stream": lambda: [
+            json.loads(line[6:])
+            for line in httpx.post(
+                server.url("/generate"),
+                headers=AUTH,
+                timeout=120,
+                json={
+                    "text": PROMPTS[0],
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0},
+                },
+            ).text.split("\n\n")
+            if line.startswith("data: {")
+        ],
+        "stop_generate": lambda: httpx.post(
+            server.url("/generate"),
+            headers=AUTH,
+            timeout=120,
+            json={
+                "text": PROMPTS[0],
+                "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "stop": stop},
+            },
+        ).json(),
         "n2": lambda: client.completions.create(prompt=PROMPTS[0], n=2, **completion),
-        "n2_sampled": lambda: list(client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=4, n=2, temperature=1.0, seed=7, stream=True)),
-        **{name: (lambda n=n: client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0,
-                                                       seed=1234, n=n))
-           for name, n in (("seeded_n3", 3), ("seeded_n3_again", 3), ("seeded_n1", 1))},
+        "n2_sampled": lambda: list(
+            client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=4, n=2, temperature=1.0, seed=7, stream=True
+            )
+        ),
+        **{
+            name: (
+                lambda n=n: client.completions.create(
+                    model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=1234, n=n
+                )
+            )
+            for name, n in (("seeded_n3", 3), ("seeded_n3_again", 3), ("seeded_n1", 1))
+        },
         "logprobs": lambda: client.completions.create(prompt=PROMPTS[0], logprobs=2, **completion),
         "chat_logprobs": lambda: client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3),
+            model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+        ),
     }
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = {name: pool.submit(call) for name, call in calls.items()}
@@ -104,11 +142,15 @@ def got(server, client, want):
 
 def engine_metrics(server) -> dict[str, float]:
     text = httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("ringserve_") and "{" not in line}
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("ringserve_") and "{" not in line
+    }
 
 
 # ---------------------------------------------------------------- outputs
+
 
 def test_completions_equal_the_offline_engine(got, want):
     want = want["completions"]
@@ -146,13 +188,13 @@ def test_generate_output_ids(got, want):
     assert got["generate_ids"]["output_ids"] == ids
     events = got["generate_ids_stream"]
     assert events[-1]["output_ids"] == ids and events[-1]["text"] == want["completions"][0].text
-    assert all(ids[:len(e["output_ids"])] == e["output_ids"] for e in events)
+    assert all(ids[: len(e["output_ids"])] == e["output_ids"] for e in events)
 
 
 def test_stop_strings(got, want):
     stop = stop_word(want)
     text = want["completions"][0].text
-    cut = text[:text.index(stop)]
+    cut = text[: text.index(stop)]
     assert (got["stop"].choices[0].text, got["stop"].choices[0].finish_reason) == (cut, "stop")
     assert "".join(c.choices[0].text for c in got["stop_stream"]) == cut
     assert got["stop_stream"][-1].choices[0].finish_reason == "stop"
@@ -162,8 +204,7 @@ def test_stop_strings(got, want):
     assert (got["stop_kept"].choices[0].text, got["stop_kept"].choices[0].finish_reason) == (cut + stop, "stop")
     # a stop string may not end in the text of the first min_tokens tokens: here, all of them
     assert want["completions"][0].finish_reason == "length"
-    assert (got["stop_min_tokens"].choices[0].text, got["stop_min_tokens"].choices[0].finish_reason) == \
-        (text, "length")
+    assert (got["stop_min_tokens"].choices[0].text, got["stop_min_tokens"].choices[0].finish_reason) == (text, "length")
 
 
 def test_n_choices(got, want):
@@ -219,20 +260,32 @@ def test_native_routes(server, client):
     # SGLang's: special tokens skipped unless skip_special_tokens is false; /v1/ aliases
     chat = httpx.post(server.url("/v1/detokenize"), headers=AUTH, json={"tokens": [1, 4093, 198]}).json()["text"]
     assert chat == "user\n"
-    kept = httpx.post(server.url("/detokenize"), headers=AUTH,
-                      json={"tokens": [1, 4093, 198], "skip_special_tokens": False}).json()["text"]
+    kept = httpx.post(
+        server.url("/detokenize"), headers=AUTH, json={"tokens": [1, 4093, 198], "skip_special_tokens": False}
+    ).json()["text"]
     assert kept == "<|im_start|>user\n"
     messages = [{"role": "user", "content": "Hi"}]
     tokens = httpx.post(server.url("/v1/tokenize"), headers=AUTH, json={"messages": messages}).json()["tokens"]
-    assert len(tokens) == client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1
-                                                         ).usage.prompt_tokens  # the chat template's ids
-    assert httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": tokens, "skip_special_tokens": False}
-                      ).json()["text"].startswith("<|im_start|>")
+    assert (
+        len(tokens) == client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    )  # the chat template's ids
+    assert (
+        httpx.post(server.url("/detokenize"), headers=AUTH, json={"tokens": tokens, "skip_special_tokens": False})
+        .json()["text"]
+        .startswith("<|im_start|>")
+    )
     # a string rid of a batch names its prompts <rid>_0, <rid>_1 (SGLang); e2e_latency once
     # finished; sampling_params one per prompt
-    outs = httpx.put(server.url("/generate"), headers=AUTH, timeout=60, json={
-        "text": ["Hi", "Hello"], "rid": "pair",
-        "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2, "ignore_eos": True}]}).json()
+    outs = httpx.put(
+        server.url("/generate"),
+        headers=AUTH,
+        timeout=60,
+        json={
+            "text": ["Hi", "Hello"],
+            "rid": "pair",
+            "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2, "ignore_eos": True}],
+        },
+    ).json()
     assert [o["meta_info"]["id"] for o in outs] == ["pair_0", "pair_1"]
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [1, 2]
     assert all(o["meta_info"]["e2e_latency"] > 0 for o in outs)
@@ -257,10 +310,14 @@ def test_unknown_paths_and_methods(server):
 
 def test_request_metrics(server, got, want):
     """The output tests' requests are counted (workers flush their counts every second)."""
+
     def counted() -> dict[str, float]:
         text = httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("ringserve_") and not line.startswith("#")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("ringserve_") and not line.startswith("#")
+        }
 
     assert server.wait_until(lambda: counted().get('ringserve_requests_total{endpoint="chat"}', 0) >= 4, 5)
     m = counted()
@@ -276,16 +333,27 @@ def test_abort_request_by_rid(server):
     answer = {}
 
     def generate():
-        answer["body"] = httpx.post(server.url("/generate"), headers=AUTH, timeout=60, json={
-            "text": LONG_PROMPT, "rid": "to-abort",
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}).json()
+        answer["body"] = httpx.post(
+            server.url("/generate"),
+            headers=AUTH,
+            timeout=60,
+            json={
+                "text": LONG_PROMPT,
+                "rid": "to-abort",
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+            },
+        ).json()
 
     thread = threading.Thread(target=generate)
     thread.start()
     assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 1, 30)
     # a second request may not take the rid while the first holds it: the abort would miss one
-    again = httpx.post(server.url("/generate"), headers=AUTH, timeout=60,
-                       json={"text": "Hi", "rid": "to-abort", "sampling_params": {"max_new_tokens": 2}})
+    again = httpx.post(
+        server.url("/generate"),
+        headers=AUTH,
+        timeout=60,
+        json={"text": "Hi", "rid": "to-abort", "sampling_params": {"max_new_tokens": 2}},
+    )
     assert again.status_code == 400 and again.json()["error"]["param"] == "rid", again.text
     assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "to-abort"}).json() == {"aborted": 1}
     thread.join(30)
@@ -298,9 +366,16 @@ def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
     answer = {}
 
     def generate():
-        answer["body"] = httpx.post(server.url("/generate"), headers=AUTH, timeout=60, json={
-            "text": [LONG_PROMPT, LONG_PROMPT + " Again."], "rid": ["batch-a", "batch-b"],
-            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}).json()
+        answer["body"] = httpx.post(
+            server.url("/generate"),
+            headers=AUTH,
+            timeout=60,
+            json={
+                "text": [LONG_PROMPT, LONG_PROMPT + " Again."],
+                "rid": ["batch-a", "batch-b"],
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True},
+            },
+        ).json()
 
     thread = threading.Thread(target=generate)
     thread.start()
@@ -311,6 +386,7 @@ def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
 
 
 # ---------------------------------------------------------------- bad requests
+
 
 @pytest.mark.parametrize("row", BAD_REQUESTS, ids=lambda r: r.name)
 def test_bad_request(server, row):
@@ -328,8 +404,10 @@ def test_healthy_after_bad_requests(server, client):
 
 def test_detokenizer_runs_as_a_batch_task(server):
     """Its wakeups (one a step) must not preempt the scheduler that woke it (runtime/detokenizer/process.py)."""
-    probe = subprocess.run([sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_BATCH, "
-                            "os.sched_param(0))"], capture_output=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))"],
+        capture_output=True,
+    )
     if probe.returncode:
         pytest.skip(f"this machine refuses SCHED_BATCH: {probe.stderr.decode().strip()[-200:]}")
     assert os.sched_getscheduler(server.engine["detokenizer"]) == os.SCHED_BATCH
@@ -337,6 +415,7 @@ def test_detokenizer_runs_as_a_batch_task(server):
 
 
 # ---------------------------------------------------------------- clients that leave
+
 
 def wait_for(condition, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
@@ -349,8 +428,11 @@ def wait_for(condition, timeout: float) -> bool:
 
 def kv_idle(server) -> bool:
     m = engine_metrics(server)
-    return m["ringserve_num_running_reqs"] == 0 and m["ringserve_num_queue_reqs"] == 0 \
+    return (
+        m["ringserve_num_running_reqs"] == 0
+        and m["ringserve_num_queue_reqs"] == 0
         and m["ringserve_kv_pages_used"] == 0
+    )
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
@@ -373,13 +455,15 @@ def test_disconnect_frees_kv_pages(server, client, stream):
 
 # ---------------------------------------------------------------- the engine dies; the server stops
 
+
 def test_scheduler_killed_mid_stream(server, client):
     ended: list[tuple[float, BaseException | None]] = []
     started = threading.Barrier(4)
 
     def stream():
-        chunks = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2000, stream=True,
-                                           extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+        )
         error = None
         try:
             for i, _ in enumerate(chunks):

@@ -4,6 +4,7 @@ index, its dead predecessor's requests are aborted (their KV pages freed) and it
 never reach the new one; both workers serve (the x-ringserve-worker header says which
 answered) and give the OfflineEngine's greedy output, stream and not; kill -9 of granian's
 main process takes every process of the server with it and leaves nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.supervise.files import ServerFiles
 from protocol.sampling_params import SamplingParams
+from runtime.supervise.files import ServerFiles
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 6
@@ -25,8 +26,14 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(start_server.Server.granian, workers=2, granian_flags=("--respawn-failed-workers",),
-                        log_level="warning", max_total_tokens=32768, max_running_requests=16)
+    return start_server(
+        start_server.Server.granian,
+        workers=2,
+        granian_flags=("--respawn-failed-workers",),
+        log_level="warning",
+        max_total_tokens=32768,
+        max_running_requests=16,
+    )
 
 
 def title(pid: int) -> str:
@@ -90,7 +97,7 @@ def test_respawned_worker_takes_the_dead_ones_place(server):
     survivors = sum(1 for w in opened if w != victim_index)
     victim = worker_holding(server, int(victim_index))
     os.kill(victim, signal.SIGKILL)
-    respawned = lambda: worker_holding(server, int(victim_index)) not in (None, victim)  # noqa: E731
+    respawned = lambda: worker_holding(server, int(victim_index)) not in (None, victim)
     assert server.wait_until(respawned, 240, interval=0.5)
     # the new worker's attach made the scheduler abort every request of the dead one
     assert server.wait_until(lambda: running_requests(server) == survivors, 30), running_requests(server)
@@ -176,8 +183,12 @@ def test_abort_request_ends_the_rid_on_every_worker(server):
     """Two /generate streams with one rid, one on each worker (a worker refuses a rid it holds
     in flight, but cannot see the other's): /abort_request of the rid ends both, whichever
     worker answers it."""
-    body = {"text": PROMPT, "rid": "twice", "stream": True,
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    body = {
+        "text": PROMPT,
+        "rid": "twice",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
     with httpx.Client(timeout=120) as http, http.stream("POST", server.url("/generate"), json=body) as first:
         owner, first_chunks = first.headers["x-ringserve-worker"], chunks(first)
         next(first_chunks)
@@ -198,7 +209,8 @@ def test_kill9_of_granian_takes_the_server_down(server):
     files = ServerFiles.of(server.pid)
     os.kill(server.pid, signal.SIGKILL)
     server.proc.wait(10)
-    assert server.wait_until(lambda: not any(server.alive(p) for p in server.processes()), 20), \
-        [(p, title(p)) for p in server.processes() if server.alive(p)]
+    assert server.wait_until(lambda: not any(server.alive(p) for p in server.processes()), 20), [
+        (p, title(p)) for p in server.processes() if server.alive(p)
+    ]
     assert server.leftovers() == ([], [])
     assert server.wait_until(lambda: not list(files.root.glob(f"engine-{server.pid}.*")), 10)

@@ -1,6 +1,7 @@
 """Smoke run of perf/serving_bench.py: its quickest mode against a real server with the null
 model (a few requests at concurrency 1 and 4), and the JSON it writes has every field, a
 complete request count, no failure and nothing left behind by the server."""
+
 from __future__ import annotations
 
 import json
@@ -10,23 +11,78 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LEVEL_FIELDS = {"concurrency", "num_requests", "completed", "failed", "failures", "duration_s", "request_throughput",
-                "output_throughput", "output_tokens", "prompt_tokens_mean", "tokens_per_event", "ttft_ms", "tpot_ms",
-                "itl_ms", "e2e_ms", "server_cpu_s", "server_cpu_by_process_s", "server_cpu_us_per_token",
-                "client_cpu_s", "client_cpu_us_per_token", "engine_steps", "tokens_per_step", "loadavg_before",
-                "loadavg_after"}
-RESULT_FIELDS = {"benchmark", "command", "host", "cpus", "python", "client_loop", "loadavg_start", "loadavg_end",
-                 "thread_env", "workload", "complete", "targets", "runs"}
+LEVEL_FIELDS = {
+    "concurrency",
+    "num_requests",
+    "completed",
+    "failed",
+    "failures",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "output_tokens",
+    "prompt_tokens_mean",
+    "tokens_per_event",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "server_cpu_s",
+    "server_cpu_by_process_s",
+    "server_cpu_us_per_token",
+    "client_cpu_s",
+    "client_cpu_us_per_token",
+    "engine_steps",
+    "tokens_per_step",
+    "loadavg_before",
+    "loadavg_after",
+}
+RESULT_FIELDS = {
+    "benchmark",
+    "command",
+    "host",
+    "cpus",
+    "python",
+    "client_loop",
+    "loadavg_start",
+    "loadavg_end",
+    "thread_env",
+    "workload",
+    "complete",
+    "targets",
+    "runs",
+}
 OUTPUT_TOKENS = 16
 REQUESTS = 6
 
 
 def test_quick_null_model_run_writes_every_field(tmp_path):
     out = tmp_path / "serving.json"
-    proc = subprocess.run([sys.executable, "perf/serving_bench.py", "--quick", "--models", "null", "--transports",
-                           "ring", "--concurrency", "1,4", "--num-requests", str(REQUESTS), "--warmup", "1",
-                           "--output-tokens", str(OUTPUT_TOKENS), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "perf/serving_bench.py",
+            "--quick",
+            "--models",
+            "null",
+            "--transports",
+            "ring",
+            "--concurrency",
+            "1,4",
+            "--num-requests",
+            str(REQUESTS),
+            "--warmup",
+            "1",
+            "--output-tokens",
+            str(OUTPUT_TOKENS),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert RESULT_FIELDS <= result.keys() and result["complete"]
@@ -52,8 +108,9 @@ def test_quick_null_model_run_writes_every_field(tmp_path):
         assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
         assert level["output_throughput"] > 0 and level["tokens_per_event"] >= 1
         assert level["engine_steps"] >= OUTPUT_TOKENS and 1 <= level["tokens_per_step"] <= 4
-        assert {"granian main", "http worker", "ringserve::scheduler", "ringserve::detokenizer"} == \
-            level["server_cpu_by_process_s"].keys()
+        assert {"granian main", "http worker", "ringserve::scheduler", "ringserve::detokenizer"} == level[
+            "server_cpu_by_process_s"
+        ].keys()
     assert "--null-model" in run["server_args"]
     assert result["targets"] == {}  # none applies at concurrency 1 and 4
     assert "server CPU µs/tok" in proc.stdout
@@ -63,10 +120,30 @@ def test_ab_run_alternates_two_servers_and_reports_ratios(tmp_path):
     """perf/serving_ab.py: two servers up at once (one tree, two settings), rounds in turn,
     each side's levels complete, the ratios computed, nothing left behind."""
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, "perf/serving_ab.py", "--rounds", "2", "--requests", "8", "--concurrency",
-                           "4", "--output-tokens", str(OUTPUT_TOKENS), "--warmup", "1", "--b-args",
-                           "--stream-interval 2", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "perf/serving_ab.py",
+            "--rounds",
+            "2",
+            "--requests",
+            "8",
+            "--concurrency",
+            "4",
+            "--output-tokens",
+            str(OUTPUT_TOKENS),
+            "--warmup",
+            "1",
+            "--b-args",
+            "--stream-interval 2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert [r["round"] for r in result["rounds"]] == [0, 1]

@@ -1,20 +1,22 @@
 """The TokenizerManager between real rings in this process: this test plays the scheduler
 (pops the REQUEST channel) and feeds the TEXT_OUT channel through a real TextDeltas."""
+
 import asyncio
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
 from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
-from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from ipc.ring import Batch
 from ipc.wakeup import Waker
-from runtime.detokenizer.deltas import TextDeltas
+from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from protocol.sampling_params import SamplingParams
+from runtime.detokenizer.deltas import TextDeltas
 from runtime.http_worker.tokenizer_manager import ChatTemplate, ModelInfo, TokenizerManager
 
 
@@ -34,6 +36,7 @@ def rings():
         cons = Channel.attach(*prod.describe(), consumer_waker)
         made.extend((prod, cons))
         return prod, cons
+
     yield (tm_waker, *pair(REQUEST, tm_waker, engine_waker), *pair(TEXT_OUT, engine_waker, tm_waker))
     for ch in made:
         ch.close()
@@ -134,8 +137,9 @@ def template(tokenizer):
     return ChatTemplate(tokenizer)
 
 
-ROLE_TEXT = st.tuples(st.sampled_from(["system", "user", "assistant"]),
-                      st.text(st.characters(codec="utf-8"), max_size=30))
+ROLE_TEXT = st.tuples(
+    st.sampled_from(["system", "user", "assistant"]), st.text(st.characters(codec="utf-8"), max_size=30)
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -66,14 +66,20 @@ def make_batch(q_lens, prefix_lens, page_size, num_q_heads, num_kv_heads, head_d
     page_table = torch.zeros(len(q_lens), max(pages_per_req), dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages_per_req):
-        page_table[b, :n] = order[used:used + n]
+        page_table[b, :n] = order[used : used + n]
         used += n
     qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen)
     to = dict(device=device)
-    return dict(q=q.to(dtype=dtype, **to), k_cache=k_cache.to(dtype=dtype, **to), v_cache=v_cache.to(dtype=dtype, **to),
-                qo_indptr=qo_indptr.to(**to), page_table=page_table.to(**to),
-                kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device), max_q_len=max(q_lens))
+    return dict(
+        q=q.to(dtype=dtype, **to),
+        k_cache=k_cache.to(dtype=dtype, **to),
+        v_cache=v_cache.to(dtype=dtype, **to),
+        qo_indptr=qo_indptr.to(**to),
+        page_table=page_table.to(**to),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        max_q_len=max(q_lens),
+    )
 
 
 # Decode rows inside an extend batch, prefixes 0 and > 0, one request longer than a 64-token kv block
@@ -86,13 +92,28 @@ DECODE_KV_LENS = [1, 2, 17, 80, 33]
 
 def check_extend(kernels, head_dim, page_size, dtype, device, atol):
     batch = make_batch(EXTEND_Q_LENS, EXTEND_PREFIX_LENS, page_size, 6, 2, head_dim, dtype, device)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     # q as the model hands it over: a strided view into a fused qkv projection output
     qkv = torch.cat([batch["q"], torch.zeros_like(batch["q"][:, :4])], dim=1)
-    out = kernels.extend_attention(qkv[:, :6], batch["k_cache"], batch["v_cache"], batch["qo_indptr"],
-                                   batch["page_table"], batch["kv_lens"], batch["max_q_len"], scale)
-    ref = reference_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["qo_indptr"].tolist(),
-                              batch["page_table"], batch["kv_lens"].tolist(), scale)
+    out = kernels.extend_attention(
+        qkv[:, :6],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["qo_indptr"],
+        batch["page_table"],
+        batch["kv_lens"],
+        batch["max_q_len"],
+        scale,
+    )
+    ref = reference_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["qo_indptr"].tolist(),
+        batch["page_table"],
+        batch["kv_lens"].tolist(),
+        scale,
+    )
     assert out.dtype == dtype and out.shape == batch["q"].shape
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
 
@@ -101,11 +122,25 @@ def check_decode(kernels, head_dim, page_size, num_kv_splits, dtype, device, ato
     q_lens = [1] * len(DECODE_KV_LENS)
     prefix_lens = [n - 1 for n in DECODE_KV_LENS]
     batch = make_batch(q_lens, prefix_lens, page_size, 6, 2, head_dim, dtype, device, seed=1)
-    scale = head_dim ** -0.5
-    out = kernels.decode_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["page_table"],
-                                   batch["kv_lens"], scale, num_kv_splits=num_kv_splits)
-    ref = reference_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["qo_indptr"].tolist(),
-                              batch["page_table"], batch["kv_lens"].tolist(), scale)
+    scale = head_dim**-0.5
+    out = kernels.decode_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["page_table"],
+        batch["kv_lens"],
+        scale,
+        num_kv_splits=num_kv_splits,
+    )
+    ref = reference_attention(
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["qo_indptr"].tolist(),
+        batch["page_table"],
+        batch["kv_lens"].tolist(),
+        scale,
+    )
     assert out.dtype == dtype and out.shape == batch["q"].shape
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
 
@@ -130,8 +165,16 @@ def test_decode_split_kv_matches_reference(kernels, head_dim, page_size):
 
 def test_bad_inputs_name_the_parameter(kernels):
     batch = make_batch([2], [3], 4, 6, 2, 64, torch.float32, "cpu")
-    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["qo_indptr"], batch["page_table"],
-            batch["kv_lens"], batch["max_q_len"], 0.125)
+    args = (
+        batch["q"],
+        batch["k_cache"],
+        batch["v_cache"],
+        batch["qo_indptr"],
+        batch["page_table"],
+        batch["kv_lens"],
+        batch["max_q_len"],
+        0.125,
+    )
     with pytest.raises(ValueError, match="kv_lens"):
         kernels.extend_attention(*args[:5], batch["kv_lens"].long(), *args[6:])
     with pytest.raises(ValueError, match="q:"):
@@ -139,8 +182,15 @@ def test_bad_inputs_name_the_parameter(kernels):
     with pytest.raises(ValueError, match="k_cache"):
         kernels.extend_attention(batch["q"], batch["k_cache"][:, :, :1], *args[2:])
     with pytest.raises(ValueError, match="num_kv_splits"):
-        kernels.decode_attention(batch["q"][:1], batch["k_cache"], batch["v_cache"], batch["page_table"],
-                                 batch["kv_lens"], 0.125, num_kv_splits=0)
+        kernels.decode_attention(
+            batch["q"][:1],
+            batch["k_cache"],
+            batch["v_cache"],
+            batch["page_table"],
+            batch["kv_lens"],
+            0.125,
+            num_kv_splits=0,
+        )
 
 
 def check_backend_matches_torch(page_size, dtype, device, atol):
@@ -153,11 +203,15 @@ def check_backend_matches_torch(page_size, dtype, device, atol):
     num_pages = sum(pages_needed) + 3
     rng = np.random.default_rng(page_size)
     order = rng.permutation(num_pages).astype(np.int32)
-    pages = np.split(order[:sum(pages_needed)], np.cumsum(pages_needed)[:-1])
-    mixed = [SeqInput(row=b, token_ids=np.zeros(n, np.int32), start=s, page_ids=p, sample=True)
-             for b, (n, s, p) in enumerate(zip(q_lens, starts, pages))]
-    decode = [SeqInput(row=b, token_ids=np.zeros(1, np.int32), start=n, page_ids=p, sample=True)
-              for b, (n, p) in enumerate(zip(kv_lens, pages))]
+    pages = np.split(order[: sum(pages_needed)], np.cumsum(pages_needed)[:-1])
+    mixed = [
+        SeqInput(row=b, token_ids=np.zeros(n, np.int32), start=s, page_ids=p, sample=True)
+        for b, (n, s, p) in enumerate(zip(q_lens, starts, pages))
+    ]
+    decode = [
+        SeqInput(row=b, token_ids=np.zeros(1, np.int32), start=n, page_ids=p, sample=True)
+        for b, (n, p) in enumerate(zip(kv_lens, pages))
+    ]
 
     gen = torch.Generator().manual_seed(page_size)
     init = torch.randn(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, generator=gen)
@@ -165,10 +219,14 @@ def check_backend_matches_torch(page_size, dtype, device, atol):
     for seqs in (mixed, decode):
         meta = build_forward_batch(seqs, page_size, 4096, torch.device(device)).meta
         T = meta.num_tokens
-        qkv = [(torch.randn(T, num_q_heads, head_dim, generator=gen).to(device, dtype),
+        qkv = [
+            (
+                torch.randn(T, num_q_heads, head_dim, generator=gen).to(device, dtype),
                 torch.randn(T, num_kv_heads, head_dim, generator=gen).to(device, dtype),
-                torch.randn(T, num_kv_heads, head_dim, generator=gen).to(device, dtype))
-               for _ in range(num_layers)]
+                torch.randn(T, num_kv_heads, head_dim, generator=gen).to(device, dtype),
+            )
+            for _ in range(num_layers)
+        ]
         steps.append((meta, qkv))
 
     results = {}
@@ -193,10 +251,12 @@ def test_backend_matches_torch_backend(kernels, page_size):
 
 
 def test_backend_on_cpu_without_interpreter_is_a_clear_error():
-    code = ("import torch\n"
-            "from gpu.attention import create_backend\n"
-            "from gpu.kv_cache import KVCache\n"
-            "create_backend('triton', KVCache(1, 4, 16, 2, 64, torch.float32, torch.device('cpu')), 6)\n")
+    code = (
+        "import torch\n"
+        "from gpu.attention import create_backend\n"
+        "from gpu.kv_cache import KVCache\n"
+        "create_backend('triton', KVCache(1, 4, 16, 2, 64, torch.float32, torch.device('cpu')), 6)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert child.returncode != 0

@@ -1,5 +1,6 @@
 """Attention backends by name; each is imported only when chosen (flashinfer and triton
 are optional on the CPU)."""
+
 from __future__ import annotations
 
 import importlib
@@ -21,6 +22,7 @@ BACKENDS = {
 def default_backend(device: torch.device) -> str:
     if device.type != "cuda":
         from gpu.kernels import cpu_kernels_available
+
         return "cpu" if cpu_kernels_available() else "torch"
     return "flashinfer" if importlib.util.find_spec("flashinfer") else "triton"
 

@@ -6,6 +6,7 @@ gpu/attention/__init__.py (torch -> torch_native.TorchNativeBackend, triton ->
 triton.TritonBackend, flashinfer -> flashinfer.FlashInferBackend). Its constructor takes
 (kv_cache: KVCache, num_q_heads: int).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -27,15 +28,16 @@ class AttentionMetadata:
     cache's device; the *_host arrays are the same values in numpy, for planning without a
     device sync.
     """
-    qo_indptr: torch.Tensor      # int32 [B+1]
-    kv_lens: torch.Tensor        # int32 [B], tokens in the cache after this step
-    page_table: torch.Tensor     # int32 [B, max_pages], row b's first ceil(kv_lens[b]/page_size) entries valid, rest 0
+
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_lens: torch.Tensor  # int32 [B], tokens in the cache after this step
+    page_table: torch.Tensor  # int32 [B, max_pages], row b's first ceil(kv_lens[b]/page_size) entries valid, rest 0
     out_cache_loc: torch.Tensor  # int64 [T], flat slot page * page_size + offset of each new token
-    positions: torch.Tensor      # int64 [T]
+    positions: torch.Tensor  # int64 [T]
     kv_page_indptr: torch.Tensor  # int32 [B+1], offsets into kv_page_ids
-    kv_page_ids: torch.Tensor    # int32 [sum of pages], row b's valid pages, concatenated
-    qo_indptr_host: np.ndarray   # int32 [B+1]
-    kv_lens_host: np.ndarray     # int32 [B]
+    kv_page_ids: torch.Tensor  # int32 [sum of pages], row b's valid pages, concatenated
+    qo_indptr_host: np.ndarray  # int32 [B+1]
+    kv_lens_host: np.ndarray  # int32 [B]
     page_table_host: np.ndarray  # int32 [B, max_pages]
     max_q_len: int
     max_kv_len: int
@@ -60,7 +62,7 @@ class AttentionBackend(ABC):
         self.num_q_heads = num_q_heads
         self.num_kv_heads = kv_cache.num_kv_heads
         self.head_dim = kv_cache.head_dim
-        self.scale = kv_cache.head_dim ** -0.5
+        self.scale = kv_cache.head_dim**-0.5
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:

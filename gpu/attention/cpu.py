@@ -10,6 +10,7 @@ Against the torch backend (copy every request's pages into a padded batch, then 
 SDPA reads the copy) it reads each K and V row once per block of queries and skips the
 padding; the results agree to fp32 rounding (tests/test_gpu_attention.py,
 perf/attention_bench.py)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -32,12 +33,47 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 def _library() -> ctypes.CDLL:
     lib = kernels.load("attention_cpu")
     # q, q_stride, k, v, kv_dtype, page_table, pt_stride, kv_lens, B, Hq, Hkv, D, page_size, scale, out, threads
-    lib.paged_decode_attention.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                           _i64, ctypes.c_float, _ptr, _int]
+    lib.paged_decode_attention.argtypes = [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _int,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        _ptr,
+        _int,
+    ]
     # q, q_stride, k, v, kv_dtype, page_table, pt_stride, q_starts, q_lens, kv_lens, B, Hq, Hkv, D, page_size,
     # scale, out, out_stride, threads
-    lib.paged_extend_attention.argtypes = [_ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                                           _i64, _i64, _i64, ctypes.c_float, _ptr, _i64, _int]
+    lib.paged_extend_attention.argtypes = [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _int,
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        _ptr,
+        _i64,
+        _int,
+    ]
     lib.paged_decode_attention.restype = lib.paged_extend_attention.restype = ctypes.c_int
     return lib
 
@@ -45,9 +81,10 @@ def _library() -> ctypes.CDLL:
 @dataclass(frozen=True)
 class _Requests:
     """One kernel's requests in a step (each array int32, one entry or row per request)."""
-    tokens: torch.Tensor      # [n], the flat token of each decode request; for extend, its first new token
-    q_lens: torch.Tensor      # [n]
-    kv_lens: torch.Tensor     # [n]
+
+    tokens: torch.Tensor  # [n], the flat token of each decode request; for extend, its first new token
+    q_lens: torch.Tensor  # [n]
+    kv_lens: torch.Tensor  # [n]
     page_table: torch.Tensor  # [n, max_pages]
 
 
@@ -56,19 +93,26 @@ def _requests(seqs: np.ndarray, meta: AttentionMetadata) -> _Requests | None:
         return None
     c = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
     q_starts = meta.qo_indptr_host[seqs]
-    return _Requests(c(q_starts), c(meta.qo_indptr_host[seqs + 1] - q_starts), c(meta.kv_lens_host[seqs]),
-                     c(meta.page_table_host[seqs]))
+    return _Requests(
+        c(q_starts),
+        c(meta.qo_indptr_host[seqs + 1] - q_starts),
+        c(meta.kv_lens_host[seqs]),
+        c(meta.page_table_host[seqs]),
+    )
 
 
 class CpuBackend(TorchNativeBackend):
     def __init__(self, kv_cache: KVCache, num_q_heads: int) -> None:
         super().__init__(kv_cache, num_q_heads)
         if kv_cache.device.type != "cpu" or kv_cache.dtype not in KV_DTYPE_CODES:
-            raise ValueError("--attention-backend cpu runs on the CPU with a float32, float16, bfloat16 or fp8_e5m2 "
-                             "KV cache")
+            raise ValueError(
+                "--attention-backend cpu runs on the CPU with a float32, float16, bfloat16 or fp8_e5m2 KV cache"
+            )
         if self.head_dim % 8 or self.head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"--attention-backend cpu takes a head_dim that is a multiple of 8 up to {MAX_HEAD_DIM} "
-                             f"(this model: {self.head_dim}); use --attention-backend torch")
+            raise ValueError(
+                f"--attention-backend cpu takes a head_dim that is a multiple of 8 up to {MAX_HEAD_DIM} "
+                f"(this model: {self.head_dim}); use --attention-backend torch"
+            )
         try:
             self._lib = _library()
         except kernels.KernelBuildError as e:
@@ -94,10 +138,27 @@ class CpuBackend(TorchNativeBackend):
             self._attend_decode(q, o, layer_id)
             return o
         ext = self._extend
-        self._check(self._lib.paged_extend_attention(
-            q.data_ptr(), q.stride(0), *self._cache_args(layer_id), ext.page_table.data_ptr(), ext.page_table.shape[1],
-            ext.tokens.data_ptr(), ext.q_lens.data_ptr(), ext.kv_lens.data_ptr(), len(ext.tokens), Hq,
-            self.num_kv_heads, D, self.kv_cache.page_size, self.scale, o.data_ptr(), Hq * D, torch.get_num_threads()))
+        self._check(
+            self._lib.paged_extend_attention(
+                q.data_ptr(),
+                q.stride(0),
+                *self._cache_args(layer_id),
+                ext.page_table.data_ptr(),
+                ext.page_table.shape[1],
+                ext.tokens.data_ptr(),
+                ext.q_lens.data_ptr(),
+                ext.kv_lens.data_ptr(),
+                len(ext.tokens),
+                Hq,
+                self.num_kv_heads,
+                D,
+                self.kv_cache.page_size,
+                self.scale,
+                o.data_ptr(),
+                Hq * D,
+                torch.get_num_threads(),
+            )
+        )
         if self._decode is not None:
             # the decode tokens sit among the extend ones: their rows gathered, attended, put back
             tokens = self._decode.tokens.long()
@@ -109,14 +170,31 @@ class CpuBackend(TorchNativeBackend):
     def _attend_decode(self, q: torch.Tensor, o: torch.Tensor, layer_id: int) -> None:
         """q: [n, Hq, D], request b's query at row b -> o: [n, Hq, D] contiguous"""
         dec = self._decode
-        self._check(self._lib.paged_decode_attention(
-            q.data_ptr(), q.stride(0), *self._cache_args(layer_id), dec.page_table.data_ptr(),
-            dec.page_table.shape[1], dec.kv_lens.data_ptr(), len(dec.kv_lens), self.num_q_heads, self.num_kv_heads,
-            self.head_dim, self.kv_cache.page_size, self.scale, o.data_ptr(), torch.get_num_threads()))
+        self._check(
+            self._lib.paged_decode_attention(
+                q.data_ptr(),
+                q.stride(0),
+                *self._cache_args(layer_id),
+                dec.page_table.data_ptr(),
+                dec.page_table.shape[1],
+                dec.kv_lens.data_ptr(),
+                len(dec.kv_lens),
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.kv_cache.page_size,
+                self.scale,
+                o.data_ptr(),
+                torch.get_num_threads(),
+            )
+        )
 
     def _cache_args(self, layer_id: int) -> tuple[int, int, int]:
-        return (self.kv_cache.k[layer_id].data_ptr(), self.kv_cache.v[layer_id].data_ptr(),
-                KV_DTYPE_CODES[self.kv_cache.dtype])
+        return (
+            self.kv_cache.k[layer_id].data_ptr(),
+            self.kv_cache.v[layer_id].data_ptr(),
+            KV_DTYPE_CODES[self.kv_cache.dtype],
+        )
 
     @staticmethod
     def _check(rc: int) -> None:

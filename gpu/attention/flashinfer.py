@@ -2,6 +2,7 @@
 decode-only steps, the prefill wrapper (causal, bottom-right aligned, so it serves cached
 prefixes and chunks) for any step with a multi-token request. Planned once per step,
 run once per layer on the NHD cache [num_pages, page_size, Hkv, D]."""
+
 from __future__ import annotations
 
 import flashinfer
@@ -37,16 +38,34 @@ class FlashInferBackend(AttentionBackend):
         last_page_len = torch.from_numpy(((kv_lens - 1) % ps + 1).astype(np.int32))
         # indptr arrays go in as host tensors: the wrappers plan on the CPU without a device sync
         kv_indptr_t = torch.from_numpy(kv_indptr)
-        common = dict(num_kv_heads=self.num_kv_heads, page_size=ps, sm_scale=self.scale,
-                      q_data_type=self.kv_cache.dtype, kv_data_type=self.kv_cache.dtype)
+        common = dict(
+            num_kv_heads=self.num_kv_heads,
+            page_size=ps,
+            sm_scale=self.scale,
+            q_data_type=self.kv_cache.dtype,
+            kv_data_type=self.kv_cache.dtype,
+        )
         self.wrapper = self.decode if meta.is_decode else self.prefill
         if meta.is_decode:
-            self.decode.plan(kv_indptr_t, meta.kv_page_ids, last_page_len, num_qo_heads=self.num_q_heads,
-                             head_dim=self.head_dim, **common)
+            self.decode.plan(
+                kv_indptr_t,
+                meta.kv_page_ids,
+                last_page_len,
+                num_qo_heads=self.num_q_heads,
+                head_dim=self.head_dim,
+                **common,
+            )
         else:
-            self.prefill.plan(torch.from_numpy(meta.qo_indptr_host), kv_indptr_t, meta.kv_page_ids,
-                              last_page_len, num_qo_heads=self.num_q_heads, head_dim_qk=self.head_dim,
-                              causal=True, **common)
+            self.prefill.plan(
+                torch.from_numpy(meta.qo_indptr_host),
+                kv_indptr_t,
+                meta.kv_page_ids,
+                last_page_len,
+                num_qo_heads=self.num_q_heads,
+                head_dim_qk=self.head_dim,
+                causal=True,
+                **common,
+            )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.store_kv(k, v, layer_id, self.meta.out_cache_loc)

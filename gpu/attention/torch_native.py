@@ -2,6 +2,7 @@
 tested against. Requests are split into two groups, decode (one new token) and extend
 (several), each padded to a dense batch and run through scaled_dot_product_attention with
 a boolean mask; the gather indices and masks are built once per step in plan()."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,11 +16,11 @@ from gpu.attention.base import AttentionBackend, AttentionMetadata
 
 @dataclass(frozen=True)
 class _Group:
-    q_index: torch.Tensor    # int64 [G, Qmax], flat token of each padded query (0 where padding)
-    pages: torch.Tensor      # int64 [G * Pmax], each request's pages, padded with its first page
+    q_index: torch.Tensor  # int64 [G, Qmax], flat token of each padded query (0 where padding)
+    pages: torch.Tensor  # int64 [G * Pmax], each request's pages, padded with its first page
     mask: torch.Tensor | None  # bool [G, 1, Qmax, Kmax], True where the query may see the key; None: plain causal
     out_tokens: torch.Tensor | None  # int64 [n], flat tokens this group produces; None: all, in order
-    out_valid: torch.Tensor | None   # int64 [n], their positions in the flattened [G * Qmax] output
+    out_valid: torch.Tensor | None  # int64 [n], their positions in the flattened [G * Qmax] output
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -28,8 +29,7 @@ class TorchNativeBackend(AttentionBackend):
         q_lens = np.diff(meta.qo_indptr_host)
         decode = q_lens == 1
         device = self.kv_cache.device
-        self.groups = [self._group(np.flatnonzero(sel), meta, device)
-                       for sel in (decode, ~decode) if sel.any()]
+        self.groups = [self._group(np.flatnonzero(sel), meta, device) for sel in (decode, ~decode) if sel.any()]
         if len(self.groups) == 1 and (q_lens == q_lens[0]).all():
             # no padding (decode only, or one prompt): the padded queries are the tokens, in order
             g = self.groups[0]
@@ -42,7 +42,7 @@ class TorchNativeBackend(AttentionBackend):
         kv_len = meta.kv_lens_host[seqs].astype(np.int64)
         q_max, kv_max = int(q_len.max()), int(kv_len.max())
         qi = np.arange(q_max)
-        q_ok = qi[None, :] < q_len[:, None]                               # [G, Qmax]
+        q_ok = qi[None, :] < q_len[:, None]  # [G, Qmax]
         q_index = np.where(q_ok, q_start[:, None] + qi[None, :], 0)
         n_pages = -(-kv_max // ps)
         pages = meta.page_table_host[seqs][:, :n_pages].astype(np.int64)  # [G, Pmax]
@@ -51,15 +51,20 @@ class TorchNativeBackend(AttentionBackend):
         kj = np.arange(n_pages * ps)
         kv_ok = kj[None, :] < kv_len[:, None]
         # query i of a request sits at position kv_len - q_len + i and sees keys up to it
-        q_pos = (kv_len - q_len)[:, None] + qi[None, :]                     # [G, Qmax]
+        q_pos = (kv_len - q_len)[:, None] + qi[None, :]  # [G, Qmax]
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_ok[:, None, :]  # [G, Qmax, Kmax]
         valid = np.flatnonzero(q_ok)
         as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
         # one whole prompt with no cached prefix: SDPA's own causal mask (top-left aligned, so the
         # padding keys past the prompt stay unseen) lets the kernel skip the masked half
         plain_causal = len(seqs) == 1 and q_max > 1 and kv_len[0] == q_max
-        return _Group(as_t(q_index), as_t(pages.reshape(-1)), None if plain_causal else as_t(mask[:, None]),
-                      as_t(q_index.reshape(-1)[valid]), as_t(valid))
+        return _Group(
+            as_t(q_index),
+            as_t(pages.reshape(-1)),
+            None if plain_causal else as_t(mask[:, None]),
+            as_t(q_index.reshape(-1)[valid]),
+            as_t(valid),
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.store_kv(k, v, layer_id, self.meta.out_cache_loc)
@@ -85,11 +90,12 @@ class TorchNativeBackend(AttentionBackend):
         if Q == 1:
             # one query per request: its heads sharing a kv head act as that head's queries,
             # plain multi-head attention with no kv expansion
-            og = F.scaled_dot_product_attention(qg.view(G, Hkv, Hq // Hkv, D), kg, vg, attn_mask=g.mask,
-                                                scale=self.scale)      # [G, Hkv, Hq / Hkv, D]
+            og = F.scaled_dot_product_attention(
+                qg.view(G, Hkv, Hq // Hkv, D), kg, vg, attn_mask=g.mask, scale=self.scale
+            )  # [G, Hkv, Hq / Hkv, D]
             # reshape: SDPA's CUDA kernels may return og in another memory layout than [G, Hkv, g, D]
             return og.reshape(G, 1, Hq, D)
-        og = F.scaled_dot_product_attention(qg.transpose(1, 2), kg, vg, attn_mask=g.mask,
-                                            is_causal=g.mask is None, scale=self.scale,
-                                            enable_gqa=True)  # [G, Hq, Qmax, D]
+        og = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=True
+        )  # [G, Hq, Qmax, D]
         return og.transpose(1, 2)

@@ -1,6 +1,7 @@
 """The executor's kernels: triton (attention over the paged KV cache, CUDA or the
 interpreter) and C for x86-64 CPUs with AVX2 + FMA (GGUF block products, paged decode
 attention), built with the system C compiler on first use into the cache directory."""
+
 from __future__ import annotations
 
 import ctypes

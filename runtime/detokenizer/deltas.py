@@ -19,6 +19,7 @@ the scheduler does not know about it, so the TokenizerManager must send an ABORT
 Payload blob: every logprobs part first (pack_logprobs; each a multiple of 4 bytes, so
 they stay 4-byte aligned), then the token-id runs (uint32), then the text deltas.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,9 +27,24 @@ import logging
 
 import numpy as np
 
-from protocol.records import (NO_TOKEN, TEXT_OUT, TOKEN_OUT, TOKEN_OUT_STRUCT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind,
-                         concat_records, decode_strings, pack_logprobs, take_records, unpack_open, unpack_top_logprobs)
 from ipc.ring import Batch
+from protocol.records import (
+    NO_TOKEN,
+    TEXT_OUT,
+    TOKEN_OUT,
+    TOKEN_OUT_STRUCT,
+    ErrorCode,
+    Finish,
+    OpenFlags,
+    TextKind,
+    TokenKind,
+    concat_records,
+    decode_strings,
+    pack_logprobs,
+    take_records,
+    unpack_open,
+    unpack_top_logprobs,
+)
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions, DetokOutput
 
 logger = logging.getLogger(__name__)
@@ -49,19 +65,19 @@ class TextDeltas:
         """max_open: requests open at once (OPENed and not finished, queued ones included)."""
         self.core = BatchDetokenizer(tokenizer, max_open, use_byte_table=use_byte_table)
         self._index = np.full((1, 1), -1, np.int64)  # [workers, slots] core index of the open request
-        self._gen = np.zeros((1, 1), np.uint32)      # [workers, slots] its generation
+        self._gen = np.zeros((1, 1), np.uint32)  # [workers, slots] its generation
         self._free = list(range(max_open - 1, -1, -1))
-        self._addr = np.zeros((max_open, 3), np.int64)   # per core index: worker, slot, gen
+        self._addr = np.zeros((max_open, 3), np.int64)  # per core index: worker, slot, gen
         self._logprobs = np.zeros(max_open, bool)
-        self._ids = np.zeros(max_open, bool)             # return_ids: its tokens' ids go with its text
+        self._ids = np.zeros(max_open, bool)  # return_ids: its tokens' ids go with its text
         self._n_top = np.zeros(max_open, np.uint8)
-        self._unsent = np.zeros(max_open, np.int64)      # tokens since the request's last record
+        self._unsent = np.zeros(max_open, np.int64)  # tokens since the request's last record
         self._usage = np.zeros((max_open, 3), np.uint32)  # prompt, completion, cached tokens
-        self._finish = np.zeros(max_open, np.uint8)      # the scheduler's finish, once it came
+        self._finish = np.zeros(max_open, np.uint8)  # the scheduler's finish, once it came
         self._stop_token = np.full(max_open, -1, np.int32)
         self._trim_stop_token = np.ones(max_open, bool)  # its stop token's text is not output
-        self._mark = np.zeros(max_open, bool)            # scratch
-        self._row = np.zeros(max_open, np.int64)         # scratch: a request's row in a step's records
+        self._mark = np.zeros(max_open, bool)  # scratch
+        self._row = np.zeros(max_open, np.int64)  # scratch: a request's row in a step's records
         self._limit = np.full(max_open, _NO_LIMIT, np.int64)  # scratch: records a request keeps in a step
 
     @property
@@ -110,8 +126,15 @@ class TextDeltas:
         raw = rec.tobytes()  # fields read in one call: numpy reads a record's fields one at a time
         if raw[_KIND_AT] == _OPEN:
             o = unpack_open(raw)
-            if self._open(o.worker, o.slot, o.gen, o.flags, o.top_logprobs, o.min_new_tokens,
-                          payload[o.stop_off:o.stop_off + o.stop_len]):
+            if self._open(
+                o.worker,
+                o.slot,
+                o.gen,
+                o.flags,
+                o.top_logprobs,
+                o.min_new_tokens,
+                payload[o.stop_off : o.stop_off + o.stop_len],
+            ):
                 return _NOTHING
             message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
             return _error(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
@@ -121,7 +144,7 @@ class TextDeltas:
             return _NOTHING
         if self._is_open(w, s, gen):
             self._close(w, s)
-        return _error(w, s, gen, error, np.ascontiguousarray(payload[off:off + size]), rec)
+        return _error(w, s, gen, error, np.ascontiguousarray(payload[off : off + size]), rec)
 
     def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, min_tokens: int, body: np.ndarray) -> bool:
         """False when max_open requests are open already. flags: OpenFlags bits."""
@@ -155,8 +178,9 @@ class TextDeltas:
         self._index, self._gen = index, gen
 
     def _is_open(self, w: int, s: int, gen: int) -> bool:
-        return (w < self._index.shape[0] and s < self._index.shape[1] and self._index[w, s] >= 0
-                and self._gen[w, s] == gen)
+        return (
+            w < self._index.shape[0] and s < self._index.shape[1] and self._index[w, s] >= 0 and self._gen[w, s] == gen
+        )
 
     def _close(self, w: int, s: int) -> None:
         i = int(self._index[w, s])
@@ -177,8 +201,9 @@ class TextDeltas:
             recs, idx = take_records(recs, live), idx[live]
             if len(recs) == 0:
                 return _NOTHING
-        out = self.core.step(idx, text_tokens(recs["token"], recs["finish"], self._trim_stop_token[idx]),
-                             recs["finish"] != _NONE)
+        out = self.core.step(
+            idx, text_tokens(recs["token"], recs["finish"], self._trim_stop_token[idx]), recs["finish"] != _NONE
+        )
         cut = out.used >= 0
         if cut.any():  # a stop string ended a request: its later tokens are not its own
             recs, idx = self._through_stops(recs, idx, out.req[cut], out.used[cut])
@@ -209,8 +234,9 @@ class TextDeltas:
             return _NOTHING
         return self._records(rows, out, recs, idx, lp_asked, ids_asked, payload)
 
-    def _through_stops(self, recs: np.ndarray, idx: np.ndarray, stopped: np.ndarray, used: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
+    def _through_stops(
+        self, recs: np.ndarray, idx: np.ndarray, stopped: np.ndarray, used: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """recs (and their idx) without the records of each stopped request past its first
         `used` (the one that completed its stop string): their tokens are not in its usage,
         logprobs or ids."""
@@ -227,8 +253,16 @@ class TextDeltas:
         limit[stopped] = _NO_LIMIT
         return take_records(recs, keep), idx[keep]
 
-    def _records(self, rows: np.ndarray, out: DetokOutput, recs: np.ndarray, idx: np.ndarray,
-                 lp_asked: np.ndarray, ids_asked: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _records(
+        self,
+        rows: np.ndarray,
+        out: DetokOutput,
+        recs: np.ndarray,
+        idx: np.ndarray,
+        lp_asked: np.ndarray,
+        ids_asked: np.ndarray,
+        payload: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
         n, m = len(rows), len(out.req)
         res = np.zeros(n, TEXT_OUT.dtype)  # kind TEXT (0), no logprobs unless set below
         addr = self._addr[rows]
@@ -257,8 +291,15 @@ class TextDeltas:
             self._close(w, s)
         return res, np.concatenate([np.frombuffer(b"".join(parts), np.uint8), out.text])
 
-    def _logprob_parts(self, res: np.ndarray, rows: np.ndarray, recs: np.ndarray, idx: np.ndarray,
-                       payload: np.ndarray, parts: list[bytes]) -> int:
+    def _logprob_parts(
+        self,
+        res: np.ndarray,
+        rows: np.ndarray,
+        recs: np.ndarray,
+        idx: np.ndarray,
+        payload: np.ndarray,
+        parts: list[bytes],
+    ) -> int:
         """pack_logprobs of each logprob request's tokens of this step (Python per such token:
         the top-N alternatives are per token anyway). Returns the parts' total size."""
         row_of = {r: k for k, r in enumerate(rows.tolist())}
@@ -276,19 +317,22 @@ class TextDeltas:
             for t, rec in enumerate(group):
                 k = min(n_top, int(rec["n_top"]))
                 if k:
-                    ids, lps = unpack_top_logprobs(payload[rec["payload_off"]: rec["payload_off"] + rec["payload_len"]],
-                                                   int(rec["n_top"]))
+                    ids, lps = unpack_top_logprobs(
+                        payload[rec["payload_off"] : rec["payload_off"] + rec["payload_len"]], int(rec["n_top"])
+                    )
                     top_ids[t, :k], top_lps[t, :k] = ids[:k], lps[:k]
-            part = pack_logprobs(group["token"], group["logprob"], top_ids if n_top else None,
-                                 top_lps if n_top else None)
+            part = pack_logprobs(
+                group["token"], group["logprob"], top_ids if n_top else None, top_lps if n_top else None
+            )
             k = row_of[i]
             res["logprobs_off"][k], res["logprobs_len"][k], res["n_top"][k] = size, len(part), n_top
             parts.append(part)
             size += len(part)
         return size
 
-    def _id_parts(self, res: np.ndarray, rows: np.ndarray, recs: np.ndarray, idx: np.ndarray, base: int,
-                  parts: list[bytes]) -> int:
+    def _id_parts(
+        self, res: np.ndarray, rows: np.ndarray, recs: np.ndarray, idx: np.ndarray, base: int, parts: list[bytes]
+    ) -> int:
         """The token ids of each return_ids request's tokens of this step, in order, one uint32
         run a request at `base` bytes into the blob. Returns their size."""
         real = recs["token"] != NO_TOKEN
@@ -381,5 +425,9 @@ _NOTHING = (np.zeros(0, TEXT_OUT.dtype), np.zeros(0, np.uint8))
 @functools.lru_cache(maxsize=1024)
 def _options(flags: int, min_tokens: int, stop: bytes) -> DetokOptions:
     """An OPEN record's DetokOptions (frozen): one per distinct setting, not one a request."""
-    return DetokOptions(skip_special_tokens=bool(flags & _SKIP_SPECIAL), stop=decode_strings(stop),
-                        min_tokens=min_tokens, no_stop_trim=bool(flags & _NO_STOP_TRIM))
+    return DetokOptions(
+        skip_special_tokens=bool(flags & _SKIP_SPECIAL),
+        stop=decode_strings(stop),
+        min_tokens=min_tokens,
+        no_stop_trim=bool(flags & _NO_STOP_TRIM),
+    )

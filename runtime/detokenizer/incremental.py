@@ -23,6 +23,7 @@ The text is decode()'s whatever the request's spaces_between_special_tokens: a f
 tokenizer's decode (every tokenizer of transformers 5) puts no space around added tokens
 and ignores the flag, as SGLang's detokenizer and vLLM's fast one give it.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -30,9 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protocol.vocab import REPLACEMENT, AddedTokens, NotByteExact, TokenTable, build_token_table, byte_fallback_ids
 from runtime.detokenizer.stop_strings import StopMatcher
-from protocol.vocab import (REPLACEMENT, AddedTokens, NotByteExact, TokenTable, build_token_table,
-                                 byte_fallback_ids)
 
 
 @dataclass(frozen=True)
@@ -46,30 +46,32 @@ class DetokOptions:
 @dataclass(frozen=True)
 class DetokOutput:
     """One step's results, one row per request with new text or a finish."""
-    req: np.ndarray       # int64 [R]
-    offset: np.ndarray    # int64 [R]: where the request's delta starts in text
-    length: np.ndarray    # int64 [R]
+
+    req: np.ndarray  # int64 [R]
+    offset: np.ndarray  # int64 [R]: where the request's delta starts in text
+    length: np.ndarray  # int64 [R]
     finished: np.ndarray  # bool [R]: finished this step (finish flag given, or a stop string hit)
-    stop: np.ndarray      # int16 [R]: index of the matched stop string in DetokOptions.stop, -1 if none
-    used: np.ndarray      # int64 [R]: at a stop string, the request's tokens of this step through the one
+    stop: np.ndarray  # int16 [R]: index of the matched stop string in DetokOptions.stop, -1 if none
+    used: np.ndarray  # int64 [R]: at a stop string, the request's tokens of this step through the one
     #                       that completed it (the rest are not its); -1 otherwise
-    text: np.ndarray      # uint8 [total]: every delta, back to back
+    text: np.ndarray  # uint8 [total]: every delta, back to back
 
     def delta(self, row: int) -> bytes:
-        return self.text[self.offset[row]: self.offset[row] + self.length[row]].tobytes()
+        return self.text[self.offset[row] : self.offset[row] + self.length[row]].tobytes()
 
 
 class _Request:
     """Per-request state for the Python path; the vectorised path touches none of it."""
+
     __slots__ = ("skip", "stop", "protect", "pending", "window", "read")
 
     def __init__(self, options: DetokOptions) -> None:
         self.skip = options.skip_special_tokens
         self.stop = StopMatcher(options.stop, options.no_stop_trim) if options.stop else None
         self.protect = options.min_tokens if options.stop else 0  # tokens left whose text ends no stop
-        self.pending = b""           # byte-table path: bytes of a character not complete yet
+        self.pending = b""  # byte-table path: bytes of a character not complete yet
         self.window: list[int] = []  # window path: ids from the last emitted token on
-        self.read = 0                # window path: window[:read] is already emitted text
+        self.read = 0  # window path: window[:read] is already emitted text
 
 
 class BatchDetokenizer:
@@ -92,16 +94,16 @@ class BatchDetokenizer:
         self._byte_run_ids = byte_fallback_ids(tokenizer) if self.table is None else frozenset()
         self._requests: list[_Request | None] = [None] * capacity
         self._live = np.zeros(capacity, bool)
-        self._python = np.zeros(capacity, bool)    # must take the per-request path next step
+        self._python = np.zeros(capacity, bool)  # must take the per-request path next step
         self._odd = ~self.table.plain if self.table is not None else None  # [V+1] token needs the Python path
         self._seen = np.zeros(capacity, np.int64)  # scratch: finds requests appearing twice in a step
-        self._iota = np.arange(4096)               # 0, 1, 2, ... grown on demand
+        self._iota = np.arange(4096)  # 0, 1, 2, ... grown on demand
         self._no_finish = np.zeros(capacity, bool)
         self._no_stop = np.full(capacity, -1, np.int16)
         self._no_used = np.full(capacity, -1, np.int64)
         self._no_finish.flags.writeable = self._no_stop.flags.writeable = self._no_used.flags.writeable = False
         self._stop_first = np.zeros((capacity, 4), np.uint64)  # bitmap of the first bytes of each request's stops
-        self._with_stop = 0                        # open requests that have stop strings
+        self._with_stop = 0  # open requests that have stop strings
 
     @property
     def capacity(self) -> int:
@@ -154,9 +156,9 @@ class BatchDetokenizer:
             head = np.empty(n, bool)
             head[0] = True
             np.not_equal(req[1:], req[:-1], out=head[1:])
-            starts = np.flatnonzero(head)             # [G] first token of each request
+            starts = np.flatnonzero(head)  # [G] first token of each request
         else:
-            starts = None                             # one token per request: groups are singletons
+            starts = None  # one token per request: groups are singletons
         reqs = req if starts is None else req[starts]  # [G]
 
         if self.table is None:
@@ -173,8 +175,10 @@ class BatchDetokenizer:
         if not slow.any():
             return fast
         token, finished = token.tolist(), finished.tolist()
-        groups = [(r, token[s:e], finished[s:e]) for r, s, e in
-                  zip(reqs[slow].tolist(), starts[slow].tolist(), ends[slow].tolist())]
+        groups = [
+            (r, token[s:e], finished[s:e])
+            for r, s, e in zip(reqs[slow].tolist(), starts[slow].tolist(), ends[slow].tolist())
+        ]
         return _concat(fast, self._per_request(groups))
 
     def _group_small(self, req, token, finished) -> list[tuple[int, list[int], list[bool]]]:
@@ -195,7 +199,7 @@ class BatchDetokenizer:
         singles = len(token) == len(starts)
         tok = token[fast] if singles else token[np.repeat(fast, ends - starts)]  # [T] grouped by request
         table = self.table
-        lens = table.length[tok]                      # [T]
+        lens = table.length[tok]  # [T]
         out_end = np.cumsum(lens)
         out_start = out_end - lens
         total = int(out_end[-1])
@@ -203,15 +207,22 @@ class BatchDetokenizer:
         if singles:
             length, start = lens, out_start
         else:
-            first = np.cumsum(sizes) - sizes          # [F] first token of each fast request in tok
+            first = np.cumsum(sizes) - sizes  # [F] first token of each fast request in tok
             length, start = np.add.reduceat(lens, first), out_start[first]
         reqs = reqs[fast]
         has = length > 0
         if not has.all():
             reqs, start, length = reqs[has], start[has], length[has]
         n = len(reqs)
-        return DetokOutput(req=reqs, offset=start, length=length, finished=self._no_finish[:n],
-                           stop=self._no_stop[:n], used=self._no_used[:n], text=text)
+        return DetokOutput(
+            req=reqs,
+            offset=start,
+            length=length,
+            finished=self._no_finish[:n],
+            stop=self._no_stop[:n],
+            used=self._no_used[:n],
+            text=text,
+        )
 
     def _arange(self, n: int) -> np.ndarray:
         if len(self._iota) < n:
@@ -232,14 +243,17 @@ class BatchDetokenizer:
                 merged.append([r, text, final, stop, n])
         merged = [m for m in merged if m[1] or m[2]]
         length = np.array([len(m[1]) for m in merged], np.int64)
-        return DetokOutput(req=np.array([m[0] for m in merged], np.int64), offset=np.cumsum(length) - length,
-                           length=length, finished=np.array([m[2] for m in merged], bool),
-                           stop=np.array([m[3] for m in merged], np.int16),
-                           used=np.array([m[4] if m[3] >= 0 else -1 for m in merged], np.int64),
-                           text=np.frombuffer(b"".join(m[1] for m in merged), np.uint8))
+        return DetokOutput(
+            req=np.array([m[0] for m in merged], np.int64),
+            offset=np.cumsum(length) - length,
+            length=length,
+            finished=np.array([m[2] for m in merged], bool),
+            stop=np.array([m[3] for m in merged], np.int16),
+            used=np.array([m[4] if m[3] >= 0 else -1 for m in merged], np.int64),
+            text=np.frombuffer(b"".join(m[1] for m in merged), np.uint8),
+        )
 
-    def _rounds(self, groups: list[tuple[int, list[int], list[bool]]]
-                ) -> list[list[tuple[int, list[int], list[bool]]]]:
+    def _rounds(self, groups: list[tuple[int, list[int], list[bool]]]) -> list[list[tuple[int, list[int], list[bool]]]]:
         """Groups to decode in turn. A request with stop strings goes one token a round: a
         match is then known to end with that round's token (the tokens after it are not the
         request's: not its text, nor in its counts), and the tokens' text crosses its
@@ -252,11 +266,12 @@ class BatchDetokenizer:
             for k in range(len(tokens)):
                 if k == len(rounds):
                     rounds.append([])
-                rounds[k].append((r, tokens[k:k + 1], finished[k:k + 1]))
+                rounds[k].append((r, tokens[k : k + 1], finished[k : k + 1]))
         return rounds
 
-    def _decode_groups(self, rounds: list[list[tuple[int, list[int], list[bool]]]]
-                       ) -> list[tuple[int, bytes, bool, int, int]]:
+    def _decode_groups(
+        self, rounds: list[list[tuple[int, list[int], list[bool]]]]
+    ) -> list[tuple[int, bytes, bool, int, int]]:
         """(request, text released, finished, stop index, tokens used) per group, a request's
         rows in order; a request that finished in a round takes no part in later ones."""
         rows = []
@@ -315,21 +330,25 @@ class BatchDetokenizer:
         windows = [(parts, state, final) for _, state, parts, final, _, _ in jobs if len(state.window) > state.read]
         if not windows:
             return
-        texts = self.tokenizer.batch_decode([s.window[: s.read] for _, s, _ in windows]
-                                            + [s.window for _, s, _ in windows])
-        for (parts, state, final), surr, full in zip(windows, texts, texts[len(windows):]):
-            new = full[len(surr):]
+        texts = self.tokenizer.batch_decode(
+            [s.window[: s.read] for _, s, _ in windows] + [s.window for _, s, _ in windows]
+        )
+        for (parts, state, final), surr, full in zip(windows, texts, texts[len(windows) :]):
+            new = full[len(surr) :]
             if final or (new and not new.endswith(REPLACEMENT) and state.window[-1] not in self._byte_run_ids):
                 parts.append(new)
-                state.window = state.window[state.read:]
+                state.window = state.window[state.read :]
                 state.read = len(state.window)
 
     def _needs_python(self, state: _Request) -> bool:
         """Whether the request's next tokens need the Python path whatever they are. A request
         with stop strings holding nothing back needs it only for tokens that contain the first
         byte of one of its stop strings (step checks that per token)."""
-        return (self.table is None or bool(state.pending)
-                or (state.stop is not None and (bool(state.stop.held) or state.protect > 0)))
+        return (
+            self.table is None
+            or bool(state.pending)
+            or (state.stop is not None and (bool(state.stop.held) or state.protect > 0))
+        )
 
 
 def _concat(a: DetokOutput, b: DetokOutput) -> DetokOutput:
@@ -337,15 +356,23 @@ def _concat(a: DetokOutput, b: DetokOutput) -> DetokOutput:
         return a
     if len(a.req) == 0:
         return b
-    return DetokOutput(req=np.concatenate([a.req, b.req]),
-                       offset=np.concatenate([a.offset, b.offset + len(a.text)]),
-                       length=np.concatenate([a.length, b.length]),
-                       finished=np.concatenate([a.finished, b.finished]),
-                       stop=np.concatenate([a.stop, b.stop]),
-                       used=np.concatenate([a.used, b.used]),
-                       text=np.concatenate([a.text, b.text]))
+    return DetokOutput(
+        req=np.concatenate([a.req, b.req]),
+        offset=np.concatenate([a.offset, b.offset + len(a.text)]),
+        length=np.concatenate([a.length, b.length]),
+        finished=np.concatenate([a.finished, b.finished]),
+        stop=np.concatenate([a.stop, b.stop]),
+        used=np.concatenate([a.used, b.used]),
+        text=np.concatenate([a.text, b.text]),
+    )
 
 
-_EMPTY = DetokOutput(req=np.zeros(0, np.int64), offset=np.zeros(0, np.int64), length=np.zeros(0, np.int64),
-                     finished=np.zeros(0, bool), stop=np.zeros(0, np.int16), used=np.zeros(0, np.int64),
-                     text=np.zeros(0, np.uint8))
+_EMPTY = DetokOutput(
+    req=np.zeros(0, np.int64),
+    offset=np.zeros(0, np.int64),
+    length=np.zeros(0, np.int64),
+    finished=np.zeros(0, bool),
+    stop=np.zeros(0, np.int16),
+    used=np.zeros(0, np.int64),
+    text=np.zeros(0, np.uint8),
+)

@@ -13,6 +13,7 @@ The socket is listening as soon as the process has started (before the tokenizer
 loaded), so peers can connect right away. The process stops on SIGTERM / SIGINT; it then
 closes its channels and removes the socket file.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,22 +32,22 @@ logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "ringserve::detokenizer"
 TOKEN_OUT_SPEC = ChannelSpec(TOKEN_OUT, capacity=16384, arena_bytes=8 << 20)  # scheduler -> detokenizer
-TEXT_OUT_SPEC = ChannelSpec(TEXT_OUT, capacity=8192, arena_bytes=8 << 20)     # detokenizer -> worker k
-SPIN_US = 50.0        # spin this long on an empty ring before sleeping on the eventfd
-IDLE_WAKE_S = 0.1     # an idle loop still wakes this often: new channels, stop flag, heartbeat
-PUSH_RETRY_S = 0.5    # a worker's full ring is re-checked this often (a respawned worker replaces it)
+TEXT_OUT_SPEC = ChannelSpec(TEXT_OUT, capacity=8192, arena_bytes=8 << 20)  # detokenizer -> worker k
+SPIN_US = 50.0  # spin this long on an empty ring before sleeping on the eventfd
+IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
+PUSH_RETRY_S = 0.5  # a worker's full ring is re-checked this often (a respawned worker replaces it)
 
 
-def run_detokenizer(server_args: ServerArgs, socket_path: str,
-                    max_open: int = 8192) -> None:
+def run_detokenizer(server_args: ServerArgs, socket_path: str, max_open: int = 8192) -> None:
     """The process's entry point (spawn it). server_args: model_path (for the tokenizer),
     transport, log_level. socket_path: where peers connect (must not exist yet).
     max_open: requests the detokenizer keeps open at once (queued ones included)."""
     from setproctitle import setproctitle
 
     setproctitle(PROCESS_TITLE)
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s detokenizer: %(message)s")
+    logging.basicConfig(
+        level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s detokenizer: %(message)s"
+    )
     run_as_batch()
     detok = Detokenizer(server_args, socket_path)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,7 +87,7 @@ class Detokenizer:
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
         self.deltas: TextDeltas | None = None
-        self.inputs: list = []        # TOKEN_OUT channels (one per scheduler; one in practice)
+        self.inputs: list = []  # TOKEN_OUT channels (one per scheduler; one in practice)
         self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
         self._stopping = False
@@ -104,8 +105,14 @@ class Detokenizer:
         self.deltas = TextDeltas(tokenizer, max_open=max_open)
         core = self.deltas.core
         how = "numpy byte table" if core.table is not None else f"window decode ({core.fallback_reason})"
-        logger.info("tokenizer of %s (%d tokens) loaded in %.1f s; decoding with the %s; listening on %s",
-                    model_dir, core.vocab_size, time.perf_counter() - t0, how, self.socket_path)
+        logger.info(
+            "tokenizer of %s (%d tokens) loaded in %.1f s; decoding with the %s; listening on %s",
+            model_dir,
+            core.vocab_size,
+            time.perf_counter() - t0,
+            how,
+            self.socket_path,
+        )
 
     def stop(self) -> None:
         self._stopping = True
@@ -143,8 +150,9 @@ class Detokenizer:
                 if self.peers.has_events():
                     self._attach_new()
                     if self.outputs.get(worker) is not ch:  # the worker exited, or was respawned
-                        logger.warning("worker %d's process is gone: %d text records for it dropped",
-                                       worker, len(recs) - done)
+                        logger.warning(
+                            "worker %d's process is gone: %d text records for it dropped", worker, len(recs) - done
+                        )
                         break
                 done += ch.push(recs[done:], part)
 
@@ -179,11 +187,16 @@ class Detokenizer:
         thread calls this)."""
         if hello.get("role") == "scheduler":
             return self.transport.create_channel(TOKEN_OUT_SPEC, "consumer", self.waker, peer_waker_fd)
-        if (hello.get("role") == "worker" and isinstance(hello.get("worker"), int) and hello["worker"] >= 0
-                and "pid" in hello):
+        if (
+            hello.get("role") == "worker"
+            and isinstance(hello.get("worker"), int)
+            and hello["worker"] >= 0
+            and "pid" in hello
+        ):
             return self.transport.create_channel(TEXT_OUT_SPEC, "producer", self.waker, peer_waker_fd)
-        raise ValueError(f"unknown peer {hello!r}: expected role 'scheduler', or 'worker' with a worker index "
-                         "and its pid")
+        raise ValueError(
+            f"unknown peer {hello!r}: expected role 'scheduler', or 'worker' with a worker index and its pid"
+        )
 
     def close(self) -> None:
         self._stopping = True

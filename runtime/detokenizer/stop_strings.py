@@ -10,6 +10,7 @@ Text fed as `protected` (the text of a request's first min_tokens tokens) ends n
 match may start in it and end in later text, as vLLM matches (its detokenizer searches only
 for stop strings that end in the text of tokens past min_tokens).
 """
+
 from __future__ import annotations
 
 
@@ -38,9 +39,9 @@ class StopMatcher:
                 best_end, best_start, best = start + len(stop), start, i
         if best >= 0:
             self.held, self.guard = b"", 0
-            return buf[:best_end if self.keep else best_start], best
+            return buf[: best_end if self.keep else best_start], best
         keep = 0 if final else self._partial_suffix(buf)
-        self.held = buf[len(buf) - keep:]
+        self.held = buf[len(buf) - keep :]
         self.guard = max(guard - (len(buf) - keep), 0)
         return buf[: len(buf) - keep], -1
 

@@ -2,11 +2,12 @@
 worker's HTTPWorker, and the helpers every route shares (bodies, errors, the API key).
 Every route answers APIError with its OpenAI-format body; anything else is a bug, logged,
 and a 500."""
+
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -49,10 +50,12 @@ def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status)
 
 
-def api_route(handler: Callable[..., Awaitable[Response]], key_required: bool = True
-              ) -> Callable[[Request], Awaitable[Response]]:
+def api_route(
+    handler: Callable[..., Awaitable[Response]], key_required: bool = True
+) -> Callable[[Request], Awaitable[Response]]:
     """Checks the API key (probe_route: none), hands the route the worker's state, and turns
     APIError into its response; anything else raised is a bug: logged, answered with a 500."""
+
     @functools.wraps(handler)
     async def route(request: Request) -> Response:
         worker = request.app.worker
@@ -69,6 +72,7 @@ def api_route(handler: Callable[..., Awaitable[Response]], key_required: bool = 
             response = error_response(internal_error())
         response.headers.append(WORKER_HEADER, worker.index_header)
         return response
+
     return route
 
 
@@ -79,6 +83,7 @@ probe_route = functools.partial(api_route, key_required=False)
 
 def orjson_dumps(obj) -> bytes:
     import orjson
+
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -119,7 +124,7 @@ class App:
                     logger.exception("%s %s failed", scope["method"], scope["path"])
                     response = error_response(internal_error())
             elif methods is None and scope["path"].startswith(MODEL_PATH):  # another model's card
-                response = error_response(model_not_found(scope["path"][len(MODEL_PATH):]))
+                response = error_response(model_not_found(scope["path"][len(MODEL_PATH) :]))
             elif methods is None:
                 response = error_response(APIError(404, f"{scope['method']} {scope['path']}: Not Found"))
             else:

@@ -1,12 +1,13 @@
 """Noticing a client that leaves while its request runs, so that the request is aborted and
 its KV pages freed."""
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger("ringserve.app")
 
@@ -24,8 +25,9 @@ class DisconnectWatch:
     that left sooner is still seen then (granian keeps the connection's close for the next
     receive), so its request runs at most that much longer."""
 
-    def __init__(self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None],
-                 watches: "DisconnectWatches") -> None:
+    def __init__(
+        self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None], watches: DisconnectWatches
+    ) -> None:
         self._receive, self._on_disconnect, self._watches = receive, on_disconnect, watches
         self._waiting: asyncio.Future | None = None
         watches.unarmed[self] = time.monotonic()

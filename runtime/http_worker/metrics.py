@@ -8,13 +8,13 @@ whichever worker answers it, merges every worker's. Latencies observed once per
 streamed delta (inter-token) are counted in a local histogram and flushed once a
 second: a prometheus_client observe costs about 8 us in multiprocess mode.
 """
+
 from __future__ import annotations
 
 import bisect
 import os
 from pathlib import Path
 from typing import Any
-
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -68,13 +68,22 @@ class WorkerMetrics:
             "generation": Counter("ringserve_generation_tokens", "Generated tokens of finished choices"),
             "cached": Counter("ringserve_cached_tokens", "Prompt tokens served from the prefix cache"),
         }
-        self.ttft = LocalHistogram(Histogram("ringserve_time_to_first_token_seconds", "Time to first token",
-                                             buckets=TTFT_BUCKETS), TTFT_BUCKETS)
-        self.e2e = LocalHistogram(Histogram("ringserve_e2e_request_latency_seconds", "End-to-end request latency",
-                                            buckets=E2E_BUCKETS), E2E_BUCKETS)
-        self.itl = LocalHistogram(Histogram("ringserve_inter_token_latency_seconds",
-                                            "Latency between streamed tokens (per delta, weighted by its tokens)",
-                                            buckets=ITL_BUCKETS), ITL_BUCKETS)
+        self.ttft = LocalHistogram(
+            Histogram("ringserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS),
+            TTFT_BUCKETS,
+        )
+        self.e2e = LocalHistogram(
+            Histogram("ringserve_e2e_request_latency_seconds", "End-to-end request latency", buckets=E2E_BUCKETS),
+            E2E_BUCKETS,
+        )
+        self.itl = LocalHistogram(
+            Histogram(
+                "ringserve_inter_token_latency_seconds",
+                "Latency between streamed tokens (per delta, weighted by its tokens)",
+                buckets=ITL_BUCKETS,
+            ),
+            ITL_BUCKETS,
+        )
         self.requests: dict[str, int] = {}  # endpoint -> requests not flushed yet
         self._pending_finished: dict[str, int] = {}
         self._pending_tokens = {"prompt": 0, "generation": 0, "cached": 0}
@@ -159,8 +168,10 @@ class _EngineCollector:
             "kv_pages_total": ("KV cache pages", e["kv_pages_total"]),
             "kv_pages_free": ("KV cache pages free", e["kv_pages_free"]),
             "kv_pages_cached": ("KV cache pages held only by the prefix cache (evictable)", e["kv_pages_cached"]),
-            "kv_pages_used": ("KV cache pages held by requests", e["kv_pages_total"] - e["kv_pages_free"]
-                              - e["kv_pages_cached"]),
+            "kv_pages_used": (
+                "KV cache pages held by requests",
+                e["kv_pages_total"] - e["kv_pages_free"] - e["kv_pages_cached"],
+            ),
             "kv_page_size": ("Tokens per KV page", e["page_size"]),
         }
         for name, (doc, value) in gauges.items():
@@ -171,12 +182,17 @@ class _EngineCollector:
         usage.add_metric([], gauges["kv_pages_used"][1] / max(e["kv_pages_total"], 1))
         yield usage
         seen = e["cached_tokens"] + e["prefill_tokens"]
-        hit = GaugeMetricFamily("ringserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
-                                "as a share of all prompt tokens admitted")
+        hit = GaugeMetricFamily(
+            "ringserve_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache, as a share of all prompt tokens admitted",
+        )
         hit.add_metric([], e["cached_tokens"] / seen if seen else 0.0)
         yield hit
-        for name, doc in (("steps", "Scheduler steps"), ("retractions", "Requests retracted for lack of KV pages"),
-                          ("engine_generated_tokens", "Tokens the scheduler generated")):
+        for name, doc in (
+            ("steps", "Scheduler steps"),
+            ("retractions", "Requests retracted for lack of KV pages"),
+            ("engine_generated_tokens", "Tokens the scheduler generated"),
+        ):
             c = CounterMetricFamily("ringserve_" + name, doc)
             c.add_metric([], e["generated_tokens" if name == "engine_generated_tokens" else name])
             yield c

@@ -13,14 +13,16 @@ Exact by construction where it applies, and checked at start-up: the fast path i
 if it gives the tokenizer's ids on probe texts (special tokens, contractions, digits, runs of
 whitespace and punctuation, with and without add_special_tokens).
 """
+
 from __future__ import annotations
 
 import json
 import re
 import warnings
+from collections.abc import Callable, MutableMapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, MutableMapping
+from typing import Any
 
 from cbuild import BuildError, build_extension
 from protocol.vocab import byte_level_char_map
@@ -29,14 +31,22 @@ from protocol.vocab import byte_level_char_map
 # \p{L} is [A-Za-z], \p{N} is [0-9] and \s is [\t\n\v\f\r ] (not \x1c-\x1f, which Python's \s
 # includes: the tokenizer splits them as punctuation).
 _WS = r"\t\n\x0b\x0c\r "
-ASCII_SPLIT = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"
-                         rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
+ASCII_SPLIT = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+"
+    rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
+)
 _SPLIT_SOURCE = Path(__file__).with_name("prompt_split.c")
 PIECE_CACHE_SIZE = 1 << 16  # pieces (words with their leading space); cleared when full
 MAX_CACHED_PIECE = 256  # characters: a longer piece (a run of one kind) is rare, and BPE'd each time
-PROBES = ("<|im_start|>user\nI'm sure it's 42, they'll've  said: \"don't\"!!\t\n\n  x<|im_end|>\n",
-          "  leading and trailing  \r\n", "a1b22c333 'S 'LL '' ''' ?!.,;  \x0b\x0c \x7f end",
-          "+\x1c+ \x1d+\n\x1e\n \x1f ", "", " ", "\n\n")
+PROBES = (
+    "<|im_start|>user\nI'm sure it's 42, they'll've  said: \"don't\"!!\t\n\n  x<|im_end|>\n",
+    "  leading and trailing  \r\n",
+    "a1b22c333 'S 'LL '' ''' ?!.,;  \x0b\x0c \x7f end",
+    "+\x1c+ \x1d+\n\x1e\n \x1f ",
+    "",
+    " ",
+    "\n\n",
+)
 
 
 # (text, start, end, pieces, ids) -> None, or the span (i, j) of the first piece not in `pieces`:
@@ -44,8 +54,9 @@ PROBES = ("<|im_start|>user\nI'm sure it's 42, they'll've  said: \"don't\"!!\t\n
 CachedEncode = Callable[[str, int, int, Any, list], "tuple[int, int] | None"]
 
 
-def _encode_with_regex(text: str, start: int, end: int, pieces: dict[str, list[int]],
-                       ids: list[int]) -> tuple[int, int] | None:
+def _encode_with_regex(
+    text: str, start: int, end: int, pieces: dict[str, list[int]], ids: list[int]
+) -> tuple[int, int] | None:
     for m in ASCII_SPLIT.finditer(text, start, end):
         piece_ids = pieces.get(m.group())
         if piece_ids is None:
@@ -63,8 +74,9 @@ def cached_encoder() -> tuple[CachedEncode, Callable[[], MutableMapping[str, lis
         module = build_extension("runtime.prompt_split", _SPLIT_SOURCE, subdir="runtime")
         return module.encode, module.PieceTable
     except (BuildError, ImportError, OSError) as e:
-        warnings.warn(f"prompt encoder: the C split is unavailable ({e}); the regex splits", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"prompt encoder: the C split is unavailable ({e}); the regex splits", RuntimeWarning, stacklevel=2
+        )
         return _encode_with_regex, dict
 
 
@@ -101,10 +113,17 @@ class PromptEncoder:
     def _setup(self) -> bool:
         spec = json.loads(self._backend.to_str())
         model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-        if (spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout")
-                or model.get("byte_fallback") or model.get("continuing_subword_prefix")
-                or model.get("end_of_word_suffix") or pre.get("type") != "ByteLevel"
-                or not pre.get("use_regex", True) or pre.get("add_prefix_space")):
+        if (
+            spec.get("normalizer") is not None
+            or model.get("type") != "BPE"
+            or model.get("dropout")
+            or model.get("byte_fallback")
+            or model.get("continuing_subword_prefix")
+            or model.get("end_of_word_suffix")
+            or pre.get("type") != "ByteLevel"
+            or not pre.get("use_regex", True)
+            or pre.get("add_prefix_space")
+        ):
             return False
         added = spec.get("added_tokens") or []
         if any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added):
@@ -120,14 +139,17 @@ class PromptEncoder:
         bare = self._slow("a", False)
         full = self._slow("a", True)
         at = full.index(bare[0]) if bare and bare[0] in full else -1
-        if at < 0 or full[at:at + len(bare)] != bare:
+        if at < 0 or full[at : at + len(bare)] != bare:
             return False
-        self._prefix, self._suffix = full[:at], full[at + len(bare):]
+        self._prefix, self._suffix = full[:at], full[at + len(bare) :]
         return True
 
     def _probe(self) -> bool:
-        return all(self._encode_ascii(text, special) == self._slow(text, special)
-                   for text in PROBES for special in (False, True))
+        return all(
+            self._encode_ascii(text, special) == self._slow(text, special)
+            for text in PROBES
+            for special in (False, True)
+        )
 
     def _encode_ascii(self, text: str, add_special_tokens: bool) -> list[int]:
         ids: list[int] = self._prefix[:] if add_special_tokens else []

@@ -1,27 +1,48 @@
 """The routes: OpenAI's, SGLang's native ones, health and metrics. Each stays thin: httpapi/
 does the protocol (parsing, validation, bodies, SSE templates), the TokenizerManager the
 engine side, the HTTPWorker the state they share."""
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from httpapi.errors import engine_unavailable
 from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
-from httpapi.requests import (parse_abort, parse_chat_completion, parse_completion, parse_detokenize, parse_generate,
-                              parse_tokenize)
-from httpapi.responses import (ChoiceResult, Usage, chat_completion_body, completion_body, generate_body,
-                               new_request_id, now)
+from httpapi.requests import (
+    parse_abort,
+    parse_chat_completion,
+    parse_completion,
+    parse_detokenize,
+    parse_generate,
+    parse_tokenize,
+)
+from httpapi.responses import (
+    ChoiceResult,
+    Usage,
+    chat_completion_body,
+    completion_body,
+    generate_body,
+    new_request_id,
+    now,
+)
 from httpapi.sampling import check_token_ids
 from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
 from protocol.sampling_params import SamplingParams
-from runtime.http_worker.asgi import (Handler, api_route, error_response, json_response, orjson_dumps, probe_route,
-                                     read_body)
+from runtime.http_worker.asgi import (
+    Handler,
+    api_route,
+    error_response,
+    json_response,
+    orjson_dumps,
+    probe_route,
+    read_body,
+)
 from runtime.http_worker.streaming import EventStream, sse_events
 from runtime.http_worker.tokenizer_manager import ReqGroup, ReqState
 
@@ -43,8 +64,18 @@ def choice_results(states: list[ReqState], prefixes: list[str] | None = None) ->
         text, lp, finish = state.take()
         if prefixes is not None:
             text = prefixes[state.index] + text
-        results.append(ChoiceResult(state.index, text, finish, usage_of(state), lp, state.matched_stop,
-                                    e2e_latency(state), output_ids_of(state)))
+        results.append(
+            ChoiceResult(
+                state.index,
+                text,
+                finish,
+                usage_of(state),
+                lp,
+                state.matched_stop,
+                e2e_latency(state),
+                output_ids_of(state),
+            )
+        )
     return results
 
 
@@ -63,6 +94,7 @@ def usage_of(state: ReqState) -> Usage:
 
 # ---------------------------------------------------------------- OpenAI
 
+
 @api_route
 async def chat_completions(worker, request: Request) -> Response:
     req = parse_chat_completion(await read_body(request))
@@ -78,8 +110,9 @@ async def chat_completions(worker, request: Request) -> Response:
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
-    return json_response(chat_completion_body(request_id, created, worker.model.served_name,
-                                              choice_results(states), req.n, vocab))
+    return json_response(
+        chat_completion_body(request_id, created, worker.model.served_name, choice_results(states), req.n, vocab)
+    )
 
 
 @api_route
@@ -102,12 +135,14 @@ async def completions(worker, request: Request) -> Response:
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
-    return json_response(completion_body(request_id, created, worker.model.served_name,
-                                         choice_results(states, echoes), n, vocab))
+    return json_response(
+        completion_body(request_id, created, worker.model.served_name, choice_results(states, echoes), n, vocab)
+    )
 
 
-def openai_events(worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int,
-                  include_usage: bool, head: bytes) -> AsyncIterator[bytes]:
+def openai_events(
+    worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int, include_usage: bool, head: bytes
+) -> AsyncIterator[bytes]:
     def render(state: ReqState) -> bytes | None:
         text, lp, finish = state.take()
         if text or finish or lp is not None:
@@ -141,6 +176,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 
 # ---------------------------------------------------------------- SGLang native
 
+
 @api_route
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await read_body(request))
@@ -153,19 +189,27 @@ async def generate(worker, request: Request) -> Response:
     vocab = worker.vocab if req.return_logprob else None
     if req.stream:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
-        return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group),
-                           worker.watches)
+        return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
-    return json_response(generate_body(choice_rids, choice_results(states), req.batch, vocab,
-                                       req.return_text_in_logprobs))
+    return json_response(
+        generate_body(choice_rids, choice_results(states), req.batch, vocab, req.return_text_in_logprobs)
+    )
 
 
 def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIterator[bytes]:
     def render(state: ReqState) -> bytes:
         text, lp, finish = state.take()
-        return stream.delta(state.index, text, usage_of(state), finish, state.matched_stop, lp,
-                            e2e_latency(state) if finish else None, output_ids_of(state))
+        return stream.delta(
+            state.index,
+            text,
+            usage_of(state),
+            finish,
+            state.matched_stop,
+            lp,
+            e2e_latency(state) if finish else None,
+            output_ids_of(state),
+        )
 
     return sse_events(worker, group, render, b"", lambda: DONE)
 
@@ -178,8 +222,11 @@ async def tokenize(worker, request: Request) -> Response:
         tokens = [await worker.tm.chat_ids(req.messages)]
     else:
         tokens = [await worker.tm.encode(p, req.add_special_tokens) for p in req.prompts]
-    body = {"tokens": tokens, "count": [len(t) for t in tokens]} if req.batch else \
-        {"tokens": tokens[0], "count": len(tokens[0])}
+    body = (
+        {"tokens": tokens, "count": [len(t) for t in tokens]}
+        if req.batch
+        else {"tokens": tokens[0], "count": len(tokens[0])}
+    )
     return json_response(orjson_dumps({**body, "max_model_len": worker.model.context_length}))
 
 
@@ -220,6 +267,7 @@ async def abort_request(worker, request: Request) -> Response:
 
 # ---------------------------------------------------------------- health and metrics
 
+
 async def health(request: Request) -> Response:
     problem = request.app.worker.health_problem()
     if problem:
@@ -237,14 +285,18 @@ async def health_generate(worker, request: Request) -> Response:
         await asyncio.wait_for(group.finished(), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
         worker.tm.abort(group)
-        raise engine_unavailable(f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s")
+        raise engine_unavailable(
+            f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+        ) from None
     return Response(b"", 200)
 
 
 @probe_route
 async def metrics(worker, request: Request) -> Response:
-    body, content_type = worker.metrics.render(worker.engine_stats(), {
-        "dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.tm.ring_depths()})
+    body, content_type = worker.metrics.render(
+        worker.engine_stats(),
+        {"dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.tm.ring_depths()},
+    )
     return Response(body, media_type=content_type)
 
 

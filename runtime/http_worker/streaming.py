@@ -1,9 +1,10 @@
 """Streamed answers: the SSE response and the loop that turns a request group's deltas
 into its writes."""
+
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from starlette.datastructures import MutableHeaders
 
@@ -23,8 +24,9 @@ class EventStream:
     disconnected client (http.disconnect) calls `on_disconnect`, which aborts the request,
     so the iterator ends at its next wait."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None],
-                 watches: DisconnectWatches) -> None:
+    def __init__(
+        self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None], watches: DisconnectWatches
+    ) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
         self.watches = watches
@@ -49,8 +51,9 @@ class EventStream:
             watch.close()
 
 
-async def sse_events(worker, group: ReqGroup, render: Callable[[ReqState], bytes | None], head: bytes,
-                     tail: Callable[[], bytes]) -> AsyncIterator[bytes]:
+async def sse_events(
+    worker, group: ReqGroup, render: Callable[[ReqState], bytes | None], head: bytes, tail: Callable[[], bytes]
+) -> AsyncIterator[bytes]:
     """A stream's writes: each carries the events of every delta that arrived since the
     previous one (a client that fell behind gets its pending deltas coalesced); the first
     also carries `head` (role chunks, echoes), the last the tail (usage, DONE)."""

@@ -25,6 +25,7 @@ past its open limit; the scheduler does not see them, so the TM sends an ABORT f
 such a request to free its KV pages. Every other end
 (eos, length, abort) comes from the scheduler, which has freed the pages already.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,18 +33,30 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
-from protocol.records import (ErrorCode, Finish, RequestKind, TextKind, concat_records, pack_control, pack_request,
-                         record_fields, rid_hash, take_records, unpack_logprobs)
-from runtime.http_worker.prompt_encoder import PromptEncoder
+from protocol.records import (
+    ErrorCode,
+    Finish,
+    RequestKind,
+    TextKind,
+    concat_records,
+    pack_control,
+    pack_request,
+    record_fields,
+    rid_hash,
+    take_records,
+    unpack_logprobs,
+)
 from protocol.sampling_params import SamplingParams
+from runtime.http_worker.prompt_encoder import PromptEncoder
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
 
@@ -55,6 +68,7 @@ TIMEOUT_SWEEP_S = 1.0
 @dataclass(frozen=True)
 class ModelInfo:
     """What the HTTP layer needs to know about the served model."""
+
     model_dir: str
     served_name: str
     architecture: str
@@ -91,8 +105,12 @@ class ChatTemplate:
     otherwise (or on a transformers without the compiler) every render goes through
     apply_chat_template."""
 
-    SAMPLE = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"})
+    SAMPLE = (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    )
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -100,9 +118,15 @@ class ChatTemplate:
         self._variables: dict[str, Any] = {}  # everything a render sees but the messages
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
+
             compiled = _compile_jinja_template(tokenizer.chat_template)
-            self._variables = dict(compiled.globals, tools=None, documents=None, add_generation_prompt=True,
-                                   **getattr(tokenizer, "special_tokens_map", {}))
+            self._variables = dict(
+                compiled.globals,
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
+                **getattr(tokenizer, "special_tokens_map", {}),
+            )
             sample = [dict(m) for m in self.SAMPLE]
             want = tokenizer.apply_chat_template(sample, add_generation_prompt=True, tokenize=False)
             if self._render(compiled, sample) == want:
@@ -134,12 +158,33 @@ class ClientGone(Exception):
 
 class ReqState:
     """One choice in flight: what the reader appended and its coroutine has not taken yet."""
-    __slots__ = ("group", "index", "slot", "gen", "params", "parts", "logprobs", "finish", "stop_token",
-                 "stop_index", "prompt_tokens", "completion_tokens", "cached_tokens", "first_ns", "error",
-                 "in_news", "wake_at", "sent_tokens", "last_ns", "output_ids")
 
-    def __init__(self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams,
-                 prompt_tokens: int) -> None:
+    __slots__ = (
+        "group",
+        "index",
+        "slot",
+        "gen",
+        "params",
+        "parts",
+        "logprobs",
+        "finish",
+        "stop_token",
+        "stop_index",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "first_ns",
+        "error",
+        "in_news",
+        "wake_at",
+        "sent_tokens",
+        "last_ns",
+        "output_ids",
+    )
+
+    def __init__(
+        self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams, prompt_tokens: int
+    ) -> None:
         self.group = group
         self.index = index  # the choice's index in the response
         self.slot, self.gen = slot, gen
@@ -181,8 +226,19 @@ class ReqState:
 
 class ReqGroup:
     """The choices of one HTTP request (n x prompts), woken together."""
-    __slots__ = ("states", "rids", "arrival_ns", "deadline", "wake_every", "waiter", "error", "news", "unfinished",
-                 "__weakref__")
+
+    __slots__ = (
+        "states",
+        "rids",
+        "arrival_ns",
+        "deadline",
+        "wake_every",
+        "waiter",
+        "error",
+        "news",
+        "unfinished",
+        "__weakref__",
+    )
 
     def __init__(self, rids: Sequence[str], arrival_ns: int, deadline: float, wake_every: int) -> None:
         self.states: list[ReqState] = []
@@ -234,8 +290,17 @@ class ReqGroup:
 
 
 class TokenizerManager:
-    def __init__(self, worker: int, request_ch: Any, text_ch: Any, waker: Any, tokenizer: Any,
-                 model: ModelInfo, request_timeout: float, stream_interval: int = 1) -> None:
+    def __init__(
+        self,
+        worker: int,
+        request_ch: Any,
+        text_ch: Any,
+        waker: Any,
+        tokenizer: Any,
+        model: ModelInfo,
+        request_timeout: float,
+        stream_interval: int = 1,
+    ) -> None:
         self.worker = worker
         self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
         self.tokenizer = tokenizer
@@ -259,9 +324,11 @@ class TokenizerManager:
 
     def start(self) -> None:
         self._outbox_ready = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._read_loop(), name="tm-reader"),
-                       asyncio.create_task(self._send_loop(), name="tm-sender"),
-                       asyncio.create_task(self._sweep_loop(), name="tm-timeouts")]
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="tm-reader"),
+            asyncio.create_task(self._send_loop(), name="tm-sender"),
+            asyncio.create_task(self._sweep_loop(), name="tm-timeouts"),
+        ]
 
     async def close(self) -> None:
         self.fail_all(engine_unavailable("The server is shutting down."))
@@ -298,8 +365,13 @@ class TokenizerManager:
 
     # ---------------------------------------------------------------- requests in
 
-    async def submit(self, prompts: Sequence[Sequence[int] | np.ndarray], params: Sequence[SamplingParams],
-                     rids: Sequence[str] | None = None, stream: bool = False) -> ReqGroup:
+    async def submit(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        params: Sequence[SamplingParams],
+        rids: Sequence[str] | None = None,
+        stream: bool = False,
+    ) -> ReqGroup:
         """Starts one choice per (prompt, params): their records are in the REQUEST channel
         (or queued for room) when this returns. `stream`: its deltas are awaited one by one
         (next_news), else only its end (finished)."""
@@ -462,16 +534,25 @@ class TokenizerManager:
         states = self._states
         now_ns = time.monotonic_ns()
         aborts = []
-        special = ((recs["finish"] != Finish.NONE) | (recs["kind"] != TextKind.TEXT) | (recs["logprobs_len"] > 0)
-                   | (recs["ids_len"] > 0))
-        for slot, off, n, completion, odd, i in zip(recs["slot"].tolist(), recs["text_off"].tolist(),
-                                                    recs["text_len"].tolist(), recs["completion_tokens"].tolist(),
-                                                    special.tolist(), range(len(recs))):
+        special = (
+            (recs["finish"] != Finish.NONE)
+            | (recs["kind"] != TextKind.TEXT)
+            | (recs["logprobs_len"] > 0)
+            | (recs["ids_len"] > 0)
+        )
+        for slot, off, n, completion, odd, i in zip(
+            recs["slot"].tolist(),
+            recs["text_off"].tolist(),
+            recs["text_len"].tolist(),
+            recs["completion_tokens"].tolist(),
+            special.tolist(),
+            range(len(recs)),
+        ):
             state = states[slot]
             if state is None:  # ended earlier in this batch
                 continue
             if n:
-                state.parts.append(blob[off:off + n])
+                state.parts.append(blob[off : off + n])
             state.completion_tokens = completion
             if not state.first_ns:
                 state.first_ns = now_ns
@@ -493,11 +574,11 @@ class TokenizerManager:
         engine rejection's abort is stale there and ignored)."""
         r = record_fields(rec)
         if r["ids_len"]:
-            state.output_ids += payload[r["ids_off"]:r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
+            state.output_ids += payload[r["ids_off"] : r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
         if r["logprobs_len"]:
             k = r["n_top"]
             n_tokens = r["logprobs_len"] // (8 * (1 + k))
-            part = payload[r["logprobs_off"]:r["logprobs_off"] + r["logprobs_len"]]
+            part = payload[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]]
             state.logprobs.append(TokenLogprobs.of(*unpack_logprobs(part, n_tokens, k)))
         finish = r["finish"]
         if finish == Finish.NONE:
@@ -505,7 +586,7 @@ class TokenizerManager:
         state.prompt_tokens = r["prompt_tokens"]
         state.cached_tokens = r["cached_tokens"]
         if r["kind"] == TextKind.ERROR:
-            message = bytes(payload[r["text_off"]:r["text_off"] + r["text_len"]]).decode(errors="replace")
+            message = bytes(payload[r["text_off"] : r["text_off"] + r["text_len"]]).decode(errors="replace")
             state.parts = []
             state.error = engine_error(r["error"], message)
             finish = Finish.ERROR
@@ -529,24 +610,37 @@ class TokenizerManager:
             now = loop.time()
             for group in [g for g in self._groups if g.deadline < now]:
                 logger.warning("request timed out after %.0f s (request_timeout): aborted", self.request_timeout)
-                self._fail(group, APIError(504, f"The request did not finish within the server's request "
-                                                f"timeout of {self.request_timeout:g} s.", type="server_error",
-                                           code="timeout"), abort=True)
+                self._fail(
+                    group,
+                    APIError(
+                        504,
+                        f"The request did not finish within the server's request "
+                        f"timeout of {self.request_timeout:g} s.",
+                        type="server_error",
+                        code="timeout",
+                    ),
+                    abort=True,
+                )
 
     # ---------------------------------------------------------------- introspection
 
     def ring_depths(self) -> dict[str, int]:
         """Records waiting in this worker's rings (the zmq baseline cannot tell)."""
-        return {name: len(ch) for name, ch in (("request", self.request_ch), ("text_out", self.text_ch))
-                if hasattr(ch, "__len__")}
+        return {
+            name: len(ch)
+            for name, ch in (("request", self.request_ch), ("text_out", self.text_ch))
+            if hasattr(ch, "__len__")
+        }
 
 
 def engine_error(code: int, message: str) -> APIError:
     """The APIError of a request the engine ended with an ERROR record."""
     if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_REQUEST):
-        return bad_request(message or "The engine rejected the request.", None,
-                           code="context_length_exceeded" if code == ErrorCode.PROMPT_TOO_LONG else None)
+        return bad_request(
+            message or "The engine rejected the request.",
+            None,
+            code="context_length_exceeded" if code == ErrorCode.PROMPT_TOO_LONG else None,
+        )
     if code == ErrorCode.OVERLOADED:
         return engine_unavailable(message or "The engine is overloaded; retry later.")
     return APIError(500, message or "The engine failed the request.", type="server_error", code="internal_error")
-

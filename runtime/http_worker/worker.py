@@ -1,5 +1,6 @@
 """One granian worker's state (HTTPWorker): its link to the engine, its TokenizerManager, the
 watchdog on the engine's processes, its metrics; and what the routes ask of them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,15 @@ METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics file
 class HTTPWorker:
     """One granian worker's state: its engine link, TokenizerManager, watchdog and metrics."""
 
-    def __init__(self, args: ServerArgs, files: ServerFiles, link: EngineLink, tm: TokenizerManager,
-                 vocab: LogprobVocab, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        files: ServerFiles,
+        link: EngineLink,
+        tm: TokenizerManager,
+        vocab: LogprobVocab,
+        metrics: WorkerMetrics,
+    ) -> None:
         self.args, self.files, self.link, self.tm = args, files, link, tm
         self.model = tm.model
         self.vocab = vocab
@@ -67,16 +75,28 @@ class HTTPWorker:
         except BaseException:
             link.close(files)
             raise
-        tm = TokenizerManager(link.worker, link.request_ch, link.text_ch, link.waker, tokenizer, model,
-                              args.request_timeout, args.stream_interval)
+        tm = TokenizerManager(
+            link.worker,
+            link.request_ch,
+            link.text_ch,
+            link.waker,
+            tokenizer,
+            model,
+            args.request_timeout,
+            args.stream_interval,
+        )
         worker = cls(args, files, link, tm, vocab, metrics)
         tm.start()
         worker.watchdog.start(asyncio.get_running_loop())
         worker._tasks = [asyncio.create_task(worker._flush_metrics()), asyncio.create_task(worker.watches.run())]
         settle_heap()
-        logger.info("HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, "
-                    "detokenizer pid %d", link.worker, os.getpid(), files.server_pid,
-                    *(p.pid for p in link.procs))
+        logger.info(
+            "HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, detokenizer pid %d",
+            link.worker,
+            os.getpid(),
+            files.server_pid,
+            *(p.pid for p in link.procs),
+        )
         return worker
 
     async def close(self) -> None:
@@ -108,13 +128,17 @@ class HTTPWorker:
         m = self.model
         return spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
 
-    async def submit(self, endpoint: str, prompts: list, params: list[SamplingParams], n: int, rids: list[str],
-                     stream: bool) -> ReqGroup:
+    async def submit(
+        self, endpoint: str, prompts: list, params: list[SamplingParams], n: int, rids: list[str], stream: bool
+    ) -> ReqGroup:
         """n choices of each prompt, prompt-major. A seeded prompt's j-th choice samples with
         seed + j, as vLLM's: the n samples differ, and the request is still reproducible."""
         self.metrics.count_request(endpoint)
-        choice_params = [p if p.seed is None or j == 0 else dataclasses.replace(p, seed=_wrap_int64(p.seed + j))
-                         for p in params for j in range(n)]
+        choice_params = [
+            p if p.seed is None or j == 0 else dataclasses.replace(p, seed=_wrap_int64(p.seed + j))
+            for p in params
+            for j in range(n)
+        ]
         return await self.tm.submit([ids for ids in prompts for _ in range(n)], choice_params, rids, stream)
 
     def observe(self, group: ReqGroup) -> None:
@@ -148,10 +172,15 @@ class HTTPWorker:
     def engine_state(self) -> dict:
         """What /get_server_info adds to the arguments: the engine as the scheduler described it."""
         meta = self.link.meta
-        return {"max_total_num_tokens": meta.get("max_total_tokens"), "context_length": self.model.context_length,
-                "attention_backend": meta.get("attention_backend"), "worker_index": self.link.worker,
-                "engine": {p.role: p.pid for p in self.link.procs}, "engine_up": self.tm.dead is None,
-                "internal_states": [self.engine_stats() or {}]}
+        return {
+            "max_total_num_tokens": meta.get("max_total_tokens"),
+            "context_length": self.model.context_length,
+            "attention_backend": meta.get("attention_backend"),
+            "worker_index": self.link.worker,
+            "engine": {p.role: p.pid for p in self.link.procs},
+            "engine_up": self.tm.dead is None,
+            "internal_states": [self.engine_stats() or {}],
+        }
 
 
 def _wrap_int64(value: int) -> int:
@@ -182,5 +211,11 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
             tokenizer.chat_template = read_chat_template(args.chat_template)
         except (OSError, ValueError) as e:
             raise ModelLoadError(str(e)) from None
-    model = ModelInfo(str(model_dir), served_model_name(args.model_path, args.served_model_name), cfg.architecture, cfg.context_length, cfg.vocab_size)
+    model = ModelInfo(
+        str(model_dir),
+        served_model_name(args.model_path, args.served_model_name),
+        cfg.architecture,
+        cfg.context_length,
+        cfg.vocab_size,
+    )
     return tokenizer, model, LogprobVocab.from_tokenizer(tokenizer, cfg.vocab_size)

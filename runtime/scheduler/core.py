@@ -7,25 +7,26 @@ and returns one token event per request that sampled a token, as one numpy struc
 Requests are addressed by (worker, slot, generation); the server's scheduler process and the
 OfflineEngine both drive this class.
 """
+
 from __future__ import annotations
 
 import bisect
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from gpu.forward_batch import StepInput
 from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, TokenKind, concat_records
-from runtime.config import ServerArgs
-from runtime.scheduler.radix_cache import RadixCache
-from runtime.scheduler.req_table import MAX_STOP_IDS, ReqTable
-from runtime.scheduler.req import Req, ReqStatus
 from protocol.sampling_params import InvalidParam, SamplingParams
+from runtime.config import ServerArgs
 from runtime.scheduler.policy import order_queue
+from runtime.scheduler.radix_cache import RadixCache
+from runtime.scheduler.req import Req, ReqStatus
+from runtime.scheduler.req_table import MAX_STOP_IDS, ReqTable
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,16 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001
 
     @classmethod
-    def from_server_args(cls, args: ServerArgs, context_length: int, **overrides) -> "SchedulerConfig":
-        return cls(context_length=context_length, max_running_requests=args.max_running_requests,
-                   chunked_prefill_size=args.chunked_prefill_size,
-                   max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
-                   disable_radix_cache=args.disable_radix_cache, **overrides)
+    def from_server_args(cls, args: ServerArgs, context_length: int, **overrides) -> SchedulerConfig:
+        return cls(
+            context_length=context_length,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            schedule_policy=args.schedule_policy,
+            disable_radix_cache=args.disable_radix_cache,
+            **overrides,
+        )
 
 
 @dataclass
@@ -83,8 +89,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, runner, config: SchedulerConfig,
-                 heartbeat: Callable[[], None] | None = None) -> None:
+    def __init__(self, runner, config: SchedulerConfig, heartbeat: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.pool = runner.pool
         self.config = config
@@ -114,8 +119,9 @@ class Scheduler:
     def num_running(self) -> int:
         return self.table.num_active
 
-    def add_request(self, worker: int, slot: int, generation: int, prompt_ids,
-                    params: SamplingParams, tag: object = None) -> Req:
+    def add_request(
+        self, worker: int, slot: int, generation: int, prompt_ids, params: SamplingParams, tag: object = None
+    ) -> Req:
         """Queues a request. One that can never run (bad prompt or parameters) ends at once
         with an ERROR event, named in the log; it never reaches the model."""
         prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
@@ -138,8 +144,10 @@ class Scheduler:
         if n == 0:
             return ErrorCode.INVALID_REQUEST, "the prompt is empty"
         if n >= ctx:
-            return (ErrorCode.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the context holds {ctx} "
-                    f"including at least one generated token")
+            return (
+                ErrorCode.PROMPT_TOO_LONG,
+                f"the prompt has {n} tokens; the context holds {ctx} including at least one generated token",
+            )
         if n + 1 > kv:
             return ErrorCode.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
         if req.prompt.view(np.uint32).max() >= self.vocab_size:  # a negative id too, seen as uint32
@@ -250,8 +258,7 @@ class Scheduler:
         prefix = len(prefix_pages) * ps
         remaining = len(fill) - prefix
         n = min(remaining, budget)
-        max_len = len(req.prompt) + min(req.params.max_new_tokens,
-                                        self.config.context_length - len(req.prompt))
+        max_len = len(req.prompt) + min(req.params.max_new_tokens, self.config.context_length - len(req.prompt))
         self.cache.lock(node)
         room = self.pool.num_free + self.cache.evictable_pages  # pages
         expected = remaining + self.new_token_ratio * min(max_len - len(fill), CLIP_MAX_NEW_TOKENS)
@@ -268,7 +275,7 @@ class Scheduler:
             self.stats.cached_tokens += req.cached_tokens
         self.queue.remove(req)
         row = t.admit(req, fill, max_len, stop_ids)
-        t.page_table[row, :len(prefix_pages)] = prefix_pages
+        t.page_table[row, : len(prefix_pages)] = prefix_pages
         t.num_pages[row] = len(prefix_pages)
         t.kv_len[row] = prefix
         req.node, req.prefix_pages, req.status = node, len(prefix_pages), ReqStatus.RUNNING
@@ -296,7 +303,7 @@ class Scheduler:
             need = self.pool.num_free
             n = (have + need) * ps - kv
         if need > 0:
-            t.page_table[row, have:have + need] = self.pool.alloc(need)
+            t.page_table[row, have : have + need] = self.pool.alloc(need)
             t.num_pages[row] = have + need
         return max(n, 0)
 
@@ -314,8 +321,15 @@ class Scheduler:
             rows = np.concatenate([rows, np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))])
             q_lens = np.concatenate([q_lens, np.fromiter((n for _, n in prefill), np.int64, len(prefill))])
         starts, token_ids, num_pages, page_table, sample = t.step_input(rows, q_lens)
-        return StepInput(rows=rows, starts=starts, q_lens=q_lens, token_ids=token_ids, page_table=page_table,
-                         num_pages=num_pages, sample=sample)
+        return StepInput(
+            rows=rows,
+            starts=starts,
+            q_lens=q_lens,
+            token_ids=token_ids,
+            page_table=page_table,
+            num_pages=num_pages,
+            sample=sample,
+        )
 
     # ---- after the forward -------------------------------------------------------------
     def _process(self, step: StepInput, prefill: list[tuple[Req, int]], out) -> StepResult:
@@ -333,15 +347,15 @@ class Scheduler:
         stats.generated_tokens += len(rows)
         for row in finished:
             self._finish(t.reqs[row])
-        self.new_token_ratio = max(self.config.min_new_token_ratio,
-                                   self.new_token_ratio - self.config.new_token_ratio_decay)
+        self.new_token_ratio = max(
+            self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
+        )
         return self._result(events, out.top_ids, out.top_logprobs)
 
     def _cache_running(self, req: Req) -> None:
         t, r = self.table, req.row
-        tree_pages, req.node = self.cache.cache_prefix(t.ids[r, :t.kv_len[r]], t.pages(r),
-                                                       req.prefix_pages, req.node)
-        t.page_table[r, :len(tree_pages)] = tree_pages
+        tree_pages, req.node = self.cache.cache_prefix(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
+        t.page_table[r, : len(tree_pages)] = tree_pages
         req.prefix_pages = len(tree_pages)
 
     def _result(self, events: np.ndarray, top_ids, top_logprobs) -> StepResult:
@@ -356,7 +370,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Gives back the request's row and KV pages (full pages stay in the radix cache)."""
         t, r = self.table, req.row
-        self.cache.release(t.ids[r, :t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
+        self.cache.release(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
         self.runner.clear_request(r)
         t.release(r)
         req.node, req.prefix_pages = None, 0
@@ -365,9 +379,14 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         t, r = self.table, req.row
-        logger.info("KV pool exhausted: retracting request (%d, %d, %d) after %d tokens",
-                    req.worker, req.slot, req.generation, t.length[r] - t.prompt_len[r])
-        req.output = t.ids[r, t.prompt_len[r]:t.length[r]].copy()
+        logger.info(
+            "KV pool exhausted: retracting request (%d, %d, %d) after %d tokens",
+            req.worker,
+            req.slot,
+            req.generation,
+            t.length[r] - t.prompt_len[r],
+        )
+        req.output = t.ids[r, t.prompt_len[r] : t.length[r]].copy()
         self._release(req)
         req.status = ReqStatus.QUEUED
         bisect.insort(self.queue, req, key=lambda q: q.arrival)

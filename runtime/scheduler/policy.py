@@ -1,5 +1,6 @@
 """In which order queued requests are admitted: fcfs, or lpm (longest cached prefix first,
 which keeps a shared prefix hot and saves prefill work; SGLang's default)."""
+
 from __future__ import annotations
 
 from runtime.scheduler.radix_cache import RadixCache

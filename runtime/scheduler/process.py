@@ -18,6 +18,7 @@ connected, so a socket file means the scheduler is ready. A worker that connects
 aborted. The scheduler core builds the TOKEN and ERROR records itself; this loop adds the
 OPEN records and the payloads.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,12 +30,25 @@ import numpy as np
 
 from ipc import ChannelSpec, get_transport
 from ipc.peers import PeerServer, connect
-from protocol.records import (REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, PayloadBuilder, pack_open,
-                         RequestKind, TokenKind, concat_records, encode_strings, pack_top_logprobs, unpack_request)
+from protocol.records import (
+    REQUEST,
+    TOKEN_OUT,
+    ErrorCode,
+    Finish,
+    OpenFlags,
+    PayloadBuilder,
+    RequestKind,
+    TokenKind,
+    concat_records,
+    encode_strings,
+    pack_open,
+    pack_top_logprobs,
+    unpack_request,
+)
 from runtime.config import ServerArgs
 from runtime.gc_tuning import settle_heap
-from runtime.scheduler.req import Req
 from runtime.scheduler.core import Scheduler, SchedulerConfig, StepResult
+from runtime.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +57,24 @@ REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=16 << 20)  # work
 SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
-_SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM,
-                                                               OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS))
-_NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE,
-                                                         RequestKind.ABORT_RID, RequestKind.ABORT_ALL))
+_SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(
+    int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM, OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS)
+)
+_NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(
+    int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE, RequestKind.ABORT_RID, RequestKind.ABORT_ALL)
+)
 
 
-def run_scheduler(server_args: ServerArgs, socket_path: str, detokenizer_socket: str,
-                  stats_path: str | None = None) -> None:
+def run_scheduler(
+    server_args: ServerArgs, socket_path: str, detokenizer_socket: str, stats_path: str | None = None
+) -> None:
     """The process's entry point: loads the model, connects to the detokenizer, listens on
     `socket_path` for HTTP workers and runs the loop until SIGTERM / SIGINT. `stats_path`:
     where to publish EngineStats (runtime/engine_stats.py) every iteration; None publishes none."""
     from setproctitle import setproctitle
 
     setproctitle(PROCESS_TITLE)
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
     proc = SchedulerProcess(server_args, socket_path, detokenizer_socket, stats_path)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: proc.stop())
@@ -77,8 +93,9 @@ def connect_scheduler(socket_path: str, waker, worker: int, timeout: float = 60.
 
 
 class SchedulerProcess:
-    def __init__(self, server_args: ServerArgs, socket_path: str, detokenizer_socket: str,
-                 stats_path: str | None) -> None:
+    def __init__(
+        self, server_args: ServerArgs, socket_path: str, detokenizer_socket: str, stats_path: str | None
+    ) -> None:
         self.args = server_args
         self.socket_path = socket_path
         self.detokenizer_socket = detokenizer_socket
@@ -108,19 +125,33 @@ class SchedulerProcess:
         config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
         self.scheduler = Scheduler(runner, config, heartbeat=self._publish)
         pool = runner.pool
-        self.meta = {"pid": os.getpid(), "context_length": cfg.context_length, "vocab_size": cfg.vocab_size,
-                     "eos_token_ids": list(cfg.eos_token_ids), "page_size": pool.page_size,
-                     "kv_pages": pool.num_pages, "max_total_tokens": pool.num_pages * pool.page_size,
-                     "max_running_requests": config.max_running_requests,
-                     "attention_backend": getattr(runner, "attention_backend", "null"),
-                     "null_model": self.args.null_model}
-        logger.info("%s loaded in %.1f s: KV cache of %d tokens (%d pages of %d), attention backend %s, "
-                    "up to %d running requests, context %d", "null model" if self.args.null_model else
-                    cfg.model_dir, time.perf_counter() - t0, self.meta["max_total_tokens"], pool.num_pages,
-                    pool.page_size, self.meta["attention_backend"], config.max_running_requests,
-                    cfg.context_length)
+        self.meta = {
+            "pid": os.getpid(),
+            "context_length": cfg.context_length,
+            "vocab_size": cfg.vocab_size,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "page_size": pool.page_size,
+            "kv_pages": pool.num_pages,
+            "max_total_tokens": pool.num_pages * pool.page_size,
+            "max_running_requests": config.max_running_requests,
+            "attention_backend": getattr(runner, "attention_backend", "null"),
+            "null_model": self.args.null_model,
+        }
+        logger.info(
+            "%s loaded in %.1f s: KV cache of %d tokens (%d pages of %d), attention backend %s, "
+            "up to %d running requests, context %d",
+            "null model" if self.args.null_model else cfg.model_dir,
+            time.perf_counter() - t0,
+            self.meta["max_total_tokens"],
+            pool.num_pages,
+            pool.page_size,
+            self.meta["attention_backend"],
+            config.max_running_requests,
+            cfg.context_length,
+        )
         if self.stats_path is not None:
             from runtime.engine_stats import EngineStats
+
             self.stats = EngineStats.create(self.stats_path)
         self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
         self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell
@@ -150,8 +181,13 @@ class SchedulerProcess:
     def _handle_requests(self, batch) -> None:
         sched = self.scheduler
         recs = batch.records
-        for kind, worker, slot, gen, i in zip(recs["kind"].tolist(), recs["worker"].tolist(),
-                                              recs["slot"].tolist(), recs["gen"].tolist(), range(len(recs))):
+        for kind, worker, slot, gen, i in zip(
+            recs["kind"].tolist(),
+            recs["worker"].tolist(),
+            recs["slot"].tolist(),
+            recs["gen"].tolist(),
+            range(len(recs)),
+        ):
             if kind == _NEW:
                 try:
                     params, prompt = unpack_request(recs[i], batch.payload)
@@ -167,8 +203,9 @@ class SchedulerProcess:
                 aborted = sched.abort_where(lambda r: r.tag == rid)
                 logger.info("abort by rid from worker %d: %d requests", worker, aborted)
             elif kind == _ABORT_ALL:
-                logger.info("abort of every request from worker %d: %d requests", worker,
-                            sched.abort_where(lambda r: True))
+                logger.info(
+                    "abort of every request from worker %d: %d requests", worker, sched.abort_where(lambda r: True)
+                )
             elif kind == _FLUSH:
                 freed = sched.flush_cache()
                 logger.info("cache flushed: %d pages freed", freed)
@@ -189,7 +226,7 @@ class SchedulerProcess:
         if res.top_ids is not None:
             blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
             base, _ = payload.add(blob)
-            sampled = ev[len(opened):len(opened) + res.num_sampled]
+            sampled = ev[len(opened) : len(opened) + res.num_sampled]
             sampled["payload_off"] = offsets + base
             sampled["payload_len"] = 8 * res.top_ids.shape[1]
             sampled["n_top"] = res.top_ids.shape[1]
@@ -203,14 +240,26 @@ class SchedulerProcess:
     def _open_record(self, req: Req, payload: PayloadBuilder) -> bytes:
         """The OPEN record of `req`, packed in one call (numpy sets a record's field in ~1 µs)."""
         p = req.params
-        flags = ((_SKIP_SPECIAL if p.skip_special_tokens else 0) | (_NO_STOP_TRIM if p.no_stop_trim else 0)
-                 | (_LOGPROBS if p.logprobs else 0) | (_RETURN_IDS if p.return_ids else 0))
+        flags = (
+            (_SKIP_SPECIAL if p.skip_special_tokens else 0)
+            | (_NO_STOP_TRIM if p.no_stop_trim else 0)
+            | (_LOGPROBS if p.logprobs else 0)
+            | (_RETURN_IDS if p.return_ids else 0)
+        )
         stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
         if req.error_code:
             self._rejected[(req.worker, req.slot, req.generation)] = req
-        return pack_open(worker=req.worker, slot=req.slot, gen=req.generation, prompt_tokens=len(req.prompt),
-                         min_new_tokens=p.min_new_tokens, top_logprobs=p.top_logprobs if p.logprobs else 0,
-                         flags=flags, stop_off=stop_off, stop_len=stop_len)
+        return pack_open(
+            worker=req.worker,
+            slot=req.slot,
+            gen=req.generation,
+            prompt_tokens=len(req.prompt),
+            min_new_tokens=p.min_new_tokens,
+            top_logprobs=p.top_logprobs if p.logprobs else 0,
+            flags=flags,
+            stop_off=stop_off,
+            stop_len=stop_len,
+        )
 
     def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
         rec = np.zeros(1, TOKEN_OUT.dtype)
@@ -243,8 +292,13 @@ class SchedulerProcess:
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
                     aborted = self._retire(worker)
-                    logger.log(logging.WARNING if aborted else logging.INFO,  # none: a clean stop
-                               "worker %d (pid %d) exited: %d of its requests aborted", worker, pid, aborted)
+                    logger.log(
+                        logging.WARNING if aborted else logging.INFO,  # none: a clean stop
+                        "worker %d (pid %d) exited: %d of its requests aborted",
+                        worker,
+                        pid,
+                        aborted,
+                    )
             elif event.kind == "failed":
                 if self.inputs.get(worker) is event.channel:
                     del self.worker_pids[worker]
@@ -252,8 +306,9 @@ class SchedulerProcess:
                 else:
                     event.channel.close()
             elif worker in self.inputs:
-                logger.info("worker %d reconnected: %d requests of its previous process aborted", worker,
-                            self._retire(worker))
+                logger.info(
+                    "worker %d reconnected: %d requests of its previous process aborted", worker, self._retire(worker)
+                )
                 self._add_input(worker, pid, event.channel)
             else:
                 logger.info("worker %d attached", worker)

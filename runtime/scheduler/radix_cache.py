@@ -14,6 +14,7 @@ a server whose pool is full of cached prefixes evicts on every admission.
 With `disabled` the tree stays empty: nothing matches and released pages go straight
 back to the pool, so the scheduler has one code path for both modes.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,7 +28,7 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 class TreeNode:
     __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access")
 
-    def __init__(self, parent: "TreeNode | None", key: np.ndarray, pages: np.ndarray) -> None:
+    def __init__(self, parent: TreeNode | None, key: np.ndarray, pages: np.ndarray) -> None:
         self.children: dict[bytes, TreeNode] = {}
         self.parent = parent
         self.key = key  # int32 [n * page_size] token ids
@@ -64,7 +65,7 @@ class RadixCache:
         node, pos, found = self.root, 0, []
         end = len(ids) // ps * ps
         while pos < end:
-            child = node.children.get(ids[pos:pos + ps].tobytes())
+            child = node.children.get(ids[pos : pos + ps].tobytes())
             if child is None:
                 break
             self._touch(child, now)
@@ -80,19 +81,20 @@ class RadixCache:
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child` after its first m tokens; returns the new upper node."""
         ps = self.page_size
-        upper = TreeNode(child.parent, child.key[:m], child.pages[:m // ps])
+        upper = TreeNode(child.parent, child.key[:m], child.pages[: m // ps])
         upper.lock_ref = child.lock_ref  # every lock on child's path also covers upper
         upper.last_access = child.last_access
-        upper.children[child.key[m:m + ps].tobytes()] = child
+        upper.children[child.key[m : m + ps].tobytes()] = child
         child.parent.children[child.key[:ps].tobytes()] = upper
         child.parent = upper
         child.key = child.key[m:]
-        child.pages = child.pages[m // ps:]
+        child.pages = child.pages[m // ps :]
         return upper
 
     # ---- insertion ------------------------------------------------------------
-    def insert(self, ids: np.ndarray, pages: np.ndarray, node: TreeNode | None = None,
-               pos: int = 0) -> tuple[int, TreeNode, list[np.ndarray]]:
+    def insert(
+        self, ids: np.ndarray, pages: np.ndarray, node: TreeNode | None = None, pos: int = 0
+    ) -> tuple[int, TreeNode, list[np.ndarray]]:
         """Adds ids (a multiple of page_size tokens) held in `pages`, below `node` (the root
         by default) whose path holds ids[:pos] already, so a request's release starts where
         its matched prefix ends instead of comparing that prefix again from the root.
@@ -106,9 +108,9 @@ class RadixCache:
         self._touch_ancestors(node, now)
         end, found = len(pages) * ps, []
         while pos < end:
-            child = node.children.get(ids[pos:pos + ps].tobytes())
+            child = node.children.get(ids[pos : pos + ps].tobytes())
             if child is None:
-                leaf = TreeNode(node, ids[pos:end].copy(), pages[pos // ps:].copy())
+                leaf = TreeNode(node, ids[pos:end].copy(), pages[pos // ps :].copy())
                 node.children[leaf.key[:ps].tobytes()] = leaf
                 self.evictable_pages += len(leaf.pages)
                 self._touch(leaf, now)
@@ -156,8 +158,9 @@ class RadixCache:
             self.pool.free(pages[full:])
         self.unlock(node)
 
-    def cache_prefix(self, ids: np.ndarray, pages: np.ndarray, prefix_pages: int,
-                     node: TreeNode) -> tuple[np.ndarray, TreeNode]:
+    def cache_prefix(
+        self, ids: np.ndarray, pages: np.ndarray, prefix_pages: int, node: TreeNode
+    ) -> tuple[np.ndarray, TreeNode]:
         """A running request's full pages enter the tree early (after a prefill chunk), so
         requests arriving meanwhile share them. Returns the tree's pages for that prefix
         (they replace the request's own, whose duplicates are freed) and the new node to
@@ -170,14 +173,15 @@ class RadixCache:
         self.unlock(node)
         return np.concatenate([pages[:prefix_pages], *found]), new_node
 
-    def _insert_own(self, ids: np.ndarray, pages: np.ndarray, full: int, prefix_pages: int,
-                    node: TreeNode) -> tuple[TreeNode, list[np.ndarray]]:
+    def _insert_own(
+        self, ids: np.ndarray, pages: np.ndarray, full: int, prefix_pages: int, node: TreeNode
+    ) -> tuple[TreeNode, list[np.ndarray]]:
         """Inserts a request's first `full` pages below `node`, the end of its prefix (the
         tree's own pages[:prefix_pages]), and frees its duplicates of pages the tree had."""
         ps = self.page_size
-        already, end, found = self.insert(ids[:full * ps], pages[:full], node, prefix_pages * ps)
+        already, end, found = self.insert(ids[: full * ps], pages[:full], node, prefix_pages * ps)
         if already // ps > prefix_pages:
-            self.pool.free(pages[prefix_pages:already // ps])
+            self.pool.free(pages[prefix_pages : already // ps])
         return end, found
 
     # ---- eviction -------------------------------------------------------------
@@ -193,7 +197,7 @@ class RadixCache:
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
-            del parent.children[leaf.key[:self.page_size].tobytes()]
+            del parent.children[leaf.key[: self.page_size].tobytes()]
             leaf.parent = None  # detached: any other entry of it is stale
             self._push_candidate(parent)
         return freed

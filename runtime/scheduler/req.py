@@ -3,6 +3,7 @@
 What changes every step (token ids, lengths, page table) lives in ReqTable's per-row
 numpy arrays, not here: a Req only carries what is needed to (re)admit it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -20,11 +21,34 @@ class ReqStatus(enum.IntEnum):
 
 
 class Req:
-    __slots__ = ("worker", "slot", "generation", "prompt", "params", "arrival", "status",
-                 "row", "node", "prefix_pages", "cached_tokens", "output", "tag", "error_code", "error")
+    __slots__ = (
+        "worker",
+        "slot",
+        "generation",
+        "prompt",
+        "params",
+        "arrival",
+        "status",
+        "row",
+        "node",
+        "prefix_pages",
+        "cached_tokens",
+        "output",
+        "tag",
+        "error_code",
+        "error",
+    )
 
-    def __init__(self, worker: int, slot: int, generation: int, prompt: np.ndarray,
-                 params: SamplingParams, arrival: int, tag: object = None) -> None:
+    def __init__(
+        self,
+        worker: int,
+        slot: int,
+        generation: int,
+        prompt: np.ndarray,
+        params: SamplingParams,
+        arrival: int,
+        tag: object = None,
+    ) -> None:
         self.worker = worker
         self.slot = slot
         self.generation = generation
@@ -50,5 +74,7 @@ class Req:
         return np.concatenate([self.prompt, self.output]) if len(self.output) else self.prompt
 
     def __repr__(self) -> str:
-        return (f"Req({self.worker}, {self.slot}, {self.generation}, prompt={len(self.prompt)}, "
-                f"output={len(self.output)}, {self.status.name}, row={self.row})")
+        return (
+            f"Req({self.worker}, {self.slot}, {self.generation}, prompt={len(self.prompt)}, "
+            f"output={len(self.output)}, {self.status.name}, row={self.row})"
+        )

@@ -9,6 +9,7 @@ The per-step methods (decode_rows, add_pages, step_input, append, reserved_token
 (runtime/scheduler/step_core.c: one call each, where numpy needs ~35 a step of ~1-3 µs each) or, where
 it cannot be built, as the numpy below: same results (tests run both).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -32,8 +33,9 @@ def step_core() -> type | None:
     try:
         return build_extension("runtime.step_core", _SOURCE, subdir="runtime").StepCore
     except (BuildError, ImportError, OSError) as e:
-        warnings.warn(f"scheduler: the C step bookkeeping is unavailable ({e}); numpy does it", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"scheduler: the C step bookkeeping is unavailable ({e}); numpy does it", RuntimeWarning, stacklevel=2
+        )
         return None
 
 
@@ -68,11 +70,32 @@ class ReqTable:
         self.ones.flags.writeable = False
         core = step_core() if native else None
         f = TOKEN_OUT.dtype.fields
-        self._core = None if core is None else core(
-            self.ids, self.page_table, self.length, self.kv_len, self.num_pages, self.prompt_len, self.max_len,
-            self.min_len, self.stop_ids, self.active, self.events,
-            (TOKEN_OUT.dtype.itemsize, f["token"][1], f["logprob"][1], f["finish"][1], f["completion_tokens"][1],
-             int(_LENGTH), int(_STOP)))
+        self._core = (
+            None
+            if core is None
+            else core(
+                self.ids,
+                self.page_table,
+                self.length,
+                self.kv_len,
+                self.num_pages,
+                self.prompt_len,
+                self.max_len,
+                self.min_len,
+                self.stop_ids,
+                self.active,
+                self.events,
+                (
+                    TOKEN_OUT.dtype.itemsize,
+                    f["token"][1],
+                    f["logprob"][1],
+                    f["finish"][1],
+                    f["completion_tokens"][1],
+                    int(_LENGTH),
+                    int(_STOP),
+                ),
+            )
+        )
 
     @property
     def num_free_rows(self) -> int:
@@ -94,9 +117,9 @@ class ReqTable:
         self.max_len[row] = max_len
         self.min_len[row] = p + req.params.min_new_tokens
         self.stop_ids[row] = -1
-        self.stop_ids[row, :len(stop_ids)] = stop_ids
+        self.stop_ids[row, : len(stop_ids)] = stop_ids
         self.arrival[row] = req.arrival
-        ev = self.events[row:row + 1]
+        ev = self.events[row : row + 1]
         ev["worker"], ev["slot"], ev["gen"] = req.worker, req.slot, req.generation
         ev["prompt_tokens"], ev["cached_tokens"] = p, max(req.cached_tokens, 0)
         self.active[row] = True
@@ -111,7 +134,7 @@ class ReqTable:
         self._free_rows.append(row)
 
     def pages(self, row: int) -> np.ndarray:
-        return self.page_table[row, :self.num_pages[row]]
+        return self.page_table[row, : self.num_pages[row]]
 
     # ---- a step's bookkeeping ---------------------------------------------------------
     def decode_rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -132,8 +155,9 @@ class ReqTable:
         else:
             self._core.add_pages(_c(rows, np.int64), _c(pages, np.int32))
 
-    def step_input(self, rows: np.ndarray, q_lens: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def step_input(
+        self, rows: np.ndarray, q_lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The runner's columns for rows (int64 [B]) each running q_lens (int64 [B]) tokens
         from its kv_len: (starts int64, token ids int32 [sum(q_lens)], num_pages int64,
         page_table int32 [B, P], sample bool: the row's last known token is among them)."""
@@ -141,16 +165,22 @@ class ReqTable:
             starts = self.kv_len[rows].astype(np.int64)
             num_pages = self.num_pages[rows].astype(np.int64)
             P = int(num_pages.max()) if len(rows) else 0
-            token_ids = (self.ids[rows, starts] if int(q_lens.sum()) == len(rows) else  # decodes only
-                         np.concatenate([self.ids[r, k:k + n] for r, k, n in
-                                         zip(rows.tolist(), starts.tolist(), q_lens.tolist())]))
+            token_ids = (
+                self.ids[rows, starts]
+                if int(q_lens.sum()) == len(rows)
+                # decodes only
+                else np.concatenate(
+                    [self.ids[r, k : k + n] for r, k, n in zip(rows.tolist(), starts.tolist(), q_lens.tolist())]
+                )
+            )
             return starts, token_ids, num_pages, self.page_table[rows, :P], starts + q_lens == self.length[rows]
         B = len(rows)
         starts, num_pages, sample = np.empty(B, np.int64), np.empty(B, np.int64), np.empty(B, bool)
         token_ids, page_table = np.empty(int(q_lens.sum()), np.int32), np.empty(B * self.page_table.shape[1], np.int32)
-        P = self._core.step_input(_c(rows, np.int64), _c(q_lens, np.int64), starts, token_ids, num_pages, page_table,
-                                  sample)
-        return starts, token_ids, num_pages, page_table[:B * P].reshape(B, P), sample
+        P = self._core.step_input(
+            _c(rows, np.int64), _c(q_lens, np.int64), starts, token_ids, num_pages, page_table, sample
+        )
+        return starts, token_ids, num_pages, page_table[: B * P].reshape(B, P), sample
 
     def reserved_tokens(self, ratio: float, clip: int) -> float:
         """Over the active rows: known tokens not yet in the KV cache, plus `ratio` of what

@@ -9,6 +9,7 @@ keyed by the pid of granian's main process:
     engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
     engine-<pid>.metrics/        prometheus_client's multiprocess files
 """
+
 from __future__ import annotations
 
 import os
@@ -40,6 +41,7 @@ def runtime_dir() -> Path:
 @dataclass(frozen=True)
 class ServerFiles:
     """The paths of one server's engine (see the module docstring)."""
+
     server_pid: int
     root: Path
 
@@ -97,5 +99,5 @@ def process_start_time(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
     return None if fields[0] in ("Z", "X") else int(fields[19])

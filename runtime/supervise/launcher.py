@@ -15,6 +15,7 @@ A stale engine (its processes gone, or the pid reused) is recognised by the proc
 start times in engine-<pid>.json and replaced; files of servers whose main process is
 gone are swept at every start.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,11 +39,12 @@ logger = logging.getLogger("ringserve.launcher")
 
 ROLES = ("scheduler", "detokenizer")
 START_TIMEOUT_S = 600.0  # model conversion (first GGUF start) and loading on a slow CPU
-STOP_GRACE_S = 10.0      # an engine process asked to stop is killed after this long
+STOP_GRACE_S = 10.0  # an engine process asked to stop is killed after this long
 PROGRESS_EVERY_S = 10.0  # how often a worker waiting for the engine says so
 
 
 # ---------------------------------------------------------------- worker side
+
 
 def ensure_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
     """The server's running engine processes: found, or started by this call. Blocks
@@ -81,11 +83,18 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
     for role in ROLES:  # a socket left by a killed engine must not be mistaken for a live one
         files.socket(role).unlink(missing_ok=True)
     files.metrics_dir.mkdir(mode=0o700, exist_ok=True)
-    spec = json.dumps({"server_args": dataclasses.asdict(args), "server_pid": files.server_pid,
-                       "root": str(files.root)})
-    popens = {role: subprocess.Popen([sys.executable, "-m", "runtime.supervise.launcher", role, spec],
-                                     stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
-              for role in ROLES}
+    spec = json.dumps(
+        {"server_args": dataclasses.asdict(args), "server_pid": files.server_pid, "root": str(files.root)}
+    )
+    popens = {
+        role: subprocess.Popen(
+            [sys.executable, "-m", "runtime.supervise.launcher", role, spec],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
+        for role in ROLES
+    }
     procs = []
     for role, popen in popens.items():
         start = process_start_time(popen.pid)
@@ -97,8 +106,9 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
             popen.stdin.close()
         except BrokenPipeError:
             pass  # it died already; the wait for its socket reports it
-    logger.info("engine started: scheduler pid %d, detokenizer pid %d", popens["scheduler"].pid,
-                popens["detokenizer"].pid)
+    logger.info(
+        "engine started: scheduler pid %d, detokenizer pid %d", popens["scheduler"].pid, popens["detokenizer"].pid
+    )
     return procs
 
 
@@ -110,15 +120,17 @@ def wait_for_sockets(files: ServerFiles, procs: list[EngineProcess], timeout: fl
     pending = {p.role: p for p in procs}
     while pending:
         if time.monotonic() > report:
-            logger.info("waiting for the engine's %s to load the model: %.0f s", " and ".join(pending),
-                        time.monotonic() - start)
+            logger.info(
+                "waiting for the engine's %s to load the model: %.0f s", " and ".join(pending), time.monotonic() - start
+            )
             report += PROGRESS_EVERY_S
         for role, proc in list(pending.items()):
             if _listening(files.socket(role)):
                 del pending[role]
             elif not proc.alive():
-                raise EngineStartError(f"the engine's {role} process (pid {proc.pid}) exited during "
-                                       f"start-up; its log above says why")
+                raise EngineStartError(
+                    f"the engine's {role} process (pid {proc.pid}) exited during start-up; its log above says why"
+                )
         if pending and time.monotonic() > deadline:
             raise EngineStartError(f"the engine's {', '.join(pending)} did not start within {timeout:.0f} s")
         if pending:
@@ -128,6 +140,7 @@ def wait_for_sockets(files: ServerFiles, procs: list[EngineProcess], timeout: fl
 @dataclass
 class EngineLink:
     """One HTTP worker's connection to the engine."""
+
     procs: list[EngineProcess]
     worker: int  # this worker's index in the (worker, slot, gen) addresses
     worker_lock_fd: int  # holds the index; closing it frees the index
@@ -234,10 +247,10 @@ def _sweep_stale(root: Path) -> None:
 
 # ---------------------------------------------------------------- engine side
 
+
 def engine_process_main(role: str, spec_json: str) -> int:
     """`python -m runtime.supervise.launcher <role> <spec>`: reads the pids to watch from stdin, then
     runs the scheduler or the detokenizer until it is told to stop or a watched process exits."""
-
 
     # until run_scheduler / run_detokenizer install their own handlers, a stop request
     # unwinds (finally blocks run) instead of killing the process where it stands
@@ -252,12 +265,15 @@ def engine_process_main(role: str, spec_json: str) -> int:
         return 1
     stop_when_any_exits(json.loads(line), grace_s=STOP_GRACE_S)
     from gpu.model_files import ModelLoadError
+
     try:
         if role == "scheduler":
             from runtime.scheduler.process import run_scheduler
+
             run_scheduler(args, str(files.socket("scheduler")), str(files.socket("detokenizer")), str(files.stats))
         else:
             from runtime.detokenizer.process import run_detokenizer
+
             run_detokenizer(args, str(files.socket("detokenizer")))
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
@@ -273,7 +289,9 @@ def engine_process_main(role: str, spec_json: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ROLES:
-        print(f"usage: python -m runtime.supervise.launcher {{{'|'.join(ROLES)}}} SPEC_JSON (started by the server)",
-              file=sys.stderr)
+        print(
+            f"usage: python -m runtime.supervise.launcher {{{'|'.join(ROLES)}}} SPEC_JSON (started by the server)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     sys.exit(engine_process_main(sys.argv[1], sys.argv[2]))

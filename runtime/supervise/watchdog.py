@@ -9,6 +9,7 @@ moment its process exits, kill -9 included, whoever its parent is.
                   runs on the loop as soon as an engine process dies; the worker stops
                   itself when granian's main process is gone
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,7 @@ import select
 import signal
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from runtime.supervise.files import EngineProcess
 
@@ -66,8 +67,7 @@ def stop_when_any_exits(pids: Mapping[str, int], grace_s: float) -> threading.Th
 
 
 class EngineWatchdog:
-    def __init__(self, procs: list[EngineProcess], server_pid: int,
-                 on_engine_exit: Callable[[str], None]) -> None:
+    def __init__(self, procs: list[EngineProcess], server_pid: int, on_engine_exit: Callable[[str], None]) -> None:
         self.procs = procs
         self.server_pid = server_pid
         self.on_engine_exit = on_engine_exit
