@@ -22,6 +22,7 @@ pages scattered through the pool.
                                    [--kv-cache-dtype ...]   # writes perf/results/attention_extend.json and .md
 Prints the tables; the files are written by perf/report.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import report  # noqa: E402  (perf/, beside this file)
-from forward_bench import ours_decoder  # noqa: E402  (perf/, beside this file)
-from gpu.attention import create_backend  # noqa: E402
-from gpu.forward_batch import SeqInput, build_forward_batch  # noqa: E402
-from gpu.kv_cache import KVCache  # noqa: E402
-from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig  # noqa: E402
-from gpu.quant import ACTIVATIONS  # noqa: E402
+import report
+from forward_bench import ours_decoder
+
+from gpu.attention import create_backend
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kv_cache import KVCache
+from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig
+from gpu.quant import ACTIVATIONS
 
 LAYERS, HQ, HKV, D, PAGE = 30, 9, 3, 64, 16
 BACKENDS = ("torch", "cpu")
@@ -57,10 +59,18 @@ def step_seconds(backend, meta, q, k, v) -> float:
 
 def whole_steps(args: argparse.Namespace, batches: list[int]) -> list[dict]:
     steps = 8
-    runners = {name: ModelRunner(ModelRunnerConfig(
-        attention_backend=name, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        max_running_requests=max(batches),
-        max_total_tokens=max(batches) * (args.context + 2 + steps * (args.repeat + 1) + 32))) for name in BACKENDS}
+    runners = {
+        name: ModelRunner(
+            ModelRunnerConfig(
+                attention_backend=name,
+                quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype,
+                max_running_requests=max(batches),
+                max_total_tokens=max(batches) * (args.context + 2 + steps * (args.repeat + 1) + 32),
+            )
+        )
+        for name in BACKENDS
+    }
     rng = np.random.default_rng(1)
     rows = []
     with torch.inference_mode():
@@ -73,8 +83,9 @@ def whole_steps(args: argparse.Namespace, batches: list[int]) -> list[dict]:
                     best[name] = min(best[name], run()[0])
             for _, close in decoders.values():
                 close()
-            rows.append({"batch": B, **{f"{n}_ms": best[n] * 1e3 for n in BACKENDS},
-                         "speedup": best["torch"] / best["cpu"]})
+            rows.append(
+                {"batch": B, **{f"{n}_ms": best[n] * 1e3 for n in BACKENDS}, "speedup": best["torch"] / best["cpu"]}
+            )
     return rows
 
 
@@ -112,38 +123,75 @@ def extend_main(args: argparse.Namespace, backends: dict, started: report.Starte
         counts = np.full(B, -(-(prefix + n) // PAGE))
         if counts.sum() > args.pool_pages:
             raise SystemExit(f"--shapes {shape} needs {counts.sum()} pages; raise --pool-pages")
-        pages = np.split(rng.permutation(args.pool_pages)[:counts.sum()].astype(np.int32), np.cumsum(counts)[:-1])
+        pages = np.split(rng.permutation(args.pool_pages)[: counts.sum()].astype(np.int32), np.cumsum(counts)[:-1])
         seqs = [SeqInput(b, np.zeros(n, np.int32), prefix, pages[b], True) for b in range(B)]
         meta = build_forward_batch(seqs, PAGE, context_length=8192, device=torch.device("cpu")).meta
         T = meta.num_tokens
         q = torch.randn(T, HQ + 2 * HKV, D)[:, :HQ]  # a slice, as of the model's fused qkv
         k, v = torch.randn(T, HKV, D), torch.randn(T, HKV, D)
         r = compare(backends, meta, q, k, v, args.repeat)
-        rows.append({"shape": shape, "requests": B, "new_tokens": n, "cached_prefix": prefix,
-                     **{f"{name}_ms_per_layer": r["best"][name] / LAYERS * 1e3 for name in BACKENDS},
-                     "speedup": r["best"]["torch"] / r["best"]["cpu"], "max_abs_diff": r["max_abs_diff"]})
+        rows.append(
+            {
+                "shape": shape,
+                "requests": B,
+                "new_tokens": n,
+                "cached_prefix": prefix,
+                **{f"{name}_ms_per_layer": r["best"][name] / LAYERS * 1e3 for name in BACKENDS},
+                "speedup": r["best"]["torch"] / r["best"]["cpu"],
+                "max_abs_diff": r["max_abs_diff"],
+            }
+        )
     result = {"config": {**config(args), "mode": "extend", "shapes": args.shapes}, "steps": rows}
-    md = "\n".join([
-        f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
-        f"ms per layer of a prefill step (plan + {LAYERS} layers, / {LAYERS}), best of {args.repeat}", "",
-        report.table(("shape", "torch ms", "cpu ms", "x torch", "max abs diff"),
-                     [(r["shape"], f"{r['torch_ms_per_layer']:.2f}", f"{r['cpu_ms_per_layer']:.2f}",
-                       f"{r['speedup']:.2f}", f"{r['max_abs_diff']:.1e}") for r in rows])])
+    md = "\n".join(
+        [
+            f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
+            f"ms per layer of a prefill step (plan + {LAYERS} layers, / {LAYERS}), best of {args.repeat}",
+            "",
+            report.table(
+                ("shape", "torch ms", "cpu ms", "x torch", "max abs diff"),
+                [
+                    (
+                        r["shape"],
+                        f"{r['torch_ms_per_layer']:.2f}",
+                        f"{r['cpu_ms_per_layer']:.2f}",
+                        f"{r['speedup']:.2f}",
+                        f"{r['max_abs_diff']:.1e}",
+                    )
+                    for r in rows
+                ],
+            ),
+        ]
+    )
     print(md)
-    print("wrote " + " and ".join(map(str, report.write_results("attention_extend", result, md, started,
-                                                                out=args.out))))
+    print(
+        "wrote " + " and ".join(map(str, report.write_results("attention_extend", result, md, started, out=args.out)))
+    )
 
 
 def config(args: argparse.Namespace) -> dict:
-    return {"threads": args.threads, "layers": LAYERS, "q_heads": HQ, "kv_heads": HKV, "head_dim": D,
-            "page_size": PAGE, "repeat": args.repeat, "kv_cache_dtype": args.kv_cache_dtype}
+    return {
+        "threads": args.threads,
+        "layers": LAYERS,
+        "q_heads": HQ,
+        "kv_heads": HKV,
+        "head_dim": D,
+        "page_size": PAGE,
+        "repeat": args.repeat,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--kv-len", type=int, nargs=2, default=(111, 240), metavar=("MIN", "MAX"),
-                    help="each request's cached tokens, uniform (the serving benchmark's ~110-token prompts + 64)")
+    ap.add_argument(
+        "--kv-len",
+        type=int,
+        nargs=2,
+        default=(111, 240),
+        metavar=("MIN", "MAX"),
+        help="each request's cached tokens, uniform (the serving benchmark's ~110-token prompts + 64)",
+    )
     ap.add_argument("--pool-pages", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -151,11 +199,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request in the whole-step runs")
     ap.add_argument("--mode", default="decode", choices=["decode", "extend"])
-    ap.add_argument("--shapes", default="24x85,24x85+30,1x512",
-                    help="extend mode: BxN (B requests of N new tokens) or BxN+P (after a P-token cached prefix)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="the JSON (the .md beside it); default perf/results/attention.json (decode), "
-                         "attention_extend.json (extend)")
+    ap.add_argument(
+        "--shapes",
+        default="24x85,24x85+30,1x512",
+        help="extend mode: BxN (B requests of N new tokens) or BxN+P (after a P-token cached prefix)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON (the .md beside it); default perf/results/attention.json (decode), "
+        "attention_extend.json (extend)",
+    )
     args = ap.parse_args()
     started = report.start()
     try:
@@ -177,29 +232,62 @@ def main() -> None:
             kv_lens = rng.integers(args.kv_len[0], args.kv_len[1] + 1, B)
             counts = -(-kv_lens // PAGE)
             order = np.arange(args.pool_pages) if layout == "contiguous" else rng.permutation(args.pool_pages)
-            pages = np.split(order[:counts.sum()].astype(np.int32), np.cumsum(counts)[:-1])
+            pages = np.split(order[: counts.sum()].astype(np.int32), np.cumsum(counts)[:-1])
             seqs = [SeqInput(b, np.zeros(1, np.int32), int(kv_lens[b]) - 1, pages[b], True) for b in range(B)]
             meta = build_forward_batch(seqs, PAGE, context_length=4096, device=torch.device("cpu")).meta
             q, k, v = torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D)
             r = compare(backends, meta, q, k, v, args.repeat)
-            rows.append({"pages": layout, "batch": B, "kv_tokens": int(kv_lens.sum()),
-                         **{f"{n}_ms": r["best"][n] * 1e3 for n in BACKENDS},
-                         "speedup": r["best"]["torch"] / r["best"]["cpu"], "max_abs_diff": r["max_abs_diff"]})
+            rows.append(
+                {
+                    "pages": layout,
+                    "batch": B,
+                    "kv_tokens": int(kv_lens.sum()),
+                    **{f"{n}_ms": r["best"][n] * 1e3 for n in BACKENDS},
+                    "speedup": r["best"]["torch"] / r["best"]["cpu"],
+                    "max_abs_diff": r["max_abs_diff"],
+                }
+            )
     del cache, backends
     step_rows = whole_steps(args, [int(b) for b in args.batches.split(",")])
-    result = {"config": {**config(args), "kv_len": list(args.kv_len), "quantization": args.quantization,
-                         "context": args.context},
-              "steps": rows, "model_steps": step_rows}
-    md = "\n".join([
-        f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
-        f"ms per decode step, all {LAYERS} layers", "",
-        report.table(("pages", "batch", "kv tokens", "torch ms", "cpu ms", "x torch", "max abs diff"),
-                     [(r["pages"], r["batch"], r["kv_tokens"], f"{r['torch_ms']:.1f}", f"{r['cpu_ms']:.1f}",
-                       f"{r['speedup']:.2f}", f"{r['max_abs_diff']:.1e}") for r in rows]), "",
-        f"whole decode steps of the model (quantization {args.quantization}), ms", "",
-        report.table(("batch", "torch ms", "cpu ms", "x torch"),
-                     [(r["batch"], f"{r['torch_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['speedup']:.2f}")
-                      for r in step_rows])])
+    result = {
+        "config": {
+            **config(args),
+            "kv_len": list(args.kv_len),
+            "quantization": args.quantization,
+            "context": args.context,
+        },
+        "steps": rows,
+        "model_steps": step_rows,
+    }
+    md = "\n".join(
+        [
+            f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} kv_cache_dtype={args.kv_cache_dtype}; "
+            f"ms per decode step, all {LAYERS} layers",
+            "",
+            report.table(
+                ("pages", "batch", "kv tokens", "torch ms", "cpu ms", "x torch", "max abs diff"),
+                [
+                    (
+                        r["pages"],
+                        r["batch"],
+                        r["kv_tokens"],
+                        f"{r['torch_ms']:.1f}",
+                        f"{r['cpu_ms']:.1f}",
+                        f"{r['speedup']:.2f}",
+                        f"{r['max_abs_diff']:.1e}",
+                    )
+                    for r in rows
+                ],
+            ),
+            "",
+            f"whole decode steps of the model (quantization {args.quantization}), ms",
+            "",
+            report.table(
+                ("batch", "torch ms", "cpu ms", "x torch"),
+                [(r["batch"], f"{r['torch_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['speedup']:.2f}") for r in step_rows],
+            ),
+        ]
+    )
     print(md)
     print("wrote " + " and ".join(map(str, report.write_results("attention", result, md, started, out=args.out))))
 

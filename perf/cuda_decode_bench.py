@@ -8,6 +8,7 @@ host; no CUDA graphs. Prints a table; writes perf/results/cuda_decode.json and c
     python perf/cuda_decode_bench.py [--backends torch,triton,flashinfer] [--batches 1,32]
                                      [--context 512] [--steps 50]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,19 +23,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import report  # noqa: E402  (perf/, beside this file)
-from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
+import report
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-               rope_parameters=dict(rope_type="default", rope_theta=100000.0))
+from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput
+from protocol.sampling_params import SamplingParams
+
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+)
 PAGE = 16
 
 
 def save_model(path: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2), dtype=torch.bfloat16).save_pretrained(path)
 
@@ -51,7 +64,7 @@ def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int) ->
     times = []
     for i in range(steps):
         t = time.perf_counter()
-        last = runner.step([SeqInput(b, last[b:b + 1], context + i, pages[b], True) for b in range(batch)]).tokens
+        last = runner.step([SeqInput(b, last[b : b + 1], context + i, pages[b], True) for b in range(batch)]).tokens
         times.append((time.perf_counter() - t) * 1e3)  # step() returns host tokens: it waited for the GPU
     for row, p in enumerate(pages):
         runner.clear_request(row)
@@ -68,8 +81,7 @@ def main() -> None:
     report.add_out_argument(ap, "cuda_decode")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("cuda_decode_bench: needs a CUDA device (torch.cuda.is_available() is False); "
-                         "nothing written")
+        raise SystemExit("cuda_decode_bench: needs a CUDA device (torch.cuda.is_available() is False); nothing written")
     started = report.start()
     batches = [int(b) for b in args.batches.split(",")]
     backends = [b for b in args.backends.split(",") if b != "flashinfer" or importlib.util.find_spec("flashinfer")]
@@ -77,16 +89,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp))
         for backend in backends:
-            runner = ModelRunner(ModelRunnerConfig(model_path=tmp, device="cuda", dtype="bfloat16",
-                                                   attention_backend=backend, page_size=PAGE,
-                                                   max_total_tokens=max(batches) * (args.context + args.steps + 2 * PAGE),
-                                                   max_running_requests=max(batches)))
+            runner = ModelRunner(
+                ModelRunnerConfig(
+                    model_path=tmp,
+                    device="cuda",
+                    dtype="bfloat16",
+                    attention_backend=backend,
+                    page_size=PAGE,
+                    max_total_tokens=max(batches) * (args.context + args.steps + 2 * PAGE),
+                    max_running_requests=max(batches),
+                )
+            )
             for batch in batches:
                 decode_step_ms(runner, batch, args.context, 5)  # compiles / JIT-loads this shape's kernels
                 ms = decode_step_ms(runner, batch, args.context, args.steps)
-                rows.append(dict(backend=backend, batch=batch, context=args.context, steps=args.steps,
-                                 median_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)),
-                                 p90_ms=float(np.percentile(ms, 90)), tok_s=float(batch * 1e3 / np.median(ms))))
+                rows.append(
+                    dict(
+                        backend=backend,
+                        batch=batch,
+                        context=args.context,
+                        steps=args.steps,
+                        median_ms=float(np.median(ms)),
+                        p10_ms=float(np.percentile(ms, 10)),
+                        p90_ms=float(np.percentile(ms, 90)),
+                        tok_s=float(batch * 1e3 / np.median(ms)),
+                    )
+                )
             del runner
             torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), dtype="bfloat16", rows=rows)
@@ -94,12 +122,28 @@ def main() -> None:
     print(title)
     print(f"{'backend':<11}{'batch':>6}{'median ms':>11}{'p10':>8}{'p90':>8}{'tok/s':>9}")
     for r in rows:
-        print(f"{r['backend']:<11}{r['batch']:>6}{r['median_ms']:>11.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}"
-              f"{r['tok_s']:>9.0f}")
-    md = title + " (decode step ms)\n\n" + report.table(
-        ("backend", "batch", "median ms", "p10 ms", "p90 ms", "tok/s"),
-        [(r["backend"], r["batch"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}", f"{r['p90_ms']:.2f}",
-          f"{r['tok_s']:.0f}") for r in rows])
+        print(
+            f"{r['backend']:<11}{r['batch']:>6}{r['median_ms']:>11.2f}{r['p10_ms']:>8.2f}{r['p90_ms']:>8.2f}"
+            f"{r['tok_s']:>9.0f}"
+        )
+    md = (
+        title
+        + " (decode step ms)\n\n"
+        + report.table(
+            ("backend", "batch", "median ms", "p10 ms", "p90 ms", "tok/s"),
+            [
+                (
+                    r["backend"],
+                    r["batch"],
+                    f"{r['median_ms']:.2f}",
+                    f"{r['p10_ms']:.2f}",
+                    f"{r['p90_ms']:.2f}",
+                    f"{r['tok_s']:.0f}",
+                )
+                for r in rows
+            ],
+        )
+    )
     print("wrote " + " and ".join(map(str, report.write_results("cuda_decode", result, md, started, out=args.out))))
 
 

@@ -11,20 +11,21 @@ Prints a table; writes perf/results/detok.json and detok.md (perf/report.py).
 
     python perf/detok_bench.py [--seconds 1.0]
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
 import numpy as np
+import report
 from transformers import AutoTokenizer
 
-import report
 from gpu.model_files import resolve_model_dir
-from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from ipc.ring import Batch
-from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
+from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from runtime.detokenizer.deltas import TextDeltas
+from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 
 BATCHES = (1, 64, 256)
 WARMUP_STEPS = 10
@@ -45,12 +46,14 @@ CORPORA = {
         "In practice, the throughput gain over static batching is 2-3x, because short requests leave "
         "the batch early instead of waiting for the longest one — the café analogy: tables are reused "
         "as soon as guests leave. "
-    ) * 8,
+    )
+    * 8,
     # worst case for the byte table's vectorised path: most tokens are pieces of characters
     "multilingual": (
         "Résumé, naïve café, déjà vu. 世界你好，今天天气很好。 こんにちは、元気ですか？ "
         "Emoji: 😀🤖🎉👍🏽 and symbols ∑∫√ ≤ ≥. Привет, как дела? Ελληνικά. "
-    ) * 30,
+    )
+    * 30,
 }
 
 
@@ -68,9 +71,9 @@ class PerRequestDecode:
         for r, t in zip(req.tolist(), token.tolist()):
             ids = self.ids[r]
             ids.append(t)
-            surr = self.tokenizer.decode(ids[self.surr[r]: self.read[r]], skip_special_tokens=True)
-            full = self.tokenizer.decode(ids[self.surr[r]:], skip_special_tokens=True)
-            new = full[len(surr):]
+            surr = self.tokenizer.decode(ids[self.surr[r] : self.read[r]], skip_special_tokens=True)
+            full = self.tokenizer.decode(ids[self.surr[r] :], skip_special_tokens=True)
+            new = full[len(surr) :]
             if new and not new.endswith("\ufffd"):
                 out.append((r, new.encode()))
                 self.surr[r], self.read[r] = self.read[r], len(ids)
@@ -113,13 +116,24 @@ def measure(make, corpus_ids: np.ndarray, batch: int, seconds: float, rng) -> di
         out = det.step(req, token, finished)
         elapsed += time.perf_counter() - t0
         cpu += time.process_time() - c0
-        chars += len(out.text) if hasattr(out, "text") else len(out) if hasattr(out, "dtype") else sum(
-            len(b) for _, b in out)
+        chars += (
+            len(out.text)
+            if hasattr(out, "text")
+            else len(out)
+            if hasattr(out, "dtype")
+            else sum(len(b) for _, b in out)
+        )
         steps += 1
     tokens = steps * batch
-    return {"batch": batch, "steps": steps, "tokens": tokens, "us_per_token": 1e6 * elapsed / tokens,
-            "cpu_us_per_token": 1e6 * cpu / tokens, "us_per_step": 1e6 * elapsed / steps,
-            "bytes_out": chars}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "tokens": tokens,
+        "us_per_token": 1e6 * elapsed / tokens,
+        "cpu_us_per_token": 1e6 * cpu / tokens,
+        "us_per_step": 1e6 * elapsed / steps,
+        "bytes_out": chars,
+    }
 
 
 def main() -> None:
@@ -152,22 +166,44 @@ def main() -> None:
         partial = np.mean(["\ufffd" in tokenizer.decode([i]) for i in corpus_ids])
         for name, make in variants.items():
             for b in BATCHES:
-                results.append({"corpus": corpus, "partial_token_fraction": round(float(partial), 3),
-                                "variant": name, **measure(make, corpus_ids, b, args.seconds, rng)})
+                results.append(
+                    {
+                        "corpus": corpus,
+                        "partial_token_fraction": round(float(partial), 3),
+                        "variant": name,
+                        **measure(make, corpus_ids, b, args.seconds, rng),
+                    }
+                )
 
     print(f"{'corpus':<13} {'variant':<12} {'batch':>5} {'µs/token':>9} {'cpu µs/tok':>10} {'µs/step':>9} {'steps':>6}")
     for r in results:
-        print(f"{r['corpus']:<13} {r['variant']:<12} {r['batch']:>5} {r['us_per_token']:>9.2f} "
-              f"{r['cpu_us_per_token']:>10.2f} {r['us_per_step']:>9.1f} {r['steps']:>6}")
-    partial = "partial_token_fraction: " + ", ".join(f"{c} {r['partial_token_fraction']}"
-                                                     for c, r in {r['corpus']: r for r in results}.items())
+        print(
+            f"{r['corpus']:<13} {r['variant']:<12} {r['batch']:>5} {r['us_per_token']:>9.2f} "
+            f"{r['cpu_us_per_token']:>10.2f} {r['us_per_step']:>9.1f} {r['steps']:>6}"
+        )
+    partial = "partial_token_fraction: " + ", ".join(
+        f"{c} {r['partial_token_fraction']}" for c, r in {r["corpus"]: r for r in results}.items()
+    )
     print(partial)
-    md = report.table(("corpus", "variant", "batch", "µs/token", "CPU µs/token", "µs/step", "steps"),
-                      [(r["corpus"], r["variant"], r["batch"], f"{r['us_per_token']:.2f}",
-                        f"{r['cpu_us_per_token']:.2f}", f"{r['us_per_step']:.1f}", r["steps"]) for r in results])
+    md = report.table(
+        ("corpus", "variant", "batch", "µs/token", "CPU µs/token", "µs/step", "steps"),
+        [
+            (
+                r["corpus"],
+                r["variant"],
+                r["batch"],
+                f"{r['us_per_token']:.2f}",
+                f"{r['cpu_us_per_token']:.2f}",
+                f"{r['us_per_step']:.1f}",
+                r["steps"],
+            )
+            for r in results
+        ],
+    )
     md += f"\n\n{args.seconds:g} s timed per configuration; {partial} (tokens that decode to part of a character)."
-    paths = report.write_results("detok", {"seconds_per_config": args.seconds, "results": results}, md, started,
-                                 out=args.out)
+    paths = report.write_results(
+        "detok", {"seconds_per_config": args.seconds, "results": results}, md, started, out=args.out
+    )
     print("wrote " + " and ".join(map(str, paths)))
 
 

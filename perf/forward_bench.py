@@ -16,6 +16,7 @@ all interleaved with transformers (which stays fp32) in each timed round.
 down, then lm_head, through gpu.llama.linear) at those token counts, per mode: where
 QUANTIZED_MAX_TOKENS (gpu/quant.py) comes from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import report  # noqa: E402  (perf/, beside this file)
-from gpu.llama import linear  # noqa: E402
-from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput  # noqa: E402
-from gpu.quant import ACTIVATIONS  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
+import report
+
+from gpu.llama import linear
+from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput
+from gpu.quant import ACTIVATIONS
+from protocol.sampling_params import SamplingParams
 
 MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights
 KV_DTYPES = ("auto", *KV_CACHE_DTYPES)  # --kv-cache-dtype values; auto: the model's dtype
@@ -61,7 +63,7 @@ def ours_decoder(runner: ModelRunner, prompts: np.ndarray, steps: int, repeat: i
     def decode(n: int) -> None:
         nonlocal out, pos
         for _ in range(n):
-            out = runner.step([SeqInput(b, out.tokens[b:b + 1], pos, pages[b], True) for b in range(B)])
+            out = runner.step([SeqInput(b, out.tokens[b : b + 1], pos, pages[b], True) for b in range(B)])
             pos += 1
 
     def close() -> None:
@@ -91,17 +93,32 @@ def hf_generate(model, prompts: np.ndarray, new_tokens: int, pad_id: int) -> np.
     """Seconds for generate() to produce new_tokens per request; a decode step's cost is the
     difference between two lengths, divided by their difference."""
     ids = torch.from_numpy(prompts.astype(np.int64))
-    return timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id))
+    return timed(
+        lambda: model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    )
 
 
 def products_seconds(runner: ModelRunner, tokens: int, repeat: int) -> float:
     """Best of `repeat` passes of every projection of the model through linear(), as forward()
     calls it, on random [tokens, K] inputs."""
     model = runner.model
-    weights = [(w, w_t) for i in range(runner.model_config.num_layers)
-               for w, w_t in ((model.qkv[i], None), (model.o[i], None), (model.gate_up[i], model.gate_up_t[i]),
-                              (model.down[i], None))] + [(model.lm_head, model.lm_head_t)]
+    weights = [
+        (w, w_t)
+        for i in range(runner.model_config.num_layers)
+        for w, w_t in (
+            (model.qkv[i], None),
+            (model.o[i], None),
+            (model.gate_up[i], model.gate_up_t[i]),
+            (model.down[i], None),
+        )
+    ] + [(model.lm_head, model.lm_head_t)]
     xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for w, _ in weights}
 
     def one_pass() -> None:
@@ -129,11 +146,13 @@ def cold_start_seconds() -> float:
 
 def choices(allowed: tuple[str, ...]):
     """An argparse type: a comma-separated list of distinct values from `allowed`."""
+
     def parse(value: str) -> list[str]:
         out = value.split(",")
         if any(v not in allowed for v in out) or len(set(out)) != len(out):
             raise argparse.ArgumentTypeError(f"a comma-separated list of distinct {', '.join(allowed)}, not {value!r}")
         return out
+
     return parse
 
 
@@ -153,12 +172,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-generate", action="store_true", help="skip the transformers generate() baseline")
     ap.add_argument("--cold-start", action="store_true", help="also time a start with GGUF conversion")
-    ap.add_argument("--quantization", type=choices(MODES), default=["none"],
-                    help=f"executor weights, comma-separated, each its own ModelRunner: {', '.join(MODES)} "
-                         "(gguf: the GGUF's own Q4_1/Q8_0 blocks; gguf-q8: the same with int8 activations; "
-                         "transformers stays fp32)")
-    ap.add_argument("--kv-cache-dtype", type=choices(KV_DTYPES), default=["auto"],
-                    help="KV cache element types, comma-separated, each with every --quantization mode")
+    ap.add_argument(
+        "--quantization",
+        type=choices(MODES),
+        default=["none"],
+        help=f"executor weights, comma-separated, each its own ModelRunner: {', '.join(MODES)} "
+        "(gguf: the GGUF's own Q4_1/Q8_0 blocks; gguf-q8: the same with int8 activations; "
+        "transformers stays fp32)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        type=choices(KV_DTYPES),
+        default=["auto"],
+        help="KV cache element types, comma-separated, each with every --quantization mode",
+    )
     ap.add_argument("--products", default="", help="token counts at which to time the products alone")
     report.add_out_argument(ap, "forward")
     args = ap.parse_args()
@@ -171,13 +198,21 @@ def main() -> None:
     for mode in args.quantization:
         for kv in args.kv_cache_dtype:
             t = time.perf_counter()
-            runners[label(mode, kv)] = ModelRunner(ModelRunnerConfig(
-                model_path=args.model_path, max_running_requests=max(batches),
-                quantization=None if mode == "none" else mode, kv_cache_dtype=kv,
-                max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64) + args.prefill + 64))
+            runners[label(mode, kv)] = ModelRunner(
+                ModelRunnerConfig(
+                    model_path=args.model_path,
+                    max_running_requests=max(batches),
+                    quantization=None if mode == "none" else mode,
+                    kv_cache_dtype=kv,
+                    max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64)
+                    + args.prefill
+                    + 64,
+                )
+            )
             start_s[label(mode, kv)] = time.perf_counter() - t
     first = next(iter(runners.values()))
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(first.model_config.model_dir, dtype=torch.float32).eval()
     pad_id = first.model_config.eos_token_ids[0]
     rng = np.random.default_rng(0)
@@ -206,16 +241,27 @@ def main() -> None:
             for name in runners:
                 o = np.min(ours[name], axis=0)
                 c = runners[name].config
-                rows.append({"batch": B, "runner": name, "quantization": c.quantization or "none",
-                             "kv_cache_dtype": c.kv_cache_dtype, "ours_ms": o[0] * 1e3, "ours_cpu_ms": o[1] * 1e3,
-                             "hf_ms": theirs[0] * 1e3, "hf_cpu_ms": theirs[1] * 1e3,
-                             "hf_generate_ms": None if gen is None else gen[0] * 1e3,
-                             "hf_generate_cpu_ms": None if gen is None else gen[1] * 1e3,
-                             "ours_tok_s": B / o[0], "hf_tok_s": B / theirs[0],
-                             "hf_generate_tok_s": None if gen is None else B / gen[0],
-                             "ratio_vs_hf": theirs[0] / o[0], "cpu_ratio_vs_hf": theirs[1] / o[1],
-                             "ratio_vs_generate": None if gen is None else gen[0] / o[0],
-                             "cpu_ratio_vs_generate": None if gen is None else gen[1] / o[1]})
+                rows.append(
+                    {
+                        "batch": B,
+                        "runner": name,
+                        "quantization": c.quantization or "none",
+                        "kv_cache_dtype": c.kv_cache_dtype,
+                        "ours_ms": o[0] * 1e3,
+                        "ours_cpu_ms": o[1] * 1e3,
+                        "hf_ms": theirs[0] * 1e3,
+                        "hf_cpu_ms": theirs[1] * 1e3,
+                        "hf_generate_ms": None if gen is None else gen[0] * 1e3,
+                        "hf_generate_cpu_ms": None if gen is None else gen[1] * 1e3,
+                        "ours_tok_s": B / o[0],
+                        "hf_tok_s": B / theirs[0],
+                        "hf_generate_tok_s": None if gen is None else B / gen[0],
+                        "ratio_vs_hf": theirs[0] / o[0],
+                        "cpu_ratio_vs_hf": theirs[1] / o[1],
+                        "ratio_vs_generate": None if gen is None else gen[0] / o[0],
+                        "cpu_ratio_vs_generate": None if gen is None else gen[1] / o[1],
+                    }
+                )
         prompt = rng.integers(100, V, size=args.prefill).astype(np.int32)
         ids = torch.from_numpy(prompt.astype(np.int64))[None]
         ours_p, hf_p = {m: [] for m in runners}, []
@@ -229,67 +275,148 @@ def main() -> None:
         for name, r in runners.items():
             r.pool.free(pages[name])
         hf_p = np.min(hf_p[1:], axis=0)
-        products = [{"tokens": T, **{f"{name}_ms": products_seconds(r, T, args.repeat) * 1e3
-                                     for name, r in runners.items()}} for T in product_tokens]
+        products = [
+            {"tokens": T, **{f"{name}_ms": products_seconds(r, T, args.repeat) * 1e3 for name, r in runners.items()}}
+            for T in product_tokens
+        ]
     prefill = []
     for name in runners:
         o = np.min(ours_p[name][1:], axis=0)
-        prefill.append({"runner": name, "tokens": args.prefill, "ours_tok_s": args.prefill / o[0],
-                        "hf_tok_s": args.prefill / hf_p[0], "ratio": hf_p[0] / o[0], "cpu_ratio": hf_p[1] / o[1]})
+        prefill.append(
+            {
+                "runner": name,
+                "tokens": args.prefill,
+                "ours_tok_s": args.prefill / o[0],
+                "hf_tok_s": args.prefill / hf_p[0],
+                "ratio": hf_p[0] / o[0],
+                "cpu_ratio": hf_p[1] / o[1],
+            }
+        )
     result = {
-        "config": {"threads": args.threads, "context": args.context, "steps": args.steps, "repeat": args.repeat,
-                   "dtype": "float32",
-                   "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                   "attention_backend": first.attention_backend, "device": str(first.device)},
+        "config": {
+            "threads": args.threads,
+            "context": args.context,
+            "steps": args.steps,
+            "repeat": args.repeat,
+            "dtype": "float32",
+            "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "attention_backend": first.attention_backend,
+            "device": str(first.device),
+        },
         "start_seconds_cached": start_s,
         "start_seconds_cold": cold_start_seconds() if args.cold_start else None,
-        "decode": rows, "prefill": prefill, "products": products,
+        "decode": rows,
+        "prefill": prefill,
+        "products": products,
     }
-    print(f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
-          f"steps={args.steps} (best of {args.repeat})")
+    print(
+        f"threads={args.threads} load_avg={os.getloadavg()[0]:.1f} context={args.context} "
+        f"steps={args.steps} (best of {args.repeat})"
+    )
     fmt = report.fmt
-    print(f"{'batch':>5} {'runner':>22} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} "
-          f"{'generate tok/s':>14} {'x hf':>6} {'x generate':>10} {'x hf (cpu)':>10} {'x generate (cpu)':>16}")
+    print(
+        f"{'batch':>5} {'runner':>22} {'ours ms/step':>12} {'ours tok/s':>10} {'hf tok/s':>9} "
+        f"{'generate tok/s':>14} {'x hf':>6} {'x generate':>10} {'x hf (cpu)':>10} {'x generate (cpu)':>16}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['runner']:>22} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} "
-              f"{r['hf_tok_s']:>9.1f} {fmt(r['hf_generate_tok_s'], '.1f'):>14} {r['ratio_vs_hf']:>6.2f} "
-              f"{fmt(r['ratio_vs_generate'], '.2f'):>10} {r['cpu_ratio_vs_hf']:>10.2f} "
-              f"{fmt(r['cpu_ratio_vs_generate'], '.2f'):>16}")
+        print(
+            f"{r['batch']:>5} {r['runner']:>22} {r['ours_ms']:>12.1f} {r['ours_tok_s']:>10.1f} "
+            f"{r['hf_tok_s']:>9.1f} {fmt(r['hf_generate_tok_s'], '.1f'):>14} {r['ratio_vs_hf']:>6.2f} "
+            f"{fmt(r['ratio_vs_generate'], '.2f'):>10} {r['cpu_ratio_vs_hf']:>10.2f} "
+            f"{fmt(r['cpu_ratio_vs_generate'], '.2f'):>16}"
+        )
     for p in prefill:
-        print(f"prefill {args.prefill} tokens ({p['runner']}): ours {p['ours_tok_s']:.0f} tok/s, "
-              f"transformers {p['hf_tok_s']:.0f} tok/s, x{p['ratio']:.2f} (cpu time x{p['cpu_ratio']:.2f})")
+        print(
+            f"prefill {args.prefill} tokens ({p['runner']}): ours {p['ours_tok_s']:.0f} tok/s, "
+            f"transformers {p['hf_tok_s']:.0f} tok/s, x{p['ratio']:.2f} (cpu time x{p['cpu_ratio']:.2f})"
+        )
     if products:
         print("all products of a forward, ms: " + " | ".join(f"{name}" for name in runners))
         for p in products:
             print(f"{p['tokens']:>5} tokens: " + " | ".join(f"{p[f'{name}_ms']:.1f}" for name in runners))
     cold = result["start_seconds_cold"]
-    print("ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in start_s.items())
-          + (f"; {cold:.1f} s with GGUF conversion" if cold else ""))
-    print("wrote " + " and ".join(map(str, report.write_results("forward", result, markdown(result, runners), started,
-                                                                out=args.out))))
+    print(
+        "ModelRunner start, cached: "
+        + ", ".join(f"{m} {s:.1f} s" for m, s in start_s.items())
+        + (f"; {cold:.1f} s with GGUF conversion" if cold else "")
+    )
+    print(
+        "wrote "
+        + " and ".join(
+            map(str, report.write_results("forward", result, markdown(result, runners), started, out=args.out))
+        )
+    )
 
 
 def markdown(result: dict, runners: dict) -> str:
     c, fmt = result["config"], report.fmt
-    lines = [f"{c['threads']} torch threads, context {c['context']}, {c['steps']} decode steps, best of {c['repeat']}; "
-             f"x: their time / ours (wall, and CPU time of this process).", "",
-             report.table(("batch", "runner", "ours ms/step", "ours tok/s", "hf tok/s", "generate tok/s", "x hf",
-                           "x generate", "x hf (cpu)", "x generate (cpu)"),
-                          [(r["batch"], r["runner"], f"{r['ours_ms']:.1f}", f"{r['ours_tok_s']:.1f}",
-                            f"{r['hf_tok_s']:.1f}", fmt(r["hf_generate_tok_s"]), f"{r['ratio_vs_hf']:.2f}",
-                            fmt(r["ratio_vs_generate"], ".2f"), f"{r['cpu_ratio_vs_hf']:.2f}",
-                            fmt(r["cpu_ratio_vs_generate"], ".2f")) for r in result["decode"]]),
-             "", report.table(("prefill runner", "tokens", "ours tok/s", "transformers tok/s", "x", "x (cpu)"),
-                              [(p["runner"], p["tokens"], f"{p['ours_tok_s']:.0f}", f"{p['hf_tok_s']:.0f}",
-                                f"{p['ratio']:.2f}", f"{p['cpu_ratio']:.2f}") for p in result["prefill"]])]
+    lines = [
+        f"{c['threads']} torch threads, context {c['context']}, {c['steps']} decode steps, best of {c['repeat']}; "
+        f"x: their time / ours (wall, and CPU time of this process).",
+        "",
+        report.table(
+            (
+                "batch",
+                "runner",
+                "ours ms/step",
+                "ours tok/s",
+                "hf tok/s",
+                "generate tok/s",
+                "x hf",
+                "x generate",
+                "x hf (cpu)",
+                "x generate (cpu)",
+            ),
+            [
+                (
+                    r["batch"],
+                    r["runner"],
+                    f"{r['ours_ms']:.1f}",
+                    f"{r['ours_tok_s']:.1f}",
+                    f"{r['hf_tok_s']:.1f}",
+                    fmt(r["hf_generate_tok_s"]),
+                    f"{r['ratio_vs_hf']:.2f}",
+                    fmt(r["ratio_vs_generate"], ".2f"),
+                    f"{r['cpu_ratio_vs_hf']:.2f}",
+                    fmt(r["cpu_ratio_vs_generate"], ".2f"),
+                )
+                for r in result["decode"]
+            ],
+        ),
+        "",
+        report.table(
+            ("prefill runner", "tokens", "ours tok/s", "transformers tok/s", "x", "x (cpu)"),
+            [
+                (
+                    p["runner"],
+                    p["tokens"],
+                    f"{p['ours_tok_s']:.0f}",
+                    f"{p['hf_tok_s']:.0f}",
+                    f"{p['ratio']:.2f}",
+                    f"{p['cpu_ratio']:.2f}",
+                )
+                for p in result["prefill"]
+            ],
+        ),
+    ]
     if result["products"]:
-        lines += ["", "All products of a forward, ms:", "",
-                  report.table(("tokens", *runners), [(p["tokens"], *(f"{p[f'{name}_ms']:.1f}" for name in runners))
-                                                      for p in result["products"]])]
+        lines += [
+            "",
+            "All products of a forward, ms:",
+            "",
+            report.table(
+                ("tokens", *runners),
+                [(p["tokens"], *(f"{p[f'{name}_ms']:.1f}" for name in runners)) for p in result["products"]],
+            ),
+        ]
     cold = result["start_seconds_cold"]
-    lines += ["", "ModelRunner start, cached: " + ", ".join(f"{m} {s:.1f} s" for m, s in
-                                                            result["start_seconds_cached"].items())
-              + (f"; {cold:.1f} s with GGUF conversion" if cold else "")]
+    lines += [
+        "",
+        "ModelRunner start, cached: "
+        + ", ".join(f"{m} {s:.1f} s" for m, s in result["start_seconds_cached"].items())
+        + (f"; {cold:.1f} s with GGUF conversion" if cold else ""),
+    ]
     return "\n".join(lines)
 
 

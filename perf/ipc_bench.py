@@ -20,6 +20,7 @@ Per (transport, mode, message), three runs:
     python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 300] [--spin-us 50]
 Prints a table; writes perf/results/ipc.json and ipc.md (perf/report.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
 import report
+
 from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
@@ -55,9 +56,13 @@ class Message:
     throughput_messages: int
 
 
-MESSAGES = (Message("tokens x1", "token_out", 1, 5000), Message("tokens x64", "token_out", 64, 3000),
-            Message("tokens x256", "token_out", 256, 2000), Message("request 1k", "request", 1024, 2000),
-            Message("request 8k", "request", 8192, 500))
+MESSAGES = (
+    Message("tokens x1", "token_out", 1, 5000),
+    Message("tokens x64", "token_out", 64, 3000),
+    Message("tokens x256", "token_out", 256, 2000),
+    Message("request 1k", "request", 1024, 2000),
+    Message("request 8k", "request", 8192, 500),
+)
 SPECS = {"token_out": ChannelSpec(TOKEN_OUT, 4096, 1 << 20), "request": ChannelSpec(REQUEST, 256, 16 << 20)}
 
 
@@ -79,6 +84,7 @@ def build(message: Message, rng: np.random.Generator) -> tuple[np.ndarray, bytes
 
 
 # ---------------------------------------------------------------- consumer process
+
 
 def consumer_main(sock_path: str, transport_name: str, mode: str, out: str) -> None:
     transport = get_transport(transport_name)
@@ -110,8 +116,12 @@ def consumer_main(sock_path: str, transport_name: str, mode: str, out: str) -> N
             else:
                 last = recs
                 if last["gen"][-1] == END:
-                    np.savez(out, cpu_ns=cpu_ns, wakeups=getattr(waker, "wakeups", 0),
-                             **{f"phase{p}": r for p, r in enumerate(recv_ns)})
+                    np.savez(
+                        out,
+                        cpu_ns=cpu_ns,
+                        wakeups=getattr(waker, "wakeups", 0),
+                        **{f"phase{p}": r for p, r in enumerate(recv_ns)},
+                    )
                     sock.close()
                     return
             phase = int(recs["gen"][0])
@@ -129,6 +139,7 @@ def consumer_main(sock_path: str, transport_name: str, mode: str, out: str) -> N
 
 
 # ---------------------------------------------------------------- producer (this process)
+
 
 def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[dict]:
     transport = get_transport(transport_name)
@@ -150,8 +161,11 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
         channels = {name: transport.create_channel(spec, "producer", waker, peer_fd) for name, spec in SPECS.items()}
         if peer_fd is not None:
             os.close(peer_fd)
-        send_channels(conn, list(channels.values()), {"spin_us": args.spin_us, "phases": [p[2] for p in phases],
-                                                      "kinds": [p[1] for p in phases]})
+        send_channels(
+            conn,
+            list(channels.values()),
+            {"spin_us": args.spin_us, "phases": [p[2] for p in phases], "kinds": [p[1] for p in phases]},
+        )
         send_ns, cpu_ns, elapsed_ns = [], [], []
         for phase, (message, kind, n) in enumerate(phases):
             ch = channels[message.layout]
@@ -188,12 +202,22 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
         conn.close()
     rows: dict[str, dict] = {}
     for phase, (message, kind, n) in enumerate(phases):
-        row = rows.setdefault(message.name, {"transport": LABELS[transport_name], "mode": mode,
-                                             "message": message.name, "consumer_wakeups": int(got["wakeups"])})
+        row = rows.setdefault(
+            message.name,
+            {
+                "transport": LABELS[transport_name],
+                "mode": mode,
+                "message": message.name,
+                "consumer_wakeups": int(got["wakeups"]),
+            },
+        )
         if kind == "latency":
-            lat_us = (got[f"phase{phase}"] - send_ns[phase])[args.warmup:] / 1e3
-            row.update(p50_us=float(np.percentile(lat_us, 50)), p99_us=float(np.percentile(lat_us, 99)),
-                       mean_us=float(lat_us.mean()))
+            lat_us = (got[f"phase{phase}"] - send_ns[phase])[args.warmup :] / 1e3
+            row.update(
+                p50_us=float(np.percentile(lat_us, 50)),
+                p99_us=float(np.percentile(lat_us, 99)),
+                mean_us=float(lat_us.mean()),
+            )
         elif kind == "cpu":
             row.update(producer_cpu_us=cpu_ns[phase] / n / 1e3, consumer_cpu_us=int(got["cpu_ns"][phase]) / n / 1e3)
         else:
@@ -220,8 +244,11 @@ def targets(rows: list[dict]) -> dict:
         ring, pickle_ = by.get(("ring", mode, "tokens x256")), by.get(("zmq+pickle", mode, "tokens x256"))
         if ring and pickle_:
             out[f"{mode}: zmq+pickle p50 / ring p50 at batch 256 (>= 10)"] = pickle_["p50_us"] / ring["p50_us"]
-        beats = [by[("ring", mode, m.name)]["p50_us"] < by[("zmq+msgpack", mode, m.name)]["p50_us"]
-                 for m in MESSAGES if ("ring", mode, m.name) in by and ("zmq+msgpack", mode, m.name) in by]
+        beats = [
+            by[("ring", mode, m.name)]["p50_us"] < by[("zmq+msgpack", mode, m.name)]["p50_us"]
+            for m in MESSAGES
+            if ("ring", mode, m.name) in by and ("zmq+msgpack", mode, m.name) in by
+        ]
         if beats:
             out[f"{mode}: ring p50 beats zmq+msgpack at every size"] = all(beats)
     stts = [by[k]["p99_us"] for k in by if k[0] == "ring" and k[1] == "spin_then_sleep"]
@@ -234,9 +261,16 @@ def markdown(rows: list[dict], checks: dict) -> str:
     """One line per (mode, message), the three transports side by side; then the targets."""
     by = {(r["transport"], r["mode"], r["message"]): r for r in rows}
     names = [LABELS[t] for t in TRANSPORTS]
-    lines = ["| mode | message | " + " | ".join(f"{n} p50 / p99 µs" for n in names) + " | "
-             + " | ".join(f"{n} msgs/s" for n in names) + " | " + " | ".join(f"{n} producer CPU µs/msg" for n in names)
-             + " |", "|" + "---|" * (2 + 3 * len(names))]
+    lines = [
+        "| mode | message | "
+        + " | ".join(f"{n} p50 / p99 µs" for n in names)
+        + " | "
+        + " | ".join(f"{n} msgs/s" for n in names)
+        + " | "
+        + " | ".join(f"{n} producer CPU µs/msg" for n in names)
+        + " |",
+        "|" + "---|" * (2 + 3 * len(names)),
+    ]
     for mode in MODES:
         for m in MESSAGES:
             cells = [by.get((n, mode, m.name)) for n in names]
@@ -250,8 +284,9 @@ def markdown(rows: list[dict], checks: dict) -> str:
 
 
 def target_lines(checks: dict) -> list[str]:
-    return [f"{name}: {value:.1f}" if isinstance(value, float) else f"{name}: {value}"
-            for name, value in checks.items()]
+    return [
+        f"{name}: {value:.1f}" if isinstance(value, float) else f"{name}: {value}" for name, value in checks.items()
+    ]
 
 
 def main() -> None:
@@ -272,19 +307,29 @@ def main() -> None:
     for mode in args.modes:
         for transport_name in args.transports:
             rows += run_pair(transport_name, mode, args)
-    print(f"{'transport':<12} {'mode':<16} {'message':<12} {'p50 µs':>8} {'p99 µs':>8} {'msgs/s':>9} "
-          f"{'prod CPU µs':>11} {'cons CPU µs':>11}")
+    print(
+        f"{'transport':<12} {'mode':<16} {'message':<12} {'p50 µs':>8} {'p99 µs':>8} {'msgs/s':>9} "
+        f"{'prod CPU µs':>11} {'cons CPU µs':>11}"
+    )
     for r in rows:
-        print(f"{r['transport']:<12} {r['mode']:<16} {r['message']:<12} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f} "
-              f"{r['msgs_per_s']:>9.0f} {r['producer_cpu_us']:>11.1f} {r['consumer_cpu_us']:>11.1f}")
+        print(
+            f"{r['transport']:<12} {r['mode']:<16} {r['message']:<12} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f} "
+            f"{r['msgs_per_s']:>9.0f} {r['producer_cpu_us']:>11.1f} {r['consumer_cpu_us']:>11.1f}"
+        )
     checks = targets(rows)
     for line in target_lines(checks):
         print(f"  {line}")
     mm = model()
-    result = {"memory_model": {"counters": mm.counters, "barrier": mm.barrier},
-              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "targets": checks, "rows": rows}
-    print("wrote " + " and ".join(map(str, report.write_results("ipc", result, markdown(rows, checks), started,
-                                                                out=args.out))))
+    result = {
+        "memory_model": {"counters": mm.counters, "barrier": mm.barrier},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "targets": checks,
+        "rows": rows,
+    }
+    print(
+        "wrote "
+        + " and ".join(map(str, report.write_results("ipc", result, markdown(rows, checks), started, out=args.out)))
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Secrets never reach the files: the value of any argument named like --api-key (i
 command, in the data, in the Markdown, also inside a quoted string of flags such as
 --server-args "--api-key ...") is replaced by <redacted>.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,12 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "perf" / "results"
@@ -45,6 +47,7 @@ DIRTY_IGNORED = "perf/results"  # earlier results written and not yet committed 
 @dataclass(frozen=True)
 class Started:
     """What is known before the run: the load average, the time, the command."""
+
     loadavg: tuple[float, float, float]
     utc: datetime
     monotonic: float
@@ -55,12 +58,14 @@ def start(argv: Sequence[str] | None = None) -> Started:
     """Call before measuring anything. `argv`: the script's arguments when main() was given
     them rather than reading sys.argv (the script itself is sys.argv[0])."""
     args = sys.argv[1:] if argv is None else list(argv)
-    return Started(os.getloadavg(), datetime.now(timezone.utc), time.monotonic(),
-                   command_line([script_name(sys.argv[0]), *args]))
+    return Started(
+        os.getloadavg(), datetime.now(timezone.utc), time.monotonic(), command_line([script_name(sys.argv[0]), *args])
+    )
 
 
-def write_results(name: str, data: dict, markdown: str, started: Started, *,
-                  out: Path | str | None = None) -> tuple[Path, Path]:
+def write_results(
+    name: str, data: dict, markdown: str, started: Started, *, out: Path | str | None = None
+) -> tuple[Path, Path]:
     """Writes `data` (JSON-able, keys other than 'benchmark' and 'run') to <out> and the
     Markdown `markdown` (tables, headings, notes) under a header of the run's facts to the
     same path with .md; `out` defaults to perf/results/<name>.json. Returns both paths."""
@@ -79,15 +84,18 @@ def write_results(name: str, data: dict, markdown: str, started: Started, *,
 
 def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
     """The one --out flag of every benchmark: where the JSON goes, the Markdown beside it."""
-    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json",
-                        help=f"the JSON results, the .md beside it (default perf/results/{name}.json)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / f"{name}.json",
+        help=f"the JSON results, the .md beside it (default perf/results/{name}.json)",
+    )
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A Markdown table; cells are written with str() (format numbers before)."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join("-" if c is None else str(c).replace("|", "\\|") for c in row) + " |"
-              for row in rows]
+    lines += ["| " + " | ".join("-" if c is None else str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -98,6 +106,7 @@ def fmt(value: Any, spec: str = ".1f") -> str:
 
 # ---------------------------------------------------------------- the run's facts
 
+
 def run_facts(started: Started) -> dict:
     commit, dirty_files = git_state()
     return {
@@ -107,9 +116,11 @@ def run_facts(started: Started) -> dict:
         "duration_s": round(time.monotonic() - started.monotonic, 1),
         "command": started.command,
         "machine": machine(),
-        "load": {"loadavg_before": [round(x, 2) for x in started.loadavg],
-                 "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                 "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")},
+        "load": {
+            "loadavg_before": [round(x, 2) for x in started.loadavg],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+        },
         "versions": {"python": platform.python_version(), "torch": _version("torch"), "numpy": _version("numpy")},
     }
 
@@ -117,9 +128,10 @@ def run_facts(started: Started) -> dict:
 def git_state() -> tuple[str, list[str]]:
     """(short commit hash, with '+dirty' when tracked files outside perf/results/ differ from
     it; the paths that differ). 'unknown' outside a git checkout."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
-                              timeout=30).stdout
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30).stdout
+
     try:
         commit = git("rev-parse", "--short", "HEAD").strip()
         status = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){DIRTY_IGNORED}")
@@ -130,8 +142,14 @@ def git_state() -> tuple[str, list[str]]:
 
 
 def machine() -> dict:
-    return {"cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-            "memory_gib": memory_gib(), "arch": platform.machine(), "os": f"{platform.system()} {platform.release()}"}
+    return {
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "memory_gib": memory_gib(),
+        "arch": platform.machine(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
 
 
 def cpu_model() -> str:
@@ -179,23 +197,26 @@ def header(name: str, meta: dict) -> str:
     m, load = meta["machine"], meta["load"]
     coretype = load["openblas_coretype"]
     v = meta["versions"]
-    return "\n".join([
-        f"# {name}",
-        "",
-        f"- commit: `{meta['commit']}`" + (f" ({len(meta['dirty_files'])} tracked files changed)"
-                                           if meta["dirty_files"] else ""),
-        f"- date: {meta['date'].replace('T', ' ').rstrip('Z')} UTC, {meta['duration_s']:.0f} s",
-        f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
-        f"{m['memory_gib']} GiB",
-        f"- load average before (1/5/15 min): {' / '.join(f'{x:.2f}' for x in load['loadavg_before'])}; "
-        f"OPENBLAS_CORETYPE {'=' + coretype if coretype is not None else 'unset'}",
-        f"- versions: Python {v['python']}, torch {v['torch']}, numpy {v['numpy']}",
-        f"- command: `{meta['command']}`",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# {name}",
+            "",
+            f"- commit: `{meta['commit']}`"
+            + (f" ({len(meta['dirty_files'])} tracked files changed)" if meta["dirty_files"] else ""),
+            f"- date: {meta['date'].replace('T', ' ').rstrip('Z')} UTC, {meta['duration_s']:.0f} s",
+            f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
+            f"{m['memory_gib']} GiB",
+            f"- load average before (1/5/15 min): {' / '.join(f'{x:.2f}' for x in load['loadavg_before'])}; "
+            f"OPENBLAS_CORETYPE {'=' + coretype if coretype is not None else 'unset'}",
+            f"- versions: Python {v['python']}, torch {v['torch']}, numpy {v['numpy']}",
+            f"- command: `{meta['command']}`",
+            "",
+        ]
+    )
 
 
 # ---------------------------------------------------------------- secrets
+
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """`--api-key X` and `--api-key=X` become `--api-key <redacted>`, also inside one argument

@@ -38,6 +38,7 @@ it shares the CPUs with the server, so it must cost little per event.
 Prints the tables; writes perf/results/serving.json and serving.md (perf/report.py), each
 server's log beside them (not committed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-
 import report
 
 MODELS = ("real", "null")
@@ -89,6 +89,7 @@ class Workload:
 
 # ---------------------------------------------------------------- prompts
 
+
 def load_tokenizer(model_path: str | None):
     from transformers import AutoTokenizer
 
@@ -101,12 +102,14 @@ class ChatCounter:
     """Prompt tokens of one user message, counted as the server counts them (chat template
     rendered, then encoded without special tokens). The template is rendered once around a
     marker: jinja per prompt would cost more than the encoding."""
+
     MARK = "\x00CONTENT\x00"
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        text = tokenizer.apply_chat_template([{"role": "user", "content": self.MARK}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": self.MARK}], add_generation_prompt=True, tokenize=False
+        )
         self.head, self.tail = text.split(self.MARK)
 
     def __call__(self, content: str) -> int:
@@ -118,8 +121,11 @@ def make_prompts(tokenizer, n: int, target_tokens: int, seed: int) -> tuple[list
     when one word more jumps past it): an instruction and random whole-word vocabulary
     entries. Returns the messages and their token counts."""
     count = ChatCounter(tokenizer)
-    words = sorted(t[1:] for t in tokenizer.get_vocab() if t.startswith("\u0120") and t[1:].isascii()
-                   and t[1:].isalpha() and t[1:].islower() and 3 <= len(t) - 1 <= 8)
+    words = sorted(
+        t[1:]
+        for t in tokenizer.get_vocab()
+        if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha() and t[1:].islower() and 3 <= len(t) - 1 <= 8
+    )
     rng = np.random.default_rng(seed)
     overhead = count(INSTRUCTION)
     prompts, lengths = [], []
@@ -128,7 +134,7 @@ def make_prompts(tokenizer, n: int, target_tokens: int, seed: int) -> tuple[list
         k = max(1, target_tokens - overhead)  # each " word" is one token; the loops correct it if not
         while count(text := INSTRUCTION + " " + " ".join(pool[:k])) < target_tokens and k < len(pool):
             k += 1
-        while k > 1 and count(shorter := INSTRUCTION + " " + " ".join(pool[:k - 1])) >= target_tokens:
+        while k > 1 and count(shorter := INSTRUCTION + " " + " ".join(pool[: k - 1])) >= target_tokens:
             k, text = k - 1, shorter
         prompts.append(text)
         lengths.append(count(text))
@@ -136,12 +142,21 @@ def make_prompts(tokenizer, n: int, target_tokens: int, seed: int) -> tuple[list
 
 
 def request_body(model: str, content: str, w: Workload) -> bytes:
-    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": content}],
-                         "max_tokens": w.output_tokens, "temperature": w.temperature, "ignore_eos": True,
-                         "stream": True, "stream_options": {"include_usage": True}})
+    return orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": w.output_tokens,
+            "temperature": w.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
 
 
 # ---------------------------------------------------------------- HTTP client
+
 
 @dataclass
 class RequestResult:
@@ -158,8 +173,10 @@ class StreamConnection(asyncio.Protocol):
     and timestamps each SSE event when the bytes that complete it arrive."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n" \
-                    f"Content-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
+        self.head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
+        )
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.buf = bytearray()  # bytes received, not yet parsed as HTTP
@@ -210,7 +227,7 @@ class StreamConnection(asyncio.Protocol):
             if i < 0:
                 return False
             lines = bytes(buf[:i]).split(b"\r\n")
-            del buf[:i + 4]
+            del buf[: i + 4]
             self.status = int(lines[0].split()[1])
             headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
             if headers.get(b"transfer-encoding") == b"chunked":
@@ -223,7 +240,7 @@ class StreamConnection(asyncio.Protocol):
             if i < 0:
                 return False
             self.remaining = int(bytes(buf[:i]).split(b";")[0], 16)
-            del buf[:i + 2]
+            del buf[: i + 2]
             self.state = "data" if self.remaining else "trailer"
             return True
         if self.state in ("data", "fixed"):
@@ -275,8 +292,10 @@ class StreamConnection(asyncio.Protocol):
                     self.result.content_times.append(now)
             usage = obj.get("usage")
             if usage:
-                self.result.prompt_tokens, self.result.completion_tokens = \
-                    usage["prompt_tokens"], usage["completion_tokens"]
+                self.result.prompt_tokens, self.result.completion_tokens = (
+                    usage["prompt_tokens"],
+                    usage["completion_tokens"],
+                )
         if start:
             del body[:start]
 
@@ -296,8 +315,9 @@ async def connect(host: str, port: int) -> StreamConnection:
     return conn
 
 
-async def run_closed_loop(host: str, port: int, bodies: list[bytes], concurrency: int, timeout: float,
-                          on_start, on_end) -> list[RequestResult]:
+async def run_closed_loop(
+    host: str, port: int, bodies: list[bytes], concurrency: int, timeout: float, on_start, on_end
+) -> list[RequestResult]:
     """`concurrency` connections sending `bodies` one after another each; `on_start()` runs
     right before the first request is written, `on_end()` right after the last one ends."""
     conns = await asyncio.gather(*(connect(host, port) for _ in range(concurrency)))
@@ -342,6 +362,7 @@ def new_event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
 
 # ---------------------------------------------------------------- the server
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -372,7 +393,7 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return fields[0], int(fields[11]) + int(fields[12])
 
 
@@ -400,14 +421,30 @@ class Server:
     def __init__(self, extra_args: list[str], log: Path, cwd: Path | None = None) -> None:
         self.port = free_port()
         self.extra_args = extra_args
-        self.argv = [sys.executable, "-m", "runtime", "serve", "--port", str(self.port), "--log-level", "warning",
-                     *extra_args]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "runtime",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
         self.log = log
         self.started = time.monotonic()
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                         start_new_session=True, preexec_fn=_sigint_when_parent_dies)
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_sigint_when_parent_dies,
+            )
         self.pids: list[int] = []  # the whole tree, once healthy
 
     def get(self, path: str) -> tuple[int, bytes]:
@@ -423,8 +460,9 @@ class Server:
         """Seconds from the start until /health answered 200; the process tree is known afterwards."""
         while time.monotonic() - self.started < START_TIMEOUT_S:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} during start-up; "
-                                   f"see {self.log}")
+                raise RuntimeError(
+                    f"the server exited with status {self.proc.returncode} during start-up; see {self.log}"
+                )
             try:
                 if self.get("/health")[0] == 200:
                     self.pids = descendants(self.proc.pid)
@@ -446,8 +484,10 @@ class Server:
         wanted = ("ringserve_steps_total", "ringserve_engine_generated_tokens_total")
         if status != 200:
             return {}
-        return {name: float(value) for name, value in
-                (line.split(None, 1) for line in body.decode().splitlines() if line.startswith(wanted))}
+        return {
+            name: float(value)
+            for name, value in (line.split(None, 1) for line in body.decode().splitlines() if line.startswith(wanted))
+        }
 
     def cpu_ticks(self) -> dict[int, int]:
         """utime+stime of every live process of the tree (re-walked: nothing may have respawned)."""
@@ -489,9 +529,14 @@ class Server:
         self.proc.wait()
         segments = [n for n in our_segments() if int(n.split(".")[1]) in pids]
         files = sorted(p.name for p in ServerFiles.of(self.proc.pid).root.glob(f"engine-{self.proc.pid}.*"))
-        return {"exit_status": self.proc.returncode, "stopped_by_sigint": clean_exit,
-                "stop_s": time.monotonic() - t0, "processes": running,
-                "shm_segments": segments, "engine_files": files}
+        return {
+            "exit_status": self.proc.returncode,
+            "stopped_by_sigint": clean_exit,
+            "stop_s": time.monotonic() - t0,
+            "processes": running,
+            "shm_segments": segments,
+            "engine_files": files,
+        }
 
 
 def _sigint_when_parent_dies() -> None:
@@ -507,6 +552,7 @@ def _running(pid: int) -> bool:
 
 # ---------------------------------------------------------------- statistics
 
+
 def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "mean": None}
@@ -521,39 +567,57 @@ def summarize(results: list[RequestResult], w: Workload, window_s: float) -> dic
             r.error = f"{r.completion_tokens} completion tokens, not {w.output_tokens}"
         (failures if r.error else ok).append(r)
     ttft = [r.content_times[0] - r.start for r in ok if r.content_times]
-    tpot = [(r.end - r.content_times[0]) / (r.completion_tokens - 1) for r in ok
-            if r.content_times and r.completion_tokens > 1]
+    tpot = [
+        (r.end - r.content_times[0]) / (r.completion_tokens - 1)
+        for r in ok
+        if r.content_times and r.completion_tokens > 1
+    ]
     itl = [b - a for r in ok for a, b in zip(r.content_times, r.content_times[1:])]
     events = sum(len(r.content_times) for r in ok)
     tokens = sum(r.completion_tokens for r in ok)
     return {
-        "num_requests": len(results), "completed": len(ok), "failed": len(failures),
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(failures),
         "failures": sorted({r.error for r in failures})[:5],
         "duration_s": window_s,
-        "request_throughput": len(ok) / window_s, "output_throughput": tokens / window_s,
-        "output_tokens": tokens, "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in ok])) if ok else None,
+        "request_throughput": len(ok) / window_s,
+        "output_throughput": tokens / window_s,
+        "output_tokens": tokens,
+        "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in ok])) if ok else None,
         "tokens_per_event": tokens / events if events else None,
-        "ttft_ms": percentiles(ttft, 1e3), "tpot_ms": percentiles(tpot, 1e3), "itl_ms": percentiles(itl, 1e3),
+        "ttft_ms": percentiles(ttft, 1e3),
+        "tpot_ms": percentiles(tpot, 1e3),
+        "itl_ms": percentiles(itl, 1e3),
         "e2e_ms": percentiles([r.end - r.start for r in ok], 1e3),
     }
 
 
 # ---------------------------------------------------------------- one level, one server
 
-def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w: Workload,
-                  timeout: float) -> dict:
+
+def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w: Workload, timeout: float) -> dict:
     marks: dict[str, object] = {}
 
     def on_start() -> None:  # the /metrics scrapes stay outside the CPU window
-        marks["engine0"], marks["load0"], marks["ticks0"] = server.engine_counters(), os.getloadavg(), server.cpu_ticks()
+        marks["engine0"], marks["load0"], marks["ticks0"] = (
+            server.engine_counters(),
+            os.getloadavg(),
+            server.cpu_ticks(),
+        )
         marks["client0"], marks["t0"] = time.process_time(), time.perf_counter()
 
     def on_end() -> None:
         marks["t1"], marks["client1"] = time.perf_counter(), time.process_time()
-        marks["ticks1"], marks["load1"], marks["engine1"] = server.cpu_ticks(), os.getloadavg(), server.engine_counters()
+        marks["ticks1"], marks["load1"], marks["engine1"] = (
+            server.cpu_ticks(),
+            os.getloadavg(),
+            server.engine_counters(),
+        )
 
-    results = loop.run_until_complete(run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout,
-                                                      on_start, on_end))
+    results = loop.run_until_complete(
+        run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout, on_start, on_end)
+    )
     window = marks["t1"] - marks["t0"]
     level = {"concurrency": concurrency, **summarize(results, w, window)}
     by_role = server.cpu_by_role(marks["ticks0"], marks["ticks1"])
@@ -562,28 +626,42 @@ def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w
     tokens = level["output_tokens"]
     e0, e1 = marks["engine0"], marks["engine1"]
     steps = e1.get("ringserve_steps_total", 0) - e0.get("ringserve_steps_total", 0)
-    generated = e1.get("ringserve_engine_generated_tokens_total", 0) - e0.get("ringserve_engine_generated_tokens_total", 0)
-    level.update({
-        "engine_steps": steps, "tokens_per_step": generated / steps if steps else None,
-        "server_cpu_s": server_cpu, "server_cpu_by_process_s": by_role,
-        "server_cpu_us_per_token": server_cpu / tokens * 1e6 if tokens else None,
-        "client_cpu_s": client_cpu, "client_cpu_us_per_token": client_cpu / tokens * 1e6 if tokens else None,
-        "loadavg_before": marks["load0"], "loadavg_after": marks["load1"],
-    })
+    generated = e1.get("ringserve_engine_generated_tokens_total", 0) - e0.get(
+        "ringserve_engine_generated_tokens_total", 0
+    )
+    level.update(
+        {
+            "engine_steps": steps,
+            "tokens_per_step": generated / steps if steps else None,
+            "server_cpu_s": server_cpu,
+            "server_cpu_by_process_s": by_role,
+            "server_cpu_us_per_token": server_cpu / tokens * 1e6 if tokens else None,
+            "client_cpu_s": client_cpu,
+            "client_cpu_us_per_token": client_cpu / tokens * 1e6 if tokens else None,
+            "loadavg_before": marks["load0"],
+            "loadavg_after": marks["load1"],
+        }
+    )
     return level
 
 
 def start_server(model: str, transport: str, args) -> Server:
-    extra = ["--transport", transport, *(["--null-model"] if model == "null" else []),
-             *(["--model-path", args.model_path] if args.model_path else []), *shlex.split(args.server_args)]
+    extra = [
+        "--transport",
+        transport,
+        *(["--null-model"] if model == "null" else []),
+        *(["--model-path", args.model_path] if args.model_path else []),
+        *shlex.split(args.server_args),
+    ]
     log = args.out.with_name(f"serving_server_{model}_{transport}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[{model} / {TRANSPORT_LABELS[transport]}] starting: {' '.join(extra)}", flush=True)
     return Server(extra, log)
 
 
-def run_server(server: Server, model: str, transport: str, levels: list[int], prompts: list[str], w: Workload,
-               args, loop) -> dict:
+def run_server(
+    server: Server, model: str, transport: str, levels: list[int], prompts: list[str], w: Workload, args, loop
+) -> dict:
     """Every level on one started server, which is stopped afterwards whatever happens."""
     run = {"model": model, "transport": transport, "server_args": server.extra_args, "levels": []}
     try:
@@ -592,8 +670,11 @@ def run_server(server: Server, model: str, transport: str, levels: list[int], pr
         bodies = [request_body(name, p, w) for p in prompts]
         warm, *per_level = split(bodies, [args.warmup, *(requests_at(c, model, args) for c in levels)])
         if warm:
-            loop.run_until_complete(run_closed_loop("127.0.0.1", server.port, warm, min(len(warm), 8),
-                                                    args.request_timeout, lambda: None, lambda: None))
+            loop.run_until_complete(
+                run_closed_loop(
+                    "127.0.0.1", server.port, warm, min(len(warm), 8), args.request_timeout, lambda: None, lambda: None
+                )
+            )
         for c, level_bodies in zip(levels, per_level):
             level = measure_level(loop, server, level_bodies, c, w, args.request_timeout)
             run["levels"].append(level)
@@ -625,6 +706,7 @@ def split(items: list, sizes: list[int]) -> list[list]:
 
 # ---------------------------------------------------------------- output
 
+
 def _pair(stat: dict, fmt: str = "{:.0f}") -> str:
     if stat["p50"] is None:
         return "-"
@@ -635,18 +717,45 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-COLUMNS = ("model", "transport", "conc", "reqs", "failed", "req/s", "out tok/s", "TTFT p50/p99 ms",
-           "TPOT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 ms", "tok/event", "tok/step", "server CPU µs/tok",
-           "client CPU µs/tok", "load")
+COLUMNS = (
+    "model",
+    "transport",
+    "conc",
+    "reqs",
+    "failed",
+    "req/s",
+    "out tok/s",
+    "TTFT p50/p99 ms",
+    "TPOT p50/p99 ms",
+    "ITL p50/p99 ms",
+    "E2E p50/p99 ms",
+    "tok/event",
+    "tok/step",
+    "server CPU µs/tok",
+    "client CPU µs/tok",
+    "load",
+)
 
 
 def row_cells(model: str, transport: str, lv: dict) -> list[str]:
-    return [model, TRANSPORT_LABELS[transport], str(lv["concurrency"]), str(lv["num_requests"]), str(lv["failed"]),
-            f"{lv['request_throughput']:.2f}", f"{lv['output_throughput']:.0f}", _pair(lv["ttft_ms"]),
-            _pair(lv["tpot_ms"], "{:.1f}"), _pair(lv["itl_ms"], "{:.1f}"), _pair(lv["e2e_ms"]),
-            _num(lv["tokens_per_event"], "{:.2f}"), _num(lv["tokens_per_step"], "{:.1f}"),
-            _num(lv["server_cpu_us_per_token"], "{:.1f}"),
-            _num(lv["client_cpu_us_per_token"], "{:.1f}"), f"{lv['loadavg_before'][0]:.1f}"]
+    return [
+        model,
+        TRANSPORT_LABELS[transport],
+        str(lv["concurrency"]),
+        str(lv["num_requests"]),
+        str(lv["failed"]),
+        f"{lv['request_throughput']:.2f}",
+        f"{lv['output_throughput']:.0f}",
+        _pair(lv["ttft_ms"]),
+        _pair(lv["tpot_ms"], "{:.1f}"),
+        _pair(lv["itl_ms"], "{:.1f}"),
+        _pair(lv["e2e_ms"]),
+        _num(lv["tokens_per_event"], "{:.2f}"),
+        _num(lv["tokens_per_step"], "{:.1f}"),
+        _num(lv["server_cpu_us_per_token"], "{:.1f}"),
+        _num(lv["client_cpu_us_per_token"], "{:.1f}"),
+        f"{lv['loadavg_before'][0]:.1f}",
+    ]
 
 
 def row_text(model: str, transport: str, lv: dict) -> str:
@@ -668,20 +777,27 @@ def targets(runs: list[dict]) -> dict:
         if r["model"] == "real" and 32 in by_c:
             lv = by_c[32]
             out[f"real {label} c32: output tok/s >= {TARGET_C32_TOKENS_PER_S:g} with no failed request"] = {
-                "value": lv["output_throughput"], "failed": lv["failed"],
-                "met": lv["output_throughput"] >= TARGET_C32_TOKENS_PER_S and lv["failed"] == 0}
+                "value": lv["output_throughput"],
+                "failed": lv["failed"],
+                "met": lv["output_throughput"] >= TARGET_C32_TOKENS_PER_S and lv["failed"] == 0,
+            }
         if r["model"] == "real" and 1 in by_c and by_c[1]["itl_ms"]["p50"] is not None:
             itl = by_c[1]["itl_ms"]["p50"]
             out[f"real {label} c1: ITL p50 ms <= {TARGET_C1_ITL_P50_MS:g}"] = {
-                "value": itl, "met": itl <= TARGET_C1_ITL_P50_MS}
+                "value": itl,
+                "met": itl <= TARGET_C1_ITL_P50_MS,
+            }
         if r["model"] == "null" and TARGET_NULL_STREAMS in by_c:
             cpu = by_c[TARGET_NULL_STREAMS]["server_cpu_us_per_token"]
             out[f"null {label} c{TARGET_NULL_STREAMS}: server CPU µs/token <= {TARGET_NULL_CPU_US_PER_TOKEN:g}"] = {
-                "value": cpu, "met": cpu is not None and cpu <= TARGET_NULL_CPU_US_PER_TOKEN}
+                "value": cpu,
+                "met": cpu is not None and cpu <= TARGET_NULL_CPU_US_PER_TOKEN,
+            }
     return out
 
 
 # ---------------------------------------------------------------- main
+
 
 def write_result(out: Path, result: dict, complete: bool, started: report.Started) -> None:
     result.update(complete=complete, loadavg_end=os.getloadavg(), targets=targets(result["runs"]))
@@ -692,13 +808,18 @@ def markdown(result: dict) -> str:
     """The levels' table, the workload, and the targets that applied."""
     runs, w = result["runs"], result["workload"]
     rows = [row_cells(r["model"], r["transport"], lv) for r in runs for lv in r["levels"]]
-    lines = [report.table(COLUMNS, rows), "",
-             f"Streamed chat completions, prompts of {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens, "
-             f"{w['output_tokens']} output tokens, temperature {w['temperature']:g}, ignore_eos; client on "
-             f"{result['client_loop']}; load is the 1-min load average before each level."
-             + ("" if result["complete"] else " **Incomplete run.**")]
-    lines += [""] + [f"- {name}: {_num(check['value'], '{:.1f}')} -> {'met' if check['met'] else 'NOT met'}"
-                     for name, check in result["targets"].items()]
+    lines = [
+        report.table(COLUMNS, rows),
+        "",
+        f"Streamed chat completions, prompts of {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens, "
+        f"{w['output_tokens']} output tokens, temperature {w['temperature']:g}, ignore_eos; client on "
+        f"{result['client_loop']}; load is the 1-min load average before each level."
+        + ("" if result["complete"] else " **Incomplete run.**"),
+    ]
+    lines += [""] + [
+        f"- {name}: {_num(check['value'], '{:.1f}')} -> {'met' if check['met'] else 'NOT met'}"
+        for name, check in result["targets"].items()
+    ]
     return "\n".join(lines)
 
 
@@ -711,12 +832,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma list of: real, null")
     ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list of: ring, zmq")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,8,32,128; --quick: 1,8)")
-    ap.add_argument("--null-streams", type=int, default=None,
-                    help=f"an extra concurrency level for the null model only (default {TARGET_NULL_STREAMS}; "
-                         f"--quick: none; 0: none)")
-    ap.add_argument("--num-requests", default=None,
-                    help="requests per level: one count for every level, or one per --concurrency level "
-                         "(default: real max(32, 2 C), null max(128, 4 C); --quick: max(8, C))")
+    ap.add_argument(
+        "--null-streams",
+        type=int,
+        default=None,
+        help=f"an extra concurrency level for the null model only (default {TARGET_NULL_STREAMS}; "
+        f"--quick: none; 0: none)",
+    )
+    ap.add_argument(
+        "--num-requests",
+        default=None,
+        help="requests per level: one count for every level, or one per --concurrency level "
+        "(default: real max(32, 2 C), null max(128, 4 C); --quick: max(8, C))",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="requests before the first level (default 8, quick 2)")
     ap.add_argument("--prompt-tokens", type=int, default=Workload.prompt_tokens)
     ap.add_argument("--output-tokens", type=int, default=Workload.output_tokens)
@@ -737,24 +865,35 @@ def main(argv: list[str] | None = None) -> int:
         levels = parse_list(args.concurrency or ("1,8" if args.quick else "1,8,32,128"), int)
         counts = parse_list(args.num_requests or "", int)
     except ValueError:
-        ap.error(f"--concurrency and --num-requests must be comma lists of integers, not "
-                 f"{args.concurrency!r} and {args.num_requests!r}")
+        ap.error(
+            f"--concurrency and --num-requests must be comma lists of integers, not "
+            f"{args.concurrency!r} and {args.num_requests!r}"
+        )
     null_streams = args.null_streams if args.null_streams is not None else (0 if args.quick else TARGET_NULL_STREAMS)
     if len(counts) not in (0, 1, len(levels)):
         ap.error(f"--num-requests needs one count or {len(levels)} (one per --concurrency level), not {len(counts)}")
-    for name, value in (("--concurrency", min(levels, default=0)), ("--num-requests", min(counts, default=1)),
-                        ("--output-tokens", args.output_tokens), ("--prompt-tokens", args.prompt_tokens)):
+    for name, value in (
+        ("--concurrency", min(levels, default=0)),
+        ("--num-requests", min(counts, default=1)),
+        ("--output-tokens", args.output_tokens),
+        ("--prompt-tokens", args.prompt_tokens),
+    ):
         if value < 1:
             ap.error(f"{name} must be at least 1")
     if null_streams < 0:
         ap.error("--null-streams must be at least 0 (0: no extra level)")
-    args.request_counts = dict(zip(levels + [null_streams], counts * (len(levels) + 1))) if len(counts) == 1 \
+    args.request_counts = (
+        dict(zip(levels + [null_streams], counts * (len(levels) + 1)))
+        if len(counts) == 1
         else dict(zip(levels, counts))
+    )
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 8)
     w = Workload(args.prompt_tokens, args.output_tokens, args.temperature, args.seed)
 
-    all_levels = {m: levels + ([null_streams] if m == "null" and null_streams and null_streams not in levels else [])
-                  for m in models}
+    all_levels = {
+        m: levels + ([null_streams] if m == "null" and null_streams and null_streams not in levels else [])
+        for m in models
+    }
     pairs = [(m, t) for m in models for t in transports]  # each transport gets the same prompts
     server = start_server(*pairs[0], args)  # it starts while the tokenizer loads here
     try:
@@ -765,20 +904,36 @@ def main(argv: list[str] | None = None) -> int:
         raise
     loop, loop_name = new_event_loop()
     load_start = os.getloadavg()
-    print(f"{len(prompts)} prompts of {min(prompt_lengths)}-{max(prompt_lengths)} tokens, {w.output_tokens} output "
-          f"tokens, temperature {w.temperature:g}, ignore_eos; client on {loop_name}; load {load_start[0]:.1f}",
-          flush=True)
+    print(
+        f"{len(prompts)} prompts of {min(prompt_lengths)}-{max(prompt_lengths)} tokens, {w.output_tokens} output "
+        f"tokens, temperature {w.temperature:g}, ignore_eos; client on {loop_name}; load {load_start[0]:.1f}",
+        flush=True,
+    )
     out = args.out
     result = {
         "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
-        "host": platform.node(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-        "client_loop": loop_name, "loadavg_start": load_start, "loadavg_end": None,
+        "host": platform.node(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "client_loop": loop_name,
+        "loadavg_start": load_start,
+        "loadavg_end": None,
         "thread_env": {k: v for k, v in os.environ.items() if k.startswith(THREAD_ENV)},  # the server inherits it
-        "workload": {"endpoint": "/v1/chat/completions", "stream": True, "ignore_eos": True,
-                     "prompt_tokens_target": w.prompt_tokens, "prompt_tokens_mean": float(np.mean(prompt_lengths)),
-                     "prompt_tokens_min": min(prompt_lengths), "prompt_tokens_max": max(prompt_lengths),
-                     "output_tokens": w.output_tokens, "temperature": w.temperature, "seed": w.seed},
-        "complete": False, "targets": {}, "runs": [],
+        "workload": {
+            "endpoint": "/v1/chat/completions",
+            "stream": True,
+            "ignore_eos": True,
+            "prompt_tokens_target": w.prompt_tokens,
+            "prompt_tokens_mean": float(np.mean(prompt_lengths)),
+            "prompt_tokens_min": min(prompt_lengths),
+            "prompt_tokens_max": max(prompt_lengths),
+            "output_tokens": w.output_tokens,
+            "temperature": w.temperature,
+            "seed": w.seed,
+        },
+        "complete": False,
+        "targets": {},
+        "runs": [],
     }
     runs = result["runs"]
     try:
@@ -792,12 +947,20 @@ def main(argv: list[str] | None = None) -> int:
     checks = result["targets"]
     print(table(runs))
     for name, check in checks.items():
-        print(f"  {name}: {check['value']:.1f} -> {'met' if check['met'] else 'NOT met'}"
-              if check["value"] is not None else f"  {name}: no value -> NOT met")
-    print(f"load average {load_start[0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end; "
-          f"wrote {out} and {out.with_suffix('.md')}")
-    leftovers = [r for r in runs if r["leftovers"]["processes"] or r["leftovers"]["shm_segments"]
-                 or r["leftovers"]["engine_files"]]
+        print(
+            f"  {name}: {check['value']:.1f} -> {'met' if check['met'] else 'NOT met'}"
+            if check["value"] is not None
+            else f"  {name}: no value -> NOT met"
+        )
+    print(
+        f"load average {load_start[0]:.1f} at the start, {result['loadavg_end'][0]:.1f} at the end; "
+        f"wrote {out} and {out.with_suffix('.md')}"
+    )
+    leftovers = [
+        r
+        for r in runs
+        if r["leftovers"]["processes"] or r["leftovers"]["shm_segments"] or r["leftovers"]["engine_files"]
+    ]
     return 1 if leftovers else 0
 
 

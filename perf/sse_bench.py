@@ -3,15 +3,16 @@ usual way (a dict per chunk, all through orjson). Single thread, best of several
 
     python perf/sse_bench.py [--events 200000] [--repeats 5]
 Prints a table; writes perf/results/sse.json and sse.md (perf/report.py)."""
+
 from __future__ import annotations
 
 import argparse
 import time
 
 import orjson
-
 import report
-from httpapi.logprobs import TokenLogprobs, LogprobVocab
+
+from httpapi.logprobs import LogprobVocab, TokenLogprobs
 from httpapi.sse import ChatStream, CompletionStream
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -20,10 +21,21 @@ ID = "chatcmpl-0123456789abcdef0123456789abcdef"
 
 def naive_chat_chunk(index: int, text: str, finish_reason: str | None) -> bytes:
     """What a server that builds a dict per chunk does (vLLM and SGLang build a pydantic model, slower still)."""
-    return b"data: " + orjson.dumps({
-        "id": ID, "object": "chat.completion.chunk", "created": 1700000000, "model": MODEL,
-        "choices": [{"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}],
-    }) + b"\n\n"
+    return (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": ID,
+                "object": "chat.completion.chunk",
+                "created": 1700000000,
+                "model": MODEL,
+                "choices": [
+                    {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+                ],
+            }
+        )
+        + b"\n\n"
+    )
 
 
 def ns_per_call(fn, events: int, repeats: int) -> float:
@@ -60,8 +72,10 @@ def main() -> None:
         "chat delta + logprobs (1 token, top 5)": lambda: chat.delta(2, " word", None, one_token_top5),
         "completion delta + logprobs (1 token, top 5)": lambda: completion.delta(2, " word", None, one_token_top5),
     }
-    results = {name: ns_per_call(fn, args.events if "logprobs" not in name else args.events // 10, args.repeats)
-               for name, fn in cases.items()}
+    results = {
+        name: ns_per_call(fn, args.events if "logprobs" not in name else args.events // 10, args.repeats)
+        for name, fn in cases.items()
+    }
     assert chat.delta(2, " word") == naive_chat_chunk(2, " word", None)  # same bytes, cheaper
 
     width = max(map(len, results))
@@ -69,10 +83,23 @@ def main() -> None:
     for name, ns in results.items():
         print(f"{name:<{width}}  {ns:8.0f}")
     md = report.table(("event", "ns/event"), [(name, f"{ns:.0f}") for name, ns in results.items()])
-    md += (f"\n\nBest of {args.repeats} repeats of {args.events} events ({args.events // 10} with logprobs), "
-           f"one thread; orjson {orjson.__version__}.")
-    paths = report.write_results("sse", {"unit": "ns/event", "events": args.events, "repeats": args.repeats,
-                                         "orjson": orjson.__version__, "results": results}, md, started, out=args.out)
+    md += (
+        f"\n\nBest of {args.repeats} repeats of {args.events} events ({args.events // 10} with logprobs), "
+        f"one thread; orjson {orjson.__version__}."
+    )
+    paths = report.write_results(
+        "sse",
+        {
+            "unit": "ns/event",
+            "events": args.events,
+            "repeats": args.repeats,
+            "orjson": orjson.__version__,
+            "results": results,
+        },
+        md,
+        started,
+        out=args.out,
+    )
     print("wrote " + " and ".join(map(str, paths)))
 
 

@@ -1,6 +1,7 @@
 """perf/report.py, where every benchmark writes its results: both files written, the run's
 facts in them (commit, date, machine, load, versions, command), secrets redacted; and every
 script in perf/ goes through it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,8 +30,9 @@ SECRETS = ("sk-one", "sk-two", "sk-three", "sk-four", "sk-five", "sk-six")
 
 
 def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def write(tmp_path, monkeypatch, argv=("--levels", "1,2"), data=None, markdown="| a |\n|---|\n| 1 |"):
@@ -82,17 +84,28 @@ def test_dirty_means_tracked_changes_outside_the_results(tmp_path, monkeypatch):
 
 
 def test_api_key_values_are_redacted_everywhere(tmp_path, monkeypatch):
-    argv = ["--api-key", "sk-one", "--server-args", "--api-key=sk-two --max-running-requests 8", "--output-tokens",
-            "16"]
-    data = {"server_args": ["--transport", "ring", "--api-key", "sk-three"], "note": "ran with --api-key 'sk-four'",
-            "runs": [{"args": "--hf-token=sk-six"}]}
+    argv = [
+        "--api-key",
+        "sk-one",
+        "--server-args",
+        "--api-key=sk-two --max-running-requests 8",
+        "--output-tokens",
+        "16",
+    ]
+    data = {
+        "server_args": ["--transport", "ring", "--api-key", "sk-three"],
+        "note": "ran with --api-key 'sk-four'",
+        "runs": [{"args": "--hf-token=sk-six"}],
+    }
     json_path, md_path = write(tmp_path, monkeypatch, argv, data, "| args |\n|---|\n| `--api-key sk-five` |")
     text = json_path.read_text() + md_path.read_text()
     for secret in SECRETS:
         assert secret not in text
     result = json.loads(json_path.read_text())
-    assert result["run"]["command"] == ("python perf/ipc_bench.py --api-key '<redacted>' --server-args "
-                                        "'--api-key=<redacted> --max-running-requests 8' --output-tokens 16")
+    assert result["run"]["command"] == (
+        "python perf/ipc_bench.py --api-key '<redacted>' --server-args "
+        "'--api-key=<redacted> --max-running-requests 8' --output-tokens 16"
+    )
     assert result["server_args"] == ["--transport", "ring", "--api-key", "<redacted>"]
     assert "--output-tokens 16" in md_path.read_text()  # a flag that only looks like one stays
 
@@ -102,11 +115,19 @@ def test_markdown_has_the_header_then_the_tables(tmp_path, monkeypatch):
     lines = md_path.read_text().splitlines()
     assert lines[0] == "# demo"
     head = "\n".join(lines[:10])
-    for fact in ("- commit: `", "- date: ", "- machine: ", "logical cores", "- load average before",
-                 "OPENBLAS_CORETYPE", "- versions: Python ", "- command: `python perf/ipc_bench.py --levels 1,2`"):
+    for fact in (
+        "- commit: `",
+        "- date: ",
+        "- machine: ",
+        "logical cores",
+        "- load average before",
+        "OPENBLAS_CORETYPE",
+        "- versions: Python ",
+        "- command: `python perf/ipc_bench.py --levels 1,2`",
+    ):
         assert fact in head, fact
     at = lines.index("| name | µs |")
-    assert lines[at:at + 4] == ["| name | µs |", "|---|---|", "| ring | 1.5 |", "| zmq | - |"]
+    assert lines[at : at + 4] == ["| name | µs |", "|---|---|", "| ring | 1.5 |", "| zmq | - |"]
     assert all(line.startswith("- ") for line in lines[2:at] if line)
 
 
@@ -140,7 +161,12 @@ def test_cuda_decode_bench_without_cuda_says_so(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
     out = tmp_path / "cuda.json"
-    proc = subprocess.run([sys.executable, "perf/cuda_decode_bench.py", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "perf/cuda_decode_bench.py", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stdout + proc.stderr
     assert not out.exists()
