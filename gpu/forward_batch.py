@@ -26,8 +26,8 @@ class SeqInput:
 @dataclass(frozen=True)
 class StepInput:
     """A step's sequences as columns: what the scheduler hands the runner, built from its
-    request table without an object per request (at 256 running requests, a SeqInput each
-    was a fifth of the scheduler's time a step). A list of SeqInputs converts with of()."""
+    request table without an object per request (with many running requests, a SeqInput each
+    is a large share of the scheduler's time a step). A list of SeqInputs converts with of()."""
 
     rows: np.ndarray  # int64 [B], the sampler rows
     starts: np.ndarray  # int64 [B], tokens of each sequence already in the KV cache

@@ -25,8 +25,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # Below this many tokens MKL runs (W @ x^T)^T, streaming W's rows once with the tokens as the
-# short side, 1.3-2.6x faster than F.linear's x @ W^T (measured over SmolLM2's 30 layers and
-# lm_head on a 2-core AVX2 CPU: 2.5x at 2-4 tokens, 1.4x at 32, 1.1x at 128, 0.9x at 512).
+# short side, faster than F.linear's x @ W^T: most at a few tokens, less as they grow, and
+# F.linear wins beyond this limit (measured over SmolLM2's layers and lm_head:
+# docs/perf-notes.md).
 SHORT_GEMM_TOKENS = 128
 
 
@@ -47,7 +48,7 @@ def linear(
         return F.linear(x, w, bias)
     T = x.shape[0]
     if T == 1 and w_t is not None:
-        out = x @ w_t  # a one-token GEMV streams [K, N] ~2x faster when K is the short side
+        out = x @ w_t  # a one-token GEMV streams [K, N] faster when K is the short side
         return out if bias is None else out + bias
     if T <= SHORT_GEMM_TOKENS:
         out = torch.mm(w, x.t()) if bias is None else torch.addmm(bias[:, None], w, x.t())  # [N, T]
@@ -177,7 +178,7 @@ class LlamaForCausalLM:
         self.gate_up = [weights[f"layers.{i}.gate_up"] for i in range(n)]
         self.down = [weights[f"layers.{i}.down"] for i in range(n)]
 
-        # On the CPU a one-token product x @ W^T streams W ~2x faster from a [K, N] copy than from
+        # On the CPU a one-token product x @ W^T streams W much faster from a [K, N] copy than from
         # the [N, K] weight when K is the short hidden size (MKL; measured for gate_up and lm_head,
         # not for qkv, o or down). Single-token steps, i.e. batch-1 decode, the latency case, use
         # the copies (see linear()).

@@ -2,7 +2,8 @@
 hands them out and takes them back (sharing between requests is the radix cache's job).
 
 Plain Python structures, not numpy: a request's alloc or free moves a handful of pages,
-where each numpy call costs more than the whole Python loop (a free took ~7 numpy calls)."""
+where each numpy call costs more than the whole Python loop (and a free as numpy is several
+calls)."""
 
 from __future__ import annotations
 

@@ -49,12 +49,10 @@ GEMMS = {
 
 # Up to this many tokens a product reads the blocks; beyond, the dense fp32 copy through MKL.
 # fp32 activations: memory bound at few tokens (~5x fewer bytes than fp32), compute bound
-# beyond, where MKL is as fast or faster (all of SmolLM2's products on a 2-core AVX2 CPU,
-# against gpu/llama.py's fp32 path: 2.7x faster at 8 tokens, 1.6x at 16, 1.3x at 24, 1.0x at
-# 32, 0.97x at 48, 0.55x at 128). q8 activations: no limit, and no dense copy is kept: the
-# integer kernel beat MKL at every size measured (perf/forward_bench.py --products: 7.4x at 1
-# token, 4.8x at 8, 2.4x at 32, 1.8x at 128, 1.3x at 512, 1.4x at 2048, the default chunked
-# prefill).
+# beyond, where MKL is as fast or faster: against gpu/llama.py's fp32 path the blocks' lead
+# shrinks as tokens grow and is gone at this limit (docs/perf-notes.md). q8 activations: no
+# limit, and no dense copy is kept: the integer kernel beat MKL at every size measured
+# (perf/forward_bench.py --products), up to the default chunked prefill.
 QUANTIZED_MAX_TOKENS: dict[str, int | None] = {"fp32": 32, "q8": None}
 ROW_GROUP = 8  # rows the q8 kernels interleave (gpu/kernels/ggml_cpu.c ROWS)
 
@@ -183,7 +181,7 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32")
     """The quantized replacements of load_weights()' qkv, o, gate_up, down and lm_head (their
     `dense` copies not attached), multiplied with `activations` ("fp32" | "q8"). The first
     start reads them from the GGUF (gguf-py parses every metadata field, the whole vocabulary
-    included: ~5 s here) and caches them beside its converted directory; later starts read that."""
+    included: slow) and caches them beside its converted directory; later starts read that."""
     if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ModelLoadError(f"--quantization gguf supports Llama and Mistral GGUF files, not {cfg.architecture}")
     _kernels()  # built now: a missing compiler fails the start, not the first request

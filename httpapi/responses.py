@@ -19,7 +19,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def new_request_id(kind: str) -> str:
     """ "chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses: 128 random bits, as
-    uuid4().hex has (less 6 fixed bits) at a fifth of its cost."""
+    uuid4().hex has (less 6 fixed bits) at a fraction of its cost."""
     return f"{kind}-{os.urandom(16).hex()}"
 
 

@@ -65,7 +65,7 @@ class SamplingSpec:
     ) -> SamplingSpec:
         """values: read_sampling()'s. Without max_tokens, everything else is validated now
         (min_tokens against itself) and min_tokens against the real budget in resolve().
-        Requests asking the same get the same spec, made once (~6 µs a request: clients
+        Requests asking the same get the same spec, made once rather than a request (clients
         send a few distinct settings), and so the same SamplingParams, whose record bytes
         pack_request makes once too."""
         return _spec(tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)

@@ -80,8 +80,9 @@ class Channel:
         self.sleep_flag = SleepFlag(
             self._ring.set_producer_waiting if role == "producer" else self._ring.set_consumer_sleeping
         )
-        # this side's hot calls go straight to the ring: a Python frame costs ~0.5 µs, several
-        # times that with cold caches; the methods below remain to refuse the other side's calls
+        # this side's hot calls go straight to the ring: a Python frame costs more than the C
+        # operation itself, more still with cold caches; the methods below remain to refuse the
+        # other side's calls
         if role == "producer":
             self.push = self._ring.push
         else:

@@ -1,8 +1,8 @@
 """The rings' C data path (ipc/ring_core.c), built with the system C compiler on first use.
 
 Where it cannot be built (no compiler, no Python headers) the rings use the Python data
-path of ipc/ring.py instead, with a warning: same protocol, same segment, ~4x the CPU
-per push and pop. RINGSERVE_IPC_NATIVE=0 asks for the Python path (tests cover both)."""
+path of ipc/ring.py instead, with a warning: same protocol, same segment, several times
+the CPU per push and pop. RINGSERVE_IPC_NATIVE=0 asks for the Python path (tests cover both)."""
 
 from __future__ import annotations
 

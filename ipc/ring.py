@@ -214,8 +214,8 @@ class Ring:
         """Publishes the longest prefix of `records` that fits, all referencing `payload`
         (one blob, copied once). Returns how many records were published: 0 when the
         ring or the arena is full (nothing is dropped: push the rest later)."""
-        # the common path is a few memoryview accesses and one numpy call: on this VM every
-        # numpy call costs ~0.5-1 µs hot and several times that with cold caches
+        # the common path is a few memoryview accesses and one numpy call: every numpy call has
+        # a fixed cost that dwarfs the copy, and several times that with cold caches
         if records.dtype is not self._dtype or records.ndim != 1:  # the common case costs no comparison of dtypes
             check_records(records, self.layout)
         blob = _NO_PAYLOAD if payload is None else as_bytes(payload)
@@ -256,7 +256,7 @@ class Ring:
                 self._bounds[i : i + first] = self._pair
                 if first < k:
                     self._bounds[: k - first] = self._pair
-        # copied as bytes: numpy assigns structured arrays field by field, ~10x slower
+        # copied as bytes: numpy assigns structured arrays field by field, many times slower
         try:
             src = np.frombuffer(records, np.uint8)
         except ValueError:  # not C-contiguous

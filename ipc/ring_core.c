@@ -1,8 +1,9 @@
 /* The data path of a ring (ipc/ring.py) in one C call per operation.
 
-   From Python every numpy call or memoryview access costs ~0.5-1 µs on a small VM, and
-   several times that when the caches went cold between two messages (the normal case on
-   the token path); a push or pop here is one call that touches a few cache lines.
+   From Python every numpy call or memoryview access has a fixed cost that dwarfs copying
+   a record, and several times that when the caches went cold between two messages (the
+   normal case on the token path); a push or pop here is one call that touches a few cache
+   lines.
 
    Same segment layout and protocol as the Python implementation in ipc/ring.py, whose
    docstring has the memory-ordering argument. Counters are loaded with acquire and stored

@@ -270,20 +270,20 @@ LAYOUTS = {layout.name: layout for layout in (REQUEST, TOKEN_OUT, TEXT_OUT)}
 
 def take_records(records: np.ndarray, index: np.ndarray) -> np.ndarray:
     """records[index] (an integer or boolean index), copied as whole rows of bytes: numpy
-    copies these padded structured dtypes field by field, 5-10x slower (~0.3 µs a row)."""
+    copies these padded structured dtypes field by field, several times slower."""
     return _rows(records)[index].view(records.dtype)
 
 
 def concat_records(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """np.concatenate of record arrays of one dtype, as whole rows of bytes (~12x faster)."""
+    """np.concatenate of record arrays of one dtype, as whole rows of bytes (many times faster)."""
     return np.concatenate([_rows(p) for p in parts]).view(parts[0].dtype)
 
 
 def record_struct(dtype: np.dtype, start: int = 0, stop: int | None = None) -> struct.Struct:
     """A struct.Struct laid out as bytes [start, stop) of one record of `dtype` (the fields in
     there, padding included; by default the whole record): it packs the fields' values (an
-    array field's items in order) into a record's bytes in ~1 µs, where np.array([values],
-    dtype) takes several."""
+    array field's items in order) into a record's bytes in one call, several times faster than
+    np.array([values], dtype)."""
     codes = {
         "b1": "?",
         "u1": "B",
@@ -354,7 +354,7 @@ def unpack_open(record: bytes) -> OpenFields:
 
 
 def record_fields(record: np.void) -> dict[str, Any]:
-    """One record's fields as Python values, read in one call (~1 µs a field one by one)."""
+    """One record's fields as Python values, read in one call (one by one, each field is a numpy call)."""
     return dict(zip(record.dtype.names, record.item()))
 
 
@@ -475,7 +475,7 @@ def pack_request(
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
     strings), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's id,
     0 for none. The record is packed by struct (record_struct), the sampling part once per
-    SamplingParams object: set field by field, a numpy record costs a microsecond a field."""
+    SamplingParams object: set field by field, a numpy record costs a numpy call a field."""
     sampling, stop = _packed_sampling(params)
     prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
     head = _REQUEST_HEAD.pack(

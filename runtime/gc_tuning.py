@@ -1,8 +1,8 @@
 """The cyclic garbage collector in a long-running serving process.
 
-Measured in the HTTP worker at 256 null-model streams (6000 requests, gc.callbacks):
-collection cost ~320 µs of CPU per request with CPython's defaults, ~145 µs after
-freezing the start-up heap, ~33 µs with the larger first generation as well.
+With CPython's defaults, collections are a large part of the HTTP worker's CPU a request;
+freezing the start-up heap removes most of it, the larger first generation most of the rest
+(measured with gc.callbacks: docs/perf-notes.md).
 
 - A loaded tokenizer (and, in the scheduler, the model and torch) leaves ~10^6 tracked
   objects that never die, and every full collection walks them all again: freezing what
@@ -21,8 +21,9 @@ YOUNG_THRESHOLD = 20_000  # allocations (net) between first-generation collectio
 
 
 def settle_heap() -> None:
-    """Call once, when loading is done and before serving. No collection first: one full
-    collection of that heap takes ~0.4 s, and what start-up left as garbage is small."""
+    """Call once, when loading is done and before serving. No collection first: a full
+    collection of that heap is slow (it walks every object), and what start-up left as
+    garbage is small."""
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)

@@ -57,7 +57,7 @@ class OfflineEngine:
         config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
         self.scheduler = Scheduler(self.runner, config)
         self._generations = itertools.count(1)
-        self._detok = BatchDetokenizer(self.tokenizer, 256)  # here: its byte table takes a second
+        self._detok = BatchDetokenizer(self.tokenizer, 256)  # here: its byte table is slow to build
 
     def generate(
         self,

@@ -76,8 +76,8 @@ static inline const void *row(const KvRows *r, const char *base, int64_t j) {
 /* Pages sit anywhere in the pool, so the hardware prefetchers find little to follow: an item
  * fetches the next item's K and V rows a few lines at a time from inside its own score loop,
  * and the fetches overlap its arithmetic. Issued all at once at the item's start, the same
- * fetches bought nothing (most presumably met full miss buffers and were dropped): batch 32,
- * 170 fp16 tokens, pages out of cache, 2 threads: 0.96 ms a layer with the burst, 0.51 spread. */
+ * fetches bought nothing (most presumably met full miss buffers and were dropped); spread
+ * out, they make a layer with its pages out of cache much faster (docs/perf-notes.md). */
 typedef struct {
     const char *rows[2 * CHUNK];
     int64_t nrows, row_bytes, step;  /* step: lines per call */
@@ -405,7 +405,8 @@ static inline __attribute__((always_inline)) void extend_item(const float *q, in
         float *qs = w->qs + i * D;
         const float *qi = q + (i0 + i / G) * q_stride + (h * G + i % G) * D;
         /* a query's G * D floats, then a jump over the other heads: the hardware prefetchers
-         * lose the stream at each jump, so the rows ahead are asked for (A/B, 24 x 85: -5-8%) */
+         * lose the stream at each jump, so the rows ahead are asked for (a small gain in an A/B:
+         * docs/perf-notes.md) */
         if (i % G == 0 && i / G + EXT_AHEAD < nq)
             for (int64_t x = 0; x < G * D; x += 16) _mm_prefetch((const char *)(qi + EXT_AHEAD * q_stride + x), _MM_HINT_T0);
         for (int64_t x = 0; x < D; x += 8)

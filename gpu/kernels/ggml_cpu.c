@@ -95,7 +95,7 @@ GEMM(gemm_q8_0, dequant_q8_0, 32)
  * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant.py,
  * QuantizedWeight.with_activations): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
  * 4 bytes of x broadcast sums them into one int16 lane per row, and a group's 8 results come
- * out in one vector (scales, mins and the store all 8 rows wide, no horizontal sums). 2-3x
+ * out in one vector (scales, mins and the store all 8 rows wide, no horizontal sums). Far
  * fewer instructions than one row at a time (measured), so a product of a few tokens is
  * memory bound again.
  */
@@ -145,10 +145,10 @@ void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, floa
 #define ROWS 8     /* rows per interleaved group: one ymm lane each */
 #define TILE_Q8 4  /* tokens per pass over a group: 4 int sums + 4 float sums + block, x, constants */
 #define CHUNK 4    /* groups a thread takes at a time (32 rows): 1 and 16 were slower at 1-512 tokens */
-/* From this many tokens a chunk's work (~10 µs and up) dwarfs a dynamic schedule's atomic
- * fetch, and a thread the OS preempts (the server's other processes share these cores) no
- * longer holds up the product: the other takes its remaining chunks. Below it each thread
- * fetches its whole share at once, as a static schedule would. */
+/* From this many tokens a chunk's work dwarfs a dynamic schedule's atomic fetch, and a
+ * thread the OS preempts (the server's other processes share these cores) no longer holds up
+ * the product: the other takes its remaining chunks. Below it each thread fetches its whole
+ * share at once, as a static schedule would. */
 #define DYNAMIC_TOKENS 8
 
 /* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt is a constant at each call (a switch
@@ -169,7 +169,7 @@ static inline __attribute__((always_inline)) void group_tile_q8(
         __m256i isum[TILE_Q8];
         for (int t = 0; t < tt; t++) isum[t] = _mm256_setzero_si256();
         /* the c loops stay rolled: unrolled, gcc hoisted every c's weights and spilled the sums
-         * to the stack (18% slower at 512 tokens on one core, measured) */
+         * to the stack (measurably slower: docs/perf-notes.md) */
         if (q4_1) {
             /* bytes 4 c .. 4 c + 3 of the 8 rows: low nibbles are elements 4 c .., high ones 16 + 4 c .. */
             _Pragma("GCC unroll 1")

@@ -1,10 +1,10 @@
 /* The per-layer glue of a CPU decode step (rms_norm, rope, silu * up) as one call each, on an
  * x86-64 CPU with AVX2 + FMA (gpu/llama.py builds and loads this file).
  *
- * In torch each is 1-8 small ops, 10-30 µs apiece of dispatch and OpenMP fork/join at a few
- * tokens, ~20 of them per layer; here each is one pass over the rows. Rows go over OpenMP
- * threads only from PARALLEL_ROWS rows: at a few rows a parallel region's fork/join costs
- * more than the work.
+ * In torch each is 1-8 small ops, ~20 of them per layer, each paying a dispatch and an
+ * OpenMP fork/join that dwarf its work at a few tokens; here each is one pass over the rows.
+ * Rows go over OpenMP threads only from PARALLEL_ROWS rows: at a few rows a parallel
+ * region's fork/join costs more than the work.
  *
  * Numerics follow the torch ops they replace (tests/test_gpu_layer_kernels.py): no FMA
  * contraction (torch rounds each product before the sum), rms_norm's sum of squares in double

@@ -90,10 +90,10 @@ class TextDeltas:
         token = recs["kind"] == _TOKEN
         if token.all():
             return self._tokens(recs, batch.payload)
-        # A batch holds several steps, each OPENing requests; a pass of TOKEN records costs
-        # ~150 µs of numpy calls whatever its size, so when the control records commute with
-        # the TOKEN records they go first, then every TOKEN record in one pass. Else runs of
-        # TOKEN records between control records, in order.
+        # A batch holds several steps, each OPENing requests; a pass of TOKEN records is a run
+        # of numpy calls whose fixed cost dwarfs its per-record work, whatever its size, so when
+        # the control records commute with the TOKEN records they go first, then every TOKEN
+        # record in one pass. Else runs of TOKEN records between control records, in order.
         control = take_records(recs, ~token)
         if self._commute(control):
             outs = [self._control(r, batch.payload) for r in control]

@@ -64,8 +64,8 @@ def run_as_batch() -> None:
     """SCHED_BATCH: the scheduler wakes this process with each step's tokens, and a
     SCHED_NORMAL wakee preempts its waker on the waker's CPU, where the kernel likes to place
     it; as a batch task it runs when a CPU is free or at the next tick instead, and the
-    scheduler goes on with its next step (the path a forward waits on). On the null model at
-    256 streams: ~5% less server CPU a token (interleaved A/B, 12 rounds). Linux only."""
+    scheduler goes on with its next step (the path a forward waits on): less server CPU a
+    token on the null model (docs/perf-notes.md). Linux only."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError) as e:  # another OS, or a sandbox that forbids it: a normal task

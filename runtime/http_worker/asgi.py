@@ -34,8 +34,8 @@ def json_response(body: bytes, status: int = 200) -> Response:
 
 async def read_body(request: Request) -> bytes:
     """The request body, from receive() itself: one message for a usual body, where
-    starlette's Request.body() runs an async generator a request (~5% of the worker's
-    Python time). A client that leaves before sending it all is gone (ClientGone)."""
+    starlette's Request.body() runs an async generator a request (a visible share of the
+    worker's Python time). A client that leaves before sending it all is gone (ClientGone)."""
     chunks = []
     while True:
         message = await request.receive()
@@ -93,11 +93,10 @@ class App:
     that a worker that cannot start says why in one line.
 
     No starlette application object: its two middlewares, router scan and exception wrapper
-    cost ~120 µs of a streamed request (a granian app streaming 5 events: 145-149 µs of
-    server CPU a request dispatched like this, 261-277 µs through Starlette()), an eighth of
-    what the HTTP worker spends on one here. Nothing of it is needed: api_route turns every
-    error into its response, and unknown paths and methods are answered here, in OpenAI's
-    error format."""
+    cost a sizeable share of what the HTTP worker spends on a streamed request (a bare
+    streaming app costs much more server CPU a request through Starlette() than dispatched
+    like this: docs/perf-notes.md). Nothing of it is needed: api_route turns every error into
+    its response, and unknown paths and methods are answered here, in OpenAI's error format."""
 
     def __init__(self, routes: dict[str, dict[str, Handler]], model_card: Handler) -> None:
         """model_card: the route of GET /v1/models/<the served model's name>."""

@@ -15,15 +15,15 @@ logger = logging.getLogger("ringserve.app")
 class DisconnectWatch:
     """Calls `on_disconnect` when the client goes away (http.disconnect; the request body
     was read already), from a callback on receive()'s future rather than a task awaiting it
-    (a task a request, and its cancellation at the end, cost 30-60 µs of server CPU a
-    streamed request). Another message (granian sends an empty http.request after the body)
-    re-arms it.
+    (a task a request, and its cancellation at the end, are a noticeable part of a streamed
+    request's server CPU). Another message (granian sends an empty http.request after the
+    body) re-arms it.
 
     Armed only once the request has run for WATCH_AFTER_S (DisconnectWatches): granian
     runs each receive() as a task on its I/O thread, which posts the result back to the
-    event loop (~6% of the HTTP worker's Python time in a short streamed request); a client
-    that left sooner is still seen then (granian keeps the connection's close for the next
-    receive), so its request runs at most that much longer."""
+    event loop (a visible share of the HTTP worker's Python time in a short streamed
+    request); a client that left sooner is still seen then (granian keeps the connection's
+    close for the next receive), so its request runs at most that much longer."""
 
     def __init__(
         self, receive: Callable[[], Awaitable[dict]], on_disconnect: Callable[[], None], watches: DisconnectWatches
@@ -58,7 +58,8 @@ class DisconnectWatch:
 class DisconnectWatches:
     """A worker's watches not yet armed, oldest first; run() arms those that have waited
     WATCH_AFTER_S, every half of that (so after 1-1.5 times it). One task for all of them:
-    a timer a request (call_later, and its cancel) cost ~2% of the worker's Python time."""
+    a timer a request (call_later, and its cancel) costs a measurable share of the worker's
+    Python time."""
 
     WATCH_AFTER_S = 1.0
 

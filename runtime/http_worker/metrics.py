@@ -6,7 +6,8 @@ granian worker writes its own files in the server's metrics dir (set up by
 `use_multiprocess_dir` before prometheus_client is first imported), and /metrics,
 whichever worker answers it, merges every worker's. Latencies observed once per
 streamed delta (inter-token) are counted in a local histogram and flushed once a
-second: a prometheus_client observe costs about 8 us in multiprocess mode.
+second: a prometheus_client observe in multiprocess mode costs too much to pay per delta
+(docs/perf-notes.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Prompt text to token ids, as the tokenizer's own encode gives them, faster for ASCII text.
 
-The Rust tokenizer spends most of a chat prompt's encode in its pre-tokenizer: about 0.35 ms
-for 110 tokens here, a third of what one request may cost the whole server (issue 5's null
-model budget). For GPT-2 style byte-level BPE (SmolLM, GPT-2: a ByteLevel pre-tokenizer with
-its regex, no normalizer) and ASCII text, that regex is exactly an ASCII one (ASCII_SPLIT),
-and the BPE of each piece ("word") can come from a cache filled by the tokenizer's own
-model. prompt_split.c runs the split and the lookups in one call (Python's `re` and a loop
-where there is no compiler: a seventh of the tokenizer's time, four times the C call's).
+The Rust tokenizer spends most of a chat prompt's encode in its pre-tokenizer, a large share
+of what a short request costs the whole server (docs/perf-notes.md). For GPT-2 style
+byte-level BPE (SmolLM, GPT-2: a ByteLevel pre-tokenizer with its regex, no normalizer) and
+ASCII text, that regex is exactly an ASCII one (ASCII_SPLIT), and the BPE of each piece
+("word") can come from a cache filled by the tokenizer's own model. prompt_split.c runs the
+split and the lookups in one call (Python's `re` and a loop where there is no compiler: still
+several times faster than the tokenizer, several times slower than the C call).
 Everything else (non-ASCII text, any other tokenizer) goes to the tokenizer.
 
 Exact by construction where it applies, and checked at start-up: the fast path is used only
@@ -68,8 +68,8 @@ def _encode_with_regex(
 @lru_cache(maxsize=1)
 def cached_encoder() -> tuple[CachedEncode, Callable[[], MutableMapping[str, list[int]]]]:
     """(encode, the piece cache it takes): prompt_split.c's split and lookups in its C
-    PieceTable (~4x faster than the regex and a Python loop, and ~2x faster than a dict of
-    the pieces of real traffic), or the regex and a dict where it cannot be built."""
+    PieceTable (several times faster than the regex and a Python loop, and faster than a
+    dict of the pieces of real traffic), or the regex and a dict where it cannot be built."""
     try:
         module = build_extension("runtime.prompt_split", _SPLIT_SOURCE, subdir="runtime")
         return module.encode, module.PieceTable
@@ -106,7 +106,7 @@ class PromptEncoder:
         return self._slow(text, add_special_tokens)
 
     def _slow(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._backend is not None:  # the batch call skips the character offsets encode() computes: ~20% less
+        if self._backend is not None:  # the batch call skips the character offsets encode() computes: less work
             return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

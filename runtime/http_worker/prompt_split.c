@@ -1,8 +1,9 @@
 /* GPT-2's pre-tokenizer split of ASCII text, in C (runtime/http_worker/prompt_encoder.py builds this on
  * first use): the same pieces as prompt_encoder.ASCII_SPLIT.findall, the regex
  *     's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
- * with \s = [\t\n\v\f\r ], which Python's re runs at ~0.2 µs a piece (a 110-token prompt:
- * ~25 µs). Alternatives are tried in that order at each position, so:
+ * with \s = [\t\n\v\f\r ], where every piece costs Python's re a match object and a call,
+ * a fixed cost that dwarfs the piece's work. Alternatives are tried in that order at each
+ * position, so:
  *   - a contraction wins at an apostrophe;
  *   - a space followed by a letter, digit or other character joins that run;
  *   - a run of whitespace followed by a non-space leaves its last character to the next
@@ -13,7 +14,7 @@
  * with no Python per piece. The table is C rather than a dict[str, list[int]]: with the
  * ~15k pieces of real traffic a dict lookup misses the CPU caches several times a piece (a
  * str made for the key, its hash, the table, the key it compares, the list and each int of
- * the value: ~65 µs a 110-token prompt here, against ~30 with a few hot pieces); an entry
+ * the value: much slower than the same lookups with a few hot pieces); an entry
  * here is one 32-byte slot holding a short piece's bytes and a one-token piece's id.
  *
  * encode(text: str, start: int, end: int, pieces: PieceTable, ids: list[int])

@@ -20,9 +20,9 @@ class EventStream:
     """An SSE response fed by an async iterator of ready-made event bytes, one write each;
     the item ending with DONE is the last and ends the body with it. The status line and
     headers go out with the first event, not before it: granian hands each send to its I/O
-    thread, which then wakes ~3.8 times a streamed request instead of ~4.6 (null model). A
-    disconnected client (http.disconnect) calls `on_disconnect`, which aborts the request,
-    so the iterator ends at its next wait."""
+    thread, which then wakes fewer times a streamed request (the headers do not wake it on
+    their own). A disconnected client (http.disconnect) calls `on_disconnect`, which aborts
+    the request, so the iterator ends at its next wait."""
 
     def __init__(
         self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None], watches: DisconnectWatches

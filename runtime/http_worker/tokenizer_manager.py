@@ -97,10 +97,10 @@ def read_chat_template(value: str) -> str:
 
 
 class ChatTemplate:
-    """The tokenizer's chat template, compiled once and rendered directly: a third of the
+    """The tokenizer's chat template, compiled once and rendered directly: a fraction of the
     cost of apply_chat_template, whose per-call conversions plain {"role", "content"}
     messages do not need; and with its variables built once (jinja's render() merges the
-    template's globals, a ChainMap, into a new dict every call: ~70% of a short render).
+    template's globals, a ChainMap, into a new dict every call: most of a short render).
     Used only if it renders a sample conversation exactly as apply_chat_template does;
     otherwise (or on a transformers without the compiler) every render goes through
     apply_chat_template."""

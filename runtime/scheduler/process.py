@@ -238,7 +238,7 @@ class SchedulerProcess:
         self.token_out.push_all(ev, payload.blob())
 
     def _open_record(self, req: Req, payload: PayloadBuilder) -> bytes:
-        """The OPEN record of `req`, packed in one call (numpy sets a record's field in ~1 µs)."""
+        """The OPEN record of `req`, packed in one call (numpy sets a record's fields one call each)."""
         p = req.params
         flags = (
             (_SKIP_SPECIAL if p.skip_special_tokens else 0)
@@ -272,8 +272,8 @@ class SchedulerProcess:
     def _publish(self, force: bool = False) -> None:
         """Heartbeats (each ring's header, EngineStats) and stats: plain stores, no syscall;
         after each iteration and before each forward, at most every PUBLISH_EVERY_NS unless
-        forced (~10 µs a time: a twentieth of a null-model step, whose speed the whole token
-        path's cost follows)."""
+        forced (each publish is a small but real share of a null-model step, whose speed the
+        whole token path's cost follows; docs/perf-notes.md)."""
         now = time.monotonic_ns()
         if not force and now - self._published_ns < PUBLISH_EVERY_NS:
             return

@@ -6,8 +6,9 @@ A row is held from admission to finish/abort/retraction and is the same row inde
 model runner keeps its per-request sampler state in.
 
 The per-step methods (decode_rows, add_pages, step_input, append, reserved_tokens) run in C
-(runtime/scheduler/step_core.c: one call each, where numpy needs ~35 a step of ~1-3 µs each) or, where
-it cannot be built, as the numpy below: same results (tests run both).
+(runtime/scheduler/step_core.c: one call each, where numpy needs dozens of calls a step, each with
+a fixed cost whatever the batch) or, where it cannot be built, as the numpy below: same results
+(tests run both).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
  * A decode step touches every running row a few times: pick the rows that decode, give
  * those at a page boundary a page, gather their next token, position and pages for the
  * runner, then append each sampled token, check length and stop tokens, and fill its
- * TOKEN_OUT record. As numpy that is ~35 calls a step, each ~1-3 µs of fixed cost whatever
- * the batch (~110 µs a step at 64 rows, half of what a null-model step costs the scheduler);
- * here it is a few calls that loop over the rows.
+ * TOKEN_OUT record. As numpy that is dozens of calls a step, each with a fixed cost whatever
+ * the batch, together a large share of what a null-model step costs the scheduler
+ * (docs/perf-notes.md); here it is a few calls that loop over the rows.
  *
  * StepCore(ids, page_table, length, kv_len, num_pages, prompt_len, max_len, min_len, stop_ids,
  *          active, events, layout) holds the table's arrays (C-contiguous, int32 but `active`,
