@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import report
-
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput
 from protocol.sampling_params import SamplingParams
+
+import report
 
 SMOLLM2 = dict(
     vocab_size=49152,

@@ -18,7 +18,6 @@ import argparse
 import time
 
 import numpy as np
-import report
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
@@ -26,6 +25,8 @@ from ipc.ring import Batch
 from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from runtime.detokenizer.deltas import TextDeltas
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
+
+import report
 
 BATCHES = (1, 64, 256)
 WARMUP_STEPS = 10

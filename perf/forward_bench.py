@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import report
-
 from gpu.llama import linear
 from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput
 from gpu.quant import ACTIVATIONS
 from protocol.sampling_params import SamplingParams
+
+import report
 
 MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights
 KV_DTYPES = ("auto", *KV_CACHE_DTYPES)  # --kv-cache-dtype values; auto: the model's dtype

@@ -17,11 +17,12 @@ import argparse
 import time
 
 import numpy as np
-import report
 import torch
 
 from gpu.model_runner import KV_CACHE_DTYPES
 from gpu.quant import ACTIVATIONS
+
+import report
 
 
 def make_prompts(

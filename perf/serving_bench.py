@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+
 import report
 
 MODELS = ("real", "null")
@@ -509,7 +510,7 @@ class Server:
         """SIGINT, then what is left behind: processes of the tree still running, shared
         memory segments they created, engine files in the runtime directory."""
         from ipc.shm import our_segments
-        from runtime.supervise.launcher import ServerFiles
+        from runtime.supervise.files import ServerFiles
 
         pids = sorted(set(self.pids) | set(descendants(self.proc.pid)))
         t0 = time.monotonic()

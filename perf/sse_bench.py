@@ -10,10 +10,11 @@ import argparse
 import time
 
 import orjson
-import report
 
 from httpapi.logprobs import LogprobVocab, TokenLogprobs
 from httpapi.sse import ChatStream, CompletionStream
+
+import report
 
 MODEL = "SmolLM2-135M-Instruct"
 ID = "chatcmpl-0123456789abcdef0123456789abcdef"
