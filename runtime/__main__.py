@@ -9,6 +9,7 @@ process's imports behind in granian's main process, whose workers it forks.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -60,8 +61,33 @@ def check_model(args: ServerArgs) -> str | None:
     return None
 
 
+def hide_secrets(argv: list[str]) -> None:
+    """Rewrites this process's command line (what /proc/PID/cmdline shows every local user)
+    without the value of --api-key, at once: the checks below take seconds (the model's
+    config, a GGUF's conversion). The key reaches granian in RINGSERVE_API_KEY, never on its
+    command line; RINGSERVE_API_KEY=K python -m runtime serve keeps it off every command line."""
+    shown, hide = [], False
+    for arg in argv:
+        if hide:
+            shown.append("***")
+            hide = False
+        elif arg == "--api-key":
+            shown.append(arg)
+            hide = True
+        elif arg.startswith("--api-key="):
+            shown.append("--api-key=***")
+        else:
+            shown.append(arg)
+    if shown != argv:
+        from setproctitle import setproctitle
+
+        setproctitle(" ".join([sys.executable, "-m", "runtime", *shown]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = sys.argv[1:]
+        hide_secrets(argv)
     if not argv or argv[0] != "serve":
         print(
             "usage: python -m runtime serve [--model-path PATH] [--host H] [--port N] [--workers N] ... "
@@ -71,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args = ServerArgs.from_cli(argv[1:])
+        if args.api_key is None and os.environ.get(ENV_PREFIX + "API_KEY"):  # a key kept off the command line
+            args = dataclasses.replace(args, api_key=os.environ[ENV_PREFIX + "API_KEY"])
     except ValueError as e:
         print(f"ringserve: {e}", file=sys.stderr)
         return 2

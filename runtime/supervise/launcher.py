@@ -8,8 +8,10 @@ runtime/supervise/files.py's.
 Engine processes are started with `python -m runtime.supervise.launcher <role>` in a session of
 their own, so they survive the worker that started them (granian may respawn it).
 Each watches the granian main process and its peer with pidfds (runtime/supervise/watchdog.py)
-and stops when either exits, kill -9 included. The starting worker hands them the pids
-to watch on stdin: a starter that dies before that leaves them an EOF, and they exit.
+and stops when either exits, kill -9 included. The starting worker hands them their
+settings (the server's arguments, the API key among them: never on a command line, which
+every local user can read in /proc) and then the pids to watch on stdin, one JSON line
+each: a starter that dies before that leaves them an EOF, and they exit.
 
 A stale engine (its processes gone, or the pid reused) is recognised by the process
 start times in engine-<pid>.json and replaced; files of servers whose main process is
@@ -86,15 +88,19 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
     spec = json.dumps(
         {"server_args": dataclasses.asdict(args), "server_pid": files.server_pid, "root": str(files.root)}
     )
-    popens = {
-        role: subprocess.Popen(
-            [sys.executable, "-m", "runtime.supervise.launcher", role, spec],
+    popens = {}
+    for role in ROLES:
+        popens[role] = popen = subprocess.Popen(
+            [sys.executable, "-m", "runtime.supervise.launcher", role],
             stdin=subprocess.PIPE,
             start_new_session=True,
             close_fds=True,
         )
-        for role in ROLES
-    }
+        try:  # a pipe holds 64 KiB unread: the write does not wait for the process
+            popen.stdin.write(spec.encode() + b"\n")
+            popen.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died already; the wait for its socket reports it
     procs = []
     for role, popen in popens.items():
         start = process_start_time(popen.pid)
@@ -248,14 +254,21 @@ def _sweep_stale(root: Path) -> None:
 # ---------------------------------------------------------------- engine side
 
 
-def engine_process_main(role: str, spec_json: str) -> int:
-    """`python -m runtime.supervise.launcher <role> <spec>`: reads the pids to watch from stdin, then
-    runs the scheduler or the detokenizer until it is told to stop or a watched process exits."""
+def engine_process_main(role: str) -> int:
+    """`python -m runtime.supervise.launcher <role>`: reads its settings and then the pids to watch
+    from stdin, then runs the scheduler or the detokenizer until it is told to stop or a
+    watched process exits."""
 
     # until run_scheduler / run_detokenizer install their own handlers, a stop request
     # unwinds (finally blocks run) instead of killing the process where it stands
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    spec = json.loads(spec_json)
+    spec_line = sys.stdin.readline()
+    if not spec_line:
+        print(
+            f"ringserve {role}: the worker starting the engine exited before handing over its settings", file=sys.stderr
+        )
+        return 1
+    spec = json.loads(spec_line)
     args = ServerArgs(**spec["server_args"])
     files = ServerFiles(spec["server_pid"], Path(spec["root"]))
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
@@ -288,10 +301,11 @@ def engine_process_main(role: str, spec_json: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ROLES:
+    if len(sys.argv) != 2 or sys.argv[1] not in ROLES:
         print(
-            f"usage: python -m runtime.supervise.launcher {{{'|'.join(ROLES)}}} SPEC_JSON (started by the server)",
+            f"usage: python -m runtime.supervise.launcher {{{'|'.join(ROLES)}}} (started by the server: "
+            "its settings and the pids to watch come on stdin)",
             file=sys.stderr,
         )
         sys.exit(2)
-    sys.exit(engine_process_main(sys.argv[1], sys.argv[2]))
+    sys.exit(engine_process_main(sys.argv[1]))
