@@ -9,7 +9,9 @@ are gone, so a clean close and a kill -9 of either side leave nothing in /dev/sh
 The only window in which a name exists is between shm_open and shm_unlink inside
 `create_segment` (two consecutive syscalls plus an mmap). A kill -9 exactly there
 leaves one name behind; the pid in the name makes it attributable, and
-`sweep_orphans()` (run before every create) unlinks names whose pid is dead.
+`sweep_orphans()` (run before every create) unlinks names whose pid is dead, and skips
+those it may not remove (another user's, in the sticky /dev/shm): the random part of every
+name means no file another user prepares can collide with ours.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def sweep_orphans() -> list[str]:
             swept.append(name)
         except posix_ipc.ExistentialError:
             pass  # another process swept it first
+        except posix_ipc.PermissionsError:
+            pass  # another user's (sticky /dev/shm): not ours to remove, and our names never collide with it
     return swept
 
 

@@ -3,16 +3,22 @@ command line, during start-up included."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pwd
 import secrets
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.conftest import Server, alive, free_port
+from tests.conftest import Server, alive, free_port, wait_until
 
 
 def cmdlines() -> dict[int, bytes]:
@@ -109,3 +115,156 @@ def test_api_key_on_no_command_line_serve():
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+# ---------------------------------------------------------------- other users' files (item 5)
+
+
+def test_unremovable_orphan_is_skipped(monkeypatch):
+    """The sweep skips a dead pid's segment it may not remove (another user's in the sticky
+    /dev/shm): segments are still created."""
+    import posix_ipc
+
+    from ipc import shm
+
+    def refuse(name):
+        raise posix_ipc.PermissionsError("Permission denied")
+
+    monkeypatch.setattr(shm, "our_segments", lambda: [f"{shm.PREFIX}{dead_pid()}.0123456789abcdef"])
+    monkeypatch.setattr(posix_ipc, "unlink_shared_memory", refuse)
+    fd, mapping = shm.create_segment(4096)
+    mapping.close()
+    os.close(fd)
+
+
+def dead_pid() -> int:
+    pid = 4_000_000
+    while alive(pid) or Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid
+
+
+def test_taken_runtime_dir_falls_back(tmp_path, monkeypatch):
+    """/tmp/ringserve-<uid> made by another user first: this user's cache dir serves instead;
+    with no usable directory at all, the error says what to do."""
+    import tempfile
+
+    from runtime.supervise.files import EngineStartError, runtime_dir
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    taken = tmp_path / "tmp" / f"ringserve-{os.getuid()}"
+    taken.mkdir(parents=True, mode=0o700)
+    if os.getuid() == 0:
+        os.chown(taken, 65534, 65534)  # another user's
+    else:
+        taken.chmod(0o755)  # the same refusal: readable by others
+    got = runtime_dir()
+    assert got == tmp_path / "cache" / "ringserve" / "run"
+    assert got.stat().st_mode & 0o777 == 0o700 and got.stat().st_uid == os.getuid()
+    (tmp_path / "cache" / "ringserve" / "run").rmdir()
+    (tmp_path / "cache" / "ringserve" / "run").write_text("not a directory")
+    try:
+        runtime_dir()
+    except EngineStartError as e:
+        assert f"Remove {taken}" in str(e) and "XDG_RUNTIME_DIR" in str(e), e
+    else:
+        raise AssertionError("no error without a usable directory")
+
+
+@contextlib.contextmanager
+def test_user():
+    """A throwaway user (root only), removed afterwards with whatever it left in /tmp."""
+    if os.getuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, useradd and setpriv to run a server as another user")
+    name = "rsv" + secrets.token_hex(4)
+    made = subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"useradd failed: {made.stderr.strip()}")
+    try:
+        pw = pwd.getpwnam(name)
+        yield pw
+    finally:
+        for pid in processes_of(pw.pw_uid):  # what the test started as this user: nothing else runs as it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not processes_of(pw.pw_uid), 10)
+        subprocess.run(["userdel", name], capture_output=True)
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"ringserve-{pw.pw_uid}", ignore_errors=True)
+
+
+def other_users_python(env: dict[str, str]) -> str:
+    """An interpreter another user may run: ours may live in root's home (pyenv); then the
+    system's of the same version, with our virtual environment's packages on its path."""
+    real = Path(os.path.realpath(sys.executable))
+    if all(os.stat(p).st_mode & 0o001 for p in [real, *real.parents]):
+        return sys.executable
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    system = shutil.which(version, path="/usr/local/bin:/usr/bin")
+    if system is None:
+        pytest.skip(f"our interpreter {real} is root's alone and there is no system {version}")
+    site = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *site])
+    return system
+
+
+def processes_of(uid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                if entry.stat().st_uid == uid and alive(int(entry.name)):
+                    pids.append(int(entry.name))
+    return pids
+
+
+def test_foreign_file_in_dev_shm_does_not_block_start():
+    """A file named like a dead server's segment that this user may not remove (root's, in the
+    sticky /dev/shm) does not stop a server of another user from starting and serving."""
+    with test_user() as pw:
+        foreign = Path("/dev/shm") / f"ringserve.{dead_pid()}.{secrets.token_hex(8)}"
+        foreign.write_bytes(b"not yours")
+        top = Path(tempfile.mkdtemp(prefix="ringserve-test-"))  # pytest's tmp_path is root's alone
+        home, cache = top / "home", top / "cache"
+        home.mkdir()
+        cache.mkdir()
+        # the C builds and the converted model: this user's cache, hard links to ours
+        ours = Path(os.environ.get("RINGSERVE_CACHE_DIR") or Path.home() / ".cache") / "ringserve"
+        if ours.is_dir():
+            subprocess.run(["cp", "-al", str(ours), str(cache / "ringserve")], check=True)
+        for d in [top, home, cache, *[p for p in cache.rglob("*") if p.is_dir()]]:
+            os.chown(d, pw.pw_uid, pw.pw_gid)
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGSERVE_", "XDG_"))}
+        env.update(HOME=str(home), RINGSERVE_CACHE_DIR=str(cache), RINGSERVE_NULL_MODEL="1")
+        env.update(RINGSERVE_LOG_LEVEL="warning", RINGSERVE_IPC_NATIVE="0")
+        python = other_users_python(env)
+        argv = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", python]
+        argv += ["-m", "granian", "--interface", "asgi", "--port", str(port), "--log-level", "warning"]
+        proc = subprocess.Popen([*argv, "runtime.app:app"], env=env, cwd=os.getcwd(), start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+            assert proc.poll() is None, "the server exited during start-up"
+            body = {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+            resp = httpx.post(base + "/v1/completions", json=body, timeout=60)
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+            # (other root processes' sweeps may remove it meanwhile: theirs may)
+        finally:
+            foreign.unlink(missing_ok=True)
+            shutil.rmtree(top, ignore_errors=True)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            assert wait_until(lambda: not processes_of(pw.pw_uid), 15)  # the engine stops with granian

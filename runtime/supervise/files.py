@@ -12,11 +12,15 @@ keyed by the pid of granian's main process:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger("ringserve.files")
 
 
 class EngineStartError(RuntimeError):
@@ -24,18 +28,52 @@ class EngineStartError(RuntimeError):
 
 
 def runtime_dir() -> Path:
-    """$XDG_RUNTIME_DIR/ringserve, else <tmp>/ringserve-<uid>; created 0700, and refused
-    when another user could have prepared it."""
+    """$XDG_RUNTIME_DIR/ringserve, else <tmp>/ringserve-<uid>, else (that one taken: another
+    user may create it first in the shared /tmp) <cache>/run under this user's cache directory;
+    created 0700. A directory another user could have prepared is never used. Every worker
+    of a server calls this and must get the same answer: no random fallback."""
+    candidates = []
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        path = Path(base) / "ringserve"
-    else:
-        path = Path(tempfile.gettempdir()) / f"ringserve-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    st = path.lstat()
-    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise EngineStartError(f"{path} must be a directory of this user with mode 0700")
-    return path
+        candidates.append(Path(base) / "ringserve")
+    tmp = Path(tempfile.gettempdir()) / f"ringserve-{os.getuid()}"
+    candidates += [tmp, _cache_root() / "run"]
+    problems = []
+    for path in candidates:
+        problem = _private_dir(path)
+        if problem is None:
+            if problems:
+                logger.warning("%s; using %s instead", problems[0], path)
+            return path
+        problems.append(problem)
+    raise EngineStartError(
+        f"no private runtime directory: {'; '.join(problems)}. Remove {tmp} (as its owner or root), "
+        f"or set XDG_RUNTIME_DIR to a directory of this user with mode 0700"
+    )
+
+
+def _cache_root() -> Path:
+    """cbuild.cache_root()'s directory (the C builds' cache): this user's."""
+    base = os.environ.get("RINGSERVE_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
+    return Path(base) / "ringserve" if base else Path.home() / ".cache" / "ringserve"
+
+
+def _private_dir(path: Path) -> str | None:
+    """Creates `path` (mode 0700) if needed; why it cannot serve as this user's private
+    directory, or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"{path} has mode {st.st_mode & 0o777:o}, not 0700"
+    return None
 
 
 @dataclass(frozen=True)
