@@ -4,6 +4,16 @@
     ch.push(records, blob) -> n pushed         batch = ch.pop()  -> Batch | None
     ch.push_all(records, blob, timeout)        waker.wait_readable([ch, ...], spin_us, timeout)
     await ch.push_all_async(records, blob)     await waker.wait_readable_async([ch, ...])
+    split_payload(records, blob, layout, limit) -> [(records, blob), ...], each blob <= limit
+
+A push's blob must fit the arena: `max_push_bytes` (half the arena: a blob of up to half
+always finds room once the consumer has read everything, ipc/arena.py places a blob whole
+and never across the end, so a larger one may never find room, wherever the tail stands).
+`push_all` and `push_all_async` split a bigger blob into pushes of at most that many bytes
+(`split_payload`: each piece's records with their payloads gathered into a blob of their
+own, offsets re-based), checking first that every record's own payload fits
+(`PayloadTooLarge`, before anything is pushed); a producer that must fail such a record
+instead of raising checks `payload_sizes` first. The common case costs one length check.
 
 The process that creates a channel needs the peer's waker fd first (the peer sends
 it in its hello, ipc/handoff.py); `describe()` then gives what the peer needs to
@@ -22,12 +32,82 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ipc.arena import ALIGN
 from ipc.ring import Batch, as_bytes, open_ring, segment_size
 from ipc.shm import create_segment, map_segment
 from ipc.wakeup import SleepFlag, Waker
 from protocol.records import LAYOUTS, RecordLayout
 
 ROLES = ("producer", "consumer")
+
+
+class PayloadTooLarge(ValueError):
+    """A record whose own payload can never fit the channel's arena (`index`: its place in the push)."""
+
+    def __init__(self, layout: RecordLayout, index: int, nbytes: int, limit: int) -> None:
+        super().__init__(
+            f"{layout.name} record {index}: its payload of {nbytes} bytes can never fit a push "
+            f"(at most {limit} bytes on this channel)"
+        )
+        self.index, self.nbytes, self.limit = index, nbytes, limit
+
+
+def payload_sizes(records: np.ndarray, layout: RecordLayout) -> np.ndarray:
+    """int64 [n]: the bytes each record's payloads take in a blob of its own (each span 8-aligned)."""
+    size = np.zeros(len(records), np.int64)
+    for ref in layout.payloads:
+        size += (records[ref.len].astype(np.int64) + (ALIGN - 1)) & ~(ALIGN - 1)
+    return size
+
+
+def split_payload(
+    records: np.ndarray, payload: np.ndarray | bytes | None, layout: RecordLayout, limit: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`records` (offsets into `payload`) as consecutive pieces, in order, each with a blob of
+    its own of at most `limit` bytes holding just its records' payloads (every span 8-byte
+    aligned, so uint32 / float32 parts stay aligned), the records' offsets re-based into it.
+    Raises PayloadTooLarge if one record's payloads alone exceed `limit`."""
+    blob = as_bytes(payload)
+    sizes = payload_sizes(records, layout)
+    big = np.flatnonzero(sizes > limit)
+    if len(big):
+        raise PayloadTooLarge(layout, int(big[0]), int(sizes[big[0]]), limit)
+    records = records.copy()
+    cum = np.cumsum(sizes)
+    pieces, start, n = [], 0, len(records)
+    while start < n:
+        base = int(cum[start - 1]) if start else 0
+        end = max(int(np.searchsorted(cum, base + limit, "right")), start + 1)
+        pieces.append(_gathered(records[start:end], blob, layout))
+        start = end
+    return pieces
+
+
+def _nbytes(payload: np.ndarray | bytes | None) -> int:
+    if payload is None:
+        return 0
+    return payload.nbytes if isinstance(payload, np.ndarray) else memoryview(payload).nbytes
+
+
+def _gathered(records: np.ndarray, blob: np.ndarray, layout: RecordLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(records, a blob of just their payloads); `records` (a copy) is re-based in place."""
+    offs, lens = [], []
+    for ref in layout.payloads:
+        offs.append(records[ref.off].astype(np.int64))
+        lens.append(records[ref.len].astype(np.int64))
+    off, length = np.concatenate(offs), np.concatenate(lens)
+    padded = (length + (ALIGN - 1)) & ~(ALIGN - 1)
+    new = np.cumsum(padded) - padded  # where each span starts in the new blob
+    out = np.zeros(int(padded.sum()), np.uint8)
+    total = int(length.sum())
+    if total:
+        src = np.repeat(off - np.cumsum(length) + length, length) + np.arange(total)
+        dst = np.repeat(new - np.cumsum(length) + length, length) + np.arange(total)
+        out[dst] = blob[src]
+    n = len(records)
+    for k, ref in enumerate(layout.payloads):
+        records[ref.off] = np.where(lens[k] > 0, new[k * n : (k + 1) * n], 0)
+    return records, out
 
 
 @dataclass(frozen=True)
@@ -77,6 +157,8 @@ class Channel:
             os.close(self._peer_fd)
             raise
         self._segment_fd = segment_fd  # kept by the creator, to hand over
+        # the largest blob one push may carry (see the module docstring); None: no payloads
+        self.max_push_bytes = spec.arena_bytes // 2 - ALIGN if spec.arena_bytes else None
         self.sleep_flag = SleepFlag(
             self._ring.set_producer_waiting if role == "producer" else self._ring.set_consumer_sleeping
         )
@@ -156,7 +238,14 @@ class Channel:
     def push_all(
         self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
     ) -> None:
-        """Pushes every record, sleeping on this process's waker while the channel is full."""
+        """Pushes every record, sleeping on this process's waker while the channel is full; a
+        blob over max_push_bytes goes in several pushes (split_payload)."""
+        if self.max_push_bytes is not None and _nbytes(payload) > self.max_push_bytes:
+            deadline = None if timeout is None else time.perf_counter() + timeout
+            for recs, blob in split_payload(records, payload, self.spec.layout, self.max_push_bytes):
+                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                self.push_all(recs, blob, left)
+            return
         done = self.push(records, payload)
         if done == len(records):
             return
@@ -171,6 +260,12 @@ class Channel:
     async def push_all_async(
         self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
     ) -> None:
+        if self.max_push_bytes is not None and _nbytes(payload) > self.max_push_bytes:
+            deadline = None if timeout is None else time.perf_counter() + timeout
+            for recs, blob in split_payload(records, payload, self.spec.layout, self.max_push_bytes):
+                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                await self.push_all_async(recs, blob, left)
+            return
         done = self.push(records, payload)
         if done == len(records):
             return

@@ -17,11 +17,20 @@ connected, so a socket file means the scheduler is ready. A worker that connects
 (granian respawned it) replaces its channel, and the requests of its previous process are
 aborted. The scheduler core builds the TOKEN and ERROR records itself; this loop adds the
 OPEN records and the payloads.
+
+No request can stop the loop: an exception that concerns one request (its record cannot be
+read, adding it fails, its OPEN record cannot be built) ends that request with an ERROR
+record, logged, and the loop goes on. A step's push whose blob exceeds what one push of the
+TOKEN_OUT channel may carry (`Channel.max_push_bytes`, half its arena) goes in several pushes
+(`Channel.push_all` splits it); a record whose own payload can never fit (an OPEN whose stop
+strings, so many or so long, exceed that limit) is replaced by an ERROR record for its
+request (INVALID_REQUEST), which is aborted here. The common case pays one length check.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -29,8 +38,10 @@ import time
 import numpy as np
 
 from ipc import ChannelSpec, get_transport
+from ipc.channel import payload_sizes
 from ipc.peers import PeerServer, connect
 from protocol.records import (
+    NO_TOKEN,
     REQUEST,
     TOKEN_OUT,
     ErrorCode,
@@ -106,6 +117,7 @@ class SchedulerProcess:
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
         self._input_list: list = []
         self.token_out = None
+        self._max_push = math.inf  # the most payload bytes one TOKEN_OUT push may carry
         self._has_depth = False
         self._published_ns = 0  # when _publish last stored
         self.stats = None
@@ -155,6 +167,7 @@ class SchedulerProcess:
             self.stats = EngineStats.create(self.stats_path)
         self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
         self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell
+        self._max_push = getattr(self.token_out, "max_push_bytes", None) or math.inf  # zmq: no arena
         self.peers = PeerServer(self.socket_path, self._request_channel, self.meta)
         self.peers.start()
         self._publish()
@@ -195,7 +208,12 @@ class SchedulerProcess:
                     logger.error("request (%d, %d, %d): unreadable record: %s", worker, slot, gen, e)
                     self._push_error(worker, slot, gen, ErrorCode.INVALID_REQUEST, "unreadable request record")
                     continue
-                sched.add_request(worker, slot, gen, prompt, params, tag=int(recs["rid_hash"][i]))
+                try:
+                    sched.add_request(worker, slot, gen, prompt, params, tag=int(recs["rid_hash"][i]))
+                except Exception:  # a bug that one request meets ends that request, nothing else
+                    logger.exception("request (%d, %d, %d): could not be added", worker, slot, gen)
+                    sched.abort(worker, slot, gen)  # whatever of it was registered
+                    self._push_error(worker, slot, gen, ErrorCode.INTERNAL, "the scheduler could not add the request")
             elif kind == _ABORT:
                 sched.abort(worker, slot, gen)
             elif kind == _ABORT_RID:
@@ -221,8 +239,24 @@ class SchedulerProcess:
             return
         payload = PayloadBuilder()
         if opened:
-            opens = b"".join([self._open_record(req, payload) for req in opened])
-            ev = concat_records([np.frombuffer(opens, TOKEN_OUT.dtype), ev])
+            opens = []
+            for req in opened:
+                try:
+                    opens.append(self._open_record(req, payload))
+                except Exception:  # that request fails, not the process
+                    logger.exception("request (%d, %d, %d): no OPEN record", req.worker, req.slot, req.generation)
+                    self.scheduler.abort(req.worker, req.slot, req.generation)
+                    opens.append(
+                        _error_record(
+                            req.worker,
+                            req.slot,
+                            req.generation,
+                            ErrorCode.INTERNAL,
+                            payload,
+                            b"the request could not be opened",
+                        )
+                    )
+            ev = concat_records([np.frombuffer(b"".join(opens), TOKEN_OUT.dtype), ev])
         if res.top_ids is not None:
             blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
             base, _ = payload.add(blob)
@@ -231,11 +265,41 @@ class SchedulerProcess:
             sampled["payload_len"] = 8 * res.top_ids.shape[1]
             sampled["n_top"] = res.top_ids.shape[1]
         if self._rejected:
-            for k in np.flatnonzero(ev["kind"] == TokenKind.ERROR).tolist():
-                req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
+            n = len(opened)  # the OPEN section may hold ERROR records of its own (a failed OPEN)
+            for k in (np.flatnonzero(ev["kind"][n:] == TokenKind.ERROR) + n).tolist():
+                req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])), None)
+                if req is None:
+                    continue
                 ev["error"][k] = req.error_code
                 ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
-        self.token_out.push_all(ev, payload.blob())
+        blob = payload.blob()
+        if len(blob) > self._max_push:  # several pushes (push_all splits); none may be too big alone
+            ev, blob = self._refuse_oversize(ev, blob)
+        self.token_out.push_all(ev, blob)
+
+    def _refuse_oversize(self, ev: np.ndarray, blob: bytes) -> tuple[np.ndarray, bytes]:
+        """`ev` with every record whose own payload can never fit a push (an OPEN with too
+        many or too long stop strings) replaced by an ERROR record for its request, which is
+        aborted: the detokenizer then never opens it and drops its tokens, its worker gets
+        the error."""
+        sizes = payload_sizes(ev, TOKEN_OUT)
+        big = np.flatnonzero(sizes > self._max_push).tolist()
+        if not big:
+            return ev, blob
+        payload = PayloadBuilder()
+        payload.add(blob)
+        for k in big:
+            w, s, g = int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])
+            message = (
+                f"the request's stop strings ({int(sizes[k])} bytes for the engine) exceed the "
+                f"{int(self._max_push)} bytes the scheduler can pass on for one request"
+            )
+            logger.warning("request (%d, %d, %d) failed: %s", w, s, g, message)
+            self.scheduler.abort(w, s, g)
+            ev[k : k + 1] = np.frombuffer(
+                _error_record(w, s, g, ErrorCode.INVALID_REQUEST, payload, message.encode()), TOKEN_OUT.dtype
+            )
+        return ev, payload.blob()
 
     def _open_record(self, req: Req, payload: PayloadBuilder) -> bytes:
         """The OPEN record of `req`, packed in one call (numpy sets a record's fields one call each)."""
@@ -246,9 +310,11 @@ class SchedulerProcess:
             | (_LOGPROBS if p.logprobs else 0)
             | (_RETURN_IDS if p.return_ids else 0)
         )
-        stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
-        if req.error_code:
+        if req.error_code:  # it never runs: an ERROR follows, its stop strings are not needed
             self._rejected[(req.worker, req.slot, req.generation)] = req
+            stop_off, stop_len = 0, 0
+        else:
+            stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
         return pack_open(
             worker=req.worker,
             slot=req.slot,
@@ -344,3 +410,12 @@ class SchedulerProcess:
         if self.stats is not None:
             self.stats.close()
         self.waker.close()
+
+
+def _error_record(worker: int, slot: int, gen: int, code: ErrorCode, payload: PayloadBuilder, message: bytes) -> bytes:
+    """An ERROR record's bytes (its message added to `payload`)."""
+    rec = np.zeros(1, TOKEN_OUT.dtype)
+    rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.ERROR, worker, slot, gen
+    rec["finish"], rec["error"], rec["token"] = Finish.ERROR, code, NO_TOKEN
+    rec["payload_off"], rec["payload_len"] = payload.add(message) if message else (0, 0)
+    return rec.tobytes()
