@@ -16,6 +16,7 @@ name means no file another user prepares can collide with ours.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -26,8 +27,14 @@ PREFIX = "ringserve."
 _SHM_DIR = "/dev/shm"
 
 
+class SharedMemoryFull(OSError):
+    """/dev/shm cannot hold a segment: the message says how much it needs and how much there is."""
+
+
 def create_segment(size: int) -> tuple[int, mmap.mmap]:
-    """A fresh zeroed shared segment of `size` bytes: (fd, mapping); its name is already gone."""
+    """A fresh zeroed shared segment of `size` bytes: (fd, mapping); its name is already gone.
+    Its memory is reserved here (posix_fallocate): a /dev/shm too small fails now with
+    SharedMemoryFull, never later with a SIGBUS at the first touch of a page it cannot back."""
     if size <= 0:
         raise ValueError(f"segment size must be positive, not {size}")
     sweep_orphans()
@@ -39,10 +46,39 @@ def create_segment(size: int) -> tuple[int, mmap.mmap]:
         shm.close_fd()
         shm.unlink()
     try:
+        _reserve(fd, size)
         return fd, map_segment(fd, size)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _reserve(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise SharedMemoryFull(errno.ENOSPC, shm_full_message(size)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot reserve: as before
+            raise
+
+
+def shm_full_message(size: int) -> str:
+    try:
+        st = os.statvfs(_SHM_DIR)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        there = f"{_SHM_DIR} has {_mib(free)} free of {_mib(total)}"
+    except OSError:
+        there = f"{_SHM_DIR} cannot be measured"
+    return (
+        f"shared memory is full: a ring needs {_mib(size)} and {there}; make {_SHM_DIR} larger "
+        f"(a container: --shm-size; a server's rings take about 26 MiB for each HTTP worker and 9 MiB "
+        f"for the engine) or stop what fills it"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def map_segment(fd: int, size: int) -> mmap.mmap:

@@ -4,6 +4,7 @@ command line, during start-up included."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pwd
 import secrets
@@ -268,3 +269,53 @@ def test_foreign_file_in_dev_shm_does_not_block_start():
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             assert wait_until(lambda: not processes_of(pw.pw_uid), 15)  # the engine stops with granian
+
+
+# ---------------------------------------------------------------- /dev/shm too small (item 8)
+
+
+def test_full_dev_shm_is_an_error_at_creation(monkeypatch):
+    from ipc import shm
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(shm.our_segments())
+    with pytest.raises(shm.SharedMemoryFull) as caught:
+        shm.create_segment(9 << 20)
+    message = str(caught.value)
+    assert "needs 9.0 MiB" in message and "/dev/shm has" in message and "free of" in message, message
+    assert set(shm.our_segments()) <= before
+
+
+def test_small_dev_shm_fails_start_up_with_the_message(tmp_path):
+    """A 1 MiB /dev/shm (a private mount namespace): start-up fails and says why, no SIGBUS."""
+    if os.getuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here: {probe.stderr.strip()}")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
+    env.update(RINGSERVE_NULL_MODEL="1", RINGSERVE_LOG_LEVEL="warning")
+    script = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
+    argv = ["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-m", "granian", "--interface", "asgi"]
+    argv += ["--port", str(port), "--log-level", "warning", "runtime.app:app"]
+    log = tmp_path / "stderr"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(argv, env=env, stderr=err, start_new_session=True)
+    try:
+        said = wait_until(lambda: b"shared memory is full" in log.read_bytes() or proc.poll() is not None, 120)
+        assert said and wait_until(lambda: b"shared memory is full" in log.read_bytes(), 5), log.read_text()
+        text = log.read_text()
+        assert "/dev/shm has" in text and "free of 1.0 MiB" in text, text
+        assert "SIGBUS" not in text and "Bus error" not in text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
