@@ -6,6 +6,8 @@ exception class):
                              over-long prompts (code context_length_exceeded), max_tokens
                              past the context, unsupported features
   401 invalid_request_error  code invalid_api_key: missing or wrong API key
+  408 invalid_request_error  code request_timeout: the body did not arrive within the server's limit
+  413 invalid_request_error  code request_too_large: the body is over the server's limit
   404 invalid_request_error  code model_not_found, param "model": an unknown model
                              (OpenAI's shape; vLLM answers type "NotFoundError" instead)
   503 server_error           code engine_unavailable: the engine is down or stopping
@@ -59,6 +61,18 @@ def from_invalid_param(err: InvalidParam, names: Mapping[str, str]) -> APIError:
     param = names.get(err.param, err.param)
     message = err.message.replace(err.param, param, 1) if param != err.param else err.message
     return bad_request(message, param)
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"The request body is larger than this server's limit of {limit} bytes.", code="request_too_large"
+    )
+
+
+def body_timeout(seconds: float) -> APIError:
+    return APIError(
+        408, f"The request body was not received within this server's limit of {seconds:g} s.", code="request_timeout"
+    )
 
 
 def model_not_found(model: str) -> APIError:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from httpapi.errors import bad_request, from_invalid_param
 from httpapi.fields import Fields
+from protocol.memo import ByteLRU, string_bytes
+from protocol.records import MAX_OPEN_PAYLOAD_BYTES, MAX_REQUEST_PAYLOAD_BYTES, MEMO_BYTES, stop_payload_bytes
 from protocol.sampling_params import InvalidParam, SamplingParams
 
 # SamplingParams fields that every generation endpoint names the same way.
@@ -68,7 +69,12 @@ class SamplingSpec:
         Requests asking the same get the same spec, made once rather than a request (clients
         send a few distinct settings), and so the same SamplingParams, whose record bytes
         pack_request makes once too."""
-        return _spec(tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
+        key = (tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
+        spec = _SPECS.get(key)
+        if spec is None:
+            spec = _spec(values, max_tokens, dict(names), prompt_param)
+            _SPECS.put(key, spec, string_bytes(values["stop"]))  # bounded by bytes: the stop strings are the client's
+        return spec
 
     def resolve(
         self, prompt_ids: Sequence[int] | np.ndarray, context_len: int, vocab_size: int, kv_tokens: int | None = None
@@ -85,10 +91,10 @@ class SamplingSpec:
         return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
 
 
-@lru_cache(maxsize=1024)  # clients send a few distinct settings
-def _spec(values: tuple, max_tokens: int | None, names: tuple, prompt_param: str) -> SamplingSpec:
-    """SamplingSpec.build of hashable arguments: (name, value) pairs for the dicts."""
-    values, names = dict(values), dict(names)
+_SPECS = ByteLRU(MEMO_BYTES)  # clients send a few distinct settings
+
+
+def _spec(values: dict[str, Any], max_tokens: int | None, names: Mapping[str, str], prompt_param: str) -> SamplingSpec:
     provisional = max_tokens if max_tokens is not None else max(values["min_new_tokens"], 1)
     return SamplingSpec(
         validated(SamplingParams(**values, max_new_tokens=provisional), names), max_tokens, names, prompt_param
@@ -116,6 +122,49 @@ def check_prompt(
                 code="context_length_exceeded",
             )
     check_token_ids(prompt_ids, vocab_size, param)
+
+
+def check_prompt_chars(n_chars: int, max_chars: int, param: str) -> None:
+    """A prompt text longer than `max_chars` (the context's tokens times the most characters a
+    token holds) cannot fit the context, however it tokenizes: refused before tokenizing it."""
+    if n_chars > max_chars:
+        raise bad_request(
+            f"The prompt ({param}) has {n_chars} characters, more than this model's context can hold "
+            f"({max_chars} characters at most). Shorten the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def check_request_size(
+    prompt_lens: Sequence[int],
+    params: Sequence[SamplingParams],
+    n: int,
+    prompt_param: str,
+    n_param: str = "n",
+    stop_param: str = "stop",
+    max_tokens: int | None = None,
+) -> None:
+    """What one request (n choices of each prompt, prompt_lens[i] tokens and params[i]) asks of
+    the engine at once must fit it: its prompts' tokens in all (max_tokens: the KV cache's,
+    when known), its records' payload in the REQUEST ring, their OPEN records' stop strings in
+    the TOKEN_OUT ring (protocol/records.py). Refused with a 400 naming `n` when one choice
+    of each prompt would fit, else the prompt or the stop strings."""
+    tokens = sum(prompt_lens)
+    stops = sum(stop_payload_bytes(p) for p in params)
+    payload = 4 * tokens + stops + 4 * len(params)  # + each choice's alignment padding
+    for total, limit, what, param in (
+        (tokens, max_tokens, "prompt tokens", prompt_param),
+        (payload, MAX_REQUEST_PAYLOAD_BYTES, "bytes of prompt token ids and stop strings", prompt_param),
+        (stops, MAX_OPEN_PAYLOAD_BYTES, "bytes of stop strings", stop_param),
+    ):
+        if limit is not None and total * n > limit:
+            named = n_param if n > 1 and total <= limit else param
+            raise bad_request(
+                f"The request asks for {total * n} {what} ({total} x {n_param} {n}); this server takes at "
+                f"most {limit} in one request. Lower {n_param}, or shorten the prompt or the stop strings.",
+                named,
+            )
 
 
 def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, param: str) -> None:

@@ -45,12 +45,23 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from protocol.memo import ByteLRU, string_bytes
 from protocol.sampling_params import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
+
+# The arenas of the rings that carry a request's variable-length data (runtime/scheduler/process.py
+# REQUEST_SPEC, runtime/detokenizer/process.py TOKEN_OUT_SPEC), and what one request may take of
+# them: the HTTP worker pushes a request's choices (prompt ids and stop strings, n times) in one
+# push, and the scheduler pushes their OPEN records (the stop strings, n times) in one step's push;
+# a payload larger than its arena can never be pushed. A quarter leaves room for the others.
+REQUEST_ARENA_BYTES = 16 << 20
+TOKEN_OUT_ARENA_BYTES = 8 << 20
+MAX_REQUEST_PAYLOAD_BYTES = REQUEST_ARENA_BYTES // 4  # one request's NEW records' payload, all choices
+MAX_OPEN_PAYLOAD_BYTES = TOKEN_OUT_ARENA_BYTES // 4  # one request's OPEN records' payload, all choices
+MEMO_BYTES = 4 << 20  # each memo of sampling settings (protocol/memo.py)
 
 
 @dataclass(frozen=True)
@@ -489,11 +500,14 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
     same sampling bytes and stop strings get the same (frozen) SamplingParams object."""
     raw = record.tobytes()
     prompt_off, prompt_len, stop_off, stop_len = _REQUEST_HEAD.unpack_from(raw)[6:]
-    params = _params_of(raw[SAMPLING_AT:] + payload[stop_off : stop_off + stop_len].tobytes())
+    key = raw[SAMPLING_AT:] + payload[stop_off : stop_off + stop_len].tobytes()
+    params = _PARAMS.get(key)
+    if params is None:  # a server sees a few distinct sampling settings: each converted once
+        params = _params_of(key)
+        _PARAMS.put(key, params, len(key) + string_bytes(params.stop))
     return params, payload[prompt_off : prompt_off + prompt_len].view(np.uint32)
 
 
-@lru_cache(maxsize=1024)  # a server sees a few distinct sampling settings
 def _params_of(sampling_and_stop: bytes) -> SamplingParams:
     """The SamplingParams of a REQUEST record's sampling bytes followed by its stop strings."""
     values = _REQUEST_SAMPLING.unpack_from(sampling_and_stop)
@@ -523,7 +537,7 @@ def _params_of(sampling_and_stop: bytes) -> SamplingParams:
 
 def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
     """(the record's sampling bytes, the stop strings' payload) of `params`, made once per object."""
-    hit = _PACKED.get(id(params))
+    hit = _PACKED.get(id(params))  # by object, not value (hashing one costs more than packing it)
     if hit is not None and hit[0] is params:
         return hit[1], hit[2]
     stop_ids = tuple(params.stop_token_ids)
@@ -553,17 +567,22 @@ def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
         *stop_ids,
         *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
     )
-    if len(_PACKED) >= _PACKED_SIZE:  # by object, not value (hashing one costs more than packing it)
-        _PACKED.clear()
-    _PACKED[id(params)] = packed = (params, sampling, encode_strings(params.stop))  # held: its id stays its own
-    return packed[1], packed[2]
+    stop = encode_strings(params.stop)
+    # held with params, so that its id stays its own while kept
+    _PACKED.put(id(params), (params, sampling, stop), len(sampling) + len(stop) + string_bytes(params.stop))
+    return sampling, stop
+
+
+def stop_payload_bytes(params: SamplingParams) -> int:
+    """The bytes of `params`' stop strings in a NEW or OPEN record's payload."""
+    return len(_packed_sampling(params)[1])
 
 
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
 _SAMPLING_NAMES = [n for n in REQUEST.dtype.names if REQUEST.dtype.fields[n][1] >= SAMPLING_AT][:-1]  # scalars
-_PACKED_SIZE = 1024
-_PACKED: dict[int, tuple[SamplingParams, bytes, bytes]] = {}
+_PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strings -> SamplingParams
+_PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> (params, sampling bytes, stop strings)
 
 
 def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:

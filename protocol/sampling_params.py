@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Stop strings travel with every choice of a request (n of them) through the REQUEST and
+# TOKEN_OUT rings, and every decoded token is matched against them: bounded in UTF-8 bytes,
+# each and in all, so that a request's choices fit the rings' arenas (protocol/records.py).
+MAX_STOP_STRING_BYTES = 4096
+MAX_STOP_BYTES = 8192
 MAX_STOP_TOKEN_IDS = 16
 # The sampler divides float32 logits by the temperature and the repetition penalty: a smaller
 # temperature (1e-320 is 0 in float32) or penalty overflows them to inf and the distribution
@@ -79,6 +84,12 @@ class SamplingParams:
             raise InvalidParam("presence_penalty", "presence_penalty must be between -2 and 2")
         if not (len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop)):
             raise InvalidParam("stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if self.stop and _stop_bytes(self.stop) > MAX_STOP_BYTES:
+            raise InvalidParam(
+                "stop",
+                f"stop strings must be at most {MAX_STOP_STRING_BYTES} bytes each and {MAX_STOP_BYTES} bytes "
+                f"in all (UTF-8)",
+            )
         if not (
             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
             and all(
@@ -93,6 +104,19 @@ class SamplingParams:
         if not (self.top_logprobs == 0 or self.logprobs):
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs to be true")
         return self
+
+
+def _stop_bytes(stop: tuple[str, ...]) -> int:
+    """The stop strings' UTF-8 bytes in all, or past MAX_STOP_BYTES when one string is over
+    MAX_STOP_STRING_BYTES; a string's length in characters bounds its bytes from below, so a
+    huge one is refused without encoding it."""
+    total = 0
+    for s in stop:
+        size = len(s) if len(s) > MAX_STOP_STRING_BYTES or s.isascii() else len(s.encode())
+        if size > MAX_STOP_STRING_BYTES:
+            return MAX_STOP_BYTES + 1
+        total += size
+    return total
 
 
 def _finite(x: object) -> bool:

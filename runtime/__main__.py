@@ -15,6 +15,14 @@ import sys
 
 from runtime.config import ENV_PREFIX, ServerArgs
 
+# Connections (granian's own settings; ServerArgs' body limits are the app's): HTTP/1 only, since
+# granian's automatic HTTP/2 detection waits for a client's first bytes with no timeout (an idle
+# connection that never sends one would stay open for ever), while HTTP/1's header read timeout
+# closes it; and room for this many requests in flight a worker (granian's backpressure, by
+# default 1024 / workers), so that slow clients, which the body read timeout cuts off in the
+# end, do not hold every place and leave /health waiting.
+GRANIAN_BACKPRESSURE = 8192
+MAX_HEADER_READ_TIMEOUT_MS = 60_000  # granian's upper bound
 GRANIAN_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warning", "error": "error", "critical": "critical"}
 
 
@@ -31,6 +39,12 @@ def granian_command(args: ServerArgs) -> list[str]:
         str(args.port),
         "--workers",
         str(args.workers),
+        "--http",
+        "1",
+        "--http1-header-read-timeout",
+        str(min(MAX_HEADER_READ_TIMEOUT_MS, max(1, round(args.body_read_timeout * 1000)))),
+        "--backpressure",
+        str(GRANIAN_BACKPRESSURE),
         "--log-level",
         GRANIAN_LOG_LEVELS[args.log_level],
         "--process-name",
@@ -84,6 +98,20 @@ def hide_secrets(argv: list[str]) -> None:
         setproctitle(" ".join([sys.executable, "-m", "runtime", *shown]))
 
 
+def raise_open_files_limit() -> None:
+    """Every connection is a file descriptor: the soft limit (often 1024) raised to the hard one,
+    so that many clients, slow ones included, do not run the server out of them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -106,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"ringserve: {problem}", file=sys.stderr)
         return 1
+    raise_open_files_limit()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, granian_command(args), server_env(args))

@@ -46,6 +46,12 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     request_timeout: float = 600.0  # soft limit on a request's life, seconds
+    # a request body larger than this is refused (413) before it is read: Content-Length first,
+    # a chunked body as it arrives
+    max_request_bytes: int = 8 << 20
+    # a request body not received whole within this many seconds is refused (408), so that a
+    # client that trickles a body does not hold the worker
+    body_read_timeout: float = 30.0
     # a stream's events: at its first token, then once every stream_interval tokens (and at its
     # end): fewer, larger events for clients that keep up (one that falls behind gets its
     # pending tokens in one event anyway)
@@ -59,8 +65,19 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"  # fcfs | lpm
     disable_radix_cache: bool = False
+    # supervision (runtime/supervise/): a scheduler or detokenizer whose heartbeat is older than
+    # this is hung: killed and replaced like a dead one, seconds (SGLang's flag; the scheduler
+    # beats before each forward, and one chunked-prefill forward of a 7B model in fp32 on a few
+    # CPU cores takes minutes)
+    watchdog_timeout: float = 300.0
+    # a dead or hung engine is replaced at most this many times in 10 minutes (with a growing
+    # wait between tries); then every request is a 503 until the server restarts. 0: never
+    engine_max_restarts: int = 5
     # transport between the processes: ring (shared memory) or zmq (pickle baseline)
     transport: str = "ring"
+    # detokenizer: an HTTP worker that reads none of its text for this long while text waits
+    # for it has its requests failed (the other workers' streams never wait for it), seconds
+    worker_stall_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -90,6 +107,16 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be at least 1024")
+        if not self.body_read_timeout > 0:
+            raise ValueError("--body-read-timeout must be positive")
+        if not self.worker_stall_timeout > 0:
+            raise ValueError("--worker-stall-timeout must be positive")
+        if not self.watchdog_timeout > 0:
+            raise ValueError("--watchdog-timeout must be positive")
+        if self.engine_max_restarts < 0:
+            raise ValueError("--engine-max-restarts must be at least 0")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.chat_template is not None and not (

@@ -5,6 +5,7 @@ and a 500."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,7 @@ from starlette.responses import Response
 
 from gpu.model_files import ModelLoadError
 from httpapi.auth import check_api_key
-from httpapi.errors import APIError, internal_error, model_not_found
+from httpapi.errors import APIError, body_timeout, body_too_large, internal_error, model_not_found
 from runtime.http_worker.tokenizer_manager import ClientGone
 from runtime.http_worker.worker import HTTPWorker
 from runtime.supervise.files import EngineStartError
@@ -35,15 +36,51 @@ def json_response(body: bytes, status: int = 200) -> Response:
 async def read_body(request: Request) -> bytes:
     """The request body, from receive() itself: one message for a usual body, where
     starlette's Request.body() runs an async generator a request (a visible share of the
-    worker's Python time). A client that leaves before sending it all is gone (ClientGone)."""
-    chunks = []
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    worker's Python time). A client that leaves before sending it all is gone (ClientGone).
+
+    Bounded (ServerArgs): a body over max_request_bytes is a 413, told by its Content-Length
+    before any of it is read (a chunked one as it arrives); a body not received whole within
+    body_read_timeout seconds is a 408, so that clients that trickle bodies cannot hold the
+    worker's requests (granian's backpressure counts them) for as long as they like."""
+    args = request.app.worker.args
+    limit = args.max_request_bytes
+    for name, value in request.scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise body_too_large(limit)
+            break
+    task = asyncio.current_task()
+    expired = []  # set when the timer cancelled the task
+    timer = None
+    if task is not None:
+        timer = asyncio.get_running_loop().call_later(args.body_read_timeout, _expire, task, expired)
+    chunks, size = [], 0
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except asyncio.CancelledError:
+        if not expired:
+            raise
+        if hasattr(task, "uncancel"):  # Python 3.11+: the task is not being cancelled any more
+            task.uncancel()
+        raise body_timeout(args.body_read_timeout) from None
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _expire(task: asyncio.Task, expired: list) -> None:
+    expired.append(True)
+    task.cancel()
 
 
 def error_response(err: APIError) -> Response:

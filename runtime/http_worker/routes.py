@@ -31,7 +31,7 @@ from httpapi.responses import (
     new_request_id,
     now,
 )
-from httpapi.sampling import check_token_ids
+from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
 from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
 from protocol.sampling_params import SamplingParams
 from runtime.http_worker.asgi import (
@@ -101,6 +101,7 @@ async def chat_completions(worker, request: Request) -> Response:
     check_model(req.model, worker.model.served_name)
     ids = await worker.tm.chat_ids(req.messages)
     params = worker.sampling_params(req.sampling, ids)
+    check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
     request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     vocab = worker.vocab if params.logprobs else None
@@ -119,9 +120,10 @@ async def chat_completions(worker, request: Request) -> Response:
 async def completions(worker, request: Request) -> Response:
     req = parse_completion(await read_body(request))
     check_model(req.model, worker.model.served_name)
-    prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
+    prompt_ids = [await prompt_tokens(worker, p, "prompt") for p in req.prompts]
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
+    check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
     request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
     group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
     echoes = None
@@ -157,8 +159,12 @@ def openai_events(
     return sse_events(worker, group, render, head, tail)
 
 
-async def prompt_tokens(worker, prompt: str | list[int]) -> list[int]:
-    return await worker.tm.encode(prompt) if isinstance(prompt, str) else prompt
+async def prompt_tokens(worker, prompt: str | list[int], param: str) -> list[int]:
+    """A prompt's token ids; a text too long for the context is refused before it is tokenized."""
+    if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), worker.tm.max_prompt_chars, param)
+        return await worker.tm.encode(prompt)
+    return prompt
 
 
 @api_route
@@ -180,9 +186,19 @@ async def retrieve_model(worker, request: Request) -> Response:
 @api_route
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await read_body(request))
-    prompt_ids = [await prompt_tokens(worker, p) for p in req.prompts]
+    prompt_param = req.samplings[0].prompt_param
+    prompt_ids = [await prompt_tokens(worker, p, prompt_param) for p in req.prompts]
     params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]
     n = req.n
+    check_request_size(
+        [len(ids) for ids in prompt_ids],
+        params,
+        n,
+        prompt_param,
+        "sampling_params.n",
+        "sampling_params.stop",
+        max_tokens=worker.kv_tokens,
+    )
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
     group = await worker.submit("generate", prompt_ids, params, n, rids, req.stream)

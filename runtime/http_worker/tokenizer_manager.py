@@ -42,7 +42,9 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
+from httpapi.sampling import check_prompt_chars
 from protocol.records import (
+    MAX_REQUEST_PAYLOAD_BYTES,
     ErrorCode,
     Finish,
     RequestKind,
@@ -63,6 +65,7 @@ logger = logging.getLogger("ringserve.tokenizer_manager")
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 NEVER = 1 << 62  # a non-streamed choice's wake_at: only its end wakes it
 TIMEOUT_SWEEP_S = 1.0
+MIN_TOKEN_CHARS = 16  # the characters a token may hold, at least (longest_token_chars)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,17 @@ def read_chat_template(value: str) -> str:
     except Exception as e:  # jinja2's TemplateSyntaxError and the like
         raise ValueError(f"--chat-template does not compile: {e}") from None
     return text
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Twice the characters of the vocabulary's longest token as the tokenizer spells it (a
+    byte-level BPE's token is spelled a character a byte, so it bounds the token's text): a text
+    longer than that times the context cannot fit the context, however it tokenizes."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()), default=0)
+    except Exception:  # a tokenizer without a vocabulary to list
+        longest = 64
+    return 2 * max(MIN_TOKEN_CHARS, longest)
 
 
 class ChatTemplate:
@@ -307,6 +321,8 @@ class TokenizerManager:
         self._encoder = PromptEncoder(tokenizer)
         self._chat_template = ChatTemplate(tokenizer)
         self.model = model
+        # a prompt text longer than this cannot fit the context: refused before tokenizing it
+        self.max_prompt_chars = model.context_length * longest_token_chars(tokenizer)
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self.dead: APIError | None = None  # set when the engine is gone: every request fails with it
@@ -337,6 +353,28 @@ class TokenizerManager:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
+    async def detach_channels(self) -> None:
+        """The engine is gone (after fail_all): stops reading and sending on its channels and
+        drops what waited to be sent. The channels stay open (an abort still pushes into them,
+        harmlessly) until the caller closes them."""
+        io = [t for t in self._tasks if t.get_name() in ("tm-reader", "tm-sender")]
+        for task in io:
+            task.cancel()
+        await asyncio.gather(*io, return_exceptions=True)
+        self._tasks = [t for t in self._tasks if t not in io]
+        self._outbox.clear()
+
+    def attach_channels(self, request_ch: Any, text_ch: Any, waker: Any) -> None:
+        """A new engine's channels, after detach_channels: reading and sending resume on them
+        and new requests are taken again (the failed ones left no slot behind)."""
+        self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
+        self._outbox_ready = asyncio.Event()
+        self._tasks += [
+            asyncio.create_task(self._read_loop(), name="tm-reader"),
+            asyncio.create_task(self._send_loop(), name="tm-sender"),
+        ]
+        self.dead = None
+
     def fail_all(self, err: APIError) -> None:
         """The engine is gone (or the worker stops): every request fails with `err`, new ones too."""
         self.dead = err
@@ -351,11 +389,22 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(None, self._encoder.encode, text, add_special_tokens)
 
     async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template applied and tokenized, as apply_chat_template(tokenize=True) does."""
+        """The chat template applied and tokenized, as apply_chat_template(tokenize=True) does.
+        A conversation that cannot fit the context (more messages than the context has tokens,
+        or more text than it can hold) is refused before the template renders it."""
+        if len(messages) > self.model.context_length:
+            raise bad_request(
+                f"messages has {len(messages)} messages, more than this model's context of "
+                f"{self.model.context_length} tokens can hold",
+                "messages",
+                code="context_length_exceeded",
+            )
+        check_prompt_chars(sum(len(m["content"]) for m in messages), self.max_prompt_chars, "messages")
         try:
             text = self._chat_template.render(messages)
         except Exception as e:  # jinja raises for conversations a template refuses (e.g. roles out of order)
             raise bad_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
+        check_prompt_chars(len(text), self.max_prompt_chars, "messages")
         return await self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -386,28 +435,37 @@ class TokenizerManager:
         n = len(prompts)
         rid_hashes = [rid_hash(rid) for rid in group.rids] or [0]
         records, blobs, size = [], [], 0
-        for index, (ids, p) in enumerate(zip(prompts, params)):
-            slot, gen = self._alloc()
-            state = ReqState(group, index, slot, gen, p, len(ids))
-            self._states[slot] = state
-            group.states.append(state)
-            tag = rid_hashes[prompt_of(index, n, len(rid_hashes))]
-            rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, tag)
-            if size:  # offsets in the batch's one blob
-                rec["prompt_off"] += size
-                rec["stop_off"] += size
-            blob += b"\0" * (-len(blob) % 4)  # the next request's ids stay 4-byte aligned
-            records.append(rec)
-            blobs.append(blob)
-            size += len(blob)
-        group.unfinished = len(group.states)
-        self._groups.add(group)
-        for rid in group.rids:
-            self._by_rid[rid] = group
-        if len(records) == 1:
-            self._send(records[0], blobs[0])
-        else:
-            self._send(concat_records(records), b"".join(blobs))
+        try:
+            for index, (ids, p) in enumerate(zip(prompts, params)):
+                slot, gen = self._alloc()
+                state = ReqState(group, index, slot, gen, p, len(ids))
+                self._states[slot] = state
+                group.states.append(state)
+                tag = rid_hashes[prompt_of(index, n, len(rid_hashes))]
+                rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, tag)
+                if size:  # offsets in the batch's one blob
+                    rec["prompt_off"] += size
+                    rec["stop_off"] += size
+                blob += b"\0" * (-len(blob) % 4)  # the next request's ids stay 4-byte aligned
+                records.append(rec)
+                blobs.append(blob)
+                size += len(blob)
+            if size > MAX_REQUEST_PAYLOAD_BYTES:  # the routes refuse such a request first (check_request_size)
+                raise bad_request(f"The request's prompts and stop strings take {size} bytes: too many", None)
+            group.unfinished = len(group.states)
+            self._groups.add(group)
+            for rid in group.rids:
+                self._by_rid[rid] = group
+            if len(records) == 1:
+                self._send(records[0], blobs[0])
+            else:
+                self._send(concat_records(records), b"".join(blobs))
+        except BaseException:  # nothing was pushed (a push that fails publishes nothing): unregister it all
+            for state in group.states:
+                self._release(state)
+            group.unfinished = 0
+            self._forget(group)
+            raise
         return group
 
     def abort(self, group: ReqGroup) -> None:
