@@ -228,7 +228,7 @@ class ReqState:
         if self.logprobs:
             lp = self.logprobs[0] if len(self.logprobs) == 1 else TokenLogprobs.concat(self.logprobs)
             self.logprobs = []
-        return text, lp, self.finish.api_name
+        return text, lp, self.finish.api_name if self.finished else None
 
     @property
     def matched_stop(self) -> int | str | None:
