@@ -24,7 +24,16 @@ Waits (all take channels of ipc/channel.py, through the Waitable protocol):
   wait_readable(channels, spin_us, timeout)   sync: spin, then sleep (consumer)
   wait_readable_async(channels, timeout)      asyncio, via loop.add_reader
   wait_room(channel, nbytes, timeout)         sync back-pressure (producer)
+  wait_any(readable, room, spin_us, timeout)  sync: records in one channel OR room in another
   wait_room_async(channel, nbytes, timeout)   asyncio back-pressure
+`wait_any` is both waits at once, for a process that consumes some channels and produces
+into others and must not sleep on one of them alone (the detokenizer: records from the
+scheduler, or room in any HTTP worker's ring whose records wait in its backlog). It is the
+same protocol: it announces on every channel (a consumer's flag on those it reads, a
+producer's on those it waits to write), runs the barrier once, and re-checks every
+condition before it sleeps; each channel's peer writes the one eventfd, so whichever
+condition comes true first wakes it. The Dekker argument holds channel by channel: for each,
+the waiter's flag store precedes its check, the peer's counter store precedes its flag load.
 Consumer modes: spin_us=0 sleeps at once (eventfd), spin_us=math.inf never sleeps
 (pure spin), anything between spins that long then sleeps (the server's mode: on
 few cores a spinning consumer steals the producer's CPU).
@@ -130,6 +139,52 @@ class Waker:
                     return channel.room_for(nbytes)
             finally:
                 channel.sleep_flag.announce(False)
+
+    def wait_any(
+        self,
+        readable: Sequence[Waitable],
+        room: Sequence[tuple[Waitable, int]],
+        spin_us: float = 0.0,
+        timeout: float | None = None,
+    ) -> bool:
+        """Blocks until one of `readable` has records, or one of `room`'s channels takes a
+        record with its `nbytes` payload (True), or `timeout` s pass (False)."""
+
+        def ready() -> bool:
+            if _any_readable(readable):
+                return True
+            for ch, nbytes in room:
+                if ch.room_for(nbytes):
+                    return True
+            return False
+
+        if ready():
+            return True
+        now = time.perf_counter()
+        deadline = math.inf if timeout is None else now + timeout
+        if spin_us > 0:
+            spin_end = min(deadline, now + spin_us * 1e-6)
+            while True:
+                if ready():
+                    return True
+                if time.perf_counter() >= spin_end:
+                    break
+        flags = [ch.sleep_flag for ch in readable] + [ch.sleep_flag for ch, _ in room]
+        while True:
+            self._drain()
+            for flag in flags:
+                flag.announce(True)
+            try:
+                self._sleep_barrier()
+                if ready():
+                    return True
+                if not self._sleep(deadline):
+                    return ready()
+            finally:
+                for flag in flags:
+                    flag.announce(False)
+            if ready():
+                return True
 
     def _sleep(self, deadline: float) -> bool:
         """Sleeps on the eventfd until written (True) or the deadline (False). The count is

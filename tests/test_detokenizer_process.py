@@ -185,3 +185,91 @@ def test_a_dead_workers_channel_is_closed(tmp_path):
         worker.kill()
         detok.stop()
         detok.close()
+
+
+def test_a_stalled_worker_does_not_stop_the_others(tokenizer, tmp_path):
+    """Issue 19 item 6: worker 1 never reads its TEXT_OUT ring (SIGSTOPped, say) while it has
+    more text than the ring holds; worker 0's stream still completes, long before the stall
+    deadline (the detokenizer used to wait on worker 1's full ring forever). Past the deadline
+    worker 1's requests fail: when it reads again it finds the text its ring held, then an
+    ERROR record for each of its requests. The process then serves worker 0 as before."""
+    stall_s = 10.0
+    path = str(tmp_path / "detok.sock")
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_detokenizer, args=(ServerArgs(log_level="warning", worker_stall_timeout=stall_s), path)
+    )
+    proc.start()
+    t = get_transport("ring")
+    wakers = [t.make_waker() for _ in range(3)]
+    try:
+        sched = connect_detokenizer(path, wakers[0])
+        outs = [connect_detokenizer(path, wakers[1 + w], worker=w) for w in range(2)]
+        word = tokenizer.encode(" the", add_special_tokens=False)[0]
+        flags = OpenFlags.SKIP_SPECIAL_TOKENS
+        stalled = 600  # requests of worker 1; 20 tokens each: 12000 text records, its ring holds 8192
+
+        def step(w, slots, k, last=False):
+            return [
+                dict(kind=TokenKind.TOKEN, worker=w, slot=s, gen=5, token=word, completion_tokens=k + 1)
+                | ({"finish": Finish.LENGTH} if last else {})
+                for s in slots
+            ]
+
+        def read(ch, waker, until, timeout):
+            got, deadline = [], time.monotonic() + timeout
+            while not until(got):
+                assert time.monotonic() < deadline, f"{len(got)} records"
+                waker.wait_readable([ch], timeout=0.05)
+                batch = ch.pop()
+                if batch is not None:
+                    got.extend(
+                        (r, batch.payload[r["text_off"] : r["text_off"] + r["text_len"]].tobytes())
+                        for r in batch.records
+                    )
+            return got
+
+        # ready (its tokenizer loaded) before the steps below, which must each be a batch of their own
+        sched.push_all(*records([dict(kind=TokenKind.OPEN, worker=0, slot=9, gen=1, flags=flags, stop=())]), timeout=10)
+        sched.push_all(*records([dict(step(0, [9], 0, last=True)[0], gen=1)]), timeout=10)
+        read(outs[0], wakers[1], lambda g: any(r["finish"] for r, _ in g), 120)
+        t0 = time.monotonic()
+        opens = [dict(kind=TokenKind.OPEN, worker=1, slot=s, gen=5, flags=flags, stop=()) for s in range(stalled)]
+        opens.append(dict(kind=TokenKind.OPEN, worker=0, slot=0, gen=5, flags=flags, stop=()))
+        sched.push_all(*records(opens), timeout=10)
+        for k in range(20):  # one step a batch (the detokenizer has popped the last): a record a request a step
+            sched.push_all(*records(step(1, range(stalled), k)), timeout=10)
+            while len(sched) and time.monotonic() < t0 + 5:
+                time.sleep(0.001)
+        t_full = time.monotonic()  # worker 1's ring is full, its backlog began before
+        for k in range(30):
+            sched.push_all(*records(step(0, [0], k, last=k == 29)), timeout=10)
+
+        got = read(outs[0], wakers[1], lambda g: any(r["finish"] for r, _ in g), stall_s)
+        assert time.monotonic() - t0 < stall_s, "worker 0 waited for worker 1's deadline"
+        print(f"worker 0's stream done {time.monotonic() - t_full:.2f} s after worker 1's ring was full")
+        assert b"".join(text for _, text in got) == tokenizer.decode([word] * 30).encode()
+        assert proc.is_alive()
+        time.sleep(max(0.0, t_full + stall_s + 1 - time.monotonic()))  # past the deadline, still not reading
+        got = read(
+            outs[1],
+            wakers[2],
+            lambda g: len({int(r["slot"]) for r, _ in g if r["kind"] == TextKind.ERROR}) == stalled,
+            30,
+        )
+        kinds = [int(r["kind"]) for r, _ in got]
+        first_error = kinds.index(TextKind.ERROR)
+        assert first_error >= 8192 - stalled and all(k == TextKind.ERROR for k in kinds[first_error:])
+        err, message = got[-1]
+        assert err["finish"] == Finish.ERROR and b"worker-stall-timeout" in message
+        # the process goes on: a new request of worker 0 streams
+        sched.push_all(*records([dict(kind=TokenKind.OPEN, worker=0, slot=1, gen=6, flags=flags, stop=())]), timeout=10)
+        sched.push_all(*records([dict(step(0, [1], 0, last=True)[0], gen=6)]), timeout=10)
+        got = read(outs[0], wakers[1], lambda g: any(r["finish"] for r, _ in g), 10)
+        assert got[-1][0]["slot"] == 1 and got[-1][0]["finish"] == Finish.LENGTH
+        for ch in [sched, *outs]:
+            ch.close()
+    finally:
+        proc.terminate()
+        proc.join(10)
+        for waker in wakers:
+            waker.close()

@@ -16,18 +16,25 @@ stop_token_ids: a TOKEN with finish STOP) is not output, as SGLang trims it; its
 the scheduler does not know about it, so the TokenizerManager must send an ABORT for it
 (to free its KV pages); the detokenizer drops the request's later tokens meanwhile.
 
+A record that cannot be handled fails its own request, never the process: an OPEN that
+raises (its stop strings unreadable, say) gets an ERROR record (INTERNAL); a batch whose
+vectorised TOKEN pass raises (a bug) is logged and handled again one record at a time
+(`handle_isolated`), and each record that raises there fails its request. Requests that
+the failed pass had already advanced through the per-request path may repeat a delta:
+acceptable for what is a bug's fallback, and better than failing every request of the batch.
+
 Payload blob: every logprobs part first (pack_logprobs; each a multiple of 4 bytes, so
 they stay 4-byte aligned), then the token-id runs (uint32), then the text deltas.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
 
 from ipc.ring import Batch
+from protocol.memo import ByteLRU, string_bytes
 from protocol.records import (
     NO_TOKEN,
     TEXT_OUT,
@@ -122,11 +129,46 @@ class TextDeltas:
         inside = (w < self._index.shape[0]) & (s < self._index.shape[1])
         return not (self._index[w[inside], s[inside]] >= 0).any()
 
+    def handle_isolated(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """`handle` one record at a time, in order (after `handle` raised): a record that
+        raises fails its request (closed here, an ERROR record to its worker), the rest go on."""
+        recs, outs = batch.records, []
+        for k in range(len(recs)):
+            try:
+                if recs["kind"][k] == _TOKEN:
+                    outs.append(self._tokens(recs[k : k + 1], batch.payload))
+                else:
+                    outs.append(self._control(recs[k], batch.payload))
+            except Exception:
+                w, s, gen = int(recs["worker"][k]), int(recs["slot"][k]), int(recs["gen"][k])
+                logger.exception("request (%d, %d, %d): its record could not be detokenized", w, s, gen)
+                outs.append(self.fail(w, s, gen, ErrorCode.INTERNAL, b"the detokenizer failed on this request"))
+        return _merge(outs)
+
+    def fail(self, w: int, s: int, gen: int, code: int, message: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """Ends request (w, s, gen) here (its later tokens are dropped) and gives the ERROR
+        record that tells its worker."""
+        if self._is_open(w, s, gen):
+            self._close(w, s)
+        return _error(w, s, gen, code, message, None)
+
+    def close_worker(self, w: int) -> list[tuple[int, int]]:
+        """Closes every open request of worker `w` (its later tokens are dropped); their (slot, gen)."""
+        if w >= self._index.shape[0]:
+            return []
+        slots = np.flatnonzero(self._index[w] >= 0).tolist()
+        gens = self._gen[w, slots].tolist()
+        for s in slots:
+            self._close(w, s)
+        return list(zip(slots, gens))
+
     def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raw = rec.tobytes()  # fields read in one call: numpy reads a record's fields one at a time
-        if raw[_KIND_AT] == _OPEN:
-            o = unpack_open(raw)
-            if self._open(
+        if raw[_KIND_AT] != _OPEN:
+            return self._error_record(raw, rec, payload)
+        o = unpack_open(raw)
+        try:
+            opened = self._open(
                 o.worker,
                 o.slot,
                 o.gen,
@@ -134,10 +176,16 @@ class TextDeltas:
                 o.top_logprobs,
                 o.min_new_tokens,
                 payload[o.stop_off : o.stop_off + o.stop_len],
-            ):
-                return _NOTHING
-            message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
-            return _error(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
+            )
+        except Exception:  # that request fails, not the batch
+            logger.exception("request (%d, %d, %d): its OPEN record could not be handled", o.worker, o.slot, o.gen)
+            return self.fail(o.worker, o.slot, o.gen, ErrorCode.INTERNAL, b"the detokenizer could not open the request")
+        if opened:
+            return _NOTHING
+        message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
+        return _error(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
+
+    def _error_record(self, raw: bytes, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         (w, kind, _, s, gen, _, _, _, _, _, off, size, _, _, error) = TOKEN_OUT_STRUCT.unpack(raw)
         if kind != TokenKind.ERROR:
             logger.error("token-out record of unknown kind %d for (%d, %d, %d) dropped", kind, w, s, gen)
@@ -154,9 +202,11 @@ class TextDeltas:
             self._close(w, s)
         if not self._free:
             return False
-        i = self._free.pop()
+        options = _options(flags & (_SKIP_SPECIAL | _NO_STOP_TRIM), min_tokens, body.tobytes())
+        i = self._free[-1]
+        self.core.open(i, options)
+        self._free.pop()  # taken only once opened: an OPEN that raises takes nothing
         keep_stop = bool(flags & _NO_STOP_TRIM)
-        self.core.open(i, _options(flags & (_SKIP_SPECIAL | _NO_STOP_TRIM), min_tokens, body.tobytes()))
         self._trim_stop_token[i] = not keep_stop
         self._index[w, s], self._gen[w, s] = i, gen
         self._addr[i] = w, s, gen
@@ -356,12 +406,13 @@ def text_tokens(token: np.ndarray, finish: np.ndarray, trim_stop_token: np.ndarr
     return np.where(((finish == _STOP) & trim_stop_token) | (token == NO_TOKEN), -1, token.astype(np.int64))
 
 
-def _error(w: int, s: int, gen: int, code: int, message, rec: np.void) -> tuple[np.ndarray, np.ndarray]:
+def _error(w: int, s: int, gen: int, code: int, message, rec: np.void | None) -> tuple[np.ndarray, np.ndarray]:
     out = np.zeros(1, TEXT_OUT.dtype)
     out["worker"], out["slot"], out["gen"] = w, s, gen
     out["kind"], out["finish"], out["error"] = TextKind.ERROR, Finish.ERROR, code
-    out["prompt_tokens"], out["completion_tokens"] = rec["prompt_tokens"], rec["completion_tokens"]
-    out["cached_tokens"] = rec["cached_tokens"]
+    if rec is not None:
+        out["prompt_tokens"], out["completion_tokens"] = rec["prompt_tokens"], rec["completion_tokens"]
+        out["cached_tokens"] = rec["cached_tokens"]
     out["stop_token"], out["stop_index"] = -1, -1
     blob = np.frombuffer(message, np.uint8) if isinstance(message, bytes) else message
     out["text_len"] = len(blob)
@@ -422,12 +473,23 @@ def _shifted(outs: list[tuple[np.ndarray, np.ndarray]], field: str) -> np.ndarra
 _NOTHING = (np.zeros(0, TEXT_OUT.dtype), np.zeros(0, np.uint8))
 
 
-@functools.lru_cache(maxsize=1024)
+# keyed by client stop strings: bounded by bytes (issue 19), not only by entries
+_OPTIONS = ByteLRU(max_bytes=16 << 20, max_entries=1024)
+
+
 def _options(flags: int, min_tokens: int, stop: bytes) -> DetokOptions:
     """An OPEN record's DetokOptions (frozen): one per distinct setting, not one a request."""
-    return DetokOptions(
-        skip_special_tokens=bool(flags & _SKIP_SPECIAL),
-        stop=decode_strings(stop),
-        min_tokens=min_tokens,
-        no_stop_trim=bool(flags & _NO_STOP_TRIM),
-    )
+    key = (flags, min_tokens, stop)
+    options = _OPTIONS.get(key)
+    if options is None:
+        strings = decode_strings(stop)
+        if "" in strings:  # the HTTP layer refuses them; a record that holds one fails its request
+            raise ValueError("an empty stop string")
+        options = DetokOptions(
+            skip_special_tokens=bool(flags & _SKIP_SPECIAL),
+            stop=strings,
+            min_tokens=min_tokens,
+            no_stop_trim=bool(flags & _NO_STOP_TRIM),
+        )
+        _OPTIONS.put(key, options, len(stop) + string_bytes(options.stop))
+    return options

@@ -12,6 +12,33 @@ Channels come from the detokenizer's own unix socket (ipc/peers.py), at start-up
 The socket is listening as soon as the process has started (before the tokenizer is
 loaded), so peers can connect right away. The process stops on SIGTERM / SIGINT; it then
 closes its channels and removes the socket file.
+
+No worker's stall stops the others (issue 19). The loop never blocks on one worker's ring:
+records that do not fit a worker's TEXT_OUT ring wait in that worker's backlog (in order:
+while a backlog exists, that worker's new records go behind it), pushed as room appears,
+retried every iteration. With nothing to pop the loop sleeps on its waker for both records
+in TOKEN_OUT and room in any backlogged ring (`Waker.wait_any`). A backlog is bounded
+(BACKLOG_BYTES): past it the loop stops popping TOKEN_OUT until that worker takes some (the
+back-pressure a slow worker always got).
+
+A worker that has records waiting and takes none for `--worker-stall-timeout` s (SIGSTOP, an
+event loop stuck in synchronous work), or none for STALL_GRACE_S with its backlog past the
+bound (a worker still reading gets back-pressure, a stopped one would hold every other
+worker's streams until the deadline), is given up on: its backlog is dropped, every request
+of it that was open here or had records in the backlog is closed here (its later tokens are
+dropped as stale), and the backlog becomes one ERROR record (OVERLOADED) per such request,
+pushed when the worker reads again. The detokenizer has no channel to the scheduler, so the
+scheduler keeps running those requests until the worker, reading the ERROR records, sends an
+ABORT for each (the TokenizerManager aborts a request that ends in an ERROR), or until they
+end by themselves (max_tokens; the worker's --request-timeout). The worker's text ring still
+holds what it held when it stopped, so a resumed worker reads that text, then the errors.
+A worker whose process exits or is replaced loses its backlog with its channel.
+
+A push whose blob exceeds what the ring takes in one push is split (ipc/channel.py
+`split_payload`); a record that alone can never fit (a request's text or logprobs of one
+batch over half the arena) fails its request with an ERROR record instead. A batch that
+TextDeltas cannot handle is handled again one record at a time, failing only the requests
+whose records raise (runtime/detokenizer/deltas.py).
 """
 
 from __future__ import annotations
@@ -20,10 +47,14 @@ import logging
 import os
 import signal
 import time
+from collections import deque
+
+import numpy as np
 
 from ipc import ChannelSpec, get_transport
+from ipc.channel import payload_sizes, split_payload
 from ipc.peers import PeerServer, connect
-from protocol.records import TEXT_OUT, TOKEN_OUT
+from protocol.records import TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, TextKind
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 from runtime.gc_tuning import settle_heap
@@ -35,7 +66,24 @@ TOKEN_OUT_SPEC = ChannelSpec(TOKEN_OUT, capacity=16384, arena_bytes=8 << 20)  # 
 TEXT_OUT_SPEC = ChannelSpec(TEXT_OUT, capacity=8192, arena_bytes=8 << 20)  # detokenizer -> worker k
 SPIN_US = 50.0  # spin this long on an empty ring before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
-PUSH_RETRY_S = 0.5  # a worker's full ring is re-checked this often (a respawned worker replaces it)
+BACKLOG_BYTES = 64 << 20  # a worker's backlog past this stops the loop's pops (back-pressure) until it takes some
+STALL_GRACE_S = 1.0  # ... unless the worker took nothing for this long: then it is given up on at once
+STALLED = b"the HTTP worker read none of its text for longer than --worker-stall-timeout: its requests were failed"
+
+
+class Backlog:
+    """One worker's TEXT_OUT records that its ring had no room for, in order."""
+
+    __slots__ = ("pieces", "bytes", "since")
+
+    def __init__(self, now: float) -> None:
+        self.pieces: deque[tuple[np.ndarray, np.ndarray]] = deque()  # (records, their blob)
+        self.bytes = 0  # records and blobs held
+        self.since = now  # when the worker last took a record (or the backlog began)
+
+    def add(self, records: np.ndarray, blob: np.ndarray) -> None:
+        self.pieces.append((records, blob))
+        self.bytes += records.nbytes + blob.nbytes
 
 
 def run_detokenizer(server_args: ServerArgs, socket_path: str, max_open: int = 8192) -> None:
@@ -90,6 +138,8 @@ class Detokenizer:
         self.inputs: list = []  # TOKEN_OUT channels (one per scheduler; one in practice)
         self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
+        self.backlogs: dict[int, Backlog] = {}  # worker -> records waiting for room in its ring (none: empty)
+        self.stall_timeout = server_args.worker_stall_timeout
         self._stopping = False
         self.peers = PeerServer(socket_path, self._peer_channel, {"pid": os.getpid()})
         self.peers.start()
@@ -124,18 +174,31 @@ class Detokenizer:
                 self._attach_new()
             for ch in self.outputs.values():  # before any push: a reader that sees text sees a beat
                 ch.beat()
+            held = False  # a backlog past its bound: pop nothing until its worker takes some
+            if self.backlogs:
+                held = self._drain_backlogs()
             busy = False
-            for ch in self.inputs:
-                batch = ch.pop()
-                if batch is not None:
-                    busy = True
-                    records, blob = deltas.handle(batch)
-                    if len(records):
-                        self._send(records, blob)
-            if not busy:
+            if not held:
+                for ch in self.inputs:
+                    batch = ch.pop()
+                    if batch is not None:
+                        busy = True
+                        try:
+                            records, blob = deltas.handle(batch)
+                        except Exception:  # a bug: find the requests it concerns, fail only them
+                            logger.exception("a batch of %d records failed: handled one record at a time", len(batch))
+                            records, blob = deltas.handle_isolated(batch)
+                        if len(records):
+                            self._send(records, blob)
+            if busy:
+                continue
+            if self.backlogs:
+                self._wait(held)
+            else:
                 waker.wait_readable(self.inputs, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
 
     def _send(self, records, blob) -> None:
+        """Each worker's records to its ring, never waiting: what does not fit goes to its backlog."""
         for worker, (recs, part) in split_by_worker(records, blob).items():
             ch = self.outputs.get(worker)
             if ch is None and self.peers.has_events():  # attached after this loop's last look
@@ -144,17 +207,101 @@ class Detokenizer:
             if ch is None:
                 logger.warning("no channel to worker %d: %d text records dropped", worker, len(recs))
                 continue
-            done = ch.push(recs, part)
-            while done < len(recs) and not self._stopping:  # back-pressure: wait for the worker
-                self.waker.wait_room(ch, len(part), PUSH_RETRY_S)
-                if self.peers.has_events():
-                    self._attach_new()
-                    if self.outputs.get(worker) is not ch:  # the worker exited, or was respawned
-                        logger.warning(
-                            "worker %d's process is gone: %d text records for it dropped", worker, len(recs) - done
-                        )
-                        break
-                done += ch.push(recs[done:], part)
+            limit = getattr(ch, "max_push_bytes", None)
+            if limit is not None and len(part) > limit:
+                pieces = self._pieces(recs, part, limit)
+            else:
+                pieces = ((recs, part),)
+            backlog = self.backlogs.get(worker)
+            for recs, part in pieces:
+                if backlog is None:
+                    done = ch.push(recs, part)
+                    if done == len(recs):
+                        continue
+                    recs = recs[done:]
+                    backlog = self.backlogs[worker] = Backlog(time.monotonic())
+                backlog.add(recs, part)
+
+    def _pieces(self, recs: np.ndarray, blob: np.ndarray, limit: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """A worker's records of one batch as pushes the ring can take; a record whose own
+        payload never fits one fails its request instead."""
+        big = np.flatnonzero(payload_sizes(recs, TEXT_OUT) > limit).tolist()
+        if big:
+            for k in big:
+                w, s, gen = int(recs["worker"][k]), int(recs["slot"][k]), int(recs["gen"][k])
+                logger.warning("request (%d, %d, %d): a text record over %d bytes: the request fails", w, s, gen, limit)
+                recs[k : k + 1] = self.deltas.fail(w, s, gen, ErrorCode.INTERNAL, b"")[0]  # no payload
+        return split_payload(recs, blob, TEXT_OUT, limit)
+
+    def _drain_backlogs(self) -> bool:
+        """Pushes what each backlogged worker's ring takes now; gives up on a worker stalled
+        past the deadline. True when some backlog is still past its bound."""
+        now, held = time.monotonic(), False
+        for worker, backlog in list(self.backlogs.items()):
+            ch = self.outputs.get(worker)
+            if ch is None:  # the worker is gone: nobody will read them
+                del self.backlogs[worker]
+                continue
+            pieces = backlog.pieces
+            while pieces:
+                recs, blob = pieces[0]
+                done = ch.push(recs, blob)
+                if done == 0:
+                    break
+                backlog.since = now
+                if done < len(recs):
+                    pieces[0] = (recs[done:], blob)
+                    backlog.bytes -= done * recs.itemsize
+                    break
+                pieces.popleft()
+                backlog.bytes -= recs.nbytes + blob.nbytes
+            if not pieces:
+                del self.backlogs[worker]
+            elif now - backlog.since > self.stall_timeout:
+                self._give_up(worker, backlog, now)
+            elif backlog.bytes > BACKLOG_BYTES:
+                if now - backlog.since > STALL_GRACE_S:  # not reading at all: no back-pressure for it
+                    self._give_up(worker, backlog, now)
+                else:
+                    held = True
+        return held
+
+    def _give_up(self, worker: int, backlog: Backlog, now: float) -> None:
+        """Worker `worker` took nothing for stall_timeout s: its backlog becomes one ERROR record
+        per request it concerned or that is open here, and those requests are closed here."""
+        seen = self.deltas.close_worker(worker)
+        for recs, _ in backlog.pieces:
+            seen += zip(recs["slot"].tolist(), recs["gen"].tolist())
+        addrs = list(dict.fromkeys(seen))
+        errors = np.zeros(len(addrs), TEXT_OUT.dtype)
+        errors["worker"] = worker
+        errors["slot"], errors["gen"] = [a[0] for a in addrs], [a[1] for a in addrs]
+        errors["kind"], errors["finish"], errors["error"] = TextKind.ERROR, Finish.ERROR, ErrorCode.OVERLOADED
+        errors["stop_token"], errors["stop_index"] = -1, -1
+        errors["text_len"] = len(STALLED)  # every record's message is the one blob
+        logger.warning(
+            "worker %d read none of its text for %.1f s (%d bytes waiting for it): %d of its requests fail",
+            worker,
+            now - backlog.since,
+            backlog.bytes,
+            len(addrs),
+        )
+        fresh = Backlog(now)
+        if len(errors):
+            fresh.add(errors, np.frombuffer(STALLED, np.uint8))
+        self.backlogs[worker] = fresh
+
+    def _wait(self, held: bool) -> None:
+        """Sleeps until TOKEN_OUT has records (unless held back) or a backlogged ring has room
+        for its next push, IDLE_WAKE_S at most (the stall deadlines are checked on waking)."""
+        room = [
+            (self.outputs[w], len(b.pieces[0][1])) for w, b in self.backlogs.items() if w in self.outputs and b.pieces
+        ]
+        wait_any = getattr(self.waker, "wait_any", None)
+        if wait_any is None:  # the zmq baseline: poll
+            time.sleep(0.001)
+            return
+        wait_any([] if held else self.inputs, room, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
 
     def _attach_new(self) -> None:
         for event in self.peers.events():
@@ -164,6 +311,7 @@ class Detokenizer:
                     self.inputs.remove(ch)
                 for worker in [w for w, c in self.outputs.items() if c is ch]:
                     del self.outputs[worker], self.worker_pids[worker]
+                    self.backlogs.pop(worker, None)
                 ch.close()
             elif hello["role"] == "scheduler":
                 self.inputs.append(ch)
@@ -173,11 +321,13 @@ class Detokenizer:
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
                     self.outputs.pop(worker).close()
+                    self.backlogs.pop(worker, None)
                     logger.info("worker %d (pid %d) exited: its channel is closed", worker, pid)
             else:
                 old = self.outputs.pop(hello["worker"], None)
                 if old is not None:
                     old.close()
+                self.backlogs.pop(hello["worker"], None)  # records for the previous process's requests
                 self.outputs[hello["worker"]] = ch
                 self.worker_pids[hello["worker"]] = hello["pid"]
                 logger.info("worker %d attached", hello["worker"])
