@@ -313,3 +313,27 @@ def test_push_all_splits_a_blob_bigger_than_a_push_can_carry() -> None:
     finally:
         for x in (prod, cons, pw, cw):
             x.close()
+
+
+def test_wait_any_wakes_on_records_or_room() -> None:
+    """Waker.wait_any sleeps on records in channels it reads and room in channels it writes at
+    once (the detokenizer: TOKEN_OUT, and every backlogged worker's ring); either wakes it."""
+    out, peer_in, w, pw = _pair(8192, capacity=4)  # this side (waker w) produces into `out`
+    pw2 = Waker()
+    peer_out = Channel.create(ChannelSpec(STREAM, 4, 8192), "producer", pw2, w.fd)
+    inp = Channel.attach(*peer_out.describe(), w, STREAM)  # and consumes `inp`
+    try:
+        recs, blob = _payload_records([8] * 4)
+        assert out.push(recs, blob) == 4 and not out.room_for(8)
+        assert not w.wait_any([inp], [(out, 8)], timeout=0.05)
+        threading.Timer(0.2, peer_in.pop).start()
+        t0 = time.monotonic()
+        assert w.wait_any([inp], [(out, 8)], timeout=5) and time.monotonic() - t0 < 2
+        assert out.push(recs, blob) == 4  # full again
+        threading.Timer(0.2, lambda: peer_out.push(*_payload_records([8]))).start()
+        t0 = time.monotonic()
+        assert w.wait_any([inp], [(out, 8)], timeout=5) and time.monotonic() - t0 < 2
+        assert inp.pop() is not None
+    finally:
+        for x in (out, peer_in, peer_out, inp, w, pw, pw2):
+            x.close()
