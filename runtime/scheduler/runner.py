@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from gpu.null_model import NullModelRunner
 from runtime.config import ServerArgs
 
 
 def runner_config(args: ServerArgs) -> ModelRunnerConfig:
-    return ModelRunnerConfig(
-        model_path=args.model_path,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction_static=args.mem_fraction_static,
-        max_running_requests=args.max_running_requests,
-        context_length=args.context_length,
-        random_seed=args.random_seed,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    """Every ModelRunnerConfig field from the server argument of the same name."""
+    return ModelRunnerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelRunnerConfig)})
 
 
 def make_runner(args: ServerArgs) -> ModelRunner | NullModelRunner:
