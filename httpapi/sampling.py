@@ -155,7 +155,12 @@ def check_request_size(
     payload = 4 * tokens + stops + 4 * len(params)  # + each choice's alignment padding
     for total, limit, what, param in (
         (tokens, max_tokens, "prompt tokens", prompt_param),
-        (payload, MAX_REQUEST_PAYLOAD_BYTES, "bytes of prompt token ids and stop strings", prompt_param),
+        (
+            payload,
+            MAX_REQUEST_PAYLOAD_BYTES,
+            "bytes of prompt token ids and stop strings",
+            stop_param if stops > 4 * tokens else prompt_param,
+        ),
         (stops, MAX_OPEN_PAYLOAD_BYTES, "bytes of stop strings", stop_param),
     ):
         if limit is not None and total * n > limit:
