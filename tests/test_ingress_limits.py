@@ -441,3 +441,23 @@ def test_idle_connections_are_closed(server):
 
     results = asyncio.run(run())
     assert [what for what, _ in results] == ["closed"] * 50, results[:3]
+
+
+def engine_state(server) -> dict:
+    return httpx.get(server.url("/get_server_info"), timeout=10).json()["internal_states"][0]
+
+
+def test_a_client_that_leaves_a_multi_prompt_request_has_its_work_aborted(server):
+    """A non-streamed request of several prompts is watched like any other: its client leaving
+    aborts every choice within the watch's delay (about a second), not at their ends."""
+    body = {"prompt": [[10 + i] * 8 for i in range(4)], "n": 32, "max_tokens": 8000, "ignore_eos": True}
+    asked = 128 * 8000  # more than the KV cache holds at once: at least 16 rounds of 8000 steps
+    start = engine_state(server)["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=0.5)
+    left = time.monotonic()
+    assert server.wait_until(lambda: engine_state(server)["running"] + engine_state(server)["queued"] == 0, 10)
+    stopped = time.monotonic() - left
+    generated = engine_state(server)["generated_tokens"] - start
+    assert generated < asked / 2, f"{generated} of {asked} tokens generated: the work ran to its end"
+    assert stopped < 3, f"the work stopped {stopped:.1f} s after the client left"
