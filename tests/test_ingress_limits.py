@@ -246,6 +246,49 @@ def test_serve_gives_granian_connection_limits():
             ServerArgs(**bad)
 
 
+class FakeRequest:
+    """What read_body uses of a starlette Request: headers, the worker's arguments, receive()."""
+
+    def __init__(self, messages: list[dict], delay: float = 0.0, headers: list | None = None, **args) -> None:
+        from types import SimpleNamespace
+
+        from runtime.config import ServerArgs
+
+        self.scope = {"headers": headers or []}
+        self.app = SimpleNamespace(worker=SimpleNamespace(args=ServerArgs(**args)))
+        self.messages, self.delay, self.received = list(messages), delay, 0
+
+    async def receive(self) -> dict:
+        self.received += 1
+        await asyncio.sleep(self.delay)
+        return self.messages.pop(0) if self.messages else {"type": "http.request", "body": b"x", "more_body": True}
+
+
+def test_read_body_bounds_size_and_time():
+    from runtime.http_worker.asgi import read_body
+
+    async def status(request: FakeRequest) -> int | bytes:
+        try:
+            return await read_body(request)
+        except APIError as e:
+            return e.status
+
+    def run(request: FakeRequest) -> int | bytes:
+        return asyncio.run(status(request))
+
+    whole = [{"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.request", "body": b"c"}]
+    assert run(FakeRequest(whole)) == b"abc"
+    told = FakeRequest(whole, headers=[(b"content-length", b"5000")], max_request_bytes=4096)
+    assert run(told) == 413 and told.received == 0  # refused before reading any of it
+    chunked = [{"type": "http.request", "body": b"y" * 3000, "more_body": True}] * 2
+    assert run(FakeRequest(chunked, max_request_bytes=4096)) == 413
+    t0 = time.monotonic()
+    trickle = FakeRequest([], delay=0.05, body_read_timeout=0.3)  # a byte every 50 ms, for ever
+    assert run(trickle) == 408
+    assert 0.3 <= time.monotonic() - t0 < 1.0 and trickle.received >= 5
+    assert run(FakeRequest([], delay=10, body_read_timeout=0.2)) == 408  # nothing at all
+
+
 # ---------------------------------------------------------------- a real server
 
 

@@ -49,15 +49,15 @@ async def read_body(request: Request) -> bytes:
             if value.isdigit() and int(value) > limit:
                 raise body_too_large(limit)
             break
-    task = asyncio.current_task()
-    expired = []  # set when the timer cancelled the task
-    timer = None
-    if task is not None:
-        timer = asyncio.get_running_loop().call_later(args.body_read_timeout, _expire, task, expired)
+    timer = _BodyTimer(asyncio.current_task(), args.body_read_timeout)
     chunks, size = [], 0
     try:
         while True:
+            if timer.expired:
+                raise body_timeout(args.body_read_timeout)
+            timer.reading = True
             message = await request.receive()
+            timer.reading = False
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             chunk = message.get("body", b"")
@@ -68,19 +68,36 @@ async def read_body(request: Request) -> bytes:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     except asyncio.CancelledError:
-        if not expired:
+        if not timer.expired:
             raise
-        if hasattr(task, "uncancel"):  # Python 3.11+: the task is not being cancelled any more
-            task.uncancel()
+        timer.uncancel()
         raise body_timeout(args.body_read_timeout) from None
     finally:
-        if timer is not None:
-            timer.cancel()
+        timer.cancel()
 
 
-def _expire(task: asyncio.Task, expired: list) -> None:
-    expired.append(True)
-    task.cancel()
+class _BodyTimer:
+    """read_body's deadline: one timer a request, which cancels the task only while it waits in
+    receive() (a cancellation requested then is delivered there, and read_body answers it)."""
+
+    __slots__ = ("task", "handle", "reading", "expired")
+
+    def __init__(self, task: asyncio.Task | None, seconds: float) -> None:
+        self.task, self.reading, self.expired = task, False, False
+        self.handle = None if task is None else asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.reading:
+            self.task.cancel()
+
+    def uncancel(self) -> None:
+        if hasattr(self.task, "uncancel"):  # Python 3.11+: the task is no longer being cancelled
+            self.task.uncancel()
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
 
 
 def error_response(err: APIError) -> Response:
