@@ -504,3 +504,20 @@ def test_a_client_that_leaves_a_multi_prompt_request_has_its_work_aborted(server
     generated = engine_state(server)["generated_tokens"] - start
     assert generated < asked / 2, f"{generated} of {asked} tokens generated: the work ran to its end"
     assert stopped < 3, f"the work stopped {stopped:.1f} s after the client left"
+
+
+def test_prompt_encoder_piece_cache_is_bounded_by_bytes(tokenizer, monkeypatch):
+    """The prompt encoder's cache of pieces (words of the clients' text, up to 256 characters
+    each) is cleared by the bytes it holds, not only by its count of pieces."""
+    from runtime.http_worker import prompt_encoder
+
+    monkeypatch.setattr(prompt_encoder, "PIECE_CACHE_BYTES", 64 << 10, raising=False)
+    encoder = prompt_encoder.PromptEncoder(tokenizer)
+    assert encoder.fast
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    for _ in range(40):
+        words = [rng.choice(letters, 200).tobytes().decode() for _ in range(50)]  # 50 distinct 200-letter pieces
+        text = " ".join(words)
+        assert encoder.encode(text) == tokenizer.encode(text)
+    assert len(encoder._pieces) * 200 <= 64 << 10

@@ -37,6 +37,9 @@ ASCII_SPLIT = re.compile(
 )
 _SPLIT_SOURCE = Path(__file__).with_name("prompt_split.c")
 PIECE_CACHE_SIZE = 1 << 16  # pieces (words with their leading space); cleared when full
+# ... or when its pieces and ids take this many bytes (the pieces are the clients' text)
+PIECE_CACHE_BYTES = 16 << 20
+PIECE_ENTRY_BYTES = 32  # what an entry takes besides its piece's characters and its ids (u32 each)
 MAX_CACHED_PIECE = 256  # characters: a longer piece (a run of one kind) is rare, and BPE'd each time
 PROBES = (
     "<|im_start|>user\nI'm sure it's 42, they'll've  said: \"don't\"!!\t\n\n  x<|im_end|>\n",
@@ -89,6 +92,7 @@ class PromptEncoder:
         self._fast = False
         self._encode_cached, new_cache = cached_encoder()
         self._pieces = new_cache()  # piece -> its ids
+        self._pieces_bytes = 0  # what the pieces kept take, about
         if self._backend is not None:
             try:
                 self._fast = self._setup() and self._probe()
@@ -166,11 +170,13 @@ class PromptEncoder:
         cache = self._pieces
         while (miss := self._encode_cached(text, start, end, cache, ids)) is not None:
             start, end_of_piece = miss
-            if len(cache) >= PIECE_CACHE_SIZE:
+            if len(cache) >= PIECE_CACHE_SIZE or self._pieces_bytes >= PIECE_CACHE_BYTES:
                 cache.clear()
+                self._pieces_bytes = 0
             piece = text[start:end_of_piece]
             piece_ids = [t.id for t in self._bpe.tokenize(piece.translate(self._to_byte_level))]
             if len(piece) <= MAX_CACHED_PIECE:
                 cache[piece] = piece_ids
+                self._pieces_bytes += len(piece) + 4 * len(piece_ids) + PIECE_ENTRY_BYTES
             ids += piece_ids
             start = end_of_piece
