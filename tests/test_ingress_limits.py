@@ -253,9 +253,10 @@ class FakeRequest:
         from types import SimpleNamespace
 
         from runtime.config import ServerArgs
+        from runtime.http_worker.asgi import BodyReads
 
         self.scope = {"headers": headers or []}
-        self.app = SimpleNamespace(worker=SimpleNamespace(args=ServerArgs(**args)))
+        self.app = SimpleNamespace(worker=SimpleNamespace(args=ServerArgs(**args)), body_reads=BodyReads())
         self.messages, self.delay, self.received = list(messages), delay, 0
 
     async def receive(self) -> dict:
@@ -286,6 +287,7 @@ def test_read_body_bounds_size_and_time():
     trickle = FakeRequest([], delay=0.05, body_read_timeout=0.3)  # a byte every 50 ms, for ever
     assert run(trickle) == 408
     assert 0.3 <= time.monotonic() - t0 < 1.0 and trickle.received >= 5
+    assert not trickle.app.body_reads.reading
     assert run(FakeRequest([], delay=10, body_read_timeout=0.2)) == 408  # nothing at all
 
 

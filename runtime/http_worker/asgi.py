@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
@@ -49,15 +51,17 @@ async def read_body(request: Request) -> bytes:
             if value.isdigit() and int(value) > limit:
                 raise body_too_large(limit)
             break
-    timer = _BodyTimer(asyncio.current_task(), args.body_read_timeout)
+    read = BodyRead(asyncio.current_task())
+    reads = request.app.body_reads
+    reads.watch(read, args.body_read_timeout)
     chunks, size = [], 0
     try:
         while True:
-            if timer.expired:
+            if read.expired:
                 raise body_timeout(args.body_read_timeout)
-            timer.reading = True
+            read.reading = True
             message = await request.receive()
-            timer.reading = False
+            read.reading = False
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             chunk = message.get("body", b"")
@@ -68,36 +72,57 @@ async def read_body(request: Request) -> bytes:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     except asyncio.CancelledError:
-        if not timer.expired:
+        if not read.expired:
             raise
-        timer.uncancel()
+        if hasattr(read.task, "uncancel"):  # Python 3.11+: the task is no longer being cancelled
+            read.task.uncancel()
         raise body_timeout(args.body_read_timeout) from None
     finally:
-        timer.cancel()
+        reads.reading.pop(read, None)
 
 
-class _BodyTimer:
-    """read_body's deadline: one timer a request, which cancels the task only while it waits in
-    receive() (a cancellation requested then is delivered there, and read_body answers it)."""
+class BodyRead:
+    """One body being read: cut off by cancelling its task, only while that waits in receive()
+    (the cancellation is delivered there, and read_body answers it with the 408)."""
 
-    __slots__ = ("task", "handle", "reading", "expired")
+    __slots__ = ("task", "reading", "expired")
 
-    def __init__(self, task: asyncio.Task | None, seconds: float) -> None:
+    def __init__(self, task: asyncio.Task | None) -> None:
         self.task, self.reading, self.expired = task, False, False
-        self.handle = None if task is None else asyncio.get_running_loop().call_later(seconds, self._expire)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         self.expired = True
-        if self.reading:
+        if self.reading and self.task is not None:
             self.task.cancel()
 
-    def uncancel(self) -> None:
-        if hasattr(self.task, "uncancel"):  # Python 3.11+: the task is no longer being cancelled
-            self.task.uncancel()
 
-    def cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
+class BodyReads:
+    """A worker's bodies being read, oldest first, and one task that cuts off those read for
+    longer than body_read_timeout (checking every quarter of it, at most every second, so within
+    1.25 times it): a timer a request (call_later, and its cancel) costs several times the rest
+    of read_body."""
+
+    def __init__(self) -> None:
+        self.reading: dict[BodyRead, float] = {}  # -> when its read began (time.monotonic)
+        self._task: asyncio.Task | None = None
+
+    def watch(self, read: BodyRead, timeout: float) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(timeout), name="body-read-timeouts")
+        self.reading[read] = time.monotonic()
+
+    async def _run(self, timeout: float) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            due = time.monotonic() - timeout
+            for read, _ in list(itertools.takewhile(lambda item: item[1] <= due, self.reading.items())):
+                del self.reading[read]
+                read.expire()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
 
 def error_response(err: APIError) -> Response:
@@ -159,6 +184,7 @@ class App:
             self.add_route(path, methods)
         self.model_card = model_card
         self.worker: HTTPWorker | None = None
+        self.body_reads = BodyReads()
 
     def add_route(self, path: str, methods: dict[str, Handler]) -> None:
         """Routes `path`; HEAD is answered where GET is."""
@@ -205,6 +231,7 @@ class App:
                 self.add_route(MODEL_PATH + self.worker.model.served_name, {"GET": self.model_card})
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self.body_reads.close()
                 if self.worker is not None:
                     await self.worker.close()
                 await send({"type": "lifespan.shutdown.complete"})
