@@ -1,8 +1,17 @@
 """Issue 19, the engine loops: a record the detokenizer cannot handle fails its own request and
 nothing else, and the memo of stop strings is bounded by bytes (runtime/detokenizer/deltas.py,
-with the real tokenizer). The processes themselves: tests/test_scheduler_process.py (OPEN
-payloads past the TOKEN_OUT arena) and tests/test_detokenizer_process.py (a stalled worker)."""
+with the real tokenizer); a stopped HTTP worker does not stop the other worker's streams (a real
+server, two workers, the null model). The processes alone: tests/test_scheduler_process.py
+(OPEN payloads past the TOKEN_OUT arena) and tests/test_detokenizer_process.py (a stalled worker)."""
 
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -22,6 +31,7 @@ from protocol.records import (
 )
 from runtime.detokenizer import deltas as deltas_module
 from runtime.detokenizer.deltas import TextDeltas
+from runtime.supervise.files import ServerFiles
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +137,103 @@ def test_stop_string_options_are_bounded_by_bytes(deltas):
         deltas.handle(batch(opened(10, stop), token(10, 0, Finish.LENGTH)))
     assert 0 < memo.bytes <= memo.max_bytes <= 16 << 20
     assert len(memo) < 60
+
+
+# ---------------------------------------------------------------- a real server, two workers
+
+
+def _chunks(resp):
+    """The JSON events of an SSE stream."""
+    pending = b""
+    for data in resp.iter_bytes():
+        *events, pending = (pending + data).split(b"\n\n")
+        yield from (json.loads(e[6:]) for e in events if e.startswith(b"data: {"))
+
+
+def _worker_pid(server, index: int) -> int:
+    """The pid of the HTTP worker holding worker index `index` (its flock, in /proc/locks)."""
+    inode = os.stat(ServerFiles.of(server.pid).worker_lock(index)).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == "FLOCK" and int(fields[5].rsplit(":", 1)[1]) == inode:
+            return int(fields[4])
+    raise LookupError(index)
+
+
+def _running(server) -> float:
+    text = httpx.get(server.url("/metrics"), timeout=30).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("ringserve_num_running_reqs")))
+
+
+def test_a_stopped_worker_does_not_stop_the_other_workers_streams(start_server):
+    """Issue 19 item 6 on a server with --workers 2 and the null model: SIGSTOP of the worker
+    holding 24 long streams (their text soon overflows its ring) stopped every completion of the
+    other worker for the whole stall. Now the other worker serves on at once; past
+    --worker-stall-timeout its requests fail, and once it runs again (SIGCONT) its streams end
+    with an error and their requests leave the scheduler."""
+    stall_s = 8.0
+    server = start_server(
+        start_server.Server.granian,
+        workers=2,
+        null_model=True,
+        log_level="error",
+        worker_stall_timeout=stall_s,
+        max_total_tokens=1 << 18,
+        max_running_requests=64,
+    )
+    n = 24  # streams on the worker that stops: 8000 tokens each with 5 logprobs, ~10 MB of text records
+    body = {"prompt": "Hi", "max_tokens": 8000, "ignore_eos": True, "stream": True, "logprobs": 5}
+
+    def client_of(want) -> httpx.Client:
+        """A connection held by a worker `want` accepts (a keep-alive connection stays with it)."""
+        for _ in range(64):
+            http = httpx.Client(timeout=120)
+            if want(http.get(server.url("/v1/models")).headers["x-ringserve-worker"]):
+                return http
+            http.close()
+        pytest.fail("no connection to the worker wanted")
+
+    first = client_of(lambda w: True)
+    owner = first.get(server.url("/v1/models")).headers["x-ringserve-worker"]
+    holders = [first] + [client_of(lambda w: w == owner) for _ in range(n - 1)]
+    ends: dict[int, list] = {}
+    started = threading.Semaphore(0)
+
+    def stream(k: int) -> None:
+        with holders[k].stream("POST", server.url("/v1/completions"), json=body) as resp:
+            chunks = _chunks(resp)
+            last = [next(chunks)]
+            started.release()
+            for last[0] in chunks:
+                pass
+            ends[k] = last
+
+    stopped = _worker_pid(server, int(owner))
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(n)]
+    other = client_of(lambda w: w != owner)
+    other.timeout = httpx.Timeout(10)
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            assert started.acquire(timeout=30)
+        os.kill(stopped, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        time.sleep(2)  # its ring fills
+        t0 = time.monotonic()
+        for _ in range(3):
+            r = other.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 50})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        with other.stream("POST", server.url("/v1/completions"), json=body | {"max_tokens": 200}) as resp:
+            assert list(_chunks(resp))[-1]["choices"][0]["finish_reason"] == "length"
+        assert time.monotonic() - t0 < 4, "the other worker waited for the stopped one"
+        time.sleep(max(0.0, t_stop + stall_s + 2 - time.monotonic()))  # past the deadline
+        os.kill(stopped, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert all("error" in ends[k][0] for k in range(n)), ends
+        assert server.wait_until(lambda: _running(server) == 0, 30)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        for http in [*holders, other]:
+            http.close()
