@@ -17,7 +17,7 @@ from httpapi.errors import bad_request, from_invalid_param
 from httpapi.fields import Fields
 from protocol.memo import ByteLRU, string_bytes
 from protocol.records import MAX_OPEN_PAYLOAD_BYTES, MAX_REQUEST_PAYLOAD_BYTES, MEMO_BYTES, stop_payload_bytes
-from protocol.sampling_params import InvalidParam, SamplingParams
+from protocol.sampling_params import MAX_STOP_BYTES, MAX_STOP_STRINGS, InvalidParam, SamplingParams
 
 # SamplingParams fields that every generation endpoint names the same way.
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -69,11 +69,14 @@ class SamplingSpec:
         Requests asking the same get the same spec, made once rather than a request (clients
         send a few distinct settings), and so the same SamplingParams, whose record bytes
         pack_request makes once too."""
+        stop = values["stop"]
+        if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_BYTES:  # refused: not worth hashing
+            return _spec(values, max_tokens, dict(names), prompt_param)
         key = (tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
         spec = _SPECS.get(key)
         if spec is None:
             spec = _spec(values, max_tokens, dict(names), prompt_param)
-            _SPECS.put(key, spec, string_bytes(values["stop"]))  # bounded by bytes: the stop strings are the client's
+            _SPECS.put(key, spec, string_bytes(stop))  # bounded by bytes: the stop strings are the client's
         return spec
 
     def resolve(
