@@ -24,8 +24,9 @@ Waits (all take channels of ipc/channel.py, through the Waitable protocol):
   wait_readable(channels, spin_us, timeout)   sync: spin, then sleep (consumer)
   wait_readable_async(channels, timeout)      asyncio, via loop.add_reader
   wait_room(channel, nbytes, timeout)         sync back-pressure (producer)
-  wait_any(readable, room, spin_us, timeout)  sync: records in one channel OR room in another
   wait_room_async(channel, nbytes, timeout)   asyncio back-pressure
+  wait_any(readable, room, spin_us, timeout)  sync: records in some channels OR room in others
+
 `wait_any` is both waits at once, for a process that consumes some channels and produces
 into others and must not sleep on one of them alone (the detokenizer: records from the
 scheduler, or room in any HTTP worker's ring whose records wait in its backlog). It is the
@@ -34,6 +35,7 @@ producer's on those it waits to write), runs the barrier once, and re-checks eve
 condition before it sleeps; each channel's peer writes the one eventfd, so whichever
 condition comes true first wakes it. The Dekker argument holds channel by channel: for each,
 the waiter's flag store precedes its check, the peer's counter store precedes its flag load.
+
 Consumer modes: spin_us=0 sleeps at once (eventfd), spin_us=math.inf never sleeps
 (pure spin), anything between spins that long then sleeps (the server's mode: on
 few cores a spinning consumer steals the producer's CPU).
