@@ -54,7 +54,7 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes, split_payload
 from ipc.peers import PeerServer, connect
-from protocol.records import TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, TextKind
+from protocol.records import TEXT_OUT, TOKEN_OUT, TOKEN_OUT_ARENA_BYTES, ErrorCode, Finish, TextKind
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 from runtime.gc_tuning import settle_heap
@@ -62,7 +62,7 @@ from runtime.gc_tuning import settle_heap
 logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "ringserve::detokenizer"
-TOKEN_OUT_SPEC = ChannelSpec(TOKEN_OUT, capacity=16384, arena_bytes=8 << 20)  # scheduler -> detokenizer
+TOKEN_OUT_SPEC = ChannelSpec(TOKEN_OUT, capacity=16384, arena_bytes=TOKEN_OUT_ARENA_BYTES)  # scheduler -> detokenizer
 TEXT_OUT_SPEC = ChannelSpec(TEXT_OUT, capacity=8192, arena_bytes=8 << 20)  # detokenizer -> worker k
 SPIN_US = 50.0  # spin this long on an empty ring before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat

@@ -43,6 +43,7 @@ from ipc.peers import PeerServer, connect
 from protocol.records import (
     NO_TOKEN,
     REQUEST,
+    REQUEST_ARENA_BYTES,
     TOKEN_OUT,
     ErrorCode,
     Finish,
@@ -64,7 +65,7 @@ from runtime.scheduler.req import Req
 logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "ringserve::scheduler"
-REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=16 << 20)  # worker k -> scheduler
+REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=REQUEST_ARENA_BYTES)  # worker k -> scheduler
 SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
