@@ -2,6 +2,7 @@
 (pops the REQUEST channel) and feeds the TEXT_OUT channel through a real TextDeltas."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +18,13 @@ from ipc.wakeup import Waker
 from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from protocol.sampling_params import SamplingParams
 from runtime.detokenizer.deltas import TextDeltas
-from runtime.http_worker.tokenizer_manager import ChatTemplate, ModelInfo, TokenizerManager
+from runtime.http_worker.tokenizer_manager import (
+    LONG_CONVERSATION_MESSAGES,
+    LONG_DECODE_IDS,
+    ChatTemplate,
+    ModelInfo,
+    TokenizerManager,
+)
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +157,47 @@ def test_chat_template_renders_as_apply_chat_template(tokenizer, template, conve
     want = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
     assert template.render(messages) == want
     assert template.render(messages) == want  # a render leaves nothing behind for the next
+
+
+def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, rings):
+    """A /detokenize of many ids or a chat template of a long conversation would stall every
+    stream of the worker while it runs on the event loop: both go to a thread past a size."""
+    waker, req_out, req_in, text_out, text_in = rings
+    model = ModelInfo("", "m", "LlamaForCausalLM", 4096, tokenizer.vocab_size)
+    loop_threads = []
+
+    async def run() -> tuple[set[int], set[int], set[int], set[int]]:
+        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60)
+        loop_threads.append(threading.get_ident())
+        decoded, rendered = [], []
+        decode, render = tokenizer.decode, tm._chat_template.render
+
+        def watched_decode(*args, **kwargs):
+            decoded.append(threading.get_ident())
+            return decode(*args, **kwargs)
+
+        def watched_render(messages):
+            rendered.append(threading.get_ident())
+            return render(messages)
+
+        tm.tokenizer.decode, tm._chat_template.render = watched_decode, watched_render
+        try:
+            assert await tm.decode([42] * 8) == decode([42] * 8)
+            small_decode = set(decoded)
+            assert await tm.decode([42] * (LONG_DECODE_IDS + 1)) == decode([42] * (LONG_DECODE_IDS + 1))
+            big_decode = set(decoded) - small_decode
+            await tm.chat_ids([{"role": "user", "content": "hi"}])
+            small_render = set(rendered)
+            turns = [
+                {"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(LONG_CONVERSATION_MESSAGES + 1)
+            ]
+            await tm.chat_ids(turns)
+            big_render = set(rendered) - small_render
+            return small_decode, big_decode, small_render, big_render
+        finally:
+            del tm.tokenizer.decode
+            await tm.close()
+
+    small_decode, big_decode, small_render, big_render = asyncio.run(run())
+    assert small_decode == small_render == {loop_threads[0]}
+    assert big_decode and big_render and loop_threads[0] not in big_decode | big_render

@@ -128,7 +128,7 @@ async def completions(worker, request: Request) -> Response:
     group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
     echoes = None
     if req.echo:
-        echoes = [p if isinstance(p, str) else worker.tm.decode(p) for p in req.prompts for _ in range(n)]
+        echoes = [p if isinstance(p, str) else await worker.tm.decode(p) for p in req.prompts for _ in range(n)]
     vocab = worker.vocab if params[0].logprobs else None
     if req.stream:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
@@ -252,7 +252,7 @@ async def detokenize(worker, request: Request) -> Response:
     check_model(req.model, worker.model.served_name)
     for ids in req.token_ids:
         check_token_ids(ids, worker.model.vocab_size, "tokens")
-    texts = [worker.tm.decode(ids, req.skip_special_tokens) for ids in req.token_ids]
+    texts = [await worker.tm.decode(ids, req.skip_special_tokens) for ids in req.token_ids]
     return json_response(orjson_dumps({"text": texts if req.batch else texts[0]}))
 
 

@@ -63,6 +63,8 @@ from runtime.http_worker.prompt_encoder import PromptEncoder
 logger = logging.getLogger("ringserve.tokenizer_manager")
 
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
+LONG_CONVERSATION_MESSAGES = 64  # longer conversations are rendered off the event loop
+LONG_DECODE_IDS = 4096  # longer id lists are decoded off the event loop
 NEVER = 1 << 62  # a non-streamed choice's wake_at: only its end wakes it
 TIMEOUT_SWEEP_S = 1.0
 MIN_TOKEN_CHARS = 16  # the characters a token may hold, at least (longest_token_chars)
@@ -399,18 +401,25 @@ class TokenizerManager:
                 "messages",
                 code="context_length_exceeded",
             )
-        check_prompt_chars(sum(len(m["content"]) for m in messages), self.max_prompt_chars, "messages")
+        chars = sum(len(m["content"]) for m in messages)
+        check_prompt_chars(chars, self.max_prompt_chars, "messages")
+        render = self._chat_template.render
         try:
-            text = self._chat_template.render(messages)
+            if len(messages) > LONG_CONVERSATION_MESSAGES or chars >= LONG_PROMPT_CHARS:
+                text = await asyncio.to_thread(render, messages)  # the loop keeps serving the other streams
+            else:
+                text = render(messages)
         except Exception as e:  # jinja raises for conversations a template refuses (e.g. roles out of order)
             raise bad_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
         check_prompt_chars(len(text), self.max_prompt_chars, "messages")
         return await self.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    async def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of token ids, special tokens included unless skipped (an echoed prompt is
-        the prompt as given)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        the prompt as given). Long lists are decoded off the event loop."""
+        if len(ids) < LONG_DECODE_IDS:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.decode, list(ids), skip_special_tokens=skip_special_tokens)
 
     # ---------------------------------------------------------------- requests in
 
