@@ -13,13 +13,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import Server, alive, free_port, wait_until
+from tests.conftest import Server, alive, children, free_port, wait_until
 
 
 def cmdlines() -> dict[int, bytes]:
@@ -175,7 +176,7 @@ def test_taken_runtime_dir_falls_back(tmp_path, monkeypatch):
 
 
 @contextlib.contextmanager
-def test_user():
+def throwaway_user():
     """A throwaway user (root only), removed afterwards with whatever it left in /tmp."""
     if os.getuid() != 0 or shutil.which("useradd") is None or shutil.which("setpriv") is None:
         pytest.skip("needs root, useradd and setpriv to run a server as another user")
@@ -223,7 +224,7 @@ def processes_of(uid: int) -> list[int]:
 def test_foreign_file_in_dev_shm_does_not_block_start():
     """A file named like a dead server's segment that this user may not remove (root's, in the
     sticky /dev/shm) does not stop a server of another user from starting and serving."""
-    with test_user() as pw:
+    with throwaway_user() as pw:
         foreign = Path("/dev/shm") / f"ringserve.{dead_pid()}.{secrets.token_hex(8)}"
         foreign.write_bytes(b"not yours")
         top = Path(tempfile.mkdtemp(prefix="ringserve-test-"))  # pytest's tmp_path is root's alone
@@ -319,3 +320,183 @@ def test_small_dev_shm_fails_start_up_with_the_message(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# ---------------------------------------------------------------- the engine hangs, dies, heals (items 7, 9)
+
+
+def engine_processes(server_pid: int) -> dict[str, list[int]]:
+    """{role: pids} of the running engine processes of the server `server_pid`, found as the
+    processes titled ringserve::<role> that watch that pid (a pidfd of it)."""
+    found: dict[str, list[int]] = {"scheduler": [], "detokenizer": []}
+    for pid, line in cmdlines().items():
+        role = line.split(b"\0")[0].decode(errors="replace").removeprefix("ringserve::")
+        if role not in found or not alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                if os.readlink(fd) == "anon_inode:[pidfd]":
+                    info = (Path(f"/proc/{pid}/fdinfo") / fd.name).read_text()
+                    if f"Pid:\t{server_pid}\n" in info:
+                        found[role].append(pid)
+                        break
+    return found
+
+
+def one_engine(server: Server) -> dict[str, int]:
+    """The server's engine, checked to be exactly one scheduler and one detokenizer."""
+    procs = engine_processes(server.pid)
+    assert len(procs["scheduler"]) == 1 and len(procs["detokenizer"]) == 1, procs
+    return {role: pids[0] for role, pids in procs.items()}
+
+
+def complete(server: Server, max_tokens: int = 4, timeout: float = 30) -> httpx.Response:
+    body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True}
+    return httpx.post(server.url("/v1/completions"), json=body, timeout=timeout)
+
+
+def healthy_again(server: Server, timeout: float = 120) -> float:
+    """Seconds until /health answers 200 (on every worker that answers meanwhile)."""
+    t0 = time.monotonic()
+
+    def ok() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return all(httpx.get(server.url("/health"), timeout=2).status_code == 200 for _ in range(4))
+        return False
+
+    assert wait_until(ok, timeout, 0.2), httpx.get(server.url("/health"), timeout=5).text
+    return time.monotonic() - t0
+
+
+def test_stopped_scheduler_is_caught_by_the_watchdog():
+    """SIGSTOP of the scheduler: a request waiting on it fails within --watchdog-timeout (plus
+    the check's second), /health is 503, the hung scheduler is killed, a new engine serves."""
+    server = Server.granian(null_model=1, log_level="info", watchdog_timeout=3)
+    try:
+        server.wait_ready()
+        assert complete(server).status_code == 200
+        old = one_engine(server)
+        os.kill(old["scheduler"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        resp = complete(server, timeout=60)
+        waited = time.monotonic() - stopped
+        assert resp.status_code == 503 and "stopped responding" in resp.text, resp.text
+        assert 3 <= waited < 3 + 2.5, waited
+        health = httpx.get(server.url("/health"), timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+        assert wait_until(lambda: not alive(old["scheduler"]), 10)  # killed, not left stopped
+        healthy_again(server)
+        assert complete(server).status_code == 200
+        new = one_engine(server)
+        assert new["scheduler"] != old["scheduler"] and new["detokenizer"] != old["detokenizer"]
+        server.stop()
+        assert server.proc.returncode == 0
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_engine_heals_after_kill9(workers):
+    """kill -9 of the scheduler, then of the detokenizer: each time a stream in flight fails at
+    once, /health is 503 while a new engine starts, then every worker serves again, granian
+    never restarted, and exactly one engine runs."""
+    server = Server.granian(workers=workers, null_model=1, log_level="info")
+    try:
+        server.wait_ready()
+        granian_workers = sorted(server.workers)
+        for victim in ("scheduler", "detokenizer"):
+            engine = one_engine(server)
+            # a request in flight when it dies: the victim stopped first (the null model's
+            # tokens would finish any stream before the kill), far from the watchdog's limit
+            os.kill(engine[victim], signal.SIGSTOP)
+            ended: list[tuple[float, int, str]] = []
+
+            def stream() -> None:
+                body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=30) as resp:
+                    text = "".join(resp.iter_lines())
+                ended.append((time.monotonic(), resp.status_code, text))
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            time.sleep(1.0)
+            assert not ended
+            os.kill(engine[victim], signal.SIGKILL)
+            killed = time.monotonic()
+            thread.join(10)
+            (at, status, text) = ended[0]
+            assert at - killed < 2.0
+            assert "engine" in text and (status == 503 or '"error"' in text), (status, text)
+            assert httpx.get(server.url("/health"), timeout=5).status_code == 503
+            print(f"{victim} killed: healthy again after {healthy_again(server):.1f} s")
+            seen = set()
+            for _ in range(8 * workers):
+                resp = complete(server)
+                assert resp.status_code == 200, resp.text
+                seen.add(resp.headers["x-ringserve-worker"])
+            assert len(seen) == workers
+            new = one_engine(server)
+            assert not set(new.values()) & set(engine.values())
+        assert sorted(children(server.pid)) == granian_workers  # granian's workers: never restarted
+        server.stop()
+        assert server.proc.returncode == 0
+        assert wait_until(lambda: engine_processes(server.pid) == {"scheduler": [], "detokenizer": []}, 15)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def test_crash_loop_gives_up_with_the_reason():
+    """Past --engine-max-restarts replacements, the engine is left dead: 503 with the reason."""
+    server = Server.granian(null_model=1, log_level="info", engine_max_restarts=1)
+    try:
+        server.wait_ready()
+        os.kill(one_engine(server)["scheduler"], signal.SIGKILL)
+        healthy_again(server)
+        assert complete(server).status_code == 200
+        os.kill(one_engine(server)["scheduler"], signal.SIGKILL)
+        assert wait_until(lambda: engine_processes(server.pid) == {"scheduler": [], "detokenizer": []}, 15)
+        time.sleep(3)  # nothing starts another
+        assert engine_processes(server.pid) == {"scheduler": [], "detokenizer": []}
+        health = httpx.get(server.url("/health"), timeout=5)
+        assert health.status_code == 503 and "--engine-max-restarts 1" in health.text, health.text
+        resp = complete(server)
+        assert resp.status_code == 503 and "Restart the server" in resp.text, resp.text
+        server.stop()
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def test_sighup_reload_with_two_workers_keeps_one_engine():
+    """granian's reload (SIGHUP) with 2 workers after the engine died and was not replaced
+    (--engine-max-restarts 0): the new workers start exactly one engine, and the stopping old
+    workers' clean-up leaves its files alone (it used to delete them, so the second new worker
+    started a second engine). Then kill -9: the new workers heal it as one engine."""
+    server = Server.granian(workers=2, null_model=1, log_level="info", engine_max_restarts=0)
+    try:
+        server.wait_ready()
+        old_workers = set(server.workers)
+        engine = one_engine(server)
+        os.kill(engine["scheduler"], signal.SIGKILL)
+        assert wait_until(lambda: engine_processes(server.pid) == {"scheduler": [], "detokenizer": []}, 15)
+        assert wait_until(lambda: "engine-max-restarts" in httpx.get(server.url("/health"), timeout=5).text, 10)
+        os.kill(server.pid, signal.SIGHUP)
+        assert wait_until(lambda: not old_workers & set(children(server.pid)), 120)  # all replaced
+        healthy_again(server)
+        time.sleep(3)  # a second engine would be starting by now
+        new = one_engine(server)
+        assert not set(new.values()) & set(engine.values())
+        seen = set()
+        for _ in range(16):
+            resp = complete(server)
+            assert resp.status_code == 200, resp.text
+            seen.add(resp.headers["x-ringserve-worker"])
+        assert len(seen) == 2
+        assert one_engine(server) == new
+        server.stop()
+        assert wait_until(lambda: engine_processes(server.pid) == {"scheduler": [], "detokenizer": []}, 15)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()

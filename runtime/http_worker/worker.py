@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -23,13 +24,15 @@ from runtime.gc_tuning import settle_heap
 from runtime.http_worker.disconnect import DisconnectWatches
 from runtime.http_worker.metrics import WorkerMetrics, use_multiprocess_dir
 from runtime.http_worker.tokenizer_manager import ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
-from runtime.supervise.files import ServerFiles
-from runtime.supervise.launcher import EngineLink, attach_engine
-from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog
+from runtime.supervise.files import EngineProcess, EngineStartError, ServerFiles
+from runtime.supervise.launcher import EngineGaveUp, EngineLink, attach_engine, kill_and_wait
+from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog, stalled_heartbeats
 
 logger = logging.getLogger("ringserve.app")
 
 METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
+HEARTBEAT_CHECK_S = 1.0  # the engine's heartbeats are checked this often (at most)
+REATTACH_RETRY_S = 1.0  # a failed attach to a new engine is tried again after this (ensure_engine backs off)
 
 
 class HTTPWorker:
@@ -55,7 +58,8 @@ class HTTPWorker:
         self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
         self.watchdog = EngineWatchdog(link.procs, files.server_pid, self._engine_exited)
         self.watches = DisconnectWatches()
-        self._tasks: list[asyncio.Task] = []  # metrics flushing, disconnect watches
+        self._tasks: list[asyncio.Task] = []  # metrics flushing, disconnect watches, heartbeats
+        self._healing: asyncio.Task | None = None  # attaching to a new engine
 
     @classmethod
     async def start(cls) -> HTTPWorker:
@@ -88,7 +92,11 @@ class HTTPWorker:
         worker = cls(args, files, link, tm, vocab, metrics)
         tm.start()
         worker.watchdog.start(asyncio.get_running_loop())
-        worker._tasks = [asyncio.create_task(worker._flush_metrics()), asyncio.create_task(worker.watches.run())]
+        worker._tasks = [
+            asyncio.create_task(worker._flush_metrics()),
+            asyncio.create_task(worker.watches.run()),
+            asyncio.create_task(worker._watch_heartbeats()),
+        ]
         settle_heap()
         logger.info(
             "HTTP worker %d (pid %d) attached to the engine of server %d: scheduler pid %d, detokenizer pid %d",
@@ -101,16 +109,94 @@ class HTTPWorker:
 
     async def close(self) -> None:
         self.watchdog.close()
-        for task in self._tasks:
-            task.cancel()
+        for task in [*self._tasks, self._healing]:
+            if task is not None:
+                task.cancel()
+        if self._healing is not None:
+            await asyncio.gather(self._healing, return_exceptions=True)
         self.metrics.flush()
         await self.tm.close()
         if self.stats is not None:
             self.stats.close()
         self.link.close(self.files)
 
+    # ---------------------------------------------------------------- the engine dies, hangs, heals
+
     def _engine_exited(self, role: str) -> None:
-        self.tm.fail_all(engine_unavailable(f"The engine's {role} process exited; restart the server."))
+        self._engine_lost(f"The engine's {role} process exited")
+
+    def _engine_lost(self, why: str, hung: EngineProcess | None = None) -> None:
+        """Every request in flight fails now, and new ones while a new engine starts (one per
+        server: whichever worker comes first starts it, under the flock of ensure_engine).
+        `hung`: an engine process to kill first. The old watchdog keeps watching granian's
+        main process until the new engine is attached."""
+        if self._healing is not None:
+            return
+        self.tm.fail_all(engine_unavailable(f"{why}; a new engine is starting, retry shortly."))
+        self._healing = asyncio.create_task(self._heal(why, hung))
+
+    async def _heal(self, why: str, hung: EngineProcess | None) -> None:
+        cancel = threading.Event()  # a worker that stops meanwhile: the thread's waits end
+        try:
+            if hung is not None:
+                await asyncio.to_thread(kill_and_wait, hung)
+            await self.tm.detach_channels()
+            old = self.link
+            if self.stats is not None:  # the new scheduler publishes afresh
+                self.stats.close()
+                self.stats = None
+            claimed = (old.worker, old.worker_lock_fd)
+            while True:
+                try:
+                    link = await asyncio.to_thread(attach_engine, self.args, self.files, claimed, cancel)
+                    break
+                except EngineGaveUp as e:
+                    logger.error("%s", e)
+                    self.tm.dead = engine_unavailable(str(e))
+                    return  # _healing stays set: this worker does not start the engine again
+                except (EngineStartError, OSError) as e:  # it died starting: the next try replaces it
+                    logger.error("attaching to a new engine failed (%s): trying again", e)
+                    await asyncio.sleep(REATTACH_RETRY_S)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        old.close_channels()
+        self.watchdog.close()
+        self.link = link
+        self.kv_tokens = link.meta.get("max_total_tokens")
+        self.watchdog = EngineWatchdog(link.procs, self.files.server_pid, self._engine_exited)
+        self.tm.attach_channels(link.request_ch, link.text_ch, link.waker)
+        self.watchdog.start(asyncio.get_running_loop())
+        self._healing = None
+        logger.warning(
+            "HTTP worker %d attached to a new engine: scheduler pid %d, detokenizer pid %d",
+            link.worker,
+            *(p.pid for p in link.procs),
+        )
+
+    async def _watch_heartbeats(self) -> None:
+        """A scheduler or detokenizer whose heartbeat is older than --watchdog-timeout is hung:
+        it is killed (so that it can be replaced, and so is its peer, which watches it) and
+        treated as dead at once."""
+        timeout_ns = int(self.args.watchdog_timeout * 1e9)
+        while True:
+            await asyncio.sleep(min(HEARTBEAT_CHECK_S, self.args.watchdog_timeout / 4))
+            if self._healing is not None:
+                continue
+            link = self.link
+            for role, age_s in stalled_heartbeats(
+                {"scheduler": link.request_ch, "detokenizer": link.text_ch}, timeout_ns
+            ).items():
+                proc = next(p for p in link.procs if p.role == role)
+                logger.error(
+                    "the engine's %s (pid %d) has not beaten for %.1f s (--watchdog-timeout %g): killing it",
+                    role,
+                    proc.pid,
+                    age_s,
+                    self.args.watchdog_timeout,
+                )
+                self._engine_lost(f"The engine's {role} stopped responding for {age_s:.0f} s", hung=proc)
+                break
 
     async def _flush_metrics(self) -> None:
         while True:
@@ -165,7 +251,7 @@ class HTTPWorker:
         stats = self.engine_stats()
         if stats is not None and stats["updated_ns"]:
             age = (time.monotonic_ns() - stats["updated_ns"]) * 1e-9
-            if age > HEARTBEAT_STALE_S:
+            if age > min(HEARTBEAT_STALE_S, self.args.watchdog_timeout):
                 return f"The scheduler has not completed a step for {age:.0f} s."
         return None
 

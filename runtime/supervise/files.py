@@ -3,6 +3,7 @@ keyed by the pid of granian's main process:
 
     engine-<pid>.lock            flock held only for the check-or-start critical section
     engine-<pid>.json            the running engine: each process's pid and start time
+    engine-<pid>.restarts        when the engine was replaced (CLOCK_MONOTONIC s): the crash-loop limit
     engine-<pid>.scheduler       the scheduler's unix socket (REQUEST channels)
     engine-<pid>.detokenizer     the detokenizer's unix socket (TEXT_OUT channels)
     engine-<pid>.stats           the scheduler's published stats (runtime/engine_stats.py)
@@ -97,6 +98,10 @@ class ServerFiles:
     @property
     def info(self) -> Path:
         return self._path("json")
+
+    @property
+    def restarts(self) -> Path:
+        return self._path("restarts")
 
     @property
     def stats(self) -> Path:

@@ -25,9 +25,11 @@ import fcntl
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,29 +45,96 @@ ROLES = ("scheduler", "detokenizer")
 START_TIMEOUT_S = 600.0  # model conversion (first GGUF start) and loading on a slow CPU
 STOP_GRACE_S = 10.0  # an engine process asked to stop is killed after this long
 PROGRESS_EVERY_S = 10.0  # how often a worker waiting for the engine says so
+RESTART_WINDOW_S = 600.0  # --engine-max-restarts counts the replacements of this long
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # the wait before the k-th replacement in the window
 
 
 # ---------------------------------------------------------------- worker side
 
 
-def ensure_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
+def ensure_engine(
+    args: ServerArgs, files: ServerFiles, cancel: threading.Event | None = None, healing: bool = False
+) -> list[EngineProcess]:
     """The server's running engine processes: found, or started by this call. Blocks
-    (run it off the event loop) while another worker holds the lock."""
+    (run it off the event loop) while another worker holds the lock.
+
+    An engine listed but gone (a process died, or was killed as hung) is replaced. `healing`
+    (a worker whose engine died, not one starting: granian's start, reload or respawn): after
+    a wait that grows with the replacements of the last RESTART_WINDOW_S, and past
+    --engine-max-restarts of them this raises EngineGaveUp instead (for every worker alike:
+    the count is a file of the server's)."""
     fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         procs = _read_engine(files)
         if procs and all(p.alive() for p in procs):
             return procs
+        if process_start_time(files.server_pid) is None:  # an engine would stop at once (and remove the files)
+            raise EngineGaveUp(f"granian's main process (pid {files.server_pid}) is gone: the server is stopping")
+        if procs and healing:
+            _before_restart(args, files, procs, cancel or threading.Event())
         _sweep_stale(files.root)
-        for p in procs:  # half an engine: its survivor is on its way out; don't wait for it
-            if p.alive():
-                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:  # half an engine: its survivor is on its way out; don't wait for its grace
+            kill_and_wait(p)
         procs = _spawn_engine(args, files)
         _write_private(files.info, json.dumps([dataclasses.asdict(p) for p in procs]))
         return procs
     finally:
         os.close(fd)  # releases the flock
+
+
+class EngineGaveUp(EngineStartError):
+    """The engine failed too often (--engine-max-restarts): nobody starts it again."""
+
+
+def _before_restart(args: ServerArgs, files: ServerFiles, dead: list[EngineProcess], cancel: threading.Event) -> None:
+    """Counts a replacement of the engine `dead`, after its back-off; raises EngineGaveUp past the limit."""
+    now = time.monotonic()  # CLOCK_MONOTONIC: the same in every process
+    try:
+        history = [t for t in json.loads(files.restarts.read_text()) if now - t < RESTART_WINDOW_S]
+    except (FileNotFoundError, ValueError, TypeError):
+        history = []
+    gone = ", ".join(f"{p.role} (pid {p.pid})" for p in dead if not p.alive()) or "processes"
+    if len(history) >= args.engine_max_restarts:
+        done = (
+            f"after {len(history)} restarts in the last {RESTART_WINDOW_S / 60:.0f} minutes"
+            if history
+            else "and restarts are off"
+        )
+        raise EngineGaveUp(
+            f"The engine's {gone} failed {done} (--engine-max-restarts {args.engine_max_restarts}): not "
+            "restarted; its log says why. Restart the server."
+        )
+    wait = RESTART_BACKOFF_S[min(len(history), len(RESTART_BACKOFF_S) - 1)] - (now - history[-1] if history else 0)
+    logger.warning(
+        "the engine's %s is gone: starting a new engine%s (restart %d of %d allowed in %.0f minutes)",
+        gone,
+        f" in {wait:.1f} s" if wait > 0 else "",
+        len(history) + 1,
+        args.engine_max_restarts,
+        RESTART_WINDOW_S / 60,
+    )
+    if wait > 0 and cancel.wait(wait):
+        raise EngineStartError("the worker stopped while waiting to start a new engine")
+    _write_private(files.restarts, json.dumps([*history, time.monotonic()]))
+
+
+def kill_and_wait(proc: EngineProcess, timeout: float = STOP_GRACE_S) -> None:
+    """SIGKILL to `proc` if it still runs (the same process: its start time), then waits for
+    it to be gone, so that nothing it would still do (remove its socket file) can touch
+    the files of the engine that replaces it."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        return
+    try:
+        if proc.alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            select.select([pidfd], [], [], timeout)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def _read_engine(files: ServerFiles) -> list[EngineProcess]:
@@ -118,9 +187,15 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
     return procs
 
 
-def wait_for_sockets(files: ServerFiles, procs: list[EngineProcess], timeout: float = START_TIMEOUT_S) -> None:
+def wait_for_sockets(
+    files: ServerFiles,
+    procs: list[EngineProcess],
+    timeout: float = START_TIMEOUT_S,
+    cancel: threading.Event | None = None,
+) -> None:
     """Blocks until every engine process listens on its socket; raises EngineStartError
-    at once if one of them exits meanwhile (a bad model, say: its own log says why)."""
+    at once if one of them exits meanwhile (a bad model, say: its own log says why), or
+    `cancel` is set."""
     start = time.monotonic()
     deadline, report = start + timeout, start + PROGRESS_EVERY_S
     pending = {p.role: p for p in procs}
@@ -137,6 +212,8 @@ def wait_for_sockets(files: ServerFiles, procs: list[EngineProcess], timeout: fl
                 raise EngineStartError(
                     f"the engine's {role} process (pid {proc.pid}) exited during start-up; its log above says why"
                 )
+        if cancel is not None and cancel.is_set():
+            raise EngineStartError("the worker stopped while waiting for the engine")
         if pending and time.monotonic() > deadline:
             raise EngineStartError(f"the engine's {', '.join(pending)} did not start within {timeout:.0f} s")
         if pending:
@@ -157,41 +234,53 @@ class EngineLink:
 
     def close(self, files: ServerFiles) -> None:
         """Detaches; the last worker of a server whose engine is gone removes its files."""
+        self.close_channels()
+        os.close(self.worker_lock_fd)
+        remove_if_abandoned(files, self.procs)
+
+    def close_channels(self) -> None:
+        """Closes the channels and the waker, keeping the worker index (to attach again)."""
         self.request_ch.close()
         self.text_ch.close()
         self.waker.close()
-        os.close(self.worker_lock_fd)
-        remove_if_abandoned(files, self.procs)
 
 
 def remove_if_abandoned(files: ServerFiles, procs: list[EngineProcess]) -> None:
     """Removes the server's files when its engine is gone and no worker is attached (a
-    live engine removes them itself when the server exits)."""
+    live engine removes them itself when the server exits). `procs` is the engine the caller
+    knew; the files are kept while the engine they list now runs: a newer one (granian's
+    reload starts new workers, which may start one, while the old ones stop)."""
     if any(p.alive() for p in procs):
         return
     fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if not _workers_attached(files):
+        if not any(p.alive() for p in _read_engine(files)) and not _workers_attached(files):
             files.remove()
     finally:
         os.close(fd)
 
 
-def attach_engine(args: ServerArgs, files: ServerFiles) -> EngineLink:
-    """Starts or finds the server's engine, takes a worker index and connects this
-    worker's channels. Blocking: run it off the event loop."""
+def attach_engine(
+    args: ServerArgs,
+    files: ServerFiles,
+    claimed: tuple[int, int] | None = None,
+    cancel: threading.Event | None = None,
+) -> EngineLink:
+    """Starts or finds the server's engine, takes a worker index (or keeps `claimed`, the
+    (index, lock fd) of this worker's previous link: attaching to a new engine) and connects
+    this worker's channels. Blocking: run it off the event loop."""
     from ipc import get_transport
     from runtime.detokenizer.process import connect_detokenizer
     from runtime.scheduler.process import connect_scheduler
 
-    procs = ensure_engine(args, files)
+    procs = ensure_engine(args, files, cancel, healing=claimed is not None)
     try:
-        wait_for_sockets(files, procs)
+        wait_for_sockets(files, procs, cancel=cancel)
     except EngineStartError:
         remove_if_abandoned(files, procs)
         raise
-    index, lock_fd = claim_worker_index(files)
+    index, lock_fd = claimed if claimed is not None else claim_worker_index(files)
     waker = get_transport(args.transport).make_waker()
     opened = []
     try:
@@ -202,7 +291,8 @@ def attach_engine(args: ServerArgs, files: ServerFiles) -> EngineLink:
         for ch in opened:
             ch.close()
         waker.close()
-        os.close(lock_fd)
+        if claimed is None:
+            os.close(lock_fd)
         raise
     return EngineLink(procs, index, lock_fd, waker, request_ch, text_ch, meta)
 

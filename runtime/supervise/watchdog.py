@@ -8,6 +8,8 @@ moment its process exits, kill -9 included, whoever its parent is.
                   the pidfds on the worker's event loop (loop.add_reader): the callback
                   runs on the loop as soon as an engine process dies; the worker stops
                   itself when granian's main process is gone
+                  stalled_heartbeats({"scheduler": request_ch, "detokenizer": text_ch}, ns):
+                  the hung ones (the HTTP worker kills and replaces them)
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ def stop_when_any_exits(pids: Mapping[str, int], grace_s: float) -> threading.Th
     thread = threading.Thread(target=watch, name="stop-when-any-exits", daemon=True)
     thread.start()
     return thread
+
+
+def stalled_heartbeats(channels: Mapping[str, object], timeout_ns: int) -> dict[str, float]:
+    """{role: seconds since its last beat} of the channels whose peer has not stamped the
+    heartbeat for longer than `timeout_ns` (one that never beat yet, or a transport without
+    heartbeats, is not judged)."""
+    now = time.monotonic_ns()
+    stalled = {}
+    for role, ch in channels.items():
+        beat = getattr(ch, "heartbeat_ns", None)
+        last = beat() if beat is not None else 0
+        if last and now - last > timeout_ns:
+            stalled[role] = (now - last) * 1e-9
+    return stalled
 
 
 class EngineWatchdog:
