@@ -500,3 +500,15 @@ def test_sighup_reload_with_two_workers_keeps_one_engine():
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+def test_supervision_flags():
+    from runtime.config import ServerArgs
+
+    args = ServerArgs.from_cli(["--watchdog-timeout", "2.5", "--engine-max-restarts", "0"])
+    assert (args.watchdog_timeout, args.engine_max_restarts) == (2.5, 0)
+    assert ServerArgs.from_env({"RINGSERVE_WATCHDOG_TIMEOUT": "7"}).watchdog_timeout == 7.0
+    assert ServerArgs().watchdog_timeout == 300.0 and ServerArgs().engine_max_restarts == 5
+    for bad in ({"watchdog_timeout": 0}, {"engine_max_restarts": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad)).replace("_", "-")):
+            ServerArgs(**bad)

@@ -4,6 +4,7 @@ watchdog on the engine's processes, its metrics; and what the routes ask of them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -162,6 +163,9 @@ class HTTPWorker:
             raise
         old.close_channels()
         self.watchdog.close()
+        for proc in old.procs:  # the old engine is gone (ensure_engine saw to it): no zombie of ours stays
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(proc.pid, os.WNOHANG)
         self.link = link
         self.kv_tokens = link.meta.get("max_total_tokens")
         self.watchdog = EngineWatchdog(link.procs, self.files.server_pid, self._engine_exited)
