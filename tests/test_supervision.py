@@ -368,23 +368,25 @@ def healthy_again(server: Server, timeout: float = 120) -> float:
     return time.monotonic() - t0
 
 
-def test_stopped_scheduler_is_caught_by_the_watchdog():
-    """SIGSTOP of the scheduler: a request waiting on it fails within --watchdog-timeout (plus
-    the check's second), /health is 503, the hung scheduler is killed, a new engine serves."""
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
+def test_stopped_engine_process_is_caught_by_the_watchdog(victim):
+    """SIGSTOP of the scheduler (or the detokenizer): a request waiting on it fails within
+    --watchdog-timeout (plus the check's second), /health is 503, the hung process is killed,
+    a new engine serves."""
     server = Server.granian(null_model=1, log_level="info", watchdog_timeout=3)
     try:
         server.wait_ready()
         assert complete(server).status_code == 200
         old = one_engine(server)
-        os.kill(old["scheduler"], signal.SIGSTOP)
+        os.kill(old[victim], signal.SIGSTOP)
         stopped = time.monotonic()
         resp = complete(server, timeout=60)
         waited = time.monotonic() - stopped
-        assert resp.status_code == 503 and "stopped responding" in resp.text, resp.text
+        assert resp.status_code == 503 and f"{victim} stopped responding" in resp.text, resp.text
         assert 3 <= waited < 3 + 2.5, waited
         health = httpx.get(server.url("/health"), timeout=5)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
-        assert wait_until(lambda: not alive(old["scheduler"]), 10)  # killed, not left stopped
+        assert wait_until(lambda: not alive(old[victim]), 10)  # killed, not left stopped
         healthy_again(server)
         assert complete(server).status_code == 200
         new = one_engine(server)
