@@ -25,7 +25,7 @@ from runtime.gc_tuning import settle_heap
 from runtime.http_worker.disconnect import DisconnectWatches
 from runtime.http_worker.metrics import WorkerMetrics, use_multiprocess_dir
 from runtime.http_worker.tokenizer_manager import ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
-from runtime.supervise.files import EngineProcess, EngineStartError, ServerFiles
+from runtime.supervise.files import EngineProcess, ServerFiles
 from runtime.supervise.launcher import EngineGaveUp, EngineLink, attach_engine, kill_and_wait
 from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog, stalled_heartbeats
 
@@ -155,7 +155,7 @@ class HTTPWorker:
                     logger.error("%s", e)
                     self.tm.dead = engine_unavailable(str(e))
                     return  # _healing stays set: this worker does not start the engine again
-                except (EngineStartError, OSError) as e:  # it died starting: the next try replaces it
+                except Exception as e:  # it died starting (EngineStartError), a connect failed: the next try
                     logger.error("attaching to a new engine failed (%s): trying again", e)
                     await asyncio.sleep(REATTACH_RETRY_S)
         except asyncio.CancelledError:
