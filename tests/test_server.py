@@ -453,7 +453,7 @@ def test_disconnect_frees_kv_pages(server, client, stream):
     assert wait_for(lambda: kv_idle(server), 10), engine_metrics(server)
 
 
-# ---------------------------------------------------------------- the engine dies; the server stops
+# ---------------------------------------------------------------- the engine dies: requests fail at once, 503 meanwhile
 
 
 def test_scheduler_killed_mid_stream(server, client):
