@@ -15,13 +15,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu.model_files import resolve_model_dir
-from ipc import get_transport
+from ipc import ChannelSpec, get_transport
+from ipc.peers import PeerServer
 from ipc.shm import our_segments
 from protocol.records import (
+    REQUEST,
     TOKEN_OUT,
     Finish,
     OpenFlags,
     PayloadBuilder,
+    RequestKind,
     TextKind,
     TokenKind,
     encode_strings,
@@ -192,15 +195,23 @@ def test_a_stalled_worker_does_not_stop_the_others(tokenizer, tmp_path):
     more text than the ring holds; worker 0's stream still completes, long before the stall
     deadline (the detokenizer used to wait on worker 1's full ring forever). Past the deadline
     worker 1's requests fail: when it reads again it finds the text its ring held, then an
-    ERROR record for each of its requests. The process then serves worker 0 as before."""
+    ERROR record for each of its requests, and the scheduler is asked to abort them at once
+    (this test plays the scheduler's socket). The process then serves worker 0 as before."""
     stall_s = 10.0
     path = str(tmp_path / "detok.sock")
+    t = get_transport("ring")
+    wakers = [t.make_waker() for _ in range(4)]
+    scheduler_side = PeerServer(
+        str(tmp_path / "sched.sock"),
+        lambda hello, fd: t.create_channel(ChannelSpec(REQUEST, 4096), "consumer", wakers[3], fd),
+        {"pid": os.getpid()},
+    )
+    scheduler_side.start()
     proc = multiprocessing.get_context("spawn").Process(
-        target=run_detokenizer, args=(ServerArgs(log_level="warning", worker_stall_timeout=stall_s), path)
+        target=run_detokenizer,
+        args=(ServerArgs(log_level="warning", worker_stall_timeout=stall_s), path, scheduler_side.socket_path),
     )
     proc.start()
-    t = get_transport("ring")
-    wakers = [t.make_waker() for _ in range(3)]
     try:
         sched = connect_detokenizer(path, wakers[0])
         outs = [connect_detokenizer(path, wakers[1 + w], worker=w) for w in range(2)]
@@ -261,6 +272,14 @@ def test_a_stalled_worker_does_not_stop_the_others(tokenizer, tmp_path):
         assert first_error >= 8192 - stalled and all(k == TextKind.ERROR for k in kinds[first_error:])
         err, message = got[-1]
         assert err["finish"] == Finish.ERROR and b"worker-stall-timeout" in message
+        events = list(scheduler_side.events())
+        assert [(e.kind, e.hello["role"]) for e in events] == [("attached", "detokenizer")]
+        aborts = events[0].channel.pop().records
+        assert set(aborts["kind"].tolist()) == {RequestKind.ABORT}
+        assert sorted(zip(aborts["worker"].tolist(), aborts["slot"].tolist(), aborts["gen"].tolist())) == [
+            (1, s, 5) for s in range(stalled)
+        ]
+        events[0].channel.close()
         # the process goes on: a new request of worker 0 streams
         sched.push_all(*records([dict(kind=TokenKind.OPEN, worker=0, slot=1, gen=6, flags=flags, stop=())]), timeout=10)
         sched.push_all(*records([dict(step(0, [1], 0, last=True)[0], gen=6)]), timeout=10)
@@ -271,5 +290,6 @@ def test_a_stalled_worker_does_not_stop_the_others(tokenizer, tmp_path):
     finally:
         proc.terminate()
         proc.join(10)
+        scheduler_side.close()
         for waker in wakers:
             waker.close()

@@ -27,10 +27,10 @@ bound (a worker still reading gets back-pressure, a stopped one would hold every
 worker's streams until the deadline), is given up on: its backlog is dropped, every request
 of it that was open here or had records in the backlog is closed here (its later tokens are
 dropped as stale), and the backlog becomes one ERROR record (OVERLOADED) per such request,
-pushed when the worker reads again. The detokenizer has no channel to the scheduler, so the
-scheduler keeps running those requests until the worker, reading the ERROR records, sends an
-ABORT for each (the TokenizerManager aborts a request that ends in an ERROR), or until they
-end by themselves (max_tokens; the worker's --request-timeout). The worker's text ring still
+pushed when the worker reads again. The scheduler is asked to abort those requests at once,
+with ABORT records on a REQUEST channel the detokenizer opens to it for this (the stopped
+worker cannot ask); the worker, reading the ERROR records later, sends its own ABORTs too,
+which then find nothing to abort. The worker's text ring still
 holds what it held when it stopped, so a resumed worker reads that text, then the errors.
 A worker whose process exits or is replaced loses its backlog with its channel.
 
@@ -54,7 +54,16 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes, split_payload
 from ipc.peers import PeerServer, connect
-from protocol.records import TEXT_OUT, TOKEN_OUT, TOKEN_OUT_ARENA_BYTES, ErrorCode, Finish, TextKind
+from protocol.records import (
+    REQUEST,
+    TEXT_OUT,
+    TOKEN_OUT,
+    TOKEN_OUT_ARENA_BYTES,
+    ErrorCode,
+    Finish,
+    RequestKind,
+    TextKind,
+)
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 from runtime.gc_tuning import settle_heap
@@ -67,6 +76,7 @@ TEXT_OUT_SPEC = ChannelSpec(TEXT_OUT, capacity=8192, arena_bytes=8 << 20)  # det
 SPIN_US = 50.0  # spin this long on an empty ring before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 BACKLOG_BYTES = 64 << 20  # a worker's backlog past this stops the loop's pops (back-pressure) until it takes some
+ABORTS_CONNECT_TIMEOUT_S = 5.0  # the scheduler, asked to abort a stalled worker's requests, answers at once
 STALL_GRACE_S = 1.0  # ... unless the worker took nothing for this long: then it is given up on at once
 STALLED = b"the HTTP worker read none of its text for longer than --worker-stall-timeout: its requests were failed"
 
@@ -86,10 +96,14 @@ class Backlog:
         self.bytes += records.nbytes + blob.nbytes
 
 
-def run_detokenizer(server_args: ServerArgs, socket_path: str, max_open: int = 8192) -> None:
+def run_detokenizer(
+    server_args: ServerArgs, socket_path: str, scheduler_socket: str | None = None, max_open: int = 8192
+) -> None:
     """The process's entry point (spawn it). server_args: model_path (for the tokenizer),
     transport, log_level. socket_path: where peers connect (must not exist yet).
-    max_open: requests the detokenizer keeps open at once (queued ones included)."""
+    scheduler_socket: where to ask the scheduler to abort the requests of a worker given up on
+    (None: it is not asked). max_open: requests the detokenizer keeps open at once (queued
+    ones included)."""
     from setproctitle import setproctitle
 
     setproctitle(PROCESS_TITLE)
@@ -97,7 +111,7 @@ def run_detokenizer(server_args: ServerArgs, socket_path: str, max_open: int = 8
         level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s detokenizer: %(message)s"
     )
     run_as_batch()
-    detok = Detokenizer(server_args, socket_path)
+    detok = Detokenizer(server_args, socket_path, scheduler_socket)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: detok.stop())
     try:
@@ -129,9 +143,11 @@ def connect_detokenizer(socket_path: str, waker, worker: int | None = None, time
 
 
 class Detokenizer:
-    def __init__(self, server_args: ServerArgs, socket_path: str) -> None:
+    def __init__(self, server_args: ServerArgs, socket_path: str, scheduler_socket: str | None = None) -> None:
         self.args = server_args
         self.socket_path = socket_path
+        self.scheduler_socket = scheduler_socket
+        self.aborts = None  # a REQUEST channel to the scheduler, opened when first needed
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
         self.deltas: TextDeltas | None = None
@@ -286,10 +302,27 @@ class Detokenizer:
             backlog.bytes,
             len(addrs),
         )
+        self._abort_in_scheduler(worker, addrs)
         fresh = Backlog(now)
         if len(errors):
             fresh.add(errors, np.frombuffer(STALLED, np.uint8))
         self.backlogs[worker] = fresh
+
+    def _abort_in_scheduler(self, worker: int, addrs: list[tuple[int, int]]) -> None:
+        """The scheduler stops generating for the requests given up on, which the stopped worker
+        cannot ask it to: ABORT records on a REQUEST channel of the detokenizer's own."""
+        if self.scheduler_socket is None or not addrs:
+            return
+        recs = np.zeros(len(addrs), REQUEST.dtype)
+        recs["kind"], recs["worker"] = RequestKind.ABORT, worker
+        recs["slot"], recs["gen"] = [a[0] for a in addrs], [a[1] for a in addrs]
+        try:
+            if self.aborts is None:
+                hello = {"role": "detokenizer", "pid": os.getpid()}
+                self.aborts = connect(self.scheduler_socket, self.waker, hello, ABORTS_CONNECT_TIMEOUT_S)[0]
+            self.aborts.push_all(recs, timeout=ABORTS_CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as e:  # they run to their end instead: logged, nothing else lost
+            logger.error("could not ask the scheduler to abort worker %d's %d requests: %s", worker, len(addrs), e)
 
     def _wait(self, held: bool) -> None:
         """Sleeps until TOKEN_OUT has records (unless held back) or a backlogged ring has room
@@ -351,7 +384,7 @@ class Detokenizer:
     def close(self) -> None:
         self._stopping = True
         self.peers.close()
-        for ch in [*self.inputs, *self.outputs.values()]:
+        for ch in [*self.inputs, *self.outputs.values(), *([self.aborts] if self.aborts is not None else [])]:
             ch.close()
-        self.inputs, self.outputs = [], {}
+        self.inputs, self.outputs, self.aborts = [], {}, None
         self.waker.close()

@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "ringserve::scheduler"
 REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=REQUEST_ARENA_BYTES)  # worker k -> scheduler
+ABORTS_SPEC = ChannelSpec(REQUEST, capacity=4096)  # detokenizer -> scheduler: ABORT records, no payload
+DETOKENIZER_INPUT = -1  # the key of the detokenizer's channel among the inputs (workers are 0, 1, ...)
 SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
@@ -354,7 +356,7 @@ class SchedulerProcess:
     # ---------------------------------------------------------------- workers attaching
     def _attach_new(self) -> None:
         for event in self.peers.events():
-            worker, pid = event.hello["worker"], event.hello["pid"]
+            worker, pid = event.hello.get("worker", DETOKENIZER_INPUT), event.hello["pid"]
             if event.kind == "exited":
                 if self.worker_pids.get(worker) == pid:  # and no successor has taken its place
                     del self.worker_pids[worker]
@@ -393,7 +395,10 @@ class SchedulerProcess:
         return self.scheduler.abort_where(lambda r: r.worker == worker)
 
     def _request_channel(self, hello: dict, peer_waker_fd: int | None):
-        """A worker's REQUEST channel (the PeerServer's acceptor thread calls this)."""
+        """A worker's REQUEST channel, or the detokenizer's (its aborts of the requests of a
+        worker it gave up on); the PeerServer's acceptor thread calls this."""
+        if hello.get("role") == "detokenizer" and "pid" in hello:
+            return self.transport.create_channel(ABORTS_SPEC, "consumer", self.waker, peer_waker_fd)
         worker = hello.get("worker")
         if not isinstance(worker, int) or not 0 <= worker < 1 << 16 or "pid" not in hello:
             raise ValueError(f"unknown peer {hello!r}: expected a worker index and its pid")

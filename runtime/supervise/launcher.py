@@ -377,7 +377,7 @@ def engine_process_main(role: str) -> int:
         else:
             from runtime.detokenizer.process import run_detokenizer
 
-            run_detokenizer(args, str(files.socket("detokenizer")))
+            run_detokenizer(args, str(files.socket("detokenizer")), str(files.socket("scheduler")))
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)
         return 3
