@@ -98,49 +98,11 @@ class Waker:
 
     def wait_readable(self, channels: Sequence[Waitable], spin_us: float = 0.0, timeout: float | None = None) -> bool:
         """Blocks until one of `channels` has records (True) or `timeout` s pass (False)."""
-        if _any_readable(channels):
-            return True
-        now = time.perf_counter()
-        deadline = math.inf if timeout is None else now + timeout
-        if spin_us > 0:
-            spin_end = min(deadline, now + spin_us * 1e-6)
-            while True:
-                if _any_readable(channels):
-                    return True
-                if time.perf_counter() >= spin_end:
-                    break
-        while True:
-            self._drain()
-            for ch in channels:
-                ch.sleep_flag.announce(True)
-            try:
-                self._sleep_barrier()
-                if _any_readable(channels):
-                    return True
-                if not self._sleep(deadline):
-                    return _any_readable(channels)
-            finally:
-                for ch in channels:
-                    ch.sleep_flag.announce(False)
-            if _any_readable(channels):
-                return True
+        return _any_readable(channels) or self.wait_any(channels, (), spin_us, timeout)
 
     def wait_room(self, channel: Waitable, nbytes: int = 0, timeout: float | None = None) -> bool:
         """Blocks until `channel` takes at least one record with an `nbytes` payload."""
-        if channel.room_for(nbytes):
-            return True
-        deadline = math.inf if timeout is None else time.perf_counter() + timeout
-        while True:
-            self._drain()
-            channel.sleep_flag.announce(True)
-            try:
-                self._sleep_barrier()
-                if channel.room_for(nbytes):
-                    return True
-                if not self._sleep(deadline):
-                    return channel.room_for(nbytes)
-            finally:
-                channel.sleep_flag.announce(False)
+        return channel.room_for(nbytes) or self.wait_any((), ((channel, nbytes),), 0.0, timeout)
 
     def wait_any(
         self,
