@@ -369,7 +369,7 @@ def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
         answer["body"] = httpx.post(
             server.url("/generate"),
             headers=AUTH,
-            timeout=60,
+            timeout=300,
             json={
                 "text": [LONG_PROMPT, LONG_PROMPT + " Again."],
                 "rid": ["batch-a", "batch-b"],
@@ -381,7 +381,8 @@ def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
     thread.start()
     assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 2, 30)
     assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "batch-a"}).json() == {"aborted": 1}
-    thread.join(30)
+    thread.join(300)  # the other prompt runs to its end: slow on a busy machine
+    assert not thread.is_alive()
     assert [out["meta_info"]["finish_reason"]["type"] for out in answer["body"]] == ["abort", "length"]
 
 
