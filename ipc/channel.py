@@ -83,10 +83,9 @@ def split_payload(
     return pieces
 
 
-def _nbytes(payload: np.ndarray | bytes | None) -> int:
-    if payload is None:
-        return 0
-    return payload.nbytes if isinstance(payload, np.ndarray) else memoryview(payload).nbytes
+def _remaining(deadline: float) -> float | None:
+    """Seconds left until `deadline` (perf_counter), None for no deadline."""
+    return None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
 
 
 def _gathered(records: np.ndarray, blob: np.ndarray, layout: RecordLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -240,42 +239,33 @@ class Channel:
     ) -> None:
         """Pushes every record, sleeping on this process's waker while the channel is full; a
         blob over max_push_bytes goes in several pushes (split_payload)."""
-        if self.max_push_bytes is not None and _nbytes(payload) > self.max_push_bytes:
-            deadline = None if timeout is None else time.perf_counter() + timeout
-            for recs, blob in split_payload(records, payload, self.spec.layout, self.max_push_bytes):
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                self.push_all(recs, blob, left)
-            return
-        done = self.push(records, payload)
-        if done == len(records):
-            return
-        blob = as_bytes(payload)
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
-        while done < len(records):
-            remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
-            if not self.waker.wait_room(self, blob.size, remaining):
-                raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
-            done += self.push(records[done:], blob)
+        for recs, blob in self._pushes(records, payload):
+            done = self.push(recs, blob)
+            while done < len(recs):
+                if not self.waker.wait_room(self, blob.size, _remaining(deadline)):
+                    raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
+                done += self.push(recs[done:], blob)
 
     async def push_all_async(
         self, records: np.ndarray, payload: np.ndarray | bytes | None = None, timeout: float | None = None
     ) -> None:
-        if self.max_push_bytes is not None and _nbytes(payload) > self.max_push_bytes:
-            deadline = None if timeout is None else time.perf_counter() + timeout
-            for recs, blob in split_payload(records, payload, self.spec.layout, self.max_push_bytes):
-                left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                await self.push_all_async(recs, blob, left)
-            return
-        done = self.push(records, payload)
-        if done == len(records):
-            return
-        blob = as_bytes(payload)
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
-        while done < len(records):
-            remaining = None if deadline == math.inf else max(0.0, deadline - time.perf_counter())
-            if not await self.waker.wait_room_async(self, blob.size, remaining):
-                raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
-            done += self.push(records[done:], blob)
+        for recs, blob in self._pushes(records, payload):
+            done = self.push(recs, blob)
+            while done < len(recs):
+                if not await self.waker.wait_room_async(self, blob.size, _remaining(deadline)):
+                    raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
+                done += self.push(recs[done:], blob)
+
+    def _pushes(
+        self, records: np.ndarray, payload: np.ndarray | bytes | None
+    ) -> Sequence[tuple[np.ndarray, np.ndarray]]:
+        """The pushes `records` take: one, or several when the blob is over max_push_bytes."""
+        blob = as_bytes(payload)
+        if self.max_push_bytes is not None and blob.size > self.max_push_bytes:
+            return split_payload(records, blob, self.spec.layout, self.max_push_bytes)
+        return ((records, blob),)
 
     def free_records(self) -> int:
         return self._ring.free_records()
