@@ -585,10 +585,13 @@ _PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strin
 _PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> (params, sampling bytes, stop strings)
 
 
-def pack_control(kind: RequestKind, worker: int = 0, slot: int = 0, gen: int = 0, rid: int = 0) -> np.ndarray:
+def pack_control(
+    kind: RequestKind, worker: int = 0, slot: int | Sequence[int] = 0, gen: int | Sequence[int] = 0, rid: int = 0
+) -> np.ndarray:
     """An ABORT (of the addressed request), ABORT_RID (rid: a rid_hash()), ABORT_ALL or
-    FLUSH_CACHE record; it carries no payload."""
-    rec = np.zeros(1, REQUEST.dtype)
+    FLUSH_CACHE record; it carries no payload. Sequences of slots and gens give one ABORT
+    record per (slot, gen) of `worker`."""
+    rec = np.zeros(len(slot) if isinstance(slot, Sequence) else 1, REQUEST.dtype)
     rec["kind"], rec["worker"], rec["slot"], rec["gen"], rec["rid_hash"] = kind, worker, slot, gen, rid
     return rec
 

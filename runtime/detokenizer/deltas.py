@@ -150,7 +150,7 @@ class TextDeltas:
         record that tells its worker."""
         if self._is_open(w, s, gen):
             self._close(w, s)
-        return _error(w, s, gen, code, message, None)
+        return error_records(w, s, gen, code, message)
 
     def close_worker(self, w: int) -> list[tuple[int, int]]:
         """Closes every open request of worker `w` (its later tokens are dropped); their (slot, gen)."""
@@ -183,7 +183,7 @@ class TextDeltas:
         if opened:
             return _NOTHING
         message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
-        return _error(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
+        return error_records(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
 
     def _error_record(self, raw: bytes, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         (w, kind, _, s, gen, _, _, _, _, _, off, size, _, _, error) = TOKEN_OUT_STRUCT.unpack(raw)
@@ -192,7 +192,7 @@ class TextDeltas:
             return _NOTHING
         if self._is_open(w, s, gen):
             self._close(w, s)
-        return _error(w, s, gen, error, np.ascontiguousarray(payload[off : off + size]), rec)
+        return error_records(w, s, gen, error, np.ascontiguousarray(payload[off : off + size]), rec)
 
     def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, min_tokens: int, body: np.ndarray) -> bool:
         """False when max_open requests are open already. flags: OpenFlags bits."""
@@ -406,8 +406,12 @@ def text_tokens(token: np.ndarray, finish: np.ndarray, trim_stop_token: np.ndarr
     return np.where(((finish == _STOP) & trim_stop_token) | (token == NO_TOKEN), -1, token.astype(np.int64))
 
 
-def _error(w: int, s: int, gen: int, code: int, message, rec: np.void | None) -> tuple[np.ndarray, np.ndarray]:
-    out = np.zeros(1, TEXT_OUT.dtype)
+def error_records(
+    w: int, s: int | list[int], gen: int | list[int], code: int, message, rec: np.void | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """ERROR records ending request (w, s, gen), or one per (slot, gen) of lists, each with
+    `message` (all pointing at the one blob), and `rec`'s usage counts when given."""
+    out = np.zeros(np.size(s), TEXT_OUT.dtype)
     out["worker"], out["slot"], out["gen"] = w, s, gen
     out["kind"], out["finish"], out["error"] = TextKind.ERROR, Finish.ERROR, code
     if rec is not None:

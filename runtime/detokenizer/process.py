@@ -55,17 +55,15 @@ from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes, split_payload
 from ipc.peers import PeerServer, connect
 from protocol.records import (
-    REQUEST,
     TEXT_OUT,
     TOKEN_OUT,
     TOKEN_OUT_ARENA_BYTES,
     ErrorCode,
-    Finish,
     RequestKind,
-    TextKind,
+    pack_control,
 )
 from runtime.config import ServerArgs
-from runtime.detokenizer.deltas import TextDeltas, split_by_worker
+from runtime.detokenizer.deltas import TextDeltas, error_records, split_by_worker
 from runtime.gc_tuning import settle_heap
 
 logger = logging.getLogger(__name__)
@@ -289,12 +287,8 @@ class Detokenizer:
         for recs, _ in backlog.pieces:
             seen += zip(recs["slot"].tolist(), recs["gen"].tolist())
         addrs = list(dict.fromkeys(seen))
-        errors = np.zeros(len(addrs), TEXT_OUT.dtype)
-        errors["worker"] = worker
-        errors["slot"], errors["gen"] = [a[0] for a in addrs], [a[1] for a in addrs]
-        errors["kind"], errors["finish"], errors["error"] = TextKind.ERROR, Finish.ERROR, ErrorCode.OVERLOADED
-        errors["stop_token"], errors["stop_index"] = -1, -1
-        errors["text_len"] = len(STALLED)  # every record's message is the one blob
+        slots, gens = [a[0] for a in addrs], [a[1] for a in addrs]
+        errors, message = error_records(worker, slots, gens, ErrorCode.OVERLOADED, STALLED)
         logger.warning(
             "worker %d read none of its text for %.1f s (%d bytes waiting for it): %d of its requests fail",
             worker,
@@ -302,27 +296,25 @@ class Detokenizer:
             backlog.bytes,
             len(addrs),
         )
-        self._abort_in_scheduler(worker, addrs)
+        self._abort_in_scheduler(worker, slots, gens)
         fresh = Backlog(now)
         if len(errors):
-            fresh.add(errors, np.frombuffer(STALLED, np.uint8))
+            fresh.add(errors, message)
         self.backlogs[worker] = fresh
 
-    def _abort_in_scheduler(self, worker: int, addrs: list[tuple[int, int]]) -> None:
+    def _abort_in_scheduler(self, worker: int, slots: list[int], gens: list[int]) -> None:
         """The scheduler stops generating for the requests given up on, which the stopped worker
         cannot ask it to: ABORT records on a REQUEST channel of the detokenizer's own."""
-        if self.scheduler_socket is None or not addrs:
+        if self.scheduler_socket is None or not slots:
             return
-        recs = np.zeros(len(addrs), REQUEST.dtype)
-        recs["kind"], recs["worker"] = RequestKind.ABORT, worker
-        recs["slot"], recs["gen"] = [a[0] for a in addrs], [a[1] for a in addrs]
+        recs = pack_control(RequestKind.ABORT, worker, slots, gens)
         try:
             if self.aborts is None:
                 hello = {"role": "detokenizer", "pid": os.getpid()}
                 self.aborts = connect(self.scheduler_socket, self.waker, hello, ABORTS_CONNECT_TIMEOUT_S)[0]
             self.aborts.push_all(recs, timeout=ABORTS_CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as e:  # they run to their end instead: logged, nothing else lost
-            logger.error("could not ask the scheduler to abort worker %d's %d requests: %s", worker, len(addrs), e)
+            logger.error("could not ask the scheduler to abort worker %d's %d requests: %s", worker, len(slots), e)
 
     def _wait(self, held: bool) -> None:
         """Sleeps until TOKEN_OUT has records (unless held back) or a backlogged ring has room

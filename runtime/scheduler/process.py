@@ -331,12 +331,9 @@ class SchedulerProcess:
         )
 
     def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
-        rec = np.zeros(1, TOKEN_OUT.dtype)
-        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.ERROR, worker, slot, gen
-        rec["finish"], rec["error"] = Finish.ERROR, code
         payload = PayloadBuilder()
-        rec["payload_off"], rec["payload_len"] = payload.add(message.encode())
-        self.token_out.push_all(rec, payload.blob())
+        rec = _error_record(worker, slot, gen, code, payload, message.encode())
+        self.token_out.push_all(np.frombuffer(rec, TOKEN_OUT.dtype), payload.blob())
 
     def _publish(self, force: bool = False) -> None:
         """Heartbeats (each ring's header, EngineStats) and stats: plain stores, no syscall;
