@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +17,7 @@ from starlette.responses import Response
 from gpu.model_files import ModelLoadError
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError, body_timeout, body_too_large, internal_error, model_not_found
+from runtime.http_worker.disconnect import take_due
 from runtime.http_worker.tokenizer_manager import ClientGone
 from runtime.http_worker.worker import HTTPWorker
 from runtime.supervise.files import EngineStartError
@@ -114,9 +114,7 @@ class BodyReads:
     async def _run(self, timeout: float) -> None:
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
-            due = time.monotonic() - timeout
-            for read, _ in list(itertools.takewhile(lambda item: item[1] <= due, self.reading.items())):
-                del self.reading[read]
+            for read in take_due(self.reading, timeout):
                 read.expire()
 
     def close(self) -> None:

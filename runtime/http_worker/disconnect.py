@@ -8,8 +8,11 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 logger = logging.getLogger("ringserve.app")
+
+T = TypeVar("T")
 
 
 class DisconnectWatch:
@@ -72,11 +75,20 @@ class DisconnectWatches:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.WATCH_AFTER_S / 2)
-            due = time.monotonic() - self.WATCH_AFTER_S
-            ready = list(itertools.takewhile(lambda item: item[1] <= due, self.unarmed.items()))
-            for watch, _ in ready:
-                del self.unarmed[watch]
+            for watch in take_due(self.unarmed, self.WATCH_AFTER_S):
                 try:
                     watch.arm()
                 except Exception:  # a bug in one request's abort must not leave the later ones unwatched
                     logger.exception("a disconnect watch failed")
+
+
+def take_due(started: dict[T, float], after_s: float) -> list[T]:
+    """The items of `started` (item -> when it started, time.monotonic, oldest first) that
+    started `after_s` ago or more, taken out of it: the one periodic task that serves all of
+    a worker's deadlines, where a timer an item (call_later, and its cancel) costs more than
+    the work it guards."""
+    due = time.monotonic() - after_s
+    ready = [item for item, _ in itertools.takewhile(lambda entry: entry[1] <= due, started.items())]
+    for item in ready:
+        del started[item]
+    return ready
