@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "ipc", "gpu", "httpapi", "runtime")
+PACKAGES = ("protocol", "ipc", "gpu", "structured", "httpapi", "runtime")
 # lowest first: each imports only from its own layer and those before it
 LAYERS = [
     ("cbuild", "protocol"),
     ("ipc", "gpu"),
+    ("structured",),
     ("httpapi",),
     ("runtime.config", "runtime.gc_tuning", "runtime.engine_stats"),
     ("runtime.detokenizer",),
