@@ -16,7 +16,13 @@ import numpy as np
 from httpapi.errors import bad_request, from_invalid_param
 from httpapi.fields import Fields
 from protocol.memo import ByteLRU, string_bytes
-from protocol.records import MAX_OPEN_PAYLOAD_BYTES, MAX_REQUEST_PAYLOAD_BYTES, MEMO_BYTES, stop_payload_bytes
+from protocol.records import (
+    MAX_OPEN_PAYLOAD_BYTES,
+    MAX_REQUEST_PAYLOAD_BYTES,
+    MEMO_BYTES,
+    sampling_payload_bytes,
+    stop_payload_bytes,
+)
 from protocol.sampling_params import MAX_STOP_BYTES, MAX_STOP_STRINGS, InvalidParam, SamplingParams
 
 # SamplingParams fields that every generation endpoint names the same way.
@@ -150,18 +156,19 @@ def check_request_size(
 ) -> None:
     """What one request (n choices of each prompt, prompt_lens[i] tokens and params[i]) asks of
     the engine at once must fit it: its prompts' tokens in all (max_tokens: the KV cache's,
-    when known), its records' payload in the REQUEST ring, their OPEN records' stop strings in
-    the TOKEN_OUT ring (protocol/records.py). Refused with a 400 naming `n` when one choice
-    of each prompt would fit, else the prompt or the stop strings."""
+    when known), its records' payload (prompt ids, stop strings, grammar, logit bias) in the
+    REQUEST ring, their OPEN records' stop strings in the TOKEN_OUT ring (protocol/records.py).
+    Refused with a 400 naming `n` when one choice of each prompt would fit, else the prompt or
+    the stop strings (a grammar and a bias are bounded below what one choice may take)."""
     tokens = sum(prompt_lens)
     stops = sum(stop_payload_bytes(p) for p in params)
-    payload = 4 * tokens + stops + 4 * len(params)  # + each choice's alignment padding
+    payload = 4 * tokens + sum(sampling_payload_bytes(p) for p in params) + 4 * len(params)  # + alignment
     for total, limit, what, param in (
         (tokens, max_tokens, "prompt tokens", prompt_param),
         (
             payload,
             MAX_REQUEST_PAYLOAD_BYTES,
-            "bytes of prompt token ids and stop strings",
+            "bytes of prompt token ids, stop strings and grammars",
             stop_param if stops > 4 * tokens else prompt_param,
         ),
         (stops, MAX_OPEN_PAYLOAD_BYTES, "bytes of stop strings", stop_param),

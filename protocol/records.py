@@ -157,6 +157,10 @@ REQUEST = RecordLayout(
             ("prompt_len", np.uint32),
             ("stop_off", np.uint32),  # stop strings, encode_strings()
             ("stop_len", np.uint32),
+            ("grammar_off", np.uint32),  # the grammar's UTF-8 text (grammar_kind says what it is)
+            ("grammar_len", np.uint32),
+            ("bias_off", np.uint32),  # logit_bias: n u32 token ids, then their n f32 biases
+            ("bias_len", np.uint32),
             # its sampling parameters, from SAMPLING_AT to the end: requests that share them share these
             # bytes, so each side converts them once (pack_request, unpack_request)
             ("has_seed", np.uint8),
@@ -168,6 +172,9 @@ REQUEST = RecordLayout(
             ("spaces_between_special_tokens", np.uint8),
             ("no_stop_trim", np.uint8),
             ("return_ids", np.uint8),
+            ("grammar_kind", np.uint8),  # GrammarKind
+            ("prompt_logprobs", np.int8),  # -1: none, else top alternatives per prompt position
+            ("prompt_logprobs_start", np.uint32),
             ("max_new_tokens", np.uint32),
             ("min_new_tokens", np.uint32),
             ("top_k", np.int32),
@@ -185,6 +192,8 @@ REQUEST = RecordLayout(
     payloads=(
         PayloadRef("prompt_off", "prompt_len", np.dtype(np.uint32)),
         PayloadRef("stop_off", "stop_len", np.dtype(np.uint8)),
+        PayloadRef("grammar_off", "grammar_len", np.dtype(np.uint8)),
+        PayloadRef("bias_off", "bias_len", np.dtype(np.uint8)),
     ),
 )
 SAMPLING_AT = REQUEST.dtype.fields["has_seed"][1]
@@ -482,25 +491,49 @@ def pack_request(
     prompt_ids: np.ndarray | list[int],
     arrival_ns: int,
     rid: int = 0,
+    base: int = 0,
 ) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
-    strings), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's id,
-    0 for none. The record is packed by struct (record_struct), the sampling part once per
-    SamplingParams object: set field by field, a numpy record costs a numpy call a field."""
-    sampling, stop = _packed_sampling(params)
+    strings, the grammar and the logit bias, each 4-aligned), ready for `channel.push(record,
+    blob)`. rid: rid_hash() of the request's id, 0 for none. base: where the blob starts in the
+    push's payload, when several requests go in one push. The record is packed by struct
+    (record_struct), the sampling part once per SamplingParams object: set field by field, a
+    numpy record costs a numpy call a field."""
+    packed = _packed_sampling(params)
     prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
+    at = base + len(prompt)  # the extras stay 4-aligned: the prompt is whole u32s
     head = _REQUEST_HEAD.pack(
-        RequestKind.NEW, worker, slot, gen, arrival_ns, rid, 0, len(prompt), len(prompt), len(stop)
-    )  # the stop strings stay 4-aligned
-    return np.frombuffer(bytearray(head + sampling), REQUEST.dtype), prompt + stop
+        RequestKind.NEW,
+        worker,
+        slot,
+        gen,
+        arrival_ns,
+        rid,
+        base,
+        len(prompt),
+        at,
+        packed.stop_len,
+        at + packed.grammar_at,
+        packed.grammar_len,
+        at + packed.bias_at,
+        packed.bias_len,
+    )
+    return np.frombuffer(bytearray(head + packed.sampling), REQUEST.dtype), prompt + packed.extras
 
 
 def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams, np.ndarray]:
     """(params, prompt ids u32 view) of one NEW record of a popped batch. Requests with the
-    same sampling bytes and stop strings get the same (frozen) SamplingParams object."""
+    same sampling bytes, stop strings, grammar and bias get the same (frozen) SamplingParams."""
     raw = record.tobytes()
-    prompt_off, prompt_len, stop_off, stop_len = _REQUEST_HEAD.unpack_from(raw)[6:]
-    key = raw[SAMPLING_AT:] + payload[stop_off : stop_off + stop_len].tobytes()
+    prompt_off, prompt_len, stop_off, stop_len, grammar_off, grammar_len, bias_off, bias_len = (
+        _REQUEST_HEAD.unpack_from(raw)[6:]
+    )
+    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len)
+    key += payload[stop_off : stop_off + stop_len].tobytes()
+    if grammar_len:
+        key += payload[grammar_off : grammar_off + grammar_len].tobytes()
+    if bias_len:
+        key += payload[bias_off : bias_off + bias_len].tobytes()
     params = _PARAMS.get(key)
     if params is None:  # a server sees a few distinct sampling settings: each converted once
         params = _params_of(key)
@@ -508,10 +541,17 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
     return params, payload[prompt_off : prompt_off + prompt_len].view(np.uint32)
 
 
-def _params_of(sampling_and_stop: bytes) -> SamplingParams:
-    """The SamplingParams of a REQUEST record's sampling bytes followed by its stop strings."""
-    values = _REQUEST_SAMPLING.unpack_from(sampling_and_stop)
+def _params_of(key: bytes) -> SamplingParams:
+    """The SamplingParams of unpack_request's key: a REQUEST record's sampling bytes, the
+    lengths of its extras, then the stop strings, the grammar and the logit bias."""
+    values = _REQUEST_SAMPLING.unpack_from(key)
     r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
+    stop_len, grammar_len, bias_len = _EXTRA_LENS.unpack_from(key, _REQUEST_SAMPLING.size)
+    at = _REQUEST_SAMPLING.size + _EXTRA_LENS.size
+    grammar_at, bias_at = at + stop_len, at + stop_len + grammar_len
+    n_bias = bias_len // 8
+    bias_ids = np.frombuffer(key, np.uint32, n_bias, bias_at).tolist()
+    biases = np.frombuffer(key, np.float32, n_bias, bias_at + 4 * n_bias).tolist()
     return SamplingParams(
         max_new_tokens=r["max_new_tokens"],
         min_new_tokens=r["min_new_tokens"],
@@ -523,7 +563,7 @@ def _params_of(sampling_and_stop: bytes) -> SamplingParams:
         repetition_penalty=r["repetition_penalty"],
         frequency_penalty=r["frequency_penalty"],
         presence_penalty=r["presence_penalty"],
-        stop=decode_strings(sampling_and_stop[_REQUEST_SAMPLING.size :]),
+        stop=decode_strings(key[at:grammar_at]),
         stop_token_ids=values[len(_SAMPLING_NAMES) : len(_SAMPLING_NAMES) + r["n_stop_token_ids"]],
         ignore_eos=bool(r["ignore_eos"]),
         skip_special_tokens=bool(r["skip_special_tokens"]),
@@ -532,14 +572,30 @@ def _params_of(sampling_and_stop: bytes) -> SamplingParams:
         logprobs=bool(r["logprobs"]),
         top_logprobs=r["top_logprobs"],
         return_ids=bool(r["return_ids"]),
+        grammar_kind=r["grammar_kind"],
+        grammar=key[grammar_at:bias_at].decode(),
+        logit_bias=tuple(zip(bias_ids, biases)),
+        prompt_logprobs=r["prompt_logprobs"],
+        prompt_logprobs_start=r["prompt_logprobs_start"],
     )
 
 
-def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
-    """(the record's sampling bytes, the stop strings' payload) of `params`, made once per object."""
+class _PackedSampling(NamedTuple):
+    params: SamplingParams  # held, so that its id stays its own while the memo keeps this
+    sampling: bytes  # the record's bytes from SAMPLING_AT on
+    extras: bytes  # the stop strings, the grammar and the logit bias, each part 4-aligned
+    stop_len: int
+    grammar_at: int  # offsets in `extras`
+    grammar_len: int
+    bias_at: int
+    bias_len: int
+
+
+def _packed_sampling(params: SamplingParams) -> _PackedSampling:
+    """`params` as a REQUEST record's sampling bytes and payload extras, made once per object."""
     hit = _PACKED.get(id(params))  # by object, not value (hashing one costs more than packing it)
-    if hit is not None and hit[0] is params:
-        return hit[1], hit[2]
+    if hit is not None and hit.params is params:
+        return hit
     stop_ids = tuple(params.stop_token_ids)
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} fit a request record")
@@ -554,6 +610,9 @@ def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
         p.spaces_between_special_tokens,
         p.no_stop_trim,
         p.return_ids,
+        p.grammar_kind,
+        p.prompt_logprobs,
+        p.prompt_logprobs_start,
         p.max_new_tokens,
         p.min_new_tokens,
         p.top_k,
@@ -568,21 +627,39 @@ def _packed_sampling(params: SamplingParams) -> tuple[bytes, bytes]:
         *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
     )
     stop = encode_strings(params.stop)
-    # held with params, so that its id stays its own while kept
-    _PACKED.put(id(params), (params, sampling, stop), len(sampling) + len(stop) + string_bytes(params.stop))
-    return sampling, stop
+    grammar = params.grammar.encode()
+    bias = b""
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        bias = np.array(ids, np.uint32).tobytes() + np.array(values, np.float32).tobytes()
+    grammar_at = _aligned(len(stop))
+    bias_at = grammar_at + _aligned(len(grammar))
+    extras = stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias
+    packed = _PackedSampling(params, sampling, extras, len(stop), grammar_at, len(grammar), bias_at, len(bias))
+    _PACKED.put(id(params), packed, len(sampling) + 2 * len(extras) + string_bytes(params.stop))
+    return packed
+
+
+def _aligned(n: int) -> int:
+    return n + (-n % 4)
+
+
+def sampling_payload_bytes(params: SamplingParams) -> int:
+    """The bytes `params` adds to a NEW record's payload: its stop strings, grammar and logit bias."""
+    return len(_packed_sampling(params).extras)
 
 
 def stop_payload_bytes(params: SamplingParams) -> int:
     """The bytes of `params`' stop strings in a NEW or OPEN record's payload."""
-    return len(_packed_sampling(params)[1])
+    return _packed_sampling(params).stop_len
 
 
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
+_EXTRA_LENS = struct.Struct("=III")  # stop_len, grammar_len, bias_len in unpack_request's key
 _SAMPLING_NAMES = [n for n in REQUEST.dtype.names if REQUEST.dtype.fields[n][1] >= SAMPLING_AT][:-1]  # scalars
 _PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strings -> SamplingParams
-_PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> (params, sampling bytes, stop strings)
+_PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> _PackedSampling
 
 
 def pack_control(

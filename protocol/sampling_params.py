@@ -3,6 +3,7 @@ the record layouts and the sampler."""
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -20,6 +21,22 @@ MAX_STOP_TOKEN_IDS = 16
 # SGLang's epsilon); a penalty below MIN_REPETITION_PENALTY is refused.
 GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
+# A grammar travels with every choice through the REQUEST ring and is compiled once per text
+# (a tool-calling request's schema holds its tools': structured/tools.py MAX_TOOLS_BYTES).
+MAX_GRAMMAR_BYTES = 256 << 10
+# logit_bias: OpenAI's range; entries bounded so a request's bias rows stay small on every step
+MAX_LOGIT_BIAS = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+class GrammarKind(enum.IntEnum):
+    """What SamplingParams.grammar holds."""
+
+    NONE = 0
+    JSON_SCHEMA = 1  # a JSON schema's text (json_object: {"type": "object"})
+    REGEX = 2
+    EBNF = 3  # GBNF, as xgrammar reads it
+    STRUCTURAL_TAG = 4  # xgrammar's structural tag, as JSON
 
 
 class InvalidParam(ValueError):
@@ -52,11 +69,20 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # number of alternatives per position, needs logprobs
     return_ids: bool = False  # the output's token ids reach the HTTP worker (/generate's output_ids)
+    grammar_kind: int = GrammarKind.NONE  # the output must match `grammar` (constrained decoding)
+    grammar: str = ""
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
+    prompt_logprobs: int = -1  # -1: none; else each prompt token's logprob and this many top alternatives
+    prompt_logprobs_start: int = 0  # the first prompt position reported (SGLang's logprob_start_len)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar_kind != GrammarKind.NONE
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raises InvalidParam naming the first parameter out of range; returns self.
@@ -103,7 +129,41 @@ class SamplingParams:
             raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not (self.top_logprobs == 0 or self.logprobs):
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs to be true")
+        if self.grammar_kind != GrammarKind.NONE or self.grammar:
+            self._validate_grammar()
+        if self.logit_bias:
+            self._validate_logit_bias(vocab_size)
+        if not (isinstance(self.prompt_logprobs, int) and -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if not (isinstance(self.prompt_logprobs_start, int) and 0 <= self.prompt_logprobs_start < 2**31):
+            raise InvalidParam("prompt_logprobs_start", "the prompt logprobs' start must be a position in the prompt")
         return self
+
+    def _validate_grammar(self) -> None:
+        if self.grammar_kind not in _GRAMMAR_KINDS:
+            raise InvalidParam("grammar", f"grammar kind {self.grammar_kind} is not one of {list(GrammarKind)}")
+        if not (isinstance(self.grammar, str) and self.grammar):
+            raise InvalidParam("grammar", "a grammar must be a non-empty string")
+        if len(self.grammar) > MAX_GRAMMAR_BYTES or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidParam(
+                "grammar", f"a grammar (schema, regex or EBNF) must be at most {MAX_GRAMMAR_BYTES} bytes"
+            )
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParam("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
+        for entry in self.logit_bias:
+            token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if not (isinstance(token, int) and 0 <= token and (vocab_size is None or token < vocab_size)):
+                raise InvalidParam("logit_bias", f"logit_bias has token id {token!r}, outside the vocabulary")
+            if not (_finite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise InvalidParam(
+                    "logit_bias",
+                    f"logit_bias values must be between {-MAX_ABS_LOGIT_BIAS:g} and {MAX_ABS_LOGIT_BIAS:g}",
+                )
+
+
+_GRAMMAR_KINDS = frozenset(int(k) for k in GrammarKind if k != GrammarKind.NONE)
 
 
 def _stop_bytes(stop: tuple[str, ...]) -> int:

@@ -26,7 +26,7 @@ from protocol.records import (
     unpack_request,
     unpack_top_logprobs,
 )
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import GrammarKind, SamplingParams
 
 
 @pytest.fixture()
@@ -69,6 +69,11 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
         spaces_between_special_tokens=False,
         logprobs=True,
         top_logprobs=20,
+        grammar_kind=GrammarKind.JSON_SCHEMA,
+        grammar='{"type": "object", "properties": {"é🙂": {"type": "string"}}}',
+        logit_bias=((5, -100.0), (49151, 2.5), (0, 0.25)),  # biases that float32 holds exactly
+        prompt_logprobs=20,
+        prompt_logprobs_start=7,
     ).validate()
     changed = {
         f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra" and getattr(params, f.name) != f.default
@@ -102,6 +107,10 @@ def test_requests_sharing_sampling_share_its_params_and_nothing_else(pair):
         SamplingParams(max_new_tokens=9, stop=("x", "y")),
         SamplingParams(max_new_tokens=9, stop=("x",), stop_token_ids=(5,)),
         SamplingParams(max_new_tokens=9),
+        SamplingParams(max_new_tokens=9, stop=("x",), grammar_kind=GrammarKind.REGEX, grammar="x+"),
+        SamplingParams(max_new_tokens=9, stop=("x",), grammar_kind=GrammarKind.REGEX, grammar="y+"),
+        SamplingParams(max_new_tokens=9, stop=("x",), logit_bias=((3, 1.0),)),
+        SamplingParams(max_new_tokens=9, stop=("x",), logit_bias=((3, 2.0),)),
     ]
     prod, cons = pair(REQUEST)
     sent = [(base, 1), *((v, 2 + k) for k, v in enumerate(variants)), (base, 99)]

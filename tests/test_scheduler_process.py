@@ -19,6 +19,7 @@ from ipc import ChannelSpec, Waker
 from ipc.channel import Channel
 from ipc.handoff import recv_waker, send_channels
 from protocol.records import (
+    REQUEST,
     TOKEN_OUT,
     ErrorCode,
     Finish,
@@ -189,8 +190,8 @@ def one_push(requests) -> tuple[np.ndarray, bytes]:
     recs, parts, size = [], [], 0
     for rec, blob in requests:
         rec = rec.copy()
-        rec["prompt_off"] += size
-        rec["stop_off"] += size
+        for ref in REQUEST.payloads:
+            rec[ref.off] += size
         recs.append(rec)
         parts.append(blob + bytes(-len(blob) % 8))
         size += len(parts[-1])

@@ -451,10 +451,7 @@ class TokenizerManager:
                 self._states[slot] = state
                 group.states.append(state)
                 tag = rid_hashes[prompt_of(index, n, len(rid_hashes))]
-                rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, tag)
-                if size:  # offsets in the batch's one blob
-                    rec["prompt_off"] += size
-                    rec["stop_off"] += size
+                rec, blob = pack_request(self.worker, slot, gen, p, ids, now_ns, tag, base=size)
                 blob += b"\0" * (-len(blob) % 4)  # the next request's ids stay 4-byte aligned
                 records.append(rec)
                 blobs.append(blob)
