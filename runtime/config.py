@@ -37,6 +37,15 @@ class ServerArgs:
     # bytes of fp32 K/V per token, so twice the tokens in the same memory and half the reads in
     # decode attention; K and V are rounded to nearest even when stored)
     kv_cache_dtype: str = "auto"
+    # structured output and tool calls (SGLang's flags): the grammar backend (xgrammar | none);
+    # JSON answers without whitespace between tokens unless asked (small models otherwise loop
+    # on whitespace); the parser of tool calls in the model's text (hermes | qwen25 | llama3 |
+    # mistral; None: the one the chat template's format names, if any); the parser of the
+    # <think> part (deepseek-r1 | qwen3; None: no reasoning_content)
+    grammar_backend: str = "xgrammar"
+    constrained_json_any_whitespace: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     null_model: bool = False  # instant tokens: measures the server's own per-token cost
     random_seed: int = 0
     # HTTP
@@ -88,6 +97,9 @@ class ServerArgs:
             "kv_cache_dtype": ("auto", "float16", "bfloat16", "fp8_e5m2"),
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),
+            "grammar_backend": ("xgrammar", "none"),
+            "tool_call_parser": (None, "hermes", "qwen25", "llama3", "mistral"),
+            "reasoning_parser": (None, "deepseek-r1", "qwen3"),
             "log_level": ("debug", "info", "warning", "error", "critical"),
         }
         for name, allowed in choices.items():
