@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -69,7 +68,7 @@ def compile_times(rounds: int = 5) -> dict:
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
     info_s = time.perf_counter() - t0
-    text = json.dumps(SCHEMA)
+    text = orjson.dumps(SCHEMA).decode()
     cold, cached = [], []
     for _ in range(rounds):
         compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -191,7 +190,7 @@ def markdown(result: dict) -> str:
         if target
         else ""
     )
-    schema = "The schema:\n\n```json\n" + json.dumps(SCHEMA, indent=1) + "\n```"
+    schema = "The schema:\n\n```json\n" + orjson.dumps(SCHEMA, option=orjson.OPT_INDENT_2).decode() + "\n```"
     return "\n\n".join(p for p in (target_line, levels, compile_line, schema) if p)
 
 
