@@ -31,6 +31,8 @@ from typing import ClassVar
 from structured.reasoning import StripStream, partial_suffix
 
 JSON_SPACE = " \t\r\n"
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")  # OpenAI's tool names
+MAX_NAME_CHARS = 64
 MAX_JSON_DEPTH = 128  # deeper blocks are content: json.loads recurses, and no tool call nests so deep
 
 
@@ -86,18 +88,23 @@ def _no_constant(name: str) -> None:
 
 def loads_json(text: str) -> object:
     """Strict JSON (no NaN or Infinity); stdlib rather than orjson, which turns integers past
-    64 bits into floats. Raises ValueError."""
-    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    64 bits into floats. Raises ValueError, for nesting too deep to decode too."""
+    try:
+        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
 
 
 def compact_json(value: object) -> str:
     """The one normalization of arguments, for whole parses, streams and forced calls alike.
     Raises ValueError for a string no UTF-8 can carry (a lone surrogate from a \\ud800 escape)."""
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
         text.encode()
     except UnicodeEncodeError as e:
         raise ValueError("unpaired surrogate in JSON string") from e
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
     return text
 
 
@@ -225,13 +232,13 @@ class ToolCallParser:
     def _call(self, text: str) -> ToolCall | None:
         try:
             return call_from_json(loads_json(text), self.tool_names)
-        except (ValueError, RecursionError):
+        except ValueError:
             return None
 
 
 def _json_at(text: str, pos: int, openers: str, stream: ToolCallStream, final: bool) -> int:
-    """The end of the JSON object or array that opens at `pos` (after whitespace), NEED_MORE or
-    REJECT, as `_JsonExtent.end` but final: an open bracket at the end of the text is REJECT."""
+    """The end of the JSON object or array that opens at `pos`, NEED_MORE or REJECT: as
+    `_JsonExtent.end`, but when the text is final an unclosed bracket is REJECT."""
     if pos == len(text):
         return REJECT if final else NEED_MORE
     if text[pos] not in openers:
@@ -274,25 +281,53 @@ class HermesParser(ToolCallParser):
 
 
 class MistralParser(ToolCallParser):
-    """Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (or a single object) after
-    the content; all the array's calls are taken, or none."""
+    """Mistral, after the content: before tokenizer v11, `[TOOL_CALLS] [{"name": ..., "arguments":
+    {...}}, ...]` (or a single object), all the array's calls taken or none; from v11 on (Mistral
+    Small 3.1+, Devstral, Magistral), `[TOOL_CALLS]name[ARGS]{...}` per call, `[ARGS]` missing
+    when special tokens were skipped in detokenizing."""
 
     marker = "[TOOL_CALLS]"
+    args_marker = "[ARGS]"
 
     def _block(self, text: str, marker_len: int, calls_before: int, stream: ToolCallStream, final: bool) -> Outcome:
         start = _skip_space(text, marker_len)
+        if start < len(text) and text[start] not in "[{":
+            return self._named_call(text, start, stream, final)
         end = _json_at(text, start, "[{", stream, final)
         if end < 0:
             return end
         try:
             value = loads_json(text[start:end])
-        except (ValueError, RecursionError):
+        except ValueError:
             return REJECT
         items = value if isinstance(value, list) else [value]
         calls = [call_from_json(item, self.tool_names) for item in items]
         if not calls or None in calls:
             return REJECT
         return Accept(calls, end)
+
+    def _named_call(self, text: str, start: int, stream: ToolCallStream, final: bool) -> Outcome:
+        name_end = start
+        while name_end < len(text) and name_end - start <= MAX_NAME_CHARS and text[name_end] in NAME_CHARS:
+            name_end += 1
+        if name_end == start or name_end - start > MAX_NAME_CHARS:
+            return REJECT
+        if name_end == len(text):
+            return REJECT if final else NEED_MORE
+        args_start = name_end
+        if text.startswith(self.args_marker, args_start):
+            args_start += len(self.args_marker)
+        elif not final and self.args_marker.startswith(text[args_start:]):
+            return NEED_MORE
+        end = _json_at(text, args_start, "{", stream, final)
+        if end < 0:
+            return end
+        try:
+            arguments = loads_json(text[args_start:end])
+        except ValueError:
+            return REJECT
+        call = call_from_json({"name": text[start:name_end], "arguments": arguments}, self.tool_names)
+        return REJECT if call is None else Accept([call], end)
 
 
 class Llama3Parser(ToolCallParser):

@@ -264,6 +264,19 @@ MISTRAL_CASES = [
     ),
 ]
 
+MISTRAL_CASES += [
+    (  # tokenizer v11+: one [TOOL_CALLS] per call, the name before [ARGS]
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Genève"}[TOOL_CALLS]search_web[ARGS]{"q": "CERN"}',
+        "Checking.",
+        [call("get_weather", city="Genève"), call("search_web", q="CERN")],
+    ),
+    (  # [ARGS] skipped as a special token in detokenizing
+        '[TOOL_CALLS]book_flight{"route": {"from": "CDG", "to": "JFK"}}',
+        "",
+        [call("book_flight", route={"from": "CDG", "to": "JFK"})],
+    ),
+]
+
 MISTRAL_CONTENT_ONLY = [
     "No tools needed: 2 + 2 = 4.",
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "nope", "arguments": {}}]',
@@ -271,6 +284,11 @@ MISTRAL_CONTENT_ONLY = [
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa',
     "[TOOL_CALLS] oops",
     "[TOOL_CALL",
+    '[TOOL_CALLS]unknown_tool[ARGS]{"a": 1}',
+    '[TOOL_CALLS]get_weather[ARGS]["Paris"]',
+    '[TOOL_CALLS]get_weather[ARG]{"city": "Paris"}',
+    "[TOOL_CALLS]get_weather",
+    "[TOOL_CALLS]" + "x" * 65 + '{"a": 1}',
 ]
 
 
@@ -304,3 +322,12 @@ def test_parser_names() -> None:
     assert {"hermes", "qwen25", "llama3", "mistral"} <= set(PARSERS)
     with pytest.raises(ValueError, match="known: hermes"):
         make_parser("nonexistent", TOOLS)
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral"])
+def test_arguments_string_nested_too_deep_is_content(parser_name: str) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    body = '{"name": "get_weather", "arguments": "' + deep + '"}'
+    text = f"<tool_call>{body}</tool_call>" if parser_name == "hermes" else f"[TOOL_CALLS] [{body}]"
+    assert make_parser(parser_name, TOOLS).parse(text) == ParsedCalls(text, [])
+    assert streamed(parser_name, [text[:7], text[7:]]) == ParsedCalls(text, [])
