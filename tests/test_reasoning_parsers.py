@@ -119,3 +119,15 @@ def test_parser_names() -> None:
     assert {"deepseek-r1", "qwen3"} <= set(REASONING_PARSERS)
     with pytest.raises(ValueError, match="known: deepseek-r1"):
         make_reasoning_parser("o1")
+
+
+@pytest.mark.parametrize("parser_name", sorted(REASONING_PARSERS))
+def test_stream_agrees_on_fragment_soup(parser_name: str) -> None:
+    fragments = ["<think>", "</think>", "<thi", "</th", "<", ">", " ", "\n", "word", "ü"]
+    rng = random.Random(parser_name)
+    for _ in range(400):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 10)))
+        whole = make_reasoning_parser(parser_name).parse(text)
+        for _ in range(5):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6))))
+            assert streamed(parser_name, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]) == whole

@@ -331,3 +331,46 @@ def test_arguments_string_nested_too_deep_is_content(parser_name: str) -> None:
     text = f"<tool_call>{body}</tool_call>" if parser_name == "hermes" else f"[TOOL_CALLS] [{body}]"
     assert make_parser(parser_name, TOOLS).parse(text) == ParsedCalls(text, [])
     assert streamed(parser_name, [text[:7], text[7:]]) == ParsedCalls(text, [])
+
+
+FRAGMENTS = [
+    '<tool_call>\n{"name": "search_web", "arguments": {"q": "x"}}',
+    "[TOOL_CALLS]get_weather",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|python_tag|>",
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+    '{"name": "search_web", "parameters": {}}',
+    '[{"name": "book_flight", "arguments": {}}]',
+    "get_weather",
+    '"name"',
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    ";",
+    ":",
+    " ",
+    "\n",
+    "text",
+    "é",
+]
+
+
+@pytest.mark.parametrize("parser_name", sorted(PARSERS))
+def test_stream_agrees_on_fragment_soup(parser_name: str) -> None:
+    """Random texts of markers, call JSON and stray brackets, split at random: a stream sends what
+    the whole parse finds."""
+    rng = random.Random(parser_name)
+    for _ in range(400):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
+        whole = make_parser(parser_name, TOOLS).parse(text)
+        for _ in range(5):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            assert streamed(parser_name, pieces) == whole, (text, cuts)
