@@ -11,8 +11,8 @@ be taken back when its JSON turned out malformed or its tool unknown.
 Rules shared by every format:
 - a call is `{"name": <one of the request's tools>, "arguments" (or "parameters"): <object>}`;
   arguments given as a string holding a JSON object are taken as that object, absent as `{}`;
-- a block that does not hold such calls (malformed JSON, an unknown name, a block never closed)
-  stays in the content as the text it was: nothing the model wrote is dropped;
+- a block that does not hold such calls (malformed JSON, an unknown name, text cut short inside
+  the JSON) stays in the content as the text it was: nothing the model wrote is dropped;
 - arguments are normalized to compact JSON (no whitespace outside strings, non-ASCII kept),
   as `json.dumps(separators=(",", ":"), ensure_ascii=False)` writes them;
 - content is the text outside calls, joined and stripped at both ends (SGLang strips the text
