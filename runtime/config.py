@@ -16,6 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from structured.reasoning import REASONING_PARSERS
+from structured.tool_parsers import PARSERS
+
 ENV_PREFIX = "RINGSERVE_"
 
 
@@ -41,7 +44,7 @@ class ServerArgs:
     # JSON answers without whitespace between tokens unless asked (small models otherwise loop
     # on whitespace); the parser of tool calls in the model's text (hermes | qwen25 | llama3 |
     # mistral; None: the one the chat template's format names, if any); the parser of the
-    # <think> part (deepseek-r1 | qwen3; None: no reasoning_content)
+    # <think> part (deepseek-r1 | qwen3 | ...; None: no reasoning_content)
     grammar_backend: str = "xgrammar"
     constrained_json_any_whitespace: bool = False
     tool_call_parser: str | None = None
@@ -98,8 +101,8 @@ class ServerArgs:
             "schedule_policy": ("fcfs", "lpm"),
             "transport": ("ring", "zmq"),
             "grammar_backend": ("xgrammar", "none"),
-            "tool_call_parser": (None, "hermes", "qwen25", "llama3", "mistral"),
-            "reasoning_parser": (None, "deepseek-r1", "qwen3"),
+            "tool_call_parser": (None, *PARSERS),
+            "reasoning_parser": (None, *REASONING_PARSERS),
             "log_level": ("debug", "info", "warning", "error", "critical"),
         }
         for name, allowed in choices.items():

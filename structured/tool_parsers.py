@@ -466,3 +466,16 @@ def make_parser(name: str, tool_names: Iterable[str]) -> ToolCallParser:
     except KeyError:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
     return parser_class(tool_names)
+
+
+# what a chat template writes when it renders an assistant's tool calls, and the parser that
+# reads such calls back: the default of --tool-call-parser
+TEMPLATE_CALL_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3"))
+
+
+def template_tool_call_parser(chat_template: str | None) -> str | None:
+    """The parser of the tool-call format `chat_template` renders, or None when it shows none."""
+    for marker, name in TEMPLATE_CALL_MARKERS:
+        if chat_template and marker in chat_template:
+            return name
+    return None
