@@ -94,6 +94,20 @@ class ChatStream(_OpenAIStream):
         )
 
 
+    def event(
+        self, index: int, delta: dict, finish_reason: str | None = None, logprobs: TokenLogprobs | None = None
+    ) -> bytes:
+        """A chunk with any delta object (reasoning_content, tool_calls: httpapi/chat_output.py);
+        `delta` may be empty, for a chunk that only carries logprobs or the finish_reason."""
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs, self._vocab),
+            "finish_reason": finish_reason,
+        }
+        return b"".join((self._head, b'"choices":[', orjson.dumps(choice), b"]}\n\n"))
+
+
 class CompletionStream(_OpenAIStream):
     """text_completion events; `vocab` is needed when deltas carry logprobs."""
 
