@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
 from structured.tool_parsers import ToolCall, compact_json, loads_json
 
+HERMES_TEMPLATE = Path(__file__).with_name("templates") / "hermes.jinja"  # ChatML with Hermes tool calls
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 128 * 1024  # the tools' JSON: they are rendered into every prompt of the request
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
