@@ -56,6 +56,11 @@ def linear(
     return F.linear(x, w, bias)
 
 
+# Prompt-logprob positions per lm_head pass: bounds the float32 logits held at once ([rows, V]:
+# 200 MiB for a 49k vocabulary, 500 MiB for a 128k one).
+PROMPT_LOGITS_ROWS = 1024
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, H, D]; cos, sin: [T, 1, D/2] (rotate-half layout)
     x1, x2 = x.chunk(2, dim=-1)
@@ -220,6 +225,15 @@ class LlamaForCausalLM:
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]."""
+        x, residual = self.hidden(input_ids, positions, attn)
+        return self.logits(x, residual, logits_index)
+
+    def hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: int64 [T] -> the last layer's residual stream and MLP output
+        [T, H], whose sum logits() normalises: what both the sampled and the prompt-logprob
+        positions' logits are taken from."""
         cfg = self.cfg
         T, D, Hq, Hkv = len(input_ids), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
         qk_width, eps = (Hq + Hkv) * D, cfg.rms_norm_eps
@@ -234,7 +248,25 @@ class LlamaForCausalLM:
             x, h = ops.add_rms_norm(x, linear(o.reshape(T, Hq * D), self.o[i]), self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
             residual = linear(ops.silu_mul(gate_up), self.down[i])  # [T, H]
-        return self.logits(x, residual, logits_index)
+        return x, residual
+
+    def prompt_logprobs(
+        self, x: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The log-softmax of the raw logits (no temperature or penalty) at the flat tokens
+        `index` [N], gathered at `targets` [N] (the token each predicts): (logprobs [N] float32,
+        ranks [N] int64: 1 + the tokens likelier than the target, top ids [N, top_k] int64,
+        top logprobs [N, top_k] float32). A long prompt's positions go through lm_head
+        PROMPT_LOGITS_ROWS at a time, so its [N, V] logits are never held at once."""
+        parts = []
+        for a in range(0, len(index), PROMPT_LOGITS_ROWS):
+            logprobs = torch.log_softmax(self.logits(x, residual, index[a : a + PROMPT_LOGITS_ROWS]), dim=-1)
+            target = targets[a : a + PROMPT_LOGITS_ROWS, None]
+            chosen = logprobs.gather(1, target)
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            top_lps, top_ids = logprobs.topk(top_k, dim=1) if top_k else (logprobs[:, :0], target[:, :0])
+            parts.append((chosen[:, 0], ranks, top_ids, top_lps))
+        return tuple(torch.cat(p) for p in zip(*parts))
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         """The last layer's residual stream x and MLP output residual: [T, H]; logits_index:

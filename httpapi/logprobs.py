@@ -156,3 +156,118 @@ def sglang_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, with_text: bool) -> 
     tokens = [[x, t, name(t)] for t, x in zip(ids, lps)]
     top = [[[y, a, name(a)] for a, y in zip(alt_ids, alt_lps)] for alt_ids, alt_lps in zip(top_ids, top_lps)]
     return tokens, top
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A choice's prompt logprobs: its prompt's positions [first, first + T), each with the prompt
+    token there, that token's logprob (NaN at position 0, which no token predicts) and rank in the
+    vocabulary, and the top-K alternatives."""
+
+    first: int
+    token_ids: np.ndarray  # [T] int
+    logprobs: np.ndarray  # [T] float
+    ranks: np.ndarray  # [T] int, 1 for the likeliest token
+    top_ids: np.ndarray  # [T, K] int, likeliest first
+    top_logprobs: np.ndarray  # [T, K] float
+
+    @classmethod
+    def concat(cls, parts: Sequence[PromptLogprobs]) -> PromptLogprobs:
+        """One choice's prompt logprobs from its records (consecutive, in order)."""
+        if len(parts) == 1:
+            return parts[0]
+        names = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+        return cls(parts[0].first, *(np.concatenate([getattr(p, name) for p in parts]) for name in names))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def positions(self) -> range:
+        return range(self.first, self.first + len(self))
+
+
+def _floor(values: np.ndarray) -> list[float]:
+    return np.maximum(values, LOGPROB_FLOOR).tolist()
+
+
+def vllm_prompt_logprobs(plp: PromptLogprobs, vocab: LogprobVocab) -> list[dict | None]:
+    """vLLM's prompt_logprobs: one entry per prompt position (None before `first` and at position
+    0), each {"<id>": {"logprob", "rank", "decoded_token"}} for the prompt token, then its top-k
+    alternatives (ranked 1..k; the prompt token appears once)."""
+    text = vocab.text
+    out: list[dict | None] = [None] * plp.first
+    for j, t, lp, rank, alt_ids, alt_lps in zip(
+        plp.positions(),
+        plp.token_ids.tolist(),
+        _floor(plp.logprobs),
+        plp.ranks.tolist(),
+        plp.top_ids.tolist(),
+        _floor(plp.top_logprobs),
+    ):
+        if j == 0:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": text[t]}}
+        for r, (a, y) in enumerate(zip(alt_ids, alt_lps), 1):
+            entry.setdefault(str(a), {"logprob": y, "rank": r, "decoded_token": text[a]})
+        out.append(entry)
+    return out
+
+
+def prompt_completion_logprobs(plp: PromptLogprobs, vocab: LogprobVocab, with_top: bool) -> tuple[dict, int]:
+    """OpenAI completions' logprobs of an echoed prompt (its first token's logprob and top_logprobs
+    null), and where the completion's first token's text starts. `with_top`: the request's
+    logprobs was above 0 (else top_logprobs is null, as for the completion's tokens)."""
+    ids = plp.token_ids.tolist()
+    text, chars = vocab.text, vocab.chars
+    offsets, offset = [], 0
+    for t in ids:
+        offsets.append(offset)
+        offset += chars[t]
+    lps: list[float | None] = _floor(plp.logprobs)
+    top: list[dict | None] | None = None
+    if with_top:
+        top = [
+            {text[a]: y for a, y in zip(alt_ids, alt_lps)}
+            for alt_ids, alt_lps in zip(plp.top_ids.tolist(), _floor(plp.top_logprobs))
+        ]
+    if plp.first == 0 and ids:  # no token predicts the prompt's first
+        lps[0] = None
+        if top is not None:
+            top[0] = None
+    body = {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+    return body, offset
+
+
+def join_completion_logprobs(first: dict, second: dict) -> dict:
+    """Two consecutive spans' completions logprobs as one (the echoed prompt's, then the completion's)."""
+    top = None
+    if first["top_logprobs"] is not None or second["top_logprobs"] is not None:
+        top = (first["top_logprobs"] or [None] * len(first["tokens"])) + (
+            second["top_logprobs"] or [{}] * len(second["tokens"])
+        )
+    return {
+        "tokens": first["tokens"] + second["tokens"],
+        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+        "top_logprobs": top,
+        "text_offset": first["text_offset"] + second["text_offset"],
+    }
+
+
+def sglang_prompt_logprobs(plp: PromptLogprobs, vocab: LogprobVocab, with_text: bool) -> tuple[list, list]:
+    """SGLang's meta_info input_token_logprobs and input_top_logprobs from logprob_start_len: as
+    SGLang reports them, the first entry's logprob (and its top alternatives) is null."""
+    text = vocab.text
+
+    def name(t: int) -> str | None:
+        return text[t] if with_text else None
+
+    ids = plp.token_ids.tolist()
+    tokens = [[x, t, name(t)] for t, x in zip(ids, _floor(plp.logprobs))]
+    top: list = [
+        [[y, a, name(a)] for a, y in zip(alt_ids, alt_lps)]
+        for alt_ids, alt_lps in zip(plp.top_ids.tolist(), _floor(plp.top_logprobs))
+    ]
+    if tokens:
+        tokens[0][0], top[0] = None, None
+    return tokens, top

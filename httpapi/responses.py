@@ -12,7 +12,18 @@ from dataclasses import dataclass
 
 import orjson
 
-from httpapi.logprobs import LogprobVocab, TokenLogprobs, chat_logprobs, completion_logprobs, sglang_logprobs
+from httpapi.logprobs import (
+    LogprobVocab,
+    PromptLogprobs,
+    TokenLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    join_completion_logprobs,
+    prompt_completion_logprobs,
+    sglang_logprobs,
+    sglang_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -64,6 +75,7 @@ class ChoiceResult:
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it (/generate)
     e2e_latency: float | None = None  # seconds from arrival to its end, once finished (/generate)
     output_ids: list[int] | None = None  # its token ids so far (/generate)
+    prompt_logprobs: PromptLogprobs | None = None  # when asked (SamplingParams.prompt_logprobs)
 
 
 def chat_completion_body(
@@ -74,25 +86,27 @@ def chat_completion_body(
     n: int,
     vocab: LogprobVocab | None = None,
 ) -> bytes:
-    """`vocab` is needed when the choices carry logprobs."""
-    return orjson.dumps(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
-        }
-    )
+    """`vocab` is needed when the choices carry logprobs. Prompt logprobs are the response's, as
+    vLLM reports them for chat (its choices share the prompt)."""
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
+    }
+    if choices and choices[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, vocab)
+    return orjson.dumps(body)
 
 
 def completion_body(
@@ -102,25 +116,36 @@ def completion_body(
     choices: Sequence[ChoiceResult],
     n: int,
     vocab: LogprobVocab | None = None,
+    echo: bool = False,
 ) -> bytes:
+    """`echo`: the choices' texts start with their prompts, and so do their logprobs when asked
+    (the prompt's logprobs then come with the choice: SamplingParams.prompt_logprobs)."""
     return orjson.dumps(
         {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, vocab, 0)[0],
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
+            "choices": [completion_choice(c, vocab, echo) for c in choices],
             "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
         }
     )
+
+
+def completion_choice(c: ChoiceResult, vocab: LogprobVocab | None, echo: bool) -> dict:
+    """One text_completion choice; vLLM's prompt_logprobs on it when the choice carries them."""
+    logprobs = None
+    if c.logprobs is not None:
+        plp = c.prompt_logprobs if echo else None
+        if plp is None:
+            logprobs = completion_logprobs(c.logprobs, vocab, 0)[0]
+        else:
+            prompt, offset = prompt_completion_logprobs(plp, vocab, c.logprobs.top_ids.shape[1] > 0)
+            logprobs = join_completion_logprobs(prompt, completion_logprobs(c.logprobs, vocab, offset)[0])
+    choice = {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    if c.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, vocab)
+    return choice
 
 
 def generate_output(
@@ -141,6 +166,11 @@ def generate_output(
         tokens, top = sglang_logprobs(choice.logprobs, vocab, return_text_in_logprobs)
         meta["output_token_logprobs"] = tokens
         meta["output_top_logprobs"] = top
+    if choice.prompt_logprobs is not None:
+        tokens, top = sglang_prompt_logprobs(choice.prompt_logprobs, vocab, return_text_in_logprobs)
+        meta["input_token_logprobs"] = tokens
+        if choice.prompt_logprobs.top_ids.shape[1]:  # SGLang: only with top_logprobs_num > 0
+            meta["input_top_logprobs"] = top
     out = {"text": choice.text, "meta_info": meta}
     if choice.output_ids is not None:
         out["output_ids"] = choice.output_ids

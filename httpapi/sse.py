@@ -21,7 +21,16 @@ from collections.abc import Sequence
 import orjson
 
 from httpapi.errors import APIError
-from httpapi.logprobs import LogprobVocab, TokenLogprobs, chat_logprobs, completion_logprobs
+from httpapi.logprobs import (
+    LogprobVocab,
+    PromptLogprobs,
+    TokenLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    join_completion_logprobs,
+    prompt_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_output
 
 DONE = b"data: [DONE]\n\n"
@@ -76,6 +85,23 @@ class ChatStream(_OpenAIStream):
             for i in range(len(self._open))
         )
 
+    def prompt_delta(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None,
+        prompt_logprobs: PromptLogprobs | None,
+        echo: str | None,
+    ) -> bytes:
+        """A choice's first delta when it carries prompt logprobs: vLLM's prompt_logprobs on the
+        chunk, as on its non-streamed chat response (a chat prompt is never echoed)."""
+        chunk = self.delta(index, text, finish_reason, logprobs)
+        if prompt_logprobs is None:
+            return chunk
+        field = b',"prompt_logprobs":' + orjson.dumps(vllm_prompt_logprobs(prompt_logprobs, self._vocab))
+        return chunk[: -len(b"}\n\n")] + field + b"}\n\n"
+
     def delta(
         self, index: int, text: str, finish_reason: str | None = None, logprobs: TokenLogprobs | None = None
     ) -> bytes:
@@ -92,7 +118,6 @@ class ChatStream(_OpenAIStream):
                 b"}]}\n\n",
             )
         )
-
 
     def event(
         self, index: int, delta: dict, finish_reason: str | None = None, logprobs: TokenLogprobs | None = None
@@ -118,6 +143,35 @@ class CompletionStream(_OpenAIStream):
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"text":' % i for i in range(n_choices)]
         self._text_offset = [0] * n_choices  # where each choice's next token's text starts
+        self.echo_logprobs = False  # echo with logprobs: a choice's first delta's logprobs start with its prompt's
+
+    def prompt_delta(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: TokenLogprobs | None,
+        prompt_logprobs: PromptLogprobs | None,
+        echo: str | None,
+    ) -> bytes:
+        """A choice's first delta when its prompt is echoed or its prompt logprobs came: the
+        echoed text before the delta's, its prompt's logprobs before the delta's (echo with
+        logprobs, text offsets continuing), and vLLM's prompt_logprobs on the choice."""
+        choice: dict = {"index": index, "text": (echo or "") + text, "logprobs": None, "finish_reason": finish_reason}
+        if echo is not None and self.echo_logprobs and prompt_logprobs is not None:
+            with_top = logprobs is not None and logprobs.top_ids.shape[1] > 0
+            body, self._text_offset[index] = prompt_completion_logprobs(prompt_logprobs, self._vocab, with_top)
+            if logprobs is not None:
+                rest, self._text_offset[index] = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
+                body = join_completion_logprobs(body, rest)
+            choice["logprobs"] = body
+        elif logprobs is not None:
+            choice["logprobs"], self._text_offset[index] = completion_logprobs(
+                logprobs, self._vocab, self._text_offset[index]
+            )
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, self._vocab)
+        return b"".join((self._head, b'"choices":[', orjson.dumps(choice), b"]}\n\n"))
 
     def delta(
         self, index: int, text: str, finish_reason: str | None = None, logprobs: TokenLogprobs | None = None
@@ -152,6 +206,7 @@ class GenerateStream:
         self._return_text = return_text_in_logprobs
         self._text = [""] * len(rids)
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in rids]
+        self._prompt: list[PromptLogprobs | None] = [None] * len(rids)  # each event repeats them, as the text
 
     def delta(
         self,
@@ -163,14 +218,27 @@ class GenerateStream:
         logprobs: TokenLogprobs | None = None,
         e2e_latency: float | None = None,
         output_ids: list[int] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> bytes:
+        """`prompt_logprobs`: those received since the previous event (they all come before the first token)."""
         self._text[index] += text
+        if prompt_logprobs is not None:
+            old = self._prompt[index]
+            self._prompt[index] = prompt_logprobs if old is None else PromptLogprobs.concat([old, prompt_logprobs])
         so_far = None
         if logprobs is not None:
             self._logprobs[index].append(logprobs)
             so_far = TokenLogprobs.concat(self._logprobs[index])
         choice = ChoiceResult(
-            index, self._text[index], finish_reason, usage, so_far, matched_stop, e2e_latency, output_ids
+            index,
+            self._text[index],
+            finish_reason,
+            usage,
+            so_far,
+            matched_stop,
+            e2e_latency,
+            output_ids,
+            self._prompt[index],
         )
         out = generate_output(self._rids[index], choice, self._vocab, self._return_text)
         if self._batch:

@@ -28,13 +28,25 @@ TOKEN_OUT protocol (scheduler -> detokenizer). A step's push holds, in order:
          scheduler ended it (EOS or a stop token: STOP; max tokens or no KV room: LENGTH; ABORT).
          token == NO_TOKEN ends a request without a new token (abort, or the KV pool ran out)
   ERROR  a request that could never run: `error` holds an ErrorCode, the payload a UTF-8 message
+  PROMPT_LOGPROBS  a request that asked for prompt logprobs (SamplingParams.prompt_logprobs >= 0):
+         the prompt positions [first, first + count) one prefill step computed, before the
+         request's first TOKEN (all of them come from its prefill, which ends before its first
+         token is sampled). `token` holds `first`, `completion_tokens` the count, `prompt_tokens`
+         the prompt's length, `n_top` the alternatives per position (k); the payload is
+         pack_prompt_logprobs of the positions: the prompt token at each position, its logprob
+         (NaN at position 0: no token predicts it), its rank in the vocabulary, and the top-k.
+         A request's records cover [prompt_logprobs_start, prompt length) once each, in order
+         (a retracted and resumed request does not repeat them)
 Stop strings are the detokenizer's: it finishes such a request itself (finish STOP with
 `stop_index` in TEXT_OUT) and the HTTP worker sends the scheduler an ABORT to free its pages.
 
 TEXT_OUT protocol (detokenizer -> HTTP worker k): a TEXT record when a request's new tokens
 complete some text, when it finishes, or, when it asked for logprobs or token ids, whenever it
 got tokens; `n_tokens` counts the tokens since its previous record. An ERROR record ends a
-request with an ErrorCode and a message.
+request with an ErrorCode and a message. A PROMPT_LOGPROBS record forwards one TOKEN_OUT
+PROMPT_LOGPROBS record, in order, before the request's TEXT records: `n_tokens` is the count of
+positions, `stop_token` the first position (such a record has no stop token), `n_top` k,
+`prompt_tokens` the prompt's length, and the logprobs payload the same pack_prompt_logprobs bytes.
 """
 
 from __future__ import annotations
@@ -103,11 +115,13 @@ class TokenKind(enum.IntEnum):
     TOKEN = 0  # one generated token of a running request
     OPEN = 1  # a newly admitted request, in the OPEN_RECORD layout
     ERROR = 2  # the request failed: `error` holds an ErrorCode, the payload a UTF-8 message
+    PROMPT_LOGPROBS = 3  # prompt positions [token, token + completion_tokens): pack_prompt_logprobs
 
 
 class TextKind(enum.IntEnum):
     TEXT = 0
     ERROR = 1  # `error` holds an ErrorCode, the text payload a UTF-8 message
+    PROMPT_LOGPROBS = 2  # prompt positions [stop_token, stop_token + n_tokens): pack_prompt_logprobs
 
 
 class Finish(enum.IntEnum):
@@ -473,6 +487,24 @@ def unpack_logprobs(
         words[2 * t : 2 * t + t * k].reshape(t, k),
         words[2 * t + t * k :].view(np.float32).reshape(t, k),
     )
+
+
+def pack_prompt_logprobs(
+    ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+) -> bytes:
+    """Prompt logprobs of T positions with N alternatives each: pack_logprobs' layout, then each
+    prompt token's rank in the vocabulary ([T u32], 1 for the likeliest; vLLM reports it)."""
+    return pack_logprobs(ids, logprobs, top_ids, top_logprobs) + np.asarray(ranks, np.uint32).tobytes()
+
+
+def unpack_prompt_logprobs(
+    part: np.ndarray, n_positions: int, n_top: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of pack_prompt_logprobs: ids [T], logprobs [T], ranks [T], top_ids [T, N], top_logprobs [T, N]."""
+    t = n_positions
+    ids, logprobs, top_ids, top_logprobs = unpack_logprobs(part, t, n_top)
+    ranks = np.frombuffer(part, np.uint32, t, offset=4 * (2 * t + 2 * t * n_top))
+    return ids, logprobs, ranks, top_ids, top_logprobs
 
 
 # ---------------------------------------------------------------- requests

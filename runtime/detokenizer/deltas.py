@@ -16,6 +16,10 @@ stop_token_ids: a TOKEN with finish STOP) is not output, as SGLang trims it; its
 the scheduler does not know about it, so the TokenizerManager must send an ABORT for it
 (to free its KV pages); the detokenizer drops the request's later tokens meanwhile.
 
+A PROMPT_LOGPROBS record (a request's prompt logprobs, before its first TOKEN) is forwarded
+to the request's worker as a TEXT_OUT PROMPT_LOGPROBS record with the same payload, ahead of
+the request's text; one for a request that is not open here is stale and dropped.
+
 A record that cannot be handled fails its own request, never the process: an OPEN that
 raises (its stop strings unreadable, say) gets an ERROR record (INTERNAL); a batch whose
 vectorised TOKEN pass raises (a bug) is logged and handled again one record at a time
@@ -58,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 # plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
 _TOKEN, _OPEN, _STOP, _NONE = int(TokenKind.TOKEN), int(TokenKind.OPEN), int(Finish.STOP), int(Finish.NONE)
+_PROMPT = int(TokenKind.PROMPT_LOGPROBS)
 _KIND_AT = TOKEN_OUT.dtype.fields["kind"][1]
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
@@ -122,7 +127,13 @@ class TextDeltas:
         gives what handling them in order gives: each addresses a slot no other control
         record of the batch addresses and that holds no open request. A TOKEN record then
         only matches a control record's request if it follows its OPEN (a request's tokens
-        come after its OPEN), and an OPEN closes nothing a token might still need."""
+        come after its OPEN), and an OPEN closes nothing a token might still need.
+        PROMPT_LOGPROBS records are left out of the check: they come after their request's
+        OPEN (kept in order among the control records) and before all of its TOKEN records,
+        and open or close nothing."""
+        prompt = control["kind"] == _PROMPT
+        if prompt.any():
+            control = take_records(control, ~prompt)
         w, s = control["worker"].astype(np.int64), control["slot"].astype(np.int64)
         if len(control) > 1 and len(np.unique(w << 32 | s)) < len(control):
             return False
@@ -164,6 +175,8 @@ class TextDeltas:
 
     def _control(self, rec: np.void, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raw = rec.tobytes()  # fields read in one call: numpy reads a record's fields one at a time
+        if raw[_KIND_AT] == _PROMPT:
+            return self._prompt_logprobs(raw, payload)
         if raw[_KIND_AT] != _OPEN:
             return self._error_record(raw, rec, payload)
         o = unpack_open(raw)
@@ -193,6 +206,17 @@ class TextDeltas:
         if self._is_open(w, s, gen):
             self._close(w, s)
         return error_records(w, s, gen, error, np.ascontiguousarray(payload[off : off + size]), rec)
+
+    def _prompt_logprobs(self, raw: bytes, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A PROMPT_LOGPROBS record as its TEXT_OUT twin (protocol/records.py), payload as it is."""
+        (w, _, _, s, gen, first, prompt_tokens, count, cached, _, off, size, n_top, _, _) = TOKEN_OUT_STRUCT.unpack(raw)
+        if not self._is_open(w, s, gen):
+            return _NOTHING
+        out = np.zeros(1, TEXT_OUT.dtype)
+        out["worker"], out["slot"], out["gen"], out["kind"] = w, s, gen, TextKind.PROMPT_LOGPROBS
+        out["n_tokens"], out["n_top"], out["stop_token"], out["stop_index"] = count, n_top, first, -1
+        out["prompt_tokens"], out["cached_tokens"], out["logprobs_len"] = prompt_tokens, cached, size
+        return out, np.array(payload[off : off + size], np.uint8)
 
     def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, min_tokens: int, body: np.ndarray) -> bool:
         """False when max_open requests are open already. flags: OpenFlags bits."""
