@@ -11,22 +11,110 @@ Choices are numbered prompt-major: choice i * n + j is the j-th sample of prompt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, load_object
 from httpapi.sampling import SamplingSpec, read_sampling
+from protocol.sampling_params import GrammarKind
+from structured.grammars import (
+    JSON_OBJECT_SCHEMA,
+    InvalidGrammar,
+    choice_grammar,
+    json_schema_text,
+    structural_tag_text,
+)
+from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
 MAX_CHOICES = 128  # n times the number of prompts in one request
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is what the context leaves)
 GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
-# Fields of the OpenAI API that change nothing here: type-checked as OpenAI does, then unused.
-IGNORED_STRS, IGNORED_BOOLS, IGNORED_OBJECTS = ("user", "service_tier"), ("store", "parallel_tool_calls"), ("metadata",)
-# tool_choice / function_call values that ask for no call, or leave it to a model that has no tools
-NO_FORCED_CALL = (None, "none", "auto")
+# Fields that change no output, in vLLM and SGLang either (tests/test_request_fields.py says why
+# for each): type-checked, then unused.
+IGNORED_STRS = ("user", "service_tier", "session_id", "prompt_cache_key", "safety_identifier", "verbosity")
+IGNORED_BOOLS = ("store", "return_token_offsets")
+IGNORED_OBJECTS = ("metadata", "prediction")
+IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam search's; MoE routing data's
+# vLLM's and OpenAI's fields this server does not serve: field -> why. A value is refused unless
+# it asks for nothing (null, false, 0, an empty list or object, or the value in NOTHING_ASKED).
+REFUSED_OPENAI = {
+    "use_beam_search": "beam search is not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported: send a shorter prompt",
+    "truncation_side": "prompt truncation is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported; logit_bias is",
+    "bad_words": "bad_words is not supported",
+    "logprob_token_ids": "logprobs of chosen token ids are not supported; top_logprobs is",
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "return_prompt_text": "return_prompt_text is not supported",
+    "cache_salt": "cache_salt is not supported: this server's prefix cache is shared by all requests",
+    "kv_transfer_params": "disaggregated serving (kv_transfer_params) is not supported",
+    "ec_transfer_params": "disaggregated serving (ec_transfer_params) is not supported",
+    "vllm_xargs": "vllm_xargs (custom extensions) is not supported",
+    "repetition_detection": "repetition_detection is not supported",
+    "thinking_token_budget": "thinking_token_budget is not supported",
+    "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
+    "priority": "priority scheduling is not supported",
+    "mm_processor_kwargs": "this server runs a text-only model",
+    "media_io_kwargs": "this server runs a text-only model",
+    "prompt_embeds": "prompt embeddings are not supported: send text or token ids",
+    "audio": "this server runs a text-only model: no audio output",
+    "web_search_options": "web search is not supported",
+    "watermarking": "watermarking is not supported",
+    "functions": "the deprecated functions are not supported: use tools",
+    "guided_whitespace_pattern": (
+        "a whitespace pattern is not supported; the server's --constrained-json-any-whitespace applies"
+    ),
+    "chat_template": (
+        "a per-request chat_template is not supported: a client's Jinja template would run in the "
+        "server; the model's template (or the server's --chat-template) applies"
+    ),
+    "echo": "chat echo is not supported",
+    "best_of": "best_of is not supported; use n",
+    "include_reasoning": "include_reasoning false is not supported",
+    "modalities": "this server runs a text-only model: only the text modality",
+}
+ASK_NOTHING = (False, 0, "", [], {})  # a refused field's values that ask for nothing, but for:
+NOTHING_ASKED: dict[str, tuple] = {
+    "best_of": (1,),
+    "thinking_token_budget": (-1,),
+    "include_reasoning": (True,),
+    "modalities": (["text"],),
+}
+# tool_choice's deprecated twin: values that ask for no call
+NO_FUNCTION_CALL = ("none", "auto")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+GUIDED_BACKENDS = ("auto", "xgrammar")  # guided_decoding_backend values this server serves
+# apply_chat_template's own arguments and the template's `messages`: not chat_template_kwargs
+TEMPLATE_CALL_ARGS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "add_special_tokens",
+    )
+)
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs' and documents' JSON
+MAX_REQUEST_ID_CHARS = 256
 
 Prompt = str | list  # text, or a list of token ids
 
@@ -36,6 +124,9 @@ GENERATE_NAMES = {
     "min_tokens": "sampling_params.min_new_tokens",
     "seed": "sampling_params.sampling_seed",
     "top_logprobs": "top_logprobs_num",
+    "prompt_logprobs": "top_logprobs_num",
+    "prompt_logprobs_start": "logprob_start_len",
+    "logit_bias": "sampling_params.logit_bias",
     **{
         name: "sampling_params." + name
         for name in (
@@ -53,14 +144,98 @@ GENERATE_NAMES = {
 }
 
 
+REFUSED_GENERATE = {
+    "input_embeds": "input embeddings are not supported: send text or input_ids",
+    **dict.fromkeys(
+        (
+            "image_data",
+            "video_data",
+            "audio_data",
+            "use_audio_in_video",
+            "modalities",
+            "need_wait_for_mm_inputs",
+            "num_items_assigned",
+            "max_dynamic_patch",
+            "min_dynamic_patch",
+            "image_max_dynamic_patch",
+            "video_max_dynamic_patch",
+        ),
+        "this server runs a text-only model",
+    ),
+    "token_ids_logprob": "logprobs of chosen token ids are not supported; top_logprobs_num is",
+    "return_hidden_states": "hidden states are not returned by this server",
+    "return_routed_experts": "routed experts are not returned by this server",
+    "return_indexer_topk": "indexer top-k is not returned by this server",
+    "return_entropy": "entropy is not returned by this server",
+    "return_bytes": "return_bytes is not supported",
+    "session_params": "sessions are not supported",
+    "lora_path": "LoRA adapters are not supported",
+    "lora_id": "LoRA adapters are not supported",
+    "custom_logit_processor": "custom logit processors are not supported",
+    "positional_embed_overrides": "embedding overrides are not supported",
+    **dict.fromkeys(
+        ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size"),
+        "disaggregated serving is not supported",
+    ),
+    "require_reasoning": "require_reasoning is not supported",
+    "background": "background requests are not supported",
+    "priority": "priority scheduling is not supported",
+    "extra_key": "extra_key (a cache salt) is not supported: this server's prefix cache is shared by all requests",
+    "multi_item_delimiter_indices": "multi-item scoring is not supported",
+}
+REFUSED_SAMPLING_PARAMS = {
+    "stop_regex": "stop_regex is not supported; stop strings are",
+    "custom_params": "custom_params (for custom logit processors) is not supported",
+    "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
+}
+# /generate's fields that change no output (routing, tracing, metrics): type-checked, unused
+GENERATE_IGNORED = {
+    "str": ("conversation_id", "routing_key"),
+    "bool": ("log_metrics", "no_logs"),
+    "int": ("routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank", "routed_experts_start_len"),
+    "number": ("received_time",),
+    "object": ("custom_labels", "external_trace_header"),
+}
+OPENAI_IGNORED = {"str": IGNORED_STRS, "bool": IGNORED_BOOLS, "number": IGNORED_NUMBERS, "object": IGNORED_OBJECTS}
+
+
+@dataclass(frozen=True)
+class ChatTemplateArgs:
+    """How a chat becomes a prompt besides its messages: apply_chat_template's keyword arguments
+    and whether the rendered text gets the tokenizer's special tokens. A request that asks for
+    none of it (and whose messages are plain role/content ones) has None: the fast render."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None  # OpenAI's tool objects, as HF templates read them
+    documents: list[dict] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (and reasoning_effort)
+    add_special_tokens: bool = False  # vLLM's: the template writes the special tokens itself
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments, but messages and tokenize."""
+        return {
+            **self.kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "tools": self.tools,
+            "documents": self.documents,
+        }
+
+
 @dataclass(frozen=True)
 class ChatCompletionRequest:
     model: str | None
-    messages: list[dict[str, str]]  # {"role", "content"[, "name"]}, ready for apply_chat_template
+    messages: list[dict[str, Any]]  # {"role", "content"[, "name", "tool_calls", "tool_call_id"]}, for the template
+    template: ChatTemplateArgs | None  # None: the plain render
     n: int
     stream: bool
     include_usage: bool
     sampling: SamplingSpec
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True  # False: at most one call in a choice (vLLM's)
+    request_id: str | None = None  # the client's, vLLM's: the response's id is chatcmpl-<request_id>
 
 
 @dataclass(frozen=True)
@@ -72,6 +247,8 @@ class CompletionRequest:
     include_usage: bool
     echo: bool  # the client sees the prompt's text before each choice's completion
     sampling: SamplingSpec
+    add_special_tokens: bool = True  # a text prompt's tokens get the tokenizer's BOS and the like
+    request_id: str | None = None  # the client's: the response's id is cmpl-<request_id>
 
 
 @dataclass(frozen=True)
@@ -92,7 +269,8 @@ class GenerateRequest:
 class TokenizeRequest:
     model: str | None
     prompts: tuple[str, ...]
-    messages: list[dict[str, str]] | None  # instead of prompts: a chat, through the chat template
+    messages: list[dict[str, Any]] | None  # instead of prompts: a chat, through the chat template
+    template: ChatTemplateArgs | None  # the chat's, as a chat completion's
     batch: bool
     add_special_tokens: bool
 
@@ -114,12 +292,17 @@ class AbortRequest:
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     f = Fields(load_object(body))
     model = f.get_str("model")
-    messages = _messages(f.raw("messages"))
+    messages, rich = _messages(f.raw("messages"))
     stream, include_usage = _stream(f)
     n = _n(f, prompts=1)
     max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
     max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
-    max_tokens = f.get_int("max_tokens") if max_completion_tokens is None else max_completion_tokens
+    max_tokens = f.get_int("max_tokens")  # type-checked either way
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens
+    tools, tool_choice = _tools(f)
+    template = _template_args(f, messages, tools, rich)
+    names = {"max_tokens": max_tokens_param}
     values = read_sampling(
         f,
         seed="seed",
@@ -127,11 +310,28 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         no_stop_trim="include_stop_str_in_output",
         logprobs=f.get_bool("logprobs", False),
         top_logprobs=f.get_int("top_logprobs", 0),
+        prompt_logprobs=_prompt_logprobs(f),
+        **_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice)),
     )
-    _reject_unsupported_openai(f)
+    parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
+    request_id = _request_id(f)
+    _refuse_unserved(f, REFUSED_OPENAI)
+    _check_ignored(f)
     f.warn_unknown("/v1/chat/completions")
-    sampling = SamplingSpec.build(values, max_tokens, {"max_tokens": max_tokens_param}, "messages")
-    return ChatCompletionRequest(model, messages, n, stream, include_usage, sampling)
+    sampling = SamplingSpec.build(values, max_tokens, names, "messages")
+    return ChatCompletionRequest(
+        model,
+        messages,
+        template,
+        n,
+        stream,
+        include_usage,
+        sampling,
+        tools,
+        tool_choice,
+        parallel_tool_calls,
+        request_id,
+    )
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
@@ -143,13 +343,12 @@ def parse_completion(body: bytes) -> CompletionRequest:
     max_tokens = f.get_int("max_tokens", COMPLETION_MAX_TOKENS)
     echo = f.get_bool("echo", False)
     logprobs = f.get_int("logprobs")
-    if logprobs is not None and echo:
-        raise bad_request("echo with logprobs is not supported: it needs the prompt's logprobs", "echo")
-    best_of = f.get_int("best_of")
-    if best_of not in (None, 1):
-        raise bad_request("best_of is not supported; use n", "best_of")
     if f.get_str("suffix"):
         raise bad_request("suffix is not supported", "suffix")
+    prompt_logprobs = _prompt_logprobs(f)
+    names = {"top_logprobs": "logprobs"}
+    if prompt_logprobs < 0 and echo and logprobs is not None:  # vLLM's: the echoed prompt's logprobs too
+        prompt_logprobs, names["prompt_logprobs"] = logprobs, "logprobs"
     values = read_sampling(
         f,
         seed="seed",
@@ -157,11 +356,16 @@ def parse_completion(body: bytes) -> CompletionRequest:
         no_stop_trim="include_stop_str_in_output",
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
+        **_grammar(f, names),
     )
-    _reject_unsupported_openai(f)
+    add_special_tokens = f.get_bool("add_special_tokens", True)
+    request_id = _request_id(f)
+    _refuse_unserved(f, {k: v for k, v in REFUSED_OPENAI.items() if k != "echo"})
+    _check_ignored(f)
     f.warn_unknown("/v1/completions")
-    sampling = SamplingSpec.build(values, max_tokens, {"top_logprobs": "logprobs"}, "prompt")
-    return CompletionRequest(model, prompts, n, stream, include_usage, echo, sampling)
+    sampling = SamplingSpec.build(values, max_tokens, names, "prompt")
+    return CompletionRequest(model, prompts, n, stream, include_usage, echo, sampling, add_special_tokens, request_id)
 
 
 def parse_generate(body: bytes) -> GenerateRequest:
@@ -179,23 +383,28 @@ def parse_generate(body: bytes) -> GenerateRequest:
     rids = _rids(f.raw("rid"), len(prompts))
     return_logprob = f.get_bool("return_logprob", False)
     top_logprobs_num = f.get_int("top_logprobs_num", 0)  # SGLang ignores it without return_logprob
-    if f.get_int("logprob_start_len", -1) != -1 and return_logprob:
-        raise bad_request("prompt logprobs are not supported; leave logprob_start_len at -1", "logprob_start_len")
+    logprob_start_len = f.get_int("logprob_start_len", -1)  # SGLang's -1: the output's logprobs only
+    if logprob_start_len < -1:
+        raise bad_request("logprob_start_len must be -1 (none of the prompt) or a prompt position", "logprob_start_len")
     per_prompt = [
-        _generate_sampling(sp, len(prompts), prompt_param, return_logprob, top_logprobs_num)
+        _generate_sampling(
+            sp,
+            len(prompts),
+            prompt_param,
+            return_logprob,
+            top_logprobs_num,
+            logprob_start_len if return_logprob else -1,
+        )
         for sp in _sampling_objects(f.raw("sampling_params"), len(prompts))
     ]
     n = per_prompt[0][0]
     if any(k != n for k, _ in per_prompt):
         raise bad_request("sampling_params: every prompt's n must be the same", "sampling_params")
     samplings = tuple(spec for _, spec in per_prompt) * (len(prompts) if len(per_prompt) == 1 else 1)
-    if f.raw("token_ids_logprob") is not None:
-        raise bad_request("token_ids_logprob is not supported by this server", "token_ids_logprob")
-    for key in ("image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
-        if f.raw(key) is not None:
-            raise bad_request(f"{key} is not supported by this server", key)
+    _refuse_unserved(f, REFUSED_GENERATE)
     stream = f.get_bool("stream", False)
     return_text = f.get_bool("return_text_in_logprobs", False)
+    _check_ignored(f, GENERATE_IGNORED)
     f.ignore("sampling_params")
     f.warn_unknown("/generate")
     return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, samplings)
@@ -211,11 +420,26 @@ def _sampling_objects(value: Any, n_prompts: int) -> list[Fields]:
 
 
 def _generate_sampling(
-    sp: Fields, n_prompts: int, prompt_param: str, return_logprob: bool, top_logprobs_num: int
+    sp: Fields, n_prompts: int, prompt_param: str, return_logprob: bool, top_logprobs_num: int, logprob_start_len: int
 ) -> tuple[int, SamplingSpec]:
-    """(n, the sampling) of one sampling_params object of /generate."""
+    """(n, the sampling) of one sampling_params object of /generate. logprob_start_len >= 0:
+    the prompt's logprobs from there, with top_logprobs_num alternatives (SGLang's)."""
     n = _n(sp, prompts=n_prompts)
     max_new_tokens = sp.get_int("max_new_tokens", GENERATE_MAX_NEW_TOKENS)
+    names = {k: v.replace("sampling_params.", sp.prefix) for k, v in GENERATE_NAMES.items()}
+    grammar = _one_grammar(
+        [
+            (sp.param(key), kind, lambda key=key, read=read: read(sp.raw(key)))
+            for key, kind, read in (
+                ("json_schema", GrammarKind.JSON_SCHEMA, json_schema_text),
+                ("regex", GrammarKind.REGEX, _text),
+                ("ebnf", GrammarKind.EBNF, _text),
+                ("structural_tag", GrammarKind.STRUCTURAL_TAG, structural_tag_text),
+            )
+            if sp.raw(key) is not None
+        ],
+        names,
+    )
     values = read_sampling(
         sp,
         seed="sampling_seed",
@@ -224,15 +448,12 @@ def _generate_sampling(
         return_ids=True,  # SGLang's /generate answers output_ids
         logprobs=return_logprob,
         top_logprobs=top_logprobs_num if return_logprob else 0,
+        prompt_logprobs=top_logprobs_num if logprob_start_len >= 0 else -1,
+        prompt_logprobs_start=max(logprob_start_len, 0),
+        **grammar,
     )
-    for key in ("json_schema", "regex", "ebnf", "structural_tag"):
-        if sp.raw(key) is not None:
-            raise bad_request(f"{sp.param(key)}: structured output is not supported", sp.param(key))
-    for key in ("stop_regex", "logit_bias", "custom_params"):  # each would change the output
-        if sp.raw(key):
-            raise bad_request(f"{sp.param(key)} is not supported by this server", sp.param(key))
+    _refuse_unserved(sp, REFUSED_SAMPLING_PARAMS)
     sp.warn_unknown("/generate")
-    names = {k: v.replace("sampling_params.", sp.prefix) for k, v in GENERATE_NAMES.items()}
     return n, SamplingSpec.build(values, max_new_tokens, names, prompt_param)
 
 
@@ -241,14 +462,17 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
     model = f.get_str("model")
     if (f.raw("prompt") is None) == (f.raw("messages") is None):
         raise bad_request("Give exactly one of prompt or messages", "prompt")
-    prompts, messages, batch = (), None, False
-    if f.raw("messages") is not None:
-        messages = _messages(f.raw("messages"))
+    prompts, messages, template, batch = (), None, None, False
+    if f.raw("messages") is not None:  # vLLM's chat fields of /tokenize: a chat completion's
+        messages, rich = _messages(f.raw("messages"))
+        tools, _ = _tools(f)
+        template = _template_args(f, messages, tools, rich)
+        add_special_tokens = template.add_special_tokens if template is not None else False
     else:
         prompts, batch = _prompts(f.raw("prompt"), "prompt", token_ids_allowed=False, empty_allowed=True)
-    add_special_tokens = f.get_bool("add_special_tokens", True)
+        add_special_tokens = f.get_bool("add_special_tokens", True)
     f.warn_unknown("/tokenize")
-    return TokenizeRequest(model, prompts, messages, batch, add_special_tokens)
+    return TokenizeRequest(model, prompts, messages, template, batch, add_special_tokens)
 
 
 def parse_detokenize(body: bytes) -> DetokenizeRequest:
@@ -276,10 +500,12 @@ def parse_abort(body: bytes) -> AbortRequest:
     return AbortRequest(rid, abort_all)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The messages as the chat template reads them, and whether any has tool calls or answers
+    one (then the chat renders through apply_chat_template)."""
     if type(value) is not list or not value:
         raise bad_request("messages must be a non-empty list of messages", "messages")
-    messages = []
+    messages, rich = [], False
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if type(message) is not dict:
@@ -287,14 +513,52 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {list(ROLES)}, not {role!r}", f"{where}.role")
-        out = {"role": role, "content": _content(message.get("content"), role, f"{where}.content")}
-        name = message.get("name")
-        if name is not None:
-            if type(name) is not str:
-                raise bad_request(f"{where}.name must be a string", f"{where}.name")
-            out["name"] = name
+        out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), role, f"{where}.content")}
+        for key in ("name", "tool_call_id"):
+            text = message.get(key)
+            if text is not None:
+                if type(text) is not str:
+                    raise bad_request(f"{where}.{key} must be a string", f"{where}.{key}")
+                out[key] = text
+                rich |= key == "tool_call_id"
+        calls = message.get("tool_calls")
+        if calls and role == "assistant":  # an empty list, as some clients send, is no call
+            out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+            rich = True
+        elif calls is not None and calls != []:
+            raise bad_request(f"{where}.tool_calls: only an assistant's message calls tools", f"{where}.tool_calls")
         messages.append(out)
-    return messages
+    return messages, rich
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool_calls ([{id, type: "function", function: {name, arguments}}]) with
+    their arguments (a JSON object's text) parsed: HF chat templates write them with `tojson`,
+    as vLLM passes them."""
+    if type(value) is not list:
+        raise bad_request(f"{where} must be a list of tool calls", where)
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        function = call.get("function") if type(call) is dict else None
+        if type(function) is not dict or call.get("type", "function") != "function":
+            raise bad_request(f'{at} must be like {{"type": "function", "function": {{"name", "arguments"}}}}', at)
+        name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
+        if type(name) is not str or not name:
+            raise bad_request(f"{at}.function.name must be a non-empty string", f"{at}.function.name")
+        if call_id is not None and type(call_id) is not str:
+            raise bad_request(f"{at}.id must be a string", f"{at}.id")
+        try:
+            parsed = orjson.loads(arguments) if type(arguments) is str else None
+        except orjson.JSONDecodeError:
+            parsed = None
+        if type(parsed) is not dict:
+            raise bad_request(f"{at}.function.arguments must be the JSON text of an object", f"{at}.function.arguments")
+        out = {"type": "function", "function": {"name": name, "arguments": parsed}}
+        if call_id is not None:
+            out["id"] = call_id
+        calls.append(out)
+    return calls
 
 
 def _content(value: Any, role: str, where: str) -> str:
@@ -385,33 +649,252 @@ def _n(f: Fields, prompts: int) -> int:
     return n
 
 
-def _reject_unsupported_openai(f: Fields) -> None:
-    """OpenAI features this server cannot honour get a 400, rather than being silently ignored;
-    the fields it ignores get OpenAI's type checks."""
-    logit_bias = f.get_object("logit_bias")
-    if logit_bias is not None and logit_bias.obj:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    response_format = f.raw("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request('response_format other than {"type": "text"} is not supported', "response_format")
-    tools, tool_choice = f.raw("tools"), f.raw("tool_choice")
-    if tools and tool_choice != "none":
-        raise bad_request("tools are not supported: this server has no tool calling", "tools")
-    if f.raw("functions"):
-        raise bad_request("functions are not supported: this server has no function calling", "functions")
-    for key, value in (("tool_choice", tool_choice), ("function_call", f.raw("function_call"))):
-        if value not in NO_FORCED_CALL:  # "required", a named function: a call this server cannot make
+def _tools(f: Fields) -> tuple[tuple[Tool, ...], ToolChoice]:
+    """tools and tool_choice as OpenAI validates them (structured/tools.py); function_call, their
+    deprecated twin, may only ask for no forced call."""
+    try:
+        tools = parse_tools(f.raw("tools"))
+        choice = parse_tool_choice(f.raw("tool_choice"), tools)
+    except InvalidTool as e:
+        raise bad_request(str(e), e.param) from None
+    function_call = f.raw("function_call")
+    if function_call is not None and function_call not in NO_FUNCTION_CALL:
+        raise bad_request(
+            f"function_call {_short(function_call)} is not supported: use tools and tool_choice", "function_call"
+        )
+    return tools, choice
+
+
+def forced_call_schema_of(tools: tuple[Tool, ...], choice: ToolChoice) -> str | None:
+    """The JSON schema a forced call's output must match (tool_choice "required" or a named
+    function), or None."""
+    try:
+        return forced_call_schema(tools, choice)
+    except InvalidTool as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def _template_args(
+    f: Fields, messages: list[dict[str, Any]], tools: tuple[Tool, ...], rich: bool
+) -> ChatTemplateArgs | None:
+    add_generation_prompt = f.get_bool("add_generation_prompt", True)
+    continue_final_message = f.get_bool("continue_final_message", False)
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt "
+            "to false to continue the final message",
+            "continue_final_message",
+        )
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request(
+            "continue_final_message needs the last message to be the assistant's, which it continues",
+            "continue_final_message",
+        )
+    add_special_tokens = f.get_bool("add_special_tokens", False)
+    documents = f.raw("documents")
+    if documents is not None and not (
+        type(documents) is list and all(type(d) is dict and all(type(v) is str for v in d.values()) for d in documents)
+    ):
+        raise bad_request(
+            'documents must be a list of objects of strings, like {"title": ..., "text": ...}', "documents"
+        )
+    kwargs = _template_kwargs(f)
+    effort = f.get_str("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}", "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)  # templates of reasoning models read it
+    if documents and len(orjson.dumps(documents)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise bad_request(f"documents must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "documents")
+    if not (rich or tools or documents or kwargs or not add_generation_prompt or add_special_tokens):
+        return None  # continue_final_message needs add_generation_prompt false: covered
+    template_tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description is not None else {}),
+                "parameters": t.parameters,
+            },
+        }
+        for t in tools
+    ]
+    return ChatTemplateArgs(
+        add_generation_prompt,
+        continue_final_message,
+        template_tools or None,
+        documents or None,
+        kwargs,
+        add_special_tokens,
+    )
+
+
+def _template_kwargs(f: Fields) -> dict[str, Any]:
+    """chat_template_kwargs: variables for the template, bounded; none may be one of the call's
+    own arguments (each has its field)."""
+    kwargs = f.get_object("chat_template_kwargs")
+    if kwargs is None or not kwargs.obj:
+        return {}
+    param = "chat_template_kwargs"
+    clash = sorted(TEMPLATE_CALL_ARGS.intersection(kwargs.obj))
+    if clash:
+        raise bad_request(
+            f"{param} must not set {clash}: they are the template call's own arguments (use the request's fields)",
+            param,
+        )
+    if len(orjson.dumps(kwargs.obj)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise bad_request(f"{param} must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", param)
+    return dict(kwargs.obj)
+
+
+def _prompt_logprobs(f: Fields) -> int:
+    """vLLM's prompt_logprobs: each prompt token's logprob and this many alternatives; -1: none."""
+    k = f.get_int("prompt_logprobs")
+    if k is None:
+        return -1
+    if k < 0:
+        raise bad_request(
+            "prompt_logprobs must be between 0 and 20 (-1, the whole vocabulary, is not supported)", "prompt_logprobs"
+        )
+    return k
+
+
+def _grammar(f: Fields, names: dict[str, str], forced: str | None = None) -> dict[str, Any]:
+    """The grammar OpenAI's and vLLM's fields ask for, as read_sampling's grammar_kind and
+    grammar (none: {}); at most one source. `forced`: a forced tool call's schema. Sets
+    names["grammar"] to its field, and names["compact_json"] to the field that demands JSON
+    without whitespace, if one does."""
+    candidates: list[tuple[str, GrammarKind, Any]] = []
+    if forced is not None:
+        candidates.append(("tools", GrammarKind.JSON_SCHEMA, lambda: json_schema_text(forced)))
+    candidates += _response_format(f)
+    so = f.get_object("structured_outputs")
+    if so is not None:
+        candidates += _guided(so, ("json", "regex", "choice", "grammar", "structural_tag"))
+        if so.get_bool("json_object", False):
+            candidates.append((so.param("json_object"), GrammarKind.JSON_SCHEMA, lambda: JSON_OBJECT_SCHEMA))
+        if so.get_bool("disable_any_whitespace", False):
+            names["compact_json"] = so.param("disable_any_whitespace")
+        so.get_bool("disable_additional_properties", False)  # xgrammar's strict mode refuses them already
+        so.get_bool("disable_fallback", False)  # one backend: nothing to fall back to
+        _refuse_unserved(so, {"whitespace_pattern": REFUSED_OPENAI["guided_whitespace_pattern"]})
+        so.warn_unknown("structured_outputs")
+    candidates += _guided(f, ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag"))
+    backend = f.get_str("guided_decoding_backend")
+    if backend is not None and backend not in GUIDED_BACKENDS:
+        raise bad_request(
+            f"guided_decoding_backend {backend!r} is not served: this server's grammars are xgrammar's "
+            f"(one of {list(GUIDED_BACKENDS)})",
+            "guided_decoding_backend",
+        )
+    return _one_grammar(candidates, names)
+
+
+def _guided(f: Fields, keys: tuple[str, ...]) -> list[tuple[str, GrammarKind, Any]]:
+    """vLLM's grammar fields (json, regex, choice, grammar, structural_tag, or their guided_
+    names) that `f` has."""
+    kinds = {
+        "json": (GrammarKind.JSON_SCHEMA, json_schema_text),
+        "regex": (GrammarKind.REGEX, _text),
+        "choice": (GrammarKind.EBNF, choice_grammar),
+        "grammar": (GrammarKind.EBNF, _text),
+        "structural_tag": (GrammarKind.STRUCTURAL_TAG, structural_tag_text),
+    }
+    found = []
+    for key in keys:
+        value = f.raw(key)
+        if value is not None:
+            kind, read = kinds[key.removeprefix("guided_")]
+            found.append((f.param(key), kind, lambda read=read, value=value: read(value)))
+    return found
+
+
+def _response_format(f: Fields) -> list[tuple[str, GrammarKind, Any]]:
+    rf = f.get_object("response_format")
+    if rf is None:
+        return []
+    kind = rf.get_str("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", GrammarKind.JSON_SCHEMA, lambda: JSON_OBJECT_SCHEMA)]
+    if kind == "json_schema":
+        js = rf.get_object("json_schema")
+        if js is None:
             raise bad_request(
-                f"{key} {_short(value)} is not supported: this server has no tool calling; "
-                f'leave {key} unset, "none" or "auto"',
-                key,
+                'response_format of type "json_schema" needs json_schema: {"name", "schema"}',
+                "response_format.json_schema",
             )
-    for key in IGNORED_STRS:
-        f.get_str(key)
-    for key in IGNORED_BOOLS:
-        f.get_bool(key, False)
-    for key in IGNORED_OBJECTS:
-        f.get_object(key)
+        if not js.get_str("name"):
+            raise bad_request("response_format.json_schema.name is required", "response_format.json_schema.name")
+        js.get_str("description")
+        js.get_bool("strict", False)
+        schema = js.raw("schema")
+        if type(schema) is not dict:
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema.schema"
+            )
+        js.warn_unknown("response_format")
+        return [("response_format.json_schema.schema", GrammarKind.JSON_SCHEMA, lambda: json_schema_text(schema))]
+    if kind == "structural_tag":
+        rf.ignore(*rf.obj)
+        return [("response_format", GrammarKind.STRUCTURAL_TAG, lambda: structural_tag_text(rf.obj))]
+    raise bad_request(
+        f"response_format.type must be one of text, json_object, json_schema and structural_tag, not {_short(kind)}",
+        "response_format.type",
+    )
+
+
+def _one_grammar(candidates: list[tuple[str, GrammarKind, Any]], names: dict[str, str]) -> dict[str, Any]:
+    """The one grammar of `candidates` ((field, kind, its text's maker)) as read_sampling's values;
+    a second is a 400 naming it, a text that cannot be a grammar one naming its field."""
+    if not candidates:
+        return {}
+    (param, kind, make), *others = candidates
+    if others:
+        raise bad_request(f"{others[0][0]}: a request may ask for one grammar, and {param} asks for one", others[0][0])
+    try:
+        text = make()
+    except InvalidGrammar as e:
+        raise bad_request(f"{param} is not a valid grammar: {e.message}", param) from None
+    names["grammar"] = param
+    return {"grammar_kind": kind, "grammar": text}
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str or not value:
+        raise InvalidGrammar("it must be a non-empty string")
+    return value
+
+
+def _refuse_unserved(f: Fields, refused: dict[str, str]) -> None:
+    """A field this server does not serve is a 400 naming it, unless its value asks for nothing
+    (null, or its NOTHING_ASKED values, else false, 0, "", [] or {}): then it changes nothing."""
+    for key, why in refused.items():
+        value = f.obj.get(key)
+        if value is None:
+            continue
+        f.read.add(key)
+        if not any(type(value) is type(v) and value == v for v in NOTHING_ASKED.get(key, ASK_NOTHING)):
+            raise bad_request(f"{f.param(key)}: {why}", f.param(key))
+
+
+def _check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED) -> None:
+    """Fields that change no output get their types checked, as vLLM and SGLang check them."""
+    read = {"str": f.get_str, "bool": lambda k: f.get_bool(k, False), "int": f.get_int, "number": f.get_float}
+    for kind, keys in table.items():
+        for key in keys:
+            if kind == "object":
+                f.get_object(key)
+            else:
+                read[kind](key)
+
+
+def _request_id(f: Fields) -> str | None:
+    request_id = f.get_str("request_id")
+    if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters", "request_id")
+    return request_id
 
 
 def _short(value: Any) -> str:

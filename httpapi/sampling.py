@@ -1,5 +1,6 @@
-"""Request fields -> SamplingParams, and the checks that need the prompt: it must be
-non-empty, in the vocabulary, and leave room in the context for max_tokens.
+"""Request fields -> SamplingParams, the check of a grammar (before any engine work), and the
+checks that need the prompt: it must be non-empty, in the vocabulary, and leave room in the
+context for max_tokens.
 
 Ranges live in SamplingParams.validate() (one place); this module only renames its
 parameter names to the fields of each endpoint."""
@@ -23,7 +24,15 @@ from protocol.records import (
     sampling_payload_bytes,
     stop_payload_bytes,
 )
-from protocol.sampling_params import MAX_STOP_BYTES, MAX_STOP_STRINGS, InvalidParam, SamplingParams
+from protocol.sampling_params import (
+    MAX_GRAMMAR_BYTES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_BYTES,
+    MAX_STOP_STRINGS,
+    InvalidParam,
+    SamplingParams,
+)
+from structured.grammars import InvalidGrammar, check_grammar, is_checked
 
 # SamplingParams fields that every generation endpoint names the same way.
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -46,7 +55,28 @@ def read_sampling(fields: Fields, *, seed: str, min_tokens: str, no_stop_trim: s
     values["no_stop_trim"] = fields.get_bool(no_stop_trim, _DEFAULTS.no_stop_trim)
     values["stop"] = fields.get_strs("stop")
     values["stop_token_ids"] = fields.get_token_ids("stop_token_ids")
+    values["logit_bias"] = read_logit_bias(fields)
     return values
+
+
+def read_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's (and SGLang's) logit_bias: {"<token id>": bias}, as (id, bias) pairs in id order
+    (requests asking the same share a spec); the ids are checked against the vocabulary and
+    the biases' range in SamplingParams.validate()."""
+    bias = fields.get_object("logit_bias")
+    if bias is None or not bias.obj:
+        return ()
+    param = fields.param("logit_bias")
+    if len(bias.obj) > MAX_LOGIT_BIAS:  # before a loop over what a client may make huge
+        raise bad_request(f"{param} may name at most {MAX_LOGIT_BIAS} tokens", param)
+    pairs = []
+    for key, value in bias.obj.items():
+        if not (key.isascii() and key.lstrip("-").isdigit() and len(key) <= 20):
+            raise bad_request(f"{param} keys must be token ids as integer strings, not {key[:40]!r}", param)
+        if type(value) not in (int, float):
+            raise bad_request(f"{param} values must be numbers, not {type(value).__name__}", param)
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int | None = None) -> SamplingParams:
@@ -63,7 +93,9 @@ class SamplingSpec:
 
     params: SamplingParams  # validated; its max_new_tokens is provisional while max_tokens is None
     max_tokens: int | None
-    names: Mapping[str, str]  # validate()'s param names -> this endpoint's fields
+    # validate()'s param names -> this endpoint's fields; also "grammar": the field the grammar
+    # came from, and "compact_json": the field that asked for JSON without whitespace
+    names: Mapping[str, str]
     prompt_param: str  # the field holding the prompt: messages, prompt, text, input_ids
 
     @classmethod
@@ -75,14 +107,16 @@ class SamplingSpec:
         Requests asking the same get the same spec, made once rather than a request (clients
         send a few distinct settings), and so the same SamplingParams, whose record bytes
         pack_request makes once too."""
-        stop = values["stop"]
-        if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_BYTES:  # refused: not worth hashing
-            return _spec(values, max_tokens, dict(names), prompt_param)
+        stop, grammar = values["stop"], values.get("grammar", "")
+        if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_BYTES or len(grammar) > MAX_GRAMMAR_BYTES:
+            return _spec(values, max_tokens, dict(names), prompt_param)  # refused: not worth hashing
         key = (tuple(values.items()), max_tokens, tuple(names.items()), prompt_param)
         spec = _SPECS.get(key)
         if spec is None:
             spec = _spec(values, max_tokens, dict(names), prompt_param)
-            _SPECS.put(key, spec, string_bytes(stop))  # bounded by bytes: the stop strings are the client's
+            # bounded by bytes: the stop strings, the grammar and the bias are the client's
+            cost = string_bytes((*stop, grammar)) + LOGIT_BIAS_ENTRY_BYTES * len(values.get("logit_bias", ()))
+            _SPECS.put(key, spec, cost)
         return spec
 
     def resolve(
@@ -91,16 +125,52 @@ class SamplingSpec:
         """The final SamplingParams for one tokenized prompt; raises APIError(400). kv_tokens:
         the engine's KV cache in tokens, when it may hold less than the context."""
         check_prompt(prompt_ids, context_len, vocab_size, self.prompt_param, kv_tokens)
+        if self.params.prompt_logprobs >= 0 and self.params.prompt_logprobs_start >= len(prompt_ids):
+            param = self.names.get("prompt_logprobs_start", "prompt_logprobs_start")
+            raise bad_request(f"{param} must be a position in the prompt, which has {len(prompt_ids)} tokens", param)
         max_new = resolve_max_tokens(
             self.max_tokens, len(prompt_ids), context_len, self.names.get("max_tokens", "max_tokens")
         )
-        if max_new == self.params.max_new_tokens and not self.params.stop_token_ids:
-            return self.params  # validated in build(): only these two can differ with the prompt
+        if max_new == self.params.max_new_tokens and not self.params.stop_token_ids and not self.params.logit_bias:
+            return self.params  # validated in build(): only max_tokens and the vocabulary's checks are left
         params = dataclasses.replace(self.params, max_new_tokens=max_new)
-        return validated(params, self.names, vocab_size)  # again: stop_token_ids need the vocabulary
+        return validated(params, self.names, vocab_size)  # again: stop_token_ids and logit_bias need the vocabulary
+
+    @property
+    def grammar_param(self) -> str:
+        """The field the request's grammar came from (response_format.json_schema.schema, ...)."""
+        return self.names.get("grammar", "grammar")
+
+    def grammar_checked(self, any_whitespace: bool) -> bool:
+        """Whether check_grammar() costs a lookup now (else a caller on an event loop runs it in a thread)."""
+        p = self.params
+        return not p.constrained or is_checked(p.grammar_kind, p.grammar, any_whitespace)
+
+    def check_grammar(self, grammar_backend: str, any_whitespace: bool) -> None:
+        """Raises APIError(400) naming the grammar's field when the server has no grammar backend
+        or xgrammar cannot parse the grammar; before any engine work, so the client gets a 400
+        rather than an engine error inside a stream."""
+        p = self.params
+        if not p.constrained:
+            return
+        param = self.grammar_param
+        if grammar_backend == "none":
+            raise bad_request(f"{param}: structured output is off on this server (--grammar-backend none)", param)
+        compact = self.names.get("compact_json")
+        if compact is not None and any_whitespace:
+            raise bad_request(
+                f"{compact}: this server's JSON grammars allow any whitespace (--constrained-json-any-whitespace), "
+                f"which a request cannot turn off",
+                compact,
+            )
+        try:
+            check_grammar(p.grammar_kind, p.grammar, any_whitespace)
+        except InvalidGrammar as e:
+            raise bad_request(f"{param} is not a valid grammar: {e.message}", param) from None
 
 
 _SPECS = ByteLRU(MEMO_BYTES)  # clients send a few distinct settings
+LOGIT_BIAS_ENTRY_BYTES = 128  # an (id, bias) pair's objects
 
 
 def _spec(values: dict[str, Any], max_tokens: int | None, names: Mapping[str, str], prompt_param: str) -> SamplingSpec:

@@ -33,12 +33,16 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
     if path == "/v1/chat/completions":
         req = parse_chat_completion(body)
         check_model(req.model, MODEL)
-        ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        req.sampling.check_grammar("xgrammar", False)
+        template = req.template.call_kwargs() if req.template is not None else {"add_generation_prompt": True}
+        ids = tokenizer.apply_chat_template(req.messages, tokenize=True, return_dict=False, **template)
         req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
     elif path in ("/v1/completions", "/generate"):
         req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
         check_model(getattr(req, "model", None), MODEL)
         samplings = req.samplings if path == "/generate" else [req.sampling] * len(req.prompts)
+        for sampling in samplings:
+            sampling.check_grammar("xgrammar", False)
         for prompt, sampling in zip(req.prompts, samplings):
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
@@ -100,7 +104,6 @@ def test_bad_request(row: BadRequest, tokenizer):
                     {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
                     {"role": "user", "content": "ok"},
                 ],
-                tool_choice="auto",
                 function_call="none",
                 user="u",
                 metadata={"k": "v"},
@@ -126,9 +129,37 @@ def test_bad_request(row: BadRequest, tokenizer):
         ),
         (
             "/v1/chat/completions",
-            chat(model=None, user="u", tools=[], tool_choice="none", response_format={"type": "text"}, unknown_field=1),
+            chat(
+                model=None,
+                user="u",
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice="none",
+                response_format={"type": "text"},
+                unknown_field=1,
+            ),
         ),
         ("/v1/completions", completion(prompt=["a", "b"], n=64, echo=True, logprobs=None)),
+        ("/v1/completions", completion(echo=True, logprobs=2, logit_bias={"50": -100, "7": 2.5})),
+        (
+            "/v1/chat/completions",
+            chat(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                tool_choice="required",
+                chat_template_kwargs={"enable_thinking": False},
+                prompt_logprobs=2,
+                messages=[
+                    {"role": "user", "content": "Hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                ],
+            ),
+        ),
+        ("/v1/chat/completions", chat(structured_outputs={"choice": ["yes", "no"], "disable_any_whitespace": True})),
+        ("/v1/completions", completion(response_format={"type": "json_object"}, guided_decoding_backend="xgrammar")),
         ("/v1/completions", completion(prompt=[[1, 2], [3]], logprobs=0, max_tokens=8190)),
         ("/v1/completions", completion(prompt=[1] * 8176, max_tokens=None)),
         ("/generate", generate(text=None, input_ids=[[1, 2], [3]], rid=["a", "b"])),
@@ -139,6 +170,14 @@ def test_bad_request(row: BadRequest, tokenizer):
                 return_logprob=True,
                 top_logprobs_num=5,
                 stream=True,
+            ),
+        ),
+        (
+            "/generate",
+            generate(
+                sampling_params={"max_new_tokens": 4, "regex": "[a-z]+", "logit_bias": {"5": 1}},
+                return_logprob=True,
+                logprob_start_len=0,
             ),
         ),
         ("/tokenize", b'{"prompt": ["", "a"]}'),

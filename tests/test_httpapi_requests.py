@@ -133,8 +133,9 @@ def test_messages_become_template_input():
         {"role": "developer", "content": "Be brief.", "name": "ops"},
         {"role": "user", "content": "line 1\nline 2"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
+    assert req.template is not None  # a tool's answer renders through apply_chat_template
 
 
 def test_min_tokens_is_checked_against_what_the_context_leaves():

@@ -99,10 +99,11 @@ def usage_of(state: ReqState) -> Usage:
 async def chat_completions(worker, request: Request) -> Response:
     req = parse_chat_completion(await read_body(request))
     check_model(req.model, worker.model.served_name)
-    ids = await worker.tm.chat_ids(req.messages)
+    await worker.check_grammars([req.sampling])
+    ids = await worker.tm.chat_ids(req.messages, req.template)
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
-    request_id, created = new_request_id("chatcmpl"), now()  # also the rid /abort_request takes
+    request_id, created = response_id("chatcmpl", req.request_id), now()  # also the rid /abort_request takes
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     vocab = worker.vocab if params.logprobs else None
     if req.stream:
@@ -120,11 +121,12 @@ async def chat_completions(worker, request: Request) -> Response:
 async def completions(worker, request: Request) -> Response:
     req = parse_completion(await read_body(request))
     check_model(req.model, worker.model.served_name)
-    prompt_ids = [await prompt_tokens(worker, p, "prompt") for p in req.prompts]
+    await worker.check_grammars([req.sampling])
+    prompt_ids = [await prompt_tokens(worker, p, "prompt", req.add_special_tokens) for p in req.prompts]
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
-    request_id, created = new_request_id("cmpl"), now()  # also the rid /abort_request takes
+    request_id, created = response_id("cmpl", req.request_id), now()  # also the rid /abort_request takes
     group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
     echoes = None
     if req.echo:
@@ -159,12 +161,18 @@ def openai_events(
     return sse_events(worker, group, render, head, tail)
 
 
-async def prompt_tokens(worker, prompt: str | list[int], param: str) -> list[int]:
+async def prompt_tokens(worker, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
     """A prompt's token ids; a text too long for the context is refused before it is tokenized."""
     if isinstance(prompt, str):
         check_prompt_chars(len(prompt), worker.tm.max_prompt_chars, param)
-        return await worker.tm.encode(prompt)
+        return await worker.tm.encode(prompt, add_special_tokens)
     return prompt
+
+
+def response_id(prefix: str, client_id: str | None) -> str:
+    """The response's id (and the rid /abort_request takes): vLLM's <prefix>-<request_id> when
+    the client names the request, else a new one."""
+    return f"{prefix}-{client_id}" if client_id is not None else new_request_id(prefix)
 
 
 @api_route
@@ -186,6 +194,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 @api_route
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await read_body(request))
+    await worker.check_grammars(req.samplings)
     prompt_param = req.samplings[0].prompt_param
     prompt_ids = [await prompt_tokens(worker, p, prompt_param) for p in req.prompts]
     params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]
@@ -235,7 +244,7 @@ async def tokenize(worker, request: Request) -> Response:
     req = parse_tokenize(await read_body(request))
     check_model(req.model, worker.model.served_name)
     if req.messages is not None:
-        tokens = [await worker.tm.chat_ids(req.messages)]
+        tokens = [await worker.tm.chat_ids(req.messages, req.template)]
     else:
         tokens = [await worker.tm.encode(p, req.add_special_tokens) for p in req.prompts]
     body = (

@@ -42,6 +42,7 @@ import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import TokenLogprobs
+from httpapi.requests import ChatTemplateArgs
 from httpapi.sampling import check_prompt_chars
 from protocol.records import (
     MAX_REQUEST_PAYLOAD_BYTES,
@@ -390,10 +391,13 @@ class TokenizerManager:
             return self._encoder.encode(text, add_special_tokens)
         return await asyncio.get_running_loop().run_in_executor(None, self._encoder.encode, text, add_special_tokens)
 
-    async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat_ids(self, messages: list[dict[str, Any]], template: ChatTemplateArgs | None = None) -> list[int]:
         """The chat template applied and tokenized, as apply_chat_template(tokenize=True) does.
         A conversation that cannot fit the context (more messages than the context has tokens,
-        or more text than it can hold) is refused before the template renders it."""
+        or more text than it can hold) is refused before the template renders it. `template`:
+        tools, documents, chat_template_kwargs and the like (None: plain messages, the fast
+        render); such a render goes through apply_chat_template, off the event loop (it costs
+        milliseconds, and tools and documents may be large)."""
         if len(messages) > self.model.context_length:
             raise bad_request(
                 f"messages has {len(messages)} messages, more than this model's context of "
@@ -405,14 +409,18 @@ class TokenizerManager:
         check_prompt_chars(chars, self.max_prompt_chars, "messages")
         render = self._chat_template.render
         try:
-            if len(messages) > LONG_CONVERSATION_MESSAGES or chars >= LONG_PROMPT_CHARS:
+            if template is not None:
+                text = await asyncio.to_thread(
+                    self.tokenizer.apply_chat_template, messages, tokenize=False, **template.call_kwargs()
+                )
+            elif len(messages) > LONG_CONVERSATION_MESSAGES or chars >= LONG_PROMPT_CHARS:
                 text = await asyncio.to_thread(render, messages)  # the loop keeps serving the other streams
             else:
                 text = render(messages)
         except Exception as e:  # jinja raises for conversations a template refuses (e.g. roles out of order)
             raise bad_request(f"messages: the model's chat template rejected them: {e}", "messages") from None
         check_prompt_chars(len(text), self.max_prompt_chars, "messages")
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=template is not None and template.add_special_tokens)
 
     async def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of token ids, special tokens included unless skipped (an echoed prompt is

@@ -10,6 +10,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gpu.model_files import ModelLoadError
@@ -33,6 +35,7 @@ logger = logging.getLogger("ringserve.app")
 
 METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
 HEARTBEAT_CHECK_S = 1.0  # the engine's heartbeats are checked this often (at most)
+GRAMMAR_CHECK_THREADS = 2  # grammar checks of one worker at once
 REATTACH_RETRY_S = 1.0  # a failed attach to a new engine is tried again after this (ensure_engine backs off)
 
 
@@ -61,6 +64,9 @@ class HTTPWorker:
         self.watches = DisconnectWatches()
         self._tasks: list[asyncio.Task] = []  # metrics flushing, disconnect watches, heartbeats
         self._healing: asyncio.Task | None = None  # attaching to a new engine
+        # grammar checks not memoized: a 200 KB schema takes 0.1 s to parse (xgrammar frees the
+        # GIL meanwhile); their own threads, so that they never queue behind tokenizing
+        self._grammar_checks = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="grammar-check")
 
     @classmethod
     async def start(cls) -> HTTPWorker:
@@ -119,6 +125,7 @@ class HTTPWorker:
         await self.tm.close()
         if self.stats is not None:
             self.stats.close()
+        self._grammar_checks.shutdown(wait=False, cancel_futures=True)
         self.link.close(self.files)
 
     # ---------------------------------------------------------------- the engine dies, hangs, heals
@@ -212,6 +219,18 @@ class HTTPWorker:
     def check_alive(self) -> None:
         if self.tm.dead is not None:
             raise self.tm.dead
+
+    async def check_grammars(self, specs: Sequence[SamplingSpec]) -> None:
+        """Each spec's grammar checked before any engine work (APIError 400 naming its field):
+        inline when its verdict is memoized, else in a grammar-check thread."""
+        backend, any_whitespace = self.args.grammar_backend, self.args.constrained_json_any_whitespace
+        for spec in {id(s): s for s in specs}.values():  # a batch shares one spec
+            if backend == "none" or spec.grammar_checked(any_whitespace):
+                spec.check_grammar(backend, any_whitespace)
+            else:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._grammar_checks, spec.check_grammar, backend, any_whitespace
+                )
 
     def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int]) -> SamplingParams:
         """A request's final sampling parameters for one tokenized prompt; raises APIError(400)."""
