@@ -24,6 +24,18 @@ class SeqInput:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsAsk:
+    """The step's sequences whose prompt logprobs are wanted: for each, a run of its new
+    tokens whose logits are gathered at the tokens they predict (the next prompt tokens)."""
+
+    seqs: np.ndarray  # int64 [Q], indexes into the step's sequences, ascending
+    first: np.ndarray  # int64 [Q], the run's first token, counted from the sequence's first new token
+    counts: np.ndarray  # int64 [Q], the run's tokens (>= 1)
+    targets: np.ndarray  # int64 [sum(counts)], the token each one predicts, run after run
+    top_k: int  # alternatives reported per position (the most any of them asked for)
+
+
+@dataclass(frozen=True)
 class StepInput:
     """A step's sequences as columns: what the scheduler hands the runner, built from its
     request table without an object per request (with many running requests, a SeqInput each
@@ -36,6 +48,7 @@ class StepInput:
     page_table: np.ndarray  # int32 [B, P], each sequence's pages in order; entries past num_pages unused
     num_pages: np.ndarray  # int64 [B]
     sample: np.ndarray  # bool [B], sample a token after this sequence's last new one
+    prompt_logprobs: PromptLogprobsAsk | None = None  # None: no sequence asks (the common case)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,6 +81,8 @@ class ForwardBatch:
     logits_index: torch.Tensor  # int64 [S], the flat token whose logits are sampled, per sampled seq
     sample_rows: np.ndarray  # int64 [S], their sampler rows
     meta: AttentionMetadata
+    prompt_index: torch.Tensor | None = None  # int64 [N], the flat tokens whose prompt logprobs are gathered
+    prompt_targets: torch.Tensor | None = None  # int64 [N], the token each of them predicts
 
 
 def build_forward_batch(
@@ -126,4 +141,11 @@ def build_forward_batch(
         max_q_len=int(q_lens.max()),
         max_kv_len=int(kv_lens.max()),
     )
-    return ForwardBatch(t(input_ids), t(logits_index), sample_rows, meta)
+    prompt_index = prompt_targets = None
+    ask = step.prompt_logprobs
+    if ask is not None:
+        run_start = qo_indptr[ask.seqs] + ask.first  # each run's first flat token
+        before = np.cumsum(ask.counts) - ask.counts  # each run's first entry in the flat index
+        flat = np.repeat(run_start - before, ask.counts) + np.arange(int(ask.counts.sum()))
+        prompt_index, prompt_targets = t(flat), t(np.asarray(ask.targets, np.int64))
+    return ForwardBatch(t(input_ids), t(logits_index), sample_rows, meta, prompt_index, prompt_targets)

@@ -36,7 +36,7 @@ KV_CACHE_DTYPES = {
 # share of the device's memory that weights + KV cache may take when no size is given
 DEFAULT_MEM_FRACTION = {"cuda": 0.85, "cpu": 0.3}
 
-__all__ = ["ModelRunner", "ModelRunnerConfig", "SeqInput", "StepInput", "StepOutput"]
+__all__ = ["ModelRunner", "ModelRunnerConfig", "PromptLogprobsOut", "SeqInput", "StepInput", "StepOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,16 @@ class ModelRunnerConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16
 
 
+@dataclass(frozen=True)
+class PromptLogprobsOut:
+    """The prompt logprobs of a step's PromptLogprobsAsk: one entry per asked token, run after run."""
+
+    logprobs: np.ndarray  # float32 [N], of the token each one predicts, from the raw logits
+    ranks: np.ndarray  # int64 [N], that token's rank in the vocabulary (1: the likeliest)
+    top_ids: np.ndarray  # int32 [N, K], K = the ask's top_k, likeliest first
+    top_logprobs: np.ndarray  # float32 [N, K]
+
+
 @dataclass
 class StepOutput:
     """One entry per SeqInput with sample=True, in order."""
@@ -65,6 +75,7 @@ class StepOutput:
     logprobs: np.ndarray  # float32 [S], the chosen token's; nan for rows that did not ask
     top_ids: np.ndarray | None  # int32 [S, K], K = the most top_logprobs asked this step
     top_logprobs: np.ndarray | None  # float32 [S, K]
+    prompt_logprobs: PromptLogprobsOut | None = None  # when the step's input asked (StepInput.prompt_logprobs)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -203,15 +214,27 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         """One forward over the mixed batch, then one sampled token per sequence with sample set."""
-        batch = build_forward_batch(seqs, self.config.page_size, self.model_config.context_length, self.device)
-        if self.decoder is not None and self.decoder.takes(batch.meta):
+        step = StepInput.of(seqs)
+        batch = build_forward_batch(step, self.config.page_size, self.model_config.context_length, self.device)
+        prompt = None
+        if batch.prompt_index is not None:  # the Python forward: it keeps every position's hidden state
+            self.attn.plan(batch.meta)
+            x, residual = self.model.hidden(batch.input_ids, batch.meta.positions, self.attn)
+            logits = self.model.logits(x, residual, batch.logits_index)
+            lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(
+                x, residual, batch.prompt_index, batch.prompt_targets, step.prompt_logprobs.top_k
+            )
+            prompt = PromptLogprobsOut(
+                lps.cpu().numpy(), ranks.cpu().numpy(), top_ids.to(torch.int32).cpu().numpy(), top_lps.cpu().numpy()
+            )
+        elif self.decoder is not None and self.decoder.takes(batch.meta):
             logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
         else:
             self.attn.plan(batch.meta)
             logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn)
         S = len(batch.sample_rows)
         if S == 0:
-            return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None)
+            return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, prompt)
         res = self.sampler.sample(logits, batch.sample_rows)
         logprobs = res.logprobs.cpu().numpy() if res.logprobs is not None else np.full(S, np.nan, np.float32)
         return StepOutput(
@@ -219,4 +242,5 @@ class ModelRunner:
             logprobs=logprobs,
             top_ids=None if res.top_ids is None else res.top_ids.to(torch.int32).cpu().numpy(),
             top_logprobs=None if res.top_logprobs is None else res.top_logprobs.cpu().numpy(),
+            prompt_logprobs=prompt,
         )

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpu.forward_batch import SeqInput, StepInput
+from gpu.forward_batch import PromptLogprobsAsk, SeqInput, StepInput
 from gpu.model_config import ModelConfig
 from gpu.model_files import resolve_model_dir
-from gpu.model_runner import ModelRunnerConfig, StepOutput
+from gpu.model_runner import ModelRunnerConfig, PromptLogprobsOut, StepOutput
 from gpu.page_pool import PagePool
 from protocol.sampling_params import SamplingParams
 
@@ -56,13 +56,25 @@ class NullModelRunner:
         n = len(self.cycle)
         tokens = self.cycle[self.generated[rows] % n]
         self.generated[rows] += 1
+        prompt = None if step.prompt_logprobs is None else self._prompt_logprobs(step.prompt_logprobs)
         if not self.num_logprobs:  # the common case, in two numpy calls fewer
-            return StepOutput(tokens, np.full(len(rows), np.nan, np.float32), None, None)
+            return StepOutput(tokens, np.full(len(rows), np.nan, np.float32), None, None, prompt)
         logprobs = np.where(self.logprobs[rows], 0.0, np.nan).astype(np.float32)
         K = int(self.top_logprobs[rows].max()) if len(rows) else 0
         if K == 0:
-            return StepOutput(tokens, logprobs, None, None)
+            return StepOutput(tokens, logprobs, None, None, prompt)
         top_ids = self.cycle[(self.generated[rows, None] - 1 + np.arange(K)) % n]  # the chosen token first
         top_lp = np.full((len(rows), K), ALTERNATIVE_LOGPROB, np.float32)
         top_lp[:, 0] = 0.0
-        return StepOutput(tokens, logprobs, top_ids, top_lp)
+        return StepOutput(tokens, logprobs, top_ids, top_lp, prompt)
+
+    def _prompt_logprobs(self, ask: PromptLogprobsAsk) -> PromptLogprobsOut:
+        """Fixed values: every prompt token is certain (logprob 0, rank 1) and the first of its
+        top-k, the others cycle tokens at ALTERNATIVE_LOGPROB."""
+        N, K = len(ask.targets), ask.top_k
+        top_ids = np.empty((N, K), np.int32)
+        top_lp = np.full((N, K), ALTERNATIVE_LOGPROB, np.float32)
+        if K:
+            top_ids[:, 0], top_lp[:, 0] = ask.targets, 0.0
+            top_ids[:, 1:] = self.cycle[np.arange(K - 1) % len(self.cycle)]
+        return PromptLogprobsOut(np.zeros(N, np.float32), np.ones(N, np.int64), top_ids, top_lp)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpu.model_files import resolve_model_dir
-from protocol.records import NO_TOKEN, Finish
+from protocol.records import NO_TOKEN, Finish, unpack_prompt_logprobs
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import text_tokens
@@ -39,6 +39,10 @@ class GenerateOutput:
     logprobs: list[float] | None = None  # the chosen tokens', when asked
     top_logprobs: list[dict[int, float]] | None = None
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    # when asked (prompt_logprobs >= 0): each prompt position's from prompt_logprobs_start, None at
+    # position 0; and its top prompt_logprobs alternatives, {id: logprob} likeliest first
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class OfflineEngine:
@@ -88,6 +92,8 @@ class OfflineEngine:
         pending = len(runs)
         while pending or sched.has_work:  # has_work: the end events of stop-string aborts
             res = sched.step()
+            if res.prompt_records is not None:
+                _take_prompt_logprobs(res, runs, generation)
             ev = res.events
             mine = [
                 i
@@ -173,13 +179,26 @@ class OfflineEngine:
             logprobs=run.logprobs if p.logprobs else None,
             top_logprobs=run.top if p.top_logprobs else None,
             prompt_token_ids=run.prompt.tolist(),
+            prompt_logprobs=run.prompt_lps if p.prompt_logprobs >= 0 else None,
+            prompt_top_logprobs=run.prompt_top if p.prompt_logprobs >= 0 else None,
         )
 
 
 class _Run:
     """One prompt's progress inside generate()."""
 
-    __slots__ = ("prompt", "params", "tokens", "logprobs", "top", "finish", "counts", "parts")
+    __slots__ = (
+        "prompt",
+        "params",
+        "tokens",
+        "logprobs",
+        "top",
+        "finish",
+        "counts",
+        "parts",
+        "prompt_lps",
+        "prompt_top",
+    )
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams) -> None:
         self.prompt, self.params = prompt, params
@@ -189,6 +208,21 @@ class _Run:
         self.finish: Finish | None = None
         self.counts = (len(prompt), 0, 0)
         self.parts: list[bytes] = []  # the detokenizer's UTF-8 deltas
+        self.prompt_lps: list[float | None] = []
+        self.prompt_top: list[dict[int, float] | None] = []
+
+
+def _take_prompt_logprobs(res, runs: list[_Run], generation: int) -> None:
+    """Appends a step's PROMPT_LOGPROBS records (StepResult.prompt_records) to their runs."""
+    for rec, part in zip(res.prompt_records, res.prompt_payloads):
+        if int(rec["gen"]) != generation:
+            continue
+        run, n, k = runs[int(rec["slot"])], int(rec["completion_tokens"]), int(rec["n_top"])
+        _, lps, _, top_ids, top_lps = unpack_prompt_logprobs(np.frombuffer(part, np.uint8), n, k)
+        for j, (lp, ids, alts) in enumerate(zip(lps.tolist(), top_ids.tolist(), top_lps.tolist())):
+            first = int(rec["token"]) + j == 0  # no token predicts the prompt's first
+            run.prompt_lps.append(None if first else lp)
+            run.prompt_top.append(None if first else dict(zip(ids, alts)))
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

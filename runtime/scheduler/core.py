@@ -19,8 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu.forward_batch import StepInput
-from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, TokenKind, concat_records
+from gpu.forward_batch import PromptLogprobsAsk, StepInput
+from protocol.records import (
+    NO_TOKEN,
+    TOKEN_OUT,
+    ErrorCode,
+    Finish,
+    TokenKind,
+    concat_records,
+    pack_prompt_logprobs,
+)
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs
 from runtime.scheduler.policy import order_queue
@@ -38,6 +46,9 @@ TOKEN_EVENT = TOKEN_OUT.dtype
 
 _NO_IDS = np.zeros(0, np.int32)
 CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
+# Prompt positions per PROMPT_LOGPROBS record: with 20 alternatives each, 350 KB of payload, so
+# that however large a prefill chunk is, each record fits one TOKEN_OUT push (half its arena).
+PROMPT_LOGPROBS_PER_RECORD = 2048
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,10 @@ class StepResult:
     top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
     top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
     opened: list[Req]  # requests added since the last step, in order (the OPEN records)
+    # PROMPT_LOGPROBS records of this step's prefill chunks, to be sent before `events` (a request's
+    # come before its first token), and each one's payload (pack_prompt_logprobs); None: none
+    prompt_records: np.ndarray | None = None
+    prompt_payloads: list[bytes] | None = None
 
 
 @dataclass
@@ -108,6 +123,9 @@ class Scheduler:
         self._ended: list[np.ndarray] = []  # TOKEN_EVENT records of requests ended between steps
         self._opened: list[Req] = []
         self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
+        # this step's prefill chunks that owe prompt logprobs: (request, first, end) of the prompt
+        # positions they report, in step order
+        self._prompt_runs: list[tuple[Req, int, int]] = []
 
     # ---- requests in -----------------------------------------------------------
     @property
@@ -254,7 +272,11 @@ class Scheduler:
         tokens it is expected to need, as _reserved_tokens counts them)."""
         t, ps = self.table, self.page_size
         fill = req.fill_ids()
-        prefix_pages, node = self.cache.match_prefix(fill[:-1])
+        # a request owed prompt logprobs computes the logits of every position it reports: its
+        # KV may come from the cache only up to the position before the next one it is owed
+        owed = req.prompt_logprobs_next
+        key = fill[: max(owed - 1, 0)] if owed < len(req.prompt) else fill[:-1]
+        prefix_pages, node = self.cache.match_prefix(key)
         prefix = len(prefix_pages) * ps
         remaining = len(fill) - prefix
         n = min(remaining, budget)
@@ -321,6 +343,9 @@ class Scheduler:
             rows = np.concatenate([rows, np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))])
             q_lens = np.concatenate([q_lens, np.fromiter((n for _, n in prefill), np.int64, len(prefill))])
         starts, token_ids, num_pages, page_table, sample = t.step_input(rows, q_lens)
+        ask = None
+        if any(req.prompt_logprobs_next < len(req.prompt) for req, _ in prefill):
+            ask = self._prompt_logprobs_ask(prefill, B, starts)
         return StepInput(
             rows=rows,
             starts=starts,
@@ -329,7 +354,73 @@ class Scheduler:
             page_table=page_table,
             num_pages=num_pages,
             sample=sample,
+            prompt_logprobs=ask,
         )
+
+    def _prompt_logprobs_ask(
+        self, prefill: list[tuple[Req, int]], num_decodes: int, starts: np.ndarray
+    ) -> PromptLogprobsAsk | None:
+        """What the runner computes for the prefill chunks owed prompt logprobs: a chunk of
+        positions [s, s + n) reports the prompt positions [next, min(P, s + n + 1)) (position j's
+        logprob is read from the logits at j - 1; position 0 has none). Notes them in
+        _prompt_runs for _prompt_records."""
+        seqs, first, counts, targets = [], [], [], []
+        for i, (req, n) in enumerate(prefill):
+            P, owed = len(req.prompt), req.prompt_logprobs_next
+            if owed >= P:
+                continue
+            s = int(starts[num_decodes + i])
+            end = min(P, s + n + 1)
+            if end <= owed:  # a resumed chunk still recomputing positions it reported
+                continue
+            self._prompt_runs.append((req, owed, end))
+            lo = max(owed, 1) - 1  # the first position whose logits are read
+            if end - 1 > lo:
+                seqs.append(num_decodes + i)
+                first.append(lo - s)
+                counts.append(end - 1 - lo)
+                targets.append(req.prompt[lo + 1 : end])
+        if not seqs:
+            return None
+        return PromptLogprobsAsk(
+            seqs=np.array(seqs, np.int64),
+            first=np.array(first, np.int64),
+            counts=np.array(counts, np.int64),
+            targets=np.concatenate(targets).astype(np.int64),
+            top_k=max(req.params.prompt_logprobs for req, _, _ in self._prompt_runs),
+        )
+
+    def _prompt_records(self, out) -> tuple[np.ndarray, list[bytes]]:
+        """The PROMPT_LOGPROBS records of this step's _prompt_runs, from the runner's output."""
+        runs, self._prompt_runs = self._prompt_runs, []
+        got = out.prompt_logprobs
+        recs, payloads, at = [], [], 0
+        for req, owed, end in runs:
+            k, m = req.params.prompt_logprobs, end - owed
+            lps = np.full(m, np.nan, np.float32)  # position 0: no token predicts it
+            ranks = np.zeros(m, np.uint32)
+            top_ids = np.zeros((m, k), np.uint32)
+            top_lps = np.full((m, k), np.nan, np.float32)
+            skip = 1 if owed == 0 else 0  # position 0 is reported, never computed
+            c = m - skip
+            if c:
+                lps[skip:] = got.logprobs[at : at + c]
+                ranks[skip:] = got.ranks[at : at + c]
+                top_ids[skip:] = got.top_ids[at : at + c, :k]
+                top_lps[skip:] = got.top_logprobs[at : at + c, :k]
+                at += c
+            for a in range(0, m, PROMPT_LOGPROBS_PER_RECORD):
+                b = min(a + PROMPT_LOGPROBS_PER_RECORD, m)
+                ids = req.prompt[owed + a : owed + b]
+                payloads.append(pack_prompt_logprobs(ids, lps[a:b], ranks[a:b], top_ids[a:b], top_lps[a:b]))
+                rec = np.zeros(1, TOKEN_EVENT)
+                rec["kind"], rec["worker"], rec["slot"] = TokenKind.PROMPT_LOGPROBS, req.worker, req.slot
+                rec["gen"], rec["token"], rec["completion_tokens"] = req.generation, owed + a, b - a
+                rec["prompt_tokens"], rec["cached_tokens"] = len(req.prompt), max(req.cached_tokens, 0)
+                rec["n_top"], rec["logprob"] = k, math.nan
+                recs.append(rec)
+            req.prompt_logprobs_next = end
+        return concat_records(recs), payloads
 
     # ---- after the forward -------------------------------------------------------------
     def _process(self, step: StepInput, prefill: list[tuple[Req, int]], out) -> StepResult:
@@ -350,7 +441,10 @@ class Scheduler:
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
         )
-        return self._result(events, out.top_ids, out.top_logprobs)
+        res = self._result(events, out.top_ids, out.top_logprobs)
+        if self._prompt_runs:
+            res.prompt_records, res.prompt_payloads = self._prompt_records(out)
+        return res
 
     def _cache_running(self, req: Req) -> None:
         t, r = self.table, req.row

@@ -235,12 +235,19 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- token out
     def _send(self, res: StepResult) -> None:
-        """This step's records in one push: OPEN records first, then the step's events (already
-        TOKEN_OUT records) with their top-logprob and error-message payloads."""
-        opened, ev = res.opened, res.events
-        if not opened and not len(ev):
+        """This step's records in one push: OPEN records first, then the PROMPT_LOGPROBS records
+        of its prefill chunks, then the step's events (already TOKEN_OUT records) with their
+        top-logprob and error-message payloads."""
+        opened, ev, prompt = res.opened, res.events, res.prompt_records
+        if not opened and not len(ev) and prompt is None:
             return
         payload = PayloadBuilder()
+        head = len(opened)  # the records before the sampled ones
+        if prompt is not None:
+            for k, part in enumerate(res.prompt_payloads):
+                prompt["payload_off"][k], prompt["payload_len"][k] = payload.add(part)
+            ev = concat_records([prompt, ev])
+            head += len(prompt)
         if opened:
             opens = []
             for req in opened:
@@ -263,7 +270,7 @@ class SchedulerProcess:
         if res.top_ids is not None:
             blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
             base, _ = payload.add(blob)
-            sampled = ev[len(opened) : len(opened) + res.num_sampled]
+            sampled = ev[head : head + res.num_sampled]
             sampled["payload_off"] = offsets + base
             sampled["payload_len"] = 8 * res.top_ids.shape[1]
             sampled["n_top"] = res.top_ids.shape[1]

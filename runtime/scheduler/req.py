@@ -37,6 +37,7 @@ class Req:
         "tag",
         "error_code",
         "error",
+        "prompt_logprobs_next",
     )
 
     def __init__(
@@ -64,6 +65,11 @@ class Req:
         self.tag = tag  # its owner's data: the scheduler process keeps the rid's hash here (ABORT_RID)
         self.error_code = ErrorCode.NONE  # why it was refused before running (then finish ERROR)
         self.error = ""  # the same, one line for the user
+        # the next prompt position whose logprob it is owed (SamplingParams.prompt_logprobs); len(prompt):
+        # none (never asked, or all sent). Kept across a retraction, so no position is sent twice.
+        self.prompt_logprobs_next = (
+            min(params.prompt_logprobs_start, len(prompt)) if params.prompt_logprobs >= 0 else len(prompt)
+        )
 
     @property
     def key(self) -> tuple[int, int]:
