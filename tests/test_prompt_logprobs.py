@@ -1,0 +1,121 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs: vLLM's prompt_logprobs, completions' echo with
+logprobs, SGLang's input_token_logprobs) against transformers on the same weights (the embedded
+SmolLM2, fp32, CPU): each prompt position's logprob is the log-softmax of the model's raw logits
+at the position before it, gathered at the prompt's token; the top-k are that row's largest.
+Chunked prefill, a prefix in the radix cache, a start position and a retraction must not change
+them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.sampling_params import SamplingParams
+from runtime.offline import OfflineEngine
+
+ATOL = 1e-3
+TOP_K = 3
+LONG = (
+    "Once upon a time, in a small village at the edge of a vast forest, there lived an old clockmaker "
+    "who had spent his whole life repairing the clocks of the townsfolk. One winter morning, a stranger "
+    "arrived carrying a clock unlike any he had ever seen, and the clockmaker, curious, opened its case."
+)
+SHORT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # chunks of 16 tokens: the long prompt's positions come over several steps
+    return OfflineEngine(max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=16, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """prompt ids -> transformers' log-softmax [P, V] (row p predicts token p + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine.runner.model_config.model_dir, dtype=torch.float32)
+    cache = {}
+
+    def logprobs(ids: list[int]) -> np.ndarray:
+        key = tuple(ids)
+        if key not in cache:
+            with torch.inference_mode():
+                logits = model(torch.tensor([ids])).logits[0].float()
+            cache[key] = torch.log_softmax(logits, dim=-1).numpy()
+        return cache[key]
+
+    return logprobs
+
+
+def check(out, ref: np.ndarray, start: int, k: int) -> None:
+    """`out`'s prompt logprobs from `start` equal the reference's, top-k included."""
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(ids) - start
+    for j, lp, top in zip(range(start, len(ids)), out.prompt_logprobs, out.prompt_top_logprobs):
+        if j == 0:
+            assert lp is None and top is None
+            continue
+        row = ref[j - 1]
+        assert lp == pytest.approx(float(row[ids[j]]), abs=ATOL), j
+        assert len(top) == k
+        want = np.argsort(-row)[:k]
+        got_ids, got_lps = list(top), list(top.values())
+        np.testing.assert_allclose(got_lps, row[want], atol=ATOL)
+        # ties within the tolerance may swap: each id's own logprob is what it claims
+        np.testing.assert_allclose(row[got_ids], got_lps, atol=ATOL)
+
+
+def test_short_prompt_matches_transformers(engine, reference):
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, prompt_logprobs=TOP_K)
+    (out,) = engine.generate(SHORT, params)
+    check(out, reference(out.prompt_token_ids), 0, TOP_K)
+
+
+def test_chunked_prompt_matches_transformers(engine, reference):
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, prompt_logprobs=TOP_K)
+    (out,) = engine.generate(LONG, params)
+    assert len(out.prompt_token_ids) > 3 * 16  # several chunks
+    check(out, reference(out.prompt_token_ids), 0, TOP_K)
+
+
+def test_cached_prefix_is_recomputed(engine, reference):
+    engine.flush_cache()
+    plain = SamplingParams(temperature=0.0, max_new_tokens=1)
+    engine.generate(LONG, plain)
+    assert engine.generate(LONG, plain)[0].cached_tokens > 0  # the prompt is in the radix cache
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0)
+    (out,) = engine.generate(LONG, params)
+    assert out.cached_tokens == 0
+    check(out, reference(out.prompt_token_ids), 0, 0)
+    # from a start position, the pages before it may come from the cache
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=2, prompt_logprobs_start=40)
+    (out,) = engine.generate(LONG, params)
+    assert out.cached_tokens == 32  # the whole pages before position 39
+    check(out, reference(out.prompt_token_ids), 40, 2)
+
+
+def test_batch_mixes_askers_and_others(engine, reference):
+    ask = SamplingParams(temperature=0.0, max_new_tokens=3, prompt_logprobs=1, prompt_logprobs_start=5)
+    plain = SamplingParams(temperature=0.0, max_new_tokens=3)
+    outs = engine.generate([LONG, SHORT, SHORT + " Rome."], [ask, plain, ask])
+    assert outs[1].prompt_logprobs is None
+    for out in (outs[0], outs[2]):
+        check(out, reference(out.prompt_token_ids), 5, 1)
+    # the generated tokens are those of a request that did not ask
+    assert outs[0].token_ids == engine.generate(LONG, plain)[0].token_ids
+
+
+def test_start_past_the_prompt_reports_nothing(engine):
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=1, prompt_logprobs_start=1000)
+    (out,) = engine.generate(SHORT, params)
+    assert out.prompt_logprobs == [] and out.finish_reason == "length"
