@@ -74,6 +74,7 @@ def choice_results(states: list[ReqState], prefixes: list[str] | None = None) ->
                 state.matched_stop,
                 e2e_latency(state),
                 output_ids_of(state),
+                state.take_prompt_logprobs(),
             )
         )
     return results
@@ -105,7 +106,7 @@ async def chat_completions(worker, request: Request) -> Response:
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
     request_id, created = response_id("chatcmpl", req.request_id), now()  # also the rid /abort_request takes
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
-    vocab = worker.vocab if params.logprobs else None
+    vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
         events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
@@ -131,24 +132,46 @@ async def completions(worker, request: Request) -> Response:
     echoes = None
     if req.echo:
         echoes = [p if isinstance(p, str) else await worker.tm.decode(p) for p in req.prompts for _ in range(n)]
-    vocab = worker.vocab if params[0].logprobs else None
+    with_prompt = params[0].prompt_logprobs >= 0  # echo with logprobs, or vLLM's prompt_logprobs
+    vocab = worker.vocab if params[0].logprobs or with_prompt else None
     if req.stream:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
-        first = b"".join(stream.delta(i, text) for i, text in enumerate(echoes)) if echoes else b""
-        events = openai_events(worker, group, stream, n, req.include_usage, first)
+        if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
+            stream.echo_logprobs = bool(echoes) and params[0].logprobs
+            events = openai_events(worker, group, stream, n, req.include_usage, b"", echoes)
+        else:
+            first = b"".join(stream.delta(i, text) for i, text in enumerate(echoes)) if echoes else b""
+            events = openai_events(worker, group, stream, n, req.include_usage, first)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
-    return json_response(
-        completion_body(request_id, created, worker.model.served_name, choice_results(states, echoes), n, vocab)
+    body = completion_body(
+        request_id, created, worker.model.served_name, choice_results(states, echoes), n, vocab, bool(echoes)
     )
+    return json_response(body)
 
 
 def openai_events(
-    worker, group: ReqGroup, stream: ChatStream | CompletionStream, n: int, include_usage: bool, head: bytes
+    worker,
+    group: ReqGroup,
+    stream: ChatStream | CompletionStream,
+    n: int,
+    include_usage: bool,
+    head: bytes,
+    echoes: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
+    """`echoes`: each choice's prompt text, sent with its first delta (with its prompt logprobs)."""
+    unechoed = set(range(len(echoes))) if echoes else set()
+
     def render(state: ReqState) -> bytes | None:
         text, lp, finish = state.take()
+        plp = state.take_prompt_logprobs()
+        echo = None
+        if unechoed and state.index in unechoed:
+            unechoed.discard(state.index)
+            echo = echoes[state.index]
+        if plp is not None or echo is not None:
+            return stream.prompt_delta(state.index, text, finish, lp, plp, echo)
         if text or finish or lp is not None:
             return stream.delta(state.index, text, finish, lp)
         return None
@@ -211,7 +234,7 @@ async def generate(worker, request: Request) -> Response:
     rids = [rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
     group = await worker.submit("generate", prompt_ids, params, n, rids, req.stream)
-    vocab = worker.vocab if req.return_logprob else None
+    vocab = worker.vocab if req.return_logprob or params[0].prompt_logprobs >= 0 else None
     if req.stream:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
         return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group), worker.watches)
@@ -234,6 +257,7 @@ def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIte
             lp,
             e2e_latency(state) if finish else None,
             output_ids_of(state),
+            state.take_prompt_logprobs(),
         )
 
     return sse_events(worker, group, render, b"", lambda: DONE)

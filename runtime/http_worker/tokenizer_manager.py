@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from httpapi.errors import APIError, bad_request, engine_unavailable
-from httpapi.logprobs import TokenLogprobs
+from httpapi.logprobs import PromptLogprobs, TokenLogprobs
 from httpapi.requests import ChatTemplateArgs
 from httpapi.sampling import check_prompt_chars
 from protocol.records import (
@@ -57,6 +57,7 @@ from protocol.records import (
     rid_hash,
     take_records,
     unpack_logprobs,
+    unpack_prompt_logprobs,
 )
 from protocol.sampling_params import SamplingParams
 from runtime.http_worker.prompt_encoder import PromptEncoder
@@ -67,6 +68,7 @@ LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 LONG_CONVERSATION_MESSAGES = 64  # longer conversations are rendered off the event loop
 LONG_DECODE_IDS = 4096  # longer id lists are decoded off the event loop
 NEVER = 1 << 62  # a non-streamed choice's wake_at: only its end wakes it
+_PROMPT_LOGPROBS = int(TextKind.PROMPT_LOGPROBS)
 TIMEOUT_SWEEP_S = 1.0
 MIN_TOKEN_CHARS = 16  # the characters a token may hold, at least (longest_token_chars)
 
@@ -197,6 +199,7 @@ class ReqState:
         "sent_tokens",
         "last_ns",
         "output_ids",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -218,6 +221,7 @@ class ReqState:
         self.wake_at = 1 if group.wake_every else NEVER  # completion_tokens that wakes its coroutine
         self.sent_tokens, self.last_ns = 0, 0  # streamed so far, and when (the HTTP layer's)
         self.output_ids: list[int] = []  # every token id so far, when params.return_ids
+        self.prompt_logprobs: list[PromptLogprobs] = []  # its PROMPT_LOGPROBS records', not yet taken
 
     @property
     def finished(self) -> bool:
@@ -232,6 +236,13 @@ class ReqState:
             lp = self.logprobs[0] if len(self.logprobs) == 1 else TokenLogprobs.concat(self.logprobs)
             self.logprobs = []
         return text, lp, self.finish.api_name if self.finished else None
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs received and not taken yet (all of them come before the first token)."""
+        if not self.prompt_logprobs:
+            return None
+        parts, self.prompt_logprobs = self.prompt_logprobs, []
+        return PromptLogprobs.concat(parts)
 
     @property
     def matched_stop(self) -> int | str | None:
@@ -623,6 +634,9 @@ class TokenizerManager:
             state = states[slot]
             if state is None:  # ended earlier in this batch
                 continue
+            if odd and recs["kind"][i] == _PROMPT_LOGPROBS:  # no token yet: nothing to wake for
+                self._prompt_logprobs(state, recs[i], payload)
+                continue
             if n:
                 state.parts.append(blob[off : off + n])
             state.completion_tokens = completion
@@ -638,6 +652,22 @@ class TokenizerManager:
                 group._wake()
         if aborts:
             self._send(concat_records(aborts), None)
+
+    @staticmethod
+    def _prompt_logprobs(state: ReqState, rec: np.void, payload: np.ndarray) -> None:
+        r = record_fields(rec)
+        part = payload[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]]
+        ids, lps, ranks, top_ids, top_lps = unpack_prompt_logprobs(part, r["n_tokens"], r["n_top"])
+        state.prompt_logprobs.append(  # copies: views would keep the whole batch's payload alive
+            PromptLogprobs(
+                r["stop_token"],
+                ids.astype(np.int64),
+                lps.astype(np.float64),
+                ranks.astype(np.int64),
+                top_ids.astype(np.int64),
+                top_lps.astype(np.float64),
+            )
+        )
 
     def _special(self, state: ReqState, rec: np.void, payload: np.ndarray) -> bool:
         """Token ids, logprobs, errors and finishes of one record; True when the scheduler must be told
