@@ -26,6 +26,7 @@ class ChatOutput:
     tool_parser: ToolCallParser | None = None  # tool_choice "auto"
     tools: tuple[Tool, ...] = ()
     forced: ToolChoice | None = None  # "required" or a named function: the text is the grammar's JSON
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (vLLM's: later calls are dropped)
 
     @property
     def plain(self) -> bool:
@@ -46,6 +47,7 @@ def chat_message(text: str, finish_reason: str | None, out: ChatOutput) -> tuple
         calls, content = parsed.calls, parsed.content
     else:
         content = text
+    calls = calls[: out.max_calls]
     message: dict = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -99,6 +101,8 @@ class ChatDeltas:
         events = self._tools.feed(text) + events if text else events
         deltas = []
         for ev in events:
+            if not isinstance(ev, ContentDelta) and self._out.max_calls is not None and ev.index >= self._out.max_calls:
+                continue
             if isinstance(ev, ContentDelta):
                 deltas.append({"content": ev.text})
             elif isinstance(ev, CallStart):
@@ -110,7 +114,7 @@ class ChatDeltas:
 
     def _forced_deltas(self) -> list[dict]:
         text = "".join(self._forced_text)
-        calls = _forced(text, self._out)
+        calls = _forced(text, self._out)[: self._out.max_calls]
         if not calls:
             return [{"content": text}] if text else []
         self._made_calls = True

@@ -35,6 +35,7 @@ def outputs() -> dict[str, ChatOutput]:
         "plain": ChatOutput("chatcmpl-1"),
         "reasoning": ChatOutput("chatcmpl-1", reasoning=make_reasoning_parser("qwen3")),
         "auto": ChatOutput("chatcmpl-1", tool_parser=hermes, tools=TOOLS),
+        "auto, one call": ChatOutput("chatcmpl-1", tool_parser=hermes, tools=TOOLS, max_calls=1),
         "reasoning+auto": ChatOutput(
             "chatcmpl-1", reasoning=make_reasoning_parser("deepseek-r1"), tool_parser=hermes, tools=TOOLS
         ),
@@ -56,6 +57,10 @@ TEXTS = {
         '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>',
         "Just text, no <tool_ call.",
         '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',
+    ],
+    "auto, one call": [
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
     ],
     "reasoning+auto": [
         'I should look it up.</think>\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -130,6 +135,11 @@ def test_parsed_calls_make_tool_calls_with_stable_ids_and_finish_tool_calls():
     assert json.loads(message["tool_calls"][1]["function"]["arguments"]) == {"city": "Zürich"}
     # a choice cut by max_tokens keeps "length", calls or not
     assert chat_message(text, "length", outputs()["auto"])[1] == "length"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    message, reason = chat_message(TEXTS["auto, one call"][0], "stop", outputs()["auto, one call"])
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"] and reason == "tool_calls"
 
 
 def test_forced_calls_are_read_from_the_grammars_json():
