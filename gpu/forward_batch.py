@@ -24,6 +24,16 @@ class SeqInput:
 
 
 @dataclass(frozen=True)
+class TokenMask:
+    """The tokens some of a step's sampled sequences may take (constrained decoding): applied
+    to their logits after penalties, before the token is chosen (gpu/sampler.py)."""
+
+    bitmask: torch.Tensor  # int32 [N, ceil(V / 32)] on the host; bit j of word k allows token 32k + j
+    index: np.ndarray  # int64 [M], ascending: the sampled sequences masked (their order among the
+    #                    step's sampled ones); sequence index[i] reads bitmask row index[i]
+
+
+@dataclass(frozen=True)
 class PromptLogprobsAsk:
     """The step's sequences whose prompt logprobs are wanted: for each, a run of its new
     tokens whose logits are gathered at the tokens they predict (the next prompt tokens)."""
@@ -48,6 +58,7 @@ class StepInput:
     page_table: np.ndarray  # int32 [B, P], each sequence's pages in order; entries past num_pages unused
     num_pages: np.ndarray  # int64 [B]
     sample: np.ndarray  # bool [B], sample a token after this sequence's last new one
+    token_mask: TokenMask | None = None  # None: no sampled sequence is constrained
     prompt_logprobs: PromptLogprobsAsk | None = None  # None: no sequence asks (the common case)
 
     def __len__(self) -> int:

@@ -235,7 +235,7 @@ class ModelRunner:
         S = len(batch.sample_rows)
         if S == 0:
             return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, prompt)
-        res = self.sampler.sample(logits, batch.sample_rows)
+        res = self.sampler.sample(logits, batch.sample_rows, step.token_mask)
         logprobs = res.logprobs.cpu().numpy() if res.logprobs is not None else np.full(S, np.nan, np.float32)
         return StepOutput(
             tokens=res.tokens.to(torch.int32).cpu().numpy(),

@@ -1,6 +1,8 @@
 """A ModelRunner without a model: instant tokens, so the server's own per-token cost can be
 measured. Tokens cycle through the real tokenizer's ids for an ordinary English sentence
-(never EOS: requests end by max_tokens or stop strings); the page pool is real."""
+(never EOS: requests end by max_tokens or stop strings); the page pool is real. A
+constrained row (a grammar's mask) takes its cycle token if the grammar allows it, else the
+lowest id it allows, so its text is grammar-valid and the mask's cost is measured."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpu.forward_batch import PromptLogprobsAsk, SeqInput, StepInput
+from gpu.forward_batch import PromptLogprobsAsk, SeqInput, StepInput, TokenMask
 from gpu.model_config import ModelConfig
 from gpu.model_files import resolve_model_dir
 from gpu.model_runner import ModelRunnerConfig, PromptLogprobsOut, StepOutput
@@ -55,6 +57,8 @@ class NullModelRunner:
         rows = step.rows[step.sample]
         n = len(self.cycle)
         tokens = self.cycle[self.generated[rows] % n]
+        if step.token_mask is not None:
+            _apply_mask(tokens, step.token_mask)
         self.generated[rows] += 1
         prompt = None if step.prompt_logprobs is None else self._prompt_logprobs(step.prompt_logprobs)
         if not self.num_logprobs:  # the common case, in two numpy calls fewer
@@ -78,3 +82,12 @@ class NullModelRunner:
             top_ids[:, 0], top_lp[:, 0] = ask.targets, 0.0
             top_ids[:, 1:] = self.cycle[np.arange(K - 1) % len(self.cycle)]
         return PromptLogprobsOut(np.zeros(N, np.float32), np.ones(N, np.int64), top_ids, top_lp)
+
+
+def _apply_mask(tokens: np.ndarray, mask: TokenMask) -> None:
+    """Replaces each masked sequence's token by the lowest allowed id unless it is allowed."""
+    words = mask.bitmask.numpy()[mask.index]  # int32 [M, W]; little-endian hosts: bytes in bit order
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # token t: bit t
+    chosen = tokens[mask.index]
+    ok = allowed[np.arange(len(chosen)), chosen].astype(bool)
+    tokens[mask.index] = np.where(ok, chosen, allowed.argmax(axis=1))

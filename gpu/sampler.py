@@ -5,8 +5,9 @@ admission, updated in place after each step), so a step does a fixed number of b
 ops whatever the batch size; only rows with a seed cost one generator call each.
 
 Order, as vLLM: raw logits -> (logprobs are taken here: the model's own distribution,
-vLLM's default "raw_logprobs") -> min_tokens masks EOS/stop ids -> repetition, frequency,
-presence penalties -> greedy argmax, or temperature, then top_k / top_p / min_p masks
+vLLM's default "raw_logprobs") -> min_tokens masks EOS/stop ids -> logit_bias is added ->
+repetition, frequency, presence penalties -> the grammar's mask (constrained decoding: the
+tokens it forbids go to -inf) -> greedy argmax, or temperature, then top_k / top_p / min_p masks
 (all three measured on the same temperature-scaled distribution, kept tokens are their
 intersection) and inverse-CDF sampling from the renormalised kept probabilities (one
 uniform per row: a sort or an exponential race over [256, V] costs seconds on a CPU).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu.forward_batch import TokenMask
 from protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 # columns of the per-row float parameter table
@@ -60,6 +62,10 @@ class Sampler:
         self.seeded = np.zeros(R, bool)
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
+        # logit_bias: each biased row's (token ids int64, values float32) on the device
+        self.biased = np.zeros(R, bool)
+        self.bias_len = np.zeros(R, np.int64)
+        self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * R
         self._dirty = np.zeros(R, bool)
         # device state
         self.params_t = torch.zeros(R, 7, dtype=torch.float32, device=device)
@@ -96,6 +102,15 @@ class Sampler:
         self.seed[row] = params.seed or 0  # any int64: all 2**64 seeds sample apart
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
+        self.biased[row] = bool(params.logit_bias)
+        self.bias_len[row] = len(params.logit_bias)
+        self.bias[row] = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias[row] = (
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(values, dtype=torch.float32, device=self.device),
+            )
         self._dirty[row] = True
         self.output_counts[row].zero_()
         if len(output_ids):
@@ -112,10 +127,11 @@ class Sampler:
     def clear_request(self, row: int) -> None:
         self.greedy[row], self.penalized[row], self.seeded[row] = True, False, False
         self.logprobs[row], self.top_logprobs[row], self.min_tokens[row] = False, 0, 0
+        self.biased[row], self.bias[row] = False, None
 
-    def sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: np.ndarray, mask: TokenMask | None = None) -> SampleResult:
         """logits: float32 [S, V] of the rows `rows` (int64 [S]), modified in place; records the
-        chosen tokens."""
+        chosen tokens. `mask`: the tokens the constrained ones among them may take."""
         if self._dirty.any():
             dirty = np.flatnonzero(self._dirty)
             self.params_t[self._t(dirty)] = torch.from_numpy(self.params[dirty]).to(self.device)
@@ -134,10 +150,17 @@ class Sampler:
             stop.scatter_(1, self.stop_ids[rows_t[idx]], True)
             logits[idx] = logits[idx].masked_fill(stop[:, : self.V], float("-inf"))
 
+        biased = self.biased[rows]
+        if biased.any():
+            self.add_bias(logits, rows, np.flatnonzero(biased))
+
         penalized = self.penalized[rows]
         if penalized.any():
             idx = self._t(np.flatnonzero(penalized))
             logits[idx] = self.apply_penalties(logits[idx], rows_t[idx])
+
+        if mask is not None:
+            apply_token_mask(logits, mask)
 
         greedy = self.greedy[rows]
         if greedy.all():
@@ -166,6 +189,15 @@ class Sampler:
         top_ids = torch.zeros((S, K), dtype=torch.int64, device=self.device)
         top_lp[lp_idx], top_ids[lp_idx] = raw_logprobs.topk(K, dim=-1)
         return SampleResult(tokens, chosen, top_ids, top_lp)
+
+    def add_bias(self, logits: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
+        """Adds each biased row's logit_bias to its logits, all rows in one scatter-add:
+        logits[pos[i]] is the logits row of sampler row rows[pos[i]]."""
+        biases = [self.bias[r] for r in rows[pos].tolist()]
+        at = self._t(np.repeat(pos, self.bias_len[rows[pos]]))
+        ids = torch.cat([b[0] for b in biases])
+        values = torch.cat([b[1] for b in biases]).to(logits.dtype)
+        logits.index_put_((at, ids), values, accumulate=True)  # a token named twice gets both
 
     def apply_penalties(self, logits: torch.Tensor, rows_t: torch.Tensor) -> torch.Tensor:
         """OpenAI/vLLM: repetition divides positive / multiplies negative logits of tokens seen in
@@ -245,6 +277,16 @@ class Sampler:
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """Sets the logits of the tokens `mask` forbids to -inf, for its rows only, in one call
+    (xgrammar's kernel: CPU, or CUDA / Triton on a GPU)."""
+    import xgrammar as xgr
+
+    n = int(mask.index[-1]) + 1
+    bitmask = mask.bitmask[:n].to(logits.device)  # a blocking copy: the host rows are refilled next step
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=mask.index.tolist())
 
 
 def _take(x: torch.Tensor, mask: np.ndarray, idx: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ class GenerateOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[float] | None = None  # the chosen tokens', when asked
     top_logprobs: list[dict[int, float]] | None = None
+    error: str = ""  # why it failed, when finish_reason is "error" (e.g. its grammar did not compile)
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
     # when asked (prompt_logprobs >= 0): each prompt position's from prompt_logprobs_start, None at
     # position 0; and its top prompt_logprobs alternatives, {id: logprob} likeliest first
@@ -91,7 +92,12 @@ class OfflineEngine:
             sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
         pending = len(runs)
         while pending or sched.has_work:  # has_work: the end events of stop-string aborts
+            if sched.only_compiling:  # nothing to run until a grammar is compiled
+                sched.wait_for_grammar()
             res = sched.step()
+            for req in res.failed:
+                if req.generation == generation:
+                    runs[req.slot].error = req.error
             if res.prompt_records is not None:
                 _take_prompt_logprobs(res, runs, generation)
             ev = res.events
@@ -178,6 +184,7 @@ class OfflineEngine:
             cached_tokens=cached,
             logprobs=run.logprobs if p.logprobs else None,
             top_logprobs=run.top if p.top_logprobs else None,
+            error=run.error,
             prompt_token_ids=run.prompt.tolist(),
             prompt_logprobs=run.prompt_lps if p.prompt_logprobs >= 0 else None,
             prompt_top_logprobs=run.prompt_top if p.prompt_logprobs >= 0 else None,
@@ -196,6 +203,7 @@ class _Run:
         "finish",
         "counts",
         "parts",
+        "error",
         "prompt_lps",
         "prompt_top",
     )
@@ -208,6 +216,7 @@ class _Run:
         self.finish: Finish | None = None
         self.counts = (len(prompt), 0, 0)
         self.parts: list[bytes] = []  # the detokenizer's UTF-8 deltas
+        self.error = ""
         self.prompt_lps: list[float | None] = []
         self.prompt_top: list[dict[int, float] | None] = []
 

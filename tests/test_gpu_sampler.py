@@ -270,3 +270,91 @@ def test_rows_outside_the_table_are_refused():
         sampler.set_request(4, SamplingParams(), no_output(), no_output())
     with pytest.raises(ValueError, match="row -1 is outside"):
         sampler.sample(torch.zeros(2, V), np.array([0, -1]))
+
+
+def _reference(logits, biases, rep, freq, pres, seen, counts):
+    """logit_bias added (a token named twice gets both), then the penalties, as the sampler
+    documents (vLLM's order)."""
+    out = logits.clone()
+    for r, bias in enumerate(biases):
+        for token, value in bias:
+            out[r, token] += value
+    out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+    return out - freq * counts - pres * (counts > 0)
+
+
+def test_logit_bias_matches_a_torch_reference_before_penalties():
+    n = 64
+    sampler = Sampler(6, n, (n - 1,), CPU)
+    gen = torch.Generator().manual_seed(0)
+    biases = [((3, 100.0), (5, -100.0)), (), ((7, 2.5), (7, 1.5), (60, -3.0)), ((0, 50.0),)]
+    prompt, output = np.array([3, 7], np.int32), np.array([7, 60, 60], np.int32)
+    for row, bias in enumerate(biases):
+        # row 3's bias is held back by min_tokens: a masked stop id stays -inf
+        params = SamplingParams(
+            temperature=0.0,
+            logit_bias=bias,
+            repetition_penalty=1.5,
+            frequency_penalty=0.5,
+            presence_penalty=0.25,
+            stop_token_ids=(0,) if row == 3 else (),
+            min_new_tokens=4 if row == 3 else 0,  # it has 3: masked
+            max_new_tokens=8,
+        ).validate(n)
+        sampler.set_request(row, params, prompt, output)
+    logits = torch.randn(4, n, generator=gen) * 3
+    seen = torch.zeros(4, n, dtype=torch.bool)
+    seen[:, [3, 7, 60]] = True
+    counts = torch.zeros(4, n)
+    counts[:, 7], counts[:, 60] = 1, 2
+    want = _reference(logits, biases[:3] + [()], 1.5, 0.5, 0.25, seen, counts)
+    want[3, [0, n - 1]] = -math.inf  # row 3: stop id and EOS masked, its bias on 0 changes nothing
+    rows = np.array([0, 1, 2, 3])
+    got = logits.clone()
+    res = sampler.sample(got, rows)  # modifies the logits in place: what the choice is made on
+    torch.testing.assert_close(got, want)
+    assert res.tokens.tolist() == want.argmax(dim=-1).tolist()
+    assert res.tokens[0].item() == 3  # +100 forces its token
+
+
+def test_logit_bias_is_per_row_and_cleared_with_the_row():
+    sampler = make()
+    sampler.set_request(0, SamplingParams(temperature=0.0, logit_bias=((4, 100.0),)), no_output(), no_output())
+    sampler.set_request(1, SamplingParams(temperature=0.0), no_output(), no_output())
+    logits = logits_of(PROBS, 2)
+    assert sampler.sample(logits.clone(), np.array([0, 1])).tokens.tolist() == [4, 0]
+    assert sampler.sample(logits.clone(), np.array([1, 0])).tokens.tolist() == [0, 4]  # any batch order
+    sampler.clear_request(0)
+    sampler.set_request(0, SamplingParams(temperature=0.0, logit_bias=((0, -100.0),)), no_output(), no_output())
+    assert sampler.sample(logits.clone(), np.array([0, 1])).tokens.tolist() == [1, 0]
+
+
+def _bitmask(allowed: list[list[int]], n: int) -> torch.Tensor:
+    """xgrammar's layout: bit j of word k allows token 32k + j."""
+    bits = np.zeros((len(allowed), -(-n // 32) * 32), np.uint8)
+    for i, ids in enumerate(allowed):
+        bits[i, ids] = 1
+    return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
+
+
+def test_token_mask_applies_to_its_rows_only_after_bias_and_penalties():
+    from gpu.forward_batch import TokenMask
+
+    n = 40  # two bitmask words, the second part-used
+    sampler = Sampler(4, n, (n - 1,), CPU, random_seed=1)
+    sampler.set_request(0, SamplingParams(temperature=0.0, logit_bias=((33, 100.0),)), no_output(), no_output())
+    sampler.set_request(1, SamplingParams(temperature=0.0, logit_bias=((33, 100.0),)), no_output(), no_output())
+    sampler.set_request(2, SamplingParams(temperature=1.0), no_output(), no_output())
+    # sampled sequences 0 and 2 are masked (bitmask rows 0 and 2); row 1 of the bitmask is garbage
+    bitmask = _bitmask([[2, 35], [], [5, 6, 38]], n)
+    mask = TokenMask(bitmask, np.array([0, 2]))
+    logits = torch.randn(3, n, generator=torch.Generator().manual_seed(3))
+    for _ in range(20):
+        got = logits.clone()
+        tokens = sampler.sample(got, np.array([0, 1, 2]), mask).tokens.tolist()
+        assert tokens[0] in (2, 35) and tokens[1] == 33 and tokens[2] in (5, 6, 38)
+        assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [2, 35]
+        assert torch.isfinite(got[1]).all()  # the unmasked sequence beside them is untouched
+        assert got[0, 2] == logits[0, 2] and got[0, 35] == logits[0, 35]
+    # the bias (+100 on 33) cannot take a token the grammar forbids
+    assert sampler.sample(logits[:1].clone(), np.array([0]), TokenMask(bitmask, np.array([0]))).tokens.item() in (2, 35)

@@ -11,6 +11,7 @@ OfflineEngine both drive this class.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu.forward_batch import PromptLogprobsAsk, StepInput
+from gpu.forward_batch import PromptLogprobsAsk, StepInput, TokenMask
 from protocol.records import (
     NO_TOKEN,
     TOKEN_OUT,
@@ -31,6 +32,7 @@ from protocol.records import (
 )
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs
+from runtime.scheduler.grammar import GrammarError, make_grammar_backend
 from runtime.scheduler.policy import order_queue
 from runtime.scheduler.radix_cache import RadixCache
 from runtime.scheduler.req import Req, ReqStatus
@@ -65,6 +67,8 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    grammar_backend: str = "xgrammar"  # xgrammar | none (constrained requests fail)
+    constrained_json_any_whitespace: bool = False  # False: JSON schemas allow compact JSON only
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, context_length: int, **overrides) -> SchedulerConfig:
@@ -75,6 +79,8 @@ class SchedulerConfig:
             max_prefill_tokens=args.max_prefill_tokens,
             schedule_policy=args.schedule_policy,
             disable_radix_cache=args.disable_radix_cache,
+            grammar_backend=args.grammar_backend,
+            constrained_json_any_whitespace=args.constrained_json_any_whitespace,
             **overrides,
         )
 
@@ -87,6 +93,7 @@ class StepResult:
     top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
     top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
     opened: list[Req]  # requests added since the last step, in order (the OPEN records)
+    failed: list[Req]  # requests among the events' ERROR records: their error and its message
     # PROMPT_LOGPROBS records of this step's prefill chunks, to be sent before `events` (a request's
     # come before its first token), and each one's payload (pack_prompt_logprobs); None: none
     prompt_records: np.ndarray | None = None
@@ -115,6 +122,15 @@ class Scheduler:
         self.eos_ids = np.unique(np.asarray(runner.model_config.eos_token_ids, dtype=np.int32))[:MAX_STOP_IDS]
         self.heartbeat = heartbeat  # called before each forward: a long one starts with a fresh beat
         self.queue: list[Req] = []  # waiting to be (re)admitted, in arrival order
+        self.compiling: list[Req] = []  # new constrained requests waiting for their grammar
+        self.grammar = make_grammar_backend(
+            config.grammar_backend,
+            runner.model_config,
+            config.max_running_requests,
+            config.constrained_json_any_whitespace,
+        )
+        self.num_constrained = 0  # running requests with a grammar
+        self.constrained = np.zeros(config.max_running_requests, bool)  # by table row
         self.requests: dict[tuple[int, int], Req] = {}  # every live request by (worker, slot)
         self.chunked: Req | None = None  # the request mid-prefill, if any
         self.new_token_ratio = config.init_new_token_ratio
@@ -122,6 +138,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._ended: list[np.ndarray] = []  # TOKEN_EVENT records of requests ended between steps
         self._opened: list[Req] = []
+        self._failed: list[Req] = []  # ended with an ERROR record since the last step
         self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
         # this step's prefill chunks that owe prompt logprobs: (request, first, end) of the prompt
         # positions they report, in step order
@@ -131,7 +148,21 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Something to run or to report: step() would do something."""
-        return bool(self.queue or self.table.num_active or self._ended or self._opened)
+        return bool(self.queue or self.table.num_active or self._ended or self._opened or self.compiling)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to do until a grammar compile finishes (or a request comes)."""
+        return bool(self.compiling) and not (self.queue or self.table.num_active or self._ended or self._opened)
+
+    def wait_for_grammar(self, timeout: float | None = None) -> None:
+        """Blocks until a waiting request's grammar is compiled (or failed), or `timeout` s pass."""
+        concurrent.futures.wait(
+            [r.grammar for r in self.compiling], timeout, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+
+    def close(self) -> None:
+        self.grammar.close()
 
     @property
     def num_running(self) -> int:
@@ -153,9 +184,32 @@ class Scheduler:
         if req.error_code:
             logger.warning("request (%d, %d, %d) rejected: %s", worker, slot, generation, req.error)
             self._end(req, Finish.ERROR)
+        elif params.constrained:  # queued once its grammar is compiled (next step on a cache hit)
+            req.grammar = self.grammar.compile(params.grammar_kind, params.grammar)
+            req.status = ReqStatus.COMPILING
+            self.compiling.append(req)
         else:
             self.queue.append(req)
         return req
+
+    def _take_grammars(self) -> None:
+        """Queues the waiting requests whose grammar is compiled, each with a fresh matcher;
+        ends those whose grammar failed with an ERROR that names what failed."""
+        for req in [r for r in self.compiling if r.grammar.done()]:
+            err = req.grammar.exception()
+            if err is not None:
+                if isinstance(err, GrammarError):
+                    req.error_code, req.error = ErrorCode.INVALID_REQUEST, str(err)
+                else:  # the backend itself failed (its tokenizer, say): not the request's fault
+                    logger.error("grammar backend failed", exc_info=err)
+                    req.error_code, req.error = ErrorCode.INTERNAL, "grammar: the grammar backend failed"
+                logger.warning("request (%d, %d, %d) failed: %s", req.worker, req.slot, req.generation, req.error)
+                self._end(req, Finish.ERROR)
+                continue
+            self.compiling.remove(req)
+            req.matcher = self.grammar.matcher(req.grammar.result())
+            req.grammar, req.status = None, ReqStatus.QUEUED
+            bisect.insort(self.queue, req, key=lambda q: q.arrival)
 
     def _check(self, req: Req) -> tuple[ErrorCode, str]:
         n, ctx, kv = len(req.prompt), self.config.context_length, self.pool.num_pages * self.page_size
@@ -201,6 +255,8 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> StepResult:
+        if self.compiling:
+            self._take_grammars()
         decode_rows = self._schedule_decode()
         prefill = self._schedule_prefill()
         if not len(decode_rows) and not prefill:
@@ -302,6 +358,9 @@ class Scheduler:
         t.kv_len[row] = prefix
         req.node, req.prefix_pages, req.status = node, len(prefix_pages), ReqStatus.RUNNING
         self.runner.set_request(row, req.params, req.prompt, req.output)
+        if req.matcher is not None:
+            self.constrained[row] = True
+            self.num_constrained += 1
         n = self._grow(row, n)
         if n < remaining:
             self.chunked = req
@@ -343,6 +402,7 @@ class Scheduler:
             rows = np.concatenate([rows, np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))])
             q_lens = np.concatenate([q_lens, np.fromiter((n for _, n in prefill), np.int64, len(prefill))])
         starts, token_ids, num_pages, page_table, sample = t.step_input(rows, q_lens)
+        mask = self._token_mask(rows[sample]) if self.num_constrained else None
         ask = None
         if any(req.prompt_logprobs_next < len(req.prompt) for req, _ in prefill):
             ask = self._prompt_logprobs_ask(prefill, B, starts)
@@ -354,6 +414,7 @@ class Scheduler:
             page_table=page_table,
             num_pages=num_pages,
             sample=sample,
+            token_mask=mask,
             prompt_logprobs=ask,
         )
 
@@ -422,6 +483,18 @@ class Scheduler:
             req.prompt_logprobs_next = end
         return concat_records(recs), payloads
 
+    def _token_mask(self, sampled: np.ndarray) -> TokenMask | None:
+        """The grammars' allowed tokens for the constrained rows among `sampled` (the rows
+        that sample this step, in order), or None when there is none: a chunk before a
+        prompt's last one samples nothing, so its matcher is untouched."""
+        index = np.flatnonzero(self.constrained[sampled])
+        if not len(index):
+            return None
+        bitmask, reqs = self.grammar.bitmask, self.table.reqs
+        for i, row in zip(index.tolist(), sampled[index].tolist()):
+            reqs[row].matcher.fill_next_token_bitmask(bitmask, i)
+        return TokenMask(bitmask, index)
+
     # ---- after the forward -------------------------------------------------------------
     def _process(self, step: StepInput, prefill: list[tuple[Req, int]], out) -> StepResult:
         t, stats = self.table, self.stats
@@ -435,6 +508,8 @@ class Scheduler:
         # the decodes, then the prompts whose last chunk this was
         rows = step.rows[step.sample] if prefill else step.rows
         events, finished = t.append(rows, out.tokens, out.logprobs)
+        if step.token_mask is not None:
+            self._advance_grammars(rows, out.tokens, step.token_mask.index, events, finished)
         stats.generated_tokens += len(rows)
         for row in finished:
             self._finish(t.reqs[row])
@@ -445,6 +520,34 @@ class Scheduler:
         if self._prompt_runs:
             res.prompt_records, res.prompt_payloads = self._prompt_records(out)
         return res
+
+    def _advance_grammars(
+        self, rows: np.ndarray, tokens: np.ndarray, index: np.ndarray, events: np.ndarray, finished: list[int]
+    ) -> None:
+        """The matchers of the constrained rows, rows[index], accept their tokens. A grammar
+        that is done (it accepted a stop token: EOS with ignore_eos too) ends the request with
+        STOP; one that refuses the token (no allowed token was left to sample, e.g. min_tokens
+        masked the stop token the grammar needed) ends it with ABORT. `events`: the sampled
+        rows' records, in order; the rows that end here are added to `finished`."""
+        reqs, finish = self.table.reqs, events["finish"]
+        for k, row, token in zip(index.tolist(), rows[index].tolist(), tokens[index].tolist()):
+            req = reqs[row]
+            if req.matcher.accept_token(token):
+                if not req.matcher.is_terminated():
+                    continue
+                reason = Finish.STOP
+            else:
+                logger.warning(
+                    "request (%d, %d, %d): its grammar refused token %d; ended",
+                    req.worker,
+                    req.slot,
+                    req.generation,
+                    token,
+                )
+                reason = Finish.ABORT
+            if finish[k] == Finish.NONE:
+                finish[k] = reason
+                finished.append(row)
 
     def _cache_running(self, req: Req) -> None:
         t, r = self.table, req.row
@@ -458,7 +561,8 @@ class Scheduler:
             events = concat_records([events, np.stack(self._ended)])
             self._ended = []
         opened, self._opened = self._opened, []
-        return StepResult(events, num_sampled, top_ids, top_logprobs, opened)
+        failed, self._failed = self._failed, []
+        return StepResult(events, num_sampled, top_ids, top_logprobs, opened, failed)
 
     # ---- leaving the running set ----------------------------------------------------------
     def _release(self, req: Req) -> None:
@@ -466,6 +570,9 @@ class Scheduler:
         t, r = self.table, req.row
         self.cache.release(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
         self.runner.clear_request(r)
+        if req.matcher is not None:  # it keeps its matcher: a retracted request resumes with it
+            self.constrained[r] = False
+            self.num_constrained -= 1
         t.release(r)
         req.node, req.prefix_pages = None, 0
         if self.chunked is req:
@@ -500,13 +607,20 @@ class Scheduler:
             self._release(req)
         else:
             completion = len(req.output)
-            if req in self.queue:
+            if req.status is ReqStatus.COMPILING:
+                self.compiling.remove(req)
+                req.grammar = None
+            elif req in self.queue:
                 self.queue.remove(req)
         req.status = ReqStatus.FINISHED
         if self.requests.get(req.key) is req:
             del self.requests[req.key]
         rec = np.zeros((), TOKEN_EVENT)
-        rec["kind"] = TokenKind.ERROR if reason == Finish.ERROR else TokenKind.TOKEN
+        if reason == Finish.ERROR:  # the scheduler process adds the message (req.error)
+            rec["kind"], rec["error"] = TokenKind.ERROR, req.error_code
+            self._failed.append(req)
+        else:
+            rec["kind"] = TokenKind.TOKEN
         rec["worker"], rec["slot"], rec["gen"] = req.worker, req.slot, req.generation
         rec["token"], rec["logprob"], rec["finish"] = NO_TOKEN, math.nan, reason
         rec["prompt_tokens"], rec["completion_tokens"] = len(req.prompt), completion

@@ -70,6 +70,7 @@ ABORTS_SPEC = ChannelSpec(REQUEST, capacity=4096)  # detokenizer -> scheduler: A
 DETOKENIZER_INPUT = -1  # the key of the detokenizer's channel among the inputs (workers are 0, 1, ...)
 SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
+GRAMMAR_POLL_S = 0.002  # with only grammar compiles pending, the loop looks for a finished one this often
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
 _SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(
     int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM, OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS)
@@ -126,7 +127,6 @@ class SchedulerProcess:
         self.stats = None
         self.scheduler: Scheduler | None = None
         self.meta: dict = {}
-        self._rejected: dict[tuple[int, int, int], Req] = {}  # opened this step, ERROR to send
         self.peers: PeerServer | None = None
         self._stopping = False
 
@@ -193,6 +193,12 @@ class SchedulerProcess:
             self._publish(force=not sched.has_work)  # about to sleep: what /metrics shows is final
             if not sched.has_work:
                 waker.wait_readable(self._input_list, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
+            elif sched.only_compiling:
+                # Nothing runs until a compile (in the grammar pool) finishes: sleep on the
+                # eventfd (a new request still wakes the loop at once) for a few ms at a time.
+                # A wakeup from the pool's done-callback could be lost: the wait drains the
+                # eventfd before it sleeps, and the grammar's readiness is not a ring it re-checks.
+                waker.wait_readable(self._input_list, timeout=GRAMMAR_POLL_S)
 
     def _handle_requests(self, batch) -> None:
         sched = self.scheduler
@@ -274,14 +280,13 @@ class SchedulerProcess:
             sampled["payload_off"] = offsets + base
             sampled["payload_len"] = 8 * res.top_ids.shape[1]
             sampled["n_top"] = res.top_ids.shape[1]
-        if self._rejected:
+        if res.failed:  # their ERROR records carry the message
+            failed = {(r.worker, r.slot, r.generation): r for r in res.failed}
             n = len(opened)  # the OPEN section may hold ERROR records of its own (a failed OPEN)
             for k in (np.flatnonzero(ev["kind"][n:] == TokenKind.ERROR) + n).tolist():
-                req = self._rejected.pop((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])), None)
-                if req is None:
-                    continue
-                ev["error"][k] = req.error_code
-                ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
+                req = failed.get((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
+                if req is not None:
+                    ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
         blob = payload.blob()
         if len(blob) > self._max_push:  # several pushes (push_all splits); none may be too big alone
             ev, blob = self._refuse_oversize(ev, blob)
@@ -321,7 +326,6 @@ class SchedulerProcess:
             | (_RETURN_IDS if p.return_ids else 0)
         )
         if req.error_code:  # it never runs: an ERROR follows, its stop strings are not needed
-            self._rejected[(req.worker, req.slot, req.generation)] = req
             stop_off, stop_len = 0, 0
         else:
             stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
@@ -410,6 +414,8 @@ class SchedulerProcess:
 
     def close(self) -> None:
         self._stopping = True
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.peers is not None:
             self.peers.close()
         for ch in self.inputs.values():

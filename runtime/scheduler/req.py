@@ -18,6 +18,7 @@ class ReqStatus(enum.IntEnum):
     QUEUED = 0  # new, or retracted and waiting to resume
     RUNNING = 1  # holds a row and KV pages
     FINISHED = 2
+    COMPILING = 3  # new, waiting for its grammar to compile before it can be queued
 
 
 class Req:
@@ -37,6 +38,8 @@ class Req:
         "tag",
         "error_code",
         "error",
+        "grammar",
+        "matcher",
         "prompt_logprobs_next",
     )
 
@@ -65,6 +68,8 @@ class Req:
         self.tag = tag  # its owner's data: the scheduler process keeps the rid's hash here (ABORT_RID)
         self.error_code = ErrorCode.NONE  # why it was refused before running (then finish ERROR)
         self.error = ""  # the same, one line for the user
+        self.grammar = None  # Future of its compiled grammar while COMPILING (runtime/scheduler/grammar.py)
+        self.matcher = None  # a constrained request's grammar state (xgr.GrammarMatcher), from compile to end
         # the next prompt position whose logprob it is owed (SamplingParams.prompt_logprobs); len(prompt):
         # none (never asked, or all sent). Kept across a retraction, so no position is sent twice.
         self.prompt_logprobs_next = (
