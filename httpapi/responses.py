@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from httpapi.chat_output import ChatOutput, chat_message
 from httpapi.logprobs import (
     LogprobVocab,
     PromptLogprobs,
@@ -85,28 +86,35 @@ def chat_completion_body(
     choices: Sequence[ChoiceResult],
     n: int,
     vocab: LogprobVocab | None = None,
+    output: ChatOutput | None = None,
 ) -> bytes:
-    """`vocab` is needed when the choices carry logprobs. Prompt logprobs are the response's, as
-    vLLM reports them for chat (its choices share the prompt)."""
+    """`vocab` is needed when the choices carry logprobs; `output` reads their texts for
+    reasoning and tool calls (none: all content). Prompt logprobs are the response's, as vLLM
+    reports them for chat (its choices share the prompt)."""
     body = {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
+        "choices": [_chat_choice(c, vocab, output) for c in choices],
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
     }
     if choices and choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, vocab)
     return orjson.dumps(body)
+
+
+def _chat_choice(c: ChoiceResult, vocab: LogprobVocab | None, output: ChatOutput | None) -> dict:
+    if output is None or output.plain:
+        message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    else:
+        message, finish_reason = chat_message(c.text, c.finish_reason, output)
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
+        "finish_reason": finish_reason,
+    }
 
 
 def completion_body(

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from httpapi.errors import engine_unavailable
+from httpapi.chat_output import ChatDeltas, ChatOutput
+from httpapi.errors import bad_request, engine_unavailable
 from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
 from httpapi.requests import (
+    ChatCompletionRequest,
     parse_abort,
     parse_chat_completion,
     parse_completion,
@@ -45,6 +47,8 @@ from runtime.http_worker.asgi import (
 )
 from runtime.http_worker.streaming import EventStream, sse_events
 from runtime.http_worker.tokenizer_manager import ReqGroup, ReqState
+from structured.tool_parsers import PARSERS, make_parser
+from structured.tools import HERMES_TEMPLATE
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -105,17 +109,82 @@ async def chat_completions(worker, request: Request) -> Response:
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
     request_id, created = response_id("chatcmpl", req.request_id), now()  # also the rid /abort_request takes
+    output = chat_output(worker, req, request_id)
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
-        events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
+        if output.plain:
+            events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
+        else:
+            events = chat_events(worker, group, stream, req.n, req.include_usage, output)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     worker.observe(group)
     return json_response(
-        chat_completion_body(request_id, created, worker.model.served_name, choice_results(states), req.n, vocab)
+        chat_completion_body(
+            request_id, created, worker.model.served_name, choice_results(states), req.n, vocab, output
+        )
     )
+
+
+def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutput:
+    """How the request's choices are read (reasoning, tool calls); 400 when its tools cannot
+    be served: the chat template does not render them, or no parser reads "auto" calls."""
+    tools, choice = req.tools, req.tool_choice
+    if tools and choice.mode != "none" and not worker.template_renders_tools:
+        raise bad_request(
+            "tools: this model's chat template does not render tools; start the server with a --chat-template "
+            f"that does (for a ChatML model: {HERMES_TEMPLATE.relative_to(HERMES_TEMPLATE.parents[2])})",
+            "tools",
+        )
+    parser = None
+    if tools and choice.mode == "auto":
+        if worker.tool_call_parser is None:
+            raise bad_request(
+                'tool_choice "auto" needs a tool-call parser, and this model\'s chat template shows no call '
+                f"format: start the server with --tool-call-parser (one of {', '.join(PARSERS)}), or send "
+                'tool_choice "required" or a named function',
+                "tool_choice",
+            )
+        parser = make_parser(worker.tool_call_parser, [t.name for t in tools])
+    forced = choice if choice.mode in ("required", "function") else None
+    return ChatOutput(
+        request_id,
+        reasoning=worker.reasoning,
+        tool_parser=parser,
+        tools=tools,
+        forced=forced,
+        max_calls=None if req.parallel_tool_calls else 1,
+    )
+
+
+def chat_events(
+    worker, group: ReqGroup, stream: ChatStream, n: int, include_usage: bool, output: ChatOutput
+) -> AsyncIterator[bytes]:
+    """A chat stream whose text is parsed (reasoning, tool calls) into delta objects as it comes."""
+    parsers = [ChatDeltas(output) for _ in group.states]
+
+    def render(state: ReqState) -> bytes | None:
+        text, lp, finish = state.take()
+        deltas = parsers[state.index].feed(text) if text else []
+        if finish is not None:
+            tail, finish = parsers[state.index].finish(finish)
+            deltas += tail
+        if not deltas:
+            return stream.event(state.index, {}, finish, lp) if finish or lp is not None else None
+        last = len(deltas) - 1
+        return b"".join(
+            stream.event(state.index, d, finish if i == last else None, lp if i == 0 else None)
+            for i, d in enumerate(deltas)
+        )
+
+    def tail() -> bytes:
+        if include_usage:
+            return stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
+        return DONE
+
+    return sse_events(worker, group, render, stream.start(), tail)
 
 
 @api_route

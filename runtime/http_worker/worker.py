@@ -30,6 +30,9 @@ from runtime.http_worker.tokenizer_manager import ModelInfo, ReqGroup, ReqState,
 from runtime.supervise.files import EngineProcess, ServerFiles
 from runtime.supervise.launcher import EngineGaveUp, EngineLink, attach_engine, kill_and_wait
 from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog, stalled_heartbeats
+from structured.reasoning import make_reasoning_parser
+from structured.tool_parsers import template_tool_call_parser
+from structured.tools import HERMES_TEMPLATE
 
 logger = logging.getLogger("ringserve.app")
 
@@ -58,6 +61,10 @@ class HTTPWorker:
         self.kv_tokens: int | None = link.meta.get("max_total_tokens")  # may hold less than the context
         self.started = now()
         self.index_header = str(link.worker)
+        template = tm.tokenizer.chat_template if isinstance(tm.tokenizer.chat_template, str) else None
+        self.reasoning = make_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
+        self.tool_call_parser = args.tool_call_parser or template_tool_call_parser(template)
+        self.template_renders_tools = template is not None and "tools" in template
         self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0
         self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
         self.watchdog = EngineWatchdog(link.procs, files.server_pid, self._engine_exited)
@@ -315,9 +322,12 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
     model_dir = resolve_model_dir(args.model_path)
     cfg = ModelConfig.from_dir(model_dir, args.context_length)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if args.chat_template is not None:
+    # the embedded model's own template renders no tools; the Hermes one renders everything
+    # else as it does (tests/test_hermes_template.py), and tool calls as the hermes parser reads them
+    template = args.chat_template or (str(HERMES_TEMPLATE) if args.model_path is None else None)
+    if template is not None:
         try:
-            tokenizer.chat_template = read_chat_template(args.chat_template)
+            tokenizer.chat_template = read_chat_template(template)
         except (OSError, ValueError) as e:
             raise ModelLoadError(str(e)) from None
     model = ModelInfo(
