@@ -303,6 +303,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     tools, tool_choice = _tools(f)
     template = _template_args(f, messages, tools, rich)
     names = {"max_tokens": max_tokens_param}
+    parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
     values = read_sampling(
         f,
         seed="seed",
@@ -311,9 +312,8 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         logprobs=f.get_bool("logprobs", False),
         top_logprobs=f.get_int("top_logprobs", 0),
         prompt_logprobs=_prompt_logprobs(f),
-        **_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice)),
+        **_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice, parallel_tool_calls)),
     )
-    parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
     request_id = _request_id(f)
     _refuse_unserved(f, REFUSED_OPENAI)
     _check_ignored(f)
@@ -665,11 +665,11 @@ def _tools(f: Fields) -> tuple[tuple[Tool, ...], ToolChoice]:
     return tools, choice
 
 
-def forced_call_schema_of(tools: tuple[Tool, ...], choice: ToolChoice) -> str | None:
+def forced_call_schema_of(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = True) -> str | None:
     """The JSON schema a forced call's output must match (tool_choice "required" or a named
-    function), or None."""
+    function), or None; parallel_tool_calls false allows one call."""
     try:
-        return forced_call_schema(tools, choice)
+        return forced_call_schema(tools, choice, max_calls=None if parallel else 1)
     except InvalidTool as e:
         raise bad_request(str(e), e.param) from None
 

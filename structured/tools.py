@@ -122,10 +122,11 @@ def parse_tool_choice(value: object, tools: tuple[Tool, ...]) -> ToolChoice:
     return choice
 
 
-def forced_call_schema(tools: tuple[Tool, ...], choice: ToolChoice) -> str | None:
+def forced_call_schema(tools: tuple[Tool, ...], choice: ToolChoice, max_calls: int | None = None) -> str | None:
     """The JSON schema (text) the output of a forced call must match: for "required", a
     non-empty array of {"name", "parameters"} objects, one of the tools each; for a named
     function, its parameters. None when the model chooses (auto) or may not call (none).
+    max_calls bounds the array (parallel_tool_calls false: 1).
     Raises InvalidTool when the tools' schema definitions clash (they share one `$defs`)."""
     if choice.mode == "function":
         return orjson.dumps(_tool_named(tools, choice.name).parameters).decode()
@@ -151,6 +152,8 @@ def forced_call_schema(tools: tuple[Tool, ...], choice: ToolChoice) -> str | Non
             }
         )
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}, **definitions}
+    if max_calls is not None:  # parallel_tool_calls false: a model that repeats calls cannot
+        schema["maxItems"] = max_calls
     return orjson.dumps(schema).decode()
 
 

@@ -185,6 +185,14 @@ def test_required_schema_compiles_and_accepts_calls_only() -> None:
         assert not grammar_accepts(grammar, text), text
 
 
+def test_one_call_when_parallel_calls_are_off() -> None:
+    grammar = compiled(forced_call_schema(parse_tools(ALL), ToolChoice("required"), max_calls=1))
+    assert grammar_accepts(grammar, '[{"name": "get_time", "parameters": {}}]')
+    assert not grammar_accepts(
+        grammar, '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}]'
+    )
+
+
 @pytest.mark.parametrize(
     "parameters",
     [
