@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OUR_DIRS = ("runtime", "ipc", "gpu", "httpapi", "protocol", "perf", "scripts", "tests", "docs")
-OUR_PACKAGES = ("runtime", "ipc", "gpu", "httpapi", "protocol")
+OUR_DIRS = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol", "perf", "scripts", "tests", "docs")
+OUR_PACKAGES = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol")
 GENERATED = ("perf/results",)  # written by the benchmarks
 README_MAX_LINES = 250
 
