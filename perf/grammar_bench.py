@@ -4,12 +4,13 @@ in alternating order, so that both halves see the same spells of a noisy machine
 median of the rounds' constrained / unconstrained ratios is the result.
 
 Levels: the real model at concurrency 8 and 32, and the null model (instant tokens, so the
-server's own per-token cost is what is measured) at 256 streams. The schema's `summary` has
-a minLength past --output-tokens, so a constrained answer runs to max_tokens like the
-unconstrained one (ignore_eos): both halves stream the same number of tokens. Each request
+server's own per-token cost is what is measured) at 256 streams. The schema's `keywords` has
+a minItems that takes an answer past --output-tokens, so a constrained answer runs to
+max_tokens like the unconstrained one (ignore_eos): both halves stream as many tokens. Each request
 of a round has a prompt of its own (nothing but the chat template's system prompt in the
-prefix cache) and the constrained half uses the schema compiled in the warm-up: the cold
-compile is measured apart, in this process, with the scheduler's own compiler settings.
+prefix cache) and the constrained half uses the schema compiled in the warm-up. Measured
+apart, in this process, with the scheduler's compiler settings: the cold and cached compile,
+and the mask fill and accept a token costs, of the schema and of a bounded variant.
 
     python perf/grammar_bench.py                   # real c=8,32 and null c=256, 3 rounds
     python perf/grammar_bench.py --models null --rounds 5
@@ -22,6 +23,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from json import JSONEncoder
 from pathlib import Path
 
 import orjson
@@ -29,24 +31,38 @@ import orjson
 import report
 import serving_bench as sb
 
-SCHEMA = {
+SCHEMA = {  # a typical extraction schema; keywords' minItems makes answers run to max_tokens
     "type": "object",
     "properties": {
-        "title": {"type": "string", "maxLength": 60},
-        "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
-        "genres": {
-            "type": "array",
-            "items": {"type": "string", "enum": ["fiction", "history", "science", "poetry", "drama"]},
-            "maxItems": 3,
-        },
+        "title": {"type": "string"},
+        "year": {"type": "integer"},
+        "genres": {"type": "array", "items": {"type": "string", "enum": ["fiction", "history", "science", "poetry"]}},
         "author": {
             "type": "object",
             "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
             "required": ["name"],
         },
-        "summary": {"type": "string", "minLength": 600},
+        "keywords": {"type": "array", "items": {"type": "string"}, "minItems": 16},
     },
-    "required": ["title", "year", "genres", "author", "summary"],
+    "required": ["title", "year", "genres", "author", "keywords"],
+}
+# the same with bounds on its strings and numbers: xgrammar expands each length bound into its
+# repetitions, which costs compile time and, at some states, mask time (measured apart)
+BOUNDED_SCHEMA = {
+    **SCHEMA,
+    "properties": {
+        **SCHEMA["properties"],
+        "title": {"type": "string", "maxLength": 60},
+        "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 16},
+    },
+}
+SAMPLE_ANSWER = {  # what the per-token costs are measured on
+    "title": "The quick brown fox",
+    "year": 1999,
+    "genres": ["fiction", "poetry"],
+    "author": {"name": "Alice Smith", "born": 1950},
+    "keywords": "quick brown fox jumps over the lazy dog while the evening sun sets slowly behind hills".split(),
 }
 LEVELS = {"real": (8, 32), "null": (256,)}
 TARGET_RATIO_C32 = 0.8  # issue 20: constrained keeps 0.8x the unconstrained output tokens/s
@@ -59,31 +75,47 @@ def request_body(model: str, content: str, w: sb.Workload, constrained: bool) ->
     return orjson.dumps(body)
 
 
-def compile_times(rounds: int = 5) -> dict:
-    """Seconds to compile SCHEMA for the default model's vocabulary: cold (a new compiler, as a
-    scheduler that has not seen the schema) and cached (the same compiler again)."""
+def grammar_costs(rounds: int = 5) -> dict:
+    """Per schema, for the default model's vocabulary: seconds to compile it cold (a new
+    compiler, as a scheduler that has not seen it) and cached, and the µs a token costs on the
+    scheduler's thread (one mask fill and one accept) over SAMPLE_ANSWER."""
     import xgrammar as xgr
 
     tokenizer = sb.load_tokenizer(None)
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
-    info_s = time.perf_counter() - t0
-    text = orjson.dumps(SCHEMA).decode()
-    cold, cached = [], []
-    for _ in range(rounds):
-        compiler = xgr.GrammarCompiler(info, max_threads=1)
-        t0 = time.perf_counter()
-        compiler.compile_json_schema(text, any_whitespace=False)
-        cold.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        compiler.compile_json_schema(text, any_whitespace=False)
-        cached.append(time.perf_counter() - t0)
-    return {
-        "tokenizer_info_s": info_s,
-        "cold_s": statistics.median(cold),
-        "cached_s": statistics.median(cached),
-        "cold_all_s": cold,
-    }
+    out: dict = {"tokenizer_info_s": time.perf_counter() - t0}
+    # spaced as the grammar writes JSON without any_whitespace: ", " and ": "
+    answer_ids = tokenizer.encode(JSONEncoder().encode(SAMPLE_ANSWER), add_special_tokens=False)
+    for name, schema in (("schema", SCHEMA), ("bounded_schema", BOUNDED_SCHEMA)):
+        text = orjson.dumps(schema).decode()
+        cold, cached = [], []
+        for _ in range(rounds):
+            compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            t0 = time.perf_counter()
+            compiled = compiler.compile_json_schema(text, any_whitespace=False)
+            cold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            compiler.compile_json_schema(text, any_whitespace=False)
+            cached.append(time.perf_counter() - t0)
+        matcher, bitmask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, len(tokenizer))
+        fill = accept = 0.0
+        for token in answer_ids:
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            t1 = time.perf_counter()
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"{name}: the sample answer does not match it")
+            accept += time.perf_counter() - t1
+            fill += t1 - t0
+        out[name] = {
+            "cold_s": statistics.median(cold),
+            "cached_s": statistics.median(cached),
+            "fill_us_per_token": fill / len(answer_ids) * 1e6,
+            "accept_us_per_token": accept / len(answer_ids) * 1e6,
+            "tokens": len(answer_ids),
+        }
+    return out
 
 
 def run_model(model: str, levels: tuple[int, ...], args, loop, w: sb.Workload) -> dict:
@@ -174,13 +206,24 @@ def markdown(result: dict) -> str:
         ),
         rows,
     )
-    comp = result.get("compile")
-    compile_line = (
-        f"Compiling the schema for the default model's vocabulary: cold {comp['cold_s'] * 1e3:.1f} ms, "
-        f"cached {comp['cached_s'] * 1e6:.0f} µs (median of {len(comp['cold_all_s'])}); the tokenizer's "
-        f"xgrammar info once per scheduler: {comp['tokenizer_info_s'] * 1e3:.0f} ms."
-        if comp
-        else ""
+    costs = result["grammar_costs"]
+    cost_table = report.table(
+        ("schema", "cold compile ms", "cached compile µs", "mask fill µs/token", "accept µs/token"),
+        [
+            (
+                name,
+                fmt(c["cold_s"] * 1e3, ".1f"),
+                fmt(c["cached_s"] * 1e6, ".0f"),
+                fmt(c["fill_us_per_token"], ".1f"),
+                fmt(c["accept_us_per_token"], ".1f"),
+            )
+            for name, c in ((n, costs[n]) for n in ("schema", "bounded_schema"))
+        ],
+    )
+    cost_text = (
+        f"On the scheduler's thread, per constrained token (one matcher, {costs['schema']['tokens']} tokens of a "
+        f"sample answer; the tokenizer's xgrammar info is built once per scheduler in "
+        f"{costs['tokenizer_info_s'] * 1e3:.0f} ms):\n\n{cost_table}"
     )
     target = result.get("target")
     target_line = (
@@ -190,8 +233,11 @@ def markdown(result: dict) -> str:
         if target
         else ""
     )
-    schema = "The schema:\n\n```json\n" + orjson.dumps(SCHEMA, option=orjson.OPT_INDENT_2).decode() + "\n```"
-    return "\n\n".join(p for p in (target_line, levels, compile_line, schema) if p)
+    schemas = "\n\n".join(
+        f"{name}:\n\n```json\n" + orjson.dumps(schema, option=orjson.OPT_INDENT_2).decode() + "\n```"
+        for name, schema in (("schema (the serving rounds')", SCHEMA), ("bounded_schema", BOUNDED_SCHEMA))
+    )
+    return "\n\n".join(p for p in (target_line, levels, cost_text, schemas) if p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     w = sb.Workload(args.prompt_tokens, args.output_tokens, 0.0, 0)
     args.out = Path(args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"workload": dataclasses.asdict(w), "schema": SCHEMA, "runs": []}
-    result["compile"] = compile_times()
+    result: dict = {"workload": dataclasses.asdict(w), "schema": SCHEMA, "bounded_schema": BOUNDED_SCHEMA, "runs": []}
+    result["grammar_costs"] = grammar_costs()
     loop, _ = sb.new_event_loop()
     try:
         for model in models:
