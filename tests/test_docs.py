@@ -9,7 +9,7 @@
   `protocol.records.take_records`) is a module importlib.util.find_spec finds (which imports
   only its parent packages), followed by names the module's source defines (read with ast,
   not imported);
-- README.md is a manual, not a lab notebook: under 250 lines.
+- README.md is a manual, not a lab notebook: under 300 lines.
 
 The checks are plain functions over a document's text, so the tests at the bottom can show
 that each one fails on a broken document.
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUR_DIRS = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol", "perf", "scripts", "tests", "docs")
 OUR_PACKAGES = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol")
 GENERATED = ("perf/results",)  # written by the benchmarks
-README_MAX_LINES = 250
+README_MAX_LINES = 300
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
