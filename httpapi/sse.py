@@ -96,7 +96,10 @@ class ChatStream(_OpenAIStream):
     ) -> bytes:
         """A choice's first delta when it carries prompt logprobs: vLLM's prompt_logprobs on the
         chunk, as on its non-streamed chat response (a chat prompt is never echoed)."""
-        chunk = self.delta(index, text, finish_reason, logprobs)
+        return self.with_prompt_logprobs(self.delta(index, text, finish_reason, logprobs), prompt_logprobs)
+
+    def with_prompt_logprobs(self, chunk: bytes, prompt_logprobs: PromptLogprobs | None) -> bytes:
+        """`chunk` (one event of this stream) with vLLM's prompt_logprobs on it."""
         if prompt_logprobs is None:
             return chunk
         field = b',"prompt_logprobs":' + orjson.dumps(vllm_prompt_logprobs(prompt_logprobs, self._vocab))

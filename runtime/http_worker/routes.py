@@ -167,17 +167,22 @@ def chat_events(
 
     def render(state: ReqState) -> bytes | None:
         text, lp, finish = state.take()
+        plp = state.take_prompt_logprobs()  # vLLM's prompt_logprobs: on the choice's first event
         deltas = parsers[state.index].feed(text) if text else []
         if finish is not None:
             tail, finish = parsers[state.index].finish(finish)
             deltas += tail
         if not deltas:
-            return stream.event(state.index, {}, finish, lp) if finish or lp is not None else None
+            if finish or lp is not None or plp is not None:
+                return stream.with_prompt_logprobs(stream.event(state.index, {}, finish, lp), plp)
+            return None
         last = len(deltas) - 1
-        return b"".join(
+        events = [
             stream.event(state.index, d, finish if i == last else None, lp if i == 0 else None)
             for i, d in enumerate(deltas)
-        )
+        ]
+        events[0] = stream.with_prompt_logprobs(events[0], plp)
+        return b"".join(events)
 
     def tail() -> bytes:
         if include_usage:
