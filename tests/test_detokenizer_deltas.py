@@ -18,7 +18,9 @@ from protocol.records import (
     TextKind,
     TokenKind,
     encode_strings,
+    pack_prompt_logprobs,
     unpack_logprobs,
+    unpack_prompt_logprobs,
 )
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 
@@ -310,3 +312,60 @@ def test_return_ids_come_with_every_step_that_has_tokens(tokenizer, router):
     rest = [tok(3, 0, 1, t, completion=k) for k, t in enumerate(ids[2:], 3)]
     last = rows(*router.handle(batch(*rest, opened(3, 1, 1), tok(3, 0, 1, eos, Finish.STOP, completion=len(ids) + 1))))
     assert [(r["text"], r["ids"], r["finish"]) for r in last] == [("😀b".encode(), ids[2:] + [eos], Finish.STOP)]
+
+
+def prompt_lp(w, s, g, first, count, n_top=1, prompt_tokens=9):
+    """A PROMPT_LOGPROBS record of positions [first, first + count) and its payload."""
+    ids = np.arange(100 + first, 100 + first + count)
+    lps = -np.arange(first, first + count, dtype=np.float32) / 4
+    part = pack_prompt_logprobs(ids, lps, ids % 7 + 1, np.tile(ids[:, None], n_top), np.tile(lps[:, None], n_top))
+    rec = dict(kind=TokenKind.PROMPT_LOGPROBS, worker=w, slot=s, gen=g, token=first, completion_tokens=count)
+    rec.update(prompt_tokens=prompt_tokens, cached_tokens=0, n_top=n_top, logprob=np.nan, payload=part)
+    return rec, part
+
+
+def prompt_rows(records, blob):
+    """The TEXT_OUT PROMPT_LOGPROBS records' (slot, gen, first, count, n_top, payload bytes)."""
+    return [
+        (
+            r["slot"].item(),
+            r["gen"].item(),
+            r["stop_token"].item(),
+            r["n_tokens"].item(),
+            r["n_top"].item(),
+            blob[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]].tobytes(),
+        )
+        for r in records
+        if r["kind"] == TextKind.PROMPT_LOGPROBS
+    ]
+
+
+def test_prompt_logprobs_go_to_their_worker_ahead_of_the_request_s_text(tokenizer, router):
+    """A PROMPT_LOGPROBS record becomes its TEXT_OUT twin (first position in stop_token, the
+    count in n_tokens, the payload as it came) ahead of its request's first TEXT record, in a
+    batch whose control records commute with its tokens and in one whose do not (a slot reused);
+    one of a request not open (stale generation) is dropped."""
+    x = tokenizer.encode(" x", add_special_tokens=False)[0]
+    router.handle(batch(opened(7, 0, 1)))  # a running request, whose token comes first
+    (a, a_part), (b, b_part) = prompt_lp(7, 1, 1, 0, 5, n_top=2), prompt_lp(7, 1, 1, 5, 4, n_top=2)
+    stale, _ = prompt_lp(7, 1, 9, 0, 5)
+    records, blob = router.handle(batch(tok(7, 0, 1, x), opened(7, 1, 1), a, stale, b, tok(7, 1, 1, x)))
+    kinds = [(r["slot"].item(), r["kind"].item()) for r in records]
+    assert kinds.index((1, TextKind.PROMPT_LOGPROBS)) < kinds.index((1, TextKind.TEXT))
+    assert prompt_rows(records, blob) == [(1, 1, 0, 5, 2, a_part), (1, 1, 5, 4, 2, b_part)]
+    assert all(r["finish"] == Finish.NONE and r["stop_index"] == -1 for r in records)
+    assert [r["text"] for r in rows(records, blob) if r["kind"] == TextKind.TEXT] == [b" x", b" x"]
+
+    # slot 0 ends and is reused in the same batch: the records are handled in order
+    c, c_part = prompt_lp(7, 0, 2, 0, 3)
+    records, blob = router.handle(batch(tok(7, 0, 1, x, Finish.LENGTH), opened(7, 0, 2), c, tok(7, 0, 2, x)))
+    assert [(r["gen"].item(), r["kind"].item()) for r in records] == [
+        (1, TextKind.TEXT),
+        (2, TextKind.PROMPT_LOGPROBS),
+        (2, TextKind.TEXT),
+    ]
+    assert prompt_rows(records, blob) == [(0, 2, 0, 3, 1, c_part)]
+    got = unpack_prompt_logprobs(blob[records[1]["logprobs_off"] :], 3, 1)
+    assert got[0].tolist() == [100, 101, 102] and got[2].tolist() == [3, 4, 5]
+    # records of requests not open: dropped, whichever batch they come in
+    assert len(router.handle(batch(prompt_lp(7, 3, 1, 0, 2)[0]))[0]) == 0

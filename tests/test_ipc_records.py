@@ -18,11 +18,13 @@ from protocol.records import (
     live_mask,
     pack_control,
     pack_logprobs,
+    pack_prompt_logprobs,
     pack_request,
     pack_top_logprobs,
     record_struct,
     take_records,
     unpack_logprobs,
+    unpack_prompt_logprobs,
     unpack_request,
     unpack_top_logprobs,
 )
@@ -159,6 +161,34 @@ def test_logprobs_payload_round_trip():
         assert np.array_equal(a, b)
     got = unpack_logprobs(np.frombuffer(pack_logprobs(ids, lps), np.uint8), 3, 0)
     assert np.array_equal(got[0], ids) and got[2].shape == (3, 0)
+
+
+def test_prompt_logprobs_payload_round_trip(pair):
+    """pack_prompt_logprobs -> a TOKEN_OUT push and pop (offsets rebased) -> unpack_prompt_logprobs:
+    ids, logprobs (NaN at position 0), ranks, top-k; and with k = 0, ranks after the logprobs."""
+    prod, cons = pair(TOKEN_OUT)
+    ids, lps = np.array([1, 2, 3, 4]), np.array([np.nan, -0.5, -7.25, -0.0625], np.float32)
+    ranks = np.array([0, 1, 4000, 2])
+    top_ids = np.array([[0, 0], [2, 9], [8, 7], [6, 4]])
+    top_lps = np.array([[np.nan, np.nan], [-0.5, -1.5], [-0.25, -2.0], [-0.01, -0.0625]], np.float32)
+    parts = [
+        pack_prompt_logprobs(ids, lps, ranks, top_ids, top_lps),
+        pack_prompt_logprobs(ids, lps, ranks, ids[:, None][:, :0], lps[:, None][:, :0]),
+    ]
+    recs = np.zeros(2, TOKEN_OUT.dtype)
+    recs["payload_off"] = [8, 8 + len(parts[0])]  # after an unrelated part
+    recs["payload_len"], recs["n_top"] = [len(p) for p in parts], [2, 0]
+    prod.push(recs[:1], b"\0" * 8 + parts[0] + parts[1])
+    prod.push(recs[1:], b"\0" * 8 + parts[0] + parts[1])
+    batch = cons.pop()  # both pushes: the second's offsets rebased past the first's blob
+    got = [unpack_prompt_logprobs(batch.view(r["payload_off"], r["payload_len"]), 4, r["n_top"]) for r in batch.records]
+    for (g_ids, g_lps, g_ranks, g_top_ids, g_top_lps), k in zip(got, (2, 0)):
+        assert g_ids.tolist() == ids.tolist() and g_ranks.tolist() == ranks.tolist()
+        np.testing.assert_array_equal(g_lps, lps)  # NaN where NaN
+        assert g_top_ids.shape == g_top_lps.shape == (4, k)
+    np.testing.assert_array_equal(got[0][3], top_ids)
+    np.testing.assert_array_equal(got[0][4], top_lps)
+    assert len(parts[0]) == 4 * (3 * 4 + 2 * 4 * 2) and len(parts[1]) == 4 * 3 * 4
 
 
 def test_live_mask_drops_stale_and_out_of_range():

@@ -119,3 +119,46 @@ def test_start_past_the_prompt_reports_nothing(engine):
     params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=1, prompt_logprobs_start=1000)
     (out,) = engine.generate(SHORT, params)
     assert out.prompt_logprobs == [] and out.finish_reason == "length"
+
+
+def test_a_request_retracted_mid_prefill_sends_each_position_once(reference, monkeypatch):
+    """A pool of 5 pages: an older request decoding from a 15-token prompt and a 60-token prompt
+    owing prompt logprobs (16-token chunks). The older one's pages run out while the prompt is
+    still being prefilled, so it is retracted there, owing positions, and resumes later (its
+    first pages from the cache): its PROMPT_LOGPROBS records cover [0, 60) once each, in order,
+    with the values of a request that ran alone."""
+    small = OfflineEngine(
+        max_total_tokens=5 * 16,
+        max_running_requests=4,
+        chunked_prefill_size=16,
+        page_size=16,
+        scheduler_overrides={"init_new_token_ratio": 0.0, "min_new_token_ratio": 0.0},  # admit eagerly
+    )
+    sched = small.scheduler
+    records, retracted = [], []
+    step, retract = sched.step, sched._retract
+
+    def recording_step():
+        res = step()
+        if res.prompt_records is not None:
+            records.extend((int(r["slot"]), int(r["token"]), int(r["completion_tokens"])) for r in res.prompt_records)
+        return res
+
+    def recording_retract(req):
+        retracted.append((req.slot, req.prompt_logprobs_next, len(req.prompt)))
+        retract(req)
+
+    monkeypatch.setattr(sched, "step", recording_step)
+    monkeypatch.setattr(sched, "_retract", recording_retract)
+    ids = small.tokenizer.encode(LONG)
+    older = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    ask = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    outs = small.generate([ids[:15], ids[2:62]], [older, ask])
+    assert any(slot == 1 and 0 < owed < P for slot, owed, P in retracted), retracted  # mid-prefill
+    mine = [(first, n) for slot, first, n in records if slot == 1]
+    assert len(mine) > 1 and mine[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:])), mine  # no gap, no repeat
+    assert sum(n for _, n in mine) == 60
+    out = outs[1]
+    assert out.prompt_token_ids == ids[2:62]
+    check(out, reference(out.prompt_token_ids), 0, 2)

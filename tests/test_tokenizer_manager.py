@@ -15,7 +15,7 @@ from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
 from ipc.ring import Batch
 from ipc.wakeup import Waker
-from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
+from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind, pack_prompt_logprobs
 from protocol.sampling_params import SamplingParams
 from runtime.detokenizer.deltas import TextDeltas
 from runtime.http_worker.tokenizer_manager import (
@@ -201,3 +201,68 @@ def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, rings):
     small_decode, big_decode, small_render, big_render = asyncio.run(run())
     assert small_decode == small_render == {loop_threads[0]}
     assert big_decode and big_render and loop_threads[0] not in big_decode | big_render
+
+
+def test_prompt_logprobs_records_are_collected_without_a_wake(tokenizer, rings):
+    """TEXT_OUT PROMPT_LOGPROBS records (two, as a chunked prefill sends them) are kept on the
+    choice as PromptLogprobs columns: no wake, no TTFT, no completion count, until the first
+    token's record, which wakes the streamed choice; take_prompt_logprobs joins them once. A
+    stale one (an old generation of the slot) is dropped."""
+    waker, req_out, req_in, text_out, text_in = rings
+    router = TextDeltas(tokenizer, max_open=4)
+    model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
+    prompt = list(range(300, 307))  # 7 positions: [0, 4) then [4, 7)
+    lps = np.array([np.nan, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0], np.float32)
+    ranks = np.arange(7) + 1
+    top_ids = np.array([[0, 0]] + [[t, t + 1] for t in prompt[1:]])
+    top_lps = np.stack([lps, lps - 1], axis=1)
+
+    def prompt_record(new: np.void, first: int, end: int, gen=None) -> Batch:
+        rec = np.zeros(1, TOKEN_OUT.dtype)
+        rec["kind"], rec["worker"], rec["slot"] = TokenKind.PROMPT_LOGPROBS, new["worker"], new["slot"]
+        rec["gen"] = new["gen"] if gen is None else gen
+        rec["token"], rec["completion_tokens"], rec["prompt_tokens"], rec["n_top"] = first, end - first, 7, 2
+        part = pack_prompt_logprobs(
+            prompt[first:end], lps[first:end], ranks[first:end], top_ids[first:end], top_lps[first:end]
+        )
+        rec["payload_off"], rec["payload_len"] = 0, len(part)
+        return Batch(rec, np.frombuffer(part, np.uint8))
+
+    def token(new: np.void) -> Batch:
+        rec = np.zeros(1, TOKEN_OUT.dtype)
+        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.TOKEN, new["worker"], new["slot"], new["gen"]
+        rec["token"], rec["prompt_tokens"], rec["completion_tokens"] = tokenizer.encode(" ok")[0], 7, 1
+        rec["finish"] = Finish.LENGTH
+        return Batch(rec, np.zeros(0, np.uint8))
+
+    async def feed(batch: Batch) -> None:
+        text_out.push_all(*router.handle(batch))
+        await asyncio.sleep(0.05)  # read and dispatched
+
+    async def run():
+        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60)
+        tm.start()
+        try:
+            params = SamplingParams(max_new_tokens=1, prompt_logprobs=2)
+            group = await tm.submit([prompt], [params], stream=True)
+            (new,) = req_in.pop().records
+            (state,) = group.states
+            await feed(opened(new))
+            await feed(prompt_record(new, 0, 4))
+            await feed(prompt_record(new, 0, 4, gen=int(new["gen"]) + 1))  # stale
+            await feed(prompt_record(new, 4, 7))
+            before = (list(group.news), state.first_ns, state.completion_tokens, len(state.prompt_logprobs))
+            await feed(token(new))
+            news = await asyncio.wait_for(group.next_news(), 5)
+            return before, news, state, state.take_prompt_logprobs(), state.take_prompt_logprobs()
+        finally:
+            await tm.close()
+
+    before, news, state, plp, again = asyncio.run(run())
+    assert before == ([], 0, 0, 2), "prompt logprobs alone wake nothing and count no token"
+    assert news == [state] and state.first_ns > 0 and state.completion_tokens == 1
+    assert plp.first == 0 and plp.token_ids.tolist() == prompt and plp.ranks.tolist() == ranks.tolist()
+    np.testing.assert_array_equal(plp.logprobs, lps)
+    np.testing.assert_array_equal(plp.top_ids, top_ids)
+    np.testing.assert_array_equal(plp.top_logprobs, top_lps)
+    assert again is None, "taken once"
