@@ -43,15 +43,21 @@ class InvalidGrammar(ValueError):
 def json_schema_text(schema: object) -> str:
     """A JSON schema (an object, or the text of one) as the compact text a grammar holds:
     requests sending one schema with different spacing share its memo and compiled grammar."""
-    if isinstance(schema, str):
-        try:
-            schema = orjson.loads(schema)
-        except orjson.JSONDecodeError as e:
-            raise InvalidGrammar(f"the schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise InvalidGrammar("a JSON schema must be an object")
+    schema = _json_object(schema, "schema", "a JSON schema")
     _check_depth(schema)
     return _bounded(orjson.dumps(schema).decode())
+
+
+def _json_object(value: object, name: str, a_name: str) -> dict:
+    """`value`, or the JSON object a string holds; InvalidGrammar saying which is wrong."""
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError as e:
+            raise InvalidGrammar(f"the {name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidGrammar(f"{a_name} must be an object")
+    return value
 
 
 def choice_grammar(choices: object) -> str:
@@ -68,13 +74,7 @@ def structural_tag_text(tag: object) -> str:
     vLLM's legacy form ({"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
     "triggers": [...]}, also SGLang's) is converted to it, as xgrammar converts it. A string is
     read as the JSON of either."""
-    if isinstance(tag, str):
-        try:
-            tag = orjson.loads(tag)
-        except orjson.JSONDecodeError as e:
-            raise InvalidGrammar(f"the structural tag is not valid JSON: {e}") from None
-    if not isinstance(tag, dict):
-        raise InvalidGrammar("a structural tag must be an object")
+    tag = _json_object(tag, "structural tag", "a structural tag")
     if "structures" in tag or "triggers" in tag:
         tag = _from_legacy(tag)
     _check_depth(tag)
