@@ -309,6 +309,7 @@ def answers(server, client):
         calls[name + "_stream"] = lambda c=tool_choice, o=one: list(
             client.chat.completions.create(messages=ASK_WEATHER, tools=TOOLS, tool_choice=c, stream=True, **o, **chat)
         )
+    calls["auto"] = lambda: client.chat.completions.create(messages=ASK_WEATHER, tools=TOOLS, **chat)
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = {key: pool.submit(call) for key, call in calls.items()}
         return {key: f.result() for key, f in futures.items()}
@@ -364,6 +365,19 @@ def test_forced_tool_calls_validate_and_streams_reassemble(answers, name):
         (c.function.name, c.function.arguments) for c in message.tool_calls
     ]
     assert all(c["id"].startswith("call_") for c in got)
+
+
+def test_auto_tool_choice_answers_with_text_or_valid_calls(answers):
+    """The model chooses: whatever it wrote is read by the hermes parser (the default template's format)."""
+    choice = answers["auto"].choices[0]
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    if choice.message.tool_calls:
+        assert choice.finish_reason in ("tool_calls", "length")
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+    else:
+        assert choice.message.content
+        assert choice.finish_reason in ("stop", "length")
 
 
 def test_a_conversation_with_tool_calls_and_results(server, client):
