@@ -371,7 +371,11 @@ async def get_model_info(worker, request: Request) -> Response:
 
 @api_route
 async def get_server_info(worker, request: Request) -> Response:
-    return json_response(server_info_body(dataclasses.asdict(worker.args), **worker.engine_state()))
+    # The model as served, not the settings' None for the default: sglang-router reads
+    # model_path and served_model_name here to name the worker's model (else "unknown").
+    m = worker.model
+    served = {"model_path": m.model_dir, "served_model_name": m.served_name}
+    return json_response(server_info_body(dataclasses.asdict(worker.args), **served, **worker.engine_state()))
 
 
 @api_route
@@ -434,6 +438,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/detokenize": {"POST": detokenize},
     "/get_model_info": {"GET": get_model_info},
     "/get_server_info": {"GET": get_server_info},
+    "/model_info": {"GET": get_model_info},  # SGLang's newer names, which sglang-router asks first
+    "/server_info": {"GET": get_server_info},
     "/flush_cache": {"POST": flush_cache, "GET": flush_cache},
     "/abort_request": {"POST": abort_request},
     "/health": {"GET": health},
