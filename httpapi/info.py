@@ -3,7 +3,7 @@ other, /v1/models, SGLang's /get_model_info and /get_server_info."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -14,19 +14,27 @@ from httpapi.errors import model_not_found
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def served_model_name(model_path: str | None, name: str | None = None) -> str:
-    """`name` (--served-model-name), else the model's directory or file name (no .gguf suffix)."""
-    if name:
-        return name
+def served_model_name(model_path: str | None, name: str | Sequence[str] | None = None) -> str:
+    """The name responses report: the first of --served-model-name, else the model's directory
+    or file name (no .gguf suffix)."""
+    return served_model_names(model_path, name)[0]
+
+
+def served_model_names(model_path: str | None, names: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """Every name the model answers to (--served-model-name takes several, as vLLM's does)."""
+    if isinstance(names, str):
+        names = (names,)
+    if names:
+        return tuple(names)
     if model_path is None:
-        return DEFAULT_MODEL_NAME
+        return (DEFAULT_MODEL_NAME,)
     path = Path(model_path.rstrip("/"))
-    return path.stem if path.suffix == ".gguf" else path.name
+    return (path.stem if path.suffix == ".gguf" else path.name,)
 
 
-def check_model(model: str | None, served: str) -> None:
-    """No model means the served one (as vLLM and SGLang do); any other name is a 404."""
-    if model is not None and model != served:
+def check_model(model: str | None, served: str | Collection[str]) -> None:
+    """No model means the served one (as vLLM and SGLang do); a name not served is a 404."""
+    if model is not None and (model != served if isinstance(served, str) else model not in served):
         raise model_not_found(model)
 
 
@@ -43,15 +51,25 @@ def model_card(served: str, created: int, context_len: int, model_path: str) -> 
     }
 
 
-def models_body(served: str, created: int, context_len: int, model_path: str) -> bytes:
-    return orjson.dumps({"object": "list", "data": [model_card(served, created, context_len, model_path)]})
+def models_body(served: str | Sequence[str], created: int, context_len: int, model_path: str) -> bytes:
+    """Every served name, the first first."""
+    names = (served,) if isinstance(served, str) else served
+    cards = [model_card(name, created, context_len, model_path) for name in names]
+    return orjson.dumps({"object": "list", "data": cards})
 
 
-def model_info_body(served: str, model_path: str, context_len: int, vocab_size: int, architecture: str) -> bytes:
+def model_info_body(
+    served: str,
+    model_path: str,
+    context_len: int,
+    vocab_size: int,
+    architecture: str,
+    tokenizer_path: str | None = None,
+) -> bytes:
     return orjson.dumps(
         {
             "model_path": model_path,
-            "tokenizer_path": model_path,
+            "tokenizer_path": tokenizer_path or model_path,
             "served_model_name": served,
             "is_generation": True,
             "context_length": context_len,

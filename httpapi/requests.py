@@ -11,6 +11,7 @@ Choices are numbered prompt-major: choice i * n + j is the j-th sample of prompt
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,8 @@ TEMPLATE_CALL_ARGS = frozenset(
 )
 MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs' and documents' JSON
 MAX_REQUEST_ID_CHARS = 256
+# a client's name for its request: visible ASCII only (it is echoed in a header, and logged)
+_REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 
 Prompt = str | list  # text, or a list of token ids
 
@@ -892,9 +895,18 @@ def _check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED
 
 def _request_id(f: Fields) -> str | None:
     request_id = f.get_str("request_id")
-    if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-        raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters", "request_id")
-    return request_id
+    return None if request_id is None else check_request_id(request_id, "request_id")
+
+
+def check_request_id(value: str, param: str) -> str:
+    """A client's name for its request, as the body's request_id or the x-request-id header
+    (`param`): 1 to MAX_REQUEST_ID_CHARS visible ASCII characters, else a 400 naming `param`."""
+    if _REQUEST_ID.fullmatch(value) is None:
+        raise bad_request(
+            f"{param} must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters (no spaces), not {_short(value)}",
+            param,
+        )
+    return value
 
 
 def _short(value: Any) -> str:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 from runtime.config import ENV_PREFIX, ServerArgs
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # one of them: a tokenizer
 
 # Connections (granian's own settings; ServerArgs' body limits are the app's): HTTP/1 only, since
 # granian's automatic HTTP/2 detection waits for a client's first bytes with no timeout (an idle
@@ -70,6 +73,10 @@ def check_model(args: ServerArgs) -> str | None:
         ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)
         if args.chat_template is not None:
             read_chat_template(args.chat_template)
+        if args.tokenizer_path is not None and not any(
+            (Path(args.tokenizer_path) / name).is_file() for name in TOKENIZER_FILES
+        ):
+            return f"--tokenizer-path {args.tokenizer_path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) there"
     except (ModelLoadError, OSError, ValueError) as e:
         return str(e)
     return None

@@ -2,13 +2,19 @@
 serve`) or from RINGSERVE_* environment variables (`granian ... runtime.app:app`).
 
 Flag names follow SGLang's launch_server where they mean the same thing; the
-environment variable of `--max-running-requests` is RINGSERVE_MAX_RUNNING_REQUESTS.
+environment variable of `--max-running-requests` is RINGSERVE_MAX_RUNNING_REQUESTS. vLLM's
+names of the same settings are aliases (ALIASES: `--max-model-len` is `--context-length`, and
+RINGSERVE_MAX_MODEL_LEN is RINGSERVE_CONTEXT_LENGTH), resolved in one place (_merge_aliases)
+for flags and environment alike; an alias and its target given different values is an error.
+List settings (served names, CORS) take several values on the command line, or a JSON list
+or a comma-separated one in one argument or environment variable.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -26,7 +32,10 @@ ENV_PREFIX = "RINGSERVE_"
 class ServerArgs:
     # model
     model_path: str | None = None  # HF directory or .gguf file; None = embedded SmolLM2
-    served_model_name: str | None = None
+    # the names clients may send as `model`: the first is the one responses report; /v1/models
+    # lists them all (vLLM's list; empty: the model's directory or file name)
+    served_model_name: tuple[str, ...] = ()
+    tokenizer_path: str | None = None  # a tokenizer directory other than the model's (every process's)
     chat_template: str | None = None  # a Jinja chat template, or a file holding one (None: the tokenizer's)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
@@ -57,6 +66,13 @@ class ServerArgs:
     workers: int = 1
     api_key: str | None = None
     log_level: str = "info"
+    log_requests: bool = False  # one log line a finished request: rid, endpoint, tokens, finish, latency
+    # CORS, vLLM's flags and defaults: any origin, method and header, no credentials; an empty
+    # list of origins ([]) sends no CORS header at all
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     request_timeout: float = 600.0  # soft limit on a request's life, seconds
     # a request body larger than this is refused (413) before it is read: Content-Length first,
     # a chunked body as it arrives
@@ -85,6 +101,13 @@ class ServerArgs:
     # a dead or hung engine is replaced at most this many times in 10 minutes (with a growing
     # wait between tries); then every request is a 503 until the server restarts. 0: never
     engine_max_restarts: int = 5
+    # parallelism: one GPU a server (1 only: several servers behind sglang-router instead)
+    tp_size: int = 1
+    dp_size: int = 1
+    # accepted for SGLang / vLLM command lines, with no effect (NO_EFFECT says why)
+    trust_remote_code: bool = False
+    enable_metrics: bool = False
+    disable_cuda_graph: bool = False
     # transport between the processes: ring (shared memory) or zmq (pickle baseline)
     transport: str = "ring"
     # detokenizer: an HTTP worker that reads none of its text for this long while text waits
@@ -92,6 +115,19 @@ class ServerArgs:
     worker_stall_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        for name in LIST_FIELDS:  # a list (from JSON, e.g. the engine's spec) is kept as a tuple
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = _parse_list(value)
+            object.__setattr__(self, name, tuple(value))
+            if any(not isinstance(v, str) or not v or "," in v for v in value):
+                raise ValueError(f"--{_flag(name)}: every value must be a non-empty string without commas")
+        for name in ("tp_size", "dp_size"):
+            if getattr(self, name) != 1:
+                kind = "tensor" if name == "tp_size" else "data"
+                raise ValueError(
+                    f"--{_flag(name)} {getattr(self, name)}: {kind} parallelism is not supported{PARALLELISM_HINT}"
+                )
         choices = {
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
@@ -143,39 +179,151 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None) -> ServerArgs:
+        """Flags given are parsed into their field (an alias into a name of its own, merged by
+        _merge_aliases); flags not given keep the field's default."""
         parser = argparse.ArgumentParser(
             prog="python -m runtime serve", description="Start the ringserve OpenAI-compatible server."
         )
         for f in dataclasses.fields(cls):
-            kind = _base_type(f.type)
-            if kind is bool:
-                parser.add_argument(f"--{_flag(f.name)}", action="store_true", default=f.default)
-            else:
-                parser.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default)
-        return cls(**vars(parser.parse_args(argv)))
+            names = [f"--{_flag(f.name)}", *SHORT_FLAGS.get(f.name, ())]
+            _add_flag(parser, names, f.name, f.type, HELP.get(f.name))
+        for alias, target in ALIASES.items():
+            help_ = f"= --{_flag(target)} (vLLM's name)"
+            _add_flag(parser, [f"--{_flag(alias)}"], ALIAS_DEST + alias, _field_type(target), help_, target.upper())
+        given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+        for name in LIST_FIELDS:  # several values, each a JSON or comma-separated list
+            if name in given:
+                given[name] = _parse_list(given[name])
+        return cls(**_merge_aliases(given, "--", _flag))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerArgs:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
+        for name in [*(f.name for f in dataclasses.fields(cls)), *ALIASES]:
+            raw = environ.get(ENV_PREFIX + name.upper())
             if raw is None:
                 continue
-            kind = _base_type(f.type)
+            annotation = _field_type(ALIASES.get(name, name))
+            kind = _base_type(annotation)
+            dest = ALIAS_DEST + name if name in ALIASES else name
             try:
-                values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
+                if name in LIST_FIELDS:
+                    values[dest] = _parse_list(raw)
+                else:
+                    values[dest] = _parse_bool(raw) if kind is bool else kind(raw)
             except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
-        return cls(**values)
+                raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+        return cls(**_merge_aliases(values, ENV_PREFIX, str.upper))
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes from_env() rebuild these arguments."""
-        return {
-            ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None
-        }
+        env = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in LIST_FIELDS:
+                env[ENV_PREFIX + f.name.upper()] = json.dumps(list(value))
+            elif value is not None:
+                env[ENV_PREFIX + f.name.upper()] = str(value)
+        return env
+
+    @property
+    def cors(self) -> bool:
+        return bool(self.allowed_origins)
+
+
+# vLLM's names of ringserve's settings (SGLang's --tp is here too). --max-num-batched-tokens is
+# vLLM's token budget of one step, into which long prompts are chunked: ringserve's prompt tokens
+# a step, --chunked-prefill-size.
+ALIASES = {
+    "max_model_len": "context_length",
+    "gpu_memory_utilization": "mem_fraction_static",
+    "max_num_seqs": "max_running_requests",
+    "max_num_batched_tokens": "chunked_prefill_size",
+    "tensor_parallel_size": "tp_size",
+    "tp": "tp_size",
+    "data_parallel_size": "dp_size",
+    "dp": "dp_size",
+}
+SHORT_FLAGS = {"tp_size": ("-tp",), "dp_size": ("-dp",)}  # vLLM's
+ALIAS_DEST = "alias__"
+LIST_FIELDS = ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers")
+PARALLELISM_HINT = "; run several servers behind sglang-router"
+NO_EFFECT = {
+    "trust_remote_code": "accepted with no effect: ringserve runs its own model code, never code from the hub",
+    "enable_metrics": "accepted with no effect: /metrics is always on",
+    "disable_cuda_graph": "accepted with no effect: ringserve captures no CUDA graphs",
+}
+HELP = {
+    **NO_EFFECT,
+    "served_model_name": "one or more names: the first is what responses report, any is accepted as `model`",
+    "tokenizer_path": "a tokenizer directory other than the model's",
+    "log_requests": "log one line a request: rid, endpoint, prompt tokens, finish reason, latency (never text)",
+    "allowed_origins": "CORS origins (a JSON list or several values; default any: *; [] sends no CORS headers)",
+    "allowed_methods": "CORS methods (default *)",
+    "allowed_headers": "CORS request headers (default *)",
+    "allow_credentials": "CORS: allow credentials",
+    "tp_size": "1 only: tensor parallelism is not supported" + PARALLELISM_HINT,
+    "dp_size": "1 only: data parallelism is not supported" + PARALLELISM_HINT,
+}
+
+
+def _merge_aliases(given: dict[str, Any], prefix: str, spell) -> dict[str, Any]:
+    """`given` (field or ALIAS_DEST + alias -> value) with each alias's value moved to its field;
+    an alias and its field (or two aliases of it) given different values is a ValueError."""
+    values = {k: v for k, v in given.items() if not k.startswith(ALIAS_DEST)}
+    named = {k: k for k in values}
+    for key, value in given.items():
+        if not key.startswith(ALIAS_DEST):
+            continue
+        alias = key[len(ALIAS_DEST) :]
+        target = ALIASES[alias]
+        if target in values and values[target] != value:
+            raise ValueError(
+                f"{prefix}{spell(alias)} {value} and {prefix}{spell(named[target])} {values[target]} conflict: "
+                f"they name the same setting ({prefix}{spell(target)})"
+            )
+        values[target], named[target] = value, alias
+    return values
+
+
+def _field_type(name: str) -> Any:
+    return {f.name: f.type for f in dataclasses.fields(ServerArgs)}[name]
+
+
+def _add_flag(
+    parser: argparse.ArgumentParser,
+    names: list[str],
+    dest: str,
+    annotation: Any,
+    help_: str | None,
+    metavar: str | None = None,
+) -> None:
+    """A flag whose value is None unless given (the field's default applies then)."""
+    kind = _base_type(annotation)
+    if kind is bool:
+        parser.add_argument(*names, dest=dest, action="store_true", default=None, help=help_)
+    elif kind is tuple:
+        parser.add_argument(*names, dest=dest, nargs="*", default=None, help=help_)
+    else:
+        parser.add_argument(*names, dest=dest, type=kind, default=None, help=help_, metavar=metavar)
+
+
+def _parse_list(raw: str | Sequence[Any]) -> tuple[str, ...]:
+    """A JSON list (vLLM's form: '["http://a", "http://b"]') or comma-separated values; several
+    command-line values (nargs) are each read so and joined."""
+    if not isinstance(raw, str):
+        return tuple(v for item in raw for v in (_parse_list(item) if isinstance(item, str) else (item,)))
+    text = raw.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"{raw!r} is not a JSON list") from None
+        if not isinstance(items, list):
+            raise ValueError(f"{raw!r} is not a JSON list")
+        return tuple(items)
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def _flag(name: str) -> str:
@@ -197,4 +345,4 @@ def _base_type(annotation: Any) -> type:
         annotation = eval(annotation, {"__builtins__": __builtins__}, {})
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return annotation
+    return typing.get_origin(annotation) or annotation

@@ -58,7 +58,7 @@ class OfflineEngine:
         model_dir = resolve_model_dir(args.model_path)
         from transformers import AutoTokenizer  # slow import: only where a tokenizer is needed
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or str(model_dir))
         config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
         self.scheduler = Scheduler(self.runner, config)
         self._generations = itertools.count(1)

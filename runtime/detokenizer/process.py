@@ -165,7 +165,7 @@ class Detokenizer:
 
         model_dir = resolve_model_dir(self.args.model_path)
         t0 = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(self.args.tokenizer_path or model_dir)  # --tokenizer-path
         self.deltas = TextDeltas(tokenizer, max_open=max_open)
         core = self.deltas.core
         how = "numpy byte table" if core.table is not None else f"window decode ({core.fallback_reason})"

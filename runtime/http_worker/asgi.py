@@ -1,7 +1,8 @@
 """The ASGI app object of a granian worker: route dispatch, the lifespan that starts the
 worker's HTTPWorker, and the helpers every route shares (bodies, errors, the API key).
 Every route answers APIError with its OpenAI-format body; anything else is a bug, logged,
-and a 500."""
+and a 500. The app also answers CORS (vLLM's flags and defaults: Cors) and echoes a
+request's x-request-id, which the OpenAI routes take as the request's name (client_request_id)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from starlette.responses import Response
 
 from gpu.model_files import ModelLoadError
 from httpapi.auth import check_api_key
-from httpapi.errors import APIError, body_timeout, body_too_large, internal_error, model_not_found
+from httpapi.errors import APIError, bad_request, body_timeout, body_too_large, internal_error, model_not_found
+from httpapi.requests import check_request_id
+from runtime.config import ServerArgs
 from runtime.http_worker.disconnect import take_due
 from runtime.http_worker.tokenizer_manager import ClientGone
 from runtime.http_worker.worker import HTTPWorker
@@ -26,7 +29,9 @@ logger = logging.getLogger("ringserve.app")
 
 JSON = "application/json"
 WORKER_HEADER = "x-ringserve-worker"  # which HTTP worker answered (its index)
-MODEL_PATH = "/v1/models/"  # + the served name: its card (routed at start-up)
+MODEL_PATH = "/v1/models/"  # + a served name: its card (routed at start-up)
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_SCOPE = "ringserve.request_id"  # the request's valid x-request-id, in its ASGI scope
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -127,6 +132,91 @@ def error_response(err: APIError) -> Response:
     return json_response(err.body(), err.status)
 
 
+def client_request_id(request: Request, body_id: str | None) -> str | None:
+    """The client's name for its request: the x-request-id header (checked by the App), else
+    the body's request_id; the header wins, as in vLLM."""
+    return request.scope.get(REQUEST_ID_SCOPE) or body_id
+
+
+# Every method a preflight may ask for with --allowed-methods * (what starlette's CORSMiddleware lists)
+ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+SAFELISTED_HEADERS = ("accept", "accept-language", "content-language", "content-type")
+CORS_MAX_AGE_S = 600
+EXPOSED_HEADERS = f"{REQUEST_ID_HEADER}, {WORKER_HEADER}"  # what a page's script may read
+
+
+class Cors:
+    """CORS as vLLM's CORSMiddleware (starlette's) does it, inline in the App: a preflight
+    (OPTIONS with Origin and Access-Control-Request-Method) of an allowed origin, method and
+    headers is a 200 with the Access-Control-* headers, else a 400; every other response to an
+    allowed Origin gets access-control-allow-origin (`*`, or the origin and `vary: origin` when
+    origins are listed or credentials allowed); a disallowed origin gets none, so the browser
+    withholds the answer. With no origins allowed (--allowed-origins []) the App holds no Cors;
+    else a request costs one look at the headers the App scans anyway, and a stream nothing a
+    token (its headers go out once)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.any_origin = "*" in args.allowed_origins
+        self.origins = frozenset(o.encode("latin-1") for o in args.allowed_origins)
+        self.any_method = "*" in args.allowed_methods
+        self.methods = frozenset(m.upper() for m in args.allowed_methods)
+        self.any_header = "*" in args.allowed_headers
+        self.headers = frozenset(h.lower() for h in args.allowed_headers) | frozenset(SAFELISTED_HEADERS)
+        self.credentials = args.allow_credentials
+        self.echo = not self.any_origin or self.credentials  # the origin itself, not "*"
+        self.extra = [("access-control-expose-headers", EXPOSED_HEADERS)]
+        if self.credentials:
+            self.extra.append(("access-control-allow-credentials", "true"))
+        methods = ALL_METHODS if self.any_method else sorted(self.methods)
+        self.preflight_headers = [
+            ("access-control-allow-methods", ", ".join(methods)),
+            ("access-control-max-age", str(CORS_MAX_AGE_S)),
+        ]
+
+    @classmethod
+    def of(cls, args: ServerArgs) -> Cors | None:
+        return cls(args) if args.allowed_origins else None
+
+    def allows(self, origin: bytes) -> bool:
+        return self.any_origin or origin in self.origins
+
+    def add_headers(self, response, origin: bytes) -> None:
+        """A response's CORS headers (none for a disallowed origin)."""
+        if not self.allows(origin):
+            return
+        headers = response.headers
+        if self.echo:
+            headers.append("access-control-allow-origin", origin.decode("latin-1"))
+            headers.append("vary", "origin")
+        else:
+            headers.append("access-control-allow-origin", "*")
+        for name, value in self.extra:
+            headers.append(name, value)
+
+    def preflight(self, origin: bytes, method: bytes, asked_headers: bytes | None) -> Response:
+        """The answer to a preflight; its origin headers are add_headers'."""
+        if not self.allows(origin):
+            return error_response(bad_request(f"CORS: origin {origin.decode('latin-1')!r} is not allowed", "origin"))
+        if not self.any_method and method.decode("latin-1").upper() not in self.methods:
+            return error_response(
+                bad_request(
+                    f"CORS: method {method.decode('latin-1')!r} is not allowed", "access-control-request-method"
+                )
+            )
+        asked = [h.strip() for h in (asked_headers or b"").decode("latin-1").split(",") if h.strip()]
+        if not self.any_header and any(h.lower() not in self.headers for h in asked):
+            return error_response(
+                bad_request("CORS: a requested header is not allowed", "access-control-request-headers")
+            )
+        response = Response(b"OK", 200, media_type="text/plain")
+        for name, value in self.preflight_headers:
+            response.headers.append(name, value)
+        allowed = ", ".join(asked) if self.any_header else ", ".join(sorted(self.headers))
+        if allowed:
+            response.headers.append("access-control-allow-headers", allowed)
+        return response
+
+
 def api_route(
     handler: Callable[..., Awaitable[Response]], key_required: bool = True
 ) -> Callable[[Request], Awaitable[Response]]:
@@ -183,6 +273,7 @@ class App:
         self.model_card = model_card
         self.worker: HTTPWorker | None = None
         self.body_reads = BodyReads()
+        self.cors: Cors | None = None  # from the worker's arguments, at start-up
 
     def add_route(self, path: str, methods: dict[str, Handler]) -> None:
         """Routes `path`; HEAD is answered where GET is."""
@@ -191,10 +282,25 @@ class App:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             scope["app"] = self  # what request.app returns
-            request = Request(scope, receive)
+            origin = request_id = preflight = None
+            for name, value in scope["headers"]:
+                if name == b"x-request-id":
+                    request_id = value
+                elif name == b"origin":
+                    origin = value
+                elif name == b"access-control-request-method":
+                    preflight = value
+            cors = self.cors if origin is not None else None
             methods = self.routes.get(scope["path"])
             handler = None if methods is None else methods.get(scope["method"])
-            if handler is not None:
+            if request_id is not None:
+                request_id = self._request_id(scope, request_id)
+            if cors is not None and preflight is not None and scope["method"] == "OPTIONS":
+                response = cors.preflight(origin, preflight, _header(scope, b"access-control-request-headers"))
+            elif isinstance(request_id, Response):  # a bad x-request-id: 400
+                response, request_id = request_id, None
+            elif handler is not None:
+                request = Request(scope, receive)
                 try:
                     response = await handler(request)
                 except Exception:  # api_route answers errors; this is a bug in a route outside it
@@ -207,11 +313,25 @@ class App:
             else:
                 response = error_response(APIError(405, f"{scope['method']} {scope['path']}: Method Not Allowed"))
                 response.headers["allow"] = ", ".join(methods)
+            if isinstance(request_id, str):
+                response.headers.append(REQUEST_ID_HEADER, request_id)
+            if cors is not None:
+                cors.add_headers(response, origin)
             await response(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         else:  # a websocket: none is served
             await send({"type": "websocket.close"})
+
+    @staticmethod
+    def _request_id(scope, raw: bytes) -> str | Response:
+        """A valid x-request-id, kept in the scope for the routes; else the 400 naming it."""
+        try:
+            request_id = check_request_id(raw.decode("latin-1"), REQUEST_ID_HEADER)
+        except APIError as err:
+            return error_response(err)
+        scope[REQUEST_ID_SCOPE] = request_id
+        return request_id
 
     async def _lifespan(self, receive, send) -> None:
         while True:
@@ -226,7 +346,9 @@ class App:
                     logger.exception("the worker failed to start")
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
                     return
-                self.add_route(MODEL_PATH + self.worker.model.served_name, {"GET": self.model_card})
+                for name in self.worker.served_names:
+                    self.add_route(MODEL_PATH + name, {"GET": self.model_card})
+                self.cors = Cors.of(self.worker.args)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.body_reads.close()
@@ -234,3 +356,10 @@ class App:
                     await self.worker.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None

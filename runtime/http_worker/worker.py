@@ -10,13 +10,14 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gpu.model_files import ModelLoadError
 from httpapi.errors import engine_unavailable
-from httpapi.info import served_model_name
+from httpapi.info import served_model_name, served_model_names
 from httpapi.logprobs import LogprobVocab
 from httpapi.responses import now
 from httpapi.sampling import SamplingSpec
@@ -56,6 +57,9 @@ class HTTPWorker:
     ) -> None:
         self.args, self.files, self.link, self.tm = args, files, link, tm
         self.model = tm.model
+        self.served_names = served_model_names(args.model_path, args.served_model_name)  # the first: tm.model's
+        # --log-requests: each request's endpoint, for its log line
+        self._endpoints: weakref.WeakKeyDictionary[ReqGroup, str] = weakref.WeakKeyDictionary()
         self.vocab = vocab
         self.metrics = metrics
         self.kv_tokens: int | None = link.meta.get("max_total_tokens")  # may hold less than the context
@@ -255,11 +259,30 @@ class HTTPWorker:
             for p in params
             for j in range(n)
         ]
-        return await self.tm.submit([ids for ids in prompts for _ in range(n)], choice_params, rids, stream)
+        group = await self.tm.submit([ids for ids in prompts for _ in range(n)], choice_params, rids, stream)
+        if self.args.log_requests:
+            self._endpoints[group] = endpoint
+        return group
 
     def observe(self, group: ReqGroup) -> None:
         """A request that ran to its end (not one that failed or whose client left)."""
-        self.metrics.observe_request(group.arrival_ns, time.monotonic_ns(), group.states)
+        end_ns = time.monotonic_ns()
+        self.metrics.observe_request(group.arrival_ns, end_ns, group.states)
+        if self.args.log_requests:
+            self.log_request(group, end_ns)
+
+    def log_request(self, group: ReqGroup, end_ns: int) -> None:
+        """--log-requests: one line a request, once it ended; never its text."""
+        states = group.states
+        logger.info(
+            "request %s %s: %d prompt tokens, %d completion tokens, finish %s, %.3f s",
+            ",".join(group.rids),
+            self._endpoints.get(group, "?"),
+            sum(s.prompt_tokens for s in states),
+            sum(s.completion_tokens for s in states),
+            ",".join(s.finish.api_name if s.finished else "none" for s in states),
+            (end_ns - group.arrival_ns) * 1e-9,
+        )
 
     def observe_delta(self, state: ReqState, now_ns: int) -> None:
         """Inter-token latency of a streamed delta: its interval spread over its tokens."""
@@ -321,7 +344,7 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
 
     model_dir = resolve_model_dir(args.model_path)
     cfg = ModelConfig.from_dir(model_dir, args.context_length)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or str(model_dir))
     # the embedded model's own template renders no tools; the Hermes one renders everything
     # else as it does (tests/test_hermes_template.py), and tool calls as the hermes parser reads them
     template = args.chat_template or (str(HERMES_TEMPLATE) if args.model_path is None else None)

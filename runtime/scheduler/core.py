@@ -69,6 +69,7 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001
     grammar_backend: str = "xgrammar"  # xgrammar | none (constrained requests fail)
     constrained_json_any_whitespace: bool = False  # False: JSON schemas allow compact JSON only
+    tokenizer_path: str | None = None  # --tokenizer-path (None: the model's directory)
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, context_length: int, **overrides) -> SchedulerConfig:
@@ -81,6 +82,7 @@ class SchedulerConfig:
             disable_radix_cache=args.disable_radix_cache,
             grammar_backend=args.grammar_backend,
             constrained_json_any_whitespace=args.constrained_json_any_whitespace,
+            tokenizer_path=args.tokenizer_path,
             **overrides,
         )
 
@@ -128,6 +130,7 @@ class Scheduler:
             runner.model_config,
             config.max_running_requests,
             config.constrained_json_any_whitespace,
+            config.tokenizer_path,
         )
         self.num_constrained = 0  # running requests with a grammar
         self.constrained = np.zeros(config.max_running_requests, bool)  # by table row

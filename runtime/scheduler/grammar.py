@@ -157,15 +157,20 @@ class DisabledGrammars:
 
 
 def make_grammar_backend(
-    name: str, model_config, max_rows: int, any_whitespace: bool = False
+    name: str, model_config, max_rows: int, any_whitespace: bool = False, tokenizer_path: str | None = None
 ) -> XGrammarBackend | DisabledGrammars:
-    """The backend --grammar-backend names, for the model of `model_config` (gpu/model_config.py)."""
+    """The backend --grammar-backend names, for the model of `model_config` (gpu/model_config.py)
+    and its tokenizer (`tokenizer_path`, --tokenizer-path: else the model's directory's)."""
     if name == "none":
         return DisabledGrammars()
     if name != "xgrammar":
         raise ValueError(f"--grammar-backend must be xgrammar or none, not {name!r}")
     return XGrammarBackend(
-        model_config.model_dir, model_config.vocab_size, tuple(model_config.eos_token_ids), max_rows, any_whitespace
+        tokenizer_path or model_config.model_dir,
+        model_config.vocab_size,
+        tuple(model_config.eos_token_ids),
+        max_rows,
+        any_whitespace,
     )
 
 

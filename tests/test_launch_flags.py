@@ -1,0 +1,269 @@
+"""SGLang's and vLLM's launch flags (runtime/config.py): every alias of a ringserve setting, by
+flag and by environment variable; the refusals (tensor / data parallelism, an alias and its
+target given different values); list settings; then a real server (the null model) started
+with several served names, a copied --tokenizer-path, vLLM's aliases and --log-requests, and
+`python -m runtime serve --tp 2` refused with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from runtime.config import ALIASES, ServerArgs
+from runtime.http_worker.asgi import Cors
+
+# ---------------------------------------------------------------- parsing
+
+ALIAS_VALUES = {
+    "max_model_len": ("512", 512),
+    "gpu_memory_utilization": ("0.5", 0.5),
+    "max_num_seqs": ("8", 8),
+    "max_num_batched_tokens": ("4096", 4096),
+    "tensor_parallel_size": ("1", 1),
+    "tp": ("1", 1),
+    "data_parallel_size": ("1", 1),
+    "dp": ("1", 1),
+}
+
+
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_alias_by_flag_and_env(alias):
+    raw, value = ALIAS_VALUES[alias]
+    target = ALIASES[alias]
+    by_flag = ServerArgs.from_cli([f"--{alias.replace('_', '-')}", raw])
+    by_env = ServerArgs.from_env({f"RINGSERVE_{alias.upper()}": raw})
+    assert getattr(by_flag, target) == value and by_env == by_flag
+    assert ServerArgs.from_env(by_flag.to_env()) == by_flag  # the alias travels as its target's variable
+    assert f"RINGSERVE_{alias.upper()}" not in by_flag.to_env()
+
+
+def test_every_alias_is_tested_and_no_field_is_an_alias():
+    fields = set(ServerArgs.__dataclass_fields__)
+    assert set(ALIASES) == set(ALIAS_VALUES)
+    assert not set(ALIASES) & fields and set(ALIASES.values()) <= fields
+
+
+def test_vllm_short_flags():
+    assert ServerArgs.from_cli(["-tp", "1", "-dp", "1"]).tp_size == 1
+
+
+def test_alias_and_target_agreeing_is_fine():
+    args = ServerArgs.from_cli(["--max-model-len", "512", "--context-length", "512"])
+    assert args.context_length == 512
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--max-model-len", "512", "--context-length", "1024"], "--max-model-len 512 and --context-length 1024"),
+        (["--max-num-seqs", "8", "--max-running-requests", "9"], "conflict"),
+        (
+            [
+                "--tp",
+                "1",
+                "--tensor-parallel-size",
+                "1",
+                "--max-num-batched-tokens",
+                "1",
+                "--chunked-prefill-size",
+                "2",
+            ],
+            "conflict",
+        ),
+        (["--tp", "2"], "tensor parallelism is not supported; run several servers behind sglang-router"),
+        (["--tensor-parallel-size", "4"], "tensor parallelism is not supported"),
+        (["--tp-size", "2"], "tensor parallelism is not supported"),
+        (["--dp", "2"], "data parallelism is not supported; run several servers behind sglang-router"),
+        (["--served-model-name", '["a,b"]'], "served-model-name"),
+        (["--allowed-origins", '["a"'], "JSON list"),
+    ],
+)
+def test_refusals(argv, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs.from_cli(argv)
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"RINGSERVE_MAX_MODEL_LEN": "512", "RINGSERVE_CONTEXT_LENGTH": "1024"}, "RINGSERVE_MAX_MODEL_LEN 512"),
+        ({"RINGSERVE_TP": "2"}, "tensor parallelism is not supported"),
+        ({"RINGSERVE_GPU_MEMORY_UTILIZATION": "x"}, "RINGSERVE_GPU_MEMORY_UTILIZATION"),
+    ],
+)
+def test_env_refusals(env, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs.from_env(env)
+
+
+def test_list_settings():
+    args = ServerArgs.from_cli(
+        ["--served-model-name", "first", "second", "--allowed-origins", '["http://a", "http://b"]']
+    )
+    assert args.served_model_name == ("first", "second")
+    assert args.allowed_origins == ("http://a", "http://b")
+    assert ServerArgs.from_env(args.to_env()) == args
+    assert ServerArgs.from_env({"RINGSERVE_SERVED_MODEL_NAME": "x, y"}).served_model_name == ("x", "y")
+    assert ServerArgs.from_env({"RINGSERVE_ALLOWED_ORIGINS": "[]"}).allowed_origins == ()
+    assert ServerArgs.from_cli(["--allowed-origins"]).allowed_origins == ()  # no value: none
+    assert ServerArgs(served_model_name=["a"]).served_model_name == ("a",)  # the engine's spec: JSON lists
+
+
+def test_defaults_match_vllm_and_sglang():
+    args = ServerArgs()
+    assert args.allowed_origins == args.allowed_methods == args.allowed_headers == ("*",)
+    assert not args.allow_credentials and args.tp_size == args.dp_size == 1
+    assert Cors.of(args) is not None and Cors.of(ServerArgs(allowed_origins=())) is None
+
+
+def test_accepted_flags_without_effect():
+    args = ServerArgs.from_cli(["--trust-remote-code", "--enable-metrics", "--disable-cuda-graph", "--log-requests"])
+    assert args.trust_remote_code and args.enable_metrics and args.disable_cuda_graph and args.log_requests
+    helps = subprocess.run(
+        [sys.executable, "-m", "runtime", "serve", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for words in ("never code from the hub", "/metrics is always on", "captures no CUDA graphs", "--max-model-len"):
+        assert words in " ".join(helps.split()), words
+
+
+def test_serve_tp_2_fails_with_the_reason():
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime", "serve", "--tp", "2"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "tensor parallelism is not supported; run several servers behind sglang-router" in done.stderr
+
+
+def test_serve_refuses_a_tokenizer_path_without_a_tokenizer(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime", "serve", "--tokenizer-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "--tokenizer-path" in done.stderr
+
+
+# ---------------------------------------------------------------- a real server
+
+NAMES = ("primary", "alias-b", "alias-c")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_copy(tmp_path_factory):
+    from gpu.model_files import resolve_model_dir
+
+    src = resolve_model_dir(None)
+    dst = tmp_path_factory.mktemp("tokenizer")
+    for path in src.iterdir():
+        if path.name.startswith("tokenizer") or path.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(path, dst / path.name)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("log") / "server.err"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tokenizer_copy, server_log):
+    """Its stderr (the workers' logs) goes to server_log: fd 2 is that file while it starts."""
+    saved = os.dup(2)
+    with open(server_log, "wb") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        return start(start_server, tokenizer_copy)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def start(start_server, tokenizer_copy):
+    return start_server(
+        start_server.Server.granian,
+        null_model=True,
+        served_model_name=",".join(NAMES),
+        tokenizer_path=tokenizer_copy,
+        log_requests=1,
+        max_model_len=1024,  # vLLM's names, as environment variables
+        max_num_seqs=8,
+        gpu_memory_utilization=0.3,
+        max_total_tokens=8192,
+    )
+
+
+def test_served_names_through_the_openai_client(server):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == list(NAMES)
+    for name in NAMES:
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=3)
+        assert out.model == NAMES[0] and out.choices[0].text
+        assert client.models.retrieve(name).id == name
+    chat = client.chat.completions.create(model=NAMES[2], messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert chat.model == NAMES[0]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hi", max_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_aliases_reach_the_engine(server):
+    info = httpx.get(server.url("/get_server_info"), timeout=30).json()
+    assert info["context_length"] == 1024 and info["max_running_requests"] == 8
+    assert info["mem_fraction_static"] == 0.3
+
+
+def test_tokenizer_path_is_used(server, tokenizer_copy):
+    info = httpx.get(server.url("/get_model_info"), timeout=30).json()
+    assert info["tokenizer_path"] == str(tokenizer_copy) and info["model_path"] != str(tokenizer_copy)
+    ids = httpx.post(server.url("/tokenize"), json={"prompt": "Hello world"}, timeout=30).json()["tokens"]
+    text = httpx.post(server.url("/detokenize"), json={"tokens": ids}, timeout=30).json()["text"]
+    assert text == "Hello world"
+
+
+def test_log_requests(server, server_log):
+    rid = "logged-request-1"
+    httpx.post(
+        server.url("/v1/completions"),
+        headers={"x-request-id": rid},
+        json={"prompt": "a secret prompt text", "max_tokens": 4},
+        timeout=60,
+    ).raise_for_status()
+    deadline = time.monotonic() + 10
+    err = ""
+    while time.monotonic() < deadline and f"cmpl-{rid}" not in err:
+        time.sleep(0.2)
+        err = server_log.read_text()
+    (line,) = [line for line in err.splitlines() if f"cmpl-{rid}" in line]
+    assert "completions" in line and "completion tokens" in line and "finish length" in line
+    assert "secret" not in err
+
+
+def test_default_cors_is_vllms(server):
+    """Any origin, no credentials: `*`, and no vary (the answer is the same for every origin)."""
+    resp = httpx.get(server.url("/v1/models"), headers={"origin": "http://anywhere.example"}, timeout=30)
+    assert resp.headers["access-control-allow-origin"] == "*" and "vary" not in resp.headers
+    assert "access-control-allow-credentials" not in resp.headers
+    pre = httpx.options(
+        server.url("/v1/chat/completions"),
+        headers={
+            "origin": "http://anywhere.example",
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type",
+        },
+        timeout=30,
+    )
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert pre.headers["access-control-allow-headers"] == "authorization, content-type"
+    # no Origin: no CORS headers; an OPTIONS that is no preflight is a 405 as before
+    assert "access-control-allow-origin" not in httpx.get(server.url("/v1/models"), timeout=30).headers
+    assert httpx.options(server.url("/v1/models"), timeout=30).status_code == 405
