@@ -37,8 +37,10 @@ from httpapi.sampling import check_prompt_chars, check_request_size, check_token
 from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
 from protocol.sampling_params import SamplingParams
 from runtime.http_worker.asgi import (
+    MODEL_PATH,
     Handler,
     api_route,
+    client_request_id,
     error_response,
     json_response,
     orjson_dumps,
@@ -103,12 +105,12 @@ def usage_of(state: ReqState) -> Usage:
 @api_route
 async def chat_completions(worker, request: Request) -> Response:
     req = parse_chat_completion(await read_body(request))
-    check_model(req.model, worker.model.served_name)
+    check_model(req.model, worker.served_names)
     await worker.check_grammars([req.sampling])
     ids = await worker.tm.chat_ids(req.messages, req.template)
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
-    request_id, created = response_id("chatcmpl", req.request_id), now()  # also the rid /abort_request takes
+    request_id, created = response_id("chatcmpl", client_request_id(request, req.request_id)), now()
     output = chat_output(worker, req, request_id)
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
@@ -195,13 +197,13 @@ def chat_events(
 @api_route
 async def completions(worker, request: Request) -> Response:
     req = parse_completion(await read_body(request))
-    check_model(req.model, worker.model.served_name)
+    check_model(req.model, worker.served_names)
     await worker.check_grammars([req.sampling])
     prompt_ids = [await prompt_tokens(worker, p, "prompt", req.add_special_tokens) for p in req.prompts]
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
-    request_id, created = response_id("cmpl", req.request_id), now()  # also the rid /abort_request takes
+    request_id, created = response_id("cmpl", client_request_id(request, req.request_id)), now()
     group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
     echoes = None
     if req.echo:
@@ -268,21 +270,23 @@ async def prompt_tokens(worker, prompt: str | list[int], param: str, add_special
 
 def response_id(prefix: str, client_id: str | None) -> str:
     """The response's id (and the rid /abort_request takes): vLLM's <prefix>-<request_id> when
-    the client names the request, else a new one."""
+    the client names the request (its x-request-id header, else its body's request_id), else a
+    new one."""
     return f"{prefix}-{client_id}" if client_id is not None else new_request_id(prefix)
 
 
 @api_route
 async def models(worker, request: Request) -> Response:
     m = worker.model
-    return json_response(models_body(m.served_name, worker.started, m.context_length, m.model_dir))
+    return json_response(models_body(worker.served_names, worker.started, m.context_length, m.model_dir))
 
 
 @api_route
 async def retrieve_model(worker, request: Request) -> Response:
-    """GET /v1/models/{id}: routed at start-up, once the served name is known; another id is a 404."""
+    """GET /v1/models/{id}: routed at start-up for each served name; another id is a 404."""
     m = worker.model
-    return json_response(orjson_dumps(model_card(m.served_name, worker.started, m.context_length, m.model_dir)))
+    name = request.url.path[len(MODEL_PATH) :]
+    return json_response(orjson_dumps(model_card(name, worker.started, m.context_length, m.model_dir)))
 
 
 # ---------------------------------------------------------------- SGLang native
@@ -305,7 +309,8 @@ async def generate(worker, request: Request) -> Response:
         "sampling_params.stop",
         max_tokens=worker.kv_tokens,
     )
-    rids = [rid or new_request_id("gen") for rid in req.rids]
+    header_rid = client_request_id(request, None) if len(req.rids) == 1 else None  # x-request-id
+    rids = [rid or header_rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
     group = await worker.submit("generate", prompt_ids, params, n, rids, req.stream)
     vocab = worker.vocab if req.return_logprob or params[0].prompt_logprobs >= 0 else None
@@ -340,7 +345,7 @@ def generate_events(worker, group: ReqGroup, stream: GenerateStream) -> AsyncIte
 @api_route
 async def tokenize(worker, request: Request) -> Response:
     req = parse_tokenize(await read_body(request))
-    check_model(req.model, worker.model.served_name)
+    check_model(req.model, worker.served_names)
     if req.messages is not None:
         tokens = [await worker.tm.chat_ids(req.messages, req.template)]
     else:
@@ -356,7 +361,7 @@ async def tokenize(worker, request: Request) -> Response:
 @api_route
 async def detokenize(worker, request: Request) -> Response:
     req = parse_detokenize(await read_body(request))
-    check_model(req.model, worker.model.served_name)
+    check_model(req.model, worker.served_names)
     for ids in req.token_ids:
         check_token_ids(ids, worker.model.vocab_size, "tokens")
     texts = [await worker.tm.decode(ids, req.skip_special_tokens) for ids in req.token_ids]
@@ -366,7 +371,11 @@ async def detokenize(worker, request: Request) -> Response:
 @api_route
 async def get_model_info(worker, request: Request) -> Response:
     m = worker.model
-    return json_response(model_info_body(m.served_name, m.model_dir, m.context_length, m.vocab_size, m.architecture))
+    return json_response(
+        model_info_body(
+            m.served_name, m.model_dir, m.context_length, m.vocab_size, m.architecture, worker.args.tokenizer_path
+        )
+    )
 
 
 @api_route
