@@ -2,9 +2,10 @@
 (`python -m sglang_router.launch_router --policy cache_aware`), on loopback only.
 
 The router registers both servers from what they answer (/health, /server_info, /model_info:
-the served model's name and path), routes chat, completions (streamed and not, through the
-openai client) and /generate to both, keeps them healthy through its periodic /health probe,
-and everything stops without leftovers (processes, shared-memory segments)."""
+the served model's name and path), reads their loads (/get_load), routes chat, completions
+(streamed and not, through the openai client) and /generate to both, keeps them healthy
+through its periodic /health probe, and everything stops without leftovers (processes,
+shared-memory segments)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,11 @@ def test_router_serves_through_both_servers(servers, router):
     info = httpx.get(base + "/get_model_info", timeout=10).json()
     assert info["served_model_name"] == MODEL and info["is_generation"] is True
     assert httpx.post(base + "/flush_cache", timeout=10).status_code == 200
+    for s in servers:  # SGLang's /get_load, which the router polls for its loads (power_of_two)
+        (load,) = httpx.get(s.url("/get_load"), timeout=10).json()
+        assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    loads = httpx.get(base + "/get_loads", timeout=10).json()["workers"]
+    assert {w["worker"]: w["load"] for w in loads} == {s.base: 0 for s in servers}
 
     # The router's periodic /health probe (every second) keeps both servers healthy.
     time.sleep(2.5)

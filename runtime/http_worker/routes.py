@@ -401,6 +401,25 @@ async def abort_request(worker, request: Request) -> Response:
     return json_response(orjson_dumps({"aborted": aborted}))
 
 
+@api_route
+async def get_load(worker, request: Request) -> Response:
+    """SGLang's load, one entry per data-parallel rank (here one): sglang-router's
+    power_of_two policy polls it and compares num_tokens (KV tokens held by requests)."""
+    worker.check_alive()
+    e = worker.engine_stats()
+    running = queued = used_pages = page_size = 0
+    if e is not None:
+        running, queued, page_size = e["running"], e["queued"], e["page_size"]
+        used_pages = e["kv_pages_total"] - e["kv_pages_free"] - e["kv_pages_cached"]
+    load = {
+        "dp_rank": 0,
+        "num_reqs": running + queued,
+        "num_waiting_reqs": queued,
+        "num_tokens": used_pages * page_size,
+    }
+    return json_response(orjson_dumps([load]))
+
+
 # ---------------------------------------------------------------- health and metrics
 
 
@@ -451,6 +470,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/server_info": {"GET": get_server_info},
     "/flush_cache": {"POST": flush_cache, "GET": flush_cache},
     "/abort_request": {"POST": abort_request},
+    "/get_load": {"GET": get_load},
     "/health": {"GET": health},
     "/health_generate": {"GET": health_generate},
     "/metrics": {"GET": metrics},
