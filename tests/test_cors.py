@@ -159,3 +159,28 @@ def test_bad_x_request_id(server, value):
         server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 2, "request_id": value}, timeout=30
     )
     assert body.status_code == 400 and body.json()["error"]["param"] == "request_id"
+
+
+# ---------------------------------------------------------------- Cors alone
+
+
+class Answer:
+    def __init__(self) -> None:
+        from starlette.datastructures import MutableHeaders
+
+        self.headers = MutableHeaders()
+
+
+def test_any_origin_with_credentials_echoes_the_origin():
+    """`*` with credentials is not allowed by browsers: the origin itself, and vary (starlette's rule)."""
+    from runtime.config import ServerArgs
+    from runtime.http_worker.asgi import Cors
+
+    cors = Cors(ServerArgs(allow_credentials=True))
+    answer = Answer()
+    cors.add_headers(answer, b"http://x.example")
+    assert answer.headers["access-control-allow-origin"] == "http://x.example"
+    assert answer.headers["vary"] == "origin" and answer.headers["access-control-allow-credentials"] == "true"
+    pre = Cors(ServerArgs()).preflight(b"http://x.example", b"PATCH", b"X-Custom")
+    assert pre.status_code == 200 and pre.headers["access-control-allow-headers"] == "X-Custom"
+    assert pre.headers["access-control-allow-methods"] == "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
