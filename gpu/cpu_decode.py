@@ -120,6 +120,7 @@ class CpuDecoder:
         projections = (*model.qkv, *model.o, *model.gate_up, *model.down)
         return (
             attention_backend == "cpu"
+            and model.cfg.llama_like  # the C loop is the plain Llama layer: no Qwen3/Gemma/SmolLM3 variations
             and isinstance(model.ops, CpuLayerOps)
             and all(isinstance(w, QuantizedWeight) for w in projections)
         )

@@ -1,6 +1,10 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch over a
 paged KV cache: one forward for a flat batch of tokens from many requests, attention
-delegated to the backend, logits only for the tokens that are sampled."""
+delegated to the backend, logits only for the tokens that are sampled. The same forward runs
+the variations ModelConfig reads (Qwen3, Phi-3, Gemma 2/3, SmolLM3): q/k norms, Gemma's
+norms around attention and MLP, GELU-tanh, scaled embeddings, soft-capped logits, per-layer
+rope tables or none; per-layer sliding windows and soft-capped attention scores are the
+attention backend's (the torch one: AttentionBackend.configure)."""
 
 from __future__ import annotations
 
@@ -182,6 +186,10 @@ class LlamaForCausalLM:
         self.o = [weights[f"layers.{i}.o"] for i in range(n)]
         self.gate_up = [weights[f"layers.{i}.gate_up"] for i in range(n)]
         self.down = [weights[f"layers.{i}.down"] for i in range(n)]
+        self.q_norm = [weights.get(f"layers.{i}.q_norm") for i in range(n)]
+        self.k_norm = [weights.get(f"layers.{i}.k_norm") for i in range(n)]
+        self.attn_out_norm = [weights.get(f"layers.{i}.attn_out_norm") for i in range(n)]
+        self.mlp_out_norm = [weights.get(f"layers.{i}.mlp_out_norm") for i in range(n)]
 
         # On the CPU a one-token product x @ W^T streams W much faster from a [K, N] copy than from
         # the [N, K] weight when K is the short hidden size (MKL; measured for gate_up and lm_head,
@@ -192,12 +200,35 @@ class LlamaForCausalLM:
 
         self.gate_up_t = [copy_t(w) for w in self.gate_up]
         self.lm_head_t = copy_t(self.lm_head)
-        # cos/sin of every position, computed once in fp32 as transformers does, kept in the model dtype
-        positions = torch.arange(cfg.context_length, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]  # [P, D/2]
-        self.cos = freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype)
-        self.sin = freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype)
+        self.cos, self.sin = self._rope_tables(cfg.rope)
         self.ops = layer_ops(self.cos, self.sin)
+        # each layer's rope: None (SmolLM3's NoPE layers), the model's, or the sliding layers' own (Gemma 3)
+        local = None if cfg.local_rope is None else layer_ops(*self._rope_tables(cfg.local_rope))
+        self.layer_rope = [
+            None
+            if cfg.rope_layers and not cfg.rope_layers[i]
+            else local
+            if local is not None and cfg.sliding_windows and cfg.sliding_windows[i] is not None
+            else self.ops
+            for i in range(n)
+        ]
+        self.embed_scale = (
+            None
+            if cfg.embed_scale is None
+            else torch.tensor(cfg.embed_scale).to(self.embed.dtype).to(self.embed.device)
+        )
+
+    def _rope_tables(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        # cos/sin of every position, computed once in fp32 as transformers does, kept in the model dtype
+        positions = torch.arange(self.cfg.context_length, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(rope, self.cfg.head_dim)[None, :]  # [P, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if rope.attention_factor != 1.0:  # yarn
+            cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+        return (
+            cos.to(device=self.embed.device, dtype=self.embed.dtype),
+            sin.to(device=self.embed.device, dtype=self.embed.dtype),
+        )
 
     @property
     def weight_bytes(self) -> int:
@@ -211,7 +242,11 @@ class LlamaForCausalLM:
             *self.o,
             *self.gate_up,
             *self.down,
-            *[b for b in self.qkv_bias if b is not None],
+            *[
+                t
+                for t in (*self.qkv_bias, *self.q_norm, *self.k_norm, *self.attn_out_norm, *self.mlp_out_norm)
+                if t is not None
+            ],
             *[t for t in (*self.gate_up_t, self.lm_head_t) if t is not None],
         ]
         parts = {}  # by identity: a tied lm_head (or a quantized one's dense copy) is the embedding itself
@@ -237,18 +272,39 @@ class LlamaForCausalLM:
         cfg = self.cfg
         T, D, Hq, Hkv = len(input_ids), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
         qk_width, eps = (Hq + Hkv) * D, cfg.rms_norm_eps
-        ops, rope = self.ops, self.ops.rope_at(positions)
+        ops = self.ops
+        ropes = {id(o): o.rope_at(positions) for o in self.layer_rope if o is not None}  # one gather per table
         x, residual = F.embedding(input_ids, self.embed), None  # [T, H]; residual: the last layer's MLP output
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for i in range(cfg.num_layers):
             x, h = ops.add_rms_norm(x, residual, self.input_norm[i], eps)
             qkv = linear(h, self.qkv[i], self.qkv_bias[i])  # [T, (Hq + 2Hkv) D]
-            qk = rope(qkv[:, :qk_width].view(T, Hq + Hkv, D))
+            qk = qkv[:, :qk_width].view(T, Hq + Hkv, D)
+            if self.q_norm[i] is not None:  # per head, before rope
+                qk = torch.cat(
+                    [rms_norm(qk[:, :Hq], self.q_norm[i], eps), rms_norm(qk[:, Hq:], self.k_norm[i], eps)], 1
+                )
+            if self.layer_rope[i] is not None:
+                qk = ropes[id(self.layer_rope[i])](qk)
             v = qkv[:, qk_width:].view(T, Hkv, D)
             o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)  # [T, Hq, D]
-            x, h = ops.add_rms_norm(x, linear(o.reshape(T, Hq * D), self.o[i]), self.post_norm[i], eps)
+            o = linear(o.reshape(T, Hq * D), self.o[i])
+            if self.attn_out_norm[i] is not None:
+                o = rms_norm(o, self.attn_out_norm[i], eps)
+            x, h = ops.add_rms_norm(x, o, self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
-            residual = linear(ops.silu_mul(gate_up), self.down[i])  # [T, H]
+            residual = linear(self._act_mul(gate_up), self.down[i])  # [T, H]
+            if self.mlp_out_norm[i] is not None:
+                residual = rms_norm(residual, self.mlp_out_norm[i], eps)
         return x, residual
+
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> act(gate) * up [T, I]"""
+        if self.cfg.hidden_act == "silu":
+            return self.ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def prompt_logprobs(
         self, x: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, top_k: int
@@ -273,4 +329,7 @@ class LlamaForCausalLM:
         int64 [S] -> float32 logits [S, V]."""
         _, h = self.ops.add_rms_norm(x[logits_index], residual[logits_index], self.norm, self.cfg.rms_norm_eps)
         logits = linear(h, self.lm_head, w_t=self.lm_head_t)  # [S, V]
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -1,4 +1,9 @@
-"""The model's shape, read from an HF config.json: what the Llama-family forward needs."""
+"""The model's shape, read from an HF config.json: what the decoder forward (gpu/llama.py)
+needs. Besides the Llama family (Llama, Mistral, Qwen2, SmolLM) it reads the variations of
+that decoder the forward implements: Qwen3 and Gemma 3's per-head q/k norms, Phi-3's fused
+projections, Gemma 2/3's (1 + w) norms around attention and MLP, GELU-tanh MLP, scaled
+embeddings, soft-capped attention and final logits, per-layer sliding windows and local rope,
+SmolLM3's layers without rope, yarn rope scaling."""
 
 from __future__ import annotations
 
@@ -11,8 +16,21 @@ import torch
 
 from gpu.model_files import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "SmolLM3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# architectures whose config names each layer's attention (layer_types): their sliding layers
+# get a window in the attention itself; the others' one window for all layers caps the context
+PER_LAYER_WINDOWS = (*GEMMA, "SmolLM3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -22,7 +40,11 @@ class RopeConfig:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    attention_factor: float = 1.0  # yarn: cos and sin are scaled by it
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,42 @@ class ModelConfig:
     context_length: int  # max positions a request may use (<= max_position_embeddings)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # the variations of the Llama decoder; the defaults are Llama's
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (Gemma)
+    qk_norm: bool = False  # RMSNorm of each q and k head before rope (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # norms scale by (1 + w), and norm the attention and MLP outputs too
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5 (Gemma), else head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer, None: full attention; (): all full
+    rope_layers: tuple[bool, ...] = ()  # per layer, False: no rope (SmolLM3); (): rope everywhere
+    local_rope: RopeConfig | None = None  # the sliding layers' rope (Gemma 3), None: the same as the others
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def plain_attention(self) -> bool:
+        """Causal attention over all keys with no soft-cap: what every attention backend does."""
+        return self.attn_logit_softcapping is None and not any(w is not None for w in self.sliding_windows)
+
+    @property
+    def llama_like(self) -> bool:
+        """The plain Llama decoder layer, as gpu/kernels/decode_cpu.c runs it."""
+        return (
+            self.plain_attention
+            and self.hidden_act == "silu"
+            and not self.qk_norm
+            and not self.gemma_norms
+            and self.embed_scale is None
+            and self.query_pre_attn_scalar is None
+            and self.final_logit_softcapping is None
+            and all(self.rope_layers)
+            and self.local_rope is None
+            and self.rope.attention_factor == 1.0
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path, context_length: int | None = None) -> ModelConfig:
@@ -61,8 +119,14 @@ class ModelConfig:
             hidden = cfg["hidden_size"]
             num_q_heads = cfg["num_attention_heads"]
             max_pos = cfg["max_position_embeddings"]
-            # Mistral/Qwen2 sliding windows only matter beyond the window: cap the context there
+            num_layers = cfg["num_hidden_layers"]
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            windows: tuple[int | None, ...] = ()
+            if arch in PER_LAYER_WINDOWS:
+                layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
+                windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+                window = None
+            # Mistral/Qwen2/Phi-3 sliding windows only matter beyond the window: cap the context there
             model_max = min(max_pos, window) if window else max_pos
             if context_length is not None and context_length > model_max:
                 raise ModelLoadError(f"--context-length {context_length} exceeds the model's {model_max} positions")
@@ -72,25 +136,41 @@ class ModelConfig:
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
                 intermediate_size=cfg["intermediate_size"],
-                num_layers=cfg["num_hidden_layers"],
+                num_layers=num_layers,
                 num_q_heads=num_q_heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or num_q_heads,
                 head_dim=cfg.get("head_dim") or hidden // num_q_heads,
                 rms_norm_eps=cfg["rms_norm_eps"],
-                rope=_rope_config(cfg),
+                rope=_rope_config(cfg, "full_attention" if arch == "Gemma3ForCausalLM" else None),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 max_position_embeddings=max_pos,
                 context_length=context_length or model_max,
                 eos_token_ids=_eos_ids(cfg, model_dir),
                 bos_token_id=cfg.get("bos_token_id"),
+                hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                gemma_norms=arch in GEMMA,
+                embed_scale=hidden**0.5 if arch in GEMMA else None,
+                query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if arch in GEMMA else None,
+                attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch in GEMMA else None,
+                final_logit_softcapping=cfg.get("final_logit_softcapping") if arch in GEMMA else None,
+                sliding_windows=windows,
+                rope_layers=tuple(bool(r) for r in cfg["no_rope_layers"]) if arch == "SmolLM3ForCausalLM" else (),
+                local_rope=_rope_config(cfg, "sliding_attention") if arch == "Gemma3ForCausalLM" else None,
             )
         except KeyError as e:
             raise ModelLoadError(f"{model_dir / 'config.json'} lacks {e.args[0]}") from None
         if cfg.get("mlp_bias"):
             raise ModelLoadError(f"{model_dir}: mlp_bias is not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{model_dir}: hidden_act {cfg['hidden_act']} is not supported (silu only)")
+        want_act = "gelu_pytorch_tanh" if arch in GEMMA else "silu"
+        if config.hidden_act != want_act:
+            raise ModelLoadError(f"{model_dir}: hidden_act {config.hidden_act} is not supported ({want_act} only)")
+        if cfg.get("use_bidirectional_attention"):
+            raise ModelLoadError(f"{model_dir}: use_bidirectional_attention is not supported (causal only)")
+        for name, per_layer in (("layer_types", config.sliding_windows), ("no_rope_layers", config.rope_layers)):
+            if per_layer and len(per_layer) != config.num_layers:
+                raise ModelLoadError(f"{model_dir}: {name} has {len(per_layer)} entries for {config.num_layers} layers")
         if config.num_q_heads % config.num_kv_heads:
             raise ModelLoadError(
                 f"{model_dir}: num_attention_heads {config.num_q_heads} is not a "
@@ -99,16 +179,48 @@ class ModelConfig:
         return config
 
 
-def _rope_config(cfg: dict) -> RopeConfig:
+def _rope_config(cfg: dict, layer_type: str | None = None) -> RopeConfig:
+    """layer_type: the key of a rope_parameters given per layer type (Gemma 3's full_attention
+    and sliding_attention; older Gemma 3 configs: rope_theta and rope_local_base_freq)."""
     # transformers >= 5 writes rope_parameters (theta included); older configs rope_theta + rope_scaling
     params = dict(cfg.get("rope_parameters") or {})
-    params.update(cfg.get("rope_scaling") or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention":
+        params = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    else:
+        params.update(cfg.get("rope_scaling") or {})
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {partial} is not supported (rope over the whole head only)")
     if kind == "default":
         return RopeConfig(theta=float(theta))
+    if kind == "yarn":
+        factor = params.get("factor")
+        original = int(params.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        factor = float(factor if factor is not None else cfg["max_position_embeddings"] / original)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            get_mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+            if mscale and mscale_all_dim:
+                attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = get_mscale(factor)
+        return RopeConfig(
+            theta=float(theta),
+            type=kind,
+            factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention_factor),
+        )
     rope = RopeConfig(theta=float(theta), type=kind, factor=float(params["factor"]))
     if kind == "llama3":
         rope = RopeConfig(
@@ -153,4 +265,22 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.type == "yarn":  # transformers' _compute_yarn_parameters
+        dim, base = head_dim, rope.theta
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(base)
+            )
+
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+        extrapolation = 1 - ramp
+        return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq

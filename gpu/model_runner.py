@@ -144,9 +144,13 @@ class ModelRunner:
                 f"lower --max-total-tokens or --mem-fraction-static"
             ) from None
         self.pool = PagePool(num_pages, config.page_size)
-        self.attention_backend = config.attention_backend or default_backend(self.device)
+        # sliding windows and soft-capped scores (Gemma 2/3, SmolLM3) are the torch backend's alone
+        self.attention_backend = config.attention_backend or (
+            default_backend(self.device) if cfg.plain_attention else "torch"
+        )
         try:
             self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)
+            self.attn.configure(cfg.attn_scale, cfg.sliding_windows, cfg.attn_logit_softcapping)
         except ValueError as e:  # a backend this machine (or this model) cannot run
             if config.attention_backend is not None or self.attention_backend != "cpu":
                 raise ModelLoadError(str(e)) from None
@@ -154,6 +158,7 @@ class ModelRunner:
             logger.warning("%s; using the torch attention backend", e)
             self.attention_backend = "torch"
             self.attn = create_backend("torch", self.kv_cache, cfg.num_q_heads)
+            self.attn.configure(cfg.attn_scale, cfg.sliding_windows, cfg.attn_logit_softcapping)
         self.decoder = self._cpu_decoder()
         self.sampler = Sampler(
             config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device, config.random_seed

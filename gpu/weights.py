@@ -1,5 +1,6 @@
 """Reads an HF directory's safetensors shards into the fused tensors the model uses:
-q/k/v stacked into one qkv projection, gate/up into one gate_up projection."""
+q/k/v stacked into one qkv projection, gate/up into one gate_up projection (Phi-3 ships them
+fused already). Gemma's norm weights w are stored as 1 + w, the scale its norms apply."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Fused tensors named embed, norm, lm_head (absent when tied) and layers.{i}.{input_norm,
-    qkv, qkv_bias, o, post_norm, gate_up, down}, in dtype on device."""
+    qkv, qkv_bias, o, post_norm, gate_up, down}, plus q_norm, k_norm (cfg.qk_norm) and
+    attn_out_norm, mlp_out_norm (cfg.gemma_norms: post_norm is then the pre-MLP norm), in
+    dtype on device."""
     raw = read_safetensors(cfg.model_dir)
     D, Hq, Hkv, H = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.hidden_size
 
@@ -40,20 +43,38 @@ def load_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
             )
         return t.to(device=device, dtype=dtype)
 
-    out = {"embed": take("model.embed_tokens.weight", (cfg.vocab_size, H)), "norm": take("model.norm.weight", (H,))}
+    def norm(name: str, size: int) -> torch.Tensor:
+        # Gemma's RMSNorm scales by 1 + w, computed in float32 as transformers does
+        if not cfg.gemma_norms:
+            return take(name, (size,))
+        return (1.0 + take(name, (size,)).float()).to(dtype)
+
+    fused = cfg.architecture == "Phi3ForCausalLM"
+    out = {"embed": take("model.embed_tokens.weight", (cfg.vocab_size, H)), "norm": norm("model.norm.weight", H)}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = take("lm_head.weight", (cfg.vocab_size, H))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight", (H,))
-        out[f"layers.{i}.post_norm"] = take(p + "post_attention_layernorm.weight", (H,))
-        out[f"layers.{i}.qkv"] = torch.cat(
-            [
-                take(p + "self_attn.q_proj.weight", (Hq * D, H)),
-                take(p + "self_attn.k_proj.weight", (Hkv * D, H)),
-                take(p + "self_attn.v_proj.weight", (Hkv * D, H)),
-            ]
-        )
+        out[f"layers.{i}.input_norm"] = norm(p + "input_layernorm.weight", H)
+        if cfg.gemma_norms:
+            out[f"layers.{i}.attn_out_norm"] = norm(p + "post_attention_layernorm.weight", H)
+            out[f"layers.{i}.post_norm"] = norm(p + "pre_feedforward_layernorm.weight", H)
+            out[f"layers.{i}.mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight", H)
+        else:
+            out[f"layers.{i}.post_norm"] = norm(p + "post_attention_layernorm.weight", H)
+        if cfg.qk_norm:
+            out[f"layers.{i}.q_norm"] = norm(p + "self_attn.q_norm.weight", D)
+            out[f"layers.{i}.k_norm"] = norm(p + "self_attn.k_norm.weight", D)
+        if fused:
+            out[f"layers.{i}.qkv"] = take(p + "self_attn.qkv_proj.weight", ((Hq + 2 * Hkv) * D, H))
+        else:
+            out[f"layers.{i}.qkv"] = torch.cat(
+                [
+                    take(p + "self_attn.q_proj.weight", (Hq * D, H)),
+                    take(p + "self_attn.k_proj.weight", (Hkv * D, H)),
+                    take(p + "self_attn.v_proj.weight", (Hkv * D, H)),
+                ]
+            )
         if cfg.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = torch.cat(
                 [
@@ -63,12 +84,15 @@ def load_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
                 ]
             )
         out[f"layers.{i}.o"] = take(p + "self_attn.o_proj.weight", (H, Hq * D))
-        out[f"layers.{i}.gate_up"] = torch.cat(
-            [
-                take(p + "mlp.gate_proj.weight", (cfg.intermediate_size, H)),
-                take(p + "mlp.up_proj.weight", (cfg.intermediate_size, H)),
-            ]
-        )
+        if fused:  # Phi-3's gate_up_proj: gate rows, then up rows, as ours
+            out[f"layers.{i}.gate_up"] = take(p + "mlp.gate_up_proj.weight", (2 * cfg.intermediate_size, H))
+        else:
+            out[f"layers.{i}.gate_up"] = torch.cat(
+                [
+                    take(p + "mlp.gate_proj.weight", (cfg.intermediate_size, H)),
+                    take(p + "mlp.up_proj.weight", (cfg.intermediate_size, H)),
+                ]
+            )
         out[f"layers.{i}.down"] = take(p + "mlp.down_proj.weight", (H, cfg.intermediate_size))
     # a tied checkpoint may still carry lm_head.weight (a copy of the embedding); rotary buffers are recomputed
     leftover = [n for n in raw if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq")]

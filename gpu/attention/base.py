@@ -64,6 +64,23 @@ class AttentionBackend(ABC):
         self.head_dim = kv_cache.head_dim
         self.scale = kv_cache.head_dim**-0.5
 
+    # whether forward() applies configure()'s per-layer sliding windows and score soft-capping
+    WINDOWS_AND_SOFTCAP = False
+
+    def configure(
+        self, scale: float, sliding_windows: tuple[int | None, ...] = (), softcap: float | None = None
+    ) -> None:
+        """The model's attention, where it is not plain causal softmax(q k^T / sqrt(D)) v:
+        scale: of q k^T; sliding_windows: per layer, None or w: a query at position p sees keys
+        p - w + 1 .. p; softcap: scores -> softcap * tanh(scores / softcap) before the mask.
+        A backend without WINDOWS_AND_SOFTCAP raises ValueError for either."""
+        self.scale = scale
+        if not self.WINDOWS_AND_SOFTCAP and (softcap is not None or any(w is not None for w in sliding_windows)):
+            raise ValueError(
+                f"the {type(self).__name__} attention has no sliding-window or soft-capped attention, "
+                "which this model needs: use --attention-backend torch"
+            )
+
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:
         """Called once per step before the first layer."""

@@ -102,6 +102,8 @@ def _requests(seqs: np.ndarray, meta: AttentionMetadata) -> _Requests | None:
 
 
 class CpuBackend(TorchNativeBackend):
+    WINDOWS_AND_SOFTCAP = False  # its kernels attend to every key, uncapped
+
     def __init__(self, kv_cache: KVCache, num_q_heads: int) -> None:
         super().__init__(kv_cache, num_q_heads)
         if kv_cache.device.type != "cpu" or kv_cache.dtype not in KV_DTYPE_CODES:

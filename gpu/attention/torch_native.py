@@ -1,7 +1,9 @@
 """Attention in plain torch: the CPU backend and the reference the other backends are
 tested against. Requests are split into two groups, decode (one new token) and extend
 (several), each padded to a dense batch and run through scaled_dot_product_attention with
-a boolean mask; the gather indices and masks are built once per step in plan()."""
+a boolean mask; the gather indices and masks are built once per step in plan(). It also runs
+what the other backends do not (configure()): per-layer sliding windows (one more mask per
+window) and soft-capped scores (attention in matmuls and softmax, as transformers' eager)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,20 @@ class _Group:
     mask: torch.Tensor | None  # bool [G, 1, Qmax, Kmax], True where the query may see the key; None: plain causal
     out_tokens: torch.Tensor | None  # int64 [n], flat tokens this group produces; None: all, in order
     out_valid: torch.Tensor | None  # int64 [n], their positions in the flattened [G * Qmax] output
+    window_masks: dict[int, torch.Tensor] | None = None  # sliding window -> mask as `mask`, narrowed to it
 
 
 class TorchNativeBackend(AttentionBackend):
+    WINDOWS_AND_SOFTCAP = True
+    windows: tuple[int | None, ...] = ()
+    softcap: float | None = None
+
+    def configure(
+        self, scale: float, sliding_windows: tuple[int | None, ...] = (), softcap: float | None = None
+    ) -> None:
+        super().configure(scale, sliding_windows, softcap)
+        self.windows, self.softcap = tuple(sliding_windows), softcap
+
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         q_lens = np.diff(meta.qo_indptr_host)
@@ -33,7 +46,7 @@ class TorchNativeBackend(AttentionBackend):
         if len(self.groups) == 1 and (q_lens == q_lens[0]).all():
             # no padding (decode only, or one prompt): the padded queries are the tokens, in order
             g = self.groups[0]
-            self.groups = [_Group(g.q_index, g.pages, g.mask, None, None)]
+            self.groups = [_Group(g.q_index, g.pages, g.mask, None, None, g.window_masks)]
 
     def _group(self, seqs: np.ndarray, meta: AttentionMetadata, device: torch.device) -> _Group:
         ps = self.kv_cache.page_size
@@ -55,6 +68,10 @@ class TorchNativeBackend(AttentionBackend):
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_ok[:, None, :]  # [G, Qmax, Kmax]
         valid = np.flatnonzero(q_ok)
         as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        window_masks = {
+            w: as_t((mask & (kj[None, None, :] > q_pos[:, :, None] - w))[:, None])
+            for w in sorted({w for w in self.windows if w is not None})
+        }
         # one whole prompt with no cached prefix: SDPA's own causal mask (top-left aligned, so the
         # padding keys past the prompt stay unseen) lets the kernel skip the masked half
         plain_causal = len(seqs) == 1 and q_max > 1 and kv_len[0] == q_max
@@ -64,6 +81,7 @@ class TorchNativeBackend(AttentionBackend):
             None if plain_causal else as_t(mask[:, None]),
             as_t(q_index.reshape(-1)[valid]),
             as_t(valid),
+            window_masks or None,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -87,6 +105,12 @@ class TorchNativeBackend(AttentionBackend):
         # narrower cache (--kv-cache-dtype) is widened to the queries' dtype for SDPA
         kg = k_pages.index_select(0, g.pages).to(qg.dtype).view(G, -1, Hkv, D).transpose(1, 2)  # [G, Hkv, Kmax, D]
         vg = v_pages.index_select(0, g.pages).to(qg.dtype).view(G, -1, Hkv, D).transpose(1, 2)
+        window = self.windows[layer_id] if self.windows else None
+        mask = g.mask if window is None else g.window_masks[window]
+        if self.softcap is not None:
+            return self._attend_softcapped(qg, kg, vg, mask)
+        if window is not None:
+            g = _Group(g.q_index, g.pages, mask, g.out_tokens, g.out_valid)
         if Q == 1:
             # one query per request: its heads sharing a kv head act as that head's queries,
             # plain multi-head attention with no kv expansion
@@ -99,3 +123,19 @@ class TorchNativeBackend(AttentionBackend):
             qg.transpose(1, 2), kg, vg, attn_mask=g.mask, is_causal=g.mask is None, scale=self.scale, enable_gqa=True
         )  # [G, Hq, Qmax, D]
         return og.transpose(1, 2)
+
+    def _attend_softcapped(
+        self, qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """qg: [G, Qmax, Hq, D], kg, vg: [G, Hkv, Kmax, D], mask: [G, 1, Qmax, Kmax] or None (plain
+        causal from the first key) -> [G, Qmax, Hq, D]; scores capped, then masked, softmax in fp32."""
+        G, Q, Hq, D = qg.shape
+        rep = Hq // self.num_kv_heads
+        k, v = kg.repeat_interleave(rep, dim=1), vg.repeat_interleave(rep, dim=1)  # [G, Hq, Kmax, D]
+        scores = torch.matmul(qg.transpose(1, 2), k.transpose(2, 3)) * self.scale  # [G, Hq, Qmax, Kmax]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            mask = torch.ones(Q, k.shape[2], dtype=torch.bool, device=qg.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)
+        return torch.matmul(probs, v).transpose(1, 2)  # [G, Qmax, Hq, D]
