@@ -79,6 +79,9 @@ REFUSED_OPENAI = {
     "echo": "chat echo is not supported",
     "best_of": "best_of is not supported; use n",
     "include_reasoning": "include_reasoning false is not supported",
+    "separate_reasoning": "separate_reasoning false is not supported: the server's --reasoning-parser applies",
+    "stream_reasoning": "stream_reasoning false is not supported: reasoning is streamed as it comes",
+    "return_hidden_states": "hidden states are not returned by this server",
     "modalities": "this server runs a text-only model: only the text modality",
 }
 ASK_NOTHING = (False, 0, "", [], {})  # a refused field's values that ask for nothing, but for:
@@ -86,6 +89,8 @@ NOTHING_ASKED: dict[str, tuple] = {
     "best_of": (1,),
     "thinking_token_budget": (-1,),
     "include_reasoning": (True,),
+    "separate_reasoning": (True,),  # SGLang's defaults, which sglang-router sends with every chat
+    "stream_reasoning": (True,),
     "modalities": (["text"],),
 }
 # tool_choice's deprecated twin: values that ask for no call
@@ -317,6 +322,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         prompt_logprobs=_prompt_logprobs(f),
         **_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice, parallel_tool_calls)),
     )
+    _sglang_no_stop_trim(f, values)
     request_id = _request_id(f)
     _refuse_unserved(f, REFUSED_OPENAI)
     _check_ignored(f)
@@ -362,6 +368,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         prompt_logprobs=prompt_logprobs,
         **_grammar(f, names),
     )
+    _sglang_no_stop_trim(f, values)
     add_special_tokens = f.get_bool("add_special_tokens", True)
     request_id = _request_id(f)
     _refuse_unserved(f, {k: v for k, v in REFUSED_OPENAI.items() if k != "echo"})
@@ -891,6 +898,11 @@ def _check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED
                 f.get_object(key)
             else:
                 read[kind](key)
+
+
+def _sglang_no_stop_trim(f: Fields, values: dict[str, Any]) -> None:
+    """SGLang's name on its OpenAI routes for vLLM's include_stop_str_in_output: either keeps the stop."""
+    values["no_stop_trim"] = f.get_bool("no_stop_trim", False) or values["no_stop_trim"]
 
 
 def _request_id(f: Fields) -> str | None:

@@ -160,6 +160,9 @@ OPENAI_COMMON = [
     ("thinking_token_budget", "refused", 100, "not supported (-1, unlimited, is accepted)", None, None),
     ("stream_interval", "refused", 4, "the server's --stream-interval applies", None, None),
     ("mm_processor_kwargs", "refused", {"a": 1}, "a text-only model", None, None),
+    # SGLang's extras of its OpenAI routes
+    ("no_stop_trim", "served", True, "SamplingParams.no_stop_trim", p(no_stop_trim=True), None),
+    ("return_hidden_states", "refused", True, "not returned", None, None),
 ]
 CHAT_ONLY = [
     ("messages", "served", HI, "rendered by the chat template", None, None),
@@ -173,6 +176,8 @@ CHAT_ONLY = [
     ("functions", "refused", [{"name": "f"}], "deprecated: use tools", None, None),
     ("reasoning_effort", "served", "low", "passed to the chat template as reasoning_effort", None, None),
     ("include_reasoning", "refused", False, "false is not supported (true is)", None, None),
+    ("separate_reasoning", "refused", False, "SGLang's; false is not supported (true is)", None, None),
+    ("stream_reasoning", "refused", False, "SGLang's; false is not supported (true is)", None, None),
     ("verbosity", "ignored", "low", "vLLM and SGLang ignore it", None, None),
     ("prediction", "ignored", {"type": "content", "content": "x"}, "only a latency hint", None, None),
     ("modalities", "refused", ["text", "audio"], "text only (['text'] is accepted)", None, None),
