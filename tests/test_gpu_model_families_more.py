@@ -103,6 +103,7 @@ def save_tiny(family: str, path) -> torch.nn.Module:
 
 
 def make_runner(path, **kw) -> ModelRunner:
+    kw = {"device": "cpu", "dtype": "float32", **kw}  # fp32 on the CPU even where CUDA is
     return ModelRunner(
         ModelRunnerConfig(model_path=str(path), page_size=PAGE, max_total_tokens=1024, max_running_requests=4, **kw)
     )
@@ -113,7 +114,7 @@ def forward_logits(runner: ModelRunner, seqs: list[SeqInput]) -> torch.Tensor:
     runner.attn.plan(batch.meta)
     every = torch.arange(batch.meta.num_tokens)
     with torch.inference_mode():
-        return runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn)
+        return runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn).cpu()
 
 
 def hf_greedy(hf, ids: np.ndarray) -> list[int]:
@@ -169,8 +170,22 @@ def greedy(runner: ModelRunner, prompts: list[np.ndarray], chunk: int) -> list[l
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_transformers(family, tmp_path):
-    hf = save_tiny(family, tmp_path)
-    runner = make_runner(tmp_path)
+    save_tiny(family, tmp_path)
+    check_family(family, tmp_path, make_runner(tmp_path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3"])
+def test_family_on_cuda(family, tmp_path):
+    # fp32 on CUDA: Qwen3 through the device's default backend, the Gemmas through torch's
+    save_tiny(family, tmp_path)
+    check_family(family, tmp_path, make_runner(tmp_path, device="cuda"), tol=1e-3)
+
+
+def check_family(family, path, runner: ModelRunner, tol: float = 1e-4) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = runner.model_config
     assert cfg.architecture == type(hf).__name__
     # the C decode loop is the plain Llama layer: only Phi-3 (split fused weights) is one
@@ -187,7 +202,7 @@ def test_family_matches_transformers(family, tmp_path):
     with torch.inference_mode():
         want_long = hf(torch.from_numpy(long.astype(np.int64))[None]).logits[0]
         want_short = hf(torch.from_numpy(short.astype(np.int64))[None]).logits[0]
-    tol = dict(rtol=1e-4, atol=1e-4)
+    tol = dict(rtol=tol, atol=tol)
     got = forward_logits(runner, [SeqInput(0, long[:250], 0, p_long, False), SeqInput(1, short[:5], 0, p_short, False)])
     torch.testing.assert_close(got[:250], want_long[:250], **tol)
     torch.testing.assert_close(got[250:], want_short[:5], **tol)
@@ -202,10 +217,14 @@ def test_family_matches_transformers(family, tmp_path):
     assert greedy(runner, [first, second], chunk=7) == [hf_greedy(hf, first), hf_greedy(hf, second)]
 
 
-def test_windowed_model_refuses_other_backends(tmp_path):
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_windowed_model_refuses_other_backends(backend, tmp_path):
+    if backend == "triton" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     save_tiny("gemma2", tmp_path)
-    with pytest.raises(ModelLoadError, match="attention-backend torch"):
-        make_runner(tmp_path, attention_backend="cpu")
+    device = "cpu" if backend == "cpu" else "cuda"
+    with pytest.raises(ModelLoadError, match="attention-backend"):  # ... torch (or triton is unavailable)
+        make_runner(tmp_path, attention_backend=backend, device=device)
 
 
 def test_unsupported_rope_is_refused(tmp_path):
