@@ -67,9 +67,9 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     log_requests: bool = False  # one log line a finished request: rid, endpoint, tokens, finish, latency
-    # CORS, vLLM's flags and defaults: any origin, method and header, no credentials; an empty
-    # list of origins ([]) sends no CORS header at all
-    allowed_origins: tuple[str, ...] = ("*",)
+    # CORS, vLLM's flags: no origin by default (issue 22: a page on another origin cannot read
+    # answers); once origins are listed, any method and header, no credentials
+    allowed_origins: tuple[str, ...] = ()  # none: no CORS headers (a page elsewhere cannot read answers)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
@@ -259,7 +259,7 @@ HELP = {
     "served_model_name": "one or more names: the first is what responses report, any is accepted as `model`",
     "tokenizer_path": "a tokenizer directory other than the model's",
     "log_requests": "log one line a request: rid, endpoint, prompt tokens, finish reason, latency (never text)",
-    "allowed_origins": "CORS origins (a JSON list or several values; default any: *; [] sends no CORS headers)",
+    "allowed_origins": "CORS origins (a JSON list or several values, * for any; default none: no CORS headers)",
     "allowed_methods": "CORS methods (default *)",
     "allowed_headers": "CORS request headers (default *)",
     "allow_credentials": "CORS: allow credentials",

@@ -176,11 +176,11 @@ def test_any_origin_with_credentials_echoes_the_origin():
     from runtime.config import ServerArgs
     from runtime.http_worker.asgi import Cors
 
-    cors = Cors(ServerArgs(allow_credentials=True))
+    cors = Cors(ServerArgs(allowed_origins=("*",), allow_credentials=True))
     answer = Answer()
     cors.add_headers(answer, b"http://x.example")
     assert answer.headers["access-control-allow-origin"] == "http://x.example"
     assert answer.headers["vary"] == "origin" and answer.headers["access-control-allow-credentials"] == "true"
-    pre = Cors(ServerArgs()).preflight(b"http://x.example", b"PATCH", b"X-Custom")
+    pre = Cors(ServerArgs(allowed_origins=("*",))).preflight(b"http://x.example", b"PATCH", b"X-Custom")
     assert pre.status_code == 200 and pre.headers["access-control-allow-headers"] == "X-Custom"
     assert pre.headers["access-control-allow-methods"] == "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
