@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+GEN_WINDOW_NS = 1_000_000_000  # gen_throughput and cache_hit_rate: over the last window this long
+
 ENGINE_STATS = np.dtype(
     [
         ("updated_ns", np.int64),  # CLOCK_MONOTONIC of the last publish
@@ -33,6 +35,8 @@ ENGINE_STATS = np.dtype(
         ("generated_tokens", np.uint64),
         ("steps", np.uint64),
         ("retractions", np.uint64),
+        ("gen_throughput", np.float64),  # tokens generated per second over the last window
+        ("cache_hit_rate", np.float64),  # prompt tokens from the prefix cache / all, last window with any
     ]
 )
 
@@ -49,6 +53,8 @@ class EngineStats:
         finally:
             os.close(fd)
         self.record = np.ndarray(1, ENGINE_STATS, buffer=self._map)
+        self._window = (0, 0, 0, 0)  # writer: (start ns, generated, cached, prefill tokens) at the window's start
+        self._rates = (0.0, 0.0)  # writer: (gen_throughput, cache_hit_rate) of the last complete window
 
     @classmethod
     def create(cls, path: str | Path) -> EngineStats:
@@ -65,8 +71,11 @@ class EngineStats:
     def publish(self, scheduler: Any, token_out_depth: int) -> None:
         """One store of the whole record from a runtime.scheduler.core.Scheduler (once per step)."""
         s, pool = scheduler.stats, scheduler.pool
+        now = time.monotonic_ns()
+        if now - self._window[0] >= GEN_WINDOW_NS:
+            self._roll(now, s)
         self.record[0] = (
-            time.monotonic_ns(),
+            now,
             scheduler.num_running,
             len(scheduler.queue),
             pool.num_pages,
@@ -80,11 +89,24 @@ class EngineStats:
             s.generated_tokens,
             s.steps,
             s.retractions,
+            *self._rates,
         )
 
-    def read(self) -> dict[str, int]:
+    def _roll(self, now: int, s: Any) -> None:
+        """The rates of the window ending now; a new window starts."""
+        start, generated, cached, prefill = self._window
+        throughput, hit_rate = self._rates
+        if start:
+            throughput = (s.generated_tokens - generated) * 1e9 / (now - start)
+            prompt = (s.cached_tokens - cached) + (s.prefill_tokens - prefill)
+            if prompt:  # a window without prompts keeps the last rate
+                hit_rate = (s.cached_tokens - cached) / prompt
+        self._window = (now, s.generated_tokens, s.cached_tokens, s.prefill_tokens)
+        self._rates = (throughput, hit_rate)
+
+    def read(self) -> dict[str, int | float]:
         rec = self.record[0].copy()
-        return {name: int(rec[name]) for name in ENGINE_STATS.names}
+        return {name: rec[name].item() for name in ENGINE_STATS.names}
 
     def close(self) -> None:
         self.record = None

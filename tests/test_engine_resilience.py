@@ -162,7 +162,7 @@ def _worker_pid(server, index: int) -> int:
 
 def _running(server) -> float:
     text = httpx.get(server.url("/metrics"), timeout=30).text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("ringserve_num_running_reqs")))
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("sglang:num_running_reqs{")))
 
 
 def test_a_stopped_worker_does_not_stop_the_other_workers_streams(start_server):

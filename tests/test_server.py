@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,13 +141,20 @@ def got(server, client, want):
         return {name: f.result() for name, f in futures.items()}
 
 
-def engine_metrics(server) -> dict[str, float]:
+def scrape(server) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, the model_name label left out."""
     text = httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).text
     return {
-        line.split()[0]: float(line.split()[1])
+        re.sub(r'\{model_name="[^"]*"\}|model_name="[^"]*",?', "", line.rsplit(" ", 1)[0]): float(
+            line.rsplit(" ", 1)[1]
+        )
         for line in text.splitlines()
-        if line.startswith("ringserve_") and "{" not in line
+        if line.startswith(("ringserve_", "sglang:"))
     }
+
+
+def engine_metrics(server) -> dict[str, float]:
+    return {name: value for name, value in scrape(server).items() if "{" not in name}
 
 
 # ---------------------------------------------------------------- outputs
@@ -311,21 +319,13 @@ def test_unknown_paths_and_methods(server):
 def test_request_metrics(server, got, want):
     """The output tests' requests are counted (workers flush their counts every second)."""
 
-    def counted() -> dict[str, float]:
-        text = httpx.get(server.url("/metrics"), headers=AUTH, timeout=30).text
-        return {
-            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("ringserve_") and not line.startswith("#")
-        }
-
-    assert server.wait_until(lambda: counted().get('ringserve_requests_total{endpoint="chat"}', 0) >= 4, 5)
-    m = counted()
+    assert server.wait_until(lambda: scrape(server).get('ringserve_requests_total{endpoint="chat"}', 0) >= 4, 5)
+    m = scrape(server)
     assert m['ringserve_requests_total{endpoint="completions"}'] >= 6
-    assert m["ringserve_time_to_first_token_seconds_count"] >= 15  # one per choice
-    assert m["ringserve_e2e_request_latency_seconds_count"] >= 11
-    assert m["ringserve_inter_token_latency_seconds_count"] > 0
-    assert m["ringserve_generation_tokens_total"] >= sum(w.completion_tokens for w in want["completions"])
+    assert m["sglang:time_to_first_token_seconds_count"] >= 15  # one per choice
+    assert m["sglang:e2e_request_latency_seconds_count"] >= 15
+    assert m["sglang:inter_token_latency_seconds_count"] > 0
+    assert m["sglang:generation_tokens_total"] >= sum(w.completion_tokens for w in want["completions"])
     assert m["ringserve_engine_up"] == 1 and m["ringserve_kv_pages_total"] == 32768 // 16
 
 
@@ -346,7 +346,7 @@ def test_abort_request_by_rid(server):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 1, 30)
+    assert wait_for(lambda: engine_metrics(server)["sglang:num_running_reqs"] == 1, 30)
     # a second request may not take the rid while the first holds it: the abort would miss one
     again = httpx.post(
         server.url("/generate"),
@@ -379,7 +379,7 @@ def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    assert wait_for(lambda: engine_metrics(server)["ringserve_num_running_reqs"] == 2, 30)
+    assert wait_for(lambda: engine_metrics(server)["sglang:num_running_reqs"] == 2, 30)
     assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "batch-a"}).json() == {"aborted": 1}
     thread.join(300)  # the other prompt runs to its end: slow on a busy machine
     assert not thread.is_alive()
@@ -429,11 +429,7 @@ def wait_for(condition, timeout: float) -> bool:
 
 def kv_idle(server) -> bool:
     m = engine_metrics(server)
-    return (
-        m["ringserve_num_running_reqs"] == 0
-        and m["ringserve_num_queue_reqs"] == 0
-        and m["ringserve_kv_pages_used"] == 0
-    )
+    return m["sglang:num_running_reqs"] == 0 and m["sglang:num_queue_reqs"] == 0 and m["ringserve_kv_pages_used"] == 0
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
@@ -447,7 +443,7 @@ def test_disconnect_frees_kv_pages(server, client, stream):
                 while not next(lines).startswith("data: {"):
                     pass
                 m = engine_metrics(server)
-                assert m["ringserve_num_running_reqs"] == 1 and m["ringserve_kv_pages_used"] >= 3
+                assert m["sglang:num_running_reqs"] == 1 and m["ringserve_kv_pages_used"] >= 3
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post(server.url("/v1/completions"), headers=AUTH, json=body)

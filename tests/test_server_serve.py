@@ -6,6 +6,7 @@ stops every process it started and leaves no shared memory."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,7 +122,10 @@ def test_request_timeout(server):
     finally:
         os.kill(server.engine["scheduler"], signal.SIGCONT)
     assert server.wait_until(  # both were aborted in the scheduler too, once it ran again
-        lambda: "ringserve_num_running_reqs 0.0" in httpx.get(server.url("/metrics"), headers=AUTH).text, 10
+        lambda: re.search(
+            r"^sglang:num_running_reqs\{.*\} 0\.0$", httpx.get(server.url("/metrics"), headers=AUTH).text, re.M
+        ),
+        10,
     )
     resp = httpx.post(server.url("/v1/completions"), headers=AUTH, json=body, timeout=60)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 16

@@ -64,7 +64,7 @@ def worker_holding(server, index: int) -> int | None:
 
 def running_requests(server) -> float:
     text = httpx.get(server.url("/metrics"), timeout=30).text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("ringserve_num_running_reqs")))
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("sglang:num_running_reqs{")))
 
 
 def test_respawned_worker_takes_the_dead_ones_place(server):

@@ -8,6 +8,10 @@ whichever worker answers it, merges every worker's. Latencies observed once per
 streamed delta (inter-token) are counted in a local histogram and flushed once a
 second: a prometheus_client observe in multiprocess mode costs too much to pay per delta
 (docs/perf-notes.md).
+
+What SGLang also measures goes by SGLang's name (`sglang:*`, labelled `model_name`: the
+served model name), so SGLang's Grafana dashboard works unchanged; what it has no name for
+(ring depths, KV pages, scheduler steps, finish reasons) by ringserve's (`ringserve_*`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,20 @@ import os
 from pathlib import Path
 from typing import Any
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# SGLang's names, label (model_name) and default buckets (python/sglang/srt/metrics/collector.py,
+# TokenizerMetricsCollector), so that its Grafana dashboard reads ringserve unchanged
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0)
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
+    0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
+    200.0, 400.0, 600.0, 1200.0, 1800.0, 2400.0,
+)  # fmt: skip
+# a choice's finish (protocol.records.Finish: NONE, STOP, LENGTH, ABORT, ERROR) as SGLang and
+# vLLM label it: an error, a timeout, a dead engine, a client gone all end a request "abort"
+FINISH_REASONS = ("abort", "stop", "length", "abort", "abort")
 
 
 def use_multiprocess_dir(path: Path) -> None:
@@ -56,69 +71,84 @@ class LocalHistogram:
 
 class WorkerMetrics:
     """This worker's Prometheus metrics, counted locally per request and flushed (flush())
-    about once a second and at every scrape; and /metrics for the whole server."""
+    about once a second and at every scrape; and /metrics for the whole server. Every label
+    set is resolved here once: counting a request is plain dict and int arithmetic."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         from prometheus_client import Counter, Histogram, values
 
+        self.model_name = model_name
         self.multiprocess = values.ValueClass is not values.MutexValue
+        model = ["model_name"]
         self._requests = Counter("ringserve_requests", "HTTP generation requests received", ["endpoint"])
-        self._finished = Counter("ringserve_requests_finished", "Choices finished", ["finish_reason"])
-        self._tokens = {
-            "prompt": Counter("ringserve_prompt_tokens", "Prompt tokens of finished choices"),
-            "generation": Counter("ringserve_generation_tokens", "Generated tokens of finished choices"),
-            "cached": Counter("ringserve_cached_tokens", "Prompt tokens served from the prefix cache"),
+        finished = Counter(
+            "ringserve_requests_finished", "Choices finished, by finish reason", ["model_name", "finish_reason"]
+        )
+        self._finished = {r: finished.labels(model_name, r) for r in sorted(set(FINISH_REASONS))}
+        self._counters = {
+            name: Counter(name, doc, model).labels(model_name)
+            for name, doc in (
+                ("sglang:prompt_tokens", "Number of prefill tokens processed."),
+                ("sglang:generation_tokens", "Number of generation tokens processed."),
+                ("sglang:cached_tokens", "Number of cached prompt tokens."),
+                ("sglang:num_requests", "Number of requests processed."),
+                ("sglang:num_aborted_requests", "Number of requests aborted."),
+            )
         }
-        self.ttft = LocalHistogram(
-            Histogram("ringserve_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS),
-            TTFT_BUCKETS,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> LocalHistogram:
+            return LocalHistogram(Histogram(name, doc, model, buckets=buckets).labels(model_name), buckets)
+
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.e2e = LocalHistogram(
-            Histogram("ringserve_e2e_request_latency_seconds", "End-to-end request latency", buckets=E2E_BUCKETS),
-            E2E_BUCKETS,
+        self.e2e = histogram(
+            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", E2E_BUCKETS
         )
-        self.itl = LocalHistogram(
-            Histogram(
-                "ringserve_inter_token_latency_seconds",
-                "Latency between streamed tokens (per delta, weighted by its tokens)",
-                buckets=ITL_BUCKETS,
-            ),
+        self.itl = histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (per streamed delta, weighted by its tokens).",
             ITL_BUCKETS,
         )
         self.requests: dict[str, int] = {}  # endpoint -> requests not flushed yet
-        self._pending_finished: dict[str, int] = {}
-        self._pending_tokens = {"prompt": 0, "generation": 0, "cached": 0}
+        self._pending_finished = dict.fromkeys(self._finished, 0)
+        self._pending = dict.fromkeys(self._counters, 0)
 
     def count_request(self, endpoint: str) -> None:
         self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
 
     def observe_request(self, arrival_ns: int, end_ns: int, choices: list) -> None:
-        """A finished request: its choices' (ReqState) counts and latencies."""
-        self.e2e.observe((end_ns - arrival_ns) * 1e-9)
-        tokens, finished = self._pending_tokens, self._pending_finished
+        """A request that ended, however (finished, aborted, failed): its choices' (ReqState)
+        counts and latencies, each choice one of SGLang's requests."""
+        e2e = (end_ns - arrival_ns) * 1e-9
+        self.e2e.observe(e2e, len(choices))
+        pending, finished = self._pending, self._pending_finished
+        aborted = 0
         for state in choices:
             if state.first_ns:
                 self.ttft.observe((state.first_ns - arrival_ns) * 1e-9)
-            tokens["prompt"] += state.prompt_tokens
-            tokens["generation"] += state.completion_tokens
-            tokens["cached"] += state.cached_tokens
-            reason = state.finish.name.lower()
-            finished[reason] = finished.get(reason, 0) + 1
+            pending["sglang:prompt_tokens"] += state.prompt_tokens
+            pending["sglang:generation_tokens"] += state.completion_tokens
+            pending["sglang:cached_tokens"] += state.cached_tokens
+            reason = FINISH_REASONS[state.finish]
+            finished[reason] += 1
+            aborted += reason == "abort"
+        pending["sglang:num_requests"] += len(choices)
+        pending["sglang:num_aborted_requests"] += aborted
 
     def flush(self) -> None:
         for endpoint, n in self.requests.items():
             self._requests.labels(endpoint).inc(n)
-        for reason, n in self._pending_finished.items():
-            self._finished.labels(reason).inc(n)
-        for name, n in self._pending_tokens.items():
-            if n:
-                self._tokens[name].inc(n)
-                self._pending_tokens[name] = 0
-        self.requests, self._pending_finished = {}, {}
+        self.requests = {}
+        for pending, counters in ((self._pending_finished, self._finished), (self._pending, self._counters)):
+            for name, n in pending.items():
+                if n:
+                    counters[name].inc(n)
+                    pending[name] = 0
         for h in (self.ttft, self.e2e, self.itl):
             h.flush()
 
-    def render(self, engine: dict[str, int] | None, worker: dict[str, Any]) -> tuple[bytes, str]:
+    def render(self, engine: dict | None, worker: dict[str, Any]) -> tuple[bytes, str]:
         """The exposition text: every worker's metrics (multiprocess mode) or this worker's,
         plus the engine's gauges and this worker's ring depths."""
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest, multiprocess
@@ -130,7 +160,7 @@ class WorkerMetrics:
         else:
             registry = CollectorRegistry()
             registry.register(_Forward(REGISTRY))
-        registry.register(_EngineCollector(engine, worker))
+        registry.register(_EngineCollector(self.model_name, engine, worker))
         return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
@@ -145,8 +175,8 @@ class _Forward:
 class _EngineCollector:
     """Gauges read at scrape time: the engine's published stats, this worker's rings."""
 
-    def __init__(self, engine: dict[str, int] | None, worker: dict[str, Any]) -> None:
-        self.engine, self.worker = engine, worker
+    def __init__(self, model_name: str, engine: dict | None, worker: dict[str, Any]) -> None:
+        self.model_name, self.engine, self.worker = model_name, engine, worker
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -163,37 +193,35 @@ class _EngineCollector:
         yield rings
         if e is None:
             return
-        gauges = {
-            "num_running_reqs": ("Requests running in the scheduler", e["running"]),
-            "num_queue_reqs": ("Requests waiting in the scheduler's queue", e["queued"]),
-            "kv_pages_total": ("KV cache pages", e["kv_pages_total"]),
-            "kv_pages_free": ("KV cache pages free", e["kv_pages_free"]),
-            "kv_pages_cached": ("KV cache pages held only by the prefix cache (evictable)", e["kv_pages_cached"]),
-            "kv_pages_used": (
-                "KV cache pages held by requests",
-                e["kv_pages_total"] - e["kv_pages_free"] - e["kv_pages_cached"],
-            ),
-            "kv_page_size": ("Tokens per KV page", e["page_size"]),
-        }
-        for name, (doc, value) in gauges.items():
+        used_pages = e["kv_pages_total"] - e["kv_pages_free"] - e["kv_pages_cached"]
+        total_tokens = e["kv_pages_total"] * e["page_size"]
+        for name, doc, value in (  # SGLang's (SchedulerMetricsCollector)
+            ("num_running_reqs", "The number of running requests.", e["running"]),
+            ("num_queue_reqs", "The number of requests in the waiting queue.", e["queued"]),
+            ("num_used_tokens", "The number of used tokens.", used_pages * e["page_size"]),
+            ("token_usage", "The token usage.", used_pages * e["page_size"] / max(total_tokens, 1)),
+            ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", total_tokens),
+            ("gen_throughput", "The generation throughput (token/s).", e["gen_throughput"]),
+            ("cache_hit_rate", "The prefix cache hit rate.", e["cache_hit_rate"]),
+        ):
+            g = GaugeMetricFamily("sglang:" + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+        for name, doc, value in (
+            ("kv_pages_total", "KV cache pages", e["kv_pages_total"]),
+            ("kv_pages_free", "KV cache pages free", e["kv_pages_free"]),
+            ("kv_pages_cached", "KV cache pages held only by the prefix cache (evictable)", e["kv_pages_cached"]),
+            ("kv_pages_used", "KV cache pages held by requests", used_pages),
+            ("kv_page_size", "Tokens per KV page", e["page_size"]),
+        ):
             g = GaugeMetricFamily("ringserve_" + name, doc)
             g.add_metric([], value)
             yield g
-        usage = GaugeMetricFamily("ringserve_kv_usage", "Share of KV pages held by requests")
-        usage.add_metric([], gauges["kv_pages_used"][1] / max(e["kv_pages_total"], 1))
-        yield usage
-        seen = e["cached_tokens"] + e["prefill_tokens"]
-        hit = GaugeMetricFamily(
-            "ringserve_prefix_cache_hit_rate",
-            "Prompt tokens served from the prefix cache, as a share of all prompt tokens admitted",
-        )
-        hit.add_metric([], e["cached_tokens"] / seen if seen else 0.0)
-        yield hit
-        for name, doc in (
-            ("steps", "Scheduler steps"),
-            ("retractions", "Requests retracted for lack of KV pages"),
-            ("engine_generated_tokens", "Tokens the scheduler generated"),
+        for name, doc, value in (
+            ("steps", "Scheduler steps", e["steps"]),
+            ("retractions", "Requests retracted for lack of KV pages", e["retractions"]),
+            ("engine_generated_tokens", "Tokens the scheduler generated", e["generated_tokens"]),
         ):
             c = CounterMetricFamily("ringserve_" + name, doc)
-            c.add_metric([], e["generated_tokens" if name == "engine_generated_tokens" else name])
+            c.add_metric([], value)
             yield c

@@ -56,12 +56,14 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
-    """A non-streamed request's choices, all finished; aborted if the client leaves first."""
+    """A non-streamed request's choices, all finished; aborted if the client leaves first.
+    The request is observed (metrics) once it ended, whichever way."""
     watch = worker.watches.watch(request.receive, lambda: worker.tm.abort(group))
     try:
         return await group.finished()
     finally:
         watch.close()
+        worker.observe(group)
 
 
 def choice_results(states: list[ReqState], prefixes: list[str] | None = None) -> list[ChoiceResult]:
@@ -122,7 +124,6 @@ async def chat_completions(worker, request: Request) -> Response:
             events = chat_events(worker, group, stream, req.n, req.include_usage, output)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
-    worker.observe(group)
     return json_response(
         chat_completion_body(
             request_id, created, worker.model.served_name, choice_results(states), req.n, vocab, output
@@ -220,7 +221,6 @@ async def completions(worker, request: Request) -> Response:
             events = openai_events(worker, group, stream, n, req.include_usage, first)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
-    worker.observe(group)
     body = completion_body(
         request_id, created, worker.model.served_name, choice_results(states, echoes), n, vocab, bool(echoes)
     )
@@ -318,7 +318,6 @@ async def generate(worker, request: Request) -> Response:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)
         return EventStream(generate_events(worker, group, stream), lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
-    worker.observe(group)
     return json_response(
         generate_body(choice_rids, choice_results(states), req.batch, vocab, req.return_text_in_logprobs)
     )

@@ -56,8 +56,11 @@ async def sse_events(
 ) -> AsyncIterator[bytes]:
     """A stream's writes: each carries the events of every delta that arrived since the
     previous one (a client that fell behind gets its pending deltas coalesced); the first
-    also carries `head` (role chunks, echoes), the last the tail (usage, DONE)."""
+    also carries `head` (role chunks, echoes), the last the tail (usage, DONE). The request is
+    observed once it ended, however: finished, aborted, failed, or its client gone (then the
+    iterator is closed at a yield, or ends at its next wait)."""
     pending = [head] if head else []
+    observed = False
     try:
         while True:
             news = await group.next_news()
@@ -75,8 +78,12 @@ async def sse_events(
     except ClientGone:
         return
     except APIError as err:
+        observed = True
+        worker.observe(group)
         yield b"".join(pending) + error_event(err) + DONE
         return
-    worker.observe(group)
+    finally:
+        if not observed:
+            worker.observe(group)
     pending.append(tail())
     yield b"".join(pending)

@@ -93,7 +93,7 @@ class HTTPWorker:
             raise
         try:
             tokenizer, model, vocab = await loading
-            metrics = WorkerMetrics()
+            metrics = WorkerMetrics(model.served_name)
         except BaseException:
             link.close(files)
             raise
@@ -265,7 +265,8 @@ class HTTPWorker:
         return group
 
     def observe(self, group: ReqGroup) -> None:
-        """A request that ran to its end (not one that failed or whose client left)."""
+        """A request that ended, whichever way: ran to its end, aborted (/abort_request, its
+        client gone, timed out) or failed; once, when it ended."""
         end_ns = time.monotonic_ns()
         self.metrics.observe_request(group.arrival_ns, end_ns, group.states)
         if self.args.log_requests:
