@@ -160,8 +160,9 @@ def _worker_pid(server, index: int) -> int:
     raise LookupError(index)
 
 
-def _running(server) -> float:
-    text = httpx.get(server.url("/metrics"), timeout=30).text
+def _running(server, http: httpx.Client | None = None) -> float:
+    """The scheduler's running requests, asked of `http`'s worker (any worker when None)."""
+    text = (http or httpx).get(server.url("/metrics"), timeout=30).text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith("sglang:num_running_reqs{")))
 
 
@@ -229,7 +230,7 @@ def test_a_stopped_worker_does_not_stop_the_other_workers_streams(start_server):
         # the stall clock starts when its text first waits, which a loaded machine delays past
         # the stop: wait until the scheduler holds none of its requests (ended, or given up on),
         # then a whole stall more, so that the give-up has come whatever the load
-        assert server.wait_until(lambda: _running(server) == 0, 120)
+        assert server.wait_until(lambda: _running(server, other) == 0, 120)  # not the stopped worker
         time.sleep(stall_s + 2)
         os.kill(stopped, signal.SIGCONT)
         for t in threads:
