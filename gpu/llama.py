@@ -208,7 +208,7 @@ class LlamaForCausalLM:
             None
             if cfg.rope_layers and not cfg.rope_layers[i]
             else local
-            if local is not None and cfg.sliding_windows and cfg.sliding_windows[i] is not None
+            if local is not None and cfg.local_rope_layers[i]
             else self.ops
             for i in range(n)
         ]

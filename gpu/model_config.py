@@ -77,6 +77,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer, None: full attention; (): all full
     rope_layers: tuple[bool, ...] = ()  # per layer, False: no rope (SmolLM3); (): rope everywhere
     local_rope: RopeConfig | None = None  # the sliding layers' rope (Gemma 3), None: the same as the others
+    local_rope_layers: tuple[bool, ...] = ()  # per layer, True: local_rope's (Gemma 3's sliding layers)
 
     @property
     def attn_scale(self) -> float:
@@ -122,14 +123,17 @@ class ModelConfig:
             num_layers = cfg["num_hidden_layers"]
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
             windows: tuple[int | None, ...] = ()
+            sliding: tuple[bool, ...] = ()
             if arch in PER_LAYER_WINDOWS:
-                layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
-                windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+                sliding = tuple(t == "sliding_attention" for t in _layer_types(arch, cfg, num_layers))
+                windows = tuple(window if s else None for s in sliding)
                 window = None
             # Mistral/Qwen2/Phi-3 sliding windows only matter beyond the window: cap the context there
             model_max = min(max_pos, window) if window else max_pos
             if context_length is not None and context_length > model_max:
                 raise ModelLoadError(f"--context-length {context_length} exceeds the model's {model_max} positions")
+            # a window no shorter than the context is full attention (any backend runs it)
+            windows = tuple(None if w is None or w >= (context_length or model_max) else w for w in windows)
             config = cls(
                 model_dir=model_dir,
                 architecture=arch,
@@ -156,8 +160,9 @@ class ModelConfig:
                 attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch in GEMMA else None,
                 final_logit_softcapping=cfg.get("final_logit_softcapping") if arch in GEMMA else None,
                 sliding_windows=windows,
-                rope_layers=tuple(bool(r) for r in cfg["no_rope_layers"]) if arch == "SmolLM3ForCausalLM" else (),
+                rope_layers=_rope_layers(cfg, num_layers) if arch == "SmolLM3ForCausalLM" else (),
                 local_rope=_rope_config(cfg, "sliding_attention") if arch == "Gemma3ForCausalLM" else None,
+                local_rope_layers=sliding if arch == "Gemma3ForCausalLM" else (),
             )
         except KeyError as e:
             raise ModelLoadError(f"{model_dir / 'config.json'} lacks {e.args[0]}") from None
@@ -177,6 +182,30 @@ class ModelConfig:
                 f"multiple of num_key_value_heads {config.num_kv_heads}"
             )
         return config
+
+
+def _layer_types(arch: str, cfg: dict, num_layers: int) -> list[str]:
+    """Each layer's attention, full_attention or sliding_attention: the config's layer_types,
+    or for configs written before it existed the pattern transformers derives."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if arch == "Gemma2ForCausalLM":  # alternate, the first sliding
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer full
+        pattern = cfg.get("sliding_window_pattern") or 6
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        return ["full_attention" if r else "sliding_attention" for r in _rope_layers(cfg, num_layers)]
+    return ["full_attention"] * num_layers
+
+
+def _rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
+    """SmolLM3: whether each layer applies rope (no_rope_layers: 1 rope, 0 none), by default
+    none every no_rope_layer_interval-th layer, as transformers derives it."""
+    if cfg.get("no_rope_layers") is not None:
+        return tuple(bool(r) for r in cfg["no_rope_layers"])
+    interval = cfg.get("no_rope_layer_interval") or 4
+    return tuple((i + 1) % interval != 0 for i in range(num_layers))
 
 
 def _rope_config(cfg: dict, layer_type: str | None = None) -> RopeConfig:

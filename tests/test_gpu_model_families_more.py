@@ -234,3 +234,41 @@ def test_unsupported_rope_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="longrope"):
         make_runner(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "smollm3"])
+def test_configs_without_layer_types(family, tmp_path):
+    """Hub configs written before layer_types (and SmolLM3's no_rope_layers) existed: the
+    per-layer windows and rope are derived as transformers derives them."""
+    import transformers as tf
+
+    from gpu.model_config import ModelConfig
+
+    kw = dict(SMALL, num_hidden_layers=8, max_position_embeddings=4096, sliding_window=512)
+    if family == "gemma2":
+        hf = tf.Gemma2Config(**kw)
+    elif family == "gemma3":
+        hf = tf.Gemma3TextConfig(**kw, sliding_window_pattern=3)
+    else:
+        hf = tf.SmolLM3Config(**kw, use_sliding_window=True, no_rope_layer_interval=3)
+    hf.architectures = [type(hf).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
+    full = hf.to_dict()
+    assert full["layer_types"].count("sliding_attention") not in (0, 8)
+    legacy = {k: v for k, v in full.items() if k not in ("layer_types", "no_rope_layers")}
+    if family == "gemma3":
+        legacy["sliding_window_pattern"] = 3
+    for name, cfg in (("full", full), ("legacy", legacy)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    want, got = (ModelConfig.from_dir(tmp_path / name) for name in ("full", "legacy"))
+    assert (
+        got.sliding_windows
+        == want.sliding_windows
+        == tuple(512 if t == "sliding_attention" else None for t in full["layer_types"])
+    )
+    assert got.rope_layers == want.rope_layers
+    # a window no shorter than the context is full attention; Gemma 3's sliding layers keep their rope
+    short = ModelConfig.from_dir(tmp_path / "full", context_length=512)
+    assert short.sliding_windows == (None,) * 8
+    assert short.local_rope_layers == want.local_rope_layers == got.local_rope_layers
+    assert any(want.local_rope_layers) == (family == "gemma3")
