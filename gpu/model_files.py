@@ -87,7 +87,9 @@ def _convert_gguf(path: Path, out: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, config=_gguf_config(path), dtype="float32"
+        )
     except Exception as e:  # transformers raises many types for unreadable files
         raise ModelLoadError(
             f"cannot read GGUF file {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -113,3 +115,32 @@ def _convert_gguf(path: Path, out: Path) -> None:
             indent=2,
         )
     )
+
+
+def _gguf_config(path: Path):
+    """transformers' config of the GGUF, plus hyperparameters llama.cpp writes that
+    transformers' GGUF loader leaves at its class defaults: attention.key_length (Qwen3's
+    head_dim would be 128), Gemma 2's soft-caps, Gemma 3's linear rope scaling (llama.cpp
+    applies it to the full-attention layers only; its sliding layers keep base 10000)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    fields = GGUFReader(path).fields
+    arch = fields["general.architecture"].contents()
+
+    def value(key: str):
+        field = fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    if (head_dim := value("attention.key_length")) is not None and getattr(config, "head_dim", None) is not None:
+        config.head_dim = int(head_dim)
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (cap := value(key)) is not None:
+                setattr(config, key, float(cap))
+    if arch == "gemma3" and value("rope.scaling.type") == "linear":
+        full = dict(config.rope_parameters["full_attention"], rope_type="linear")
+        full["factor"] = float(value("rope.scaling.factor"))
+        config.rope_parameters = {**config.rope_parameters, "full_attention": full}
+    return config
