@@ -12,7 +12,14 @@ loader, which the conversion uses, has no smollm3 architecture."""
 import gguf
 import pytest
 import torch
-from test_gpu_model_families_more import SMALL, WINDOW, check_family, make_runner, tiny_config
+from test_gpu_model_families_more import (  # noqa: F401 (two_threads: its autouse fixture, here too)
+    SMALL,
+    WINDOW,
+    check_family,
+    make_runner,
+    tiny_config,
+    two_threads,
+)
 
 import gpu.model_files
 
@@ -23,14 +30,6 @@ ARCH = {
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(threads, 2))
-    yield
-    torch.set_num_threads(threads)
 
 
 def gguf_config(family: str):

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_gpu_model_families import PAGE, SMALL
 
 from gpu.cpu_decode import CpuDecoder
 from gpu.forward_batch import SeqInput, build_forward_batch
@@ -17,16 +18,6 @@ from gpu.model_files import ModelLoadError
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.sampling_params import SamplingParams
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=320,
-)
-PAGE = 4
 WINDOW = 16
 NEW_TOKENS = 6
 FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3", "smollm3", "llama_yarn"]
