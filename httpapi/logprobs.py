@@ -239,6 +239,18 @@ def prompt_completion_logprobs(plp: PromptLogprobs, vocab: LogprobVocab, with_to
     return body, offset
 
 
+def echoed_logprobs(
+    plp: PromptLogprobs, logprobs: TokenLogprobs | None, vocab: LogprobVocab, with_top: bool
+) -> tuple[dict, int]:
+    """Completions' logprobs of an echoed prompt and then (when any) of the completion's first
+    tokens, their text offsets continuing; and where the next token's text starts."""
+    body, offset = prompt_completion_logprobs(plp, vocab, with_top)
+    if logprobs is None:
+        return body, offset
+    rest, offset = completion_logprobs(logprobs, vocab, offset)
+    return join_completion_logprobs(body, rest), offset
+
+
 def join_completion_logprobs(first: dict, second: dict) -> dict:
     """Two consecutive spans' completions logprobs as one (the echoed prompt's, then the completion's)."""
     top = None

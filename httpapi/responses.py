@@ -19,8 +19,7 @@ from httpapi.logprobs import (
     TokenLogprobs,
     chat_logprobs,
     completion_logprobs,
-    join_completion_logprobs,
-    prompt_completion_logprobs,
+    echoed_logprobs,
     sglang_logprobs,
     sglang_prompt_logprobs,
     vllm_prompt_logprobs,
@@ -144,12 +143,10 @@ def completion_choice(c: ChoiceResult, vocab: LogprobVocab | None, echo: bool) -
     """One text_completion choice; vLLM's prompt_logprobs on it when the choice carries them."""
     logprobs = None
     if c.logprobs is not None:
-        plp = c.prompt_logprobs if echo else None
-        if plp is None:
-            logprobs = completion_logprobs(c.logprobs, vocab, 0)[0]
+        if echo and c.prompt_logprobs is not None:
+            logprobs = echoed_logprobs(c.prompt_logprobs, c.logprobs, vocab, c.logprobs.top_ids.shape[1] > 0)[0]
         else:
-            prompt, offset = prompt_completion_logprobs(plp, vocab, c.logprobs.top_ids.shape[1] > 0)
-            logprobs = join_completion_logprobs(prompt, completion_logprobs(c.logprobs, vocab, offset)[0])
+            logprobs = completion_logprobs(c.logprobs, vocab, 0)[0]
     choice = {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
     if c.prompt_logprobs is not None:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, vocab)

@@ -27,8 +27,7 @@ from httpapi.logprobs import (
     TokenLogprobs,
     chat_logprobs,
     completion_logprobs,
-    join_completion_logprobs,
-    prompt_completion_logprobs,
+    echoed_logprobs,
     vllm_prompt_logprobs,
 )
 from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_output
@@ -163,11 +162,9 @@ class CompletionStream(_OpenAIStream):
         choice: dict = {"index": index, "text": (echo or "") + text, "logprobs": None, "finish_reason": finish_reason}
         if echo is not None and self.echo_logprobs and prompt_logprobs is not None:
             with_top = logprobs is not None and logprobs.top_ids.shape[1] > 0
-            body, self._text_offset[index] = prompt_completion_logprobs(prompt_logprobs, self._vocab, with_top)
-            if logprobs is not None:
-                rest, self._text_offset[index] = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
-                body = join_completion_logprobs(body, rest)
-            choice["logprobs"] = body
+            choice["logprobs"], self._text_offset[index] = echoed_logprobs(
+                prompt_logprobs, logprobs, self._vocab, with_top
+            )
         elif logprobs is not None:
             choice["logprobs"], self._text_offset[index] = completion_logprobs(
                 logprobs, self._vocab, self._text_offset[index]
