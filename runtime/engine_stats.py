@@ -111,3 +111,9 @@ class EngineStats:
     def close(self) -> None:
         self.record = None
         self._map.close()
+
+
+def used_kv_pages(stats: dict[str, int | float]) -> int:
+    """KV pages held by requests in read()'s stats: neither free nor held only by the prefix
+    cache (times page_size: SGLang's num_used_tokens, and the load sglang-router compares)."""
+    return int(stats["kv_pages_total"] - stats["kv_pages_free"] - stats["kv_pages_cached"])

@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from runtime.engine_stats import used_kv_pages
+
 # SGLang's names, label (model_name) and default buckets (python/sglang/srt/metrics/collector.py,
 # TokenizerMetricsCollector), so that its Grafana dashboard reads ringserve unchanged
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0)
@@ -193,13 +195,14 @@ class _EngineCollector:
         yield rings
         if e is None:
             return
-        used_pages = e["kv_pages_total"] - e["kv_pages_free"] - e["kv_pages_cached"]
+        used_pages = used_kv_pages(e)
+        used_tokens = used_pages * e["page_size"]
         total_tokens = e["kv_pages_total"] * e["page_size"]
         for name, doc, value in (  # SGLang's (SchedulerMetricsCollector)
             ("num_running_reqs", "The number of running requests.", e["running"]),
             ("num_queue_reqs", "The number of requests in the waiting queue.", e["queued"]),
-            ("num_used_tokens", "The number of used tokens.", used_pages * e["page_size"]),
-            ("token_usage", "The token usage.", used_pages * e["page_size"] / max(total_tokens, 1)),
+            ("num_used_tokens", "The number of used tokens.", used_tokens),
+            ("token_usage", "The token usage.", used_tokens / max(total_tokens, 1)),
             ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", total_tokens),
             ("gen_throughput", "The generation throughput (token/s).", e["gen_throughput"]),
             ("cache_hit_rate", "The prefix cache hit rate.", e["cache_hit_rate"]),

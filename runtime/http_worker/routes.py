@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -36,6 +36,7 @@ from httpapi.responses import (
 from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
 from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
 from protocol.sampling_params import SamplingParams
+from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
     MODEL_PATH,
     Handler,
@@ -187,12 +188,7 @@ def chat_events(
         events[0] = stream.with_prompt_logprobs(events[0], plp)
         return b"".join(events)
 
-    def tail() -> bytes:
-        if include_usage:
-            return stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
-        return DONE
-
-    return sse_events(worker, group, render, stream.start(), tail)
+    return sse_events(worker, group, render, stream.start(), usage_tail(group, stream, n, include_usage))
 
 
 @api_route
@@ -252,12 +248,20 @@ def openai_events(
             return stream.delta(state.index, text, finish, lp)
         return None
 
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, include_usage))
+
+
+def usage_tail(
+    group: ReqGroup, stream: ChatStream | CompletionStream, n: int, include_usage: bool
+) -> Callable[[], bytes]:
+    """An OpenAI stream's last write: the usage chunk (stream_options.include_usage), then [DONE]."""
+
     def tail() -> bytes:
         if include_usage:
             return stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
         return DONE
 
-    return sse_events(worker, group, render, head, tail)
+    return tail
 
 
 async def prompt_tokens(worker, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
@@ -406,16 +410,10 @@ async def get_load(worker, request: Request) -> Response:
     power_of_two policy polls it and compares num_tokens (KV tokens held by requests)."""
     worker.check_alive()
     e = worker.engine_stats()
-    running = queued = used_pages = page_size = 0
+    running = queued = used_tokens = 0
     if e is not None:
-        running, queued, page_size = e["running"], e["queued"], e["page_size"]
-        used_pages = e["kv_pages_total"] - e["kv_pages_free"] - e["kv_pages_cached"]
-    load = {
-        "dp_rank": 0,
-        "num_reqs": running + queued,
-        "num_waiting_reqs": queued,
-        "num_tokens": used_pages * page_size,
-    }
+        running, queued, used_tokens = e["running"], e["queued"], used_kv_pages(e) * e["page_size"]
+    load = {"dp_rank": 0, "num_reqs": running + queued, "num_waiting_reqs": queued, "num_tokens": used_tokens}
     return json_response(orjson_dumps([load]))
 
 
