@@ -149,20 +149,26 @@ class ModelRunner:
             default_backend(self.device) if cfg.plain_attention else "torch"
         )
         try:
-            self.attn = create_backend(self.attention_backend, self.kv_cache, cfg.num_q_heads)
-            self.attn.configure(cfg.attn_scale, cfg.sliding_windows, cfg.attn_logit_softcapping)
+            self.attn = self._attention(self.attention_backend)
         except ValueError as e:  # a backend this machine (or this model) cannot run
             if config.attention_backend is not None or self.attention_backend != "cpu":
                 raise ModelLoadError(str(e)) from None
             # the CPU default could not be built here (say, a compiler without OpenMP): the reference
             logger.warning("%s; using the torch attention backend", e)
             self.attention_backend = "torch"
-            self.attn = create_backend("torch", self.kv_cache, cfg.num_q_heads)
-            self.attn.configure(cfg.attn_scale, cfg.sliding_windows, cfg.attn_logit_softcapping)
+            self.attn = self._attention("torch")
         self.decoder = self._cpu_decoder()
         self.sampler = Sampler(
             config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device, config.random_seed
         )
+
+    def _attention(self, name: str):
+        """The attention backend `name`, set for this model's scale, windows and soft-capping;
+        ValueError when it cannot run here or cannot run them."""
+        cfg = self.model_config
+        attn = create_backend(name, self.kv_cache, cfg.num_q_heads)
+        attn.configure(cfg.attn_scale, cfg.sliding_windows, cfg.attn_logit_softcapping)
+        return attn
 
     def _cpu_decoder(self) -> CpuDecoder | None:
         """Decode steps with the layer loop in C, where it reproduces this model's forward."""

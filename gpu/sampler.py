@@ -62,8 +62,7 @@ class Sampler:
         self.seeded = np.zeros(R, bool)
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
-        # logit_bias: each biased row's (token ids int64, values float32) on the device
-        self.biased = np.zeros(R, bool)
+        # logit_bias: each biased row's entries, and its (token ids int64, values float32) on the device
         self.bias_len = np.zeros(R, np.int64)
         self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * R
         self._dirty = np.zeros(R, bool)
@@ -102,7 +101,6 @@ class Sampler:
         self.seed[row] = params.seed or 0  # any int64: all 2**64 seeds sample apart
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
-        self.biased[row] = bool(params.logit_bias)
         self.bias_len[row] = len(params.logit_bias)
         self.bias[row] = None
         if params.logit_bias:
@@ -127,7 +125,7 @@ class Sampler:
     def clear_request(self, row: int) -> None:
         self.greedy[row], self.penalized[row], self.seeded[row] = True, False, False
         self.logprobs[row], self.top_logprobs[row], self.min_tokens[row] = False, 0, 0
-        self.biased[row], self.bias[row] = False, None
+        self.bias_len[row], self.bias[row] = 0, None
 
     def sample(self, logits: torch.Tensor, rows: np.ndarray, mask: TokenMask | None = None) -> SampleResult:
         """logits: float32 [S, V] of the rows `rows` (int64 [S]), modified in place; records the
@@ -150,7 +148,7 @@ class Sampler:
             stop.scatter_(1, self.stop_ids[rows_t[idx]], True)
             logits[idx] = logits[idx].masked_fill(stop[:, : self.V], float("-inf"))
 
-        biased = self.biased[rows]
+        biased = self.bias_len[rows] > 0
         if biased.any():
             self.add_bias(logits, rows, np.flatnonzero(biased))
 

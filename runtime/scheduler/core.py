@@ -151,12 +151,17 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Something to run or to report: step() would do something."""
-        return bool(self.queue or self.table.num_active or self._ended or self._opened or self.compiling)
+        return self._has_steps or bool(self.compiling)
 
     @property
     def only_compiling(self) -> bool:
         """Nothing to do until a grammar compile finishes (or a request comes)."""
-        return bool(self.compiling) and not (self.queue or self.table.num_active or self._ended or self._opened)
+        return bool(self.compiling) and not self._has_steps
+
+    @property
+    def _has_steps(self) -> bool:
+        """Something to run or to report now, grammar compiles aside."""
+        return bool(self.queue or self.table.num_active or self._ended or self._opened)
 
     def wait_for_grammar(self, timeout: float | None = None) -> None:
         """Blocks until a waiting request's grammar is compiled (or failed), or `timeout` s pass."""
