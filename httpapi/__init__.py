@@ -4,7 +4,7 @@
     auth       check_api_key(authorization_header, api_key)                  401
     requests   parse_chat_completion / parse_completion / parse_generate /
                parse_tokenize / parse_detokenize / parse_abort (body bytes)  400
-    info       check_model(model, served) 404; served_model_name(model_path, name);
+    info       check_model(model, served_names) 404; served_model_names(model_path, names);
                /v1/models, /get_model_info, /get_server_info bodies
     sampling   req.sampling.resolve(prompt_ids, context_len, vocab_size)
                -> SamplingParams, after tokenizing                           400

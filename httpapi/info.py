@@ -32,9 +32,9 @@ def served_model_names(model_path: str | None, names: str | Sequence[str] | None
     return (path.stem if path.suffix == ".gguf" else path.name,)
 
 
-def check_model(model: str | None, served: str | Collection[str]) -> None:
+def check_model(model: str | None, served: Collection[str]) -> None:
     """No model means the served one (as vLLM and SGLang do); a name not served is a 404."""
-    if model is not None and (model != served if isinstance(served, str) else model not in served):
+    if model is not None and model not in served:
         raise model_not_found(model)
 
 
@@ -51,10 +51,9 @@ def model_card(served: str, created: int, context_len: int, model_path: str) -> 
     }
 
 
-def models_body(served: str | Sequence[str], created: int, context_len: int, model_path: str) -> bytes:
+def models_body(served: Sequence[str], created: int, context_len: int, model_path: str) -> bytes:
     """Every served name, the first first."""
-    names = (served,) if isinstance(served, str) else served
-    cards = [model_card(name, created, context_len, model_path) for name in names]
+    cards = [model_card(name, created, context_len, model_path) for name in served]
     return orjson.dumps({"object": "list", "data": cards})
 
 

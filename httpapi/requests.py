@@ -3,7 +3,7 @@ APIError(400) that names the offending field.
 
 What a route does with a generation request:
     req = parse_chat_completion(body)                  # or parse_completion / parse_generate
-    check_model(req.model, served_model_name)          # httpapi.info, 404
+    check_model(req.model, served_model_names)         # httpapi.info, 404
     prompt_ids = <tokenize: chat template, text, or the ids as given>
     params = req.sampling.resolve(prompt_ids, context_len, vocab_size)   # 400s that need the prompt
 Choices are numbered prompt-major: choice i * n + j is the j-th sample of prompts[i].

@@ -32,14 +32,14 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
     check_api_key(authorization, API_KEY)
     if path == "/v1/chat/completions":
         req = parse_chat_completion(body)
-        check_model(req.model, MODEL)
+        check_model(req.model, (MODEL,))
         req.sampling.check_grammar("xgrammar", False)
         template = req.template.call_kwargs() if req.template is not None else {"add_generation_prompt": True}
         ids = tokenizer.apply_chat_template(req.messages, tokenize=True, return_dict=False, **template)
         req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
     elif path in ("/v1/completions", "/generate"):
         req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
-        check_model(getattr(req, "model", None), MODEL)
+        check_model(getattr(req, "model", None), (MODEL,))
         samplings = req.samplings if path == "/generate" else [req.sampling] * len(req.prompts)
         for sampling in samplings:
             sampling.check_grammar("xgrammar", False)
@@ -47,10 +47,10 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
     elif path == "/tokenize":
-        check_model(parse_tokenize(body).model, MODEL)
+        check_model(parse_tokenize(body).model, (MODEL,))
     elif path == "/detokenize":
         req = parse_detokenize(body)
-        check_model(req.model, MODEL)
+        check_model(req.model, (MODEL,))
         for ids in req.token_ids:
             check_token_ids(ids, VOCAB_SIZE, "tokens")
     elif path == "/abort_request":

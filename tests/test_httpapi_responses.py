@@ -189,7 +189,7 @@ def test_generate_body_is_sglang_shaped(vocab):
 
 
 def test_models_and_server_info():
-    body = models_body(MODEL, 1700000000, 8192, "/models/smol")
+    body = models_body((MODEL,), 1700000000, 8192, "/models/smol")
     page = orjson.loads(body)
     assert page["object"] == "list" and Model.model_validate(page["data"][0]).id == MODEL
     listed = client(serve(200, body)).models.list()
@@ -206,10 +206,10 @@ def test_served_model_name_and_model_check():
     assert served_model_name("/m/Qwen2-0.5B/") == "Qwen2-0.5B"
     assert served_model_name("/m/tiny.Q4_0.gguf") == "tiny.Q4_0"
     assert served_model_name("/m/x", "mine") == "mine"
-    check_model(None, MODEL)
-    check_model(MODEL, MODEL)
+    check_model(None, (MODEL,))
+    check_model(MODEL, (MODEL,))
     with pytest.raises(APIError) as caught:
-        check_model("gpt-4o", MODEL)
+        check_model("gpt-4o", (MODEL,))
     assert (caught.value.status, caught.value.param, caught.value.code) == (404, "model", "model_not_found")
 
 
