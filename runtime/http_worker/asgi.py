@@ -1,7 +1,7 @@
 """The ASGI app object of a granian worker: route dispatch, the lifespan that starts the
 worker's HTTPWorker, and the helpers every route shares (bodies, errors, the API key).
 Every route answers APIError with its OpenAI-format body; anything else is a bug, logged,
-and a 500. The app also answers CORS (vLLM's flags and defaults: Cors) and echoes a
+and a 500. The app also answers CORS (vLLM's flags, off unless origins are listed: Cors) and echoes a
 request's x-request-id, which the OpenAI routes take as the request's name (client_request_id)."""
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Cors:
     headers is a 200 with the Access-Control-* headers, else a 400; every other response to an
     allowed Origin gets access-control-allow-origin (`*`, or the origin and `vary: origin` when
     origins are listed or credentials allowed); a disallowed origin gets none, so the browser
-    withholds the answer. With no origins allowed (--allowed-origins []) the App holds no Cors;
+    withholds the answer. With no origins allowed (the default) the App holds no Cors;
     else a request costs one look at the headers the App scans anyway, and a stream nothing a
     token (its headers go out once)."""
 
