@@ -227,10 +227,6 @@ class ServerArgs:
                 env[ENV_PREFIX + f.name.upper()] = str(value)
         return env
 
-    @property
-    def cors(self) -> bool:
-        return bool(self.allowed_origins)
-
 
 # vLLM's names of ringserve's settings (SGLang's --tp is here too). --max-num-batched-tokens is
 # vLLM's token budget of one step, into which long prompts are chunked: ringserve's prompt tokens
