@@ -196,3 +196,27 @@ def test_tool_calls_in_messages_are_parsed_for_the_template():
         lambda: chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]),
         "messages[0].tool_calls",
     )
+
+
+def test_grammar_checks_held_at_once_are_bounded():
+    """A worker holds at most `limit` grammar checks (running or queued); past it a 503, and a
+    check that ends frees its place."""
+    import asyncio
+    import threading
+
+    from httpapi.errors import APIError
+    from runtime.http_worker.worker import GrammarChecks
+
+    async def scenario() -> None:
+        checks, release = GrammarChecks(threads=1, limit=2), threading.Event()
+        held = [asyncio.ensure_future(checks.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.05)  # both are held: one running, one queued
+        with pytest.raises(APIError) as caught:  # at once: not queued behind the held ones
+            await asyncio.wait_for(checks.run(lambda: None), 5)
+        assert caught.value.status == 503 and "limit" in caught.value.message
+        release.set()
+        await asyncio.gather(*held)
+        await checks.run(lambda: None)  # places are free again
+        checks.close()
+
+    asyncio.run(scenario())

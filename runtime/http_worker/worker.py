@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,6 +40,9 @@ logger = logging.getLogger("ringserve.app")
 METRICS_FLUSH_S = 1.0  # locally counted latencies reach the shared metrics files this often
 HEARTBEAT_CHECK_S = 1.0  # the engine's heartbeats are checked this often (at most)
 GRAMMAR_CHECK_THREADS = 2  # grammar checks of one worker at once
+# grammar checks a worker holds at once, running or queued: a client's distinct pathological
+# grammars (a second of CPU each) cannot queue without end; past it, a 503 to retry
+MAX_GRAMMAR_CHECKS = 64
 REATTACH_RETRY_S = 1.0  # a failed attach to a new engine is tried again after this (ensure_engine backs off)
 
 
@@ -75,9 +78,7 @@ class HTTPWorker:
         self.watches = DisconnectWatches()
         self._tasks: list[asyncio.Task] = []  # metrics flushing, disconnect watches, heartbeats
         self._healing: asyncio.Task | None = None  # attaching to a new engine
-        # grammar checks not memoized: a 200 KB schema takes 0.1 s to parse (xgrammar frees the
-        # GIL meanwhile); their own threads, so that they never queue behind tokenizing
-        self._grammar_checks = ThreadPoolExecutor(GRAMMAR_CHECK_THREADS, thread_name_prefix="grammar-check")
+        self._grammar_checks = GrammarChecks(GRAMMAR_CHECK_THREADS, MAX_GRAMMAR_CHECKS)
 
     @classmethod
     async def start(cls) -> HTTPWorker:
@@ -136,7 +137,7 @@ class HTTPWorker:
         await self.tm.close()
         if self.stats is not None:
             self.stats.close()
-        self._grammar_checks.shutdown(wait=False, cancel_futures=True)
+        self._grammar_checks.close()
         self.link.close(self.files)
 
     # ---------------------------------------------------------------- the engine dies, hangs, heals
@@ -239,9 +240,7 @@ class HTTPWorker:
             if backend == "none" or spec.grammar_checked(any_whitespace):
                 spec.check_grammar(backend, any_whitespace)
             else:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._grammar_checks, spec.check_grammar, backend, any_whitespace
-                )
+                await self._grammar_checks.run(spec.check_grammar, backend, any_whitespace)
 
     def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int]) -> SamplingParams:
         """A request's final sampling parameters for one tokenized prompt; raises APIError(400)."""
@@ -325,6 +324,31 @@ class HTTPWorker:
 
 def _wrap_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
+
+
+class GrammarChecks:
+    """The grammar checks not memoized (a 200 KB schema takes 0.1 s to parse; xgrammar frees the
+    GIL meanwhile), in threads of their own so that they never queue behind tokenizing, at most
+    `limit` held at once: past it, a 503."""
+
+    def __init__(self, threads: int, limit: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-check")
+        self._limit = limit
+        self._held = 0
+
+    async def run(self, check: Callable[..., None], *args: Any) -> None:
+        if self._held >= self._limit:
+            raise engine_unavailable(
+                f"{self._held} grammars are being checked on this worker, its limit; retry shortly."
+            )
+        self._held += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, check, *args)
+        finally:
+            self._held -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _configure_logging(level: str) -> None:
