@@ -54,6 +54,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,16 +118,24 @@ class ChatCounter:
         return len(self.tokenizer.encode(self.head + content + self.tail, add_special_tokens=False))
 
 
-def make_prompts(tokenizer, n: int, target_tokens: int, seed: int) -> tuple[list[str], list[int]]:
-    """`n` user messages of `target_tokens` chat-template tokens each (the next count above
-    when one word more jumps past it): an instruction and random whole-word vocabulary
-    entries. Returns the messages and their token counts."""
-    count = ChatCounter(tokenizer)
-    words = sorted(
+def vocab_words(tokenizer) -> list[str]:
+    """Lower-case ASCII words that are one vocabulary entry each with their leading space."""
+    return sorted(
         t[1:]
         for t in tokenizer.get_vocab()
         if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha() and t[1:].islower() and 3 <= len(t) - 1 <= 8
     )
+
+
+def make_prompts(
+    tokenizer, n: int, target_tokens: int, seed: int, count: Callable[[str], int] | None = None
+) -> tuple[list[str], list[int]]:
+    """`n` user messages of `target_tokens` tokens each (the next count above when one word
+    more jumps past it): an instruction and random whole-word vocabulary entries. Counted
+    through the chat template unless `count` says otherwise (a raw completions prompt).
+    Returns the messages and their token counts."""
+    count = count or ChatCounter(tokenizer)
+    words = vocab_words(tokenizer)
     rng = np.random.default_rng(seed)
     overhead = count(INSTRUCTION)
     prompts, lengths = [], []
@@ -164,18 +173,26 @@ class RequestResult:
     start: float
     end: float = 0.0
     content_times: list[float] = field(default_factory=list)  # arrival of each content event
+    # tokens of each content event, counted from its logprobs (one entry per token); 0 without logprobs
+    event_tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # each content event's text
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
     completion_tokens: int = 0
     error: str | None = None
 
 
-class StreamConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection that POSTs streamed chat completions one at a time
-    and timestamps each SSE event when the bytes that complete it arrive."""
+CHAT_PATH = "/v1/chat/completions"
 
-    def __init__(self, host: str, port: int) -> None:
+
+class StreamConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that POSTs streamed chat completions (or, with
+    `path` /v1/completions, text completions) one at a time and timestamps each SSE event
+    when the bytes that complete it arrive."""
+
+    def __init__(self, host: str, port: int, path: str = CHAT_PATH) -> None:
         self.head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\nContent-Length: "
         )
         self.transport: asyncio.Transport | None = None
@@ -289,14 +306,22 @@ class StreamConnection(asyncio.Protocol):
                 self.result.error = f"error event: {obj['error'].get('message')}"
                 continue
             for choice in obj["choices"]:
-                if choice["delta"].get("content"):
+                delta = choice.get("delta")
+                text = delta.get("content") if delta is not None else choice.get("text")
+                # completions' logprobs list "tokens" (llama.cpp's: "content"), chat's "content"
+                logprobs = choice.get("logprobs")
+                n = len(logprobs.get("tokens") or logprobs.get("content") or ()) if logprobs else 0
+                if text or n:  # a token that completes no character may come with logprobs and no text
                     self.result.content_times.append(now)
+                    self.result.event_tokens.append(n)
+                    self.result.text.append(text or "")
             usage = obj.get("usage")
             if usage:
                 self.result.prompt_tokens, self.result.completion_tokens = (
                     usage["prompt_tokens"],
                     usage["completion_tokens"],
                 )
+                self.result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         if start:
             del body[:start]
 
@@ -309,19 +334,26 @@ class StreamConnection(asyncio.Protocol):
         self.done.set_result(result)
 
 
-async def connect(host: str, port: int) -> StreamConnection:
+async def connect(host: str, port: int, path: str = CHAT_PATH) -> StreamConnection:
     loop = asyncio.get_running_loop()
-    _, conn = await loop.create_connection(lambda: StreamConnection(host, port), host, port)
+    _, conn = await loop.create_connection(lambda: StreamConnection(host, port, path), host, port)
     conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn
 
 
 async def run_closed_loop(
-    host: str, port: int, bodies: list[bytes], concurrency: int, timeout: float, on_start, on_end
+    host: str,
+    port: int,
+    bodies: list[bytes],
+    concurrency: int,
+    timeout: float,
+    on_start,
+    on_end,
+    path: str = CHAT_PATH,
 ) -> list[RequestResult]:
-    """`concurrency` connections sending `bodies` one after another each; `on_start()` runs
-    right before the first request is written, `on_end()` right after the last one ends."""
-    conns = await asyncio.gather(*(connect(host, port) for _ in range(concurrency)))
+    """`concurrency` connections sending `bodies` one after another each to `path`; `on_start()`
+    runs right before the first request is written, `on_end()` right after the last one ends."""
+    conns = await asyncio.gather(*(connect(host, port, path) for _ in range(concurrency)))
     order = iter(range(len(bodies)))
     results: list[RequestResult | None] = [None] * len(bodies)
 
@@ -330,7 +362,7 @@ async def run_closed_loop(
             for i in order:
                 if conn.closed:
                     try:
-                        conn = await connect(host, port)
+                        conn = await connect(host, port, path)
                     except OSError as e:  # the server is gone: every request left fails fast
                         results[i] = RequestResult(time.perf_counter(), error=f"cannot connect: {e}")
                         continue
@@ -561,11 +593,25 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
+def itl_per_token(times: list[float], counts: list[int]) -> list[float]:
+    """Inter-token latencies of one request as SGLang's bench_serving counts them under
+    speculative decoding: an event carrying n tokens after a gap g adds n latencies of g / n
+    (the first event's tokens add none: they are the TTFT's)."""
+    out: list[float] = []
+    for a, b, n in zip(times, times[1:], counts[1:]):
+        out += [(b - a) / n] * n
+    return out
+
+
 def summarize(results: list[RequestResult], w: Workload, window_s: float) -> dict:
+    """The level's statistics; with per-event token counts (logprobs were asked for), also
+    the per-token ITL and the tokens the events' logprobs missed against usage."""
     ok, failures = [], []
     for r in results:
         if r.error is None and r.completion_tokens != w.output_tokens:
             r.error = f"{r.completion_tokens} completion tokens, not {w.output_tokens}"
+        if r.error is None and sum(r.event_tokens) > r.completion_tokens:
+            r.error = f"{sum(r.event_tokens)} tokens in the events' logprobs, more than usage's {r.completion_tokens}"
         (failures if r.error else ok).append(r)
     ttft = [r.content_times[0] - r.start for r in ok if r.content_times]
     tpot = [
@@ -576,6 +622,15 @@ def summarize(results: list[RequestResult], w: Workload, window_s: float) -> dic
     itl = [b - a for r in ok for a, b in zip(r.content_times, r.content_times[1:])]
     events = sum(len(r.content_times) for r in ok)
     tokens = sum(r.completion_tokens for r in ok)
+    counted = {}
+    if any(any(r.event_tokens) for r in ok):
+        counted = {
+            "itl_token_ms": percentiles(
+                [x for r in ok for x in itl_per_token(r.content_times, [max(n, 1) for n in r.event_tokens])], 1e3
+            ),
+            "uncounted_tokens": sum(r.completion_tokens - sum(r.event_tokens) for r in ok),
+            "cached_tokens_mean": float(np.mean([r.cached_tokens for r in ok])),
+        }
     return {
         "num_requests": len(results),
         "completed": len(ok),
@@ -591,13 +646,25 @@ def summarize(results: list[RequestResult], w: Workload, window_s: float) -> dic
         "tpot_ms": percentiles(tpot, 1e3),
         "itl_ms": percentiles(itl, 1e3),
         "e2e_ms": percentiles([r.end - r.start for r in ok], 1e3),
+        **counted,
     }
 
 
 # ---------------------------------------------------------------- one level, one server
 
 
-def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w: Workload, timeout: float) -> dict:
+def measure_level(
+    loop,
+    server: Server,
+    bodies: list[bytes],
+    concurrency: int,
+    w: Workload,
+    timeout: float,
+    path: str = CHAT_PATH,
+    results_into: list[RequestResult] | None = None,
+) -> dict:
+    """One closed-loop level on `server` (anything with its port, cpu_ticks, cpu_by_role and
+    engine_counters); `results_into` receives the requests' results when given."""
     marks: dict[str, object] = {}
 
     def on_start() -> None:  # the /metrics scrapes stay outside the CPU window
@@ -617,8 +684,10 @@ def measure_level(loop, server: Server, bodies: list[bytes], concurrency: int, w
         )
 
     results = loop.run_until_complete(
-        run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout, on_start, on_end)
+        run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout, on_start, on_end, path)
     )
+    if results_into is not None:
+        results_into += results
     window = marks["t1"] - marks["t0"]
     level = {"concurrency": concurrency, **summarize(results, w, window)}
     by_role = server.cpu_by_role(marks["ticks0"], marks["ticks1"])
