@@ -60,10 +60,12 @@ from protocol.records import (
     TOKEN_OUT_ARENA_BYTES,
     ErrorCode,
     RequestKind,
+    TokenKind,
     pack_control,
 )
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, error_records, split_by_worker
+from runtime.engine_stats import TtftTrace
 from runtime.gc_tuning import settle_heap
 
 logger = logging.getLogger(__name__)
@@ -109,7 +111,11 @@ def run_detokenizer(
         level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s detokenizer: %(message)s"
     )
     run_as_batch()
-    detok = Detokenizer(server_args, socket_path, scheduler_socket)
+    trace_dir = TtftTrace.directory()
+    if trace_dir is None:
+        detok = Detokenizer(server_args, socket_path, scheduler_socket)
+    else:
+        detok = TracedDetokenizer(server_args, socket_path, scheduler_socket, trace=TtftTrace(trace_dir, "detokenizer"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: detok.stop())
     try:
@@ -380,3 +386,44 @@ class Detokenizer:
             ch.close()
         self.inputs, self.outputs, self.aborts = [], {}, None
         self.waker.close()
+
+
+class TracedDetokenizer(Detokenizer):
+    """The loop with first-token stamps (RINGSERVE_TRACE_TTFT, perf/ttft_breakdown.py): when
+    the batch holding a request's first TOKEN record was popped, decoded, and pushed to its
+    worker. TextDeltas.handle is wrapped on this process's instance only."""
+
+    def __init__(self, *args, trace: TtftTrace) -> None:
+        super().__init__(*args)
+        self.trace = trace
+        self._firsts: list[tuple[int, int, int]] = []  # the handled batch's first tokens
+        self._stamps: dict[str, int] = {}
+
+    def load(self, max_open: int) -> None:
+        super().load(max_open)
+        handle = self.deltas.handle
+
+        def traced(batch):
+            popped = time.monotonic_ns()
+            recs = batch.records
+            first = (recs["kind"] == TokenKind.TOKEN) & (recs["completion_tokens"] == 1)
+            self._firsts = list(
+                zip(recs["worker"][first].tolist(), recs["slot"][first].tolist(), recs["gen"][first].tolist())
+            )
+            out = handle(batch)
+            self._stamps = {"d_pop": popped, "d_decoded": time.monotonic_ns()}
+            return out
+
+        self.deltas.handle = traced
+
+    def _send(self, records, blob) -> None:
+        super()._send(records, blob)
+        if self._firsts:
+            stamps = {**self._stamps, "d_pushed": time.monotonic_ns()}
+            for key in self._firsts:
+                self.trace.write(key, stamps)
+            self._firsts = []
+
+    def close(self) -> None:
+        super().close()
+        self.trace.close()

@@ -60,6 +60,7 @@ from protocol.records import (
     unpack_prompt_logprobs,
 )
 from protocol.sampling_params import SamplingParams
+from runtime.engine_stats import TtftTrace
 from runtime.http_worker.prompt_encoder import PromptEncoder
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
@@ -733,6 +734,59 @@ class TokenizerManager:
             for name, ch in (("request", self.request_ch), ("text_out", self.text_ch))
             if hasattr(ch, "__len__")
         }
+
+
+class TracedTokenizerManager(TokenizerManager):
+    """The TokenizerManager with first-token stamps (RINGSERVE_TRACE_TTFT,
+    perf/ttft_breakdown.py): when the request's text reached the chat template (its body
+    parsed and checked), the encoder, and left it; when its records were pushed; when the
+    reader popped its first text; and (`woken`, which the stream's loop calls) when its
+    coroutine took that text. Stamps taken before `submit` names the request are kept by task."""
+
+    def __init__(self, *args, trace: TtftTrace, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trace = trace
+        self._early: dict[asyncio.Task | None, dict[str, int]] = {}  # task -> stamps before its submit
+        self._traced: dict[tuple[int, int], dict[str, int]] = {}  # (slot, gen) -> stamps until first taken
+
+    def _stamp(self, stage: str) -> None:
+        self._early.setdefault(asyncio.current_task(), {}).setdefault(stage, time.monotonic_ns())
+
+    async def chat_ids(self, messages: list[dict[str, Any]], template: ChatTemplateArgs | None = None) -> list[int]:
+        self._stamp("w_parsed")
+        return await super().chat_ids(messages, template)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._stamp("w_parsed")
+        self._stamp("w_templated")
+        ids = await super().encode(text, add_special_tokens)
+        self._early[asyncio.current_task()]["w_encoded"] = time.monotonic_ns()
+        return ids
+
+    async def submit(self, prompts, params, rids=None, stream: bool = False) -> ReqGroup:
+        entered = time.monotonic_ns()
+        group = await super().submit(prompts, params, rids, stream)
+        stamps = {**self._early.pop(asyncio.current_task(), {}), "w_submit": entered, "w_pushed": time.monotonic_ns()}
+        for state in group.states:
+            self._traced[(state.slot, state.gen)] = dict(stamps)
+        return group
+
+    def _dispatch(self, recs: np.ndarray, payload: np.ndarray) -> None:
+        popped = time.monotonic_ns()
+        for key in zip(recs["slot"].tolist(), recs["gen"].tolist()):
+            stamps = self._traced.get(key)
+            if stamps is not None:
+                stamps.setdefault("w_pop", popped)
+        super()._dispatch(recs, payload)
+
+    async def close(self) -> None:
+        await super().close()
+        self.trace.close()
+
+    def woken(self, state: ReqState, now_ns: int) -> None:
+        stamps = self._traced.pop((state.slot, state.gen), None)
+        if stamps is not None:
+            self.trace.write((self.worker, state.slot, state.gen), {**stamps, "w_woken": now_ns})
 
 
 def engine_error(code: int, message: str) -> APIError:

@@ -23,11 +23,18 @@ from httpapi.responses import now
 from httpapi.sampling import SamplingSpec
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
-from runtime.engine_stats import EngineStats
+from runtime.engine_stats import EngineStats, TtftTrace
 from runtime.gc_tuning import settle_heap
 from runtime.http_worker.disconnect import DisconnectWatches
 from runtime.http_worker.metrics import WorkerMetrics, use_multiprocess_dir
-from runtime.http_worker.tokenizer_manager import ModelInfo, ReqGroup, ReqState, TokenizerManager, read_chat_template
+from runtime.http_worker.tokenizer_manager import (
+    ModelInfo,
+    ReqGroup,
+    ReqState,
+    TokenizerManager,
+    TracedTokenizerManager,
+    read_chat_template,
+)
 from runtime.supervise.files import EngineProcess, ServerFiles
 from runtime.supervise.launcher import EngineGaveUp, EngineLink, attach_engine, kill_and_wait
 from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog, stalled_heartbeats
@@ -98,17 +105,22 @@ class HTTPWorker:
         except BaseException:
             link.close(files)
             raise
-        tm = TokenizerManager(
-            link.worker,
-            link.request_ch,
-            link.text_ch,
-            link.waker,
-            tokenizer,
-            model,
-            args.request_timeout,
-            args.stream_interval,
-        )
+        tm_args = (link.worker, link.request_ch, link.text_ch, link.waker, tokenizer, model, args.request_timeout)
+        trace_dir = TtftTrace.directory()
+        if trace_dir is None:
+            tm = TokenizerManager(*tm_args, args.stream_interval)
+        else:
+            trace = TtftTrace(trace_dir, f"worker{link.worker}")
+            tm = TracedTokenizerManager(*tm_args, args.stream_interval, trace=trace)
         worker = cls(args, files, link, tm, vocab, metrics)
+        if trace_dir is not None:
+            observe_delta = worker.observe_delta
+
+            def traced_observe_delta(state: ReqState, now_ns: int) -> None:
+                tm.woken(state, now_ns)
+                observe_delta(state, now_ns)
+
+            worker.observe_delta = traced_observe_delta
         tm.start()
         worker.watchdog.start(asyncio.get_running_loop())
         worker._tasks = [
