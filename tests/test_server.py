@@ -403,16 +403,38 @@ def test_healthy_after_bad_requests(server, client):
     assert resp.usage.completion_tokens == 2
 
 
-def test_detokenizer_runs_as_a_batch_task(server):
-    """Its wakeups (one a step) must not preempt the scheduler that woke it (runtime/detokenizer/process.py)."""
+def test_detokenizer_is_a_batch_task_only_when_busy(server, client):
+    """Busy, its wakeups (one a step) must not preempt the scheduler that woke it; with few
+    requests open it is a normal task, so that a lone request's first token does not wait for
+    a tick (runtime/detokenizer/process.py Pacing)."""
     probe = subprocess.run(
         [sys.executable, "-c", "import os; os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))"],
         capture_output=True,
     )
     if probe.returncode:
         pytest.skip(f"this machine refuses SCHED_BATCH: {probe.stderr.decode().strip()[-200:]}")
-    assert os.sched_getscheduler(server.engine["detokenizer"]) == os.SCHED_BATCH
+    detokenizer = server.engine["detokenizer"]
     assert os.sched_getscheduler(server.engine["scheduler"]) == os.SCHED_OTHER
+    assert wait_for(lambda: os.sched_getscheduler(detokenizer) == os.SCHED_OTHER, 10)
+    seen = set()
+    with ThreadPoolExecutor(12) as pool:
+        streams = [
+            pool.submit(
+                lambda: list(
+                    client.completions.create(
+                        model=MODEL, prompt=PROMPTS[0], max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+                    )
+                )
+            )
+            for _ in range(12)
+        ]
+        while not all(f.done() for f in streams) and os.SCHED_BATCH not in seen:
+            seen.add(os.sched_getscheduler(detokenizer))
+            time.sleep(0.01)
+        for f in streams:
+            f.result()
+    assert os.SCHED_BATCH in seen
+    assert wait_for(lambda: os.sched_getscheduler(detokenizer) == os.SCHED_OTHER, 10)
 
 
 # ---------------------------------------------------------------- clients that leave

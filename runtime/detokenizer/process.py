@@ -110,7 +110,6 @@ def run_detokenizer(
     logging.basicConfig(
         level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s detokenizer: %(message)s"
     )
-    run_as_batch()
     trace_dir = TtftTrace.directory()
     if trace_dir is None:
         detok = Detokenizer(server_args, socket_path, scheduler_socket)
@@ -126,16 +125,31 @@ def run_detokenizer(
         detok.close()
 
 
-def run_as_batch() -> None:
-    """SCHED_BATCH: the scheduler wakes this process with each step's tokens, and a
-    SCHED_NORMAL wakee preempts its waker on the waker's CPU, where the kernel likes to place
-    it; as a batch task it runs when a CPU is free or at the next tick instead, and the
-    scheduler goes on with its next step (the path a forward waits on): less server CPU a
-    token on the null model (docs/perf-notes.md). Linux only."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError) as e:  # another OS, or a sandbox that forbids it: a normal task
-        logger.info("SCHED_BATCH unavailable (%s): the detokenizer runs as a normal task", e)
+class Pacing:
+    """The process's CPU policy, by load. Busy (more than LATENCY_OPEN requests open), it runs
+    as SCHED_BATCH: the scheduler wakes it with each step's tokens, and a SCHED_NORMAL wakee
+    preempts its waker on the waker's CPU, where the kernel likes to place it; as a batch task
+    it runs when a CPU is free or at the next tick instead, and the scheduler goes on with its
+    next step (the path a forward waits on): less server CPU a token on the null model
+    (docs/perf-notes.md). With few requests open it is a normal task: a batch task waking on
+    a busy machine waits for the next tick (milliseconds), and a lone request's first token
+    would wait with it (perf/results/ttft.md). One syscall a switch, none otherwise. Linux only."""
+
+    LATENCY_OPEN = 4
+
+    def __init__(self) -> None:
+        self.batch = False
+        self.available = hasattr(os, "sched_setscheduler")
+
+    def follow(self, num_open: int) -> None:
+        """The policy for `num_open` open requests (call after each batch)."""
+        if self.available and (num_open > self.LATENCY_OPEN) != self.batch:
+            try:
+                os.sched_setscheduler(0, os.SCHED_OTHER if self.batch else os.SCHED_BATCH, os.sched_param(0))
+                self.batch = not self.batch
+            except OSError as e:  # a sandbox that forbids it: a normal task
+                logger.info("SCHED_BATCH unavailable (%s): the detokenizer runs as a normal task", e)
+                self.available = False
 
 
 def connect_detokenizer(socket_path: str, waker, worker: int | None = None, timeout: float = 60.0):
@@ -188,7 +202,7 @@ class Detokenizer:
         self._stopping = True
 
     def serve(self) -> None:
-        deltas, waker = self.deltas, self.waker
+        deltas, waker, pacing = self.deltas, self.waker, Pacing()
         while not self._stopping:
             if self.peers.has_events():
                 self._attach_new()
@@ -211,6 +225,7 @@ class Detokenizer:
                         if len(records):
                             self._send(records, blob)
             if busy:
+                pacing.follow(deltas.num_open)
                 continue
             if self.backlogs:
                 self._wait(held)
