@@ -224,6 +224,8 @@ class _EngineCollector:
             ("steps", "Scheduler steps", e["steps"]),
             ("retractions", "Requests retracted for lack of KV pages", e["retractions"]),
             ("engine_generated_tokens", "Tokens the scheduler generated", e["generated_tokens"]),
+            ("engine_cached_tokens", "Prompt tokens the scheduler took from the prefix cache", e["cached_tokens"]),
+            ("engine_prefill_tokens", "Prompt tokens the scheduler computed", e["prefill_tokens"]),
         ):
             c = CounterMetricFamily("ringserve_" + name, doc)
             c.add_metric([], value)
