@@ -696,14 +696,12 @@ def markdown(result: dict) -> str:
             "",
         ]
     wl = result["workload"]
+    lines += ["Workloads:", "", *(f"- {name}: {wl[name]}" for name in wl["run"])]
     lines.append(
-        f"{result['rounds_run']} rounds, servers in rotating order; streamed /v1/completions, ignore_eos, "
-        f"temperature 0, "
-        f"`logprobs: 1` on every server (a chunk's tokens: its logprobs entries; ITL per token as SGLang's "
-        f"bench_serving splits a chunk of n tokens). random: ~{wl['prompt_tokens']}-token prompts, "
-        f"{wl['output_tokens']} output tokens at concurrency {wl['levels']}; shared prefix: {wl['shared_prefix']}; "
-        f"multi-turn: {wl['multi_turn']}; repetitive: {wl['repetitive']}. Ratios are medians of the rounds' "
-        f"ratios; load is in the header (a loaded 2-core machine moves absolute numbers by up to 2x)."
+        f"\n{result['rounds_run']} rounds, servers in rotating order; streamed /v1/completions, ignore_eos, "
+        f"temperature 0, `logprobs: 1` on every server (a chunk's tokens: its logprobs entries; ITL per token as "
+        f"SGLang's bench_serving splits a chunk of n tokens; TPOT (e2e - TTFT) / (tokens - 1)). Ratios are medians "
+        f"of the rounds' ratios; load is in the header (a loaded 2-core machine moves absolute numbers by up to 2x)."
         + ("" if result["complete"] else " **Incomplete run.**")
     )
     return "\n".join(lines)
@@ -838,10 +836,9 @@ def main(argv: list[str] | None = None) -> int:
         "servers": {},
         "workload": {
             "endpoint": COMPLETIONS,
-            "prompt_tokens": args.prompt_tokens,
-            "output_tokens": args.output_tokens,
-            "levels": args.levels,
-            "requests_per_level": args.request_counts,
+            "null_model": args.null_model,
+            "random": f"~{args.prompt_tokens}-token prompts, {args.output_tokens} output tokens, concurrency "
+            f"{args.levels} with {[args.request_counts[c] for c in args.levels]} requests a round",
             "shared_prefix": f"{args.sp_groups} groups x {args.sp_per_group} prompts, {args.sp_system_tokens}-token "
             f"system prompt, {args.sp_question_tokens}-token question, {args.sp_output_tokens} output tokens, "
             f"concurrency {args.sp_concurrency}",
@@ -849,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
             f"~{args.mt_first_tokens} tokens, next ~{args.mt_next_tokens}, {args.output_tokens} output tokens",
             "repetitive": f"{args.rep_requests} requests a round at concurrency 1, a {len(CODE)}-character code "
             f"file to rewrite, {args.rep_output_tokens} output tokens",
-            "null_model": args.null_model,
+            "run": args.workload_list,
         },
         "rounds_run": 0,
         "complete": False,
