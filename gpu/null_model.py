@@ -1,6 +1,7 @@
 """A ModelRunner without a model: instant tokens, so the server's own per-token cost can be
 measured. Tokens cycle through the real tokenizer's ids for an ordinary English sentence
-(never EOS: requests end by max_tokens or stop strings); the page pool is real. A
+(never EOS: requests end by max_tokens or stop strings), by position, so a drafted token is
+verified as the model would (speculative decoding); the page pool is real. A
 constrained row (a grammar's mask) takes its cycle token if the grammar allows it, else the
 lowest id it allows, so its text is grammar-valid and the mask's cost is measured."""
 
@@ -36,14 +37,14 @@ class NullModelRunner:
         tokens = config.max_total_tokens or config.max_running_requests * self.model_config.context_length
         self.pool = PagePool(max(1, -(-tokens // config.page_size)), config.page_size)
         R = config.max_running_requests
-        self.generated = np.zeros(R, np.int64)
+        self.prompt_len = np.zeros(R, np.int64)  # a token's place in the cycle: its position past the prompt
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
         self.num_logprobs = 0  # rows whose request asked for logprobs
 
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         self.clear_request(row)
-        self.generated[row] = len(output_ids)
+        self.prompt_len[row] = len(prompt_ids)
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
         self.num_logprobs += params.logprobs
@@ -55,11 +56,11 @@ class NullModelRunner:
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         step = StepInput.of(seqs)
         rows = step.rows[step.sample]
-        n = len(self.cycle)
-        tokens = self.cycle[self.generated[rows] % n]
+        # each sampled token's position (past its sequence's new tokens), counted from the prompt's end
+        generated = (step.starts + step.q_lens)[step.sample] - self.prompt_len[rows]
+        tokens = self.cycle[generated % len(self.cycle)]
         if step.token_mask is not None:
             _apply_mask(tokens, step.token_mask)
-        self.generated[rows] += 1
         prompt = None if step.prompt_logprobs is None else self._prompt_logprobs(step.prompt_logprobs)
         if not self.num_logprobs:  # the common case, in two numpy calls fewer
             return StepOutput(tokens, np.full(len(rows), np.nan, np.float32), None, None, prompt)
@@ -67,7 +68,7 @@ class NullModelRunner:
         K = int(self.top_logprobs[rows].max()) if len(rows) else 0
         if K == 0:
             return StepOutput(tokens, logprobs, None, None, prompt)
-        top_ids = self.cycle[(self.generated[rows, None] - 1 + np.arange(K)) % n]  # the chosen token first
+        top_ids = self.cycle[(generated[:, None] + np.arange(K)) % len(self.cycle)]  # the chosen token first
         top_lp = np.full((len(rows), K), ALTERNATIVE_LOGPROB, np.float32)
         top_lp[:, 0] = 0.0
         return StepOutput(tokens, logprobs, top_ids, top_lp, prompt)

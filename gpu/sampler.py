@@ -90,9 +90,7 @@ class Sampler:
             min(top_k, self.V),
         )
         self.greedy[row] = params.greedy
-        self.penalized[row] = (
-            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-        )
+        self.penalized[row] = params.penalized
         self.uses_top_k_p[row] = top_k < self.V or params.top_p < 1.0
         self.uses_min_p[row] = params.min_p > 0.0
         self.min_tokens[row] = params.min_new_tokens

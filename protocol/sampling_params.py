@@ -84,6 +84,11 @@ class SamplingParams:
     def constrained(self) -> bool:
         return self.grammar_kind != GrammarKind.NONE
 
+    @property
+    def penalized(self) -> bool:
+        """Its logits depend on the tokens it generated (repetition, frequency, presence)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raises InvalidParam naming the first parameter out of range; returns self.
         Straight-line checks: a request is validated three times on its way (request,

@@ -26,6 +26,7 @@ from structured.reasoning import REASONING_PARSERS
 from structured.tool_parsers import PARSERS
 
 ENV_PREFIX = "RINGSERVE_"
+MAX_DRAFT_TOKENS = 64  # speculative decoding: draft tokens and match window, each at most
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,14 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"  # fcfs | lpm
     disable_radix_cache: bool = False
+    # speculative decoding (SGLang's flags; runtime/scheduler/speculative.py): NGRAM drafts a
+    # greedy request's next tokens from its own earlier ones and verifies them in one forward;
+    # None: off. At most num_draft_tokens a request a step, from suffix matches of min to max
+    # match window tokens
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
     # supervision (runtime/supervise/): a scheduler or detokenizer whose heartbeat is older than
     # this is hung: killed and replaced like a dead one, seconds (SGLang's flag; the scheduler
     # beats before each forward, and one chunked-prefill forward of a 7B model in fp32 on a few
@@ -135,6 +144,7 @@ class ServerArgs:
             "quantization": (None, "gguf", "gguf-q8"),
             "kv_cache_dtype": ("auto", "float16", "bfloat16", "fp8_e5m2"),
             "schedule_policy": ("fcfs", "lpm"),
+            "speculative_algorithm": (None, "NGRAM"),
             "transport": ("ring", "zmq"),
             "grammar_backend": ("xgrammar", "none"),
             "tool_call_parser": (None, *PARSERS),
@@ -154,10 +164,23 @@ class ServerArgs:
             "max_running_requests",
             "chunked_prefill_size",
             "max_prefill_tokens",
+            "speculative_num_draft_tokens",
+            "speculative_ngram_min_match_window_size",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1")
+        if self.speculative_num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-num-draft-tokens must be at most {MAX_DRAFT_TOKENS}")
+        if not (
+            self.speculative_ngram_min_match_window_size
+            <= self.speculative_ngram_max_match_window_size
+            <= MAX_DRAFT_TOKENS
+        ):
+            raise ValueError(
+                "--speculative-ngram-max-match-window-size must be at least the min match window size "
+                f"and at most {MAX_DRAFT_TOKENS}"
+            )
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         if not self.body_read_timeout > 0:
@@ -259,6 +282,8 @@ HELP = {
     "allowed_methods": "CORS methods (default *)",
     "allowed_headers": "CORS request headers (default *)",
     "allow_credentials": "CORS: allow credentials",
+    "speculative_algorithm": "NGRAM: n-gram (prompt lookup) speculative decoding of greedy requests; default off",
+    "speculative_num_draft_tokens": "NGRAM: the most tokens a request drafts a step (default 8; adapted to acceptance)",
     "tp_size": "1 only: tensor parallelism is not supported" + PARALLELISM_HINT,
     "dp_size": "1 only: data parallelism is not supported" + PARALLELISM_HINT,
 }

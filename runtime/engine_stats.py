@@ -37,6 +37,9 @@ ENGINE_STATS = np.dtype(
         ("generated_tokens", np.uint64),
         ("steps", np.uint64),
         ("retractions", np.uint64),
+        ("spec_verifies", np.uint64),  # speculative decoding: drafts verified (one a request a step)
+        ("spec_draft_tokens", np.uint64),  # tokens drafted
+        ("spec_accepted_tokens", np.uint64),  # of those, the tokens the model chose too
         ("gen_throughput", np.float64),  # tokens generated per second over the last window
         ("cache_hit_rate", np.float64),  # prompt tokens from the prefix cache / all, last window with any
     ]
@@ -72,7 +75,7 @@ class EngineStats:
 
     def publish(self, scheduler: Any, token_out_depth: int) -> None:
         """One store of the whole record from a runtime.scheduler.core.Scheduler (once per step)."""
-        s, pool = scheduler.stats, scheduler.pool
+        s, pool, spec = scheduler.stats, scheduler.pool, scheduler.speculator.stats
         now = time.monotonic_ns()
         if now - self._window[0] >= GEN_WINDOW_NS:
             self._roll(now, s)
@@ -91,6 +94,9 @@ class EngineStats:
             s.generated_tokens,
             s.steps,
             s.retractions,
+            spec.verifies,
+            spec.draft_tokens,
+            spec.accepted_tokens,
             *self._rates,
         )
 

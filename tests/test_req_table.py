@@ -75,8 +75,8 @@ def test_c_bookkeeping_refuses_rows_outside_the_table_and_wrong_element_sizes():
     one = np.ones(1, np.int64)
     with pytest.raises(IndexError):
         t.step_input(np.array([4], np.int64), one)
-    with pytest.raises(IndexError):  # more tokens than the row knows
-        t.step_input(np.array([0], np.int64), one)
+    with pytest.raises(IndexError):  # past the row's token ids (its known tokens and drafts)
+        t.step_input(np.array([0], np.int64), np.array([33], np.int64))
     with pytest.raises(IndexError):
         t.add_pages(np.array([-1], np.int64), np.array([0], np.int32))
     with pytest.raises(IndexError):  # a full row: no room for another token

@@ -198,6 +198,9 @@ class _EngineCollector:
         used_pages = used_kv_pages(e)
         used_tokens = used_pages * e["page_size"]
         total_tokens = e["kv_pages_total"] * e["page_size"]
+        verifies, drafted, accepted = e["spec_verifies"], e["spec_draft_tokens"], e["spec_accepted_tokens"]
+        spec_length = (verifies + accepted) / verifies if verifies else 0.0
+        spec_rate = accepted / drafted if drafted else 0.0
         for name, doc, value in (  # SGLang's (SchedulerMetricsCollector)
             ("num_running_reqs", "The number of running requests.", e["running"]),
             ("num_queue_reqs", "The number of requests in the waiting queue.", e["queued"]),
@@ -206,6 +209,10 @@ class _EngineCollector:
             ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", total_tokens),
             ("gen_throughput", "The generation throughput (token/s).", e["gen_throughput"]),
             ("cache_hit_rate", "The prefix cache hit rate.", e["cache_hit_rate"]),
+            # speculative decoding, since the engine started: tokens a verified draft yields
+            # (its accepted tokens and the model's next one), and drafted tokens accepted
+            ("spec_accept_length", "The average acceptance length of speculative decoding.", spec_length),
+            ("spec_accept_rate", "The acceptance rate of speculative decoding's drafted tokens.", spec_rate),
         ):
             g = GaugeMetricFamily("sglang:" + name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
@@ -226,6 +233,9 @@ class _EngineCollector:
             ("engine_generated_tokens", "Tokens the scheduler generated", e["generated_tokens"]),
             ("engine_cached_tokens", "Prompt tokens the scheduler took from the prefix cache", e["cached_tokens"]),
             ("engine_prefill_tokens", "Prompt tokens the scheduler computed", e["prefill_tokens"]),
+            ("spec_verifies", "Speculative decoding: drafts verified (a request's in one step)", verifies),
+            ("spec_draft_tokens", "Speculative decoding: tokens drafted", drafted),
+            ("spec_accepted_tokens", "Speculative decoding: drafted tokens the model chose too", accepted),
         ):
             c = CounterMetricFamily("ringserve_" + name, doc)
             c.add_metric([], value)

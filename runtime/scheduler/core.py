@@ -37,6 +37,7 @@ from runtime.scheduler.policy import order_queue
 from runtime.scheduler.radix_cache import RadixCache
 from runtime.scheduler.req import Req, ReqStatus
 from runtime.scheduler.req_table import MAX_STOP_IDS, ReqTable
+from runtime.scheduler.speculative import make_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ class SchedulerConfig:
     grammar_backend: str = "xgrammar"  # xgrammar | none (constrained requests fail)
     constrained_json_any_whitespace: bool = False  # False: JSON schemas allow compact JSON only
     tokenizer_path: str | None = None  # --tokenizer-path (None: the model's directory)
+    # speculative decoding (runtime/scheduler/speculative.py): NGRAM or None (off)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 8
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, context_length: int, **overrides) -> SchedulerConfig:
@@ -83,6 +89,10 @@ class SchedulerConfig:
             grammar_backend=args.grammar_backend,
             constrained_json_any_whitespace=args.constrained_json_any_whitespace,
             tokenizer_path=args.tokenizer_path,
+            speculative_algorithm=args.speculative_algorithm,
+            speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+            speculative_ngram_min_match_window_size=args.speculative_ngram_min_match_window_size,
+            speculative_ngram_max_match_window_size=args.speculative_ngram_max_match_window_size,
             **overrides,
         )
 
@@ -131,6 +141,13 @@ class Scheduler:
             config.max_running_requests,
             config.constrained_json_any_whitespace,
             config.tokenizer_path,
+        )
+        self.speculator = make_speculator(
+            config.speculative_algorithm,
+            config.max_running_requests,
+            config.speculative_num_draft_tokens,
+            config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size,
         )
         self.num_constrained = 0  # running requests with a grammar
         self.constrained = np.zeros(config.max_running_requests, bool)  # by table row
@@ -269,10 +286,11 @@ class Scheduler:
         prefill = self._schedule_prefill()
         if not len(decode_rows) and not prefill:
             return self._result(np.zeros(0, TOKEN_EVENT), None, None)
+        drafts = self._draft(decode_rows)
         if self.heartbeat is not None:
             self.heartbeat()
-        step = self._step_input(decode_rows, prefill)
-        return self._process(step, prefill, self.runner.step(step))
+        step = self._step_input(decode_rows, prefill, drafts)
+        return self._process(step, prefill, drafts, self.runner.step(step))
 
     def _schedule_decode(self) -> np.ndarray:
         """Every running decode, each with a page for its next token: evicts cached pages,
@@ -366,6 +384,7 @@ class Scheduler:
         t.kv_len[row] = prefix
         req.node, req.prefix_pages, req.status = node, len(prefix_pages), ReqStatus.RUNNING
         self.runner.set_request(row, req.params, req.prompt, req.output)
+        self.speculator.admit(row, req.params, req.matcher is not None)
         if req.matcher is not None:
             self.constrained[row] = True
             self.num_constrained += 1
@@ -402,14 +421,58 @@ class Scheduler:
             self.cache.evict(short)
         return self.pool.num_free >= num_pages
 
-    def _step_input(self, decode_rows: np.ndarray, prefill: list[tuple[Req, int]]) -> StepInput:
-        """The decodes (one token each), then the prefill chunks, as columns of the table."""
+    def _draft(self, decode_rows: np.ndarray) -> np.ndarray | None:
+        """Drafts tokens for some decodes (speculative decoding), written in the table past their
+        known tokens, each with the pages it needs if free ones are left (drafts evict nothing):
+        int64 [len(decode_rows)], the drafts of each; None: none. Not while a constrained request
+        runs: its mask is filled for one sampled token a sequence."""
+        if self.num_constrained:
+            return None
+        t, ps = self.table, self.page_size
+        proposed = self.speculator.propose(t.ids, t.length, t.max_len - t.length - 1, decode_rows)
+        if not proposed:
+            return None
+        counts = np.zeros(len(decode_rows), np.int64)
+        for i, row in enumerate(decode_rows.tolist()):
+            draft = proposed.get(row)
+            if draft is None:
+                continue
+            kv, have, free = int(t.kv_len[row]), int(t.num_pages[row]), self.pool.num_free
+            k = min(len(draft), (have + free) * ps - kv - 1)  # the decode's own token has its page
+            need = -(-(kv + 1 + k) // ps) - have
+            if need > 0:
+                t.page_table[row, have : have + need] = self.pool.alloc(need)
+                t.num_pages[row] = have + need
+            if k > 0:
+                length = int(t.length[row])
+                t.ids[row, length : length + k] = draft[:k]
+                counts[i] = k
+        return counts if counts.any() else None
+
+    def _step_input(
+        self, decode_rows: np.ndarray, prefill: list[tuple[Req, int]], drafts: np.ndarray | None = None
+    ) -> StepInput:
+        """The decodes (one token each), then the prefill chunks, as columns of the table. A decode
+        with d drafts is 1 + d sequences of one token each, at its next positions over the same
+        pages: a decode step still (the C decode loop takes it), exact since a step stores every
+        token's K and V before any attention reads them."""
         t, B = self.table, len(decode_rows)
         rows, q_lens = decode_rows, t.ones[:B]
         if prefill:
             rows = np.concatenate([rows, np.fromiter((req.row for req, _ in prefill), np.int64, len(prefill))])
             q_lens = np.concatenate([q_lens, np.fromiter((n for _, n in prefill), np.int64, len(prefill))])
+        if drafts is not None:
+            q_lens = q_lens.copy()
+            q_lens[:B] += drafts
         starts, token_ids, num_pages, page_table, sample = t.step_input(rows, q_lens)
+        if drafts is not None:
+            counts = np.concatenate([1 + drafts, np.ones(len(prefill), np.int64)])
+            after = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            sample = np.concatenate([np.ones(int(counts[:B].sum()), bool), sample[B:]])
+            rows, starts = np.repeat(rows, counts), np.repeat(starts, counts) + after
+            num_pages, page_table = np.repeat(num_pages, counts), np.repeat(page_table, counts, axis=0)
+            B = len(sample) - len(prefill)
+            q_lens = np.concatenate([np.ones(B, np.int64), q_lens[len(drafts) :]])
         mask = self._token_mask(rows[sample]) if self.num_constrained else None
         ask = None
         if any(req.prompt_logprobs_next < len(req.prompt) for req, _ in prefill):
@@ -504,30 +567,73 @@ class Scheduler:
         return TokenMask(bitmask, index)
 
     # ---- after the forward -------------------------------------------------------------
-    def _process(self, step: StepInput, prefill: list[tuple[Req, int]], out) -> StepResult:
+    def _process(self, step: StepInput, prefill: list[tuple[Req, int]], drafts: np.ndarray | None, out) -> StepResult:
         t, stats = self.table, self.stats
-        t.kv_len[step.rows] += step.q_lens.astype(t.kv_len.dtype)  # each row once: decodes then prefill chunks
+        # each row once (a drafted decode's first sequence), decodes then prefill chunks
+        t.kv_len[step.rows] += step.q_lens.astype(t.kv_len.dtype)
         forward = len(step.token_ids)
         stats.forward_tokens += forward
-        stats.prefill_tokens += forward - (len(step.rows) - len(prefill))  # every decode is one token
+        stats.prefill_tokens += forward - (len(step.rows) - len(prefill))  # every decode is one token a sequence
         stats.steps += 1
         for req, _ in prefill:  # their full pages are shareable from now on
             self._cache_running(req)
         # the decodes, then the prompts whose last chunk this was
         rows = step.rows[step.sample] if prefill else step.rows
-        events, finished = t.append(rows, out.tokens, out.logprobs)
+        top_ids, top_logprobs = out.top_ids, out.top_logprobs
+        if drafts is None:
+            events, finished = t.append(rows, out.tokens, out.logprobs)
+        else:  # the sampled rows, each once, with their drafts
+            counts = 1 + np.concatenate([drafts, np.zeros(len(rows) - int(drafts.sum()) - len(drafts), np.int64)])
+            rows = rows[np.cumsum(counts) - counts]
+            events, finished, picked = self._accept_drafts(rows, counts - 1, out)
+            if top_ids is not None:
+                top_ids, top_logprobs = top_ids[picked], top_logprobs[picked]
         if step.token_mask is not None:
             self._advance_grammars(rows, out.tokens, step.token_mask.index, events, finished)
-        stats.generated_tokens += len(rows)
+        stats.generated_tokens += len(events)
         for row in finished:
             self._finish(t.reqs[row])
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
         )
-        res = self._result(events, out.top_ids, out.top_logprobs)
+        res = self._result(events, top_ids, top_logprobs)
         if self._prompt_runs:
             res.prompt_records, res.prompt_payloads = self._prompt_records(out)
         return res
+
+    def _accept_drafts(self, rows: np.ndarray, drafts: np.ndarray, out) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """Appends to each sampled row (int64 [S]; drafts int64 [S]: its drafted tokens) the
+        tokens the model chose up to and including its first choice that differs from the draft
+        (all of them when none does): (their TOKEN_OUT records, a row's in order, the rows that
+        finished, the index of each record's token in out.tokens). A row's tokens stop at the one
+        that finishes it. The KV of the accepted drafts stays; the rejected ones' is past kv_len,
+        overwritten by the next tokens."""
+        t = self.table
+        counts = 1 + drafts
+        first = np.cumsum(counts) - counts  # each row's first token in out.tokens
+        accepted = np.zeros(len(rows), np.int64)
+        for i in np.flatnonzero(drafts).tolist():
+            row, d, at = int(rows[i]), int(drafts[i]), int(first[i])
+            length = int(t.length[row])
+            wrong = np.flatnonzero(t.ids[row, length : length + d] != out.tokens[at : at + d])
+            accepted[i] = wrong[0] if len(wrong) else d
+            self.speculator.verified(row, d, int(accepted[i]))
+        parts, picks, finished = [], [], []
+        live = np.ones(len(rows), bool)
+        for j in range(int(accepted.max()) + 1):  # the j-th token of every row that has one
+            idx = np.flatnonzero(live & (accepted >= j))
+            if not len(idx):
+                break
+            at = first[idx] + j
+            events, ended = t.append(rows[idx], out.tokens[at], out.logprobs[at])
+            parts.append(events)
+            picks.append(at)
+            if ended:
+                finished += ended
+                live[idx[np.isin(rows[idx], ended)]] = False
+        drafted = rows[drafts > 0]
+        t.kv_len[drafted] = t.length[drafted] - 1
+        return concat_records(parts), finished, np.concatenate(picks)
 
     def _advance_grammars(
         self, rows: np.ndarray, tokens: np.ndarray, index: np.ndarray, events: np.ndarray, finished: list[int]
@@ -578,6 +684,7 @@ class Scheduler:
         t, r = self.table, req.row
         self.cache.release(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
         self.runner.clear_request(r)
+        self.speculator.release(r)
         if req.matcher is not None:  # it keeps its matcher: a retracted request resumes with it
             self.constrained[r] = False
             self.num_constrained -= 1

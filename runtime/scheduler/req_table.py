@@ -160,8 +160,9 @@ class ReqTable:
         self, rows: np.ndarray, q_lens: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The runner's columns for rows (int64 [B]) each running q_lens (int64 [B]) tokens
-        from its kv_len: (starts int64, token ids int32 [sum(q_lens)], num_pages int64,
-        page_table int32 [B, P], sample bool: the row's last known token is among them)."""
+        from its kv_len, past its known tokens too (the drafts a speculative decode verifies):
+        (starts int64, token ids int32 [sum(q_lens)], num_pages int64, page_table int32 [B, P],
+        sample bool: they end at the row's last known token)."""
         if self._core is None:
             starts = self.kv_len[rows].astype(np.int64)
             num_pages = self.num_pages[rows].astype(np.int64)

@@ -225,9 +225,10 @@ static PyObject *StepCore_step_input(StepCore *c, PyObject *const *args, Py_ssiz
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = rows[i];
-        if (q[i] < 1 || kv[r] < 0 || kv[r] + q[i] > len[r] || len[r] > c->max_seq) {
-            PyErr_Format(PyExc_IndexError, "row %lld: %lld new tokens from %d of its %d known tokens", (long long)r,
-                         (long long)q[i], kv[r], len[r]);
+        /* past its known tokens (len) a row's ids may hold its drafts (speculative decoding) */
+        if (q[i] < 1 || kv[r] < 0 || kv[r] + q[i] > c->max_seq || len[r] > c->max_seq) {
+            PyErr_Format(PyExc_IndexError, "row %lld: %lld new tokens from %d: past its %lld token ids", (long long)r,
+                         (long long)q[i], kv[r], (long long)c->max_seq);
             goto done;
         }
         total += q[i];

@@ -1,0 +1,149 @@
+"""N-gram speculative decoding (SGLang's `--speculative-algorithm NGRAM`): a running greedy
+request's next tokens are drafted from its own earlier tokens (prompt lookup: the latest
+earlier place where its last tokens occurred, and what followed them there), and the step
+verifies them in the same forward as its normal decode, at one logits row per drafted token.
+The scheduler keeps the longest prefix of the draft the model itself chose plus the model's
+next token, so a greedy request's text is the same with speculation off.
+
+Drafting costs a lookup on the host, and a drafted row runs 1 + k tokens through the model
+instead of 1 (on a CPU, through the Python forward instead of the C decode loop): worth it
+only where drafts are accepted. So each request adapts its draft length to what it has been
+accepting, stops drafting for a while after drafts it rejected whole (longer each time), and
+nothing is drafted in steps with more decodes than MAX_BATCH, where a forward is compute
+bound and rejected tokens cost as much as accepted ones.
+
+Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar):
+their choice at each drafted position does not depend on the tokens sampled before it in the
+same step, so verifying k positions at once is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.sampling_params import SamplingParams
+
+# decodes in a step above which none is drafted for
+MAX_BATCH = 4
+# steps a request waits before drafting again after its m-th draft in a row rejected whole:
+# min(2**m, MAX_BACKOFF)
+MAX_BACKOFF = 64
+
+
+@dataclass
+class SpeculationStats:
+    verifies: int = 0  # drafted rows verified (a row that drafts in n steps counts n)
+    draft_tokens: int = 0  # tokens drafted and verified
+    accepted_tokens: int = 0  # of those, the tokens the model chose too
+
+
+def ngram_draft(ids: np.ndarray, k: int, min_window: int, max_window: int) -> np.ndarray:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `ids`
+    (int32 [L]) of min_window to max_window tokens; none when no such suffix occurred before."""
+    L = len(ids)
+    if L <= min_window or k <= 0:
+        return ids[:0]
+    ends = np.flatnonzero(ids[: L - 1] == ids[L - 1])  # where an occurrence of the suffix may end
+    if not len(ends):
+        return ids[:0]
+    length = np.ones(len(ends), np.int64)  # the suffix's tokens each occurrence matches
+    alive = np.ones(len(ends), bool)
+    for m in range(1, min(max_window, L - 1)):
+        before = ends - m
+        alive &= before >= 0
+        alive[alive] = ids[before[alive]] == ids[L - 1 - m]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < min_window:
+        return ids[:0]
+    end = int(ends[np.flatnonzero(length == best)[-1]])
+    return ids[end + 1 : min(end + 1 + k, L)]
+
+
+class NgramSpeculator:
+    """Which running rows draft this step, and how many tokens each (see the module's doc)."""
+
+    def __init__(self, num_rows: int, max_draft: int, min_window: int, max_window: int) -> None:
+        self.max_draft = max_draft
+        self.min_window = min_window
+        self.max_window = max_window
+        self.eligible = np.zeros(num_rows, bool)
+        self.draft_len = np.zeros(num_rows, np.int64)  # the most this row drafts next
+        self.misses = np.zeros(num_rows, np.int64)  # its drafts rejected whole, in a row
+        self.wait = np.zeros(num_rows, np.int64)  # steps before it drafts again
+        self.stats = SpeculationStats()
+
+    def admit(self, row: int, params: SamplingParams, constrained: bool) -> None:
+        self.eligible[row] = params.greedy and not constrained and not params.min_new_tokens and not params.penalized
+        self.draft_len[row], self.misses[row], self.wait[row] = self.max_draft, 0, 0
+
+    def release(self, row: int) -> None:
+        self.eligible[row] = False
+
+    def propose(self, ids: np.ndarray, length: np.ndarray, room: np.ndarray, rows: np.ndarray) -> dict[int, np.ndarray]:
+        """Drafts for some of this step's decode `rows` (int64): row -> its drafted tokens (at
+        most room[row] each). `ids`, `length`: the request table's tokens and their counts."""
+        if len(rows) > MAX_BATCH:
+            return {}
+        drafts = {}
+        for row in rows[self.eligible[rows]].tolist():
+            if self.wait[row]:
+                self.wait[row] -= 1
+                continue
+            k = min(int(self.draft_len[row]), int(room[row]))
+            draft = ngram_draft(ids[row, : length[row]], k, self.min_window, self.max_window)
+            if len(draft):
+                drafts[row] = draft
+        return drafts
+
+    def verified(self, row: int, drafted: int, accepted: int) -> None:
+        """Adapts `row`'s next draft to this one: `accepted` of its `drafted` tokens were right."""
+        s = self.stats
+        s.verifies, s.draft_tokens, s.accepted_tokens = (
+            s.verifies + 1,
+            s.draft_tokens + drafted,
+            s.accepted_tokens + accepted,
+        )
+        if accepted == drafted:
+            self.draft_len[row] = min(2 * drafted, self.max_draft)
+            self.misses[row] = 0
+        elif accepted:
+            self.draft_len[row] = accepted + 1
+            self.misses[row] = 0
+        else:
+            self.draft_len[row] = 1
+            self.misses[row] += 1
+            self.wait[row] = min(2 ** int(self.misses[row]), MAX_BACKOFF)
+
+
+class NoSpeculation:
+    """Speculation off: nothing is ever drafted."""
+
+    def __init__(self) -> None:
+        self.stats = SpeculationStats()
+
+    def admit(self, row: int, params: SamplingParams, constrained: bool) -> None:
+        pass
+
+    def release(self, row: int) -> None:
+        pass
+
+    def propose(self, ids: np.ndarray, length: np.ndarray, room: np.ndarray, rows: np.ndarray) -> dict[int, np.ndarray]:
+        return {}
+
+    def verified(self, row: int, drafted: int, accepted: int) -> None:
+        raise AssertionError("nothing was drafted")
+
+
+def make_speculator(
+    algorithm: str | None, num_rows: int, num_draft_tokens: int, min_window: int, max_window: int
+) -> NgramSpeculator | NoSpeculation:
+    if algorithm is None:
+        return NoSpeculation()
+    if algorithm != "NGRAM":
+        raise ValueError(f"--speculative-algorithm must be NGRAM, not {algorithm!r}")
+    return NgramSpeculator(num_rows, num_draft_tokens, min_window, max_window)

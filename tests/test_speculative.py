@@ -1,0 +1,213 @@
+"""N-gram speculative decoding (runtime/scheduler/speculative.py): the prompt-lookup drafter
+against a brute-force reference, the adaptive policy, the scheduler's verify bookkeeping on the
+null model (tokens, finish reasons and counts equal to speculation off, pages accounted, KV
+lengths, retraction) and on the real model (greedy tokens and logprobs equal to speculation off)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu.model_runner import ModelRunnerConfig
+from gpu.null_model import NullModelRunner
+from protocol.records import Finish
+from protocol.sampling_params import SamplingParams
+from runtime.config import ServerArgs
+from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.speculative import MAX_BATCH, NgramSpeculator, NoSpeculation, make_speculator, ngram_draft
+
+PS = 16
+
+
+def reference_draft(ids: list[int], k: int, min_window: int, max_window: int) -> list[int]:
+    """The longest suffix (min..max window) that occurred earlier, its latest occurrence, by brute force."""
+    L = len(ids)
+    for n in range(min(max_window, L - 1), min_window - 1, -1):
+        suffix = ids[L - n :]
+        for start in range(L - n - 1, -1, -1):
+            if ids[start : start + n] == suffix:
+                return ids[start + n : min(start + n + k, L)]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ngram_draft_matches_a_brute_force_reference(seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1 + seed % 6, size=int(rng.integers(1, 60))).astype(np.int32)
+    k, lo = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+    hi = lo + int(rng.integers(0, 6))
+    assert ngram_draft(ids, k, lo, hi).tolist() == reference_draft(ids.tolist(), k, lo, hi)
+
+
+def test_ngram_draft_prefers_the_longest_then_the_latest_match():
+    ids = np.array([1, 2, 3, 9, 9, 3, 7, 7, 2, 3], np.int32)
+    assert ngram_draft(ids, 3, 1, 4).tolist() == [9, 9, 3]  # "2 3" matches at the start only
+    assert ngram_draft(np.array([5, 3, 8, 4, 3], np.int32), 2, 1, 4).tolist() == [8, 4]
+    assert ngram_draft(np.array([5, 3, 8, 4, 3], np.int32), 2, 2, 4).tolist() == []  # no 2-token match
+    assert ngram_draft(np.array([1, 2, 3], np.int32), 4, 1, 4).tolist() == []
+
+
+def test_the_draft_length_adapts_and_whole_rejections_back_off():
+    spec = NgramSpeculator(4, max_draft=8, min_window=1, max_window=4)
+    spec.admit(0, SamplingParams(temperature=0), constrained=False)
+    ids = np.tile(np.arange(5, dtype=np.int32), 8)[None, :].repeat(4, 0)
+    length, room = np.full(4, 20, np.int32), np.full(4, 100)
+    assert len(spec.propose(ids, length, room, np.array([0]))[0]) == 5  # the cycle's 5 known tokens follow
+    spec.verified(0, 4, 4)
+    assert spec.draft_len[0] == 8
+    spec.verified(0, 8, 2)
+    assert spec.draft_len[0] == 3
+    spec.verified(0, 3, 0)
+    assert spec.draft_len[0] == 1 and spec.wait[0] == 2
+    for _ in range(2):  # waits its turn, then drafts again
+        assert spec.propose(ids, length, room, np.array([0])) == {}
+    assert 0 in spec.propose(ids, length, room, np.array([0]))
+    spec.verified(0, 1, 0)
+    assert spec.wait[0] == 4
+    assert spec.stats.verifies == 4 and spec.stats.draft_tokens == 16 and spec.stats.accepted_tokens == 6
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0, repetition_penalty=1.1),
+        SamplingParams(temperature=0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, min_new_tokens=3),
+    ],
+)
+def test_only_plain_greedy_requests_draft(params):
+    spec = NgramSpeculator(2, 4, 1, 4)
+    spec.admit(0, params, constrained=False)
+    spec.admit(1, SamplingParams(temperature=0), constrained=True)
+    ids = np.tile(np.arange(3, dtype=np.int32), 10)[None, :].repeat(2, 0)
+    assert spec.propose(ids, np.full(2, 20, np.int32), np.full(2, 50), np.array([0, 1])) == {}
+
+
+def test_nothing_is_drafted_in_a_large_batch():
+    rows = MAX_BATCH + 1
+    spec = NgramSpeculator(rows, 4, 1, 4)
+    for r in range(rows):
+        spec.admit(r, SamplingParams(temperature=0), constrained=False)
+    ids = np.tile(np.arange(3, dtype=np.int32), 10)[None, :].repeat(rows, 0)
+    length, room = np.full(rows, 20, np.int32), np.full(rows, 50)
+    assert spec.propose(ids, length, room, np.arange(rows)) == {}
+    assert len(spec.propose(ids, length, room, np.arange(MAX_BATCH))) == MAX_BATCH
+
+
+def test_speculation_flags():
+    assert isinstance(make_speculator(None, 4, 8, 1, 12), NoSpeculation)
+    with pytest.raises(ValueError, match="NGRAM"):
+        ServerArgs(speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="speculative-num-draft-tokens"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="max-match-window"):
+        ServerArgs(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=4)
+    args = ServerArgs.from_cli(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"])
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 6)
+
+
+# ---- the scheduler on the null model ------------------------------------------------------------
+
+
+def run_all(s: Scheduler, requests: list[tuple[np.ndarray, SamplingParams]]) -> dict:
+    """Every request to its end: slot -> (tokens, finish, completion_tokens of each record)."""
+    out = {i: ([], None, []) for i in range(len(requests))}
+    for i, (prompt, params) in enumerate(requests):
+        s.add_request(0, i, 1, prompt, params)
+    steps = 0
+    while s.has_work:
+        res = s.step()
+        steps += 1
+        for rec in res.events[: res.num_sampled]:
+            out[int(rec["slot"])][0].append(int(rec["token"]))
+            out[int(rec["slot"])][2].append(int(rec["completion_tokens"]))
+        for rec in res.events:
+            if rec["finish"] != Finish.NONE:
+                tokens, _, counts = out[int(rec["slot"])]
+                out[int(rec["slot"])] = (tokens, int(rec["finish"]), counts)
+        t = s.table
+        active = np.flatnonzero(t.active)
+        assert (t.kv_len[active] <= t.length[active]).all()
+        own = sum(int(t.num_pages[r]) - t.reqs[r].prefix_pages for r in active)
+        assert s.pool.num_free + s.cache.cached_pages + own == s.pool.num_pages
+        assert steps < 10_000
+    out["steps"] = steps
+    return out
+
+
+def scheduler(algorithm: str | None, max_total_tokens: int = 4096, **kw) -> Scheduler:
+    runner = NullModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=max_total_tokens, max_running_requests=8))
+    config = SchedulerConfig(
+        context_length=runner.model_config.context_length,
+        max_running_requests=8,
+        speculative_algorithm=algorithm,
+        speculative_num_draft_tokens=8,
+        **kw,
+    )
+    return Scheduler(runner, config)
+
+
+def workload(stop_token: int) -> list[tuple[np.ndarray, SamplingParams]]:
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0, max_new_tokens=70)
+    return [
+        (rng.integers(10, 1000, 30).astype(np.int32), greedy),
+        (rng.integers(10, 1000, 17).astype(np.int32), SamplingParams(temperature=0, max_new_tokens=33)),
+        (rng.integers(10, 1000, 5).astype(np.int32), SamplingParams(temperature=0, max_new_tokens=90, logprobs=True)),
+        (rng.integers(10, 1000, 40).astype(np.int32), SamplingParams(temperature=0, stop_token_ids=(stop_token,))),
+        (rng.integers(10, 1000, 9).astype(np.int32), SamplingParams(temperature=0.8, max_new_tokens=50, seed=3)),
+    ]
+
+
+def test_verified_drafts_give_the_tokens_finishes_and_counts_of_speculation_off():
+    off, on = scheduler(None), scheduler("NGRAM")
+    stop = int(off.runner.cycle[7])
+    want, got = run_all(off, workload(stop)), run_all(on, workload(stop))
+    assert got.pop("steps") < want.pop("steps")
+    assert got == want
+    assert want[3][1] == Finish.STOP and want[0][1] == Finish.LENGTH
+    stats = on.speculator.stats
+    assert stats.verifies > 0 and stats.accepted_tokens > stats.verifies
+    assert on.stats.generated_tokens == off.stats.generated_tokens
+    for s in (off, on):
+        s.flush_cache()
+        assert s.pool.num_free == s.pool.num_pages
+
+
+def test_drafts_take_only_free_pages_and_survive_retraction():
+    """A pool too small for every request: decodes retract, drafts shrink to the pages left."""
+    eager = dict(max_total_tokens=160, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    off, on = scheduler(None, **eager), scheduler("NGRAM", **eager)
+    requests = [
+        (np.arange(20 + i, 40 + i, dtype=np.int32), SamplingParams(temperature=0, max_new_tokens=60)) for i in range(4)
+    ]
+    want, got = run_all(off, requests), run_all(on, requests)
+    want.pop("steps"), got.pop("steps")
+    assert got == want
+    assert on.stats.retractions > 0 and on.speculator.stats.verifies > 0
+
+
+# ---- the real model ------------------------------------------------------------------------------
+
+REPEAT = "Copy this code exactly, then stop.\n\n" + "\n".join(
+    f"def area_{i}(width, height):\n    return width * height * {i}\n" for i in range(8)
+)
+
+
+def test_the_real_model_gives_the_same_greedy_tokens_and_logprobs():
+    from runtime.offline import OfflineEngine
+
+    prompts = [REPEAT, "Write a short poem about the sea.", "Count: 1, 2, 3, 4, 5,"]
+    params = SamplingParams(temperature=0, max_new_tokens=64, logprobs=True, top_logprobs=2)
+    results = {}
+    for algorithm in (None, "NGRAM"):
+        engine = OfflineEngine(speculative_algorithm=algorithm, max_total_tokens=4096, max_running_requests=4)
+        alone = [engine.generate([p], params)[0] for p in prompts]  # batch 1: drafts verified
+        results[algorithm] = (alone, engine.scheduler.speculator.stats)
+    (want, _), (got, stats) = results[None], results["NGRAM"]
+    assert stats.accepted_tokens > 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+        assert [list(d) for d in g.top_logprobs] == [list(d) for d in w.top_logprobs]
