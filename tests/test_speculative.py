@@ -5,6 +5,8 @@ lengths, retraction) and on the real model (greedy tokens and logprobs equal to 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -47,12 +49,20 @@ def test_ngram_draft_prefers_the_longest_then_the_latest_match():
     assert ngram_draft(np.array([1, 2, 3], np.int32), 4, 1, 4).tolist() == []
 
 
+def cycling_table(rows: int, period: int, length: int = 20, max_len: int = 100) -> SimpleNamespace:
+    """What propose() reads of a ReqTable: rows whose known tokens cycle through `period` ids."""
+    ids = np.tile(np.arange(period, dtype=np.int32), -(-max_len // period))[:max_len]
+    return SimpleNamespace(
+        ids=ids[None, :].repeat(rows, 0), length=np.full(rows, length, np.int32), max_len=np.full(rows, max_len)
+    )
+
+
 def test_the_draft_length_adapts_and_whole_rejections_back_off():
     spec = NgramSpeculator(4, max_draft=8, min_window=1, max_window=4)
     spec.admit(0, SamplingParams(temperature=0), constrained=False)
-    ids = np.tile(np.arange(5, dtype=np.int32), 8)[None, :].repeat(4, 0)
-    length, room = np.full(4, 20, np.int32), np.full(4, 100)
-    assert len(spec.propose(ids, length, room, np.array([0]))[0]) == 5  # the cycle's 5 known tokens follow
+    table = cycling_table(4, 5)
+    assert len(spec.propose(table, np.array([0]))[0]) == 5  # the cycle's 5 known tokens follow
+    assert len(spec.propose(cycling_table(4, 5, max_len=23), np.array([0]))[0]) == 2  # room for 3 more tokens
     spec.verified(0, 4, 4)
     assert spec.draft_len[0] == 8
     spec.verified(0, 8, 2)
@@ -60,8 +70,8 @@ def test_the_draft_length_adapts_and_whole_rejections_back_off():
     spec.verified(0, 3, 0)
     assert spec.draft_len[0] == 1 and spec.wait[0] == 2
     for _ in range(2):  # waits its turn, then drafts again
-        assert spec.propose(ids, length, room, np.array([0])) == {}
-    assert 0 in spec.propose(ids, length, room, np.array([0]))
+        assert spec.propose(table, np.array([0])) == {}
+    assert 0 in spec.propose(table, np.array([0]))
     spec.verified(0, 1, 0)
     assert spec.wait[0] == 4
     assert spec.stats.verifies == 4 and spec.stats.draft_tokens == 16 and spec.stats.accepted_tokens == 6
@@ -80,8 +90,7 @@ def test_only_plain_greedy_requests_draft(params):
     spec = NgramSpeculator(2, 4, 1, 4)
     spec.admit(0, params, constrained=False)
     spec.admit(1, SamplingParams(temperature=0), constrained=True)
-    ids = np.tile(np.arange(3, dtype=np.int32), 10)[None, :].repeat(2, 0)
-    assert spec.propose(ids, np.full(2, 20, np.int32), np.full(2, 50), np.array([0, 1])) == {}
+    assert spec.propose(cycling_table(2, 3), np.array([0, 1])) == {}
 
 
 def test_nothing_is_drafted_in_a_large_batch():
@@ -89,10 +98,9 @@ def test_nothing_is_drafted_in_a_large_batch():
     spec = NgramSpeculator(rows, 4, 1, 4)
     for r in range(rows):
         spec.admit(r, SamplingParams(temperature=0), constrained=False)
-    ids = np.tile(np.arange(3, dtype=np.int32), 10)[None, :].repeat(rows, 0)
-    length, room = np.full(rows, 20, np.int32), np.full(rows, 50)
-    assert spec.propose(ids, length, room, np.arange(rows)) == {}
-    assert len(spec.propose(ids, length, room, np.arange(MAX_BATCH))) == MAX_BATCH
+    table = cycling_table(rows, 3)
+    assert spec.propose(table, np.arange(rows)) == {}
+    assert len(spec.propose(table, np.arange(MAX_BATCH))) == MAX_BATCH
 
 
 def test_speculation_flags():

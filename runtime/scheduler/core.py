@@ -429,7 +429,7 @@ class Scheduler:
         if self.num_constrained:
             return None
         t, ps = self.table, self.page_size
-        proposed = self.speculator.propose(t.ids, t.length, t.max_len - t.length - 1, decode_rows)
+        proposed = self.speculator.propose(t, decode_rows)
         if not proposed:
             return None
         counts = np.zeros(len(decode_rows), np.int64)

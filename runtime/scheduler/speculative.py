@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol.sampling_params import SamplingParams
+from runtime.scheduler.req_table import ReqTable
 
 # decodes in a step above which none is drafted for
 MAX_BATCH = 4
@@ -84,9 +85,9 @@ class NgramSpeculator:
     def release(self, row: int) -> None:
         self.eligible[row] = False
 
-    def propose(self, ids: np.ndarray, length: np.ndarray, room: np.ndarray, rows: np.ndarray) -> dict[int, np.ndarray]:
-        """Drafts for some of this step's decode `rows` (int64): row -> its drafted tokens (at
-        most room[row] each). `ids`, `length`: the request table's tokens and their counts."""
+    def propose(self, table: ReqTable, rows: np.ndarray) -> dict[int, np.ndarray]:
+        """Drafts for some of this step's decode `rows` (int64): row -> its drafted tokens, no
+        more than the request may still generate after the token the step samples anyway."""
         if len(rows) > MAX_BATCH:
             return {}
         drafts = {}
@@ -94,8 +95,9 @@ class NgramSpeculator:
             if self.wait[row]:
                 self.wait[row] -= 1
                 continue
-            k = min(int(self.draft_len[row]), int(room[row]))
-            draft = ngram_draft(ids[row, : length[row]], k, self.min_window, self.max_window)
+            length = int(table.length[row])
+            k = min(int(self.draft_len[row]), int(table.max_len[row]) - length - 1)
+            draft = ngram_draft(table.ids[row, :length], k, self.min_window, self.max_window)
             if len(draft):
                 drafts[row] = draft
         return drafts
@@ -132,7 +134,7 @@ class NoSpeculation:
     def release(self, row: int) -> None:
         pass
 
-    def propose(self, ids: np.ndarray, length: np.ndarray, room: np.ndarray, rows: np.ndarray) -> dict[int, np.ndarray]:
+    def propose(self, table: ReqTable, rows: np.ndarray) -> dict[int, np.ndarray]:
         return {}
 
     def verified(self, row: int, drafted: int, accepted: int) -> None:
