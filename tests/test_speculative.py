@@ -118,13 +118,18 @@ def test_speculation_flags():
 # ---- the scheduler on the null model ------------------------------------------------------------
 
 
-def run_all(s: Scheduler, requests: list[tuple[np.ndarray, SamplingParams]]) -> dict:
-    """Every request to its end: slot -> (tokens, finish, completion_tokens of each record)."""
+def run_all(s: Scheduler, requests: list[tuple[np.ndarray, SamplingParams]], every: int = 0) -> dict:
+    """Every request to its end: slot -> (tokens, finish, completion_tokens of each record).
+    every > 0: one request comes every `every` steps (so prefills join drafted decodes)."""
     out = {i: ([], None, []) for i in range(len(requests))}
-    for i, (prompt, params) in enumerate(requests):
-        s.add_request(0, i, 1, prompt, params)
+    waiting = list(enumerate(requests))
     steps = 0
-    while s.has_work:
+    while waiting or s.has_work:
+        while waiting and (not every or steps % every == 0):
+            i, (prompt, params) = waiting.pop(0)
+            s.add_request(0, i, 1, prompt, params)
+            if every:
+                break
         res = s.step()
         steps += 1
         for rec in res.events[: res.num_sampled]:
@@ -168,10 +173,11 @@ def workload(stop_token: int) -> list[tuple[np.ndarray, SamplingParams]]:
     ]
 
 
-def test_verified_drafts_give_the_tokens_finishes_and_counts_of_speculation_off():
+@pytest.mark.parametrize("every", [0, 9])
+def test_verified_drafts_give_the_tokens_finishes_and_counts_of_speculation_off(every):
     off, on = scheduler(None), scheduler("NGRAM")
     stop = int(off.runner.cycle[7])
-    want, got = run_all(off, workload(stop)), run_all(on, workload(stop))
+    want, got = run_all(off, workload(stop), every), run_all(on, workload(stop), every)
     assert got.pop("steps") < want.pop("steps")
     assert got == want
     assert want[3][1] == Finish.STOP and want[0][1] == Finish.LENGTH
