@@ -186,7 +186,7 @@ def run_model(model: str, args, loop, tokenizer, out_dir: Path) -> dict:
         try:
             server.wait_healthy()
             name = server.model_name()
-            n = args.warmup + args.requests
+            n = args.warmup + (args.real_requests if model == "real" else args.requests)
             chat_texts, _ = sb.make_prompts(tokenizer, n, args.prompt_tokens, 1)
             plain_texts, _ = sb.make_prompts(tokenizer, n, args.prompt_tokens, 2, count=lambda t: len(tokenizer(t)))
             results = []
@@ -239,6 +239,65 @@ def prefix_reuse(server: sb.Server, name: str, tokenizer, loop, args) -> dict:
     }
 
 
+def prefill_forward(args) -> dict:
+    """The real model's prefill of one prompt_tokens-token prompt in this process, as the
+    scheduler's runner takes it (gguf-q8, fp16 KV by default), at 1 and 2 threads: wall and
+    this process's CPU ms, median and min of --prefill-runs, and the sampler's share."""
+    import numpy as np
+    import torch
+
+    from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput
+    from protocol.sampling_params import SamplingParams
+    from runtime.config import ServerArgs
+
+    server_args = ServerArgs.from_cli(shlex.split(args.real_args))
+    runner = ModelRunner(
+        ModelRunnerConfig(
+            quantization=server_args.quantization,
+            kv_cache_dtype=server_args.kv_cache_dtype,
+            max_running_requests=1,
+            max_total_tokens=4 * args.prompt_tokens + 64,
+        )
+    )
+    prompt = np.random.default_rng(0).integers(100, runner.model_config.vocab_size, args.prompt_tokens).astype(np.int32)
+    pages = runner.pool.alloc(runner.pool.pages_for(args.prompt_tokens))
+    sample = runner.sampler.sample
+    sampled: list[float] = []
+
+    def timed_sample(*a, **kw):
+        t = time.perf_counter()
+        out = sample(*a, **kw)
+        sampled.append(time.perf_counter() - t)
+        return out
+
+    runner.sampler.sample = timed_sample
+    threads_before = torch.get_num_threads()
+    result = {"tokens": args.prompt_tokens, "server_args": server_args.quantization, "threads": {}}
+    try:
+        for threads in sorted({1, threads_before}):
+            torch.set_num_threads(threads)
+            walls, cpus = [], []
+            sampled.clear()
+            runner.set_request(0, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
+            with torch.inference_mode():
+                for k in range(args.prefill_runs + 2):  # two warm-ups
+                    t, c = time.perf_counter(), time.process_time()
+                    runner.step([SeqInput(0, prompt, 0, pages, True)])
+                    if k >= 2:
+                        walls.append((time.perf_counter() - t) * 1e3)
+                        cpus.append((time.process_time() - c) * 1e3)
+            result["threads"][threads] = {
+                "wall_p50_ms": statistics.median(walls),
+                "wall_min_ms": min(walls),
+                "cpu_p50_ms": statistics.median(cpus),
+                "sample_p50_ms": statistics.median(sampled[2:]) * 1e3,
+            }
+    finally:
+        torch.set_num_threads(threads_before)
+        runner.pool.free(pages)
+    return result
+
+
 def ab(args, loop, tokenizer, out_dir: Path) -> dict:
     """Plain c=1 TTFT of the --base tree (A) against this one (B), requests alternating."""
     model = args.models[0]
@@ -283,6 +342,12 @@ def ab(args, loop, tokenizer, out_dir: Path) -> dict:
 def markdown(result: dict) -> str:
     fmt = report.fmt
     parts = []
+    if result["models"]:
+        parts.append(
+            "Per stage: the median and p90 of its own time, and the median of when it ends after the client's "
+            "send. A push wakes its consumer, which may run before the push returns (a negative wake); "
+            "medians of stages with long tails need not add up to the median TTFT."
+        )
     for model, m in result["models"].items():
         eps = m["endpoints"]
         rows = []
@@ -315,6 +380,23 @@ def markdown(result: dict) -> str:
                 f"cached p50 {statistics.median(p['cached_ttft_ms']):.1f} ms "
                 f"(ratio {p['ratio_p50']:.2f}); cached_tokens {p['cached_tokens']}."
             )
+    if result.get("prefill"):
+        p = result["prefill"]
+        rows = [
+            (
+                t,
+                fmt(v["wall_p50_ms"], ".2f"),
+                fmt(v["wall_min_ms"], ".2f"),
+                fmt(v["cpu_p50_ms"], ".2f"),
+                fmt(v["sample_p50_ms"], ".3f"),
+            )
+            for t, v in p["threads"].items()
+        ]
+        parts.append(
+            f"### The real model's prefill of {p['tokens']} tokens in one process "
+            f"(`{p['server_args']}`), runner.step\n\n"
+            + report.table(("threads", "wall p50 ms", "wall min ms", "CPU p50 ms", "of which sampling p50 ms"), rows)
+        )
     if result.get("ab"):
         a = result["ab"]
         rows = [
@@ -339,7 +421,8 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="null,real", help="null, real, or both (comma-separated)")
-    ap.add_argument("--requests", type=int, default=100, help="requests per endpoint per model")
+    ap.add_argument("--requests", type=int, default=100, help="requests per endpoint (the null model; --base)")
+    ap.add_argument("--real-requests", type=int, default=20, help="requests per endpoint on the real model")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--prompt-tokens", type=int, default=sb.Workload.prompt_tokens)
     ap.add_argument("--output-tokens", type=int, default=sb.Workload.output_tokens)
@@ -348,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="more `runtime serve` flags for every server")
     ap.add_argument("--prefix-tokens", type=int, default=1000)
     ap.add_argument("--prefix-pairs", type=int, default=5)
+    ap.add_argument("--prefill-runs", type=int, default=20, help="in-process prefills of the real model (0: none)")
     ap.add_argument("--base", default=None, help="a code tree to A/B against this one (first of --models)")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     report.add_out_argument(ap, "ttft")
@@ -365,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for model in args.models:
                 result["models"][model] = run_model(model, args, loop, tokenizer, args.out.parent)
+            if "real" in args.models and args.prefill_runs:
+                result["prefill"] = prefill_forward(args)
     finally:
         sb.cancel_pending(loop)
         loop.close()
