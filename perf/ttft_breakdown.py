@@ -187,8 +187,10 @@ def run_model(model: str, args, loop, tokenizer, out_dir: Path) -> dict:
             server.wait_healthy()
             name = server.model_name()
             n = args.warmup + (args.real_requests if model == "real" else args.requests)
-            chat_texts, _ = sb.make_prompts(tokenizer, n, args.prompt_tokens, 1)
-            plain_texts, _ = sb.make_prompts(tokenizer, n, args.prompt_tokens, 2, count=lambda t: len(tokenizer(t)))
+            chat_texts, chat_lengths = sb.make_prompts(tokenizer, n, args.prompt_tokens, 1)
+            plain_texts, plain_lengths = sb.make_prompts(
+                tokenizer, n, args.prompt_tokens, 2, count=lambda t: len(tokenizer(t)["input_ids"])
+            )
             results = []
             for i in range(n):
                 for endpoint, texts in (("completions", plain_texts), ("chat", chat_texts)):
@@ -204,6 +206,7 @@ def run_model(model: str, args, loop, tokenizer, out_dir: Path) -> dict:
     per_endpoint = {ep: breakdown([s for e, s in samples if e == ep]) for ep in ENDPOINTS}
     return {
         "server_args": extra,
+        "prompt_tokens_p50": {"completions": statistics.median(plain_lengths), "chat": statistics.median(chat_lengths)},
         "failed": sum(1 for _, r in results if r.error),
         "unmatched": len(results) - len(samples),
         "endpoints": per_endpoint,
@@ -370,7 +373,9 @@ def markdown(result: dict) -> str:
         cols = ["stage"] + [f"{ep} {q}" for ep in ENDPOINTS for q in ("p50 ms", "p90 ms", "ends at (p50 ms)")]
         parts.append(
             f"### {model} model (`{shlex.join(m['server_args'])}`), "
-            f"{eps['completions']['requests']} + {eps['chat']['requests']} requests\n\n" + report.table(cols, rows)
+            f"{eps['completions']['requests']} + {eps['chat']['requests']} requests, prompts of "
+            f"{m['prompt_tokens_p50']['completions']:.0f} / {m['prompt_tokens_p50']['chat']:.0f} tokens\n\n"
+            + report.table(cols, rows)
         )
         p = m.get("prefix_reuse")
         if p:
