@@ -22,7 +22,7 @@ from gpu.llama import LlamaForCausalLM
 from gpu.model_config import ModelConfig
 from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.page_pool import PagePool
-from gpu.quant import ACTIVATIONS, load_quantized
+from gpu.quant import ACTIVATIONS, AUTO_QUANTIZATION, QUANTIZED_ARCHITECTURES, load_quantized
 from gpu.sampler import Sampler
 from gpu.weights import load_weights
 from protocol.sampling_params import SamplingParams
@@ -53,7 +53,9 @@ class ModelRunnerConfig:
     max_running_requests: int = 256  # sampler rows
     context_length: int | None = None  # None: the model's
     random_seed: int = 0  # for unseeded sampling
-    quantization: str | None = None  # gguf | gguf-q8: keep a GGUF's Q4_1 / Q8_0 projections (gpu/quant.py)
+    # auto (resolve_quantization) | none (fp32 weights: exact) | gguf | gguf-q8: keep a GGUF's
+    # Q4_1 / Q8_0 projections (gpu/quant.py)
+    quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16
 
 
@@ -94,6 +96,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_quantization(
+    quantization: str, model_path: Path, device: torch.device, dtype: torch.dtype, architecture: str
+) -> str:
+    """--quantization auto: AUTO_QUANTIZATION where its kernels can run the model (a .gguf file
+    of an architecture gpu/quant.py reads, on the CPU, in float32), else none; other values as
+    they are. AUTO_QUANTIZATION is the fastest mode within the quality bound of
+    perf/results/quality.md (mean KL from the exact mode <= 0.01 nats/token, perplexity within 1%)."""
+    if quantization != "auto":
+        return quantization
+    runs = (
+        model_path.suffix == ".gguf"
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and architecture in QUANTIZED_ARCHITECTURES
+    )
+    return AUTO_QUANTIZATION if runs else "none"
+
+
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
@@ -122,7 +142,9 @@ class ModelRunner:
         )
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
-        quantized = {} if config.quantization is None else self._gguf_weights()
+        path = default_model_path() if config.model_path is None else Path(config.model_path)
+        self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype, cfg.architecture)
+        quantized = {} if self.quantization == "none" else self._gguf_weights(path)
         weights = load_weights(cfg, self.dtype, self.device)
         for name, q in quantized.items():  # the fp32 weights stay where products of many tokens use them
             dense = None if q.max_tokens is None else weights.get(name, weights["embed"])
@@ -180,12 +202,20 @@ class ModelRunner:
             logger.warning("%s; decode steps run the Python forward", e)
             return None
 
-    def _gguf_weights(self) -> dict:
-        """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant.py)."""
-        mode = self.config.quantization
+    def _gguf_weights(self, path: Path) -> dict:
+        """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant.py).
+        When auto chose the mode and the blocks cannot be used here (no C compiler or AVX2, a block
+        type the kernels do not take), the fp32 weights, with a warning."""
+        mode = self.quantization
         if mode not in ACTIVATIONS:
-            raise ModelLoadError(f"--quantization must be one of {list(ACTIVATIONS)}, not {mode!r}")
-        path = default_model_path() if self.config.model_path is None else Path(self.config.model_path)
+            raise ModelLoadError(f"--quantization must be one of auto, none, {', '.join(ACTIVATIONS)}, not {mode!r}")
+        if self.config.quantization == "auto":
+            try:
+                return load_quantized(path, self.model_config, ACTIVATIONS[mode])
+            except ModelLoadError as e:
+                logger.warning("%s; --quantization auto runs the fp32 weights (none)", e)
+                self.quantization = "none"
+                return {}
         if path.suffix != ".gguf":
             raise ModelLoadError(f"--quantization {mode} needs a .gguf model, not {path}")
         if self.device.type != "cpu" or self.dtype != torch.float32:

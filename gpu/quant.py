@@ -39,6 +39,10 @@ BLOCK = 32
 FORMATS = {"Q4_1": (20, 16), "Q8_0": (34, 32)}
 # --quantization value -> how the kernels take the activations
 ACTIVATIONS = {"gguf": "fp32", "gguf-q8": "q8"}
+# what --quantization auto runs a GGUF model in where the kernels can (gpu/model_runner.py
+# resolve_quantization): the fastest mode within the quality bound (perf/results/quality.md)
+AUTO_QUANTIZATION = "gguf-q8"
+QUANTIZED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # whose GGUF tensors load_quantized reads
 # (block type, activations) -> the kernel; all take (x, T, K, qs, d, m, N, y, threads)
 GEMMS = {
     ("Q4_1", "fp32"): "gemm_q4_1",
@@ -182,7 +186,7 @@ def load_quantized(gguf_path: Path, cfg: ModelConfig, activations: str = "fp32")
     `dense` copies not attached), multiplied with `activations` ("fp32" | "q8"). The first
     start reads them from the GGUF (gguf-py parses every metadata field, the whole vocabulary
     included: slow) and caches them beside its converted directory; later starts read that."""
-    if cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
+    if cfg.architecture not in QUANTIZED_ARCHITECTURES:
         raise ModelLoadError(f"--quantization gguf supports Llama and Mistral GGUF files, not {cfg.architecture}")
     _kernels()  # built now: a missing compiler fails the start, not the first request
     cached = blocks_cache(cfg.model_dir)

@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--pool-pages", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--quantization", default=None, choices=list(ACTIVATIONS), help="for the whole-step runs")
+    ap.add_argument("--quantization", default="none", choices=["none", *ACTIVATIONS], help="for the whole-step runs")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request in the whole-step runs")
     ap.add_argument("--mode", default="decode", choices=["decode", "extend"])

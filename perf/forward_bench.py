@@ -202,7 +202,7 @@ def main() -> None:
                 ModelRunnerConfig(
                     model_path=args.model_path,
                     max_running_requests=max(batches),
-                    quantization=None if mode == "none" else mode,
+                    quantization=mode,
                     kv_cache_dtype=kv,
                     max_total_tokens=max(batches) * (args.context + 2 + args.steps * args.repeat + 64)
                     + args.prefill
@@ -245,7 +245,7 @@ def main() -> None:
                     {
                         "batch": B,
                         "runner": name,
-                        "quantization": c.quantization or "none",
+                        "quantization": c.quantization,
                         "kv_cache_dtype": c.kv_cache_dtype,
                         "ours_ms": o[0] * 1e3,
                         "ours_cpu_ms": o[1] * 1e3,

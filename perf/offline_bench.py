@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=None)
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument(
-        "--quantization", default=None, choices=list(ACTIVATIONS), help="the Engine's (transformers stays fp32)"
+        "--quantization", default="none", choices=["none", *ACTIVATIONS], help="the Engine's (transformers stays fp32)"
     )
     ap.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES], help="the Engine's KV cache"

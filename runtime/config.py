@@ -42,10 +42,12 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str | None = None  # cpu | torch | triton | flashinfer (None: per device)
     context_length: int | None = None
-    # gguf: run a GGUF's Q4_1 / Q8_0 weights as they are (CPU kernels, fp32 activations);
-    # gguf-q8: the same with activations quantized to int8 per 32 values as llama.cpp does
-    # (faster; the numerics change by the activations' rounding)
-    quantization: str | None = None
+    # auto: gguf-q8 for a .gguf model on the CPU in float32 where its kernels build, else none
+    # (gpu/model_runner.py resolve_quantization; perf/results/quality.md measures the modes);
+    # none: fp32 copies of the weights (the exact computation); gguf: a GGUF's Q4_1 / Q8_0
+    # weights as they are (CPU kernels, fp32 activations); gguf-q8: the same with activations
+    # quantized to int8 per 32 values as llama.cpp does (the numerics change by their rounding)
+    quantization: str = "auto"
     # the paged KV cache's element type: auto (the model's dtype) | float16 | bfloat16 (half the
     # bytes of fp32 K/V per token, so twice the tokens in the same memory and half the reads in
     # decode attention; K and V are rounded to nearest even when stored)
@@ -141,7 +143,7 @@ class ServerArgs:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "device": ("auto", "cpu", "cuda"),
             "attention_backend": (None, "cpu", "torch", "triton", "flashinfer"),
-            "quantization": (None, "gguf", "gguf-q8"),
+            "quantization": ("auto", "none", "gguf", "gguf-q8"),
             "kv_cache_dtype": ("auto", "float16", "bfloat16", "fp8_e5m2"),
             "schedule_policy": ("fcfs", "lpm"),
             "speculative_algorithm": (None, "NGRAM"),
@@ -277,6 +279,14 @@ HELP = {
     **NO_EFFECT,
     "served_model_name": "one or more names: the first is what responses report, any is accepted as `model`",
     "tokenizer_path": "a tokenizer directory other than the model's",
+    "dtype": "auto (default): float32 on the CPU (bfloat16 measured slower there: perf/results/quality.md), "
+    "bfloat16 on CUDA; or float32, bfloat16, float16",
+    "quantization": "auto (default): gguf-q8 for a .gguf Llama/Mistral model on the CPU in float32 where the C "
+    "kernels build, else none; none: fp32 weights dequantized, the exact computation; gguf: the file's Q4_1/Q8_0 "
+    "blocks, fp32 activations (same values, another order of sums); gguf-q8: the blocks with activations rounded "
+    "to int8 per 32 values as llama.cpp (mean KL from none and perplexity: perf/results/quality.md)",
+    "kv_cache_dtype": "auto (default): the model's dtype; float16 / bfloat16: half the bytes per token; "
+    "fp8_e5m2: a quarter (lossy)",
     "log_requests": "log one line a request: rid, endpoint, prompt tokens, finish reason, latency (never text)",
     "allowed_origins": "CORS origins (a JSON list or several values, * for any; default none: no CORS headers)",
     "allowed_methods": "CORS methods (default *)",

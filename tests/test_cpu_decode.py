@@ -91,7 +91,8 @@ def test_qkv_bias_is_added(runner, monkeypatch):
 
 
 def test_only_where_it_reproduces_the_model():
-    assert ModelRunner(ModelRunnerConfig(max_total_tokens=256, max_running_requests=2)).decoder is None  # fp32: MKL
+    exact = ModelRunnerConfig(quantization="none", max_total_tokens=256, max_running_requests=2)
+    assert ModelRunner(exact).decoder is None  # fp32: MKL
     assert (
         ModelRunner(
             ModelRunnerConfig(

@@ -77,7 +77,13 @@ def forward_logits(runner: ModelRunner, seqs: list[SeqInput]) -> torch.Tensor:
 def test_logits_match_transformers(family, tmp_path):
     hf = save_tiny(family, tmp_path)
     runner = ModelRunner(
-        ModelRunnerConfig(model_path=str(tmp_path), page_size=PAGE, max_total_tokens=1024, max_running_requests=4)
+        ModelRunnerConfig(
+            model_path=str(tmp_path),
+            quantization="none",
+            page_size=PAGE,
+            max_total_tokens=1024,
+            max_running_requests=4,
+        )
     )
     assert runner.model_config.architecture == type(hf).__name__
     rng = np.random.default_rng(1)

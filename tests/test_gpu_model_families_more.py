@@ -94,7 +94,7 @@ def save_tiny(family: str, path) -> torch.nn.Module:
 
 
 def make_runner(path, **kw) -> ModelRunner:
-    kw = {"device": "cpu", "dtype": "float32", **kw}  # fp32 on the CPU even where CUDA is
+    kw = {"device": "cpu", "dtype": "float32", "quantization": "none", **kw}  # the exact mode, even where CUDA is
     return ModelRunner(
         ModelRunnerConfig(model_path=str(path), page_size=PAGE, max_total_tokens=1024, max_running_requests=4, **kw)
     )

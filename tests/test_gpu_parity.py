@@ -37,7 +37,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(ModelRunnerConfig(page_size=PAGE, max_total_tokens=4096, max_running_requests=8))
+    return ModelRunner(
+        ModelRunnerConfig(quantization="none", page_size=PAGE, max_total_tokens=4096, max_running_requests=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,13 @@ def test_one_by_one(runner, prompts, expected):
 @pytest.fixture(scope="module")
 def torch_runner():
     return ModelRunner(
-        ModelRunnerConfig(page_size=PAGE, max_total_tokens=4096, max_running_requests=8, attention_backend="torch")
+        ModelRunnerConfig(
+            quantization="none",
+            page_size=PAGE,
+            max_total_tokens=4096,
+            max_running_requests=8,
+            attention_backend="torch",
+        )
     )
 
 

@@ -109,9 +109,11 @@ def test_kernel_reads_exactly_the_fp32_weights(weights, name):
 
 
 @needs_kernels
-def test_greedy_tokens_equal_the_fp32_executor(offline_engine, gguf_engine):
+def test_greedy_tokens_equal_the_fp32_executor(gguf_engine):
+    from runtime.offline import OfflineEngine
+
     params = SamplingParams(temperature=0.0, max_new_tokens=16)
-    want = offline_engine.generate(PROMPTS, params)
+    want = OfflineEngine(quantization="none", max_total_tokens=2048, max_running_requests=4).generate(PROMPTS, params)
     got = gguf_engine.generate(PROMPTS, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
@@ -176,7 +178,7 @@ def test_q8_needs_rows_in_groups_of_8():
 
 @pytest.mark.parametrize("value", ["q8", "GGUF", "gguf_q8"])
 def test_a_bad_quantization_is_named(value):
-    with pytest.raises(ValueError, match=r"--quantization must be one of \['gguf', 'gguf-q8'\]"):
+    with pytest.raises(ValueError, match=r"--quantization must be one of \['auto', 'none', 'gguf', 'gguf-q8'\]"):
         ServerArgs.from_env({"RINGSERVE_QUANTIZATION": value})
     from gpu.model_runner import ModelRunner, ModelRunnerConfig
 
@@ -214,3 +216,41 @@ def test_blocks_are_cached_and_a_damaged_cache_is_rewritten():
             got = loaded[name]
             assert got.kind == w.kind and all(torch.equal(getattr(got, f), getattr(w, f)) for f in ("qs", "d", "m"))
     assert cache.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "path, device, dtype, architecture, want",
+    [
+        ("m.gguf", "cpu", torch.float32, "LlamaForCausalLM", "gguf-q8"),
+        ("m.gguf", "cpu", torch.float32, "MistralForCausalLM", "gguf-q8"),
+        ("m.gguf", "cpu", torch.float32, "Qwen2ForCausalLM", "none"),  # load_quantized reads Llama's tensors only
+        ("m.gguf", "cpu", torch.bfloat16, "LlamaForCausalLM", "none"),  # the kernels take fp32 activations
+        ("m.gguf", "cuda", torch.float32, "LlamaForCausalLM", "none"),  # the kernels are CPU C
+        ("hf_dir", "cpu", torch.float32, "LlamaForCausalLM", "none"),  # no blocks to keep
+    ],
+)
+def test_auto_quantization_is_gguf_q8_where_its_kernels_run_the_model(path, device, dtype, architecture, want):
+    from pathlib import Path
+
+    from gpu.model_runner import resolve_quantization
+
+    assert resolve_quantization("auto", Path(path), torch.device(device), dtype, architecture) == want
+    for given in ("none", "gguf", "gguf-q8"):  # an explicit mode is kept (and checked at load)
+        assert resolve_quantization(given, Path(path), torch.device(device), dtype, architecture) == given
+
+
+def test_the_default_is_auto_and_the_runner_says_what_it_resolved_to(monkeypatch):
+    from gpu.model_runner import ModelRunner, ModelRunnerConfig
+
+    assert ServerArgs().quantization == ModelRunnerConfig().quantization == "auto"
+    if cpu_kernels_available():
+        assert ModelRunner(ModelRunnerConfig(max_total_tokens=256, max_running_requests=1)).quantization == "gguf-q8"
+
+    def no_compiler(*args, **kwargs):
+        raise ModelLoadError("--quantization gguf: no C compiler")
+
+    monkeypatch.setattr("gpu.model_runner.load_quantized", no_compiler)
+    runner = ModelRunner(ModelRunnerConfig(max_total_tokens=256, max_running_requests=1))
+    assert runner.quantization == "none"  # the fp32 weights, with a warning
+    with pytest.raises(ModelLoadError, match="no C compiler"):  # asked for: the start fails
+        ModelRunner(ModelRunnerConfig(quantization="gguf-q8", max_total_tokens=256, max_running_requests=1))

@@ -106,7 +106,12 @@ def test_greedy_tokens_follow_auto(kv_cache_dtype, dtype, equal_tokens):
     results = {}
     for name in ("auto", kv_cache_dtype):
         runner = ModelRunner(
-            ModelRunnerConfig(kv_cache_dtype=name, max_total_tokens=1024, max_running_requests=len(PROMPTS))
+            ModelRunnerConfig(
+                quantization="none",
+                kv_cache_dtype=name,
+                max_total_tokens=1024,
+                max_running_requests=len(PROMPTS),
+            )
         )
         tok = AutoTokenizer.from_pretrained(runner.model_config.model_dir)
         prompts = [np.array(tok(p)["input_ids"], np.int32) for p in PROMPTS]

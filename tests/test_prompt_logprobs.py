@@ -35,7 +35,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def engine():
     # chunks of 16 tokens: the long prompt's positions come over several steps
-    return OfflineEngine(max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=16, page_size=16)
+    return OfflineEngine(
+        quantization="none", max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=16, page_size=16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +130,7 @@ def test_a_request_retracted_mid_prefill_sends_each_position_once(reference, mon
     first pages from the cache): its PROMPT_LOGPROBS records cover [0, 60) once each, in order,
     with the values of a request that ran alone."""
     small = OfflineEngine(
+        quantization="none",
         max_total_tokens=5 * 16,
         max_running_requests=4,
         chunked_prefill_size=16,

@@ -36,7 +36,12 @@ TOOL = {
 @pytest.fixture(scope="module")
 def server(start_server):
     return start_server(
-        start_server.Server.granian, workers=1, log_level="warning", max_total_tokens=8192, max_running_requests=16
+        start_server.Server.granian,
+        workers=1,
+        log_level="warning",
+        quantization="none",  # the exact mode: compared with transformers
+        max_total_tokens=8192,
+        max_running_requests=16,
     )
 
 

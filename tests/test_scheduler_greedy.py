@@ -57,12 +57,16 @@ SHARED = 2 * PS  # tokens the last prompt shares with the first
 
 @pytest.fixture(scope="module")
 def big():
-    return ModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=8192, max_running_requests=64))
+    return ModelRunner(
+        ModelRunnerConfig(quantization="none", page_size=PS, max_total_tokens=8192, max_running_requests=64)
+    )
 
 
 @pytest.fixture(scope="module")
 def small():
-    return ModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=12 * PS, max_running_requests=16))
+    return ModelRunner(
+        ModelRunnerConfig(quantization="none", page_size=PS, max_total_tokens=12 * PS, max_running_requests=16)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +123,9 @@ def test_too_small_pool_retracts_and_output_is_unchanged(prompts, alone):
     # retracted included, is in test_scheduler.py on the null model)
     chosen = [i for i in range(63) if len(prompts[i]) % PS >= PS - NEW_TOKENS + 2 or len(prompts[i]) % PS == 0]
     pages = sum(-(-len(prompts[i]) // PS) for i in chosen)
-    runner = ModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=pages * PS, max_running_requests=16))
+    runner = ModelRunner(
+        ModelRunnerConfig(quantization="none", page_size=PS, max_total_tokens=pages * PS, max_running_requests=16)
+    )
     initial = runner.pool.num_free
     s = make(runner, init_new_token_ratio=0.0, min_new_token_ratio=0.0)  # admit eagerly
     for i in chosen:
