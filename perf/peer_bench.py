@@ -42,7 +42,7 @@ extra configuration / the defaults) are medians of the rounds' ratios; the issue
 are checked for ringserve's defaults (and the speculation target for each configuration
 with --speculative-algorithm).
 
-    python perf/peer_bench.py --llama-server /path/to/llama-server            # ~15 min on 2 cores
+    python perf/peer_bench.py --llama-server /path/to/llama-server      # default sizes: not yet timed quiet
     python perf/peer_bench.py --rounds 3 --ringserve-args "--stream-interval 4"   # another extra configuration
     python perf/peer_bench.py --null-model --workloads random --concurrency 1 --num-requests 4   # smoke
 Writes perf/results/peer.json and peer.md (perf/report.py), each server's log beside them
@@ -331,10 +331,13 @@ class Bench:
         return names[k:] + names[:k]
 
     def closed_loop(self, name: str, prompts: list[str], concurrency: int, output_tokens: int, keep=None) -> dict:
+        """One closed-loop level; a new connection for each request on every server alike:
+        llama.cpp's server closes the connection after a streamed response (despite its
+        Keep-Alive header), and a request written on it before the close arrives is lost."""
         bodies = [completion_body(self.models[name], p, output_tokens) for p in prompts]
         w = sb.Workload(output_tokens=output_tokens)
         return sb.measure_level(
-            self.loop, self.servers[name], bodies, concurrency, w, self.args.request_timeout, COMPLETIONS, keep
+            self.loop, self.servers[name], bodies, concurrency, w, self.args.request_timeout, COMPLETIONS, keep, True
         )
 
     def conversations(self, name: str, convs: list[list[str]], output_tokens: int) -> dict:
@@ -344,19 +347,21 @@ class Bench:
         by_turn: list[list[sb.RequestResult]] = [[] for _ in range(max(map(len, convs)))]
 
         async def talk(messages: list[str]) -> None:
-            conn = await sb.connect("127.0.0.1", server.port, COMPLETIONS)
             history: list[tuple[str, str]] = []
-            try:
-                for turn, message in enumerate(messages):
-                    if conn.closed:
-                        conn = await sb.connect("127.0.0.1", server.port, COMPLETIONS)
+            for turn, message in enumerate(messages):
+                try:  # a fresh connection each turn: see closed_loop
+                    conn = await sb.connect("127.0.0.1", server.port, COMPLETIONS)
+                except OSError as e:  # the server is gone
+                    by_turn[turn].append(sb.RequestResult(time.perf_counter(), error=f"cannot connect: {e}"))
+                    return
+                try:
                     r = await conn.request(completion_body(model, transcript(history, message), output_tokens), timeout)
-                    by_turn[turn].append(r)
-                    if r.error:
-                        return
-                    history.append((message, "".join(r.text)))
-            finally:
-                conn.transport.close()
+                finally:
+                    conn.transport.close()
+                by_turn[turn].append(r)
+                if r.error:
+                    return
+                history.append((message, "".join(r.text)))
 
         async def run_all() -> float:
             t0 = time.perf_counter()

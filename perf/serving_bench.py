@@ -350,23 +350,29 @@ async def run_closed_loop(
     on_start,
     on_end,
     path: str = CHAT_PATH,
+    fresh: bool = False,
 ) -> list[RequestResult]:
     """`concurrency` connections sending `bodies` one after another each to `path`; `on_start()`
-    runs right before the first request is written, `on_end()` right after the last one ends."""
+    runs right before the first request is written, `on_end()` right after the last one ends.
+    `fresh`: a new connection for every request after a connection's first (llama.cpp's server
+    closes the connection after each streamed response, so a request written on it races the close)."""
     conns = await asyncio.gather(*(connect(host, port, path) for _ in range(concurrency)))
     order = iter(range(len(bodies)))
     results: list[RequestResult | None] = [None] * len(bodies)
 
     async def user(conn: StreamConnection) -> None:
+        used = False
         try:
             for i in order:
-                if conn.closed:
+                if conn.closed or (fresh and used):
+                    conn.transport.close()
                     try:
                         conn = await connect(host, port, path)
                     except OSError as e:  # the server is gone: every request left fails fast
                         results[i] = RequestResult(time.perf_counter(), error=f"cannot connect: {e}")
                         continue
                 results[i] = await conn.request(bodies[i], timeout)
+                used = True
         finally:  # also when cancelled (Ctrl-C): the server then aborts the request
             conn.transport.close()
 
@@ -662,6 +668,7 @@ def measure_level(
     timeout: float,
     path: str = CHAT_PATH,
     results_into: list[RequestResult] | None = None,
+    fresh: bool = False,
 ) -> dict:
     """One closed-loop level on `server` (anything with its port, cpu_ticks, cpu_by_role and
     engine_counters); `results_into` receives the requests' results when given."""
@@ -684,7 +691,7 @@ def measure_level(
         )
 
     results = loop.run_until_complete(
-        run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout, on_start, on_end, path)
+        run_closed_loop("127.0.0.1", server.port, bodies, concurrency, timeout, on_start, on_end, path, fresh)
     )
     if results_into is not None:
         results_into += results
