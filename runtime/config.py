@@ -279,7 +279,7 @@ HELP = {
     **NO_EFFECT,
     "served_model_name": "one or more names: the first is what responses report, any is accepted as `model`",
     "tokenizer_path": "a tokenizer directory other than the model's",
-    "dtype": "auto (default): float32 on the CPU (bfloat16 measured slower there: perf/results/quality.md), "
+    "dtype": "auto (default): float32 on the CPU (bfloat16 measured no faster there: perf/results/quality.md), "
     "bfloat16 on CUDA; or float32, bfloat16, float16",
     "quantization": "auto (default): gguf-q8 for a .gguf Llama/Mistral model on the CPU in float32 where the C "
     "kernels build, else none; none: fp32 weights dequantized, the exact computation; gguf: the file's Q4_1/Q8_0 "
