@@ -98,9 +98,10 @@ class ServerArgs:
     disable_radix_cache: bool = False
     # speculative decoding (SGLang's flags; runtime/scheduler/speculative.py): NGRAM drafts a
     # greedy request's next tokens from its own earlier ones and verifies them in one forward;
-    # None: off. At most num_draft_tokens a request a step, from suffix matches of min to max
-    # match window tokens
-    speculative_algorithm: str | None = None
+    # none: off. At most num_draft_tokens a request a step, from suffix matches of min to max
+    # match window tokens. On by default: greedy text is the same, sampled requests are never
+    # drafted for, and no request drafts in a large batch (perf/results/peer.md measures it)
+    speculative_algorithm: str = "NGRAM"
     speculative_num_draft_tokens: int = 8
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
@@ -146,7 +147,7 @@ class ServerArgs:
             "quantization": ("auto", "none", "gguf", "gguf-q8"),
             "kv_cache_dtype": ("auto", "float16", "bfloat16", "fp8_e5m2"),
             "schedule_policy": ("fcfs", "lpm"),
-            "speculative_algorithm": (None, "NGRAM"),
+            "speculative_algorithm": ("NGRAM", "none"),
             "transport": ("ring", "zmq"),
             "grammar_backend": ("xgrammar", "none"),
             "tool_call_parser": (None, *PARSERS),
@@ -292,7 +293,7 @@ HELP = {
     "allowed_methods": "CORS methods (default *)",
     "allowed_headers": "CORS request headers (default *)",
     "allow_credentials": "CORS: allow credentials",
-    "speculative_algorithm": "NGRAM: n-gram (prompt lookup) speculative decoding of greedy requests; default off",
+    "speculative_algorithm": "NGRAM (default): n-gram speculative decoding of greedy requests; none: off",
     "speculative_num_draft_tokens": "NGRAM: the most tokens a request drafts a step (default 8; adapted to acceptance)",
     "tp_size": "1 only: tensor parallelism is not supported" + PARALLELISM_HINT,
     "dp_size": "1 only: data parallelism is not supported" + PARALLELISM_HINT,

@@ -104,15 +104,18 @@ def test_nothing_is_drafted_in_a_large_batch():
 
 
 def test_speculation_flags():
-    assert isinstance(make_speculator(None, 4, 8, 1, 12), NoSpeculation)
+    assert isinstance(make_speculator("none", 4, 8, 1, 12), NoSpeculation)
     with pytest.raises(ValueError, match="NGRAM"):
         ServerArgs(speculative_algorithm="EAGLE")
     with pytest.raises(ValueError, match="speculative-num-draft-tokens"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="max-match-window"):
         ServerArgs(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=4)
-    args = ServerArgs.from_cli(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"])
-    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 6)
+    assert ServerArgs().speculative_algorithm == "NGRAM"  # on by default
+    args = ServerArgs.from_cli(["--speculative-algorithm", "none", "--speculative-num-draft-tokens", "6"])
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("none", 6)
+    config = SchedulerConfig.from_server_args(args, 2048)
+    assert config.speculative_algorithm == "none" and config.speculative_num_draft_tokens == 6
 
 
 # ---- the scheduler on the null model ------------------------------------------------------------
@@ -149,7 +152,7 @@ def run_all(s: Scheduler, requests: list[tuple[np.ndarray, SamplingParams]], eve
     return out
 
 
-def scheduler(algorithm: str | None, max_total_tokens: int = 4096, **kw) -> Scheduler:
+def scheduler(algorithm: str, max_total_tokens: int = 4096, **kw) -> Scheduler:
     runner = NullModelRunner(ModelRunnerConfig(page_size=PS, max_total_tokens=max_total_tokens, max_running_requests=8))
     config = SchedulerConfig(
         context_length=runner.model_config.context_length,
@@ -175,7 +178,7 @@ def workload(stop_token: int) -> list[tuple[np.ndarray, SamplingParams]]:
 
 @pytest.mark.parametrize("every", [0, 9])
 def test_verified_drafts_give_the_tokens_finishes_and_counts_of_speculation_off(every):
-    off, on = scheduler(None), scheduler("NGRAM")
+    off, on = scheduler("none"), scheduler("NGRAM")
     stop = int(off.runner.cycle[7])
     want, got = run_all(off, workload(stop), every), run_all(on, workload(stop), every)
     assert got.pop("steps") < want.pop("steps")
@@ -192,7 +195,7 @@ def test_verified_drafts_give_the_tokens_finishes_and_counts_of_speculation_off(
 def test_drafts_take_only_free_pages_and_survive_retraction():
     """A pool too small for every request: decodes retract, drafts shrink to the pages left."""
     eager = dict(max_total_tokens=160, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
-    off, on = scheduler(None, **eager), scheduler("NGRAM", **eager)
+    off, on = scheduler("none", **eager), scheduler("NGRAM", **eager)
     requests = [
         (np.arange(20 + i, 40 + i, dtype=np.int32), SamplingParams(temperature=0, max_new_tokens=60)) for i in range(4)
     ]
@@ -215,11 +218,11 @@ def test_the_real_model_gives_the_same_greedy_tokens_and_logprobs():
     prompts = [REPEAT, "Write a short poem about the sea."]
     params = SamplingParams(temperature=0, max_new_tokens=40, logprobs=True, top_logprobs=2)
     results = {}
-    for algorithm in (None, "NGRAM"):
+    for algorithm in ("none", "NGRAM"):
         engine = OfflineEngine(speculative_algorithm=algorithm, max_total_tokens=4096, max_running_requests=4)
         alone = [engine.generate([p], params)[0] for p in prompts]  # batch 1: drafts verified
         results[algorithm] = (alone, engine.scheduler.speculator.stats)
-    (want, _), (got, stats) = results[None], results["NGRAM"]
+    (want, _), (got, stats) = results["none"], results["NGRAM"]
     assert stats.accepted_tokens > 0
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason

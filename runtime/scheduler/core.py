@@ -71,8 +71,8 @@ class SchedulerConfig:
     grammar_backend: str = "xgrammar"  # xgrammar | none (constrained requests fail)
     constrained_json_any_whitespace: bool = False  # False: JSON schemas allow compact JSON only
     tokenizer_path: str | None = None  # --tokenizer-path (None: the model's directory)
-    # speculative decoding (runtime/scheduler/speculative.py): NGRAM or None (off)
-    speculative_algorithm: str | None = None
+    # speculative decoding (runtime/scheduler/speculative.py): NGRAM or none (off)
+    speculative_algorithm: str = "none"
     speculative_num_draft_tokens: int = 8
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12

@@ -142,10 +142,10 @@ class NoSpeculation:
 
 
 def make_speculator(
-    algorithm: str | None, num_rows: int, num_draft_tokens: int, min_window: int, max_window: int
+    algorithm: str, num_rows: int, num_draft_tokens: int, min_window: int, max_window: int
 ) -> NgramSpeculator | NoSpeculation:
-    if algorithm is None:
+    if algorithm == "none":
         return NoSpeculation()
     if algorithm != "NGRAM":
-        raise ValueError(f"--speculative-algorithm must be NGRAM, not {algorithm!r}")
+        raise ValueError(f"--speculative-algorithm must be NGRAM or none, not {algorithm!r}")
     return NgramSpeculator(num_rows, num_draft_tokens, min_window, max_window)
