@@ -240,17 +240,9 @@ class LlamaServer:
         self.port = sb.free_port()
         self.extra_args = extra_args
         self.argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
-        self.log = log
-        self.started = time.monotonic()
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=sb._sigint_when_parent_dies,
-            )
+        self._launch(None, log, None)
 
+    _launch = sb.Server._launch
     get = sb.Server.get
     model_name = sb.Server.model_name
 

@@ -471,7 +471,10 @@ class Server:
             "warning",
             *extra_args,
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
+        self._launch({k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}, log, cwd)
+
+    def _launch(self, env: dict[str, str] | None, log: Path, cwd: Path | None) -> None:
+        """Starts self.argv in a session of its own, its output in `log` (env None: this one's)."""
         self.log = log
         self.started = time.monotonic()
         with open(log, "wb") as out:

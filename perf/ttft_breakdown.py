@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,20 +75,7 @@ class TracedServer(sb.Server):
         self.extra_args = extra_args
         server_args = ServerArgs.from_cli(["--port", str(self.port), "--log-level", "warning", *extra_args])
         self.argv = granian_command(server_args)
-        env = {**server_env(server_args), TRACE_ENV: trace_dir}
-        self.log = log
-        self.started = time.monotonic()
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                start_new_session=True,
-                preexec_fn=sb._sigint_when_parent_dies,
-            )
-        self.pids = []
+        self._launch({**server_env(server_args), TRACE_ENV: trace_dir}, log, ROOT)
 
 
 def body(endpoint: str, model: str, text: str | list[int], output_tokens: int) -> bytes:
