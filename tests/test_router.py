@@ -58,6 +58,10 @@ def router(servers):
         "1",
         "--health-check-interval-secs",
         "1",
+        # a /health answered late on a loaded machine must not take a server out of the
+        # rotation for the rest of the test (the default: 3 failures in a row)
+        "--health-failure-threshold",
+        "30",
         "--shutdown-grace-period-secs",
         "1",
         "--log-level",
