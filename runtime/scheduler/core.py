@@ -401,13 +401,13 @@ class Scheduler:
             return base
         return np.unique(np.concatenate([np.asarray(params.stop_token_ids, dtype=np.int32), base]))[:MAX_STOP_IDS]
 
-    def _grow(self, row: int, n: int) -> int:
-        """Gives `row` the pages for n more tokens (fewer tokens if fewer pages can be had);
-        returns the tokens it has room for."""
+    def _grow(self, row: int, n: int, evict: bool = True) -> int:
+        """Gives `row` the pages for n more tokens (fewer tokens if fewer pages can be had,
+        evicting cached ones first unless `evict` is False); returns the tokens it has room for."""
         t, ps = self.table, self.page_size
         kv, have = int(t.kv_len[row]), int(t.num_pages[row])
         need = -(-(kv + n) // ps) - have
-        if need > 0 and not self._make_room(need):
+        if need > 0 and not (self._make_room(need) if evict else self.pool.num_free >= need):
             need = self.pool.num_free
             n = (have + need) * ps - kv
         if need > 0:
@@ -428,7 +428,7 @@ class Scheduler:
         runs: its mask is filled for one sampled token a sequence."""
         if self.num_constrained:
             return None
-        t, ps = self.table, self.page_size
+        t = self.table
         proposed = self.speculator.propose(t, decode_rows)
         if not proposed:
             return None
@@ -437,12 +437,7 @@ class Scheduler:
             draft = proposed.get(row)
             if draft is None:
                 continue
-            kv, have, free = int(t.kv_len[row]), int(t.num_pages[row]), self.pool.num_free
-            k = min(len(draft), (have + free) * ps - kv - 1)  # the decode's own token has its page
-            need = -(-(kv + 1 + k) // ps) - have
-            if need > 0:
-                t.page_table[row, have : have + need] = self.pool.alloc(need)
-                t.num_pages[row] = have + need
+            k = self._grow(row, 1 + len(draft), evict=False) - 1  # the decode's own token and its drafts
             if k > 0:
                 length = int(t.length[row])
                 t.ids[row, length : length + k] = draft[:k]
