@@ -3,7 +3,7 @@ SSE event, stage by stage, for streamed /v1/completions and /v1/chat/completions
 
 The server runs with RINGSERVE_TRACE_TTFT=<dir>: each process then runs its traced variant,
 which appends one line of CLOCK_MONOTONIC stamps per request's first-token path
-(runtime/engine_stats.py TtftTrace; CLOCK_MONOTONIC is system-wide on Linux, and
+(runtime/ttft_trace.py TtftTrace; CLOCK_MONOTONIC is system-wide on Linux, and
 time.perf_counter reads it too, so the client's send and first-event times join them). The
 lines are joined by (worker, slot, gen) and matched to the client's requests by time (one
 request at a time). Medians and p90 per stage, per endpoint and model: the null model (instant

@@ -1,6 +1,5 @@
 """The scheduler's published stats: running and queued requests, KV pages, the prefix cache,
 the scheduler-to-detokenizer ring, and the time of the last publish (its heartbeat).
-Also the first-token trace every process may keep (TtftTrace, RINGSERVE_TRACE_TTFT).
 
 One small record the scheduler rewrites every step in a file-backed shared mapping of the
 server's private runtime dir: no syscall per step, a plain store of one numpy record. HTTP
@@ -18,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-TRACE_TTFT_ENV = "RINGSERVE_TRACE_TTFT"  # a directory: each process appends its first-token stamps there
 GEN_WINDOW_NS = 1_000_000_000  # gen_throughput and cache_hit_rate: over the last window this long
 
 ENGINE_STATS = np.dtype(
@@ -125,25 +123,3 @@ def used_kv_pages(stats: dict[str, int | float]) -> int:
     """KV pages held by requests in read()'s stats: neither free nor held only by the prefix
     cache (times page_size: SGLang's num_used_tokens, and the load sglang-router compares)."""
     return int(stats["kv_pages_total"] - stats["kv_pages_free"] - stats["kv_pages_cached"])
-
-
-class TtftTrace:
-    """CLOCK_MONOTONIC stamps (system-wide on Linux, so comparable across processes) of one
-    request's first-token path through one process, one line a request in
-    `<dir>/<role>-<pid>.tsv`: `worker slot gen stage=ns ...`. perf/ttft_breakdown.py joins the
-    processes' lines by (worker, slot, gen). Only the processes' traced variants (chosen at
-    start when RINGSERVE_TRACE_TTFT names a directory) hold one: the plain ones stamp nothing."""
-
-    def __init__(self, directory: str, role: str) -> None:
-        self._file = open(Path(directory) / f"{role}-{os.getpid()}.tsv", "a", buffering=1)
-
-    @staticmethod
-    def directory() -> str | None:
-        """The trace directory RINGSERVE_TRACE_TTFT names; None: no tracing."""
-        return os.environ.get(TRACE_TTFT_ENV) or None
-
-    def write(self, key: tuple[int, int, int], stamps: dict[str, int]) -> None:
-        self._file.write(" ".join([*map(str, key), *(f"{k}={v}" for k, v in stamps.items())]) + "\n")
-
-    def close(self) -> None:
-        self._file.close()

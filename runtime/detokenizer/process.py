@@ -65,8 +65,8 @@ from protocol.records import (
 )
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, error_records, split_by_worker
-from runtime.engine_stats import TtftTrace
 from runtime.gc_tuning import settle_heap
+from runtime.ttft_trace import TtftTrace
 
 logger = logging.getLogger(__name__)
 

@@ -60,8 +60,8 @@ from protocol.records import (
     unpack_prompt_logprobs,
 )
 from protocol.sampling_params import SamplingParams
-from runtime.engine_stats import TtftTrace
 from runtime.http_worker.prompt_encoder import PromptEncoder
+from runtime.ttft_trace import TtftTrace
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
 

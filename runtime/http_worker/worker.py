@@ -23,7 +23,7 @@ from httpapi.responses import now
 from httpapi.sampling import SamplingSpec
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
-from runtime.engine_stats import EngineStats, TtftTrace
+from runtime.engine_stats import EngineStats
 from runtime.gc_tuning import settle_heap
 from runtime.http_worker.disconnect import DisconnectWatches
 from runtime.http_worker.metrics import WorkerMetrics, use_multiprocess_dir
@@ -38,6 +38,7 @@ from runtime.http_worker.tokenizer_manager import (
 from runtime.supervise.files import EngineProcess, ServerFiles
 from runtime.supervise.launcher import EngineGaveUp, EngineLink, attach_engine, kill_and_wait
 from runtime.supervise.watchdog import HEARTBEAT_STALE_S, EngineWatchdog, stalled_heartbeats
+from runtime.ttft_trace import TtftTrace
 from structured.reasoning import make_reasoning_parser
 from structured.tool_parsers import template_tool_call_parser
 from structured.tools import HERMES_TEMPLATE

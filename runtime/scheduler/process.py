@@ -58,10 +58,10 @@ from protocol.records import (
     unpack_request,
 )
 from runtime.config import ServerArgs
-from runtime.engine_stats import TtftTrace
 from runtime.gc_tuning import settle_heap
 from runtime.scheduler.core import Scheduler, SchedulerConfig, StepResult
 from runtime.scheduler.req import Req
+from runtime.ttft_trace import TtftTrace
 
 logger = logging.getLogger(__name__)
 
