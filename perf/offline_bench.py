@@ -105,7 +105,8 @@ def run_null_scheduler(streams: int, steps: int = 300) -> dict:
     from gpu.model_runner import ModelRunnerConfig
     from gpu.null_model import NullModelRunner
     from protocol.sampling_params import SamplingParams
-    from runtime.scheduler.core import Scheduler, SchedulerConfig
+    from runtime.scheduler.config import SchedulerConfig
+    from runtime.scheduler.core import Scheduler
 
     runner = NullModelRunner(ModelRunnerConfig(max_total_tokens=streams * 512, max_running_requests=streams))
     sched = Scheduler(

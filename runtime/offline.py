@@ -22,7 +22,8 @@ from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import text_tokens
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
-from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.runner import make_runner
 
 ENGINE_WORKER = 0  # the worker id the Engine's requests carry

@@ -12,7 +12,8 @@ from gpu.model_runner import ModelRunnerConfig
 from gpu.null_model import NullModelRunner
 from protocol.records import NO_TOKEN, Finish
 from protocol.sampling_params import SamplingParams
-from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.req import ReqStatus
 
 PS = 16

@@ -11,7 +11,8 @@ from test_scheduler import drive
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.records import Finish
 from protocol.sampling_params import SamplingParams
-from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.core import Scheduler
 
 PS = 16
 NEW_TOKENS = 4

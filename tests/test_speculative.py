@@ -15,7 +15,8 @@ from gpu.null_model import NullModelRunner
 from protocol.records import Finish
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
-from runtime.scheduler.core import Scheduler, SchedulerConfig
+from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.speculative import MAX_BATCH, NgramSpeculator, NoSpeculation, make_speculator, ngram_draft
 
 PS = 16

@@ -59,7 +59,8 @@ from protocol.records import (
 )
 from runtime.config import ServerArgs
 from runtime.gc_tuning import settle_heap
-from runtime.scheduler.core import Scheduler, SchedulerConfig, StepResult
+from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.core import Scheduler, StepResult
 from runtime.scheduler.req import Req
 from runtime.ttft_trace import TtftTrace
 
