@@ -35,7 +35,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is wh
 GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
-# Fields that change no output, in vLLM and SGLang either (tests/test_request_fields.py says why
+# Fields that change no output, in vLLM and SGLang either (tests/server/test_request_fields.py says why
 # for each): type-checked, then unused.
 IGNORED_STRS = ("user", "service_tier", "session_id", "prompt_cache_key", "safety_identifier", "verbosity")
 IGNORED_BOOLS = ("store", "return_token_offsets")

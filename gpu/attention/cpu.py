@@ -8,7 +8,7 @@ runs through the torch backend.
 
 Against the torch backend (copy every request's pages into a padded batch, then a masked
 SDPA reads the copy) it reads each K and V row once per block of queries and skips the
-padding; the results agree to fp32 rounding (tests/test_gpu_attention.py,
+padding; the results agree to fp32 rounding (tests/unit/test_gpu_attention.py,
 perf/attention_bench.py)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
  * with its ctypes conversion, tensor allocations and views, a large share of a batch-1 step
  * (docs/perf-notes.md). Here the layer loop is C and runs the same kernels in the same order
  * on the same values, so the result is bit for bit the Python forward's
- * (tests/test_cpu_decode.py).
+ * (tests/server/test_cpu_decode.py).
  *
  * Decode only: every request has one new token, its K and V are stored at out_cache_loc (in
  * the cache's element type, rounded as torch rounds: kv_dtype.h) and it attends to kv_lens[b]

@@ -6,7 +6,7 @@
  * Rows go over OpenMP threads only from PARALLEL_ROWS rows: at a few rows a parallel
  * region's fork/join costs more than the work.
  *
- * Numerics follow the torch ops they replace (tests/test_gpu_layer_kernels.py): no FMA
+ * Numerics follow the torch ops they replace (tests/unit/test_gpu_layer_kernels.py): no FMA
  * contraction (torch rounds each product before the sum), rms_norm's sum of squares in double
  * (closer to torch's cascade sum than a float running sum), silu through an exp polynomial of
  * ~2e-7 relative error.

@@ -384,7 +384,7 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
     cfg = ModelConfig.from_dir(model_dir, args.context_length)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or str(model_dir))
     # the embedded model's own template renders no tools; the Hermes one renders everything
-    # else as it does (tests/test_hermes_template.py), and tool calls as the hermes parser reads them
+    # else as it does (tests/unit/test_hermes_template.py), and tool calls as the hermes parser reads them
     template = args.chat_template or (str(HERMES_TEMPLATE) if args.model_path is None else None)
     if template is not None:
         try:

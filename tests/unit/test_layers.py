@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "ipc", "gpu", "structured", "httpapi", "runtime")
 # lowest first: each imports only from its own layer and those before it
 LAYERS = [

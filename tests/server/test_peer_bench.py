@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "perf"))  # the scripts import their siblings as top-level modules
 sb = importlib.import_module("serving_bench")
 pb = importlib.import_module("peer_bench")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PERF = Path(__file__).resolve().parent.parent / "perf"
+PERF = Path(__file__).resolve().parents[2] / "perf"
 
 
 @pytest.fixture(scope="module")

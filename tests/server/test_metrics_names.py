@@ -180,7 +180,7 @@ def test_counters_move_by_what_was_sent(server, client):
         assert delta(after, before, "ringserve_requests_finished_total", finish_reason=reason) == want, reason
     assert delta(after, before, "sglang:time_to_first_token_seconds_count") == 5
     assert delta(after, before, "sglang:e2e_request_latency_seconds_count") == 5
-    # (inter-token latency: the null model's short streams come in one delta; tests/test_server.py)
+    # (inter-token latency: the null model's short streams come in one delta; tests/server/test_server.py)
     assert delta(after, before, "ringserve_requests_total", endpoint="chat") == 2
     assert delta(after, before, "ringserve_requests_total", endpoint="completions") == 2
 

@@ -1,8 +1,8 @@
 """Issue 19, the engine loops: a record the detokenizer cannot handle fails its own request and
 nothing else, and the memo of stop strings is bounded by bytes (runtime/detokenizer/deltas.py,
 with the real tokenizer); a stopped HTTP worker does not stop the other worker's streams (a real
-server, two workers, the null model). The processes alone: tests/test_scheduler_process.py
-(OPEN payloads past the TOKEN_OUT arena) and tests/test_detokenizer_process.py (a stalled worker)."""
+server, two workers, the null model). The processes alone: tests/server/test_scheduler_process.py
+(OPEN payloads past the TOKEN_OUT arena) and tests/server/test_detokenizer_process.py (a stalled worker)."""
 
 import json
 import os

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUR_DIRS = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol", "perf", "scripts", "tests", "docs")
 OUR_PACKAGES = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol")
 GENERATED = ("perf/results",)  # written by the benchmarks

@@ -1,5 +1,5 @@
 """Structured output, tools and chat-template inputs as the request parsers make them, and the
-grammar check's 400s (the walk over a live server is tests/test_request_fields.py)."""
+grammar check's 400s (the walk over a live server is tests/server/test_request_fields.py)."""
 
 from __future__ import annotations
 
