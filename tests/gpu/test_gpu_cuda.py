@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from test_gpu_parity import NEW_TOKENS, PAGE, generate
+from runner_greedy import NEW_TOKENS, PAGE, generate
 
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.model_runner import ModelRunner, ModelRunnerConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_scheduler import drive
+from scheduler_driver import drive
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.records import Finish

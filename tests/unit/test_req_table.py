@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_scheduler import PS, Recording, assert_pages_accounted, make, null_runner
+from scheduler_driver import PS, Recording, assert_pages_accounted, make, null_runner
 
 from protocol.records import TOKEN_OUT
 from protocol.sampling_params import SamplingParams
