@@ -26,7 +26,7 @@ class SeqInput:
 @dataclass(frozen=True)
 class TokenMask:
     """The tokens some of a step's sampled sequences may take (constrained decoding): applied
-    to their logits after penalties, before the token is chosen (gpu/sampler.py)."""
+    to their logits after penalties, before the token is chosen (gpu/sampling/sampler.py)."""
 
     bitmask: torch.Tensor  # int32 [N, ceil(V / 32)] on the host; bit j of word k allows token 32k + j
     index: np.ndarray  # int64 [M], ascending: the sampled sequences masked (their order among the

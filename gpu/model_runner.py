@@ -15,16 +15,16 @@ import torch
 
 from gpu import kernels
 from gpu.attention import create_backend, default_backend
-from gpu.cpu_decode import CpuDecoder
 from gpu.forward_batch import SeqInput, StepInput, build_forward_batch
-from gpu.kv_cache import KVCache
-from gpu.llama import LlamaForCausalLM
-from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
-from gpu.page_pool import PagePool
-from gpu.quant import ACTIVATIONS, AUTO_QUANTIZATION, QUANTIZED_ARCHITECTURES, load_quantized
-from gpu.sampler import Sampler
-from gpu.weights import load_weights
+from gpu.kvcache.kv_cache import KVCache
+from gpu.kvcache.page_pool import PagePool
+from gpu.models.cpu_decode import CpuDecoder
+from gpu.models.llama import LlamaForCausalLM
+from gpu.models.model_config import ModelConfig
+from gpu.models.model_files import ModelLoadError, default_model_path, resolve_model_dir
+from gpu.models.weights import load_weights
+from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION, QUANTIZED_ARCHITECTURES, load_quantized
+from gpu.sampling.sampler import Sampler
 from protocol.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,7 +54,7 @@ class ModelRunnerConfig:
     context_length: int | None = None  # None: the model's
     random_seed: int = 0  # for unseeded sampling
     # auto (resolve_quantization) | none (fp32 weights: exact) | gguf | gguf-q8: keep a GGUF's
-    # Q4_1 / Q8_0 projections (gpu/quant.py)
+    # Q4_1 / Q8_0 projections (gpu/quant/)
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16
 
@@ -100,7 +100,7 @@ def resolve_quantization(
     quantization: str, model_path: Path, device: torch.device, dtype: torch.dtype, architecture: str
 ) -> str:
     """--quantization auto: AUTO_QUANTIZATION where its kernels can run the model (a .gguf file
-    of an architecture gpu/quant.py reads, on the CPU, in float32), else none; other values as
+    of an architecture gpu/quant/loader.py reads, on the CPU, in float32), else none; other values as
     they are. AUTO_QUANTIZATION is the fastest mode within the quality bound of
     perf/results/quality.md (mean KL from the exact mode <= 0.01 nats/token, perplexity within 1%)."""
     if quantization != "auto":
@@ -203,7 +203,7 @@ class ModelRunner:
             return None
 
     def _gguf_weights(self, path: Path) -> dict:
-        """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant.py).
+        """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant/).
         When auto chose the mode and the blocks cannot be used here (no C compiler or AVX2, a block
         type the kernels do not take), the fp32 weights, with a warning."""
         mode = self.quantization

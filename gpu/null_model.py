@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpu.forward_batch import PromptLogprobsAsk, SeqInput, StepInput, TokenMask
-from gpu.model_config import ModelConfig
-from gpu.model_files import resolve_model_dir
+from gpu.kvcache.page_pool import PagePool
 from gpu.model_runner import ModelRunnerConfig, PromptLogprobsOut, StepOutput
-from gpu.page_pool import PagePool
+from gpu.models.model_config import ModelConfig
+from gpu.models.model_files import resolve_model_dir
 from protocol.sampling_params import SamplingParams
 
 SENTENCE = (

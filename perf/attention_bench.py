@@ -36,14 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.attention import create_backend
-from gpu.forward_batch import SeqInput, build_forward_batch
-from gpu.kv_cache import KVCache
-from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig
-from gpu.quant import ACTIVATIONS
-
 import report
 from forward_bench import ours_decoder
+
+from gpu.attention import create_backend
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kvcache.kv_cache import KVCache
+from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig
+from gpu.quant.loader import ACTIVATIONS
 
 LAYERS, HQ, HKV, D, PAGE = 30, 9, 3, 64, 16
 BACKENDS = ("torch", "cpu")

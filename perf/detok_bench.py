@@ -18,15 +18,14 @@ import argparse
 import time
 
 import numpy as np
+import report
 from transformers import AutoTokenizer
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
 from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
 from runtime.detokenizer.deltas import TextDeltas
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
-
-import report
 
 BATCHES = (1, 64, 256)
 WARMUP_STEPS = 10

@@ -13,8 +13,8 @@ all interleaved with transformers (which stays fp32) in each timed round.
                                  [--products 1,8,32,128,512]
 
 --products also times all of the model's products alone (every layer's qkv, o, gate_up and
-down, then lm_head, through gpu.llama.linear) at those token counts, per mode: where
-QUANTIZED_MAX_TOKENS (gpu/quant.py) comes from.
+down, then lm_head, through gpu.models.llama.linear) at those token counts, per mode: where
+QUANTIZED_MAX_TOKENS (gpu/quant/blocks.py) comes from.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.llama import linear
-from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput
-from gpu.quant import ACTIVATIONS
-from protocol.sampling_params import SamplingParams
-
 import report
+
+from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput
+from gpu.models.llama import linear
+from gpu.quant.loader import ACTIVATIONS
+from protocol.sampling_params import SamplingParams
 
 MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights
 KV_DTYPES = ("auto", *KV_CACHE_DTYPES)  # --kv-cache-dtype values; auto: the model's dtype

@@ -17,12 +17,11 @@ import argparse
 import time
 
 import numpy as np
+import report
 import torch
 
 from gpu.model_runner import KV_CACHE_DTYPES
-from gpu.quant import ACTIVATIONS
-
-import report
+from gpu.quant.loader import ACTIVATIONS
 
 
 def make_prompts(
@@ -68,7 +67,7 @@ def run_engine(args, prompts, out_lens) -> dict:
 def run_transformers(args, prompts, out_lens) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -156,8 +155,8 @@ def main() -> None:
     args = ap.parse_args()
     started = report.start()
 
-    from gpu.model_config import ModelConfig
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_config import ModelConfig
+    from gpu.models.model_files import resolve_model_dir
 
     vocab = ModelConfig.from_dir(resolve_model_dir(None)).vocab_size
     prompts, out_lens = make_prompts(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)

@@ -66,7 +66,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-
 import report
 import serving_bench as sb
 
@@ -788,7 +787,7 @@ def start_servers(args, llama_bin: str | None, result: dict) -> dict[str, object
     """Every server started at once, then waited for; one that does not start is reported
     (llama.cpp, or an extra ringserve configuration whose flags this tree does not know yet)
     and left out. Ringserve's defaults must start."""
-    from gpu.model_files import default_model_path
+    from gpu.models.model_files import default_model_path
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started: dict[str, object] = {}

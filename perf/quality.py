@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.forward_batch import SeqInput, build_forward_batch
-from gpu.model_files import resolve_model_dir
-from gpu.model_runner import ModelRunner, ModelRunnerConfig
-from protocol.sampling_params import SamplingParams
-
 import report
+
+from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from gpu.models.model_files import resolve_model_dir
+from protocol.sampling_params import SamplingParams
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus"
 EXACT = {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "auto"}

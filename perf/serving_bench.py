@@ -60,7 +60,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-
 import report
 
 MODELS = ("real", "null")
@@ -95,7 +94,7 @@ class Workload:
 def load_tokenizer(model_path: str | None):
     from transformers import AutoTokenizer
 
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(model_path)))
 

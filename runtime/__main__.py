@@ -65,8 +65,8 @@ def server_env(args: ServerArgs) -> dict[str, str]:
 
 def check_model(args: ServerArgs) -> str | None:
     """Why the model cannot be served (one line), or None. Converts a GGUF once."""
-    from gpu.model_config import ModelConfig
-    from gpu.model_files import ModelLoadError, resolve_model_dir
+    from gpu.models.model_config import ModelConfig
+    from gpu.models.model_files import ModelLoadError, resolve_model_dir
     from runtime.http_worker.tokenizer_manager import read_chat_template
 
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from protocol.records import NO_TOKEN, Finish, unpack_prompt_logprobs
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs

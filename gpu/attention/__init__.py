@@ -9,7 +9,7 @@ import importlib.util
 import torch
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 
 BACKENDS = {
     "torch": ("gpu.attention.torch_native", "TorchNativeBackend"),

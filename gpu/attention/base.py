@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from gpu import kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.torch_native import TorchNativeBackend
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 
 MAX_HEAD_DIM = 256  # the kernel's limit (attention_cpu.c)
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e5m2: 3}  # kv_dtype.h

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
 

@@ -11,7 +11,7 @@ import torch
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.kernels.triton_attention import INTERPRETED, decode_attention, extend_attention
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 
 # A split shorter than this costs more in the merge than it wins in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256

@@ -1,8 +1,8 @@
 /* A whole decode step's layers in one call, for a model whose projections are GGUF blocks
- * (--quantization gguf / gguf-q8) on an x86-64 CPU with AVX2 + FMA (gpu/cpu_decode.py builds
+ * (--quantization gguf / gguf-q8) on an x86-64 CPU with AVX2 + FMA (gpu/models/cpu_decode.py builds
  * this file together with the kernels it runs: ggml_cpu.c, layer_cpu.c, attention_cpu.c).
  *
- * The Python forward (gpu/llama.py) makes ~10 calls a layer into these same kernels, each
+ * The Python forward (gpu/models/llama.py) makes ~10 calls a layer into these same kernels, each
  * with its ctypes conversion, tensor allocations and views, a large share of a batch-1 step
  * (docs/perf-notes.md). Here the layer loop is C and runs the same kernels in the same order
  * on the same values, so the result is bit for bit the Python forward's

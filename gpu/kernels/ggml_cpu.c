@@ -1,4 +1,4 @@
-/* Products with GGUF-quantized weights on an x86-64 CPU with AVX2 + FMA (gpu/quant.py builds
+/* Products with GGUF-quantized weights on an x86-64 CPU with AVX2 + FMA (gpu/quant/blocks.py builds
  * and loads this file).
  *
  * y[T, N] = x[T, K] @ W^T where W is N rows of K / 32 blocks; block b of row n holds 32
@@ -92,7 +92,7 @@ GEMM(gemm_q8_0, dequant_q8_0, 32)
  * its signs onto x (_mm256_sign_epi8). The numerics change from fp32 by x's rounding only.
  *
  * Unlike llama.cpp's vec_dot (one row and token at a time, a horizontal sum per pair), the
- * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant.py,
+ * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant/blocks.py,
  * QuantizedWeight.with_activations): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
  * 4 bytes of x broadcast sums them into one int16 lane per row, and a group's 8 results come
  * out in one vector (scales, mins and the store all 8 rows wide, no horizontal sums). Far

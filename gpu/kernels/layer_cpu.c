@@ -1,5 +1,5 @@
 /* The per-layer glue of a CPU decode step (rms_norm, rope, silu * up) as one call each, on an
- * x86-64 CPU with AVX2 + FMA (gpu/llama.py builds and loads this file).
+ * x86-64 CPU with AVX2 + FMA (gpu/models/llama.py builds and loads this file).
  *
  * In torch each is 1-8 small ops, ~20 of them per layer, each paying a dispatch and an
  * OpenMP fork/join that dwarf its work at a few tokens; here each is one pass over the rows.

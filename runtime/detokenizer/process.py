@@ -181,7 +181,7 @@ class Detokenizer:
     def load(self, max_open: int) -> None:
         from transformers import AutoTokenizer
 
-        from gpu.model_files import resolve_model_dir
+        from gpu.models.model_files import resolve_model_dir
 
         model_dir = resolve_model_dir(self.args.model_path)
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpu.model_files import ModelLoadError
+from gpu.models.model_files import ModelLoadError
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError, bad_request, body_timeout, body_too_large, internal_error, model_not_found
 from httpapi.requests import check_request_id

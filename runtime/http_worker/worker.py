@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gpu.model_files import ModelLoadError
+from gpu.models.model_files import ModelLoadError
 from httpapi.errors import engine_unavailable
 from httpapi.info import served_model_name, served_model_names
 from httpapi.logprobs import LogprobVocab
@@ -377,8 +377,8 @@ def _configure_logging(level: str) -> None:
 def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
     from transformers import AutoTokenizer
 
-    from gpu.model_config import ModelConfig
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_config import ModelConfig
+    from gpu.models.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model_path)
     cfg = ModelConfig.from_dir(model_dir, args.context_length)

@@ -159,7 +159,7 @@ class DisabledGrammars:
 def make_grammar_backend(
     name: str, model_config, max_rows: int, any_whitespace: bool = False, tokenizer_path: str | None = None
 ) -> XGrammarBackend | DisabledGrammars:
-    """The backend --grammar-backend names, for the model of `model_config` (gpu/model_config.py)
+    """The backend --grammar-backend names, for the model of `model_config` (gpu/models/model_config.py)
     and its tokenizer (`tokenizer_path`, --tokenizer-path: else the model's directory's)."""
     if name == "none":
         return DisabledGrammars()

@@ -367,7 +367,7 @@ def engine_process_main(role: str) -> int:
         logger.error("the worker starting the engine exited before handing over the pids to watch")
         return 1
     stop_when_any_exits(json.loads(line), grace_s=STOP_GRACE_S)
-    from gpu.model_files import ModelLoadError
+    from gpu.models.model_files import ModelLoadError
 
     try:
         if role == "scheduler":

@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 
 from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
-from gpu.kv_cache import KVCache
-from gpu.page_pool import PagePool
+from gpu.kvcache.kv_cache import KVCache
+from gpu.kvcache.page_pool import PagePool
 
 HQ, HKV, D, PS = 9, 3, 64, 16
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from bad_requests import MODEL
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 CHAT = [{"role": "user", "content": "What time is it?"}]

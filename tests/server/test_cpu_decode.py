@@ -1,4 +1,4 @@
-"""Decode steps with the layer loop in C (gpu/cpu_decode.py) give bit for bit the Python
+"""Decode steps with the layer loop in C (gpu/models/cpu_decode.py) give bit for bit the Python
 forward's logits: same kernels, same order, same values, on a batch of requests whose
 lengths sit around page boundaries, with and without a qkv bias, with a fp32, fp16 or bf16
 KV cache (the C store rounds as torch's .to() does); and the decoder is used only where it
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.cpu_decode import CpuDecoder
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kernels import cpu_kernels_available
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from gpu.models.cpu_decode import CpuDecoder
 from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")

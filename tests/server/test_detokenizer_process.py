@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from ipc import ChannelSpec, get_transport
 from ipc.peers import PeerServer
 from ipc.shm import our_segments

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from gpu.kernels import cpu_kernels_available
-from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError, default_model_path, resolve_model_dir
-from gpu.quant import BLOCK, blocks_cache, from_blocks, load_quantized, quantize_q8
-from gpu.weights import load_weights
+from gpu.models.model_config import ModelConfig
+from gpu.models.model_files import ModelLoadError, default_model_path, resolve_model_dir
+from gpu.models.weights import load_weights
+from gpu.quant.blocks import BLOCK, quantize_q8
+from gpu.quant.loader import blocks_cache, from_blocks, load_quantized
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
 

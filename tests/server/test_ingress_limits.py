@@ -159,7 +159,7 @@ def test_request_size_names_n_or_the_prompt():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 

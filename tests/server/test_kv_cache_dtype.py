@@ -12,7 +12,7 @@ import torch
 from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kernels import cpu_kernels_available
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from protocol.sampling_params import SamplingParams
 

@@ -159,7 +159,7 @@ NAMES = ("primary", "alias-b", "alias-c")
 
 @pytest.fixture(scope="module")
 def tokenizer_copy(tmp_path_factory):
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     src = resolve_model_dir(None)
     dst = tmp_path_factory.mktemp("tokenizer")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from bad_requests import MODEL
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 
 ATOL = 1e-3
 K = 2  # alternatives asked for

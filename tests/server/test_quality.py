@@ -27,7 +27,7 @@ def quality():
 def test_the_corpus_is_several_documents_of_thousands_of_tokens(quality):
     from transformers import AutoTokenizer
 
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     windows = quality.corpus_windows(AutoTokenizer.from_pretrained(resolve_model_dir(None)), 512)
     assert len(list(quality.CORPUS.glob("*.txt"))) >= 5
@@ -38,7 +38,7 @@ def test_the_corpus_is_several_documents_of_thousands_of_tokens(quality):
 def test_exact_against_itself_is_zero_and_gguf_q8_is_close(quality):
     from transformers import AutoTokenizer
 
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     hf_dir = str(resolve_model_dir(None))
     windows = [quality.corpus_windows(AutoTokenizer.from_pretrained(hf_dir), 512)[0][:64]]

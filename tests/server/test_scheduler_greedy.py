@@ -42,7 +42,7 @@ def prompts() -> list[np.ndarray]:
     and the last one the first one's first 32 tokens (two pages) followed by another window."""
     from transformers import AutoTokenizer
 
-    from gpu.model_files import resolve_model_dir
+    from gpu.models.model_files import resolve_model_dir
 
     ids = AutoTokenizer.from_pretrained(str(resolve_model_dir(None))).encode(TEXT)
     rng = np.random.default_rng(0)

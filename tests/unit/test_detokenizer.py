@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 from runtime.detokenizer.stop_strings import StopMatcher
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
 from protocol.records import (
     NO_TOKEN,

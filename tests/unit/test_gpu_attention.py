@@ -10,8 +10,8 @@ import torch
 from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kernels import cpu_kernels_available
-from gpu.kv_cache import KVCache
-from gpu.page_pool import PagePool
+from gpu.kvcache.kv_cache import KVCache
+from gpu.kvcache.page_pool import PagePool
 
 HQ, HKV, D, PS = 6, 2, 16, 4
 

@@ -1,11 +1,11 @@
-"""gpu/kernels/layer_cpu.c (through gpu.llama.CpuLayerOps) against the torch ops it replaces
-(gpu.llama.TorchLayerOps), at decode and prefill token counts and odd shapes."""
+"""gpu/kernels/layer_cpu.c (through gpu.models.llama.CpuLayerOps) against the torch ops it replaces
+(gpu.models.llama.TorchLayerOps), at decode and prefill token counts and odd shapes."""
 
 import pytest
 import torch
 
 from gpu import kernels
-from gpu.llama import CpuLayerOps, TorchLayerOps
+from gpu.models.llama import CpuLayerOps, TorchLayerOps
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
 

@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-import gpu.model_files as model_files
-from gpu.model_files import ModelLoadError
+import gpu.models.model_files as model_files
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from gpu.models.model_files import ModelLoadError
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_attention_backend_this_machine_cannot_run(tiny_dir):
 
 def test_cpu_attention_is_the_default_only_where_it_can_be_built(monkeypatch):
     from gpu.attention import create_backend, default_backend
-    from gpu.kv_cache import KVCache
+    from gpu.kvcache.kv_cache import KVCache
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert default_backend(torch.device("cpu")) == "torch"

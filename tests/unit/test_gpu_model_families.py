@@ -107,7 +107,7 @@ def test_logits_match_transformers(family, tmp_path):
 def test_rms_norm_is_bit_identical_to_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from gpu.llama import rms_norm
+    from gpu.models.llama import rms_norm
 
     ref = LlamaRMSNorm(576, eps=1e-5)
     torch.nn.init.normal_(ref.weight)

@@ -21,7 +21,7 @@ from test_gpu_model_families_more import (  # noqa: F401 (two_threads: its autou
     two_threads,
 )
 
-import gpu.model_files
+import gpu.models.model_files
 
 FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
 ARCH = {
@@ -130,7 +130,7 @@ def write_gguf(family: str, model: torch.nn.Module, path) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_from_gguf_matches_transformers(family, tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu.model_files, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(gpu.models.model_files, "cache_root", lambda: tmp_path / "cache")
     model = tiny_model(family)
     model.save_pretrained(tmp_path / "hf")
     write_gguf(family, model, tmp_path / f"tiny-{family}.gguf")

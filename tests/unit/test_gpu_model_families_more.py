@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_gpu_model_families import PAGE, SMALL
 
-from gpu.cpu_decode import CpuDecoder
 from gpu.forward_batch import SeqInput, build_forward_batch
-from gpu.model_files import ModelLoadError
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from gpu.models.cpu_decode import CpuDecoder
+from gpu.models.model_files import ModelLoadError
 from protocol.sampling_params import SamplingParams
 
 WINDOW = 16
@@ -233,7 +233,7 @@ def test_configs_without_layer_types(family, tmp_path):
     per-layer windows and rope are derived as transformers derives them."""
     import transformers as tf
 
-    from gpu.model_config import ModelConfig
+    from gpu.models.model_config import ModelConfig
 
     kw = dict(SMALL, num_hidden_layers=8, max_position_embeddings=4096, sliding_window=512)
     if family == "gemma2":

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.sampler import TOP_CANDIDATES, Sampler
+from gpu.sampling.sampler import TOP_CANDIDATES, Sampler
 from protocol.sampling_params import SamplingParams
 
 V, EOS = 8, 7

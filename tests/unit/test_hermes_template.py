@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import structured
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from structured.tool_parsers import ToolCall, make_parser
 
 TEMPLATE = (Path(structured.__file__).parent / "templates" / "hermes.jinja").read_text()

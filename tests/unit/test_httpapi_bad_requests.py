@@ -7,7 +7,7 @@ import pytest
 from bad_requests import API_KEY, BAD_REQUESTS, CONTEXT_LEN, MODEL, VOCAB_SIZE, BadRequest, chat, completion, generate
 from transformers import AutoTokenizer
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError
 from httpapi.info import check_model

@@ -13,7 +13,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion
 from transformers import AutoTokenizer
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found, unauthorized
 from httpapi.info import check_model, models_body, served_model_name, server_info_body
 from httpapi.logprobs import LOGPROB_FLOOR, LogprobVocab, TokenLogprobs

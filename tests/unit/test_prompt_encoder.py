@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from runtime.http_worker.prompt_encoder import ASCII_SPLIT, PromptEncoder, _encode_with_regex, cached_encoder
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.page_pool import PagePool
+from gpu.kvcache.page_pool import PagePool
 from runtime.scheduler.radix_cache import RadixCache
 
 PS = 4

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from gpu.model_files import resolve_model_dir
+from gpu.models.model_files import resolve_model_dir
 from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
 from ipc.ring import Batch

@@ -18,7 +18,7 @@ import torch
 
 from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
-from gpu.kv_cache import KVCache
+from gpu.kvcache.kv_cache import KVCache
 
 KERNELS = "gpu.kernels.triton_attention"
 TRITON_MODULES = (KERNELS, "gpu.attention.triton")
@@ -254,7 +254,7 @@ def test_backend_on_cpu_without_interpreter_is_a_clear_error():
     code = (
         "import torch\n"
         "from gpu.attention import create_backend\n"
-        "from gpu.kv_cache import KVCache\n"
+        "from gpu.kvcache.kv_cache import KVCache\n"
         "create_backend('triton', KVCache(1, 4, 16, 2, 64, torch.float32, torch.device('cpu')), 6)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from gpu import kernels
 from gpu.attention.base import AttentionBackend
-from gpu.model_config import ModelConfig, rope_inv_freq
-from gpu.quant import QuantizedWeight
+from gpu.models.model_config import ModelConfig, rope_inv_freq
+from gpu.quant.blocks import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gpu.model_config import ModelConfig
-from gpu.model_files import ModelLoadError
+from gpu.models.model_config import ModelConfig
+from gpu.models.model_files import ModelLoadError
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

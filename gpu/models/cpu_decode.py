@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from gpu import kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.cpu import KV_DTYPE_CODES
-from gpu.kv_cache import KVCache
-from gpu.llama import CpuLayerOps, LlamaForCausalLM
-from gpu.quant import GEMMS, QuantizedWeight
+from gpu.kvcache.kv_cache import KVCache
+from gpu.models.llama import CpuLayerOps, LlamaForCausalLM
+from gpu.quant.blocks import GEMMS, QuantizedWeight
 
 _KERNEL_CODES = {name: code for code, name in enumerate(("gemm_q4_1", "gemm_q8_0", "gemm_q4_1_q8", "gemm_q8_0_q8"))}
 

@@ -1,4 +1,4 @@
-"""The model's shape, read from an HF config.json: what the decoder forward (gpu/llama.py)
+"""The model's shape, read from an HF config.json: what the decoder forward (gpu/models/llama.py)
 needs. Besides the Llama family (Llama, Mistral, Qwen2, SmolLM) it reads the variations of
 that decoder the forward implements: Qwen3 and Gemma 3's per-head q/k norms, Phi-3's fused
 projections, Gemma 2/3's (1 + w) norms around attention and MLP, GELU-tanh MLP, scaled
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.model_files import ModelLoadError
+from gpu.models.model_files import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

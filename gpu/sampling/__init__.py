@@ -1,0 +1,1 @@
+"""Choosing each row's next token from the logits, per request's sampling parameters."""
