@@ -17,13 +17,8 @@ import numpy as np
 from httpapi.errors import bad_request, from_invalid_param
 from httpapi.fields import Fields
 from protocol.memo import ByteLRU, string_bytes
-from protocol.records import (
-    MAX_OPEN_PAYLOAD_BYTES,
-    MAX_REQUEST_PAYLOAD_BYTES,
-    MEMO_BYTES,
-    sampling_payload_bytes,
-    stop_payload_bytes,
-)
+from protocol.records import MAX_OPEN_PAYLOAD_BYTES, MAX_REQUEST_PAYLOAD_BYTES
+from protocol.request_records import MEMO_BYTES, sampling_payload_bytes, stop_payload_bytes
 from protocol.sampling_params import (
     MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,

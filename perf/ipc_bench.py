@@ -33,15 +33,15 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import report
 
 from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.memory import model
-from protocol.records import REQUEST, TOKEN_OUT, RequestKind, pack_control, pack_request
+from protocol.records import REQUEST, TOKEN_OUT, RequestKind
+from protocol.request_records import pack_control, pack_request
 from protocol.sampling_params import SamplingParams
-
-import report
 
 TRANSPORTS = ("ring", "zmq", "zmq-msgpack")
 LABELS = {"ring": "ring", "zmq": "zmq+pickle", "zmq-msgpack": "zmq+msgpack"}

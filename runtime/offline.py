@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpu.models.model_files import resolve_model_dir
-from protocol.records import NO_TOKEN, Finish, unpack_prompt_logprobs
+from protocol.payloads import unpack_prompt_logprobs
+from protocol.records import NO_TOKEN, Finish
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import text_tokens

@@ -39,23 +39,9 @@ import numpy as np
 
 from ipc.ring import Batch
 from protocol.memo import ByteLRU, string_bytes
-from protocol.records import (
-    NO_TOKEN,
-    TEXT_OUT,
-    TOKEN_OUT,
-    TOKEN_OUT_STRUCT,
-    ErrorCode,
-    Finish,
-    OpenFlags,
-    TextKind,
-    TokenKind,
-    concat_records,
-    decode_strings,
-    pack_logprobs,
-    take_records,
-    unpack_open,
-    unpack_top_logprobs,
-)
+from protocol.payloads import decode_strings, pack_logprobs, unpack_top_logprobs
+from protocol.record_bytes import TOKEN_OUT_STRUCT, concat_records, take_records, unpack_open
+from protocol.records import NO_TOKEN, TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions, DetokOutput
 
 logger = logging.getLogger(__name__)

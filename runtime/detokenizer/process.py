@@ -54,15 +54,8 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes, split_payload
 from ipc.peers import PeerServer, connect
-from protocol.records import (
-    TEXT_OUT,
-    TOKEN_OUT,
-    TOKEN_OUT_ARENA_BYTES,
-    ErrorCode,
-    RequestKind,
-    TokenKind,
-    pack_control,
-)
+from protocol.records import TEXT_OUT, TOKEN_OUT, TOKEN_OUT_ARENA_BYTES, ErrorCode, RequestKind, TokenKind
+from protocol.request_records import pack_control
 from runtime.config import ServerArgs
 from runtime.detokenizer.deltas import TextDeltas, error_records, split_by_worker
 from runtime.gc_tuning import settle_heap

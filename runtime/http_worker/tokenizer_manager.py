@@ -44,21 +44,10 @@ from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.logprobs import PromptLogprobs, TokenLogprobs
 from httpapi.requests import ChatTemplateArgs
 from httpapi.sampling import check_prompt_chars
-from protocol.records import (
-    MAX_REQUEST_PAYLOAD_BYTES,
-    ErrorCode,
-    Finish,
-    RequestKind,
-    TextKind,
-    concat_records,
-    pack_control,
-    pack_request,
-    record_fields,
-    rid_hash,
-    take_records,
-    unpack_logprobs,
-    unpack_prompt_logprobs,
-)
+from protocol.payloads import unpack_logprobs, unpack_prompt_logprobs
+from protocol.record_bytes import concat_records, record_fields, take_records
+from protocol.records import MAX_REQUEST_PAYLOAD_BYTES, ErrorCode, Finish, RequestKind, TextKind
+from protocol.request_records import pack_control, pack_request, rid_hash
 from protocol.sampling_params import SamplingParams
 from runtime.http_worker.prompt_encoder import PromptEncoder
 from runtime.ttft_trace import TtftTrace

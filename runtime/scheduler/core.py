@@ -21,15 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu.forward_batch import PromptLogprobsAsk, StepInput, TokenMask
-from protocol.records import (
-    NO_TOKEN,
-    TOKEN_OUT,
-    ErrorCode,
-    Finish,
-    TokenKind,
-    concat_records,
-    pack_prompt_logprobs,
-)
+from protocol.payloads import pack_prompt_logprobs
+from protocol.record_bytes import concat_records
+from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, TokenKind
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.grammar import GrammarError, make_grammar_backend

@@ -40,6 +40,8 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes
 from ipc.peers import PeerServer, connect
+from protocol.payloads import PayloadBuilder, encode_strings, pack_top_logprobs
+from protocol.record_bytes import concat_records, pack_open
 from protocol.records import (
     NO_TOKEN,
     REQUEST,
@@ -48,15 +50,10 @@ from protocol.records import (
     ErrorCode,
     Finish,
     OpenFlags,
-    PayloadBuilder,
     RequestKind,
     TokenKind,
-    concat_records,
-    encode_strings,
-    pack_open,
-    pack_top_logprobs,
-    unpack_request,
 )
+from protocol.request_records import unpack_request
 from runtime.config import ServerArgs
 from runtime.gc_tuning import settle_heap
 from runtime.scheduler.config import SchedulerConfig

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from cbuild import BuildError, build_extension
-from protocol.records import TOKEN_OUT, Finish, take_records
+from protocol.record_bytes import take_records
+from protocol.records import TOKEN_OUT, Finish
 from runtime.scheduler.req import Req
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request

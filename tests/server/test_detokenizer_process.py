@@ -18,18 +18,9 @@ from gpu.models.model_files import resolve_model_dir
 from ipc import ChannelSpec, get_transport
 from ipc.peers import PeerServer
 from ipc.shm import our_segments
-from protocol.records import (
-    REQUEST,
-    TOKEN_OUT,
-    Finish,
-    OpenFlags,
-    PayloadBuilder,
-    RequestKind,
-    TextKind,
-    TokenKind,
-    encode_strings,
-    pack_open,
-)
+from protocol.payloads import PayloadBuilder, encode_strings
+from protocol.record_bytes import pack_open
+from protocol.records import REQUEST, TOKEN_OUT, Finish, OpenFlags, RequestKind, TextKind, TokenKind
 from runtime.config import ServerArgs
 from runtime.detokenizer.process import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
 

@@ -18,17 +18,8 @@ from transformers import AutoTokenizer
 
 from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
-from protocol.records import (
-    OPEN_RECORD,
-    TOKEN_OUT,
-    ErrorCode,
-    Finish,
-    OpenFlags,
-    PayloadBuilder,
-    TextKind,
-    TokenKind,
-    encode_strings,
-)
+from protocol.payloads import PayloadBuilder, encode_strings
+from protocol.records import OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
 from runtime.detokenizer import deltas as deltas_module
 from runtime.detokenizer.deltas import TextDeltas
 from runtime.supervise.files import ServerFiles

@@ -25,14 +25,12 @@ from protocol.memo import ENTRY_OVERHEAD_BYTES, ByteLRU
 from protocol.records import (
     MAX_OPEN_PAYLOAD_BYTES,
     MAX_REQUEST_PAYLOAD_BYTES,
-    MEMO_BYTES,
     REQUEST,
     REQUEST_ARENA_BYTES,
     TEXT_OUT,
     TOKEN_OUT_ARENA_BYTES,
-    pack_request,
-    unpack_request,
 )
+from protocol.request_records import MEMO_BYTES, pack_request, unpack_request
 from protocol.sampling_params import MAX_STOP_BYTES, MAX_STOP_STRING_BYTES, InvalidParam, SamplingParams
 
 BODY_READ_TIMEOUT_S = 3
@@ -112,7 +110,7 @@ def test_sampling_memos_are_bounded_by_bytes():
     """The memos keyed by what clients send (SamplingSpec.build's, pack_request's and
     unpack_request's) keep at most MEMO_BYTES each, however many distinct stop strings come."""
     from httpapi import sampling
-    from protocol import records
+    from protocol import request_records
 
     specs = []
     for i in range(2000):
@@ -121,7 +119,7 @@ def test_sampling_memos_are_bounded_by_bytes():
         rec, blob = pack_request(0, 0, 1, spec.params, [1, 2, 3], 0)
         params, _ = unpack_request(rec[0], np.frombuffer(blob, np.uint8))
         assert params.stop == spec.params.stop
-    for memo in (sampling._SPECS, records._PACKED, records._PARAMS):
+    for memo in (sampling._SPECS, request_records._PACKED, request_records._PARAMS):
         assert isinstance(memo, ByteLRU)
         assert 0 < memo.bytes <= MEMO_BYTES and len(memo) < 2000
     # the same settings again: the same objects (the memos still serve their purpose)

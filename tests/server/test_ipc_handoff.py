@@ -21,7 +21,8 @@ import pytest
 from ipc import Channel, ChannelSpec, Waker
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.shm import PREFIX, our_segments, sweep_orphans
-from protocol.records import REQUEST, TEXT_OUT, RequestKind, pack_request, unpack_request
+from protocol.records import REQUEST, TEXT_OUT, RequestKind
+from protocol.request_records import pack_request, unpack_request
 from protocol.sampling_params import SamplingParams
 
 PEER_GONE = 3  # exit status of a peer whose other side stopped answering

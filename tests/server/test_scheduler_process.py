@@ -18,19 +18,10 @@ import pytest
 from ipc import ChannelSpec, Waker
 from ipc.channel import Channel
 from ipc.handoff import recv_waker, send_channels
-from protocol.records import (
-    REQUEST,
-    TOKEN_OUT,
-    ErrorCode,
-    Finish,
-    OpenFlags,
-    RequestKind,
-    TokenKind,
-    decode_strings,
-    pack_control,
-    pack_request,
-    unpack_open,
-)
+from protocol.payloads import decode_strings
+from protocol.record_bytes import unpack_open
+from protocol.records import REQUEST, TOKEN_OUT, ErrorCode, Finish, OpenFlags, RequestKind, TokenKind
+from protocol.request_records import pack_control, pack_request
 from protocol.sampling_params import MAX_STOP_BYTES, SamplingParams
 from runtime.config import ServerArgs
 from runtime.scheduler.process import connect_scheduler
@@ -236,7 +227,7 @@ WORKER_THAT_DIES = """
 import sys, time
 import numpy as np
 from ipc import Waker
-from protocol.records import pack_request
+from protocol.request_records import pack_request
 from protocol.sampling_params import SamplingParams
 from runtime.scheduler.process import connect_scheduler
 ch, meta = connect_scheduler(sys.argv[1], Waker(), worker=5, timeout=120)

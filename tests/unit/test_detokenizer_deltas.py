@@ -7,21 +7,14 @@ from transformers import AutoTokenizer
 
 from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
-from protocol.records import (
-    NO_TOKEN,
-    OPEN_RECORD,
-    TOKEN_OUT,
-    ErrorCode,
-    Finish,
-    OpenFlags,
+from protocol.payloads import (
     PayloadBuilder,
-    TextKind,
-    TokenKind,
     encode_strings,
     pack_prompt_logprobs,
     unpack_logprobs,
     unpack_prompt_logprobs,
 )
+from protocol.records import NO_TOKEN, OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS

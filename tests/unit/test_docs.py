@@ -6,7 +6,7 @@
   `ipc/...`, `scripts/...`, ...) exists; `perf/results/` is left out (benchmark output,
   present only after a run);
 - every dotted name of ours in backticks (`runtime.scheduler.core`, `runtime.app:app`,
-  `protocol.records.take_records`) is a module importlib.util.find_spec finds (which imports
+  `protocol.record_bytes.take_records`) is a module importlib.util.find_spec finds (which imports
   only its parent packages), followed by names the module's source defines (read with ast,
   not imported);
 - README.md is a manual, not a lab notebook: under 300 lines.
@@ -337,7 +337,7 @@ def test_a_missing_path_is_found(tmp_path):
 def test_an_unknown_module_is_found(tmp_path):
     doc = _doc(
         tmp_path,
-        "`runtime.config`, `runtime.app:app`, `protocol.records.take_records`,\n"
+        "`runtime.config`, `runtime.app:app`, `protocol.record_bytes.take_records`,\n"
         "`runtime.config.ServerArgs.from_env` exist; `runtime.no_such_module`,\n"
         "`protocol.records.no_such_name` and `runtime.app:no_app` do not.\n"
         "```python\nfrom runtime.config import ServerArgs, no_such_thing\n```\n",

@@ -6,28 +6,19 @@ import numpy as np
 import pytest
 
 from ipc import Channel, ChannelSpec, Waker
-from protocol.records import (
-    REQUEST,
-    TEXT_OUT,
-    TOKEN_OUT,
-    RecordLayout,
-    RequestKind,
-    concat_records,
+from protocol.payloads import (
     decode_strings,
     encode_strings,
-    live_mask,
-    pack_control,
     pack_logprobs,
     pack_prompt_logprobs,
-    pack_request,
     pack_top_logprobs,
-    record_struct,
-    take_records,
     unpack_logprobs,
     unpack_prompt_logprobs,
-    unpack_request,
     unpack_top_logprobs,
 )
+from protocol.record_bytes import concat_records, record_struct, take_records
+from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, live_mask
+from protocol.request_records import pack_control, pack_request, unpack_request
 from protocol.sampling_params import GrammarKind, SamplingParams
 
 

@@ -12,7 +12,9 @@ import pytest
 from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, send_channels
-from protocol.records import REQUEST, TOKEN_OUT, pack_request, pack_top_logprobs, unpack_request, unpack_top_logprobs
+from protocol.payloads import pack_top_logprobs, unpack_top_logprobs
+from protocol.records import REQUEST, TOKEN_OUT
+from protocol.request_records import pack_request, unpack_request
 from protocol.sampling_params import SamplingParams
 
 

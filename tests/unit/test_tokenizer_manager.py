@@ -15,7 +15,8 @@ from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
 from ipc.ring import Batch
 from ipc.wakeup import Waker
-from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind, pack_prompt_logprobs
+from protocol.payloads import pack_prompt_logprobs
+from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from protocol.sampling_params import SamplingParams
 from runtime.detokenizer.deltas import TextDeltas
 from runtime.http_worker.tokenizer_manager import (
