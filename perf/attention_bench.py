@@ -15,10 +15,10 @@ pages scattered through the pool.
 
 --kv-cache-dtype float16 / bfloat16: the KV cache in that type, for every part.
 
-    python perf/attention_bench.py [--threads N] [--batches 1,8,32] [--quantization gguf|gguf-q8]
+    python -m perf.attention_bench [--threads N] [--batches 1,8,32] [--quantization gguf|gguf-q8]
                                    [--kv-cache-dtype auto|float16|bfloat16]
                                    # writes perf/results/attention.json and .md
-    python perf/attention_bench.py --mode extend [--shapes 24x85,24x85+30,1x512] [--threads N]
+    python -m perf.attention_bench --mode extend [--shapes 24x85,24x85+30,1x512] [--threads N]
                                    [--kv-cache-dtype ...]   # writes perf/results/attention_extend.json and .md
 Prints the tables; the files are written by perf/report.py.
 """
@@ -27,23 +27,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import report
-from forward_bench import ours_decoder
 
 from gpu.attention import create_backend
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.kvcache.kv_cache import KVCache
 from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig
 from gpu.quant.loader import ACTIVATIONS
+from perf import report
+from perf.forward_bench import ours_decoder
 
 LAYERS, HQ, HKV, D, PAGE = 30, 9, 3, 64, 16
 BACKENDS = ("torch", "cpu")
@@ -204,15 +199,9 @@ def main() -> None:
         default="24x85,24x85+30,1x512",
         help="extend mode: BxN (B requests of N new tokens) or BxN+P (after a P-token cached prefix)",
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="the JSON (the .md beside it); default perf/results/attention.json (decode), "
-        "attention_extend.json (extend)",
-    )
+    report.add_arguments(ap, None)  # decode: attention.json, extend: attention_extend.json
     args = ap.parse_args()
-    started = report.start()
+    started = report.start(args)
     try:
         [parse_shape(shape) for shape in args.shapes.split(",")]
     except ValueError as e:

@@ -5,7 +5,7 @@ as the scheduler calls it: batch built on the host, forward, greedy sampling, to
 host; no CUDA graphs. Prints a table; writes perf/results/cuda_decode.json and cuda_decode.md
 (perf/report.py). Without a CUDA device it says so and exits with status 1.
 
-    python perf/cuda_decode_bench.py [--backends torch,triton,flashinfer] [--batches 1,32]
+    python -m perf.cuda_decode_bench [--backends torch,triton,flashinfer] [--batches 1,32]
                                      [--context 512] [--steps 50]
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,12 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from gpu.model_runner import ModelRunner, ModelRunnerConfig, SeqInput
+from perf import report
 from protocol.sampling_params import SamplingParams
-
-import report
 
 SMOLLM2 = dict(
     vocab_size=49152,
@@ -78,11 +74,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=50)
-    report.add_out_argument(ap, "cuda_decode")
+    report.add_arguments(ap, "cuda_decode")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_decode_bench: needs a CUDA device (torch.cuda.is_available() is False); nothing written")
-    started = report.start()
+    started = report.start(args)
     batches = [int(b) for b in args.batches.split(",")]
     backends = [b for b in args.backends.split(",") if b != "flashinfer" or importlib.util.find_spec("flashinfer")]
     rows = []

@@ -6,10 +6,10 @@ step, steady state), for:
   per-request    the classic loop: per request per step, tokenizer.decode of its window
                  (surrogate/read offsets), one request at a time
   router         the detokenizer process's whole per-batch work minus the ring: TOKEN_OUT
-                 records in, TextDeltas.handle, TEXT_OUT records + payload out
+                 records in, Detokenizer.handle, TEXT_OUT records + payload out
 Prints a table; writes perf/results/detok.json and detok.md (perf/report.py).
 
-    python perf/detok_bench.py [--seconds 1.0]
+    python -m perf.detok_bench [--seconds 1.0]
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import argparse
 import time
 
 import numpy as np
-import report
 from transformers import AutoTokenizer
 
 from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
+from perf import report
 from protocol.records import TOKEN_OUT, OpenFlags, TokenKind
-from runtime.detokenizer.deltas import TextDeltas
+from runtime.detokenizer.core import Detokenizer
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 
 BATCHES = (1, 64, 256)
@@ -81,10 +81,10 @@ class PerRequestDecode:
 
 
 class RouterStep:
-    """Feeds TextDeltas one TOKEN_OUT record per request per step (what the process pops)."""
+    """Feeds the Detokenizer core one TOKEN_OUT record per request per step (what the process pops)."""
 
     def __init__(self, tokenizer, n: int) -> None:
-        self.router = TextDeltas(tokenizer, max_open=n)
+        self.router = Detokenizer(tokenizer, max_open=n)
         opens = np.zeros(n, TOKEN_OUT.dtype)
         opens["kind"], opens["slot"], opens["gen"] = TokenKind.OPEN, np.arange(n), 1
         opens["flags"] = OpenFlags.SKIP_SPECIAL_TOKENS
@@ -139,9 +139,9 @@ def measure(make, corpus_ids: np.ndarray, batch: int, seconds: float, rng) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds per configuration")
-    report.add_out_argument(ap, "detok")
+    report.add_arguments(ap, "detok")
     args = ap.parse_args()
-    started = report.start()
+    started = report.start(args)
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     cap = max(BATCHES)

@@ -8,7 +8,7 @@ time of the ModelRunner; prints a table and writes perf/results/forward.json and
 --quantization modes and/or --kv-cache-dtype values, one ModelRunner per pair in this process,
 all interleaved with transformers (which stays fp32) in each timed round.
 
-    python perf/forward_bench.py [--threads N] [--batches 1,8,32] [--cold-start]
+    python -m perf.forward_bench [--threads N] [--batches 1,8,32] [--cold-start]
                                  [--quantization none,gguf,gguf-q8] [--kv-cache-dtype auto,float16]
                                  [--products 1,8,32,128,512]
 
@@ -21,21 +21,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import report
-
 from gpu.model_runner import KV_CACHE_DTYPES, ModelRunner, ModelRunnerConfig, SeqInput
 from gpu.models.llama import linear
 from gpu.quant.loader import ACTIVATIONS
+from perf import report
 from protocol.sampling_params import SamplingParams
 
 MODES = ("none", *ACTIVATIONS)  # --quantization values; none: the fp32 weights
@@ -187,9 +182,9 @@ def main() -> None:
         help="KV cache element types, comma-separated, each with every --quantization mode",
     )
     ap.add_argument("--products", default="", help="token counts at which to time the products alone")
-    report.add_out_argument(ap, "forward")
+    report.add_arguments(ap, "forward")
     args = ap.parse_args()
-    started = report.start()
+    started = report.start(args)
     torch.set_num_threads(args.threads)  # this process is the benchmark's own
     batches = [int(b) for b in args.batches.split(",")]
     product_tokens = [int(t) for t in args.products.split(",") if t]

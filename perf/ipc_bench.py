@@ -17,7 +17,7 @@ Per (transport, mode, message), three runs:
               timed path
   msgs/s      back-to-back pushes (back-pressure included) until the consumer popped them all
 
-    python perf/ipc_bench.py [--latency-messages 1000] [--gap-us 300] [--spin-us 50]
+    python -m perf.ipc_bench [--latency-messages 1000] [--gap-us 300] [--spin-us 50]
 Prints a table; writes perf/results/ipc.json and ipc.md (perf/report.py).
 """
 
@@ -33,12 +33,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import report
 
 from ipc import get_transport
 from ipc.channel import ChannelSpec
 from ipc.handoff import recv_channels, recv_waker, send_channels, send_waker
 from ipc.memory import model
+from perf import report
 from protocol.records import REQUEST, TOKEN_OUT, RequestKind
 from protocol.request_records import pack_control, pack_request
 from protocol.sampling_params import SamplingParams
@@ -156,7 +156,10 @@ def run_pair(transport_name: str, mode: str, args: argparse.Namespace) -> list[d
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(sock_path)
         listener.listen(1)
-        consumer = subprocess.Popen([sys.executable, __file__, "--consumer", sock_path, transport_name, mode, out])
+        consumer = subprocess.Popen(
+            [sys.executable, "-m", "perf.ipc_bench", "--consumer", sock_path, transport_name, mode, out],
+            cwd=report.ROOT,
+        )
         conn, _ = listener.accept()
         _, peer_fd = recv_waker(conn)
         channels = {name: transport.create_channel(spec, "producer", waker, peer_fd) for name, spec in SPECS.items()}
@@ -299,11 +302,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20, help="latency messages left out of the statistics")
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    report.add_out_argument(ap, "ipc")
+    report.add_arguments(ap, "ipc")
     args = ap.parse_args()
     if args.latency_messages <= args.warmup:
         ap.error("--latency-messages must exceed --warmup")
-    started = report.start()
+    started = report.start(args)
     rows = []
     for mode in args.modes:
         for transport_name in args.transports:

@@ -1,7 +1,7 @@
 """Offline throughput: the Engine (continuous batching, paged KV, radix cache) versus
 transformers' batched `generate` (left-padded), same model, same prompts, same run.
 
-    python perf/offline_bench.py [--num-prompts 128] [--input-len 16 128] [--output-len 16 128]
+    python -m perf.offline_bench [--num-prompts 128] [--input-len 16 128] [--output-len 16 128]
 
 Prompts are random token ids with random input and output lengths (fixed seed); every
 request generates exactly its output length (ignore_eos / min_new_tokens), greedy.
@@ -17,11 +17,11 @@ import argparse
 import time
 
 import numpy as np
-import report
 import torch
 
 from gpu.model_runner import KV_CACHE_DTYPES
 from gpu.quant.loader import ACTIVATIONS
+from perf import report
 
 
 def make_prompts(
@@ -109,7 +109,12 @@ def run_null_scheduler(streams: int, steps: int = 300) -> dict:
 
     runner = NullModelRunner(ModelRunnerConfig(max_total_tokens=streams * 512, max_running_requests=streams))
     sched = Scheduler(
-        runner, SchedulerConfig(context_length=runner.model_config.context_length, max_running_requests=streams)
+        runner,
+        SchedulerConfig(
+            context_length=runner.model_config.context_length,
+            max_running_requests=streams,
+            speculative_algorithm="none",
+        ),
     )
     for i in range(streams):
         sched.add_request(0, i, 1, np.arange(100, 200) + i, SamplingParams(max_new_tokens=steps + 50, ignore_eos=True))
@@ -151,9 +156,9 @@ def main() -> None:
         default=256,
         help="also measure the scheduler core's CPU per token at this many null-model streams (0: skip)",
     )
-    report.add_out_argument(ap, "offline")
+    report.add_arguments(ap, "offline")
     args = ap.parse_args()
-    started = report.start()
+    started = report.start(args)
 
     from gpu.models.model_config import ModelConfig
     from gpu.models.model_files import resolve_model_dir

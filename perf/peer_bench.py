@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 21): ringserve against llama.cpp's server on the same machine, all
+"""Peer benchmark: ringserve against llama.cpp's server on the same machine, all
 servers up at once, each workload sent to each server in turn, rounds interleaved (the
 servers' order rotates round by round), so that every server sees the same spells of a
 machine whose speed moves.
@@ -38,13 +38,13 @@ logprobs are lost from the stream): such tokens are reported as `uncounted_token
 gap they spanned counts as one token's.
 
 Per workload and server: medians over the rounds; ratios ringserve / llama.cpp (and each
-extra configuration / the defaults) are medians of the rounds' ratios; the issue's targets
+extra configuration / the defaults) are medians of the rounds' ratios; the targets (TARGET_*)
 are checked for ringserve's defaults (n-gram speculation on), the speculation target against
 each configuration with `--speculative-algorithm none`.
 
-    python perf/peer_bench.py --llama-server /path/to/llama-server      # default sizes: ~29 min, quiet
-    python perf/peer_bench.py --rounds 3 --ringserve-args "--stream-interval 4"   # another extra configuration
-    python perf/peer_bench.py --null-model --workloads random --concurrency 1 --num-requests 4   # smoke
+    python -m perf.peer_bench --llama-server /path/to/llama-server      # default sizes: ~29 min, quiet
+    python -m perf.peer_bench --rounds 3 --ringserve-args "--stream-interval 4"   # another extra configuration
+    python -m perf.peer_bench --null-model --workloads random --concurrency 1 --num-requests 4   # smoke
 Writes perf/results/peer.json and peer.md (perf/report.py), each server's log beside them
 (not committed).
 """
@@ -66,8 +66,9 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-import report
-import serving_bench as sb
+
+from perf import report
+from perf import serving_bench as sb
 
 WORKLOADS = ("random", "shared_prefix", "multi_turn", "repetitive")
 COMPLETIONS = "/v1/completions"
@@ -76,7 +77,8 @@ RINGSERVE = "ringserve"
 OFF_ARGS = "--speculative-algorithm none"  # speculation off: the baseline of the defaults' (NGRAM)
 LLAMA_SLOTS = 32
 
-# issue 21's targets: ringserve's defaults against llama.cpp, speculation against the defaults
+# Targets: ringserve's defaults ahead of llama.cpp at c=1, in batches and on shared prefixes; n-gram
+# speculation's ITL on the repetitive workload against speculation off
 TARGET_C1_TOKENS_RATIO = 1.5
 TARGET_C1_ITL_RATIO = 0.7
 TARGET_C1_TTFT_RATIO = 1.0
@@ -528,7 +530,7 @@ def summarize_rounds(rounds: list[dict], servers: list[str]) -> list[dict]:
 
 
 def check_targets(rows: list[dict], servers: list[str], off_configs: list[str]) -> list[dict]:
-    """The issue's targets that the measured rows allow, each with its value and pass/fail."""
+    """The TARGET_* bounds that the measured rows allow, each with its value and pass/fail."""
     out = []
 
     def add(name: str, value: float | None, bound: float, above: bool, failed: int = 0) -> None:
@@ -758,7 +760,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=4, help="requests per server before the first round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
-    report.add_out_argument(ap, "peer")  # the servers' logs go beside it too
+    report.add_arguments(ap, "peer")  # the servers' logs go beside it too
     args = ap.parse_args(argv)
     try:
         args.levels = sb.parse_list(args.concurrency, int)
@@ -826,7 +828,7 @@ def start_servers(args, llama_bin: str | None, result: dict) -> dict[str, object
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started_at = report.start(argv)
+    started_at = report.start(args, argv)
     llama_bin = find_llama_server(args.llama_server)
     result: dict = {
         "llama_cpp": {},

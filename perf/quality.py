@@ -10,14 +10,13 @@ earlier chunks' K/V from the cache. Every position's full-vocabulary logits come
 model.hidden / model.logits, the path of ModelRunner.step's prompt logprobs. Writes
 perf/results/quality.json and quality.md.
 
-    python perf/quality.py [--window 512] [--chunk 128] [--modes none,gguf-q8,...] [--rounds 3]
+    python -m perf.quality [--window 512] [--chunk 128] [--modes none,gguf-q8,...] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,13 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import report
-
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from gpu.models.model_files import resolve_model_dir
+from perf import report
 from protocol.sampling_params import SamplingParams
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus"
@@ -219,7 +215,6 @@ def markdown(quality: dict[str, dict], speed: dict[str, dict], args: argparse.Na
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    started = report.start(argv)
     hf_dir = str(resolve_model_dir(None))
     all_modes = modes(hf_dir)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -231,8 +226,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--prefill", type=int, default=110, help="tokens of the timed prefill")
     ap.add_argument("--steps", type=int, default=9, help="decode steps a timing (the first is a warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="speed rounds (0: no speed)")
-    report.add_out_argument(ap, "quality")
+    report.add_arguments(ap, "quality")
     args = ap.parse_args(argv)
+    started = report.start(args, argv)
     chosen = {name: all_modes[name] for name in args.modes.split(",")}
 
     from transformers import AutoTokenizer

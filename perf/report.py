@@ -4,11 +4,18 @@ the latest run of each (overwritten), both naming what the numbers came from: th
 the run, the library versions and the exact command. A table copied by hand cannot say any
 of that; these files can be traced to a run.
 
-    import report                      # perf/ is sys.path[0] when a script there runs
+    from perf import report
 
-    started = report.start()           # first thing in main(): the load before the run
+    report.add_arguments(parser, "ipc")  # --out and --allow-dirty
+    args = parser.parse_args()
+    started = report.start(args)         # before measuring: the load, the commit
     ...
     report.write_results("ipc", data, report.table(columns, rows), started, out=args.out)
+
+A commit names the code measured only when the tree is clean, so a run bound for
+perf/results/ from a tree whose tracked files differ from HEAD is refused before it measures
+anything, unless --allow-dirty is given; the results then say so. Elsewhere (--out) any tree
+may write.
 
 Secrets never reach the files: the value of any argument named like --api-key (in the
 command, in the data, in the Markdown, also inside a quoted string of flags such as
@@ -46,21 +53,50 @@ DIRTY_IGNORED = "perf/results"  # earlier results written and not yet committed 
 
 @dataclass(frozen=True)
 class Started:
-    """What is known before the run: the load average, the time, the command."""
+    """What is known before the run: the load average, the time, the command, the code."""
 
     loadavg: tuple[float, float, float]
     utc: datetime
     monotonic: float
     command: str
+    commit: str
+    dirty_files: tuple[str, ...]
+    allow_dirty: bool
 
 
-def start(argv: Sequence[str] | None = None) -> Started:
-    """Call before measuring anything. `argv`: the script's arguments when main() was given
-    them rather than reading sys.argv (the script itself is sys.argv[0])."""
-    args = sys.argv[1:] if argv is None else list(argv)
+class DirtyTree(SystemExit):
+    """A run bound for perf/results/ from a tree with uncommitted changes, without --allow-dirty."""
+
+
+def start(args: argparse.Namespace, argv: Sequence[str] | None = None) -> Started:
+    """Call once the flags (add_arguments) are parsed, before measuring anything; raises
+    DirtyTree for a dirty tree's run bound for perf/results/ without --allow-dirty. `argv`: the
+    script's arguments when main() was given them rather than reading sys.argv (the script
+    itself is sys.argv[0])."""
+    commit, dirty = git_state()
+    if dirty and not args.allow_dirty and writes_into_results(args.out):
+        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
+        raise DirtyTree(
+            f"refusing to write into perf/results/: {len(dirty)} tracked files differ from "
+            f"{commit.removesuffix('+dirty')} ({shown}), so the commit would not name the code measured. "
+            "Commit them (or run from a clean worktree), "
+            "write elsewhere with --out, or pass --allow-dirty (the results then say so)."
+        )
+    rest = sys.argv[1:] if argv is None else list(argv)
     return Started(
-        os.getloadavg(), datetime.now(timezone.utc), time.monotonic(), command_line([script_name(sys.argv[0]), *args])
+        os.getloadavg(),
+        datetime.now(timezone.utc),
+        time.monotonic(),
+        command_line([*script_argv(sys.argv[0]), *rest]),
+        commit,
+        tuple(dirty),
+        args.allow_dirty,
     )
+
+
+def writes_into_results(out: Path | str | None) -> bool:
+    """Whether --out lands in perf/results/ (None: the default, which does)."""
+    return out is None or Path(out).resolve().is_relative_to(RESULTS.resolve())
 
 
 def write_results(
@@ -82,13 +118,21 @@ def write_results(
     return json_path, md_path
 
 
-def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
-    """The one --out flag of every benchmark: where the JSON goes, the Markdown beside it."""
+def add_arguments(parser: argparse.ArgumentParser, name: str | None) -> None:
+    """The flags of every benchmark: --out, where the JSON goes (the Markdown beside it; name
+    None: the default is left to the script, which writes more than one result), and
+    --allow-dirty."""
+    default = None if name is None else RESULTS / f"{name}.json"
     parser.add_argument(
         "--out",
         type=Path,
-        default=RESULTS / f"{name}.json",
-        help=f"the JSON results, the .md beside it (default perf/results/{name}.json)",
+        default=default,
+        help=f"the JSON results, the .md beside it (default perf/results/{name or '<result>'}.json)",
+    )
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="write into perf/results/ even when tracked files differ from the commit (the results say so)",
     )
 
 
@@ -108,10 +152,10 @@ def fmt(value: Any, spec: str = ".1f") -> str:
 
 
 def run_facts(started: Started) -> dict:
-    commit, dirty_files = git_state()
     return {
-        "commit": commit,
-        "dirty_files": dirty_files,
+        "commit": started.commit,
+        "dirty_files": list(started.dirty_files),
+        "allow_dirty": started.allow_dirty,
         "date": started.utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "duration_s": round(time.monotonic() - started.monotonic, 1),
         "command": started.command,
@@ -180,12 +224,12 @@ def _version(package: str) -> str | None:
         return None
 
 
-def script_name(path: str) -> str:
-    """The script as a path from the repository's root when it is inside it."""
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return path
+def script_argv(path: str) -> list[str]:
+    """How the script is run again: `-m perf.<name>` for a benchmark here, else its path."""
+    script = Path(path).resolve()
+    if script.suffix == ".py" and script.parent == ROOT / "perf":
+        return ["-m", f"perf.{script.stem}"]
+    return [path]
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -197,12 +241,14 @@ def header(name: str, meta: dict) -> str:
     m, load = meta["machine"], meta["load"]
     coretype = load["openblas_coretype"]
     v = meta["versions"]
+    notes = [f"{len(meta['dirty_files'])} tracked files changed"] if meta["dirty_files"] else []
+    if meta["allow_dirty"]:
+        notes.append("written with --allow-dirty")
     return "\n".join(
         [
             f"# {name}",
             "",
-            f"- commit: `{meta['commit']}`"
-            + (f" ({len(meta['dirty_files'])} tracked files changed)" if meta["dirty_files"] else ""),
+            f"- commit: `{meta['commit']}`" + (f" ({'; '.join(notes)})" if notes else ""),
             f"- date: {meta['date'].replace('T', ' ').rstrip('Z')} UTC, {meta['duration_s']:.0f} s",
             f"- machine: {m['cpu']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), "
             f"{m['memory_gib']} GiB",

@@ -8,9 +8,9 @@ A side is a code tree (a git worktree of another commit, or this checkout: both 
 Python's packages) and extra `python -m runtime serve` flags:
 
     git worktree add /tmp/base HEAD~3
-    python perf/serving_ab.py --a /tmp/base --b .                  # null model, 256 streams
-    python perf/serving_ab.py --b-args "--stream-interval 4"       # one tree, two settings
-    python perf/serving_ab.py --model real --concurrency 32 --requests 96 --rounds 3 \\
+    python -m perf.serving_ab --a /tmp/base --b .                  # null model, 256 streams
+    python -m perf.serving_ab --b-args "--stream-interval 4"       # one tree, two settings
+    python -m perf.serving_ab --model real --concurrency 32 --requests 96 --rounds 3 \\
         --a-args "--quantization gguf-q8" --b-args "--quantization gguf-q8"
 Writes perf/results/serving_ab.json and serving_ab.md (perf/report.py), each server's log
 beside them (not committed).
@@ -24,8 +24,8 @@ import statistics
 import sys
 from pathlib import Path
 
-import report
-import serving_bench as sb
+from perf import report
+from perf import serving_bench as sb
 
 SIDES = ("a", "b")
 
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=sb.Workload.prompt_tokens)
     ap.add_argument("--output-tokens", type=int, default=sb.Workload.output_tokens)
     ap.add_argument("--request-timeout", type=float, default=600.0)
-    report.add_out_argument(ap, "serving_ab")  # the servers' logs go beside it too
+    report.add_arguments(ap, "serving_ab")  # the servers' logs go beside it too
     args = ap.parse_args(argv)
-    started = report.start(argv)
+    started = report.start(args, argv)
     for name in ("concurrency", "requests", "rounds", "output_tokens", "prompt_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")

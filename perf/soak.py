@@ -9,9 +9,9 @@ completion_tokens against the tokens it streamed, counted from its logprobs), th
 each process at the start and the end (by role: a restarted engine's processes are new),
 and each kill's recovery time (from the kill to the first request that succeeds again).
 
-    python perf/soak.py --duration 1800 --streams 32 --kill-every 300        # 30 minutes
-    python perf/soak.py --duration 60 --streams 8 --kill-every 20            # CI's minute
-    python perf/soak.py --server-args "--workers 2"
+    python -m perf.soak --duration 1800 --streams 32 --kill-every 300        # 30 minutes
+    python -m perf.soak --duration 60 --streams 8 --kill-every 20            # CI's minute
+    python -m perf.soak --server-args "--workers 2"
 Writes perf/results/soak.json and soak.md (perf/report.py), the server's log beside them.
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 
-import report
-import serving_bench as sb
+from perf import report
+from perf import serving_bench as sb
 
 ENGINE_ROLES = ("ringserve::scheduler", "ringserve::detokenizer")
 RECOVERY_TIMEOUT_S = 120.0  # a kill not recovered from by then is reported as such
@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="more `runtime serve` flags")
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
-    report.add_out_argument(ap, "soak")
+    report.add_arguments(ap, "soak")
     args = ap.parse_args(argv)
-    started = report.start(argv)
+    started = report.start(args, argv)
 
     extra = [*(["--null-model"] if args.model == "null" else []), *shlex.split(args.server_args)]
     log = args.out.with_name("soak_server.log")

@@ -1,7 +1,7 @@
 """Cost of building one SSE event (ns/event), ringserve's pre-encoded streams against the
 usual way (a dict per chunk, all through orjson). Single thread, best of several repeats.
 
-    python perf/sse_bench.py [--events 200000] [--repeats 5]
+    python -m perf.sse_bench [--events 200000] [--repeats 5]
 Prints a table; writes perf/results/sse.json and sse.md (perf/report.py)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import orjson
 
 from httpapi.logprobs import LogprobVocab, TokenLogprobs
 from httpapi.sse import ChatStream, CompletionStream
-
-import report
+from perf import report
 
 MODEL = "SmolLM2-135M-Instruct"
 ID = "chatcmpl-0123456789abcdef0123456789abcdef"
@@ -53,9 +52,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=5)
-    report.add_out_argument(ap, "sse")
+    report.add_arguments(ap, "sse")
     args = ap.parse_args()
-    started = report.start()
+    started = report.start(args)
 
     vocab = LogprobVocab([bytes([i]) for i in range(256)] + [b" word"] * 49152)
     chat = ChatStream(ID, 1700000000, MODEL, n_choices=4, vocab=vocab)

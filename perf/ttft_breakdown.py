@@ -14,9 +14,9 @@ the radix cache against one that computes it (pairs of fresh prefixes, same run)
 `--base TREE`, an A/B of plain (untraced) c=1 TTFT between another checkout (A) and this one
 (B), requests alternating between the two servers, both up at once.
 
-    python perf/ttft_breakdown.py                                   # null and real (gguf-q8, fp16 KV)
-    python perf/ttft_breakdown.py --models null --requests 200
-    git worktree add /tmp/base HEAD~1 && python perf/ttft_breakdown.py --base /tmp/base --models null
+    python -m perf.ttft_breakdown                                   # null and real (gguf-q8, fp16 KV)
+    python -m perf.ttft_breakdown --models null --requests 200
+    git worktree add /tmp/base HEAD~1 && python -m perf.ttft_breakdown --base /tmp/base --models null
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from pathlib import Path
 
 import orjson
 
-import report
-import serving_bench as sb
+from perf import report
+from perf import serving_bench as sb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_ENV = "RINGSERVE_TRACE_TTFT"
 REAL_ARGS = "--quantization gguf-q8 --kv-cache-dtype float16"
@@ -425,10 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-runs", type=int, default=20, help="in-process prefills of the real model (0: none)")
     ap.add_argument("--base", default=None, help="a code tree to A/B against this one (first of --models)")
     ap.add_argument("--request-timeout", type=float, default=300.0)
-    report.add_out_argument(ap, "ttft")
+    report.add_arguments(ap, "ttft")
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
-    started = report.start(argv)
+    started = report.start(args, argv)
     tokenizer = sb.load_tokenizer(None)
     loop, _ = sb.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -5,7 +5,6 @@ workload measured on ringserve, nothing left behind."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -13,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from perf import peer_bench as pb
+from perf import serving_bench as sb
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "perf"))  # the scripts import their siblings as top-level modules
-sb = importlib.import_module("serving_bench")
-pb = importlib.import_module("peer_bench")
 
 
 def test_itl_per_token_splits_a_chunk_of_n_tokens_into_n_gaps():
@@ -156,7 +155,8 @@ def test_null_model_run_without_llama_cpp(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "perf/peer_bench.py",
+            "-m",
+            "perf.peer_bench",
             "--null-model",
             "--llama-server",
             str(absent),

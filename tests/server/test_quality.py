@@ -3,28 +3,12 @@ separate ModelRunner) is KL 0 and top-1 agreement 1; gguf-q8 differs from it, by
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-PERF = Path(__file__).resolve().parents[2] / "perf"
+from perf import quality
 
 
-@pytest.fixture(scope="module")
-def quality():
-    sys.path.insert(0, str(PERF))  # quality.py imports report as perf/ scripts do
-    try:
-        spec = importlib.util.spec_from_file_location("perf_quality", PERF / "quality.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(PERF))
-    return module
-
-
-def test_the_corpus_is_several_documents_of_thousands_of_tokens(quality):
+def test_the_corpus_is_several_documents_of_thousands_of_tokens():
     from transformers import AutoTokenizer
 
     from gpu.models.model_files import resolve_model_dir
@@ -35,7 +19,7 @@ def test_the_corpus_is_several_documents_of_thousands_of_tokens(quality):
     assert max(len(w) for w in windows) == 512
 
 
-def test_exact_against_itself_is_zero_and_gguf_q8_is_close(quality):
+def test_exact_against_itself_is_zero_and_gguf_q8_is_close():
     from transformers import AutoTokenizer
 
     from gpu.models.model_files import resolve_model_dir

@@ -61,7 +61,8 @@ def test_quick_null_model_run_writes_every_field(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "perf/serving_bench.py",
+            "-m",
+            "perf.serving_bench",
             "--quick",
             "--models",
             "null",
@@ -123,7 +124,8 @@ def test_ab_run_alternates_two_servers_and_reports_ratios(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "perf/serving_ab.py",
+            "-m",
+            "perf.serving_ab",
             "--rounds",
             "2",
             "--requests",

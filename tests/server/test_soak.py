@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_minute_of_load_with_engine_kills(tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "perf/soak.py", "--duration", "60", "--streams", "8", "--kill-every", "20"]
+    cmd = [sys.executable, "-m", "perf.soak", "--duration", "60", "--streams", "8", "--kill-every", "20"]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
