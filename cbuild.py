@@ -1,6 +1,6 @@
 """C sources built with the system compiler on first use, cached by content.
 
-Shared by gpu.kernels (ctypes libraries), ipc and runtime (CPython extensions): all call
+Shared by gpu.kernels (ctypes libraries), ipc, gpu.kvcache and runtime (CPython extensions): all call
 `build`, which compiles once into the cache directory, keyed by the sources, the
 headers they may include and the flags, so an edited source or another Python
 rebuilds and an unchanged one is only loaded."""

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu.forward_batch import PromptLogprobsAsk, StepInput, TokenMask
+from gpu.kvcache.radix_cache import RadixCache
+from gpu.kvcache.req_table import MAX_STOP_IDS, ReqTable
 from protocol.payloads import pack_prompt_logprobs
 from protocol.record_bytes import concat_records
 from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, TokenKind
@@ -28,9 +30,7 @@ from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.grammar import GrammarError, make_grammar_backend
 from runtime.scheduler.policy import order_queue
-from runtime.scheduler.radix_cache import RadixCache
 from runtime.scheduler.req import Req, ReqStatus
-from runtime.scheduler.req_table import MAX_STOP_IDS, ReqTable
 from runtime.scheduler.speculative import make_speculator
 
 logger = logging.getLogger(__name__)

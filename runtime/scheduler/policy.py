@@ -3,7 +3,7 @@ which keeps a shared prefix hot and saves prefill work; SGLang's default)."""
 
 from __future__ import annotations
 
-from runtime.scheduler.radix_cache import RadixCache
+from gpu.kvcache.radix_cache import RadixCache
 from runtime.scheduler.req import Req
 
 LPM_MAX_QUEUE = 128  # past this, matching every queued prompt each step costs more than it saves

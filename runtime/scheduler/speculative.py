@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu.kvcache.req_table import ReqTable
 from protocol.sampling_params import SamplingParams
-from runtime.scheduler.req_table import ReqTable
 
 # decodes in a step above which none is drafted for
 MAX_BATCH = 4

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu.kvcache.page_pool import PagePool
-from runtime.scheduler.radix_cache import RadixCache
+from gpu.kvcache.radix_cache import RadixCache
 
 PS = 4
 

@@ -1,4 +1,4 @@
-"""The request table's per-step bookkeeping: the C version (runtime/scheduler/step_core.c) against the
+"""The request table's per-step bookkeeping: the C version (gpu/kvcache/step_core.c) against the
 numpy one, through whole schedulers run side by side on random traffic (chunked prefill,
 retraction, stop tokens, min_tokens, aborts), and the C version's argument checks."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from scheduler_driver import PS, Recording, assert_pages_accounted, make, null_runner
 
+from gpu.kvcache.req_table import ReqTable, step_core
 from protocol.records import TOKEN_OUT
 from protocol.sampling_params import SamplingParams
-from runtime.scheduler.req_table import ReqTable, step_core
 
 native = pytest.mark.skipif(step_core() is None, reason="the C step bookkeeping cannot be built here")
 

@@ -6,9 +6,12 @@ A row is held from admission to finish/abort/retraction and is the same row inde
 model runner keeps its per-request sampler state in.
 
 The per-step methods (decode_rows, add_pages, step_input, append, reserved_tokens) run in C
-(runtime/scheduler/step_core.c: one call each, where numpy needs dozens of calls a step, each with
+(gpu/kvcache/step_core.c: one call each, where numpy needs dozens of calls a step, each with
 a fixed cost whatever the batch) or, where it cannot be built, as the numpy below: same results
 (tests run both).
+
+A request is known here only as a RowOwner (what admission reads from it), so that the KV
+cache imports nothing from the scheduler that drives it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from __future__ import annotations
 import warnings
 from functools import lru_cache
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
 from cbuild import BuildError, build_extension
 from protocol.record_bytes import take_records
 from protocol.records import TOKEN_OUT, Finish
-from runtime.scheduler.req import Req
+from protocol.sampling_params import SamplingParams
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request
 _LENGTH, _STOP = np.uint8(Finish.LENGTH), np.uint8(Finish.STOP)
@@ -33,7 +37,7 @@ _SOURCE = Path(__file__).with_name("step_core.c")
 def step_core() -> type | None:
     """The StepCore type, or None where the numpy path is used."""
     try:
-        return build_extension("runtime.step_core", _SOURCE, subdir="runtime").StepCore
+        return build_extension("gpu.kvcache.step_core", _SOURCE, subdir="kvcache").StepCore
     except (BuildError, ImportError, OSError) as e:
         warnings.warn(
             f"scheduler: the C step bookkeeping is unavailable ({e}); numpy does it", RuntimeWarning, stacklevel=2
@@ -46,7 +50,23 @@ def _c(a: np.ndarray, dtype: type) -> np.ndarray:
     return np.ascontiguousarray(a, dtype)
 
 
-class ReqTable:
+class RowOwner(Protocol):
+    """What the table reads from a request it admits, and the row it gives it (-1 once released)."""
+
+    worker: int
+    slot: int
+    generation: int
+    prompt: np.ndarray  # int32 [P]
+    params: SamplingParams
+    arrival: int
+    cached_tokens: int
+    row: int
+
+
+R = TypeVar("R", bound=RowOwner)
+
+
+class ReqTable(Generic[R]):
     def __init__(self, num_rows: int, max_seq_len: int, page_size: int, native: bool = True) -> None:
         self.num_rows = num_rows
         self.max_seq_len = max_seq_len
@@ -66,7 +86,7 @@ class ReqTable:
         # cached tokens): a step's records start as one gather of these
         self.events = np.zeros(num_rows, dtype=TOKEN_OUT.dtype)
         self.active = np.zeros(num_rows, dtype=bool)
-        self.reqs: list[Req | None] = [None] * num_rows
+        self.reqs: list[R | None] = [None] * num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.ones = np.ones(num_rows, np.int64)  # decodes' q_lens: a slice (shared, so read-only)
         self.ones.flags.writeable = False
@@ -107,7 +127,7 @@ class ReqTable:
     def num_active(self) -> int:
         return self.num_rows - len(self._free_rows)
 
-    def admit(self, req: Req, fill: np.ndarray, max_len: int, stop_ids: np.ndarray) -> int:
+    def admit(self, req: R, fill: np.ndarray, max_len: int, stop_ids: np.ndarray) -> int:
         """Takes a free row for `req`, whose known tokens are `fill`; returns the row."""
         row = self._free_rows.pop()
         n, p = len(fill), len(req.prompt)

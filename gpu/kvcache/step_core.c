@@ -1,4 +1,4 @@
-/* The scheduler's per-step bookkeeping over its request table (runtime/scheduler/req_table.py builds
+/* The scheduler's per-step bookkeeping over its request table (gpu/kvcache/req_table.py builds
  * this on first use and keeps a numpy version of each method where it cannot be built).
  *
  * A decode step touches every running row a few times: pick the rows that decode, give
