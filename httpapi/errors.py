@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import orjson
 
+from protocol.records import ErrorCode
 from protocol.sampling_params import InvalidParam
 
 
@@ -91,3 +92,16 @@ def engine_unavailable(message: str = "The inference engine is not running.") ->
 
 def internal_error() -> APIError:
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
+
+
+def engine_error(code: int, message: str) -> APIError:
+    """The APIError of a request the engine ended with an ERROR record."""
+    if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_REQUEST):
+        return bad_request(
+            message or "The engine rejected the request.",
+            None,
+            code="context_length_exceeded" if code == ErrorCode.PROMPT_TOO_LONG else None,
+        )
+    if code == ErrorCode.OVERLOADED:
+        return engine_unavailable(message or "The engine is overloaded; retry later.")
+    return APIError(500, message or "The engine failed the request.", type="server_error", code="internal_error")

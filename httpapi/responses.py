@@ -1,7 +1,7 @@
 """Non-streaming response bodies: chat.completion, text_completion and SGLang's /generate.
 
-The TokenizerManager collects one ChoiceResult per choice (index i * n + j for the j-th
-sample of prompt i) and hands them here in index order."""
+A route takes one ChoiceResult per choice (index i * n + j for the j-th sample of prompt i)
+from the choices' states (choice_results) and hands them here in index order."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
@@ -24,6 +25,7 @@ from httpapi.logprobs import (
     sglang_prompt_logprobs,
     vllm_prompt_logprobs,
 )
+from protocol.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -76,6 +78,72 @@ class ChoiceResult:
     e2e_latency: float | None = None  # seconds from arrival to its end, once finished (/generate)
     output_ids: list[int] | None = None  # its token ids so far (/generate)
     prompt_logprobs: PromptLogprobs | None = None  # when asked (SamplingParams.prompt_logprobs)
+
+
+class _Request(Protocol):
+    @property
+    def arrival_ns(self) -> int: ...
+
+
+class ChoiceState(Protocol):
+    """A choice as the engine side keeps it (runtime/http_worker/req_state.py's ReqState):
+    what its results are read from."""
+
+    index: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_ids: list[int]
+
+    @property
+    def group(self) -> _Request: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def matched_stop(self) -> int | str | None: ...
+
+    def take(self) -> tuple[str, TokenLogprobs | None, str | None]: ...
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None: ...
+
+
+def choice_results(states: Sequence[ChoiceState], prefixes: list[str] | None = None) -> list[ChoiceResult]:
+    """Each finished choice's result, what it has not taken yet; `prefixes`: each choice's
+    text starts with its own (an echoed prompt)."""
+    results = []
+    for state in states:
+        text, lp, finish = state.take()
+        if prefixes is not None:
+            text = prefixes[state.index] + text
+        results.append(
+            ChoiceResult(
+                state.index,
+                text,
+                finish,
+                usage_of(state),
+                lp,
+                state.matched_stop,
+                e2e_latency(state),
+                output_ids_of(state),
+                state.take_prompt_logprobs(),
+            )
+        )
+    return results
+
+
+def output_ids_of(state: ChoiceState) -> list[int] | None:
+    return state.output_ids if state.params.return_ids else None
+
+
+def e2e_latency(state: ChoiceState) -> float:
+    """Seconds from the request's arrival to now (its end, when asked of a finished choice)."""
+    return (time.monotonic_ns() - state.group.arrival_ns) * 1e-9
+
+
+def usage_of(state: ChoiceState) -> Usage:
+    return Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
 
 
 def chat_completion_body(

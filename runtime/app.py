@@ -2,7 +2,7 @@
 
 Each granian worker runs the app's lifespan: it starts the engine or attaches to the one
 another worker started (runtime/supervise/launcher.py), takes a worker index, connects its
-REQUEST and TEXT_OUT channels and runs one TokenizerManager (runtime/http_worker/). Settings
+REQUEST and TEXT_OUT channels and runs its HTTPWorkerProcess (runtime/http_worker/main.py). Settings
 come from RINGSERVE_* environment variables (ServerArgs.from_env; `python -m runtime serve`
 sets them from its flags).
 """

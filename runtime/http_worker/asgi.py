@@ -1,5 +1,5 @@
 """The ASGI app object of a granian worker: route dispatch, the lifespan that starts the
-worker's HTTPWorker, and the helpers every route shares (bodies, errors, the API key).
+worker's HTTPWorkerProcess, and the helpers every route shares (bodies, errors, the API key).
 Every route answers APIError with its OpenAI-format body; anything else is a bug, logged,
 and a 500. The app also answers CORS (vLLM's flags, off unless origins are listed: Cors) and echoes a
 request's x-request-id, which the OpenAI routes take as the request's name (client_request_id)."""
@@ -18,11 +18,12 @@ from starlette.responses import Response
 from gpu.models.model_files import ModelLoadError
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError, bad_request, body_timeout, body_too_large, internal_error, model_not_found
-from httpapi.requests import check_request_id
+from httpapi.request_fields import check_request_id
 from runtime.config import ServerArgs
 from runtime.http_worker.disconnect import take_due
-from runtime.http_worker.tokenizer_manager import ClientGone
-from runtime.http_worker.worker import HTTPWorker
+from runtime.http_worker.main import start_http_worker
+from runtime.http_worker.process import HTTPWorkerProcess
+from runtime.http_worker.req_state import ClientGone
 from runtime.supervise.files import EngineStartError
 
 logger = logging.getLogger("ringserve.app")
@@ -271,7 +272,7 @@ class App:
         for path, methods in routes.items():
             self.add_route(path, methods)
         self.model_card = model_card
-        self.worker: HTTPWorker | None = None
+        self.worker: HTTPWorkerProcess | None = None
         self.body_reads = BodyReads()
         self.cors: Cors | None = None  # from the worker's arguments, at start-up
 
@@ -338,7 +339,7 @@ class App:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    self.worker = await HTTPWorker.start()
+                    self.worker = await start_http_worker()
                 except (EngineStartError, ModelLoadError) as e:
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e}"})
                     return

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.engine_stats import used_kv_pages
+from runtime.http_worker.req_state import ReqState
 
 # SGLang's names, label (model_name) and default buckets (python/sglang/srt/metrics/collector.py,
 # TokenizerMetricsCollector), so that its Grafana dashboard reads ringserve unchanged
@@ -119,7 +120,7 @@ class WorkerMetrics:
     def count_request(self, endpoint: str) -> None:
         self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
 
-    def observe_request(self, arrival_ns: int, end_ns: int, choices: list) -> None:
+    def observe_request(self, arrival_ns: int, end_ns: int, choices: list[ReqState]) -> None:
         """A request that ended, however (finished, aborted, failed): its choices' (ReqState)
         counts and latencies, each choice one of SGLang's requests."""
         e2e = (end_ns - arrival_ns) * 1e-9
@@ -137,6 +138,14 @@ class WorkerMetrics:
             aborted += reason == "abort"
         pending["sglang:num_requests"] += len(choices)
         pending["sglang:num_aborted_requests"] += aborted
+
+    def observe_delta(self, state: ReqState, now_ns: int) -> None:
+        """Inter-token latency of a streamed delta: its interval spread over its tokens."""
+        k = state.completion_tokens - state.sent_tokens
+        if k > 0:
+            if state.sent_tokens:
+                self.itl.observe((now_ns - state.last_ns) * 1e-9 / k, k)
+            state.sent_tokens, state.last_ns = state.completion_tokens, now_ns
 
     def flush(self) -> None:
         for endpoint, n in self.requests.items():

@@ -1,37 +1,38 @@
 """The routes: OpenAI's, SGLang's native ones, health and metrics. Each stays thin: httpapi/
 does the protocol (parsing, validation, bodies, SSE templates), the TokenizerManager the
-engine side, the HTTPWorker the state they share."""
+engine side, the HTTPWorkerProcess the state they share."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
+from httpapi.chat_request import ChatCompletionRequest, parse_chat_completion
 from httpapi.errors import bad_request, engine_unavailable
 from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
 from httpapi.requests import (
-    ChatCompletionRequest,
     parse_abort,
-    parse_chat_completion,
     parse_completion,
     parse_detokenize,
     parse_generate,
     parse_tokenize,
 )
 from httpapi.responses import (
-    ChoiceResult,
     Usage,
     chat_completion_body,
+    choice_results,
     completion_body,
+    e2e_latency,
     generate_body,
     new_request_id,
     now,
+    output_ids_of,
+    usage_of,
 )
 from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
 from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
@@ -48,8 +49,8 @@ from runtime.http_worker.asgi import (
     probe_route,
     read_body,
 )
+from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.streaming import EventStream, sse_events
-from runtime.http_worker.tokenizer_manager import ReqGroup, ReqState
 from structured.tool_parsers import PARSERS, make_parser
 from structured.tools import HERMES_TEMPLATE
 
@@ -67,41 +68,6 @@ async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
         worker.observe(group)
 
 
-def choice_results(states: list[ReqState], prefixes: list[str] | None = None) -> list[ChoiceResult]:
-    results = []
-    for state in states:
-        text, lp, finish = state.take()
-        if prefixes is not None:
-            text = prefixes[state.index] + text
-        results.append(
-            ChoiceResult(
-                state.index,
-                text,
-                finish,
-                usage_of(state),
-                lp,
-                state.matched_stop,
-                e2e_latency(state),
-                output_ids_of(state),
-                state.take_prompt_logprobs(),
-            )
-        )
-    return results
-
-
-def output_ids_of(state: ReqState) -> list[int] | None:
-    return state.output_ids if state.params.return_ids else None
-
-
-def e2e_latency(state: ReqState) -> float:
-    """Seconds from the request's arrival to now (its end, when asked of a finished choice)."""
-    return (time.monotonic_ns() - state.group.arrival_ns) * 1e-9
-
-
-def usage_of(state: ReqState) -> Usage:
-    return Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
-
-
 # ---------------------------------------------------------------- OpenAI
 
 
@@ -109,7 +75,7 @@ def usage_of(state: ReqState) -> Usage:
 async def chat_completions(worker, request: Request) -> Response:
     req = parse_chat_completion(await read_body(request))
     check_model(req.model, worker.served_names)
-    await worker.check_grammars([req.sampling])
+    await worker.grammar_checks.check([req.sampling])
     ids = await worker.tm.chat_ids(req.messages, req.template)
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
@@ -195,7 +161,7 @@ def chat_events(
 async def completions(worker, request: Request) -> Response:
     req = parse_completion(await read_body(request))
     check_model(req.model, worker.served_names)
-    await worker.check_grammars([req.sampling])
+    await worker.grammar_checks.check([req.sampling])
     prompt_ids = [await prompt_tokens(worker, p, "prompt", req.add_special_tokens) for p in req.prompts]
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
@@ -299,7 +265,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 @api_route
 async def generate(worker, request: Request) -> Response:
     req = parse_generate(await read_body(request))
-    await worker.check_grammars(req.samplings)
+    await worker.grammar_checks.check(req.samplings)
     prompt_param = req.samplings[0].prompt_param
     prompt_ids = [await prompt_tokens(worker, p, prompt_param) for p in req.prompts]
     params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]

@@ -11,7 +11,7 @@ from starlette.datastructures import MutableHeaders
 from httpapi.errors import APIError
 from httpapi.sse import DONE, HEADERS, error_event
 from runtime.http_worker.disconnect import DisconnectWatches
-from runtime.http_worker.tokenizer_manager import ClientGone, ReqGroup, ReqState
+from runtime.http_worker.req_state import ClientGone, ReqGroup, ReqState
 
 _SSE_HEADERS = [(k.encode(), v.encode()) for k, v in HEADERS.items()]
 

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from httpapi.requests import MAX_REQUEST_ID_CHARS
+from httpapi.request_fields import MAX_REQUEST_ID_CHARS
 
 GOOD = "http://good.example"
 BAD = "http://evil.example"

@@ -73,7 +73,7 @@ def test_the_rings_carry_what_one_request_may_hold():
 
     assert REQUEST_SPEC.arena_bytes == REQUEST_ARENA_BYTES
     assert TOKEN_OUT_SPEC.arena_bytes == TOKEN_OUT_ARENA_BYTES
-    from httpapi.requests import MAX_CHOICES
+    from httpapi.request_fields import MAX_CHOICES
 
     largest_stops = 4 + 4 * MAX_STOP_STRINGS + MAX_STOP_BYTES
     assert MAX_CHOICES * largest_stops <= MAX_OPEN_PAYLOAD_BYTES < TOKEN_OUT_ARENA_BYTES // 2
@@ -165,7 +165,8 @@ def tokenizer():
 def small_tm(tokenizer, made: list):
     from ipc.channel import Channel, ChannelSpec
     from ipc.wakeup import Waker
-    from runtime.http_worker.tokenizer_manager import ModelInfo, TokenizerManager
+    from runtime.http_worker.core import ModelInfo, TokenizerManager
+    from runtime.http_worker.process import RequestOutbox
 
     tm_waker, engine_waker = Waker(), Waker()
     req = Channel.create(ChannelSpec(REQUEST, 64, 1 << 16), "producer", tm_waker, engine_waker.fd)
@@ -174,7 +175,7 @@ def small_tm(tokenizer, made: list):
     text_in = Channel.attach(*text.describe(), tm_waker)
     made += [req, req_in, text, text_in, tm_waker, engine_waker]
     model = ModelInfo("", "m", "LlamaForCausalLM", 2048, tokenizer.vocab_size)
-    return TokenizerManager(0, req, text_in, tm_waker, tokenizer, model, request_timeout=60), req_in
+    return TokenizerManager(0, RequestOutbox(req).send, tokenizer, model, request_timeout=60), req_in
 
 
 def test_failed_submit_leaves_nothing_registered(tokenizer):
@@ -185,7 +186,6 @@ def test_failed_submit_leaves_nothing_registered(tokenizer):
 
         async def run() -> None:
             tm, req_in = small_tm(tokenizer, made)
-            tm.start()
             try:
                 free = len(tm._free)
                 too_big = [list(range(1, 40_000))]  # 160 KB of ids: more than the 64 KiB arena
@@ -197,7 +197,7 @@ def test_failed_submit_leaves_nothing_registered(tokenizer):
                 assert req_in.pop().records["kind"].tolist() == [1]
                 assert tm.abort_rid("my-rid") == 1 and group.unfinished == 0
             finally:
-                await tm.close()
+                tm.close()
 
         asyncio.run(run())
     finally:

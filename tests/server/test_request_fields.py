@@ -21,8 +21,9 @@ import httpx
 import orjson
 import pytest
 
+from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import APIError
-from httpapi.requests import parse_chat_completion, parse_completion, parse_generate
+from httpapi.requests import parse_completion, parse_generate
 from protocol.sampling_params import GrammarKind
 
 CHAT, COMPLETIONS, GENERATE, SAMPLING = "chat", "completions", "generate", "sampling_params"

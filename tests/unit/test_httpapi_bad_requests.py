@@ -9,11 +9,11 @@ from transformers import AutoTokenizer
 
 from gpu.models.model_files import resolve_model_dir
 from httpapi.auth import check_api_key
+from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import APIError
 from httpapi.info import check_model
 from httpapi.requests import (
     parse_abort,
-    parse_chat_completion,
     parse_completion,
     parse_detokenize,
     parse_generate,

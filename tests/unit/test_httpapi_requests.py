@@ -6,10 +6,10 @@ import numpy as np
 import orjson
 import pytest
 
+from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import APIError
 from httpapi.requests import (
     parse_abort,
-    parse_chat_completion,
     parse_completion,
     parse_detokenize,
     parse_generate,

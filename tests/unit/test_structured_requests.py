@@ -9,8 +9,9 @@ import orjson
 import pytest
 import xgrammar
 
+from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import APIError
-from httpapi.requests import parse_chat_completion, parse_completion, parse_generate
+from httpapi.requests import parse_completion, parse_generate
 from protocol.sampling_params import MAX_GRAMMAR_BYTES, GrammarKind
 from structured.grammars import (
     MAX_SCHEMA_DEPTH,
@@ -205,10 +206,10 @@ def test_grammar_checks_held_at_once_are_bounded():
     import threading
 
     from httpapi.errors import APIError
-    from runtime.http_worker.worker import GrammarChecks
+    from runtime.http_worker.grammar_checks import GrammarChecks
 
     async def scenario() -> None:
-        checks, release = GrammarChecks(threads=1, limit=2), threading.Event()
+        checks, release = GrammarChecks("xgrammar", False, threads=1, limit=2), threading.Event()
         held = [asyncio.ensure_future(checks.run(release.wait)) for _ in range(2)]
         await asyncio.sleep(0.05)  # both are held: one running, one queued
         with pytest.raises(APIError) as caught:  # at once: not queued behind the held ones

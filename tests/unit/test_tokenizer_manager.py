@@ -1,5 +1,6 @@
 """The TokenizerManager between real rings in this process: this test plays the scheduler
-(pops the REQUEST channel) and feeds the TEXT_OUT channel through a real TextDeltas."""
+(pops the REQUEST channel), feeds the TEXT_OUT channel through a real Detokenizer core, and
+hands what it pops to the TM as the worker process's reader does (deliver)."""
 
 import asyncio
 import threading
@@ -18,14 +19,10 @@ from ipc.wakeup import Waker
 from protocol.payloads import pack_prompt_logprobs
 from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
 from protocol.sampling_params import SamplingParams
-from runtime.detokenizer.deltas import TextDeltas
-from runtime.http_worker.tokenizer_manager import (
-    LONG_CONVERSATION_MESSAGES,
-    LONG_DECODE_IDS,
-    ChatTemplate,
-    ModelInfo,
-    TokenizerManager,
-)
+from runtime.detokenizer.core import Detokenizer
+from runtime.http_worker.chat_template import ChatTemplate
+from runtime.http_worker.core import LONG_CONVERSATION_MESSAGES, LONG_DECODE_IDS, ModelInfo, TokenizerManager
+from runtime.http_worker.process import RequestOutbox
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +49,12 @@ def rings():
     engine_waker.close()
 
 
+def deliver(tm: TokenizerManager, text_in: Channel) -> None:
+    """Every TEXT_OUT batch waiting, to the TM."""
+    while (batch := text_in.pop()) is not None:
+        tm.dispatch(batch.records, batch.payload)
+
+
 def opened(new: np.ndarray) -> Batch:
     """The scheduler's OPEN record of the request in the REQUEST record `new`."""
     rec = np.zeros(1, TOKEN_OUT.dtype)
@@ -65,12 +68,11 @@ def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, 
     holds it: the TM must abort it there, or it runs to max_tokens for nobody (seen: six such
     requests of 4000 tokens each after a burst of 70 x 128 choices)."""
     waker, req_out, req_in, text_out, text_in = rings
-    router = TextDeltas(tokenizer, max_open=1)
+    router = Detokenizer(tokenizer, max_open=1)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
 
     async def run() -> tuple[np.ndarray, np.ndarray]:
-        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60)
-        tm.start()
+        tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60)
         try:
             params = SamplingParams(max_new_tokens=4000, ignore_eos=True)
             groups = [await tm.submit([[1, 2, 3]], [params]) for _ in range(2)]
@@ -80,6 +82,7 @@ def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, 
                 recs, blob = router.handle(opened(new))
                 if len(recs):
                     text_out.push_all(recs, blob)
+            deliver(tm, text_in)
             with pytest.raises(APIError) as refused:
                 await asyncio.wait_for(groups[1].finished(), 5)
             assert refused.value.status == 503
@@ -87,7 +90,7 @@ def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, 
             batch = req_in.pop()
             return news, np.zeros(0, REQUEST.dtype) if batch is None else batch.records
         finally:
-            await tm.close()
+            tm.close()
 
     news, aborts = asyncio.run(run())
     address = [(int(r["kind"]), int(r["slot"]), int(r["gen"])) for r in aborts]
@@ -98,7 +101,7 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
     """--stream-interval 3: a streamed choice's coroutine wakes at tokens 1, 4, 7 and at its
     end (SGLang's rule), with every token's text; a non-streamed one once, at its end."""
     waker, req_out, req_in, text_out, text_in = rings
-    router = TextDeltas(tokenizer, max_open=4)
+    router = Detokenizer(tokenizer, max_open=4)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
     ids = tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
     assert len(ids) == 8
@@ -119,8 +122,7 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
         return woken, text
 
     async def run():
-        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60, stream_interval=3)
-        tm.start()
+        tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60, stream_interval=3)
         try:
             params = SamplingParams(max_new_tokens=len(ids))
             streamed = await tm.submit([[1, 2, 3]], [params], stream=True)
@@ -129,10 +131,11 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
             news = req_in.pop().records
             for batch in [opened(new) for new in news] + [token(new, k) for k in range(1, 9) for new in news]:
                 text_out.push_all(*router.handle(batch))
+                deliver(tm, text_in)
                 await asyncio.sleep(0.02)  # each record read, and its coroutine run, before the next
             return await asyncio.gather(*watchers)
         finally:
-            await tm.close()
+            tm.close()
 
     (stream_woken, stream_text), (whole_woken, whole_text) = asyncio.run(run())
     want = tokenizer.decode(ids)
@@ -168,7 +171,7 @@ def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, rings):
     loop_threads = []
 
     async def run() -> tuple[set[int], set[int], set[int], set[int]]:
-        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60)
+        tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60)
         loop_threads.append(threading.get_ident())
         decoded, rendered = [], []
         decode, render = tokenizer.decode, tm._chat_template.render
@@ -197,7 +200,7 @@ def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, rings):
             return small_decode, big_decode, small_render, big_render
         finally:
             del tm.tokenizer.decode
-            await tm.close()
+            tm.close()
 
     small_decode, big_decode, small_render, big_render = asyncio.run(run())
     assert small_decode == small_render == {loop_threads[0]}
@@ -210,7 +213,7 @@ def test_prompt_logprobs_records_are_collected_without_a_wake(tokenizer, rings):
     token's record, which wakes the streamed choice; take_prompt_logprobs joins them once. A
     stale one (an old generation of the slot) is dropped."""
     waker, req_out, req_in, text_out, text_in = rings
-    router = TextDeltas(tokenizer, max_open=4)
+    router = Detokenizer(tokenizer, max_open=4)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
     prompt = list(range(300, 307))  # 7 positions: [0, 4) then [4, 7)
     lps = np.array([np.nan, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0], np.float32)
@@ -236,28 +239,28 @@ def test_prompt_logprobs_records_are_collected_without_a_wake(tokenizer, rings):
         rec["finish"] = Finish.LENGTH
         return Batch(rec, np.zeros(0, np.uint8))
 
-    async def feed(batch: Batch) -> None:
+    async def feed(tm: TokenizerManager, batch: Batch) -> None:
         text_out.push_all(*router.handle(batch))
-        await asyncio.sleep(0.05)  # read and dispatched
+        deliver(tm, text_in)
+        await asyncio.sleep(0.05)  # anything woken runs
 
     async def run():
-        tm = TokenizerManager(0, req_out, text_in, waker, tokenizer, model, request_timeout=60)
-        tm.start()
+        tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60)
         try:
             params = SamplingParams(max_new_tokens=1, prompt_logprobs=2)
             group = await tm.submit([prompt], [params], stream=True)
             (new,) = req_in.pop().records
             (state,) = group.states
-            await feed(opened(new))
-            await feed(prompt_record(new, 0, 4))
-            await feed(prompt_record(new, 0, 4, gen=int(new["gen"]) + 1))  # stale
-            await feed(prompt_record(new, 4, 7))
+            await feed(tm, opened(new))
+            await feed(tm, prompt_record(new, 0, 4))
+            await feed(tm, prompt_record(new, 0, 4, gen=int(new["gen"]) + 1))  # stale
+            await feed(tm, prompt_record(new, 4, 7))
             before = (list(group.news), state.first_ns, state.completion_tokens, len(state.prompt_logprobs))
-            await feed(token(new))
+            await feed(tm, token(new))
             news = await asyncio.wait_for(group.next_news(), 5)
             return before, news, state, state.take_prompt_logprobs(), state.take_prompt_logprobs()
         finally:
-            await tm.close()
+            tm.close()
 
     before, news, state, plp, again = asyncio.run(run())
     assert before == ([], 0, 0, 2), "prompt logprobs alone wake nothing and count no token"

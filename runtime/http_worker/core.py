@@ -1,9 +1,10 @@
-"""The TokenizerManager: one per HTTP worker, on the worker's event loop.
+"""The TokenizerManager: one per HTTP worker, on the worker's event loop; transport-free (the
+worker process, process.py, moves its records through the rings).
 
-    tm = TokenizerManager(worker, request_ch, text_ch, waker, tokenizer, model, request_timeout, stream_interval)
-    tm.start()                                   # the reader, the sender, the timeout sweeper
+    tm = TokenizerManager(worker, send, tokenizer, model, request_timeout, stream_interval)
     ids = await tm.encode(text) / await tm.chat_ids(messages)
-    group = await tm.submit(prompts, params, stream=True)  # one ReqState per choice, records pushed
+    group = await tm.submit(prompts, params, stream=True)  # one ReqState per choice, records sent
+    tm.dispatch(records, payload)                # each TEXT_OUT batch the worker's reader pops
     while not group.done:                        # streaming
         for state in await group.next_news(): text, logprobs, finish = state.take()
     states = await group.finished()              # non-streaming: every choice done
@@ -11,8 +12,8 @@
 
 A request is named on the token path by (worker, slot, gen): `slot` indexes this TM's
 table, `gen` is unique in this process (a random start, so a respawned worker's
-requests never match its dead predecessor's). One reader task pops the TEXT_OUT
-channel for the whole worker, drops stale records with one vectorised gen check, and
+requests never match its dead predecessor's). The worker's one reader hands each TEXT_OUT
+batch to `dispatch`, which drops stale records with one vectorised gen check and
 appends each record's delta bytes to its request's ReqState; the request's
 coroutine is woken with one future per wait, never a queue of per-token objects.
 A coroutine that was busy (its client is slow) finds several deltas pending and
@@ -30,36 +31,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from httpapi.errors import APIError, bad_request, engine_unavailable
+from httpapi.chat_request import ChatTemplateArgs
+from httpapi.errors import APIError, bad_request, engine_error, engine_unavailable
 from httpapi.logprobs import PromptLogprobs, TokenLogprobs
-from httpapi.requests import ChatTemplateArgs
 from httpapi.sampling import check_prompt_chars
 from protocol.payloads import unpack_logprobs, unpack_prompt_logprobs
 from protocol.record_bytes import concat_records, record_fields, take_records
-from protocol.records import MAX_REQUEST_PAYLOAD_BYTES, ErrorCode, Finish, RequestKind, TextKind
+from protocol.records import MAX_REQUEST_PAYLOAD_BYTES, Finish, RequestKind, TextKind
 from protocol.request_records import pack_control, pack_request, rid_hash
 from protocol.sampling_params import SamplingParams
+from runtime.http_worker.chat_template import ChatTemplate
 from runtime.http_worker.prompt_encoder import PromptEncoder
-from runtime.ttft_trace import TtftTrace
+from runtime.http_worker.req_state import ClientGone, ReqGroup, ReqState
 
 logger = logging.getLogger("ringserve.tokenizer_manager")
 
 LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 LONG_CONVERSATION_MESSAGES = 64  # longer conversations are rendered off the event loop
 LONG_DECODE_IDS = 4096  # longer id lists are decoded off the event loop
-NEVER = 1 << 62  # a non-streamed choice's wake_at: only its end wakes it
 _PROMPT_LOGPROBS = int(TextKind.PROMPT_LOGPROBS)
-TIMEOUT_SWEEP_S = 1.0
 MIN_TOKEN_CHARS = 16  # the characters a token may hold, at least (longest_token_chars)
 
 
@@ -79,21 +77,6 @@ def prompt_of(choice: int, n_choices: int, n_prompts: int) -> int:
     return choice * n_prompts // n_choices
 
 
-def read_chat_template(value: str) -> str:
-    """--chat-template's template (a file's text, or the value itself), compiled once as the
-    tokenizer's own is: raises ValueError saying why it does not compile."""
-    text = Path(value).read_text() if os.path.isfile(value) else value
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # another transformers: a broken template then fails each chat request (400)
-        return text
-    try:
-        _compile_jinja_template(text)
-    except Exception as e:  # jinja2's TemplateSyntaxError and the like
-        raise ValueError(f"--chat-template does not compile: {e}") from None
-    return text
-
-
 def longest_token_chars(tokenizer: Any) -> int:
     """Twice the characters of the vocabulary's longest token as the tokenizer spells it (a
     byte-level BPE's token is spelled a character a byte, so it bounds the token's text): a text
@@ -105,222 +88,21 @@ def longest_token_chars(tokenizer: Any) -> int:
     return 2 * max(MIN_TOKEN_CHARS, longest)
 
 
-class ChatTemplate:
-    """The tokenizer's chat template, compiled once and rendered directly: a fraction of the
-    cost of apply_chat_template, whose per-call conversions plain {"role", "content"}
-    messages do not need; and with its variables built once (jinja's render() merges the
-    template's globals, a ChainMap, into a new dict every call: most of a short render).
-    Used only if it renders a sample conversation exactly as apply_chat_template does;
-    otherwise (or on a transformers without the compiler) every render goes through
-    apply_chat_template."""
-
-    SAMPLE = (
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "2+2?"},
-    )
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._compiled = None
-        self._variables: dict[str, Any] = {}  # everything a render sees but the messages
-        try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            compiled = _compile_jinja_template(tokenizer.chat_template)
-            self._variables = dict(
-                compiled.globals,
-                tools=None,
-                documents=None,
-                add_generation_prompt=True,
-                **getattr(tokenizer, "special_tokens_map", {}),
-            )
-            sample = [dict(m) for m in self.SAMPLE]
-            want = tokenizer.apply_chat_template(sample, add_generation_prompt=True, tokenize=False)
-            if self._render(compiled, sample) == want:
-                self._compiled = compiled
-        except Exception:  # no template, a template that fails the sample, another transformers
-            pass
-
-    def _render(self, compiled: Any, messages: list[dict[str, str]]) -> str:
-        # the context made as new_context(shared=True) makes it, less the set of the template's
-        # globals' names it builds from their ChainMap each time (only imports read it)
-        env = compiled.environment
-        context = env.context_class(env, {**self._variables, "messages": messages}, compiled.name, compiled.blocks)
-        return env.concat(compiled.root_render_func(context))
-
-    @property
-    def fast(self) -> bool:
-        """Whether renders skip apply_chat_template."""
-        return self._compiled is not None
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        if self._compiled is not None:
-            return self._render(self._compiled, messages)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-class ClientGone(Exception):
-    """The client disconnected; the request was aborted and nothing is left to send."""
-
-
-class ReqState:
-    """One choice in flight: what the reader appended and its coroutine has not taken yet."""
-
-    __slots__ = (
-        "group",
-        "index",
-        "slot",
-        "gen",
-        "params",
-        "parts",
-        "logprobs",
-        "finish",
-        "stop_token",
-        "stop_index",
-        "prompt_tokens",
-        "completion_tokens",
-        "cached_tokens",
-        "first_ns",
-        "error",
-        "in_news",
-        "wake_at",
-        "sent_tokens",
-        "last_ns",
-        "output_ids",
-        "prompt_logprobs",
-    )
-
-    def __init__(
-        self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams, prompt_tokens: int
-    ) -> None:
-        self.group = group
-        self.index = index  # the choice's index in the response
-        self.slot, self.gen = slot, gen
-        self.params = params
-        self.parts: list[bytes] = []  # UTF-8 deltas not yet taken
-        self.logprobs: list[TokenLogprobs] = []  # their logprobs, when asked
-        self.finish = Finish.NONE
-        self.stop_token = -1
-        self.stop_index = -1
-        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, 0, 0
-        self.first_ns = 0  # when its first delta arrived (TTFT)
-        self.error: APIError | None = None
-        self.in_news = False  # listed in group.news
-        self.wake_at = 1 if group.wake_every else NEVER  # completion_tokens that wakes its coroutine
-        self.sent_tokens, self.last_ns = 0, 0  # streamed so far, and when (the HTTP layer's)
-        self.output_ids: list[int] = []  # every token id so far, when params.return_ids
-        self.prompt_logprobs: list[PromptLogprobs] = []  # its PROMPT_LOGPROBS records', not yet taken
-
-    @property
-    def finished(self) -> bool:
-        return self.finish != Finish.NONE
-
-    def take(self) -> tuple[str, TokenLogprobs | None, str | None]:
-        """Every pending delta as one: (text, logprobs or None, finish_reason once finished)."""
-        parts, self.parts = self.parts, []
-        text = parts[0].decode(errors="replace") if len(parts) == 1 else b"".join(parts).decode(errors="replace")
-        lp = None
-        if self.logprobs:
-            lp = self.logprobs[0] if len(self.logprobs) == 1 else TokenLogprobs.concat(self.logprobs)
-            self.logprobs = []
-        return text, lp, self.finish.api_name if self.finished else None
-
-    def take_prompt_logprobs(self) -> PromptLogprobs | None:
-        """The prompt logprobs received and not taken yet (all of them come before the first token)."""
-        if not self.prompt_logprobs:
-            return None
-        parts, self.prompt_logprobs = self.prompt_logprobs, []
-        return PromptLogprobs.concat(parts)
-
-    @property
-    def matched_stop(self) -> int | str | None:
-        """The stop token id or stop string that ended the request."""
-        if self.stop_index >= 0:
-            return self.params.stop[self.stop_index]
-        return self.stop_token if self.stop_token >= 0 else None
-
-
-class ReqGroup:
-    """The choices of one HTTP request (n x prompts), woken together."""
-
-    __slots__ = (
-        "states",
-        "rids",
-        "arrival_ns",
-        "deadline",
-        "wake_every",
-        "waiter",
-        "error",
-        "news",
-        "unfinished",
-        "__weakref__",
-    )
-
-    def __init__(self, rids: Sequence[str], arrival_ns: int, deadline: float, wake_every: int) -> None:
-        self.states: list[ReqState] = []
-        self.rids = rids  # names for /abort_request
-        self.arrival_ns = arrival_ns
-        self.deadline = deadline  # loop time after which the request is abandoned
-        self.wake_every = wake_every  # tokens between wakes of a streamed choice; 0: woken at the end only
-        self.waiter: asyncio.Future | None = None
-        self.error: BaseException | None = None  # APIError, or ClientGone
-        self.news: list[ReqState] = []  # states with something to take, in arrival order
-        self.unfinished = 0
-
-    @property
-    def done(self) -> bool:
-        return self.unfinished == 0 and not self.news
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def next_news(self) -> list[ReqState]:
-        """The states that got deltas since the last call (waits for at least one);
-        raises the group's error (APIError, ClientGone) if it failed."""
-        while not self.news:
-            if self.error is not None:
-                raise self.error
-            if self.unfinished == 0:
-                return []
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        if self.error is not None:
-            raise self.error
-        news, self.news = self.news, []
-        for state in news:
-            state.in_news = False
-        return news
-
-    async def finished(self) -> list[ReqState]:
-        """Waits until every choice finished; raises the group's error if it failed."""
-        while self.unfinished:
-            await self.next_news()
-        if self.error is not None:
-            raise self.error
-        self.news = []
-        return self.states
-
-
 class TokenizerManager:
+    """The worker's requests on the token path: tokenizing, the slot table, REQUEST records
+    out (through `send`, the worker process's outbox) and TEXT_OUT records in (dispatch)."""
+
     def __init__(
         self,
         worker: int,
-        request_ch: Any,
-        text_ch: Any,
-        waker: Any,
+        send: Callable[[np.ndarray, bytes | None], None],
         tokenizer: Any,
         model: ModelInfo,
         request_timeout: float,
         stream_interval: int = 1,
     ) -> None:
         self.worker = worker
-        self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
+        self._send = send
         self.tokenizer = tokenizer
         self._encoder = PromptEncoder(tokenizer)
         self._chat_template = ChatTemplate(tokenizer)
@@ -336,47 +118,16 @@ class TokenizerManager:
         self._next_gen = secrets.randbits(32) or 1
         self._groups: set[ReqGroup] = set()
         self._by_rid: dict[str, ReqGroup] = {}
-        self._outbox: list[tuple[np.ndarray, bytes | None]] = []  # REQUEST records waiting for room
-        self._outbox_ready: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task] = []
 
     # ---------------------------------------------------------------- life
 
-    def start(self) -> None:
-        self._outbox_ready = asyncio.Event()
-        self._tasks = [
-            asyncio.create_task(self._read_loop(), name="tm-reader"),
-            asyncio.create_task(self._send_loop(), name="tm-sender"),
-            asyncio.create_task(self._sweep_loop(), name="tm-timeouts"),
-        ]
-
-    async def close(self) -> None:
+    def close(self) -> None:
+        """The worker stops: every request fails, new ones too."""
         self.fail_all(engine_unavailable("The server is shutting down."))
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
 
-    async def detach_channels(self) -> None:
-        """The engine is gone (after fail_all): stops reading and sending on its channels and
-        drops what waited to be sent. The channels stay open (an abort still pushes into them,
-        harmlessly) until the caller closes them."""
-        io = [t for t in self._tasks if t.get_name() in ("tm-reader", "tm-sender")]
-        for task in io:
-            task.cancel()
-        await asyncio.gather(*io, return_exceptions=True)
-        self._tasks = [t for t in self._tasks if t not in io]
-        self._outbox.clear()
-
-    def attach_channels(self, request_ch: Any, text_ch: Any, waker: Any) -> None:
-        """A new engine's channels, after detach_channels: reading and sending resume on them
-        and new requests are taken again (the failed ones left no slot behind)."""
-        self.request_ch, self.text_ch, self.waker = request_ch, text_ch, waker
-        self._outbox_ready = asyncio.Event()
-        self._tasks += [
-            asyncio.create_task(self._read_loop(), name="tm-reader"),
-            asyncio.create_task(self._send_loop(), name="tm-sender"),
-        ]
+    def resume(self) -> None:
+        """A new engine took the place of the one lost (fail_all): new requests are taken
+        again (the failed ones left no slot behind)."""
         self.dead = None
 
     def fail_all(self, err: APIError) -> None:
@@ -539,9 +290,7 @@ class TokenizerManager:
                     aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
                 state.finish = Finish.ABORT
                 self._release(state)
-                if not state.in_news:
-                    state.in_news = True
-                    group.news.append(state)
+                group.post(state)
                 group.unfinished -= 1
         if aborts and self.dead is None:
             self._send(concat_records(aborts), None)
@@ -551,7 +300,7 @@ class TokenizerManager:
             self._forget(group)
         elif self._by_rid.get(rid) is group:
             del self._by_rid[rid]
-        group._wake()
+        group.wake()
 
     def _forget(self, group: ReqGroup) -> None:
         self._groups.discard(group)
@@ -559,42 +308,12 @@ class TokenizerManager:
             if self._by_rid.get(rid) is group:
                 del self._by_rid[rid]
 
-    # ---------------------------------------------------------------- the REQUEST channel
+    # ---------------------------------------------------------------- records in
 
-    def _send(self, records: np.ndarray, blob: bytes | None) -> None:
-        """In order: behind anything still waiting for room."""
-        if not self._outbox:
-            done = self.request_ch.push(records, blob)
-            if done == len(records):
-                return
-            records = records[done:]
-        self._outbox.append((records, blob))
-        self._outbox_ready.set()
-
-    async def _send_loop(self) -> None:
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            while self._outbox:
-                records, blob = self._outbox[0]
-                await self.request_ch.push_all_async(records, blob)
-                self._outbox.pop(0)
-
-    # ---------------------------------------------------------------- the TEXT_OUT channel
-
-    async def _read_loop(self) -> None:
-        ch, waker = self.text_ch, self.waker
-        while True:
-            batch = ch.pop()
-            if batch is None:
-                await waker.wait_readable_async([ch])
-                continue
-            try:
-                self._dispatch(batch.records, batch.payload)
-            except Exception:  # a bug here must not silence every stream of the worker
-                logger.exception("text-out batch of %d records dropped", len(batch.records))
-
-    def _dispatch(self, recs: np.ndarray, payload: np.ndarray) -> None:
+    def dispatch(self, recs: np.ndarray, payload: np.ndarray) -> None:
+        """One batch of TEXT_OUT records: each live one's delta appended to its choice's
+        ReqState, whose coroutine is woken as its stream interval says; a stale one (a
+        released slot's) dropped."""
         slots = recs["slot"]
         gens = self._gens
         inside = slots < len(gens)
@@ -635,11 +354,8 @@ class TokenizerManager:
             if odd and self._special(state, recs[i], payload):
                 aborts.append(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen))
             if not state.in_news and (completion >= state.wake_at or state.finished):
-                group = state.group
-                state.wake_at = completion + group.wake_every
-                state.in_news = True
-                group.news.append(state)
-                group._wake()
+                state.wake_at = completion + state.group.wake_every
+                state.group.post(state)
         if aborts:
             self._send(concat_records(aborts), None)
 
@@ -695,97 +411,17 @@ class TokenizerManager:
 
     # ---------------------------------------------------------------- timeouts
 
-    async def _sweep_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(TIMEOUT_SWEEP_S)
-            now = loop.time()
-            for group in [g for g in self._groups if g.deadline < now]:
-                logger.warning("request timed out after %.0f s (request_timeout): aborted", self.request_timeout)
-                self._fail(
-                    group,
-                    APIError(
-                        504,
-                        f"The request did not finish within the server's request "
-                        f"timeout of {self.request_timeout:g} s.",
-                        type="server_error",
-                        code="timeout",
-                    ),
-                    abort=True,
-                )
-
-    # ---------------------------------------------------------------- introspection
-
-    def ring_depths(self) -> dict[str, int]:
-        """Records waiting in this worker's rings (the zmq baseline cannot tell)."""
-        return {
-            name: len(ch)
-            for name, ch in (("request", self.request_ch), ("text_out", self.text_ch))
-            if hasattr(ch, "__len__")
-        }
-
-
-class TracedTokenizerManager(TokenizerManager):
-    """The TokenizerManager with first-token stamps (RINGSERVE_TRACE_TTFT,
-    perf/ttft_breakdown.py): when the request's text reached the chat template (its body
-    parsed and checked), the encoder, and left it; when its records were pushed; when the
-    reader popped its first text; and (`woken`, which the stream's loop calls) when its
-    coroutine took that text. Stamps taken before `submit` names the request are kept by task."""
-
-    def __init__(self, *args, trace: TtftTrace, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.trace = trace
-        self._early: dict[asyncio.Task | None, dict[str, int]] = {}  # task -> stamps before its submit
-        self._traced: dict[tuple[int, int], dict[str, int]] = {}  # (slot, gen) -> stamps until first taken
-
-    def _stamp(self, stage: str) -> None:
-        self._early.setdefault(asyncio.current_task(), {}).setdefault(stage, time.monotonic_ns())
-
-    async def chat_ids(self, messages: list[dict[str, Any]], template: ChatTemplateArgs | None = None) -> list[int]:
-        self._stamp("w_parsed")
-        return await super().chat_ids(messages, template)
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self._stamp("w_parsed")
-        self._stamp("w_templated")
-        ids = await super().encode(text, add_special_tokens)
-        self._early[asyncio.current_task()]["w_encoded"] = time.monotonic_ns()
-        return ids
-
-    async def submit(self, prompts, params, rids=None, stream: bool = False) -> ReqGroup:
-        entered = time.monotonic_ns()
-        group = await super().submit(prompts, params, rids, stream)
-        stamps = {**self._early.pop(asyncio.current_task(), {}), "w_submit": entered, "w_pushed": time.monotonic_ns()}
-        for state in group.states:
-            self._traced[(state.slot, state.gen)] = dict(stamps)
-        return group
-
-    def _dispatch(self, recs: np.ndarray, payload: np.ndarray) -> None:
-        popped = time.monotonic_ns()
-        for key in zip(recs["slot"].tolist(), recs["gen"].tolist()):
-            stamps = self._traced.get(key)
-            if stamps is not None:
-                stamps.setdefault("w_pop", popped)
-        super()._dispatch(recs, payload)
-
-    async def close(self) -> None:
-        await super().close()
-        self.trace.close()
-
-    def woken(self, state: ReqState, now_ns: int) -> None:
-        stamps = self._traced.pop((state.slot, state.gen), None)
-        if stamps is not None:
-            self.trace.write((self.worker, state.slot, state.gen), {**stamps, "w_woken": now_ns})
-
-
-def engine_error(code: int, message: str) -> APIError:
-    """The APIError of a request the engine ended with an ERROR record."""
-    if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_REQUEST):
-        return bad_request(
-            message or "The engine rejected the request.",
-            None,
-            code="context_length_exceeded" if code == ErrorCode.PROMPT_TOO_LONG else None,
-        )
-    if code == ErrorCode.OVERLOADED:
-        return engine_unavailable(message or "The engine is overloaded; retry later.")
-    return APIError(500, message or "The engine failed the request.", type="server_error", code="internal_error")
+    def sweep_timeouts(self, now: float) -> None:
+        """Every request past its deadline (loop time `now`) fails with a 504 and is aborted."""
+        for group in [g for g in self._groups if g.deadline < now]:
+            logger.warning("request timed out after %.0f s (request_timeout): aborted", self.request_timeout)
+            self._fail(
+                group,
+                APIError(
+                    504,
+                    f"The request did not finish within the server's request timeout of {self.request_timeout:g} s.",
+                    type="server_error",
+                    code="timeout",
+                ),
+                abort=True,
+            )

@@ -1,0 +1,329 @@
+"""The /v1/chat/completions body -> ChatCompletionRequest: its messages, tools and the chat
+template's arguments (which /tokenize's chat fields share), each 400 naming its field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from httpapi.errors import bad_request
+from httpapi.fields import Fields, load_object
+from httpapi.grammar_fields import read_grammar
+from httpapi.request_fields import (
+    REFUSED_OPENAI,
+    check_ignored,
+    read_n,
+    read_prompt_logprobs,
+    read_request_id,
+    read_stream,
+    refuse_unserved,
+    sglang_no_stop_trim,
+    shown,
+)
+from httpapi.sampling import SamplingSpec, read_sampling
+from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
+# tool_choice's deprecated twin: values that ask for no call
+NO_FUNCTION_CALL = ("none", "auto")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# apply_chat_template's own arguments and the template's `messages`: not chat_template_kwargs
+TEMPLATE_CALL_ARGS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "add_special_tokens",
+    )
+)
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs' and documents' JSON
+
+
+@dataclass(frozen=True)
+class ChatTemplateArgs:
+    """How a chat becomes a prompt besides its messages: apply_chat_template's keyword arguments
+    and whether the rendered text gets the tokenizer's special tokens. A request that asks for
+    none of it (and whose messages are plain role/content ones) has None: the fast render."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None  # OpenAI's tool objects, as HF templates read them
+    documents: list[dict] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (and reasoning_effort)
+    add_special_tokens: bool = False  # vLLM's: the template writes the special tokens itself
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments, but messages and tokenize."""
+        return {
+            **self.kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "tools": self.tools,
+            "documents": self.documents,
+        }
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    model: str | None
+    messages: list[dict[str, Any]]  # {"role", "content"[, "name", "tool_calls", "tool_call_id"]}, for the template
+    template: ChatTemplateArgs | None  # None: the plain render
+    n: int
+    stream: bool
+    include_usage: bool
+    sampling: SamplingSpec
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True  # False: at most one call in a choice (vLLM's)
+    request_id: str | None = None  # the client's, vLLM's: the response's id is chatcmpl-<request_id>
+
+
+def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
+    f = Fields(load_object(body))
+    model = f.get_str("model")
+    messages, rich = read_messages(f.raw("messages"))
+    stream, include_usage = read_stream(f)
+    n = read_n(f, prompts=1)
+    max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
+    max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = f.get_int("max_tokens")  # type-checked either way
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens
+    tools, tool_choice = read_tools(f)
+    template = read_template_args(f, messages, tools, rich)
+    names = {"max_tokens": max_tokens_param}
+    parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
+    values = read_sampling(
+        f,
+        seed="seed",
+        min_tokens="min_tokens",
+        no_stop_trim="include_stop_str_in_output",
+        logprobs=f.get_bool("logprobs", False),
+        top_logprobs=f.get_int("top_logprobs", 0),
+        prompt_logprobs=read_prompt_logprobs(f),
+        **read_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice, parallel_tool_calls)),
+    )
+    sglang_no_stop_trim(f, values)
+    request_id = read_request_id(f)
+    refuse_unserved(f, REFUSED_OPENAI)
+    check_ignored(f)
+    f.warn_unknown("/v1/chat/completions")
+    sampling = SamplingSpec.build(values, max_tokens, names, "messages")
+    return ChatCompletionRequest(
+        model,
+        messages,
+        template,
+        n,
+        stream,
+        include_usage,
+        sampling,
+        tools,
+        tool_choice,
+        parallel_tool_calls,
+        request_id,
+    )
+
+
+def read_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The messages as the chat template reads them, and whether any has tool calls or answers
+    one (then the chat renders through apply_chat_template)."""
+    if type(value) is not list or not value:
+        raise bad_request("messages must be a non-empty list of messages", "messages")
+    messages, rich = [], False
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if type(message) is not dict:
+            raise bad_request(f"{where} must be an object with role and content", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role must be one of {list(ROLES)}, not {role!r}", f"{where}.role")
+        out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), role, f"{where}.content")}
+        for key in ("name", "tool_call_id"):
+            text = message.get(key)
+            if text is not None:
+                if type(text) is not str:
+                    raise bad_request(f"{where}.{key} must be a string", f"{where}.{key}")
+                out[key] = text
+                rich |= key == "tool_call_id"
+        calls = message.get("tool_calls")
+        if calls and role == "assistant":  # an empty list, as some clients send, is no call
+            out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+            rich = True
+        elif calls is not None and calls != []:
+            raise bad_request(f"{where}.tool_calls: only an assistant's message calls tools", f"{where}.tool_calls")
+        messages.append(out)
+    return messages, rich
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool_calls ([{id, type: "function", function: {name, arguments}}]) with
+    their arguments (a JSON object's text) parsed: HF chat templates write them with `tojson`,
+    as vLLM passes them."""
+    if type(value) is not list:
+        raise bad_request(f"{where} must be a list of tool calls", where)
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        function = call.get("function") if type(call) is dict else None
+        if type(function) is not dict or call.get("type", "function") != "function":
+            raise bad_request(f'{at} must be like {{"type": "function", "function": {{"name", "arguments"}}}}', at)
+        name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
+        if type(name) is not str or not name:
+            raise bad_request(f"{at}.function.name must be a non-empty string", f"{at}.function.name")
+        if call_id is not None and type(call_id) is not str:
+            raise bad_request(f"{at}.id must be a string", f"{at}.id")
+        try:
+            parsed = orjson.loads(arguments) if type(arguments) is str else None
+        except orjson.JSONDecodeError:
+            parsed = None
+        if type(parsed) is not dict:
+            raise bad_request(f"{at}.function.arguments must be the JSON text of an object", f"{at}.function.arguments")
+        out = {"type": "function", "function": {"name": name, "arguments": parsed}}
+        if call_id is not None:
+            out["id"] = call_id
+        calls.append(out)
+    return calls
+
+
+def _content(value: Any, role: str, where: str) -> str:
+    """A message's content as one string: text parts (and an assistant's refusal parts) are
+    joined by newlines, as vLLM does."""
+    if type(value) is str:
+        return value
+    if value is None and role == "assistant":  # an assistant turn that only called tools
+        return ""
+    if type(value) is not list:
+        raise bad_request(f"{where} must be a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if type(part) is dict else None
+        if kind in MEDIA_PARTS:
+            raise bad_request(
+                f"{where}[{j}] is a {kind!r} part: this server runs a text-only model, "
+                f"so only 'text' content parts are supported",
+                f"{where}[{j}].type",
+            )
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"  # OpenAI's assistant parts
+        if kind != key:
+            raise bad_request(
+                f'{where}[{j}] must be a content part like {{"type": "text", "text": "..."}}', f"{where}[{j}]"
+            )
+        text = part.get(key)
+        if type(text) is not str:
+            raise bad_request(f"{where}[{j}].{key} must be a string", f"{where}[{j}].{key}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def read_tools(f: Fields) -> tuple[tuple[Tool, ...], ToolChoice]:
+    """tools and tool_choice as OpenAI validates them (structured/tools.py); function_call, their
+    deprecated twin, may only ask for no forced call."""
+    try:
+        tools = parse_tools(f.raw("tools"))
+        choice = parse_tool_choice(f.raw("tool_choice"), tools)
+    except InvalidTool as e:
+        raise bad_request(str(e), e.param) from None
+    function_call = f.raw("function_call")
+    if function_call is not None and function_call not in NO_FUNCTION_CALL:
+        raise bad_request(
+            f"function_call {shown(function_call)} is not supported: use tools and tool_choice", "function_call"
+        )
+    return tools, choice
+
+
+def forced_call_schema_of(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = True) -> str | None:
+    """The JSON schema a forced call's output must match (tool_choice "required" or a named
+    function), or None; parallel_tool_calls false allows one call."""
+    try:
+        return forced_call_schema(tools, choice, max_calls=None if parallel else 1)
+    except InvalidTool as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def read_template_args(
+    f: Fields, messages: list[dict[str, Any]], tools: tuple[Tool, ...], rich: bool
+) -> ChatTemplateArgs | None:
+    add_generation_prompt = f.get_bool("add_generation_prompt", True)
+    continue_final_message = f.get_bool("continue_final_message", False)
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt "
+            "to false to continue the final message",
+            "continue_final_message",
+        )
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request(
+            "continue_final_message needs the last message to be the assistant's, which it continues",
+            "continue_final_message",
+        )
+    add_special_tokens = f.get_bool("add_special_tokens", False)
+    documents = f.raw("documents")
+    if documents is not None and not (
+        type(documents) is list and all(type(d) is dict and all(type(v) is str for v in d.values()) for d in documents)
+    ):
+        raise bad_request(
+            'documents must be a list of objects of strings, like {"title": ..., "text": ...}', "documents"
+        )
+    kwargs = _template_kwargs(f)
+    effort = f.get_str("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}", "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)  # templates of reasoning models read it
+    if documents and len(orjson.dumps(documents)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise bad_request(f"documents must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "documents")
+    if not (rich or tools or documents or kwargs or not add_generation_prompt or add_special_tokens):
+        return None  # continue_final_message needs add_generation_prompt false: covered
+    template_tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description is not None else {}),
+                "parameters": t.parameters,
+            },
+        }
+        for t in tools
+    ]
+    return ChatTemplateArgs(
+        add_generation_prompt,
+        continue_final_message,
+        template_tools or None,
+        documents or None,
+        kwargs,
+        add_special_tokens,
+    )
+
+
+def _template_kwargs(f: Fields) -> dict[str, Any]:
+    """chat_template_kwargs: variables for the template, bounded; none may be one of the call's
+    own arguments (each has its field)."""
+    kwargs = f.get_object("chat_template_kwargs")
+    if kwargs is None or not kwargs.obj:
+        return {}
+    param = "chat_template_kwargs"
+    clash = sorted(TEMPLATE_CALL_ARGS.intersection(kwargs.obj))
+    if clash:
+        raise bad_request(
+            f"{param} must not set {clash}: they are the template call's own arguments (use the request's fields)",
+            param,
+        )
+    if len(orjson.dumps(kwargs.obj)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise bad_request(f"{param} must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", param)
+    return dict(kwargs.obj)

@@ -1,0 +1,182 @@
+"""The field checks every endpoint's parser shares: prompts, n, stream, the fields this
+server refuses or ignores, and the client's name for its request."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from httpapi.errors import bad_request
+from httpapi.fields import Fields, is_token_ids
+
+MAX_CHOICES = 128  # n times the number of prompts in one request
+# Fields that change no output, in vLLM and SGLang either (tests/server/test_request_fields.py says why
+# for each): type-checked, then unused.
+IGNORED_STRS = ("user", "service_tier", "session_id", "prompt_cache_key", "safety_identifier", "verbosity")
+IGNORED_BOOLS = ("store", "return_token_offsets")
+IGNORED_OBJECTS = ("metadata", "prediction")
+IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam search's; MoE routing data's
+# vLLM's and OpenAI's fields this server does not serve: field -> why. A value is refused unless
+# it asks for nothing (null, false, 0, an empty list or object, or the value in NOTHING_ASKED).
+REFUSED_OPENAI = {
+    "use_beam_search": "beam search is not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported: send a shorter prompt",
+    "truncation_side": "prompt truncation is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported; logit_bias is",
+    "bad_words": "bad_words is not supported",
+    "logprob_token_ids": "logprobs of chosen token ids are not supported; top_logprobs is",
+    "logits_processors": "custom logits processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "return_prompt_text": "return_prompt_text is not supported",
+    "cache_salt": "cache_salt is not supported: this server's prefix cache is shared by all requests",
+    "kv_transfer_params": "disaggregated serving (kv_transfer_params) is not supported",
+    "ec_transfer_params": "disaggregated serving (ec_transfer_params) is not supported",
+    "vllm_xargs": "vllm_xargs (custom extensions) is not supported",
+    "repetition_detection": "repetition_detection is not supported",
+    "thinking_token_budget": "thinking_token_budget is not supported",
+    "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
+    "priority": "priority scheduling is not supported",
+    "mm_processor_kwargs": "this server runs a text-only model",
+    "media_io_kwargs": "this server runs a text-only model",
+    "prompt_embeds": "prompt embeddings are not supported: send text or token ids",
+    "audio": "this server runs a text-only model: no audio output",
+    "web_search_options": "web search is not supported",
+    "watermarking": "watermarking is not supported",
+    "functions": "the deprecated functions are not supported: use tools",
+    "guided_whitespace_pattern": (
+        "a whitespace pattern is not supported; the server's --constrained-json-any-whitespace applies"
+    ),
+    "chat_template": (
+        "a per-request chat_template is not supported: a client's Jinja template would run in the "
+        "server; the model's template (or the server's --chat-template) applies"
+    ),
+    "echo": "chat echo is not supported",
+    "best_of": "best_of is not supported; use n",
+    "include_reasoning": "include_reasoning false is not supported",
+    "separate_reasoning": "separate_reasoning false is not supported: the server's --reasoning-parser applies",
+    "stream_reasoning": "stream_reasoning false is not supported: reasoning is streamed as it comes",
+    "return_hidden_states": "hidden states are not returned by this server",
+    "modalities": "this server runs a text-only model: only the text modality",
+}
+ASK_NOTHING = (False, 0, "", [], {})  # a refused field's values that ask for nothing, but for:
+NOTHING_ASKED: dict[str, tuple] = {
+    "best_of": (1,),
+    "thinking_token_budget": (-1,),
+    "include_reasoning": (True,),
+    "separate_reasoning": (True,),  # SGLang's defaults, which sglang-router sends with every chat
+    "stream_reasoning": (True,),
+    "modalities": (["text"],),
+}
+OPENAI_IGNORED = {"str": IGNORED_STRS, "bool": IGNORED_BOOLS, "number": IGNORED_NUMBERS, "object": IGNORED_OBJECTS}
+MAX_REQUEST_ID_CHARS = 256
+# a client's name for its request: visible ASCII only (it is echoed in a header, and logged)
+_REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
+Prompt = str | list  # text, or a list of token ids
+
+
+def read_prompts(
+    value: Any, param: str, *, token_ids_allowed: bool, text_allowed: bool = True, empty_allowed: bool = False
+) -> tuple[tuple[Prompt, ...], bool]:
+    """A string, a list of strings, a list of token ids or a list of lists of token ids ->
+    (prompts, whether the client sent a batch)."""
+    if text_allowed and type(value) is str:
+        prompts, batch = (value,), False
+    elif type(value) is list and value and text_allowed and all(type(p) is str for p in value):
+        prompts, batch = tuple(value), True
+    elif token_ids_allowed and is_token_ids(value) and value:
+        prompts, batch = (value,), False
+    elif token_ids_allowed and type(value) is list and value and all(is_token_ids(p) for p in value):
+        prompts, batch = tuple(value), True
+    else:
+        kinds = (["a string", "a list of strings"] if text_allowed else []) + (
+            ["a list of token ids", "a list of lists of token ids"] if token_ids_allowed else []
+        )
+        raise bad_request(f"{param} must be {', '.join(kinds[:-1])} or {kinds[-1]}", param)
+    if not empty_allowed and not all(prompts):
+        raise bad_request(f"{param} must not be empty", param)
+    return prompts, batch
+
+
+def read_stream(f: Fields) -> tuple[bool, bool]:
+    stream = f.get_bool("stream", False)
+    options = f.get_object("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = options.get_bool("include_usage", False)
+    options.ignore("continuous_usage_stats")
+    return stream, include_usage
+
+
+def read_n(f: Fields, prompts: int) -> int:
+    n = f.get_int("n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"{f.param('n')} must be between 1 and {MAX_CHOICES}", f.param("n"))
+    if n * prompts > MAX_CHOICES:
+        raise bad_request(
+            f"{f.param('n')} times the number of prompts ({n} x {prompts}) must be at most {MAX_CHOICES}", f.param("n")
+        )
+    return n
+
+
+def read_prompt_logprobs(f: Fields) -> int:
+    """vLLM's prompt_logprobs: each prompt token's logprob and this many alternatives; -1: none."""
+    k = f.get_int("prompt_logprobs")
+    if k is None:
+        return -1
+    if k < 0:
+        raise bad_request(
+            "prompt_logprobs must be between 0 and 20 (-1, the whole vocabulary, is not supported)", "prompt_logprobs"
+        )
+    return k
+
+
+def refuse_unserved(f: Fields, refused: dict[str, str]) -> None:
+    """A field this server does not serve is a 400 naming it, unless its value asks for nothing
+    (null, or its NOTHING_ASKED values, else false, 0, "", [] or {}): then it changes nothing."""
+    for key, why in refused.items():
+        value = f.obj.get(key)
+        if value is None:
+            continue
+        f.read.add(key)
+        if not any(type(value) is type(v) and value == v for v in NOTHING_ASKED.get(key, ASK_NOTHING)):
+            raise bad_request(f"{f.param(key)}: {why}", f.param(key))
+
+
+def check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED) -> None:
+    """Fields that change no output get their types checked, as vLLM and SGLang check them."""
+    read = {"str": f.get_str, "bool": lambda k: f.get_bool(k, False), "int": f.get_int, "number": f.get_float}
+    for kind, keys in table.items():
+        for key in keys:
+            if kind == "object":
+                f.get_object(key)
+            else:
+                read[kind](key)
+
+
+def sglang_no_stop_trim(f: Fields, values: dict[str, Any]) -> None:
+    """SGLang's name on its OpenAI routes for vLLM's include_stop_str_in_output: either keeps the stop."""
+    values["no_stop_trim"] = f.get_bool("no_stop_trim", False) or values["no_stop_trim"]
+
+
+def read_request_id(f: Fields) -> str | None:
+    request_id = f.get_str("request_id")
+    return None if request_id is None else check_request_id(request_id, "request_id")
+
+
+def check_request_id(value: str, param: str) -> str:
+    """A client's name for its request, as the body's request_id or the x-request-id header
+    (`param`): 1 to MAX_REQUEST_ID_CHARS visible ASCII characters, else a 400 naming `param`."""
+    if _REQUEST_ID.fullmatch(value) is None:
+        raise bad_request(
+            f"{param} must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters (no spaces), not {shown(value)}",
+            param,
+        )
+    return value
+
+
+def shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
