@@ -8,7 +8,7 @@ consumer; many producers mean many channels, never a lock.
     ipc.channel      Channel: ring + payload arena + wakeups; ChannelSpec(layout, capacity, arena_bytes)
     ipc.wakeup       Waker: this process's eventfd; sync and asyncio waits on several channels
     ipc.handoff      send/recv of channels and wakers over a unix socket (SCM_RIGHTS)
-    ipc.ring         the segment layout and the memory-ordering argument; the Python data path
+    ipc.ring         the segment layout and the Python data path (the protocol: docs/architecture.md)
     ipc.native       the C data path (ipc/ring_core.c), built on first use; the default
     ipc.arena        the payload byte ring
     ipc.memory       counters and barriers per CPU (x86-64 TSO / weakly ordered)

@@ -1,7 +1,7 @@
 """Shared counters and the two barriers of the ring protocol, chosen once per process.
 
-ipc/ring.py's docstring explains the protocol and why each piece is needed; this
-module only provides the primitives:
+docs/architecture.md ("Publication order and memory ordering", "Sleeping and waking")
+explains the protocol and why each piece is needed; this module only provides the primitives:
 
 - `Counters`: u64 slots at 8-byte aligned offsets of a shared mapping, each loaded
   and stored as ONE aligned 8-byte access (never byte-wise, so never torn).

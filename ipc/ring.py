@@ -1,77 +1,12 @@
 """A single-producer single-consumer ring of fixed-layout records plus its payload arena,
-in one shared segment.
+in one shared segment: the segment's layout (the offsets below) and `Ring`, the Python data
+path, used where ipc/ring_core.c (the C one, the default) cannot be built; either side of a
+segment may use either.
 
-Segment layout (offsets in bytes; every counter is a u64 on an 8-byte boundary):
-
-    0    line 0, constant   magic, version, capacity, arena bytes, itemsize, layout hash, barrier mode
-    128  line 1, producer   TAIL (records published), PRODUCER_WAITING (waiting for room)
-    256  line 2, consumer   HEAD (records consumed), ARENA_HEAD (bytes freed), CONSUMER_SLEEPING
-    384  line 3             HEARTBEAT (monotonic ns, written by the process that owns the loop)
-    512  bounds: u64[capacity, 2]             arena (start, end) of the blob of each slot's push
-    ...  slots: record[capacity]               (64-byte aligned)
-    ...  arena: u8[arena_bytes]                (64-byte aligned, ipc/arena.py)
-
-The producer's and the consumer's counters sit on separate 128-byte lines (two
-64-byte lines: x86's adjacent-line prefetcher pairs them), so neither side's
-stores invalidate the line the other side writes.
-
-Memory ordering
----------------
-Publication (producer): 1. copy the payload blob into the arena, 2. write the
-slots' blob bounds and copy the records into the slots, 3. store TAIL.
-Consumption: 1. load TAIL, 2. copy the records and their blob span out,
-3. store ARENA_HEAD and HEAD. This is correct if (a) the stores of 1-2 are
-visible before the TAIL store (store->store), (b) the consumer's reads of 2
-happen after its TAIL load (load->load), and (c) its reads of 2 complete before
-its HEAD store (load->store), so the producer never overwrites a slot being read.
-
-Two data paths implement this, on the same segment (either side may use either):
-ipc/ring_core.c (the default: push, pop, readable, free_records and room_for are one
-C call each) and the Python methods of `Ring` below (where the C one cannot be built).
-
-C: counters are loaded with __atomic_load_n(ACQUIRE) and stored with
-__atomic_store_n(RELEASE); the copies are plain memcpy's. Release orders every
-earlier load and store before the counter store (a, c), acquire every later one
-after the counter load (b), for the compiler and for the CPU, on any CPU: on
-x86-64 both are a plain `mov` (TSO, below, already gives them), on aarch64 `stlr`
-/ `ldar`.
-
-Python: x86-64 is TSO (Intel SDM vol. 3 §9.2.2): stores are not reordered with
-stores, loads not with loads, loads not with later stores; only a store followed
-by a load of another address may be reordered. So (a), (b), (c) hold with plain
-stores and loads, and the ring needs no fence to publish. (Non-temporal stores
-are the exception to TSO; glibc's memcpy, which numpy's contiguous copies end
-in, only uses them for multi-MB copies and ends those with an sfence.) The compiler cannot
-reorder either: every copy and every counter access is a separate C call
-made by the interpreter in program order.
-
-Counters are u64 at 8-byte aligned offsets, each stored with a single 8-byte
-`mov` and loaded with a single 8-byte `mov` (ipc/memory.py: a memoryview "Q"
-item access is a fixed-size 8-byte memcpy). Aligned 8-byte accesses are
-single-copy atomic on x86-64 and aarch64, so no reader ever sees a torn counter.
-They only grow (a u64 of records at 10^9/s lasts 584 years): no ABA, and
-`TAIL - HEAD` is always the fill level.
-
-Weakly ordered CPUs (aarch64, POWER): plain stores and loads may be reordered, so
-there the Python side stores counters with a release store and loads them with an
-acquire load (libatomic's __atomic_store_8 / __atomic_load_8 through ctypes; stlr /
-ldar on aarch64), which orders every earlier copy before the store and every later
-copy after the load. This path is chosen automatically on any CPU other than
-x86-64 (RINGSERVE_IPC_PORTABLE=1 forces it, which is how it is tested here, with
-both data paths; it has not been run on real aarch64 hardware).
-
-Sleep and wake are a Dekker handshake, in both directions (consumer waiting for
-records, producer waiting for room): the waiting side stores its flag, then
-loads the counters; the hot side stores its counter, then loads the flag. A
-store followed by a load IS reordered by TSO's store buffer, so without a
-barrier both sides can read stale values and the consumer sleeps on a non-empty
-ring (lost wakeup). ipc/memory.py supplies the barrier: asymmetric membarrier
-(the hot side pays nothing; the side going to sleep pays one syscall) or a
-seq_cst fence on both sides (the C data path issues its own
-__atomic_thread_fence(SEQ_CST) when the segment's mode is "fence"). The hot side's
-flag check and eventfd write are part of push and pop, in both data paths. Only the
-waiting side clears its flag, after it woke: a clear by the other side could land after
-a fresh announcement and lose the next wakeup. Extra eventfd writes while the waiter is waking are harmless.
+The protocol's one full account is docs/architecture.md, "Rings": the layout, the order of
+a push (blob, then bounds and records, then TAIL) and of a pop (TAIL, then the copies, then
+ARENA_HEAD and HEAD) and why it needs no lock on each CPU, and the sleep / wake handshake
+whose barrier ipc/memory.py supplies. The methods below keep those orders.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
    normal case on the token path); a push or pop here is one call that touches a few cache
    lines.
 
-   Same segment layout and protocol as the Python implementation in ipc/ring.py, whose
-   docstring has the memory-ordering argument. Counters are loaded with acquire and stored
+   Same segment layout and protocol as the Python implementation in ipc/ring.py; the
+   memory-ordering argument is docs/architecture.md's "Rings". Counters are loaded with acquire and stored
    with release (__atomic builtins: a plain mov on x86-64, ldar/stlr on aarch64); record,
    bound and arena bytes are plain memcpy's ordered by those. When the segment's barrier
    is "fence", a seq_cst fence separates publishing a counter from reading the peer's

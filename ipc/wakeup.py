@@ -8,17 +8,9 @@ it only when the channel's flag says this process announced it would sleep on
 that channel; after waking, the process re-checks its channels. Waiting on N
 channels costs one poll() on one fd, and an asyncio loop registers one reader.
 
-The sleep protocol, whole: a waiting process (1) spins on its channels for a while, then
-(2) announces on each channel, in the ring's header, that it is about to sleep
-(SleepFlag: a consumer's "sleeping" flag, a producer's "waiting for room" flag), (3) runs
-a full barrier, (4) looks at its channels once more and (5) sleeps on its eventfd only if
-they still have nothing. The peer, after publishing (a push) or freeing room (a pop), reads
-the flag and writes the eventfd when it is set (ipc/ring.py `_wake_if`, and the same in
-ring_core.c). Each side stores (flag / counter) and then loads (counter / flag), and
-ipc/memory.py orders that store before that load on both sides (an asymmetric membarrier
-that the waiting side alone pays, or a fence on each side), so at least one of them sees
-the other's store: the waiter finds the records in (4), or the peer finds the flag and
-wakes it. Only the waiter clears its flag. The argument in full: ipc/ring.py.
+The sleep protocol (spin, announce on each channel's SleepFlag, barrier, re-check, sleep;
+the peer writes the eventfd after publishing or freeing room when the flag is up) and why
+no wakeup is lost: docs/architecture.md, "Sleeping and waking".
 
 Waits (all take channels of ipc/channel.py, through the Waitable protocol):
   wait_readable(channels, spin_us, timeout)   sync: spin, then sleep (consumer)
