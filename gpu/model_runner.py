@@ -43,20 +43,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelRunnerConfig:
-    model_path: str | None = None  # HF directory or .gguf; None: the embedded SmolLM2
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str | None = None  # cpu | torch | triton | flashinfer; None: per device
+    """Each field is the server setting of the same name, with its default: runtime/config.py's
+    ServerArgs says what each does (the scheduler process builds this from it by field name).
+    max_running_requests sizes the sampler's rows; resolve_quantization decides what auto means."""
+
+    model_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str | None = None
     page_size: int = 16
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction_static
+    max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
-    max_running_requests: int = 256  # sampler rows
-    context_length: int | None = None  # None: the model's
-    random_seed: int = 0  # for unseeded sampling
-    # auto (resolve_quantization) | none (fp32 weights: exact) | gguf | gguf-q8: keep a GGUF's
-    # Q4_1 / Q8_0 projections (gpu/quant/)
+    max_running_requests: int = 256
+    context_length: int | None = None
+    random_seed: int = 0
     quantization: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float16 | bfloat16
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

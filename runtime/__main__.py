@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from runtime.config import ENV_PREFIX, ServerArgs
+from runtime.config import ServerArgs
+from runtime.settings import ENV_PREFIX
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # one of them: a tokenizer
 
@@ -67,7 +68,7 @@ def check_model(args: ServerArgs) -> str | None:
     """Why the model cannot be served (one line), or None. Converts a GGUF once."""
     from gpu.models.model_config import ModelConfig
     from gpu.models.model_files import ModelLoadError, resolve_model_dir
-    from runtime.http_worker.tokenizer_manager import read_chat_template
+    from runtime.http_worker.chat_template import read_chat_template
 
     try:
         ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)

@@ -43,6 +43,7 @@ made: list[Scheduler] = []  # every scheduler make() built, for a leak check aft
 def make(runner, **kw) -> Scheduler:
     kw.setdefault("context_length", runner.model_config.context_length)
     kw.setdefault("max_running_requests", runner.config.max_running_requests)
+    kw.setdefault("speculative_algorithm", "none")  # the core alone: tests/server/test_speculative.py drafts
     made.append(Scheduler(runner, SchedulerConfig(**kw)))
     return made[-1]
 

@@ -33,6 +33,7 @@ TEXT = (
 def make(runner, **kw) -> Scheduler:
     kw.setdefault("context_length", runner.model_config.context_length)
     kw.setdefault("max_running_requests", runner.config.max_running_requests)
+    kw.setdefault("speculative_algorithm", "none")  # the core alone: tests/server/test_speculative.py drafts
     return Scheduler(runner, SchedulerConfig(**kw))
 
 

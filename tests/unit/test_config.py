@@ -1,7 +1,27 @@
+"""Server arguments: flags and environment agree; each setting is described once, on its
+ServerArgs field, and every other layer (the scheduler's and the model runner's configs, the
+README's table, --help) takes its default and description from there; sampling parameters
+name the one that is bad."""
+
+import dataclasses
+import inspect
+import io
+import tokenize
+from pathlib import Path
+
 import pytest
 
+from gpu.attention import BACKENDS
+from gpu.model_runner import DEFAULT_MEM_FRACTION, KV_CACHE_DTYPES, ModelRunnerConfig
 from protocol.sampling_params import InvalidParam, SamplingParams
-from runtime.config import ServerArgs
+from runtime import settings
+from runtime.config import DESCRIPTION, PROG, ServerArgs, readme_with_settings
+from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.runner import runner_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = list(settings.settings_of(ServerArgs))
+NAMES = {f.name for f, _ in SETTINGS}
 
 
 def test_cli_and_env_agree():
@@ -24,6 +44,101 @@ def test_cli_and_env_agree():
 def test_bad_env_names_the_setting(env, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs.from_env(env)
+
+
+def test_readme_table_is_generated():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_with_settings(readme) == readme, "regenerate it: python -m runtime.config --readme README.md"
+
+
+def test_help_shows_each_setting_with_its_default():
+    shown = "".join(settings.parser(ServerArgs, PROG, DESCRIPTION).format_help().split())
+    for f, s in SETTINGS:
+        line = settings.help_line(f, s).replace("%%", "%")
+        assert settings.flag(f.name) in shown and "".join(line.split()) in shown, f.name
+
+
+def _comment_lines(cls: type) -> set[int]:
+    """The lines of `cls`'s source (1: its first) holding a comment."""
+    source = inspect.getsource(cls)
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return {t.start[0] for t in tokens if t.type == tokenize.COMMENT}
+
+
+def _field_lines(cls: type) -> dict[str, int]:
+    lines = inspect.getsource(cls).splitlines()
+    return {
+        name: i
+        for i, line in enumerate(lines, 1)
+        for name in [line.strip().partition(":")[0]]
+        if name in {f.name for f in dataclasses.fields(cls)}
+    }
+
+
+@pytest.mark.parametrize("cls", [ServerArgs, SchedulerConfig, ModelRunnerConfig])
+def test_no_setting_is_described_twice(cls):
+    """What a setting does is its help text, never also a comment: not in ServerArgs, nor beside
+    (or right above) a field of another config that holds the setting of the same name."""
+    comments = _comment_lines(cls)
+    for name, line in _field_lines(cls).items():
+        if name in NAMES:
+            assert line not in comments and line - 1 not in comments, f"{cls.__name__}.{name}: a comment describes it"
+    helps = [s.help for _, s in SETTINGS]
+    assert len(set(helps)) == len(helps)
+
+
+def test_docs_name_each_choice_and_default():
+    for f, s in SETTINGS:
+        said = f"{s.help} {settings.default_words(f, s)}"
+        for choice in s.choices:
+            assert f"`{choice}`" in said, f"--{f.name}: its help does not name `{choice}`"
+        if f.default is not None and f.default != ():
+            value = settings.default_words(f, dataclasses.replace(s, default_text=None))
+            assert value.split()[0] in said, f"--{f.name}: its default text does not say {value}"
+
+
+@pytest.mark.parametrize("cls", [SchedulerConfig, ModelRunnerConfig])
+def test_defaults_agree_between_layers(cls):
+    """A config field named as a setting defaults to the setting's default (the scheduler's
+    context_length, the model's once loaded, has none)."""
+    for f in dataclasses.fields(cls):
+        if f.name in NAMES and f.default is not dataclasses.MISSING:
+            assert f.default == ServerArgs.__dataclass_fields__[f.name].default, f"{cls.__name__}.{f.name}"
+
+
+def test_configs_copy_every_setting_by_name():
+    args = ServerArgs(
+        max_running_requests=7,
+        chunked_prefill_size=99,
+        max_prefill_tokens=123,
+        schedule_policy="lpm",
+        disable_radix_cache=True,
+        grammar_backend="none",
+        constrained_json_any_whitespace=True,
+        speculative_algorithm="none",
+        speculative_num_draft_tokens=3,
+        speculative_ngram_min_match_window_size=2,
+        speculative_ngram_max_match_window_size=5,
+        page_size=8,
+        max_total_tokens=512,
+        dtype="float32",
+        quantization="none",
+        kv_cache_dtype="bfloat16",
+        random_seed=9,
+    )
+    for config in (SchedulerConfig.from_server_args(args, 100), runner_config(args)):
+        for f in dataclasses.fields(config):
+            if f.name in NAMES and f.name != "context_length" or isinstance(config, ModelRunnerConfig):
+                assert getattr(config, f.name) == getattr(args, f.name), f.name
+    assert SchedulerConfig.from_server_args(args, 100, init_new_token_ratio=0.5).init_new_token_ratio == 0.5
+
+
+def test_choices_agree_with_the_layer_that_acts_on_them():
+    fields = ServerArgs.__dataclass_fields__
+    assert fields["kv_cache_dtype"].metadata["setting"].choices == ("auto", *KV_CACHE_DTYPES)
+    assert set(fields["attention_backend"].metadata["setting"].choices) == set(BACKENDS)
+    mem = fields["mem_fraction_static"].metadata["setting"].default_text
+    assert all(f"{value} {device.upper()}" in mem for device, value in DEFAULT_MEM_FRACTION.items())
 
 
 @pytest.mark.parametrize(

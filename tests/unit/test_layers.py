@@ -21,7 +21,7 @@ LAYERS = [
     ("ipc", "gpu"),
     ("structured",),
     ("httpapi",),
-    ("runtime.config", "runtime.gc_tuning", "runtime.engine_stats", "runtime.ttft_trace"),
+    ("runtime.settings", "runtime.config", "runtime.gc_tuning", "runtime.engine_stats", "runtime.ttft_trace"),
     ("runtime.detokenizer",),
     ("runtime.scheduler",),
     ("runtime.supervise",),
