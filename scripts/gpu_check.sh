@@ -36,7 +36,7 @@ fi
 # H200 (triton 3.6, numpy 2.5) the interpreted kernels failed (that interpreter takes int() of
 # one-element arrays, which numpy 2.5 refuses; triton 3.9 squeezes them first), and kernels
 # compiled afterwards in the same process then failed to build.
-"$PY" -m pytest -x -q -rs tests/unit/test_triton_attention.py::test_compiled_kernels_on_cuda \
+"$PY" -m pytest -x -q -rs tests/server/test_triton_attention.py::test_compiled_kernels_on_cuda \
     tests/gpu/test_gpu_cuda.py tests/gpu/test_gpu_flashinfer.py "$@"
 status=$?
 if [ "$status" -eq 0 ]; then
