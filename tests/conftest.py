@@ -194,6 +194,16 @@ def start_server():
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer, loaded once: no test changes it."""
+    from transformers import AutoTokenizer
+
+    from gpu.models.model_files import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+@pytest.fixture(scope="session")
 def offline_engine():
     """The OfflineEngine on the default model: the reference the servers' outputs must equal."""
     from runtime.offline import OfflineEngine

@@ -11,10 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
-from transformers import AutoTokenizer
 
-from gpu.models.model_files import resolve_model_dir
 from ipc import ChannelSpec, get_transport
 from ipc.peers import PeerServer
 from ipc.shm import our_segments
@@ -25,11 +22,6 @@ from runtime.config import ServerArgs
 from runtime.detokenizer.process import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
 
 TEXTS = ["Hello there, how are you? 😀", "世界 and café", "short"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 def start(tmp_path: Path):

@@ -14,20 +14,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
 from protocol.payloads import PayloadBuilder, encode_strings
 from protocol.records import OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
 from runtime.detokenizer import deltas as deltas_module
 from runtime.detokenizer.deltas import TextDeltas
 from runtime.supervise.files import ServerFiles
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 @pytest.fixture

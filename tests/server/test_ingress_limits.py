@@ -153,15 +153,6 @@ def test_request_size_names_n_or_the_prompt():
 # ---------------------------------------------------------------- unit: TokenizerManager
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from gpu.models.model_files import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
-
-
 def small_tm(tokenizer, made: list):
     from ipc.channel import Channel, ChannelSpec
     from ipc.wakeup import Waker

@@ -111,15 +111,6 @@ def running(server) -> float:
     return Scrape(server).get("sglang:num_running_reqs")
 
 
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_sglang_names_types_and_model_name(server, client):
     client.completions.create(model=SERVED, prompt="Hello", max_tokens=2)
     m = Scrape(server)
@@ -202,7 +193,7 @@ def test_gen_throughput_is_a_recent_rate(server):
         time.sleep(0.05)
     thread.join()
     assert max(rates) > 100
-    assert wait_for(lambda: Scrape(server).get("sglang:gen_throughput") == 0, 5)
+    assert server.wait_until(lambda: Scrape(server).get("sglang:gen_throughput") == 0, 5)
 
 
 @contextlib.contextmanager
@@ -218,7 +209,7 @@ def engine_stopped(server):
 def test_aborted_requests_are_counted(server):
     """A stream whose client leaves, an /abort_request, a stream and a request past the request
     timeout: each is a finished request, "abort"."""
-    assert wait_for(lambda: running(server) == 0, 30)
+    assert server.wait_until(lambda: running(server) == 0, 30)
     before = Scrape(server)
     with httpx.Client(timeout=60) as http:
         body = {"model": SERVED, "prompt": "Hi", "stream": True, "max_tokens": 8000, "ignore_eos": True}
@@ -241,7 +232,7 @@ def test_aborted_requests_are_counted(server):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    assert wait_for(lambda: running(server) == 1, 30)
+    assert server.wait_until(lambda: running(server) == 1, 30)
     with engine_stopped(server):
         assert httpx.post(server.url("/abort_request"), json={"rid": "metrics-abort"}).json() == {"aborted": 1}
         thread.join(30)
@@ -269,4 +260,4 @@ def test_aborted_requests_are_counted(server):
     assert delta(after, before, "sglang:e2e_request_latency_seconds_count") == 4
     assert delta(after, before, "sglang:generation_tokens_total") >= answer["body"]["meta_info"]["completion_tokens"]
     assert delta(after, before, "sglang:prompt_tokens_total") >= answer["body"]["meta_info"]["prompt_tokens"]
-    assert wait_for(lambda: running(server) == 0, 30)  # each was aborted in the scheduler too
+    assert server.wait_until(lambda: running(server) == 0, 30)  # each was aborted in the scheduler too

@@ -137,13 +137,6 @@ def reference(got):
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
-
-
 def check_top(top: dict[int, float], row: np.ndarray) -> None:
     """`top` (id -> logprob) is `row`'s K likeliest: ties within the tolerance may swap."""
     assert len(top) == K

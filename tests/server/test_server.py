@@ -346,7 +346,7 @@ def test_abort_request_by_rid(server):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    assert wait_for(lambda: engine_metrics(server)["sglang:num_running_reqs"] == 1, 30)
+    assert server.wait_until(lambda: engine_metrics(server)["sglang:num_running_reqs"] == 1, 30, interval=0.1)
     # a second request may not take the rid while the first holds it: the abort would miss one
     again = httpx.post(
         server.url("/generate"),
@@ -379,7 +379,7 @@ def test_abort_request_by_rid_of_one_prompt_of_a_batch(server):
 
     thread = threading.Thread(target=generate)
     thread.start()
-    assert wait_for(lambda: engine_metrics(server)["sglang:num_running_reqs"] == 2, 30)
+    assert server.wait_until(lambda: engine_metrics(server)["sglang:num_running_reqs"] == 2, 30, interval=0.1)
     assert httpx.post(server.url("/abort_request"), headers=AUTH, json={"rid": "batch-a"}).json() == {"aborted": 1}
     thread.join(300)  # the other prompt runs to its end: slow on a busy machine
     assert not thread.is_alive()
@@ -415,7 +415,7 @@ def test_detokenizer_is_a_batch_task_only_when_busy(server, client):
         pytest.skip(f"this machine refuses SCHED_BATCH: {probe.stderr.decode().strip()[-200:]}")
     detokenizer = server.engine["detokenizer"]
     assert os.sched_getscheduler(server.engine["scheduler"]) == os.SCHED_OTHER
-    assert wait_for(lambda: os.sched_getscheduler(detokenizer) == os.SCHED_OTHER, 10)
+    assert server.wait_until(lambda: os.sched_getscheduler(detokenizer) == os.SCHED_OTHER, 10, interval=0.1)
     seen = set()
     with ThreadPoolExecutor(12) as pool:
         streams = [
@@ -434,19 +434,10 @@ def test_detokenizer_is_a_batch_task_only_when_busy(server, client):
         for f in streams:
             f.result()
     assert os.SCHED_BATCH in seen
-    assert wait_for(lambda: os.sched_getscheduler(detokenizer) == os.SCHED_OTHER, 10)
+    assert server.wait_until(lambda: os.sched_getscheduler(detokenizer) == os.SCHED_OTHER, 10, interval=0.1)
 
 
 # ---------------------------------------------------------------- clients that leave
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def kv_idle(server) -> bool:
@@ -456,7 +447,7 @@ def kv_idle(server) -> bool:
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_disconnect_frees_kv_pages(server, client, stream):
-    assert wait_for(lambda: kv_idle(server), 30)
+    assert server.wait_until(lambda: kv_idle(server), 30, interval=0.1)
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": stream}
     with httpx.Client(timeout=httpx.Timeout(60, read=None if stream else 1.0)) as http:
         if stream:
@@ -469,7 +460,7 @@ def test_disconnect_frees_kv_pages(server, client, stream):
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post(server.url("/v1/completions"), headers=AUTH, json=body)
-    assert wait_for(lambda: kv_idle(server), 10), engine_metrics(server)
+    assert server.wait_until(lambda: kv_idle(server), 10, interval=0.1), engine_metrics(server)
 
 
 # ---------------------------------------------------------------- the engine dies: requests fail at once, 503 meanwhile

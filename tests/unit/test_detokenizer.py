@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from gpu.models.model_files import resolve_model_dir
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
 from runtime.detokenizer.stop_strings import StopMatcher
 
@@ -19,11 +18,6 @@ TEXTS = [
     "世界你好，こんにちは、안녕하세요 Ελληνικά Русский",
     "plain ascii text with numbers 12345 and symbols {}[]<>",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,7 @@ real tokenizer and the real record layouts of protocol/records.py."""
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from gpu.models.model_files import resolve_model_dir
 from ipc.ring import Batch
 from protocol.payloads import (
     PayloadBuilder,
@@ -18,11 +16,6 @@ from protocol.records import NO_TOKEN, OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish
 from runtime.detokenizer.deltas import TextDeltas, split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 @pytest.fixture(scope="module")

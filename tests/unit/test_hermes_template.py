@@ -8,18 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 import structured
-from gpu.models.model_files import resolve_model_dir
 from structured.tool_parsers import ToolCall, make_parser
 
 TEMPLATE = (Path(structured.__file__).parent / "templates" / "hermes.jinja").read_text()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:

@@ -5,9 +5,7 @@ import gzip
 
 import pytest
 from bad_requests import API_KEY, BAD_REQUESTS, CONTEXT_LEN, MODEL, VOCAB_SIZE, BadRequest, chat, completion, generate
-from transformers import AutoTokenizer
 
-from gpu.models.model_files import resolve_model_dir
 from httpapi.auth import check_api_key
 from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import APIError
@@ -20,11 +18,6 @@ from httpapi.requests import (
     parse_tokenize,
 )
 from httpapi.sampling import check_token_ids
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None:

@@ -11,9 +11,7 @@ import pytest
 from openai._models import construct_type
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion
-from transformers import AutoTokenizer
 
-from gpu.models.model_files import resolve_model_dir
 from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found, unauthorized
 from httpapi.info import check_model, models_body, served_model_name, server_info_body
 from httpapi.logprobs import LOGPROB_FLOOR, LogprobVocab, TokenLogprobs
@@ -29,11 +27,6 @@ from httpapi.responses import (
 from runtime.config import ServerArgs
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from gpu.models.model_files import resolve_model_dir
 from runtime.http_worker.prompt_encoder import ASCII_SPLIT, PromptEncoder, _encode_with_regex, cached_encoder
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
-from gpu.models.model_files import resolve_model_dir
 from httpapi.errors import APIError
 from ipc.channel import Channel, ChannelSpec
 from ipc.ring import Batch
@@ -23,11 +21,6 @@ from runtime.detokenizer.core import Detokenizer
 from runtime.http_worker.chat_template import ChatTemplate
 from runtime.http_worker.core import LONG_CONVERSATION_MESSAGES, LONG_DECODE_IDS, ModelInfo, TokenizerManager
 from runtime.http_worker.process import RequestOutbox
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
 @pytest.fixture()
