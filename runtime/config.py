@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from runtime import settings
@@ -29,7 +29,7 @@ DESCRIPTION = "Start the ringserve OpenAI-compatible server."
 README_HEADING = "## Settings"
 
 
-def _names(names: Sequence[str]) -> str:
+def _names(names: Iterable[str]) -> str:
     return ", ".join(f"`{n}`" for n in names)
 
 
