@@ -413,7 +413,7 @@ async def health_generate(worker, request: Request) -> Response:
 async def metrics(worker, request: Request) -> Response:
     body, content_type = worker.metrics.render(
         worker.engine_stats(),
-        {"dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.tm.ring_depths()},
+        {"dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.ring_depths()},
     )
     return Response(body, media_type=content_type)
 
