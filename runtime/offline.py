@@ -1,6 +1,7 @@
 """The OfflineEngine (vLLM's LLM, SGLang's Engine): generate() drives the same Scheduler
-core and the same batch detokenizer as the server, in this process, without HTTP or
-rings, so its texts are the server's (stop strings, min_tokens, stop tokens' text).
+core as the server and hands each step's TOKEN_OUT records (runtime/scheduler/token_out.py)
+to the same Detokenizer core, in this process, without HTTP or rings, so its texts, stop
+strings, finish reasons, logprobs and usage are the server's, made the one same way.
 
     engine = OfflineEngine(max_running_requests=64)
     outs = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_new_tokens=8))
@@ -17,15 +18,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpu.models.model_files import resolve_model_dir
-from protocol.payloads import unpack_prompt_logprobs
-from protocol.records import NO_TOKEN, Finish
+from ipc.ring import Batch
+from protocol.payloads import unpack_logprobs, unpack_prompt_logprobs
+from protocol.record_bytes import record_fields
+from protocol.records import Finish, TextKind
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.config import ServerArgs
-from runtime.detokenizer.deltas import text_tokens
-from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions
+from runtime.detokenizer.core import Detokenizer
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.runner import make_runner
+from runtime.scheduler.token_out import step_records
 
 ENGINE_WORKER = 0  # the worker id the Engine's requests carry
 
@@ -64,7 +67,7 @@ class OfflineEngine:
         config = SchedulerConfig.from_server_args(args, self.runner.model_config.context_length, **overrides)
         self.scheduler = Scheduler(self.runner, config)
         self._generations = itertools.count(1)
-        self._detok = BatchDetokenizer(self.tokenizer, 256)  # here: its byte table is slow to build
+        self._detok = Detokenizer(self.tokenizer, 256)  # here: its byte table is slow to build
 
     def generate(
         self,
@@ -78,63 +81,29 @@ class OfflineEngine:
         for p in params:
             p.validate(vocab)
         sched, generation = self.scheduler, next(self._generations)
-        detok = self._detokenizer(len(prompt_ids))
+        detokenizer = self._detokenizer(len(prompt_ids))
         runs = [_Run(ids, p) for ids, p in zip(prompt_ids, params)]
-        for slot, run in enumerate(runs):
-            p = run.params
-            detok.open(
-                slot,
-                DetokOptions(
-                    skip_special_tokens=p.skip_special_tokens,
-                    stop=p.stop,
-                    min_tokens=p.min_new_tokens,
-                    no_stop_trim=p.no_stop_trim,
-                ),
-            )
-            sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, run.params)
+        for slot, (run, p) in enumerate(zip(runs, _with_ids(params))):
+            sched.add_request(ENGINE_WORKER, slot, generation, run.prompt, p)
         pending = len(runs)
         while pending or sched.has_work:  # has_work: the end events of stop-string aborts
             if sched.only_compiling:  # nothing to run until a grammar is compiled
                 sched.wait_for_grammar()
             res = sched.step()
-            for req in res.failed:
-                if req.generation == generation:
-                    runs[req.slot].error = req.error
-            if res.prompt_records is not None:
-                _take_prompt_logprobs(res, runs, generation)
-            ev = res.events
-            mine = [
-                i
-                for i, (slot, gen) in enumerate(zip(ev["slot"].tolist(), ev["gen"].tolist()))
-                if gen == generation and runs[slot].finish is None
-            ]  # else: a stop string's abort
-            for i in mine:
-                run = runs[int(ev["slot"][i])]
-                token = int(ev["token"][i])
-                if token != NO_TOKEN:
-                    run.tokens.append(token)
-                    if run.params.logprobs:
-                        run.logprobs.append(float(ev["logprob"][i]))
-                        if run.params.top_logprobs and res.top_ids is not None:
-                            k = run.params.top_logprobs
-                            run.top.append(dict(zip(res.top_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist())))
-                run.counts = (int(ev["prompt_tokens"][i]), int(ev["completion_tokens"][i]), int(ev["cached_tokens"][i]))
-            rows = ev[mine]
-            finish = rows["finish"]
-            trim = np.array([not runs[slot].params.no_stop_trim for slot in rows["slot"].tolist()], bool)
-            out = detok.step(
-                rows["slot"].astype(np.int64), text_tokens(rows["token"], finish, trim), finish != Finish.NONE
-            )
-            stopped = set(out.req[out.stop >= 0].tolist())  # a stop string: the scheduler does not know it
-            for k, slot in enumerate(out.req.tolist()):
-                runs[slot].parts.append(out.delta(k))
-            for slot, f in zip(rows["slot"].tolist(), finish.tolist()):
-                run = runs[slot]
-                if run.finish is None and (f != Finish.NONE or slot in stopped):
-                    run.finish = Finish.STOP if slot in stopped else Finish(f)
-                    pending -= 1
-                    if slot in stopped:
-                        sched.abort(ENGINE_WORKER, slot, generation)
+            if not res.opened and not len(res.events) and res.prompt_records is None:
+                continue
+            records, blob = step_records(res, sched)
+            text, payload = detokenizer.handle(Batch(records, np.frombuffer(blob, np.uint8)))
+            for rec in text:
+                r = record_fields(rec)
+                if r["gen"] != generation:  # a request of an earlier call that was cut short
+                    continue
+                run = runs[r["slot"]]
+                if not run.take(r, payload):
+                    continue
+                pending -= 1
+                if run.stop_index >= 0:  # a stop string: the scheduler does not know it
+                    sched.abort(ENGINE_WORKER, r["slot"], generation)
         return [self._output(run) for run in runs]
 
     def chat(
@@ -152,10 +121,10 @@ class OfflineEngine:
         ]
         return self.generate([_as_ids(i) for i in ids], sampling_params)
 
-    def _detokenizer(self, n: int) -> BatchDetokenizer:
+    def _detokenizer(self, n: int) -> Detokenizer:
         """The Engine's detokenizer, with room for n requests (slots 0..n-1)."""
-        if self._detok.capacity < n:
-            self._detok = BatchDetokenizer(self.tokenizer, max(n, 2 * self._detok.capacity))
+        if self._detok.max_open < n:
+            self._detok = Detokenizer(self.tokenizer, max(n, 2 * self._detok.max_open))
         return self._detok
 
     def flush_cache(self) -> int:
@@ -194,7 +163,7 @@ class OfflineEngine:
 
 
 class _Run:
-    """One prompt's progress inside generate()."""
+    """One prompt's progress inside generate(): what its TEXT_OUT records said so far."""
 
     __slots__ = (
         "prompt",
@@ -203,6 +172,7 @@ class _Run:
         "logprobs",
         "top",
         "finish",
+        "stop_index",
         "counts",
         "parts",
         "error",
@@ -216,24 +186,55 @@ class _Run:
         self.logprobs: list[float] = []
         self.top: list[dict[int, float]] = []
         self.finish: Finish | None = None
+        self.stop_index = -1  # the stop string that ended it
         self.counts = (len(prompt), 0, 0)
         self.parts: list[bytes] = []  # the detokenizer's UTF-8 deltas
         self.error = ""
         self.prompt_lps: list[float | None] = []
         self.prompt_top: list[dict[int, float] | None] = []
 
+    def take(self, r: dict, payload: np.ndarray) -> bool:
+        """One TEXT_OUT record of it (record_fields); True when it ends the request."""
+        if r["kind"] == TextKind.PROMPT_LOGPROBS:
+            self._take_prompt_logprobs(r, payload[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]])
+            return False
+        text = payload[r["text_off"] : r["text_off"] + r["text_len"]].tobytes()
+        if r["kind"] == TextKind.ERROR:
+            self.parts, self.error = [], text.decode(errors="replace")
+        elif text:
+            self.parts.append(text)
+        if r["ids_len"]:
+            self.tokens += payload[r["ids_off"] : r["ids_off"] + r["ids_len"]].view(np.uint32).tolist()
+        if r["logprobs_len"]:
+            k = r["n_top"]
+            part = payload[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]]
+            _, lps, top_ids, top_lps = unpack_logprobs(part, r["logprobs_len"] // (8 * (1 + k)), k)
+            self.logprobs += lps.tolist()
+            if k:
+                self.top += [dict(zip(i, lp)) for i, lp in zip(top_ids.tolist(), top_lps.tolist())]
+        self.counts = (r["prompt_tokens"], r["completion_tokens"], r["cached_tokens"])
+        if r["finish"] == Finish.NONE or self.finish is not None:
+            return False
+        self.finish, self.stop_index = Finish(r["finish"]), r["stop_index"]
+        return True
 
-def _take_prompt_logprobs(res, runs: list[_Run], generation: int) -> None:
-    """Appends a step's PROMPT_LOGPROBS records (StepResult.prompt_records) to their runs."""
-    for rec, part in zip(res.prompt_records, res.prompt_payloads):
-        if int(rec["gen"]) != generation:
-            continue
-        run, n, k = runs[int(rec["slot"])], int(rec["completion_tokens"]), int(rec["n_top"])
-        _, lps, _, top_ids, top_lps = unpack_prompt_logprobs(np.frombuffer(part, np.uint8), n, k)
+    def _take_prompt_logprobs(self, r: dict, part: np.ndarray) -> None:
+        """A PROMPT_LOGPROBS record's positions, from the first (its stop_token field) on."""
+        _, lps, _, top_ids, top_lps = unpack_prompt_logprobs(part, r["n_tokens"], r["n_top"])
         for j, (lp, ids, alts) in enumerate(zip(lps.tolist(), top_ids.tolist(), top_lps.tolist())):
-            first = int(rec["token"]) + j == 0  # no token predicts the prompt's first
-            run.prompt_lps.append(None if first else lp)
-            run.prompt_top.append(None if first else dict(zip(ids, alts)))
+            first = r["stop_token"] + j == 0  # no token predicts the prompt's first
+            self.prompt_lps.append(None if first else lp)
+            self.prompt_top.append(None if first else dict(zip(ids, alts)))
+
+
+def _with_ids(params: list[SamplingParams]) -> list[SamplingParams]:
+    """`params` asking for their token ids too (they come with the text, as /generate's
+    output_ids do); prompts that share settings still share one object."""
+    asked: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in asked:
+            asked[id(p)] = p if p.return_ids else dataclasses.replace(p, return_ids=True)
+    return [asked[id(p)] for p in params]
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

@@ -1,11 +1,12 @@
-"""The Detokenizer process (`ringserve::detokenizer`): pops the scheduler's TOKEN_OUT batches,
-turns them into text deltas (deltas.py -> incremental.py) and pushes each
-HTTP worker's TEXT_OUT records to that worker's channel, one push per worker per batch.
+"""The detokenizer process's loop (`ringserve::detokenizer`), DetokenizerProcess: pops the
+scheduler's TOKEN_OUT batches, has the Detokenizer core (core.py) turn them into text deltas
+and pushes each HTTP worker's TEXT_OUT records to that worker's channel, one push per worker
+per batch.
 
 Channels come from the detokenizer's own unix socket (ipc/peers.py), at start-up or later
 (a worker that granian respawns reconnects).
 
-    launcher:       run_detokenizer(server_args, socket_path)
+    launcher:       run_detokenizer(server_args, socket_path)               main.py
     scheduler:      ch = connect_detokenizer(socket_path, waker)            TOKEN_OUT, producer side
     HTTP worker k:  ch = connect_detokenizer(socket_path, waker, worker=k)  TEXT_OUT, consumer side
 
@@ -13,13 +14,14 @@ The socket is listening as soon as the process has started (before the tokenizer
 loaded), so peers can connect right away. The process stops on SIGTERM / SIGINT; it then
 closes its channels and removes the socket file.
 
-No worker's stall stops the others (issue 19). The loop never blocks on one worker's ring:
-records that do not fit a worker's TEXT_OUT ring wait in that worker's backlog (in order:
-while a backlog exists, that worker's new records go behind it), pushed as room appears,
-retried every iteration. With nothing to pop the loop sleeps on its waker for both records
-in TOKEN_OUT and room in any backlogged ring (`Waker.wait_any`). A backlog is bounded
-(BACKLOG_BYTES): past it the loop stops popping TOKEN_OUT until that worker takes some (the
-back-pressure a slow worker always got).
+No worker's stall stops the others (one stopped worker must not hold every stream of the
+server). The loop never blocks on one worker's ring: records that do not fit a worker's
+TEXT_OUT ring wait in that worker's backlog (in order: while a backlog exists, that worker's
+new records go behind it), pushed as room appears, retried every iteration. With nothing
+to pop the loop sleeps on its waker for both records in TOKEN_OUT and room in any
+backlogged ring (`Waker.wait_any`). A backlog is bounded (BACKLOG_BYTES): past it the loop
+stops popping TOKEN_OUT until that worker takes some (the back-pressure a slow worker
+always got).
 
 A worker that has records waiting and takes none for `--worker-stall-timeout` s (SIGSTOP, an
 event loop stuck in synchronous work), or none for STALL_GRACE_S with its backlog past the
@@ -37,15 +39,14 @@ A worker whose process exits or is replaced loses its backlog with its channel.
 A push whose blob exceeds what the ring takes in one push is split (ipc/channel.py
 `split_payload`); a record that alone can never fit (a request's text or logprobs of one
 batch over half the arena) fails its request with an ERROR record instead. A batch that
-TextDeltas cannot handle is handled again one record at a time, failing only the requests
-whose records raise (runtime/detokenizer/deltas.py).
+the Detokenizer cannot handle is handled again one record at a time, failing only the
+requests whose records raise (runtime/detokenizer/core.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections import deque
 
@@ -54,16 +55,14 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes, split_payload
 from ipc.peers import PeerServer, connect
-from protocol.records import TEXT_OUT, TOKEN_OUT, TOKEN_OUT_ARENA_BYTES, ErrorCode, RequestKind, TokenKind
+from protocol.records import TEXT_OUT, TOKEN_OUT, TOKEN_OUT_ARENA_BYTES, ErrorCode, RequestKind
 from protocol.request_records import pack_control
 from runtime.config import ServerArgs
-from runtime.detokenizer.deltas import TextDeltas, error_records, split_by_worker
-from runtime.gc_tuning import settle_heap
-from runtime.ttft_trace import TtftTrace
+from runtime.detokenizer.core import Detokenizer
+from runtime.detokenizer.text_out import error_records, split_by_worker
 
 logger = logging.getLogger(__name__)
 
-PROCESS_TITLE = "ringserve::detokenizer"
 TOKEN_OUT_SPEC = ChannelSpec(TOKEN_OUT, capacity=16384, arena_bytes=TOKEN_OUT_ARENA_BYTES)  # scheduler -> detokenizer
 TEXT_OUT_SPEC = ChannelSpec(TEXT_OUT, capacity=8192, arena_bytes=8 << 20)  # detokenizer -> worker k
 SPIN_US = 50.0  # spin this long on an empty ring before sleeping on the eventfd
@@ -87,35 +86,6 @@ class Backlog:
     def add(self, records: np.ndarray, blob: np.ndarray) -> None:
         self.pieces.append((records, blob))
         self.bytes += records.nbytes + blob.nbytes
-
-
-def run_detokenizer(
-    server_args: ServerArgs, socket_path: str, scheduler_socket: str | None = None, max_open: int = 8192
-) -> None:
-    """The process's entry point (spawn it). server_args: model_path (for the tokenizer),
-    transport, log_level. socket_path: where peers connect (must not exist yet).
-    scheduler_socket: where to ask the scheduler to abort the requests of a worker given up on
-    (None: it is not asked). max_open: requests the detokenizer keeps open at once (queued
-    ones included)."""
-    from setproctitle import setproctitle
-
-    setproctitle(PROCESS_TITLE)
-    logging.basicConfig(
-        level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s detokenizer: %(message)s"
-    )
-    trace_dir = TtftTrace.directory()
-    if trace_dir is None:
-        detok = Detokenizer(server_args, socket_path, scheduler_socket)
-    else:
-        detok = TracedDetokenizer(server_args, socket_path, scheduler_socket, trace=TtftTrace(trace_dir, "detokenizer"))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: detok.stop())
-    try:
-        detok.load(max_open)
-        settle_heap()
-        detok.serve()
-    finally:
-        detok.close()
 
 
 class Pacing:
@@ -153,7 +123,7 @@ def connect_detokenizer(socket_path: str, waker, worker: int | None = None, time
     return connect(socket_path, waker, hello, timeout)[0]
 
 
-class Detokenizer:
+class DetokenizerProcess:
     def __init__(self, server_args: ServerArgs, socket_path: str, scheduler_socket: str | None = None) -> None:
         self.args = server_args
         self.socket_path = socket_path
@@ -161,7 +131,7 @@ class Detokenizer:
         self.aborts = None  # a REQUEST channel to the scheduler, opened when first needed
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
-        self.deltas: TextDeltas | None = None
+        self.detokenizer: Detokenizer | None = None
         self.inputs: list = []  # TOKEN_OUT channels (one per scheduler; one in practice)
         self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
@@ -179,8 +149,8 @@ class Detokenizer:
         model_dir = resolve_model_dir(self.args.model_path)
         t0 = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(self.args.tokenizer_path or model_dir)  # --tokenizer-path
-        self.deltas = TextDeltas(tokenizer, max_open=max_open)
-        core = self.deltas.core
+        self.detokenizer = Detokenizer(tokenizer, max_open=max_open)
+        core = self.detokenizer.incremental
         how = "numpy byte table" if core.table is not None else f"window decode ({core.fallback_reason})"
         logger.info(
             "tokenizer of %s (%d tokens) loaded in %.1f s; decoding with the %s; listening on %s",
@@ -195,7 +165,7 @@ class Detokenizer:
         self._stopping = True
 
     def serve(self) -> None:
-        deltas, waker, pacing = self.deltas, self.waker, Pacing()
+        detokenizer, waker, pacing = self.detokenizer, self.waker, Pacing()
         while not self._stopping:
             if self.peers.has_events():
                 self._attach_new()
@@ -211,14 +181,14 @@ class Detokenizer:
                     if batch is not None:
                         busy = True
                         try:
-                            records, blob = deltas.handle(batch)
+                            records, blob = detokenizer.handle(batch)
                         except Exception:  # a bug: find the requests it concerns, fail only them
                             logger.exception("a batch of %d records failed: handled one record at a time", len(batch))
-                            records, blob = deltas.handle_isolated(batch)
+                            records, blob = detokenizer.handle_isolated(batch)
                         if len(records):
                             self._send(records, blob)
             if busy:
-                pacing.follow(deltas.num_open)
+                pacing.follow(detokenizer.num_open)
                 continue
             if self.backlogs:
                 self._wait(held)
@@ -258,7 +228,7 @@ class Detokenizer:
             for k in big:
                 w, s, gen = int(recs["worker"][k]), int(recs["slot"][k]), int(recs["gen"][k])
                 logger.warning("request (%d, %d, %d): a text record over %d bytes: the request fails", w, s, gen, limit)
-                recs[k : k + 1] = self.deltas.fail(w, s, gen, ErrorCode.INTERNAL, b"")[0]  # no payload
+                recs[k : k + 1] = self.detokenizer.fail(w, s, gen, ErrorCode.INTERNAL, b"")[0]  # no payload
         return split_payload(recs, blob, TEXT_OUT, limit)
 
     def _drain_backlogs(self) -> bool:
@@ -297,7 +267,7 @@ class Detokenizer:
     def _give_up(self, worker: int, backlog: Backlog, now: float) -> None:
         """Worker `worker` took nothing for stall_timeout s: its backlog becomes one ERROR record
         per request it concerned or that is open here, and those requests are closed here."""
-        seen = self.deltas.close_worker(worker)
+        seen = self.detokenizer.close_worker(worker)
         for recs, _ in backlog.pieces:
             seen += zip(recs["slot"].tolist(), recs["gen"].tolist())
         addrs = list(dict.fromkeys(seen))
@@ -394,44 +364,3 @@ class Detokenizer:
             ch.close()
         self.inputs, self.outputs, self.aborts = [], {}, None
         self.waker.close()
-
-
-class TracedDetokenizer(Detokenizer):
-    """The loop with first-token stamps (RINGSERVE_TRACE_TTFT, perf/ttft_breakdown.py): when
-    the batch holding a request's first TOKEN record was popped, decoded, and pushed to its
-    worker. TextDeltas.handle is wrapped on this process's instance only."""
-
-    def __init__(self, *args, trace: TtftTrace) -> None:
-        super().__init__(*args)
-        self.trace = trace
-        self._firsts: list[tuple[int, int, int]] = []  # the handled batch's first tokens
-        self._stamps: dict[str, int] = {}
-
-    def load(self, max_open: int) -> None:
-        super().load(max_open)
-        handle = self.deltas.handle
-
-        def traced(batch):
-            popped = time.monotonic_ns()
-            recs = batch.records
-            first = (recs["kind"] == TokenKind.TOKEN) & (recs["completion_tokens"] == 1)
-            self._firsts = list(
-                zip(recs["worker"][first].tolist(), recs["slot"][first].tolist(), recs["gen"][first].tolist())
-            )
-            out = handle(batch)
-            self._stamps = {"d_pop": popped, "d_decoded": time.monotonic_ns()}
-            return out
-
-        self.deltas.handle = traced
-
-    def _send(self, records, blob) -> None:
-        super()._send(records, blob)
-        if self._firsts:
-            stamps = {**self._stamps, "d_pushed": time.monotonic_ns()}
-            for key in self._firsts:
-                self.trace.write(key, stamps)
-            self._firsts = []
-
-    def close(self) -> None:
-        super().close()
-        self.trace.close()

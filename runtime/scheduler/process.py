@@ -1,4 +1,4 @@
-"""The Scheduler+Worker process (`ringserve::scheduler`): a plain synchronous loop around
+"""The Scheduler+Worker process's loop (`ringserve::scheduler`), SchedulerProcess: a plain synchronous loop around
 the Scheduler core (runtime/scheduler/core.py) and the model runner.
 
 Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
@@ -9,13 +9,13 @@ makes a syscall to look for more; idle, it sleeps on its eventfd. The heartbeats
 published EngineStats) advance after each iteration and before each forward, at most once a
 millisecond while busy, and always before the loop sleeps.
 
-    launcher:       run_scheduler(server_args, socket_path, detokenizer_socket, stats_path)
+    launcher:       run_scheduler(server_args, socket_path, detokenizer_socket, stats_path)  main.py
     HTTP worker k:  request_ch, meta = connect_scheduler(socket_path, waker, worker=k)
 
 The socket (ipc/peers.py) is bound only once the model is loaded and the detokenizer
 connected, so a socket file means the scheduler is ready. A worker that connects again
 (granian respawned it) replaces its channel, and the requests of its previous process are
-aborted. The scheduler core builds the TOKEN and ERROR records itself; this loop adds the
+aborted. The scheduler core builds the TOKEN and ERROR records itself; token_out.py adds the
 OPEN records and the payloads.
 
 No request can stop the loop: an exception that concerns one request (its record cannot be
@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 
 import numpy as np
@@ -40,30 +39,16 @@ import numpy as np
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes
 from ipc.peers import PeerServer, connect
-from protocol.payloads import PayloadBuilder, encode_strings, pack_top_logprobs
-from protocol.record_bytes import concat_records, pack_open
-from protocol.records import (
-    NO_TOKEN,
-    REQUEST,
-    REQUEST_ARENA_BYTES,
-    TOKEN_OUT,
-    ErrorCode,
-    Finish,
-    OpenFlags,
-    RequestKind,
-    TokenKind,
-)
+from protocol.payloads import PayloadBuilder
+from protocol.records import REQUEST, REQUEST_ARENA_BYTES, TOKEN_OUT, ErrorCode, RequestKind
 from protocol.request_records import unpack_request
 from runtime.config import ServerArgs
-from runtime.gc_tuning import settle_heap
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler, StepResult
-from runtime.scheduler.req import Req
-from runtime.ttft_trace import TtftTrace
+from runtime.scheduler.token_out import error_record, step_records
 
 logger = logging.getLogger(__name__)
 
-PROCESS_TITLE = "ringserve::scheduler"
 REQUEST_SPEC = ChannelSpec(REQUEST, capacity=4096, arena_bytes=REQUEST_ARENA_BYTES)  # worker k -> scheduler
 ABORTS_SPEC = ChannelSpec(REQUEST, capacity=4096)  # detokenizer -> scheduler: ABORT records, no payload
 DETOKENIZER_INPUT = -1  # the key of the detokenizer's channel among the inputs (workers are 0, 1, ...)
@@ -71,39 +56,9 @@ SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 GRAMMAR_POLL_S = 0.002  # with only grammar compiles pending, the loop looks for a finished one this often
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
-_SKIP_SPECIAL, _NO_STOP_TRIM, _LOGPROBS, _RETURN_IDS = map(
-    int, (OpenFlags.SKIP_SPECIAL_TOKENS, OpenFlags.NO_STOP_TRIM, OpenFlags.LOGPROBS, OpenFlags.RETURN_IDS)
-)
 _NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(
     int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE, RequestKind.ABORT_RID, RequestKind.ABORT_ALL)
 )
-
-
-def run_scheduler(
-    server_args: ServerArgs, socket_path: str, detokenizer_socket: str, stats_path: str | None = None
-) -> None:
-    """The process's entry point: loads the model, connects to the detokenizer, listens on
-    `socket_path` for HTTP workers and runs the loop until SIGTERM / SIGINT. `stats_path`:
-    where to publish EngineStats (runtime/engine_stats.py) every iteration; None publishes none."""
-    from setproctitle import setproctitle
-
-    setproctitle(PROCESS_TITLE)
-    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
-    trace_dir = TtftTrace.directory()
-    if trace_dir is None:
-        proc = SchedulerProcess(server_args, socket_path, detokenizer_socket, stats_path)
-    else:
-        proc = TracedSchedulerProcess(
-            server_args, socket_path, detokenizer_socket, stats_path, trace=TtftTrace(trace_dir, "scheduler")
-        )
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: proc.stop())
-    try:
-        proc.start()
-        settle_heap()
-        proc.serve()
-    finally:
-        proc.close()
 
 
 def connect_scheduler(socket_path: str, waker, worker: int, timeout: float = 60.0):
@@ -246,53 +201,11 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- token out
     def _send(self, res: StepResult) -> None:
-        """This step's records in one push: OPEN records first, then the PROMPT_LOGPROBS records
-        of its prefill chunks, then the step's events (already TOKEN_OUT records) with their
-        top-logprob and error-message payloads."""
-        opened, ev, prompt = res.opened, res.events, res.prompt_records
-        if not opened and not len(ev) and prompt is None:
+        """This step's records (token_out.py) in one push, several when its blob is over what one
+        push may carry."""
+        if not res.opened and not len(res.events) and res.prompt_records is None:
             return
-        payload = PayloadBuilder()
-        head = len(opened)  # the records before the sampled ones
-        if prompt is not None:
-            for k, part in enumerate(res.prompt_payloads):
-                prompt["payload_off"][k], prompt["payload_len"][k] = payload.add(part)
-            ev = concat_records([prompt, ev])
-            head += len(prompt)
-        if opened:
-            opens = []
-            for req in opened:
-                try:
-                    opens.append(self._open_record(req, payload))
-                except Exception:  # that request fails, not the process
-                    logger.exception("request (%d, %d, %d): no OPEN record", req.worker, req.slot, req.generation)
-                    self.scheduler.abort(req.worker, req.slot, req.generation)
-                    opens.append(
-                        _error_record(
-                            req.worker,
-                            req.slot,
-                            req.generation,
-                            ErrorCode.INTERNAL,
-                            payload,
-                            b"the request could not be opened",
-                        )
-                    )
-            ev = concat_records([np.frombuffer(b"".join(opens), TOKEN_OUT.dtype), ev])
-        if res.top_ids is not None:
-            blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
-            base, _ = payload.add(blob)
-            sampled = ev[head : head + res.num_sampled]
-            sampled["payload_off"] = offsets + base
-            sampled["payload_len"] = 8 * res.top_ids.shape[1]
-            sampled["n_top"] = res.top_ids.shape[1]
-        if res.failed:  # their ERROR records carry the message
-            failed = {(r.worker, r.slot, r.generation): r for r in res.failed}
-            n = len(opened)  # the OPEN section may hold ERROR records of its own (a failed OPEN)
-            for k in (np.flatnonzero(ev["kind"][n:] == TokenKind.ERROR) + n).tolist():
-                req = failed.get((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
-                if req is not None:
-                    ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
-        blob = payload.blob()
+        ev, blob = step_records(res, self.scheduler)
         if len(blob) > self._max_push:  # several pushes (push_all splits); none may be too big alone
             ev, blob = self._refuse_oversize(ev, blob)
         self.token_out.push_all(ev, blob)
@@ -317,38 +230,13 @@ class SchedulerProcess:
             logger.warning("request (%d, %d, %d) failed: %s", w, s, g, message)
             self.scheduler.abort(w, s, g)
             ev[k : k + 1] = np.frombuffer(
-                _error_record(w, s, g, ErrorCode.INVALID_REQUEST, payload, message.encode()), TOKEN_OUT.dtype
+                error_record(w, s, g, ErrorCode.INVALID_REQUEST, payload, message.encode()), TOKEN_OUT.dtype
             )
         return ev, payload.blob()
 
-    def _open_record(self, req: Req, payload: PayloadBuilder) -> bytes:
-        """The OPEN record of `req`, packed in one call (numpy sets a record's fields one call each)."""
-        p = req.params
-        flags = (
-            (_SKIP_SPECIAL if p.skip_special_tokens else 0)
-            | (_NO_STOP_TRIM if p.no_stop_trim else 0)
-            | (_LOGPROBS if p.logprobs else 0)
-            | (_RETURN_IDS if p.return_ids else 0)
-        )
-        if req.error_code:  # it never runs: an ERROR follows, its stop strings are not needed
-            stop_off, stop_len = 0, 0
-        else:
-            stop_off, stop_len = payload.add(encode_strings(p.stop)) if p.stop else (0, 0)
-        return pack_open(
-            worker=req.worker,
-            slot=req.slot,
-            gen=req.generation,
-            prompt_tokens=len(req.prompt),
-            min_new_tokens=p.min_new_tokens,
-            top_logprobs=p.top_logprobs if p.logprobs else 0,
-            flags=flags,
-            stop_off=stop_off,
-            stop_len=stop_len,
-        )
-
     def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
         payload = PayloadBuilder()
-        rec = _error_record(worker, slot, gen, code, payload, message.encode())
+        rec = error_record(worker, slot, gen, code, payload, message.encode())
         self.token_out.push_all(np.frombuffer(rec, TOKEN_OUT.dtype), payload.blob())
 
     def _publish(self, force: bool = False) -> None:
@@ -431,80 +319,3 @@ class SchedulerProcess:
         if self.stats is not None:
             self.stats.close()
         self.waker.close()
-
-
-class TracedSchedulerProcess(SchedulerProcess):
-    """The loop with first-token stamps (RINGSERVE_TRACE_TTFT, perf/ttft_breakdown.py): when a
-    request's NEW record was popped and added, when the step that samples its first token
-    entered the runner (admission done), left the forward for the sampler, left the runner,
-    and when its TOKEN record was pushed. The runner and its sampler are wrapped on this
-    process's instances only."""
-
-    def __init__(self, *args, trace: TtftTrace) -> None:
-        super().__init__(*args)
-        self.trace = trace
-        self._arrived: dict[tuple[int, int, int], dict[str, int]] = {}  # key -> its stamps until its first token
-        self._step: dict[str, int] = {}  # the current step's stamps
-
-    def start(self) -> None:
-        super().start()
-        runner = self.scheduler.runner
-        runner.step = self._stamped(runner.step, "forward", "stepped")
-        sampler = getattr(runner, "sampler", None)
-        if sampler is not None:
-            sampler.sample = self._stamped(sampler.sample, "sample", None)
-
-    def _stamped(self, fn, before: str, after: str | None):
-        step = self._step
-
-        def call(*args, **kwargs):
-            step[before] = time.monotonic_ns()
-            out = fn(*args, **kwargs)
-            if after is not None:
-                step[after] = time.monotonic_ns()
-            return out
-
-        return call
-
-    def _handle_requests(self, batch) -> None:
-        popped = time.monotonic_ns()
-        recs = batch.records
-        new = [
-            (w, s, g)
-            for k, w, s, g in zip(
-                recs["kind"].tolist(), recs["worker"].tolist(), recs["slot"].tolist(), recs["gen"].tolist()
-            )
-            if k == _NEW
-        ]
-        super()._handle_requests(batch)
-        added = time.monotonic_ns()
-        for key in new:
-            self._arrived[key] = {"s_pop": popped, "s_added": added}
-
-    def _send(self, res: StepResult) -> None:
-        sent = time.monotonic_ns()
-        super()._send(res)
-        pushed = time.monotonic_ns()
-        step = dict(self._step)
-        self._step.clear()
-        if not self._arrived or not len(res.events):
-            return
-        ev = res.events
-        first = (ev["kind"] == TokenKind.TOKEN) & (ev["completion_tokens"] == 1)
-        for w, s, g in zip(ev["worker"][first].tolist(), ev["slot"][first].tolist(), ev["gen"][first].tolist()):
-            stamps = self._arrived.pop((w, s, g), None)
-            if stamps is not None:
-                self.trace.write((w, s, g), {**stamps, **step, "s_send": sent, "s_pushed": pushed})
-
-    def close(self) -> None:
-        super().close()
-        self.trace.close()
-
-
-def _error_record(worker: int, slot: int, gen: int, code: ErrorCode, payload: PayloadBuilder, message: bytes) -> bytes:
-    """An ERROR record's bytes (its message added to `payload`)."""
-    rec = np.zeros(1, TOKEN_OUT.dtype)
-    rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.ERROR, worker, slot, gen
-    rec["finish"], rec["error"], rec["token"] = Finish.ERROR, code, NO_TOKEN
-    rec["payload_off"], rec["payload_len"] = payload.add(message) if message else (0, 0)
-    return rec.tobytes()

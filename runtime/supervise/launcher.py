@@ -371,11 +371,11 @@ def engine_process_main(role: str) -> int:
 
     try:
         if role == "scheduler":
-            from runtime.scheduler.process import run_scheduler
+            from runtime.scheduler.main import run_scheduler
 
             run_scheduler(args, str(files.socket("scheduler")), str(files.socket("detokenizer")), str(files.stats))
         else:
-            from runtime.detokenizer.process import run_detokenizer
+            from runtime.detokenizer.main import run_detokenizer
 
             run_detokenizer(args, str(files.socket("detokenizer")), str(files.socket("scheduler")))
     except ModelLoadError as e:

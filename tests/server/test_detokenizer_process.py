@@ -1,4 +1,4 @@
-"""The Detokenizer process for real: spawned, channels from its unix socket, a "scheduler" and
+"""The detokenizer process for real: spawned, channels from its unix socket, a "scheduler" and
 two "HTTP workers" (this test process) streaming through it, clean stop on SIGTERM with
 nothing left in /dev/shm; the same loop over the ZMQ transport; stop when the parent exits."""
 
@@ -19,7 +19,8 @@ from protocol.payloads import PayloadBuilder, encode_strings
 from protocol.record_bytes import pack_open
 from protocol.records import REQUEST, TOKEN_OUT, Finish, OpenFlags, RequestKind, TextKind, TokenKind
 from runtime.config import ServerArgs
-from runtime.detokenizer.process import PROCESS_TITLE, Detokenizer, connect_detokenizer, run_detokenizer
+from runtime.detokenizer.main import PROCESS_TITLE, run_detokenizer
+from runtime.detokenizer.process import DetokenizerProcess, connect_detokenizer
 
 TEXTS = ["Hello there, how are you? 😀", "世界 and café", "short"]
 
@@ -126,7 +127,7 @@ def test_streams_and_stops_on_sigterm(tokenizer, tmp_path):
 
 def test_zmq_transport(tokenizer, tmp_path):
     """The same loop over the ZMQ baseline transport, run in a thread of this process."""
-    detok = Detokenizer(ServerArgs(transport="zmq"), str(tmp_path / "detok.sock"))
+    detok = DetokenizerProcess(ServerArgs(transport="zmq"), str(tmp_path / "detok.sock"))
     loop = threading.Thread(target=detok.serve)
     try:
         detok.load(max_open=64)
@@ -144,7 +145,7 @@ def test_zmq_transport(tokenizer, tmp_path):
 def test_a_dead_workers_channel_is_closed(tmp_path):
     """kill -9 of a worker that no new process replaces: the detokenizer sees its pidfd fire
     and closes its channel, so a ring nobody reads can never block the other workers."""
-    detok = Detokenizer(ServerArgs(), str(tmp_path / "detok.sock"))
+    detok = DetokenizerProcess(ServerArgs(), str(tmp_path / "detok.sock"))
     code = (
         "import sys, time; from ipc import Waker; from runtime.detokenizer.process import connect_detokenizer; "
         "connect_detokenizer(sys.argv[1], Waker(), worker=1, timeout=60); time.sleep(600)"

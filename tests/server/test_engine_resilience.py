@@ -1,5 +1,5 @@
-"""Issue 19, the engine loops: a record the detokenizer cannot handle fails its own request and
-nothing else, and the memo of stop strings is bounded by bytes (runtime/detokenizer/deltas.py,
+"""The engine loops: a record the detokenizer cannot handle fails its own request and
+nothing else, and the memo of stop strings is bounded by bytes (runtime/detokenizer/core.py,
 with the real tokenizer); a stopped HTTP worker does not stop the other worker's streams (a real
 server, two workers, the null model). The processes alone: tests/server/test_scheduler_process.py
 (OPEN payloads past the TOKEN_OUT arena) and tests/server/test_detokenizer_process.py (a stalled worker)."""
@@ -18,14 +18,14 @@ import pytest
 from ipc.ring import Batch
 from protocol.payloads import PayloadBuilder, encode_strings
 from protocol.records import OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
-from runtime.detokenizer import deltas as deltas_module
-from runtime.detokenizer.deltas import TextDeltas
+from runtime.detokenizer import core as detokenizer_core
+from runtime.detokenizer.core import Detokenizer
 from runtime.supervise.files import ServerFiles
 
 
 @pytest.fixture
-def deltas(tokenizer):
-    return TextDeltas(tokenizer, max_open=64)
+def detokenizer(tokenizer):
+    return Detokenizer(tokenizer, max_open=64)
 
 
 def batch(*items) -> Batch:
@@ -61,7 +61,7 @@ def by_slot(out):
     }
 
 
-def test_an_open_that_cannot_be_read_fails_its_request_only(tokenizer, deltas):
+def test_an_open_that_cannot_be_read_fails_its_request_only(tokenizer, detokenizer):
     """Stop strings that are not UTF-8, that claim more bytes than they have, or an empty one:
     each such OPEN raised out of handle() (the detokenizer process died). Now each fails its
     own request (ERROR, INTERNAL) and the batch's other requests stream."""
@@ -69,7 +69,7 @@ def test_an_open_that_cannot_be_read_fails_its_request_only(tokenizer, deltas):
     bad_utf8 = np.array([1, 2], np.uint32).tobytes() + b"\xff\xfe"
     empty = np.array([1, 0], np.uint32).tobytes()
     out = by_slot(
-        deltas.handle(
+        detokenizer.handle(
             batch(
                 opened(1),
                 opened(2, bad_utf8),
@@ -85,40 +85,40 @@ def test_an_open_that_cannot_be_read_fails_its_request_only(tokenizer, deltas):
     assert out[1] == (TextKind.TEXT, 0, b" hello") and out[4] == (TextKind.TEXT, 0, b" hello")
     for slot in (2, 3):
         assert out[slot][:2] == (TextKind.ERROR, ErrorCode.INTERNAL)
-    assert deltas.num_open == 1  # slot 1; the failed ones hold nothing
+    assert detokenizer.num_open == 1  # slot 1; the failed ones hold nothing
 
 
-def test_a_batch_that_raises_is_handled_one_record_at_a_time(tokenizer, deltas, monkeypatch):
+def test_a_batch_that_raises_is_handled_one_record_at_a_time(tokenizer, detokenizer, monkeypatch):
     """A bug that one request's tokens meet in the batched pass: handle() raises, and
     handle_isolated (what the process's loop calls then) fails that request alone."""
     word = tokenizer.encode(" hello", add_special_tokens=False)[0]
-    deltas.handle(batch(opened(1), opened(2), opened(3)))
-    poisoned = int(deltas._index[0, 2])
-    real_step = deltas.core.step
+    detokenizer.handle(batch(opened(1), opened(2), opened(3)))
+    poisoned = int(detokenizer._index[0, 2])
+    real_step = detokenizer.incremental.step
 
     def step(req, tok, finished):
         if poisoned in np.asarray(req).tolist():
             raise RuntimeError("a bug")
         return real_step(req, tok, finished)
 
-    monkeypatch.setattr(deltas.core, "step", step)
+    monkeypatch.setattr(detokenizer.incremental, "step", step)
     records = batch(token(1, word), token(2, word), token(3, word, Finish.LENGTH))
     with pytest.raises(RuntimeError):
-        deltas.handle(records)
-    out = by_slot(deltas.handle_isolated(records))
+        detokenizer.handle(records)
+    out = by_slot(detokenizer.handle_isolated(records))
     assert out[1] == (TextKind.TEXT, 0, b" hello") and out[3] == (TextKind.TEXT, 0, b" hello")
     assert out[2][:2] == (TextKind.ERROR, ErrorCode.INTERNAL)
-    assert deltas.num_open == 1  # slot 1 runs on; 2 failed, 3 finished
+    assert detokenizer.num_open == 1  # slot 1 runs on; 2 failed, 3 finished
 
 
-def test_stop_string_options_are_bounded_by_bytes(deltas):
+def test_stop_string_options_are_bounded_by_bytes(detokenizer):
     """60 requests with distinct 300 kB stop strings: the options kept for them stay under
     the memo's byte bound (an lru_cache of 1024 entries kept all ~36 MB)."""
-    memo = deltas_module._OPTIONS
+    memo = detokenizer_core._OPTIONS
     memo.clear()
     for k in range(60):
         stop = encode_strings([chr(ord("a") + k % 26) * 150_000 + str(k)])
-        deltas.handle(batch(opened(10, stop), token(10, 0, Finish.LENGTH)))
+        detokenizer.handle(batch(opened(10, stop), token(10, 0, Finish.LENGTH)))
     assert 0 < memo.bytes <= memo.max_bytes <= 16 << 20
     assert len(memo) < 60
 

@@ -64,7 +64,7 @@ def engine(tmp_path_factory):
     detok = FakeDetokenizerSocket(detok_sock, waker)
     args = ServerArgs(null_model=True, max_total_tokens=8192, max_running_requests=8, log_level="warning")
     code = (
-        "import sys; from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
+        "import sys; from runtime.config import ServerArgs; from runtime.scheduler.main import run_scheduler; "
         f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r}, {stats!r})"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **args.to_env()})
@@ -263,7 +263,7 @@ def test_sigterm_stops_cleanly(tmp_path):
     detok = FakeDetokenizerSocket(detok_sock, waker)
     args = ServerArgs(null_model=True, max_total_tokens=256, max_running_requests=4, log_level="warning")
     code = (
-        "from runtime.config import ServerArgs; from runtime.scheduler.process import run_scheduler; "
+        "from runtime.config import ServerArgs; from runtime.scheduler.main import run_scheduler; "
         f"run_scheduler(ServerArgs.from_env(), {sched_sock!r}, {detok_sock!r})"
     )
     before = set(os.listdir("/dev/shm"))

@@ -1,4 +1,4 @@
-"""TextDeltas: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detokenizer/deltas.py), with the
+"""The Detokenizer core: TOKEN_OUT batches in, TEXT_OUT records out (runtime/detokenizer/core.py), with the
 real tokenizer and the real record layouts of protocol/records.py."""
 
 import numpy as np
@@ -13,7 +13,8 @@ from protocol.payloads import (
     unpack_prompt_logprobs,
 )
 from protocol.records import NO_TOKEN, OPEN_RECORD, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
-from runtime.detokenizer.deltas import TextDeltas, split_by_worker
+from runtime.detokenizer.core import Detokenizer
+from runtime.detokenizer.text_out import split_by_worker
 
 DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
 
@@ -21,7 +22,7 @@ DEFAULT_FLAGS = OpenFlags.SKIP_SPECIAL_TOKENS
 @pytest.fixture(scope="module")
 def router(tokenizer):
     """Shared by the tests (building the byte table takes a second): each test uses its own workers."""
-    return TextDeltas(tokenizer, max_open=64)
+    return Detokenizer(tokenizer, max_open=64)
 
 
 def opened(w, s, g, stop=(), flags=DEFAULT_FLAGS, n_top=0):
@@ -221,9 +222,9 @@ def test_steps_in_one_batch_equal_steps_one_by_one(tokenizer):
             got[r["slot"]] = (text + r["text"], n + r["n_tokens"], r["finish"] or finish)
         return got
 
-    one_by_one = TextDeltas(tokenizer, max_open=8)
+    one_by_one = Detokenizer(tokenizer, max_open=8)
     want = per_request([r for step in steps for r in rows(*one_by_one.handle(batch(*step)))])
-    together = TextDeltas(tokenizer, max_open=8)
+    together = Detokenizer(tokenizer, max_open=8)
     got = rows(*together.handle(batch(*[item for step in steps for item in step])))
     assert per_request(got) == want and len(got) == 3
     assert want[0] == (b" one two \xf0\x9f\x98\x80 ", 5, Finish.STOP) and want[2][2] == Finish.LENGTH
@@ -259,7 +260,7 @@ def test_logprobs_every_step_with_top_n(tokenizer, router):
 
 
 def test_out_of_capacity_open_is_an_error(tokenizer):
-    small = TextDeltas(tokenizer, max_open=4, use_byte_table=False)
+    small = Detokenizer(tokenizer, max_open=4, use_byte_table=False)
     out = rows(*small.handle(batch(*[opened(0, s, 1) for s in range(5)])))
     assert [(r["slot"], r["kind"], r["error"]) for r in out] == [(4, TextKind.ERROR, ErrorCode.OVERLOADED)]
 

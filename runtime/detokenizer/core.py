@@ -1,5 +1,6 @@
-"""The detokenizer's record work, transport-free: a popped batch of TOKEN_OUT records in,
-TEXT_OUT records and their payload blob out (protocol/records.py has both layouts).
+"""The Detokenizer core, transport-free: a batch of TOKEN_OUT records in, TEXT_OUT records
+and their payload blob out (protocol/records.py has both layouts). The detokenizer process
+feeds it what it pops; the OfflineEngine feeds it each step's records in-process.
 
 Requests are addressed by (worker, slot, gen). The scheduler's OPEN record starts one
 (protocol/records.py OPEN_RECORD); its TOKEN records follow; the record carrying a
@@ -13,8 +14,8 @@ it finishes, or, if it asked for logprobs or its token ids (OpenFlags.RETURN_IDS
 completed no character is simply not mentioned. The text of a stop token (EOS or one of
 stop_token_ids: a TOKEN with finish STOP) is not output, as SGLang trims it; its id is in
 `stop_token`. A stop string hit finishes the request with finish STOP and `stop_index`;
-the scheduler does not know about it, so the TokenizerManager must send an ABORT for it
-(to free its KV pages); the detokenizer drops the request's later tokens meanwhile.
+the scheduler does not know about it, so the request's owner (the TokenizerManager, the
+OfflineEngine) must abort it (to free its KV pages); its later tokens are dropped meanwhile.
 
 A PROMPT_LOGPROBS record (a request's prompt logprobs, before its first TOKEN) is forwarded
 to the request's worker as a TEXT_OUT PROMPT_LOGPROBS record with the same payload, ahead of
@@ -27,8 +28,7 @@ vectorised TOKEN pass raises (a bug) is logged and handled again one record at a
 the failed pass had already advanced through the per-request path may repeat a delta:
 acceptable for what is a bug's fallback, and better than failing every request of the batch.
 
-Payload blob: every logprobs part first (pack_logprobs; each a multiple of 4 bytes, so
-they stay 4-byte aligned), then the token-id runs (uint32), then the text deltas.
+The payload blob's order is text_out.py's.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ import numpy as np
 from ipc.ring import Batch
 from protocol.memo import ByteLRU, string_bytes
 from protocol.payloads import decode_strings, pack_logprobs, unpack_top_logprobs
-from protocol.record_bytes import TOKEN_OUT_STRUCT, concat_records, take_records, unpack_open
+from protocol.record_bytes import TOKEN_OUT_STRUCT, take_records, unpack_open
 from protocol.records import NO_TOKEN, TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions, DetokOutput
+from runtime.detokenizer.text_out import NO_TEXT_OUT, error_records, merge_text_out
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +56,12 @@ _LOGPROBS = int(OpenFlags.LOGPROBS)
 _NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)
 _RETURN_IDS = int(OpenFlags.RETURN_IDS)
 _NO_LIMIT = np.iinfo(np.int64).max
-_BLOB_ORDER = (("logprobs_off", "logprobs_len"), ("ids_off", "ids_len"), ("text_off", "text_len"))
 
 
-class TextDeltas:
+class Detokenizer:
     def __init__(self, tokenizer, max_open: int = 8192, use_byte_table: bool = True) -> None:
         """max_open: requests open at once (OPENed and not finished, queued ones included)."""
-        self.core = BatchDetokenizer(tokenizer, max_open, use_byte_table=use_byte_table)
+        self.incremental = BatchDetokenizer(tokenizer, max_open, use_byte_table=use_byte_table)
         self._index = np.full((1, 1), -1, np.int64)  # [workers, slots] core index of the open request
         self._gen = np.zeros((1, 1), np.uint32)  # [workers, slots] its generation
         self._free = list(range(max_open - 1, -1, -1))
@@ -77,6 +77,10 @@ class TextDeltas:
         self._mark = np.zeros(max_open, bool)  # scratch
         self._row = np.zeros(max_open, np.int64)  # scratch: a request's row in a step's records
         self._limit = np.full(max_open, _NO_LIMIT, np.int64)  # scratch: records a request keeps in a step
+
+    @property
+    def max_open(self) -> int:
+        return len(self._addr)
 
     @property
     def num_open(self) -> int:
@@ -96,7 +100,7 @@ class TextDeltas:
         if self._commute(control):
             outs = [self._control(r, batch.payload) for r in control]
             outs.append(self._tokens(take_records(recs, token), batch.payload))
-            return _merge(outs)
+            return merge_text_out(outs)
         cuts = np.flatnonzero(token[1:] != token[:-1]) + 1
         outs = []
         for start, end in zip([0, *cuts.tolist()], [*cuts.tolist(), len(recs)]):
@@ -104,7 +108,7 @@ class TextDeltas:
                 outs.append(self._tokens(recs[start:end], batch.payload))
             else:
                 outs.extend(self._control(r, batch.payload) for r in recs[start:end])
-        return _merge(outs)
+        return merge_text_out(outs)
 
     # ---------------------------------------------------------------- OPEN / ERROR
 
@@ -140,7 +144,7 @@ class TextDeltas:
                 w, s, gen = int(recs["worker"][k]), int(recs["slot"][k]), int(recs["gen"][k])
                 logger.exception("request (%d, %d, %d): its record could not be detokenized", w, s, gen)
                 outs.append(self.fail(w, s, gen, ErrorCode.INTERNAL, b"the detokenizer failed on this request"))
-        return _merge(outs)
+        return merge_text_out(outs)
 
     def fail(self, w: int, s: int, gen: int, code: int, message: bytes) -> tuple[np.ndarray, np.ndarray]:
         """Ends request (w, s, gen) here (its later tokens are dropped) and gives the ERROR
@@ -180,7 +184,7 @@ class TextDeltas:
             logger.exception("request (%d, %d, %d): its OPEN record could not be handled", o.worker, o.slot, o.gen)
             return self.fail(o.worker, o.slot, o.gen, ErrorCode.INTERNAL, b"the detokenizer could not open the request")
         if opened:
-            return _NOTHING
+            return NO_TEXT_OUT
         message = f"the detokenizer has {len(self._addr)} requests open, its limit".encode()
         return error_records(o.worker, o.slot, o.gen, ErrorCode.OVERLOADED, message, rec)
 
@@ -188,7 +192,7 @@ class TextDeltas:
         (w, kind, _, s, gen, _, _, _, _, _, off, size, _, _, error) = TOKEN_OUT_STRUCT.unpack(raw)
         if kind != TokenKind.ERROR:
             logger.error("token-out record of unknown kind %d for (%d, %d, %d) dropped", kind, w, s, gen)
-            return _NOTHING
+            return NO_TEXT_OUT
         if self._is_open(w, s, gen):
             self._close(w, s)
         return error_records(w, s, gen, error, np.ascontiguousarray(payload[off : off + size]), rec)
@@ -197,7 +201,7 @@ class TextDeltas:
         """A PROMPT_LOGPROBS record as its TEXT_OUT twin (protocol/records.py), payload as it is."""
         (w, _, _, s, gen, first, prompt_tokens, count, cached, _, off, size, n_top, _, _) = TOKEN_OUT_STRUCT.unpack(raw)
         if not self._is_open(w, s, gen):
-            return _NOTHING
+            return NO_TEXT_OUT
         out = np.zeros(1, TEXT_OUT.dtype)
         out["worker"], out["slot"], out["gen"], out["kind"] = w, s, gen, TextKind.PROMPT_LOGPROBS
         out["n_tokens"], out["n_top"], out["stop_token"], out["stop_index"] = count, n_top, first, -1
@@ -214,7 +218,7 @@ class TextDeltas:
             return False
         options = _options(flags & (_SKIP_SPECIAL | _NO_STOP_TRIM), min_tokens, body.tobytes())
         i = self._free[-1]
-        self.core.open(i, options)
+        self.incremental.open(i, options)
         self._free.pop()  # taken only once opened: an OPEN that raises takes nothing
         keep_stop = bool(flags & _NO_STOP_TRIM)
         self._trim_stop_token[i] = not keep_stop
@@ -244,7 +248,7 @@ class TextDeltas:
 
     def _close(self, w: int, s: int) -> None:
         i = int(self._index[w, s])
-        self.core.close(i)
+        self.incremental.close(i)
         self._index[w, s] = -1
         self._free.append(i)
 
@@ -260,9 +264,9 @@ class TextDeltas:
         if not live.all():
             recs, idx = take_records(recs, live), idx[live]
             if len(recs) == 0:
-                return _NOTHING
-        out = self.core.step(
-            idx, text_tokens(recs["token"], recs["finish"], self._trim_stop_token[idx]), recs["finish"] != _NONE
+                return NO_TEXT_OUT
+        out = self.incremental.step(
+            idx, _text_tokens(recs["token"], recs["finish"], self._trim_stop_token[idx]), recs["finish"] != _NONE
         )
         cut = out.used >= 0
         if cut.any():  # a stop string ended a request: its later tokens are not its own
@@ -291,7 +295,7 @@ class TextDeltas:
         else:
             rows = out.req
         if len(rows) == 0:
-            return _NOTHING
+            return NO_TEXT_OUT
         return self._records(rows, out, recs, idx, lp_asked, ids_asked, payload)
 
     def _through_stops(
@@ -409,85 +413,14 @@ class TextDeltas:
         return 4 * len(tokens)
 
 
-def text_tokens(token: np.ndarray, finish: np.ndarray, trim_stop_token: np.ndarray) -> np.ndarray:
+def _text_tokens(token: np.ndarray, finish: np.ndarray, trim_stop_token: np.ndarray) -> np.ndarray:
     """The ids of TOKEN_OUT tokens whose text the detokenizer outputs, -1 for none: a record
     without a token, and a stop token (EOS, stop_token_ids: finish STOP) whose text is trimmed,
     as SGLang trims it (all but no_stop_trim requests)."""
     return np.where(((finish == _STOP) & trim_stop_token) | (token == NO_TOKEN), -1, token.astype(np.int64))
 
 
-def error_records(
-    w: int, s: int | list[int], gen: int | list[int], code: int, message, rec: np.void | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """ERROR records ending request (w, s, gen), or one per (slot, gen) of lists, each with
-    `message` (all pointing at the one blob), and `rec`'s usage counts when given."""
-    out = np.zeros(np.size(s), TEXT_OUT.dtype)
-    out["worker"], out["slot"], out["gen"] = w, s, gen
-    out["kind"], out["finish"], out["error"] = TextKind.ERROR, Finish.ERROR, code
-    if rec is not None:
-        out["prompt_tokens"], out["completion_tokens"] = rec["prompt_tokens"], rec["completion_tokens"]
-        out["cached_tokens"] = rec["cached_tokens"]
-    out["stop_token"], out["stop_index"] = -1, -1
-    blob = np.frombuffer(message, np.uint8) if isinstance(message, bytes) else message
-    out["text_len"] = len(blob)
-    return out, blob
-
-
-def split_by_worker(records: np.ndarray, blob: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """TEXT_OUT records of several workers -> {worker: (its records, its own blob)}."""
-    workers = records["worker"]
-    if len(records) == 0:
-        return {}
-    if (workers == workers[0]).all():
-        return {int(workers[0]): (records, blob)}
-    out = {}
-    for w in np.unique(workers).tolist():
-        sel = take_records(records, workers == w)
-        out[w] = sel, _regather(sel, blob, [sel[off] for off, _ in _BLOB_ORDER])
-    return out
-
-
-def _gather(blob: np.ndarray, off: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The spans blob[off:off+length], back to back, and where each starts in the result."""
-    length = length.astype(np.int64)
-    end = np.cumsum(length)
-    start = end - length
-    total = int(end[-1]) if len(end) else 0
-    src = np.repeat(off.astype(np.int64) - start, length) + np.arange(total)
-    return blob[src], start.astype(np.uint32)
-
-
-def _merge(outs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Several (records, blob) -> one, logprobs parts still first and 4-byte aligned."""
-    outs = [o for o in outs if len(o[0])]
-    if len(outs) <= 1:
-        return outs[0] if outs else _NOTHING
-    records = concat_records([r for r, _ in outs])
-    blob = np.concatenate([b for _, b in outs])
-    return records, _regather(records, blob, [_shifted(outs, off) for off, _ in _BLOB_ORDER])
-
-
-def _regather(records: np.ndarray, blob: np.ndarray, offsets: list[np.ndarray]) -> np.ndarray:
-    """A blob holding just `records`' payloads, in _BLOB_ORDER (`offsets`: where each field's
-    spans start in `blob`); the records' offsets are set to where they are in it."""
-    pieces, size = [], 0
-    for (off, length), starts in zip(_BLOB_ORDER, offsets):
-        data, new = _gather(blob, starts, records[length])
-        records[off] = new + size
-        pieces.append(data)
-        size += len(data)
-    return np.concatenate(pieces)
-
-
-def _shifted(outs: list[tuple[np.ndarray, np.ndarray]], field: str) -> np.ndarray:
-    base = np.cumsum([0] + [len(b) for _, b in outs[:-1]])
-    return np.concatenate([r[field].astype(np.int64) + b for (r, _), b in zip(outs, base)])
-
-
-_NOTHING = (np.zeros(0, TEXT_OUT.dtype), np.zeros(0, np.uint8))
-
-
-# keyed by client stop strings: bounded by bytes (issue 19), not only by entries
+# keyed by client stop strings: bounded by bytes (a client may send many long ones), not only by entries
 _OPTIONS = ByteLRU(max_bytes=16 << 20, max_entries=1024)
 
 
