@@ -117,7 +117,8 @@ def test_list_settings():
 
 
 def test_defaults():
-    """No CORS unless origins are listed (issue 22); methods and headers then default to any."""
+    """No CORS unless origins are listed (a page on another origin cannot read the answers); methods
+    and headers then default to any."""
     args = ServerArgs()
     assert args.allowed_origins == () and args.allowed_methods == args.allowed_headers == ("*",)
     assert not args.allow_credentials and args.tp_size == args.dp_size == 1
