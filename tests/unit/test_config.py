@@ -51,6 +51,36 @@ def test_readme_table_is_generated():
     assert readme_with_settings(readme) == readme, "regenerate it: python -m runtime.config --readme README.md"
 
 
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    size: int = settings.setting(4, "how many", unit="s", aliases=("count",), at_least=1)
+    on: bool = settings.setting(False, "whether", same_row=True)
+    mode: str = settings.setting("a", "`a` or `b`", choices=("a", "b"))
+
+
+def test_table_rows_and_where_they_go():
+    table = settings.markdown_table(Toy)
+    assert table.splitlines()[2:] == [
+        "| `--size` (`--count`), `--on` | 4 s, off | how many; `--on`: whether |",
+        "| `--mode` | `a` | `a` or `b` |",
+    ]
+    doc = "# Toy\n\n## Settings\n\nIntro.\n\n| old |\n|---|\n\nAfter.\n"
+    assert settings.with_table(doc, table, "## Settings") == f"# Toy\n\n## Settings\n\nIntro.\n\n{table}\nAfter.\n"
+
+
+def test_toy_settings_parse_and_check():
+    assert Toy(**settings.parse_cli(Toy, ["--count", "3", "--on"], "toy", "")) == Toy(size=3, on=True)
+    assert Toy(**settings.read_env(Toy, {"RINGSERVE_COUNT": "3", "RINGSERVE_ON": "1"})) == Toy(size=3, on=True)
+    with pytest.raises(ValueError, match="--count 3 and --size 2 conflict"):
+        settings.parse_cli(Toy, ["--size", "2", "--count", "3"], "toy", "")
+    for bad, match in (
+        ({"size": 0}, "--size must be at least 1"),
+        ({"mode": "c"}, r"--mode must be one of \['a', 'b'\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            settings.check(Toy(**bad))
+
+
 def test_help_shows_each_setting_with_its_default():
     shown = "".join(settings.parser(ServerArgs, PROG, DESCRIPTION).format_help().split())
     for f, s in SETTINGS:
