@@ -70,7 +70,7 @@ def forward_logits(runner: ModelRunner, seqs: list[SeqInput]) -> torch.Tensor:
     runner.attn.plan(batch.meta)
     every = torch.arange(batch.meta.num_tokens)
     with torch.inference_mode():
-        return runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn)
+        return runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn).cpu()
 
 
 @pytest.mark.parametrize("family", ["llama3_rope_untied", "llama_linear_rope_head_dim", "qwen2_bias", "mistral"])

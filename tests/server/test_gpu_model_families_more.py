@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_gpu_model_families import PAGE, SMALL
+from test_gpu_model_families import PAGE, SMALL, forward_logits
 
-from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.forward_batch import SeqInput
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.model_files import ModelLoadError
@@ -98,14 +98,6 @@ def make_runner(path, **kw) -> ModelRunner:
     return ModelRunner(
         ModelRunnerConfig(model_path=str(path), page_size=PAGE, max_total_tokens=1024, max_running_requests=4, **kw)
     )
-
-
-def forward_logits(runner: ModelRunner, seqs: list[SeqInput]) -> torch.Tensor:
-    batch = build_forward_batch(seqs, PAGE, runner.model_config.context_length, runner.device)
-    runner.attn.plan(batch.meta)
-    every = torch.arange(batch.meta.num_tokens)
-    with torch.inference_mode():
-        return runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn).cpu()
 
 
 def hf_greedy(hf, ids: np.ndarray) -> list[int]:
