@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 OUR_DIRS = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol", "perf", "scripts", "tests", "docs")
-OUR_PACKAGES = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol")
+OUR_PACKAGES = ("runtime", "ipc", "gpu", "structured", "httpapi", "protocol", "perf")
 GENERATED = ("perf/results",)  # written by the benchmarks
 README_MAX_LINES = 300
 
