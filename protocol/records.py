@@ -1,54 +1,14 @@
-"""Record layouts of every ring of the server and the protocol they carry: the one contract
-between the processes. Filling and reading them: record_bytes.py (records as rows of bytes,
-OPEN records), payloads.py (the payload blob and what goes in it), request_records.py (REQUEST
-records and the sampling settings they carry).
+"""Record layouts of every ring of the server, their kinds and enums: the one contract between
+the processes.
 
-Channels (one SPSC ring each):
-  REQUEST    HTTP worker k -> scheduler      one record per new request / abort / control
-  TOKEN_OUT  scheduler -> detokenizer        one record per running request per step (hot)
-  TEXT_OUT   detokenizer -> HTTP worker k    one record per text delta
+    REQUEST    HTTP worker k -> scheduler      one record per new request / abort / control
+    TOKEN_OUT  scheduler -> detokenizer        one record per running request per step (hot)
+    TEXT_OUT   detokenizer -> HTTP worker k    one record per text delta
 
-A request is named on the token path by its address (worker: u16, slot: u32,
-gen: u32): `slot` indexes the owning worker's request table and `gen` is bumped
-each time the slot is reused, so a record whose gen no longer matches the
-consumer's table belongs to an aborted or finished request and is dropped
-(`live_mask`). Timestamps are CLOCK_MONOTONIC ns (`time.monotonic_ns()`), which
-all processes of one machine share.
-
-Variable-length data lives in the channel's arena: a record holds `<name>_off` and
-`<name>_len`, both in BYTES, where the offset indexes the popped `Batch.payload`.
-A producer builds one payload blob per push (payloads.py `PayloadBuilder` or vectorised code)
-with offsets relative to the blob; the channel translates them on pop.
-
-TOKEN_OUT protocol (scheduler -> detokenizer). A step's push holds, in order:
-  OPEN   one per request admitted since the previous step, before any of its tokens; its own
-         layout (OPEN_RECORD, same size and header as TOKEN_OUT): the detokenizer's options in
-         `flags` (OpenFlags), `top_logprobs` asked for, `min_new_tokens` (no stop string may end
-         in their text), the prompt's length, its stop strings in the payload (encode_strings)
-  TOKEN  one per request with news: its sampled `token` and `logprob` (top-N alternatives in the
-         payload, pack_top_logprobs, `n_top` of them), usage counts, and `finish` when the
-         scheduler ended it (EOS or a stop token: STOP; max tokens or no KV room: LENGTH; ABORT).
-         token == NO_TOKEN ends a request without a new token (abort, or the KV pool ran out)
-  ERROR  a request that could never run: `error` holds an ErrorCode, the payload a UTF-8 message
-  PROMPT_LOGPROBS  a request that asked for prompt logprobs (SamplingParams.prompt_logprobs >= 0):
-         the prompt positions [first, first + count) one prefill step computed, before the
-         request's first TOKEN (all of them come from its prefill, which ends before its first
-         token is sampled). `token` holds `first`, `completion_tokens` the count, `prompt_tokens`
-         the prompt's length, `n_top` the alternatives per position (k); the payload is
-         pack_prompt_logprobs of the positions: the prompt token at each position, its logprob
-         (NaN at position 0: no token predicts it), its rank in the vocabulary, and the top-k.
-         A request's records cover [prompt_logprobs_start, prompt length) once each, in order
-         (a retracted and resumed request does not repeat them)
-Stop strings are the detokenizer's: it finishes such a request itself (finish STOP with
-`stop_index` in TEXT_OUT) and the HTTP worker sends the scheduler an ABORT to free its pages.
-
-TEXT_OUT protocol (detokenizer -> HTTP worker k): a TEXT record when a request's new tokens
-complete some text, when it finishes, or, when it asked for logprobs or token ids, whenever it
-got tokens; `n_tokens` counts the tokens since its previous record. An ERROR record ends a
-request with an ErrorCode and a message. A PROMPT_LOGPROBS record forwards one TOKEN_OUT
-PROMPT_LOGPROBS record, in order, before the request's TEXT records: `n_tokens` is the count of
-positions, `stop_token` the first position (such a record has no stop token), `n_top` k,
-`prompt_tokens` the prompt's length, and the logprobs payload the same pack_prompt_logprobs bytes.
+What each kind carries, in what order and when it is sent, and how a request is addressed
+(worker, slot, gen): docs/architecture.md, "Records". Filling and reading them:
+record_bytes.py (records as rows of bytes, OPEN records), payloads.py (the payload blob and
+what goes in it), request_records.py (REQUEST records and the sampling settings they carry).
 """
 
 from __future__ import annotations
