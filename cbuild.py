@@ -65,6 +65,8 @@ def build_extension(qualname: str, source: Path, subdir: str) -> ModuleType:
     name = qualname.rpartition(".")[2]
     path = build(name, [source], flags, subdir=subdir, suffix=sysconfig.get_config_var("EXT_SUFFIX"))
     spec = importlib.util.spec_from_file_location(qualname, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a loadable extension module", name=qualname, path=str(path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

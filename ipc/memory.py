@@ -35,6 +35,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NoReturn
 
 _SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283}
 _MEMBARRIER_CMD_QUERY = 0
@@ -142,5 +143,5 @@ class Counters:
         self.load = self.store = _closed
 
 
-def _closed(*_: object) -> int:
+def _closed(*_: object) -> NoReturn:
     raise ValueError("channel is closed")

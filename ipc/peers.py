@@ -61,11 +61,13 @@ class PeerServer:
 
     def start(self) -> None:
         """Binds the socket (its file appearing means this process is ready) and starts the acceptor."""
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.socket_path)
+        listener = self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
         os.chmod(self.socket_path, 0o600)
-        self._listener.listen(64)
-        threading.Thread(target=self._accept, name=f"accept {os.path.basename(self.socket_path)}", daemon=True).start()
+        listener.listen(64)
+        threading.Thread(
+            target=self._accept, args=(listener,), name=f"accept {os.path.basename(self.socket_path)}", daemon=True
+        ).start()
 
     def has_events(self) -> bool:
         return not self._events.empty()
@@ -93,8 +95,8 @@ class PeerServer:
 
     # ---------------------------------------------------------------- the acceptor thread
 
-    def _accept(self) -> None:
-        listener = self._listener.fileno()
+    def _accept(self, listener_socket: socket.socket) -> None:
+        listener = listener_socket.fileno()
         while not self._stopping:
             try:
                 ready, _, _ = select.select([listener, *self._pidfds], [], [], POLL_S)
@@ -107,7 +109,7 @@ class PeerServer:
             if listener not in ready:
                 continue
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener_socket.accept()
             except OSError:
                 return
             with conn:

@@ -197,9 +197,10 @@ class Ring:
         except ValueError:  # not C-contiguous
             src = np.frombuffer(np.ascontiguousarray(records), np.uint8)
         size = self._itemsize
-        self._slots_mv[i * size : (i + first) * size] = src if first == n else src[: first * size]
+        # numpy's stubs give ndarray the buffer protocol only from Python 3.12; it has it in every version
+        self._slots_mv[i * size : (i + first) * size] = src if first == n else src[: first * size]  # type: ignore[call-overload]
         if first < k:
-            self._slots_mv[: (k - first) * size] = src[first * size : k * size]
+            self._slots_mv[: (k - first) * size] = src[first * size : k * size]  # type: ignore[call-overload]
         self._tail = tail + k
         self._store(TAIL, tail + k)
         self._wake_if(CONSUMER_SLEEPING)
@@ -309,7 +310,7 @@ class Ring:
         self._load, self._store = self._hdr.load, self._hdr.store  # now raise instead of touching unmapped memory
         if self.arena is not None:
             self._bound.close()
-            self._bounds = self._pair = None
+            del self._bounds, self._pair  # _bounds views the mapping, which cannot close while it lives
         self._slots_mv.release()
         self.arena = None
 

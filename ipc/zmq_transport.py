@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -38,7 +38,7 @@ from ipc.channel import ROLES, ChannelSpec
 from ipc.memory import Counters
 from ipc.ring import Batch, as_bytes, check_max_records, check_records
 from ipc.shm import create_segment, map_segment
-from protocol.records import LAYOUTS, RecordLayout
+from protocol.records import LAYOUTS, RecordLayout, fields_of
 
 _HEARTBEAT_BYTES = 64
 
@@ -84,7 +84,7 @@ class PickleCodec:
     name = "pickle"
 
     def encode(self, layout: RecordLayout, records: np.ndarray, blob: np.ndarray) -> bytes:
-        columns = {name: records[name].tolist() for name in layout.dtype.names}
+        columns = {name: records[name].tolist() for name in fields_of(layout.dtype)}
         return pickle.dumps(ColumnBatch(columns, _payload_objects(layout, records, blob)))
 
     def decode(self, layout: RecordLayout, data: bytes) -> Batch:
@@ -170,7 +170,7 @@ class ZmqWaker:
                 if not fut.done():
                     fut.set_result(None)
 
-            fds = [sock.getsockopt(zmq.FD) for sock in socks]
+            fds = [sock.fileno() for sock in socks]  # zmq.FD
             for fd in fds:
                 loop.add_reader(fd, wake)
             try:
@@ -210,7 +210,7 @@ class ZmqChannel:
         self._heartbeat_fd = os.dup(heartbeat_fd)
         self._heartbeat_buf = map_segment(self._heartbeat_fd, _HEARTBEAT_BYTES)
         self._heartbeat = Counters(self._heartbeat_buf, 0, 1)
-        self.sock = zmq.Context.instance().socket(zmq.PUSH if role == "producer" else zmq.PULL)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH if role == "producer" else zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM if role == "producer" else zmq.RCVHWM, spec.capacity)
         (self.sock.bind if private_dir else self.sock.connect)(address)
@@ -285,7 +285,8 @@ class ZmqChannel:
                 raise TimeoutError(f"{self.spec.layout.name} channel stayed full for {timeout} s")
 
     def room_for(self, nbytes: int = 0) -> bool:
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        # pyzmq's stub types every option's value int | bytes; EVENTS is an int
+        return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
 
     # ---------------------------------------------------------------- consumer
 
@@ -306,7 +307,8 @@ class ZmqChannel:
         return batch
 
     def readable(self) -> bool:
-        return self._pending is not None or bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        # pyzmq's stub types every option's value int | bytes; EVENTS is an int
+        return self._pending is not None or bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     # ---------------------------------------------------------------- heartbeat
 

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from protocol.records import OPEN_RECORD, TOKEN_OUT, TokenKind
+from protocol.records import OPEN_RECORD, TOKEN_OUT, TokenKind, fields_of
 
 
 def take_records(records: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -43,8 +43,7 @@ def record_struct(dtype: np.dtype, start: int = 0, stop: int | None = None) -> s
     }
     stop = dtype.itemsize if stop is None else stop
     fmt, at = "=", start
-    for name in dtype.names:
-        field, offset = dtype.fields[name][:2]
+    for field, offset in fields_of(dtype).values():
         if not start <= offset < stop:
             continue
         base = field.base
@@ -99,7 +98,10 @@ def unpack_open(record: bytes) -> OpenFields:
 
 def record_fields(record: np.void) -> dict[str, Any]:
     """One record's fields as Python values, read in one call (one by one, each field is a numpy call)."""
-    return dict(zip(record.dtype.names, record.item()))
+    names = record.dtype.names
+    if names is None:
+        raise TypeError(f"{record.dtype} is not a record dtype")
+    return dict(zip(names, record.item()))
 
 
 def _rows(records: np.ndarray) -> np.ndarray:

@@ -58,6 +58,13 @@ class RecordLayout:
         return tuple(ref.off for ref in self.payloads)
 
 
+def fields_of(dtype: np.dtype) -> dict[str, tuple[np.dtype, int]]:
+    """A record dtype's fields in order: name -> (the field's dtype, its byte offset)."""
+    if dtype.names is None or dtype.fields is None:
+        raise TypeError(f"{dtype} is not a record dtype")
+    return {name: dtype.fields[name][:2] for name in dtype.names}
+
+
 class RequestKind(enum.IntEnum):
     NEW = 1
     ABORT = 2  # the request at (worker, slot, gen)
@@ -208,11 +215,12 @@ _OPEN_AT = {
     "top_logprobs": "n_top",
     "flags": "flags",
 }
+_TOKEN_OUT_FIELDS = fields_of(TOKEN_OUT.dtype)
 OPEN_RECORD = np.dtype(
     {
         "names": list(_OPEN_AT),
-        "formats": [TOKEN_OUT.dtype.fields[f][0] for f in _OPEN_AT.values()],
-        "offsets": [TOKEN_OUT.dtype.fields[f][1] for f in _OPEN_AT.values()],
+        "formats": [_TOKEN_OUT_FIELDS[f][0] for f in _OPEN_AT.values()],
+        "offsets": [_TOKEN_OUT_FIELDS[f][1] for f in _OPEN_AT.values()],
         "itemsize": TOKEN_OUT.dtype.itemsize,
     }
 )

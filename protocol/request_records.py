@@ -15,11 +15,12 @@ import numpy as np
 from protocol.memo import ByteLRU, string_bytes
 from protocol.payloads import decode_strings, encode_strings
 from protocol.record_bytes import record_struct
-from protocol.records import REQUEST, RequestKind
+from protocol.records import REQUEST, RequestKind, fields_of
 from protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 MEMO_BYTES = 4 << 20  # each memo of sampling settings (protocol/memo.py)
-SAMPLING_AT = REQUEST.dtype.fields["has_seed"][1]  # the record's sampling part: has_seed to the end
+_REQUEST_FIELDS = fields_of(REQUEST.dtype)
+SAMPLING_AT = _REQUEST_FIELDS["has_seed"][1]  # the record's sampling part: has_seed to the end
 
 
 def rid_hash(rid: str) -> int:
@@ -201,7 +202,7 @@ def stop_payload_bytes(params: SamplingParams) -> int:
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
 _EXTRA_LENS = struct.Struct("=III")  # stop_len, grammar_len, bias_len in unpack_request's key
-_SAMPLING_NAMES = [n for n in REQUEST.dtype.names if REQUEST.dtype.fields[n][1] >= SAMPLING_AT][:-1]  # scalars
+_SAMPLING_NAMES = [n for n, (_, at) in _REQUEST_FIELDS.items() if at >= SAMPLING_AT][:-1]  # scalars
 _PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strings -> SamplingParams
 _PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> _PackedSampling
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the test suite: lint and format checks (ruff), then pytest. `--fast` as the first argument
-# runs the unit tier alone (tests/unit: no server, no engine processes, no model load); without
-# it, every tier (tests/unit, tests/server, tests/gpu), as CI does. Other arguments go to pytest.
+# Runs the test suite: lint and format checks (ruff), a type check (mypy), then pytest.
+# `--fast` as the first argument runs the unit tier alone (tests/unit: no server, no engine
+# processes, no model load); without it, every tier (tests/unit, tests/server, tests/gpu), as
+# CI does. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fast" ]; then
@@ -11,4 +12,5 @@ fi
 scripts/setup.sh
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --check --no-cache .
+.venv/bin/mypy  # the packages [tool.mypy] in pyproject.toml names
 exec .venv/bin/python -m pytest "$@"

@@ -302,9 +302,10 @@ class MistralParser(ToolCallParser):
             return REJECT
         items = value if isinstance(value, list) else [value]
         calls = [call_from_json(item, self.tool_names) for item in items]
-        if not calls or None in calls:
+        valid = [call for call in calls if call is not None]
+        if not calls or len(valid) < len(calls):
             return REJECT
-        return Accept(calls, end)
+        return Accept(valid, end)
 
     def _named_call(self, text: str, start: int, stream: ToolCallStream, final: bool) -> Outcome:
         name_end = start
