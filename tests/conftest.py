@@ -171,6 +171,24 @@ class Server:
         return running, segments
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "torch_threads(n): torch runs the module's tests on at most n threads")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads(request: pytest.FixtureRequest):
+    """A module marked `pytestmark = pytest.mark.torch_threads(n)` runs torch on at most n threads:
+    on 2 cores shared with other tests' processes, fewer threads time more steadily."""
+    mark = request.node.get_closest_marker("torch_threads")
+    if mark is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, mark.args[0]))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def start_server():
     """`start_server(Server.granian, workers=2, api_key=...)` -> a healthy Server; every

@@ -12,16 +12,17 @@ loader, which the conversion uses, has no smollm3 architecture."""
 import gguf
 import pytest
 import torch
-from test_gpu_model_families_more import (  # noqa: F401 (two_threads: its autouse fixture, here too)
+from test_gpu_model_families_more import (
     SMALL,
     WINDOW,
     check_family,
     make_runner,
     tiny_config,
-    two_threads,
 )
 
 import gpu.models.model_files
+
+pytestmark = pytest.mark.torch_threads(2)
 
 FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
 ARCH = {

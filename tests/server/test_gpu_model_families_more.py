@@ -23,12 +23,7 @@ NEW_TOKENS = 6
 FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3", "smollm3", "llama_yarn"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(threads, 2))
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.torch_threads(2)
 
 
 def tiny_config(family: str):

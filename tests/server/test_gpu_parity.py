@@ -23,13 +23,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the CI machine has 2 cores shared with other tests' processes: one thread is steadier
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.torch_threads(1)
 
 
 @pytest.fixture(scope="module")

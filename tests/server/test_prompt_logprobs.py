@@ -24,12 +24,7 @@ LONG = (
 SHORT = "The capital of France is Paris, and the capital of Italy is"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.torch_threads(2)
 
 
 @pytest.fixture(scope="module")
