@@ -1,4 +1,4 @@
-"""Issue 5's table of bad requests: bytes in, expected status and error `param` out.
+"""The table of bad requests: bytes in, expected status and error `param` out.
 
 Data, not a test: test_httpapi_bad_requests.py runs it through the parsing layer, and
 the live-server tests can run it over HTTP (`from bad_requests import BAD_REQUESTS`).

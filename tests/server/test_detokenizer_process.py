@@ -175,7 +175,7 @@ def test_a_dead_workers_channel_is_closed(tmp_path):
 
 
 def test_a_stalled_worker_does_not_stop_the_others(tokenizer, tmp_path):
-    """Issue 19 item 6: worker 1 never reads its TEXT_OUT ring (SIGSTOPped, say) while it has
+    """A stalled HTTP worker: worker 1 never reads its TEXT_OUT ring (SIGSTOPped, say) while it has
     more text than the ring holds; worker 0's stream still completes, long before the stall
     deadline (the detokenizer used to wait on worker 1's full ring forever). Past the deadline
     worker 1's requests fail: when it reads again it finds the text its ring held, then an

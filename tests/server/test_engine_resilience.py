@@ -151,7 +151,7 @@ def _running(server, http: httpx.Client | None = None) -> float:
 
 
 def test_a_stopped_worker_does_not_stop_the_other_workers_streams(start_server):
-    """Issue 19 item 6 on a server with --workers 2 and the null model: SIGSTOP of the worker
+    """A stalled HTTP worker, on a server with --workers 2 and the null model: SIGSTOP of the worker
     holding 24 long streams (their text soon overflows its ring) stopped every completion of the
     other worker for the whole stall. Now the other worker serves on at once; past
     --worker-stall-timeout its requests fail, and once it runs again (SIGCONT) its streams end

@@ -1,4 +1,4 @@
-"""Ingress bounds (issue 19, items 1-3 and 10): what one client sends is bounded before the
+"""Ingress bounds: what one client sends is bounded before the
 server spends work on it. Stop strings by count and bytes; a request's payload by what the
 rings' arenas carry; its prompt tokens by the KV cache; the caches keyed by client data by
 bytes; bodies by size (413) and by time (408); idle connections closed; and a submit that
@@ -46,14 +46,14 @@ def test_stop_strings_bounded_by_bytes_each_and_in_all():
         ("x" * (MAX_STOP_STRING_BYTES + 1),),
         ("é" * (MAX_STOP_STRING_BYTES // 2 + 1),),  # bytes, not characters
         ("x" * MAX_STOP_STRING_BYTES,) * (MAX_STOP_BYTES // MAX_STOP_STRING_BYTES + 1),
-        ("x" * 4500,) * 16,  # the issue's 72 KB request
+        ("x" * 4500,) * 16,  # 16 strings of 4500 bytes: 72 KB in one request
     ):
         with pytest.raises(InvalidParam) as e:
             SamplingParams(stop=stop).validate()
         assert e.value.param == "stop"
 
 
-def test_the_issues_request_is_refused_at_parse_naming_stop():
+def test_a_72kb_stop_request_is_refused_at_parse_naming_stop():
     body = orjson.dumps({"prompt": "hi", "n": 128, "stop": ["s" * 4500 + str(i) for i in range(16)]})
     with pytest.raises(APIError) as e:
         parse_completion(body)
@@ -423,7 +423,7 @@ async def slow_body(port: int, results: list, stop: asyncio.Event) -> None:
 
 def test_slow_bodies_do_not_block_health(server):
     """1100 clients that trickle their bodies (more than granian's default backpressure of
-    1024 a worker: the issue's /health then timed out for 75 s) get a 408 after the body read
+    1024 a worker: /health once timed out for 75 s under them) get a 408 after the body read
     timeout, and /health and /v1/models answer at once meanwhile."""
 
     async def run() -> tuple[list, float]:

@@ -272,7 +272,7 @@ def _check(batches: list) -> list[int]:
 
 
 def test_push_all_splits_a_blob_bigger_than_a_push_can_carry() -> None:
-    """Issue 19 item 1: a push whose blob exceeds the arena went nowhere ("can never fit",
+    """A push whose blob exceeds the arena went nowhere ("can never fit",
     the producer died); one over half the arena could wait for room forever (a blob is placed
     whole, never across the arena's end). push_all splits it into pieces of at most
     max_push_bytes, offsets re-based, in order; a record whose own payload exceeds that is

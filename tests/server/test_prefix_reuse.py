@@ -1,4 +1,4 @@
-"""Prefix reuse over HTTP (issue 21): the default model behind granian, the official openai client.
+"""Prefix reuse over HTTP: the default model behind granian, the official openai client.
 
 What the radix cache can reuse for a request is exact: the longest common prefix of its
 prompt with the token ids a finished request left in the cache (its prompt and every output

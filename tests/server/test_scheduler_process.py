@@ -190,7 +190,7 @@ def one_push(requests) -> tuple[np.ndarray, bytes]:
 
 
 def test_open_payloads_past_the_token_out_arena_split_or_fail_their_request(engine):
-    """Issue 19 item 1: requests whose stop strings together exceed what the TOKEN_OUT ring
+    """Requests whose stop strings together exceed what the TOKEN_OUT ring
     (here a 1 MiB arena) takes in one push arrive in one step. The scheduler splits the step's
     push; a request whose stop strings are past the limits (which no HTTP worker sends, but a
     record may hold) fails alone (INVALID_REQUEST); the process lives on and the next request

@@ -1,4 +1,4 @@
-"""Supervision, tried as an unlucky or hostile operator would (issue 19): the API key is on no
+"""Supervision, tried as an unlucky or hostile operator would: the API key is on no
 command line, during start-up included."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 5's bad-request table through the real parsing layer and the real tokenizer,
+"""The bad-request table (bad_requests.py) through the real parsing layer and the real tokenizer,
 in the order a route applies the checks: API key, body, model, prompt."""
 
 import gzip
