@@ -81,7 +81,7 @@ class Scheduler:
         self.page_size: int = self.pool.page_size
         self.vocab_size: int = runner.model_config.vocab_size
         self.cache = RadixCache(self.pool, disabled=config.disable_radix_cache)
-        self.table = ReqTable(config.max_running_requests, config.context_length, self.page_size)
+        self.table: ReqTable[Req] = ReqTable(config.max_running_requests, config.context_length, self.page_size)
         self.eos_ids = np.unique(np.asarray(runner.model_config.eos_token_ids, dtype=np.int32))[:MAX_STOP_IDS]
         self.heartbeat = heartbeat  # called before each forward: a long one starts with a fresh beat
         self.queue: list[Req] = []  # waiting to be (re)admitted, in arrival order
