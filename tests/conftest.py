@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -109,6 +110,10 @@ class Server:
 
     def url(self, path: str) -> str:
         return self.base + path
+
+    def openai_client(self, api_key: str = "none", timeout: float = 60) -> openai.OpenAI:
+        """The official client on this server, without retries: a retry would hide a failure."""
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, timeout=timeout)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

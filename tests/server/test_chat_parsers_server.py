@@ -37,7 +37,7 @@ def server(start_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 @pytest.mark.parametrize("tool_choice", [None, "required", {"type": "function", "function": {"name": "get_time"}}])

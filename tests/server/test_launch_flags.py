@@ -203,7 +203,7 @@ def start(start_server, tokenizer_copy):
 
 
 def test_served_names_through_the_openai_client(server):
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    client = server.openai_client()
     assert [m.id for m in client.models.list().data] == list(NAMES)
     for name in NAMES:
         out = client.completions.create(model=name, prompt="Hi", max_tokens=3)

@@ -15,7 +15,6 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,7 +74,7 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    return server.openai_client()
 
 
 class Scrape:

@@ -18,7 +18,6 @@ import statistics
 import time
 
 import httpx
-import openai
 import pytest
 from bad_requests import API_KEY, MODEL
 
@@ -41,7 +40,7 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=300)
+    return server.openai_client(API_KEY, timeout=300)
 
 
 def tokenize(server, **body) -> list[int]:

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import torch
 from bad_requests import MODEL
@@ -47,7 +46,7 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=120)
+    return server.openai_client(timeout=120)
 
 
 def post(server, path: str, body: dict) -> dict:

@@ -47,7 +47,7 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=120)
+    return server.openai_client(API_KEY, timeout=120)
 
 
 @pytest.fixture(scope="module")

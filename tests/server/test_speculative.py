@@ -236,7 +236,6 @@ def test_the_real_model_gives_the_same_greedy_tokens_and_logprobs():
 
 def test_the_server_streams_the_same_greedy_text_and_reports_acceptance(start_server, offline_engine):
     import httpx
-    import openai
     from bad_requests import API_KEY, MODEL
 
     server = start_server(
@@ -246,7 +245,7 @@ def test_the_server_streams_the_same_greedy_text_and_reports_acceptance(start_se
         max_total_tokens=8192,
         speculative_algorithm="NGRAM",
     )
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key=API_KEY, max_retries=0, timeout=300)
+    client = server.openai_client(API_KEY, timeout=300)
     want = offline_engine.generate([REPEAT], SamplingParams(temperature=0, max_new_tokens=48))[0]
     stream = client.completions.create(model=MODEL, prompt=REPEAT, max_tokens=48, temperature=0, stream=True)
     chunks = [c.choices[0].text for c in stream if c.choices]

@@ -232,7 +232,7 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=600)
+    return server.openai_client(timeout=600)
 
 
 def response_format(schema: dict) -> dict:
