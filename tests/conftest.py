@@ -216,6 +216,30 @@ def start_server():
                 server.kill()
 
 
+@pytest.fixture()
+def tm_rings():
+    """A TokenizerManager's two rings in this process, the test on the engine's side of both:
+    (the TM side's waker, REQUEST producer, REQUEST consumer, TEXT_OUT producer, TEXT_OUT consumer)."""
+    from ipc.channel import Channel, ChannelSpec
+    from ipc.wakeup import Waker
+    from protocol.records import REQUEST, TEXT_OUT
+
+    tm_waker, engine_waker = Waker(), Waker()
+    made = []
+
+    def pair(layout, producer_waker, consumer_waker):
+        prod = Channel.create(ChannelSpec(layout, 64, 1 << 16), "producer", producer_waker, consumer_waker.fd)
+        cons = Channel.attach(*prod.describe(), consumer_waker)
+        made.extend((prod, cons))
+        return prod, cons
+
+    yield (tm_waker, *pair(REQUEST, tm_waker, engine_waker), *pair(TEXT_OUT, engine_waker, tm_waker))
+    for ch in made:
+        ch.close()
+    tm_waker.close()
+    engine_waker.close()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer, loaded once: no test changes it."""

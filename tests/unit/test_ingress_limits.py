@@ -21,9 +21,7 @@ from protocol.memo import ENTRY_OVERHEAD_BYTES, ByteLRU
 from protocol.records import (
     MAX_OPEN_PAYLOAD_BYTES,
     MAX_REQUEST_PAYLOAD_BYTES,
-    REQUEST,
     REQUEST_ARENA_BYTES,
-    TEXT_OUT,
     TOKEN_OUT_ARENA_BYTES,
 )
 from protocol.request_records import MEMO_BYTES, pack_request, unpack_request
@@ -148,70 +146,52 @@ def test_request_size_names_n_or_the_prompt():
 # ---------------------------------------------------------------- TokenizerManager
 
 
-def small_tm(tokenizer, made: list):
-    from ipc.channel import Channel, ChannelSpec
-    from ipc.wakeup import Waker
+def small_tm(tokenizer, tm_rings):
     from runtime.http_worker.core import ModelInfo, TokenizerManager
     from runtime.http_worker.process import RequestOutbox
 
-    tm_waker, engine_waker = Waker(), Waker()
-    req = Channel.create(ChannelSpec(REQUEST, 64, 1 << 16), "producer", tm_waker, engine_waker.fd)
-    req_in = Channel.attach(*req.describe(), engine_waker)
-    text = Channel.create(ChannelSpec(TEXT_OUT, 64, 1 << 16), "producer", engine_waker, tm_waker.fd)
-    text_in = Channel.attach(*text.describe(), tm_waker)
-    made += [req, req_in, text, text_in, tm_waker, engine_waker]
+    _, req_out, req_in, _, _ = tm_rings
     model = ModelInfo("", "m", "LlamaForCausalLM", 2048, tokenizer.vocab_size)
-    return TokenizerManager(0, RequestOutbox(req).send, tokenizer, model, request_timeout=60), req_in
+    return TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60), req_in
 
 
-def test_failed_submit_leaves_nothing_registered(tokenizer):
+def test_failed_submit_leaves_nothing_registered(tokenizer, tm_rings):
     """A submit whose push raises (here: a payload larger than the ring's arena) must not keep
     its rid "already in use" or its slots until the request timeout."""
-    made: list = []
-    try:
 
-        async def run() -> None:
-            tm, req_in = small_tm(tokenizer, made)
-            try:
-                free = len(tm._free)
-                too_big = [list(range(1, 40_000))]  # 160 KB of ids: more than the 64 KiB arena
-                with pytest.raises(ValueError):
-                    await tm.submit(too_big * 2, [SamplingParams()] * 2, ["my-rid"])
-                assert len(tm._free) == free and not tm._groups and not tm._by_rid
-                assert not tm._gens.any() and all(s is None for s in tm._states)
-                group = await tm.submit([[1, 2, 3]], [SamplingParams()], ["my-rid"])  # the rid is free
-                assert req_in.pop().records["kind"].tolist() == [1]
-                assert tm.abort_rid("my-rid") == 1 and group.unfinished == 0
-            finally:
-                tm.close()
+    async def run() -> None:
+        tm, req_in = small_tm(tokenizer, tm_rings)
+        try:
+            free = len(tm._free)
+            too_big = [list(range(1, 40_000))]  # 160 KB of ids: more than the 64 KiB arena
+            with pytest.raises(ValueError):
+                await tm.submit(too_big * 2, [SamplingParams()] * 2, ["my-rid"])
+            assert len(tm._free) == free and not tm._groups and not tm._by_rid
+            assert not tm._gens.any() and all(s is None for s in tm._states)
+            group = await tm.submit([[1, 2, 3]], [SamplingParams()], ["my-rid"])  # the rid is free
+            assert req_in.pop().records["kind"].tolist() == [1]
+            assert tm.abort_rid("my-rid") == 1 and group.unfinished == 0
+        finally:
+            tm.close()
 
-        asyncio.run(run())
-    finally:
-        for thing in made:
-            thing.close()
+    asyncio.run(run())
 
 
-def test_prompt_text_bounded_before_tokenizing(tokenizer):
-    made: list = []
-    try:
+def test_prompt_text_bounded_before_tokenizing(tokenizer, tm_rings):
+    async def run() -> None:
+        tm, _ = small_tm(tokenizer, tm_rings)
+        assert tm.max_prompt_chars >= 2048 * 81  # SmolLM2's longest token: 81 characters
+        text = "a" * (tm.max_prompt_chars + 1)
+        t0 = time.perf_counter()
+        with pytest.raises(APIError) as e:
+            await tm.chat_ids([{"role": "user", "content": text}])
+        assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+        with pytest.raises(APIError) as e:  # more messages than the context has tokens
+            await tm.chat_ids([{"role": "user", "content": ""}] * 2049)
+        assert e.value.param == "messages"
+        assert time.perf_counter() - t0 < 0.5  # nothing was rendered or tokenized
 
-        async def run() -> None:
-            tm, _ = small_tm(tokenizer, made)
-            assert tm.max_prompt_chars >= 2048 * 81  # SmolLM2's longest token: 81 characters
-            text = "a" * (tm.max_prompt_chars + 1)
-            t0 = time.perf_counter()
-            with pytest.raises(APIError) as e:
-                await tm.chat_ids([{"role": "user", "content": text}])
-            assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
-            with pytest.raises(APIError) as e:  # more messages than the context has tokens
-                await tm.chat_ids([{"role": "user", "content": ""}] * 2049)
-            assert e.value.param == "messages"
-            assert time.perf_counter() - t0 < 0.5  # nothing was rendered or tokenized
-
-        asyncio.run(run())
-    finally:
-        for thing in made:
-            thing.close()
+    asyncio.run(run())
 
 
 def test_serve_gives_granian_connection_limits():

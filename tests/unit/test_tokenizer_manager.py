@@ -11,35 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from httpapi.errors import APIError
-from ipc.channel import Channel, ChannelSpec
+from ipc.channel import Channel
 from ipc.ring import Batch
-from ipc.wakeup import Waker
 from protocol.payloads import pack_prompt_logprobs
-from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, Finish, RequestKind, TokenKind
+from protocol.records import REQUEST, TOKEN_OUT, Finish, RequestKind, TokenKind
 from protocol.sampling_params import SamplingParams
 from runtime.detokenizer.core import Detokenizer
 from runtime.http_worker.chat_template import ChatTemplate
 from runtime.http_worker.core import LONG_CONVERSATION_MESSAGES, LONG_DECODE_IDS, ModelInfo, TokenizerManager
 from runtime.http_worker.process import RequestOutbox
-
-
-@pytest.fixture()
-def rings():
-    """(TM side waker, request producer, request consumer, text producer, text consumer)."""
-    tm_waker, engine_waker = Waker(), Waker()
-    made = []
-
-    def pair(layout, producer_waker, consumer_waker):
-        prod = Channel.create(ChannelSpec(layout, 64, 1 << 16), "producer", producer_waker, consumer_waker.fd)
-        cons = Channel.attach(*prod.describe(), consumer_waker)
-        made.extend((prod, cons))
-        return prod, cons
-
-    yield (tm_waker, *pair(REQUEST, tm_waker, engine_waker), *pair(TEXT_OUT, engine_waker, tm_waker))
-    for ch in made:
-        ch.close()
-    tm_waker.close()
-    engine_waker.close()
 
 
 def deliver(tm: TokenizerManager, text_in: Channel) -> None:
@@ -56,11 +36,11 @@ def opened(new: np.ndarray) -> Batch:
     return Batch(rec, np.zeros(0, np.uint8))
 
 
-def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, rings):
+def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, tm_rings):
     """The detokenizer refuses a request past its open limit (503 overloaded) while the scheduler
     holds it: the TM must abort it there, or it runs to max_tokens for nobody (seen: six such
     requests of 4000 tokens each after a burst of 70 x 128 choices)."""
-    waker, req_out, req_in, text_out, text_in = rings
+    waker, req_out, req_in, text_out, text_in = tm_rings
     router = Detokenizer(tokenizer, max_open=1)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
 
@@ -90,10 +70,10 @@ def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, 
     assert address == [(RequestKind.ABORT, int(news[1]["slot"]), int(news[1]["gen"]))]
 
 
-def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_end(tokenizer, rings):
+def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_end(tokenizer, tm_rings):
     """--stream-interval 3: a streamed choice's coroutine wakes at tokens 1, 4, 7 and at its
     end (SGLang's rule), with every token's text; a non-streamed one once, at its end."""
-    waker, req_out, req_in, text_out, text_in = rings
+    waker, req_out, req_in, text_out, text_in = tm_rings
     router = Detokenizer(tokenizer, max_open=4)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
     ids = tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
@@ -156,10 +136,10 @@ def test_chat_template_renders_as_apply_chat_template(tokenizer, template, conve
     assert template.render(messages) == want  # a render leaves nothing behind for the next
 
 
-def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, rings):
+def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, tm_rings):
     """A /detokenize of many ids or a chat template of a long conversation would stall every
     stream of the worker while it runs on the event loop: both go to a thread past a size."""
-    waker, req_out, req_in, text_out, text_in = rings
+    waker, req_out, req_in, text_out, text_in = tm_rings
     model = ModelInfo("", "m", "LlamaForCausalLM", 4096, tokenizer.vocab_size)
     loop_threads = []
 
@@ -200,12 +180,12 @@ def test_big_decodes_and_conversations_run_off_the_event_loop(tokenizer, rings):
     assert big_decode and big_render and loop_threads[0] not in big_decode | big_render
 
 
-def test_prompt_logprobs_records_are_collected_without_a_wake(tokenizer, rings):
+def test_prompt_logprobs_records_are_collected_without_a_wake(tokenizer, tm_rings):
     """TEXT_OUT PROMPT_LOGPROBS records (two, as a chunked prefill sends them) are kept on the
     choice as PromptLogprobs columns: no wake, no TTFT, no completion count, until the first
     token's record, which wakes the streamed choice; take_prompt_logprobs joins them once. A
     stale one (an old generation of the slot) is dropped."""
-    waker, req_out, req_in, text_out, text_in = rings
+    waker, req_out, req_in, text_out, text_in = tm_rings
     router = Detokenizer(tokenizer, max_open=4)
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
     prompt = list(range(300, 307))  # 7 positions: [0, 4) then [4, 7)
