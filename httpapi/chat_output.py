@@ -40,7 +40,7 @@ def chat_message(text: str, finish_reason: str | None, out: ChatOutput) -> tuple
         reasoning, text = out.reasoning.parse(text)
     calls: list[ToolCall] = []
     if out.forced is not None:
-        calls = _forced(text, out)
+        calls = _forced(text, out.tools, out.forced)
         content = None if calls else text
     elif out.tool_parser is not None:
         parsed = out.tool_parser.parse(text)
@@ -70,7 +70,8 @@ class ChatDeltas:
         self._out = out
         self._reasoning = out.reasoning.stream() if out.reasoning is not None else None
         self._tools = out.tool_parser.stream() if out.tool_parser is not None else None
-        self._forced_text: list[str] | None = [] if out.forced is not None else None
+        # a forced call's choice and its JSON's parts so far
+        self._forced: tuple[ToolChoice, list[str]] | None = (out.forced, []) if out.forced is not None else None
         self._made_calls = False
 
     def feed(self, text: str) -> list[dict]:
@@ -92,14 +93,15 @@ class ChatDeltas:
         return [{"reasoning_content": reasoning}, *deltas] if reasoning else deltas
 
     def _content(self, text: str, final: bool) -> list[dict]:
-        if self._forced_text is not None:
-            self._forced_text.append(text)
-            return self._forced_deltas() if final else []
+        if self._forced is not None:
+            choice, parts = self._forced
+            parts.append(text)
+            return self._forced_deltas(choice, parts) if final else []
         if self._tools is None:
             return [{"content": text}] if text else []
         events = self._tools.finish() if final else []
         events = self._tools.feed(text) + events if text else events
-        deltas = []
+        deltas: list[dict] = []
         for ev in events:
             if not isinstance(ev, ContentDelta) and self._out.max_calls is not None and ev.index >= self._out.max_calls:
                 continue
@@ -112,9 +114,9 @@ class ChatDeltas:
                 deltas.append({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
         return deltas
 
-    def _forced_deltas(self) -> list[dict]:
-        text = "".join(self._forced_text)
-        calls = _forced(text, self._out)[: self._out.max_calls]
+    def _forced_deltas(self, choice: ToolChoice, parts: list[str]) -> list[dict]:
+        text = "".join(parts)
+        calls = _forced(text, self._out.tools, choice)[: self._out.max_calls]
         if not calls:
             return [{"content": text}] if text else []
         self._made_calls = True
@@ -133,10 +135,10 @@ class ChatDeltas:
         }
 
 
-def _forced(text: str, out: ChatOutput) -> list[ToolCall]:
+def _forced(text: str, tools: tuple[Tool, ...], choice: ToolChoice) -> list[ToolCall]:
     """A forced call's calls; none when its JSON was cut short (max_tokens): the text is then content."""
     try:
-        return forced_calls(text, out.tools, out.forced)
+        return forced_calls(text, tools, choice)
     except ValueError:
         return []
 

@@ -8,7 +8,7 @@ is one dict lookup: no call, nothing recorded."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, overload
 
 import orjson
 
@@ -61,6 +61,10 @@ class Fields:
         """Fields the API defines that this server accepts and does not use (e.g. `user`)."""
         self.read.update(keys)
 
+    @overload
+    def get_int(self, key: str, default: int) -> int: ...
+    @overload
+    def get_int(self, key: str, default: None = None) -> int | None: ...
     def get_int(self, key: str, default: int | None = None) -> int | None:
         value = self.obj.get(key)
         if value is None:

@@ -186,7 +186,15 @@ class PromptLogprobs:
         return range(self.first, self.first + len(self))
 
 
-def _floor(values: np.ndarray) -> list[float]:
+def need_vocab(vocab: LogprobVocab | None) -> LogprobVocab:
+    """The vocabulary of a response with logprobs: its route passes one whenever they were asked."""
+    if vocab is None:
+        raise ValueError("logprobs need the vocabulary")
+    return vocab
+
+
+def _floor(values: np.ndarray) -> list[Any]:
+    """`values` floored, as Python floats in (nested) lists of `values`' shape."""
     return np.maximum(values, LOGPROB_FLOOR).tolist()
 
 

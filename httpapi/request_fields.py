@@ -4,7 +4,8 @@ server refuses or ignores, and the client's name for its request."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids
@@ -59,7 +60,7 @@ REFUSED_OPENAI = {
     "return_hidden_states": "hidden states are not returned by this server",
     "modalities": "this server runs a text-only model: only the text modality",
 }
-ASK_NOTHING = (False, 0, "", [], {})  # a refused field's values that ask for nothing, but for:
+ASK_NOTHING: tuple = (False, 0, "", [], {})  # a refused field's values that ask for nothing, but for:
 NOTHING_ASKED: dict[str, tuple] = {
     "best_of": (1,),
     "thinking_token_budget": (-1,),
@@ -75,6 +76,14 @@ _REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 Prompt = str | list  # text, or a list of token ids
 
 
+@overload
+def read_prompts(
+    value: Any, param: str, *, token_ids_allowed: Literal[False], empty_allowed: bool = False
+) -> tuple[tuple[str, ...], bool]: ...
+@overload
+def read_prompts(
+    value: Any, param: str, *, token_ids_allowed: bool, text_allowed: bool = True, empty_allowed: bool = False
+) -> tuple[tuple[Prompt, ...], bool]: ...
 def read_prompts(
     value: Any, param: str, *, token_ids_allowed: bool, text_allowed: bool = True, empty_allowed: bool = False
 ) -> tuple[tuple[Prompt, ...], bool]:
@@ -147,7 +156,12 @@ def refuse_unserved(f: Fields, refused: dict[str, str]) -> None:
 
 def check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED) -> None:
     """Fields that change no output get their types checked, as vLLM and SGLang check them."""
-    read = {"str": f.get_str, "bool": lambda k: f.get_bool(k, False), "int": f.get_int, "number": f.get_float}
+    read: dict[str, Callable[[str], object]] = {
+        "str": f.get_str,
+        "bool": lambda k: f.get_bool(k, False),
+        "int": f.get_int,
+        "number": f.get_float,
+    }
     for kind, keys in table.items():
         for key in keys:
             if kind == "object":

@@ -294,6 +294,7 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
     model = f.get_str("model")
     if (f.raw("prompt") is None) == (f.raw("messages") is None):
         raise bad_request("Give exactly one of prompt or messages", "prompt")
+    prompts: tuple[str, ...]
     prompts, messages, template, batch = (), None, None, False
     if f.raw("messages") is not None:  # vLLM's chat fields of /tokenize: a chat completion's
         messages, rich = read_messages(f.raw("messages"))

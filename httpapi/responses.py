@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -21,6 +21,7 @@ from httpapi.logprobs import (
     chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
+    need_vocab,
     sglang_logprobs,
     sglang_prompt_logprobs,
     vllm_prompt_logprobs,
@@ -167,7 +168,7 @@ def chat_completion_body(
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
     }
     if choices and choices[0].prompt_logprobs is not None:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, vocab)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, need_vocab(vocab))
     return orjson.dumps(body)
 
 
@@ -179,7 +180,7 @@ def _chat_choice(c: ChoiceResult, vocab: LogprobVocab | None, output: ChatOutput
     return {
         "index": c.index,
         "message": message,
-        "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, vocab),
+        "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, need_vocab(vocab)),
         "finish_reason": finish_reason,
     }
 
@@ -212,12 +213,14 @@ def completion_choice(c: ChoiceResult, vocab: LogprobVocab | None, echo: bool) -
     logprobs = None
     if c.logprobs is not None:
         if echo and c.prompt_logprobs is not None:
-            logprobs = echoed_logprobs(c.prompt_logprobs, c.logprobs, vocab, c.logprobs.top_ids.shape[1] > 0)[0]
+            logprobs = echoed_logprobs(
+                c.prompt_logprobs, c.logprobs, need_vocab(vocab), c.logprobs.top_ids.shape[1] > 0
+            )[0]
         else:
-            logprobs = completion_logprobs(c.logprobs, vocab, 0)[0]
+            logprobs = completion_logprobs(c.logprobs, need_vocab(vocab), 0)[0]
     choice = {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
     if c.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, vocab)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, need_vocab(vocab))
     return choice
 
 
@@ -226,7 +229,7 @@ def generate_output(
 ) -> dict:
     """One SGLang /generate output: {"text", "output_ids", "meta_info"}; a stream sends partial
     choices (SGLang's default: the text and ids so far)."""
-    meta = {
+    meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": sglang_finish_reason(choice),
         "prompt_tokens": choice.usage.prompt_tokens,
@@ -236,15 +239,15 @@ def generate_output(
     if choice.e2e_latency is not None:
         meta["e2e_latency"] = choice.e2e_latency
     if choice.logprobs is not None:
-        tokens, top = sglang_logprobs(choice.logprobs, vocab, return_text_in_logprobs)
+        tokens, top = sglang_logprobs(choice.logprobs, need_vocab(vocab), return_text_in_logprobs)
         meta["output_token_logprobs"] = tokens
         meta["output_top_logprobs"] = top
     if choice.prompt_logprobs is not None:
-        tokens, top = sglang_prompt_logprobs(choice.prompt_logprobs, vocab, return_text_in_logprobs)
+        tokens, top = sglang_prompt_logprobs(choice.prompt_logprobs, need_vocab(vocab), return_text_in_logprobs)
         meta["input_token_logprobs"] = tokens
         if choice.prompt_logprobs.top_ids.shape[1]:  # SGLang: only with top_logprobs_num > 0
             meta["input_top_logprobs"] = top
-    out = {"text": choice.text, "meta_info": meta}
+    out: dict[str, Any] = {"text": choice.text, "meta_info": meta}
     if choice.output_ids is not None:
         out["output_ids"] = choice.output_ids
     return out

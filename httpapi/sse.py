@@ -28,6 +28,7 @@ from httpapi.logprobs import (
     chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
+    need_vocab,
     vllm_prompt_logprobs,
 )
 from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_output
@@ -35,7 +36,7 @@ from httpapi.responses import FINISH_REASONS, ChoiceResult, Usage, generate_outp
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache", "x-accel-buffering": "no"}
 
-_REASONS = {None: b"null", **{r: b'"' + r.encode() + b'"' for r in FINISH_REASONS}}
+_REASONS: dict[str | None, bytes] = {None: b"null", **{r: b'"' + r.encode() + b'"' for r in FINISH_REASONS}}
 # what closes a delta without logprobs, by finish reason: a chat delta, a completion's text
 _CHAT_CLOSE = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
 _COMPLETION_CLOSE = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
@@ -101,7 +102,7 @@ class ChatStream(_OpenAIStream):
         """`chunk` (one event of this stream) with vLLM's prompt_logprobs on it."""
         if prompt_logprobs is None:
             return chunk
-        field = b',"prompt_logprobs":' + orjson.dumps(vllm_prompt_logprobs(prompt_logprobs, self._vocab))
+        field = b',"prompt_logprobs":' + orjson.dumps(vllm_prompt_logprobs(prompt_logprobs, need_vocab(self._vocab)))
         return chunk[: -len(b"}\n\n")] + field + b"}\n\n"
 
     def delta(
@@ -114,7 +115,7 @@ class ChatStream(_OpenAIStream):
                 self._open[index],
                 orjson.dumps(text),
                 b'},"logprobs":',
-                orjson.dumps(chat_logprobs(logprobs, self._vocab)),
+                orjson.dumps(chat_logprobs(logprobs, need_vocab(self._vocab))),
                 b',"finish_reason":',
                 _REASONS[finish_reason],
                 b"}]}\n\n",
@@ -129,7 +130,7 @@ class ChatStream(_OpenAIStream):
         choice = {
             "index": index,
             "delta": delta,
-            "logprobs": None if logprobs is None else chat_logprobs(logprobs, self._vocab),
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs, need_vocab(self._vocab)),
             "finish_reason": finish_reason,
         }
         return b"".join((self._head, b'"choices":[', orjson.dumps(choice), b"]}\n\n"))
@@ -163,14 +164,14 @@ class CompletionStream(_OpenAIStream):
         if echo is not None and self.echo_logprobs and prompt_logprobs is not None:
             with_top = logprobs is not None and logprobs.top_ids.shape[1] > 0
             choice["logprobs"], self._text_offset[index] = echoed_logprobs(
-                prompt_logprobs, logprobs, self._vocab, with_top
+                prompt_logprobs, logprobs, need_vocab(self._vocab), with_top
             )
         elif logprobs is not None:
             choice["logprobs"], self._text_offset[index] = completion_logprobs(
-                logprobs, self._vocab, self._text_offset[index]
+                logprobs, need_vocab(self._vocab), self._text_offset[index]
             )
         if prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, self._vocab)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs, need_vocab(self._vocab))
         return b"".join((self._head, b'"choices":[', orjson.dumps(choice), b"]}\n\n"))
 
     def delta(
@@ -178,7 +179,7 @@ class CompletionStream(_OpenAIStream):
     ) -> bytes:
         if logprobs is None:
             return b"".join((self._open[index], orjson.dumps(text), _COMPLETION_CLOSE[finish_reason]))
-        lp, self._text_offset[index] = completion_logprobs(logprobs, self._vocab, self._text_offset[index])
+        lp, self._text_offset[index] = completion_logprobs(logprobs, need_vocab(self._vocab), self._text_offset[index])
         return b"".join(
             (
                 self._open[index],

@@ -98,8 +98,8 @@ def _from_legacy(tag: dict) -> dict:
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
-def check_grammar(kind: GrammarKind, text: str, any_whitespace: bool = False) -> None:
-    """Raises InvalidGrammar unless xgrammar parses `text` as a grammar of `kind` (its verdict
+def check_grammar(kind: int, text: str, any_whitespace: bool = False) -> None:
+    """Raises InvalidGrammar unless xgrammar parses `text` as a grammar of `kind` (a GrammarKind; its verdict
     is kept: the same text, valid or not, costs nothing again). `any_whitespace`: a JSON
     schema's whitespace as the server's --constrained-json-any-whitespace asks."""
     key = (int(kind), any_whitespace, text)
@@ -113,7 +113,7 @@ def check_grammar(kind: GrammarKind, text: str, any_whitespace: bool = False) ->
         raise InvalidGrammar(verdict)
 
 
-def is_checked(kind: GrammarKind, text: str, any_whitespace: bool = False) -> bool:
+def is_checked(kind: int, text: str, any_whitespace: bool = False) -> bool:
     """Whether check_grammar has the verdict kept (then it costs a lookup)."""
     with _LOCK:
         return _MEMO.get((int(kind), any_whitespace, text)) is not None
@@ -123,7 +123,7 @@ _MEMO = ByteLRU(MEMO_BYTES, max_entry_bytes=MAX_MEMO_ENTRY_BYTES)
 _LOCK = threading.Lock()  # checks run in threads too
 
 
-def _parse_error(kind: GrammarKind, text: str, any_whitespace: bool) -> str | None:
+def _parse_error(kind: int, text: str, any_whitespace: bool) -> str | None:
     """xgrammar's complaint about `text`, or None."""
     import xgrammar  # the HTTP worker pays its import only when a request has a grammar
 
