@@ -20,47 +20,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu.forward_batch import PromptLogprobsAsk, StepInput, TokenMask
+from gpu.forward_batch import StepInput, TokenMask
 from gpu.kvcache.radix_cache import RadixCache
 from gpu.kvcache.req_table import MAX_STOP_IDS, ReqTable
-from protocol.payloads import pack_prompt_logprobs
 from protocol.record_bytes import concat_records
-from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, TokenKind
+from protocol.records import NO_TOKEN, ErrorCode, Finish, TokenKind
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.grammar import GrammarError, make_grammar_backend
 from runtime.scheduler.policy import order_queue
+from runtime.scheduler.prompt_logprobs import PromptLogprobs
 from runtime.scheduler.req import Req, ReqStatus
-from runtime.scheduler.speculative import make_speculator
+from runtime.scheduler.speculative import accept_drafts, make_speculator
+from runtime.scheduler.step_result import TOKEN_EVENT, StepResult
 
 logger = logging.getLogger(__name__)
 
-# Events are TOKEN_OUT records (protocol/records.py), so the scheduler process pushes them as they
-# are: one per request with news this step, its sampled token or its end. A record that ends a
-# request without a new token has token NO_TOKEN; a request that could never run ends with
-# kind ERROR and finish ERROR (its message is Req.error).
-TOKEN_EVENT = TOKEN_OUT.dtype
-
 _NO_IDS = np.zeros(0, np.int32)
 CLIP_MAX_NEW_TOKENS = 4096  # admission reserves room for at most this many future tokens a request
-# Prompt positions per PROMPT_LOGPROBS record: with 20 alternatives each, 350 KB of payload, so
-# that however large a prefill chunk is, each record fits one TOKEN_OUT push (half its arena).
-PROMPT_LOGPROBS_PER_RECORD = 2048
-
-
-@dataclass
-class StepResult:
-    events: np.ndarray  # TOKEN_EVENT [E]: the first num_sampled carry a sampled token, the rest end
-    #                     requests without one (abort, error, no KV left)
-    num_sampled: int
-    top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
-    top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
-    opened: list[Req]  # requests added since the last step, in order (the OPEN records)
-    failed: list[Req]  # requests among the events' ERROR records: their error and its message
-    # PROMPT_LOGPROBS records of this step's prefill chunks, to be sent before `events` (a request's
-    # come before its first token), and each one's payload (pack_prompt_logprobs); None: none
-    prompt_records: np.ndarray | None = None
-    prompt_payloads: list[bytes] | None = None
 
 
 @dataclass
@@ -111,9 +88,7 @@ class Scheduler:
         self._opened: list[Req] = []
         self._failed: list[Req] = []  # ended with an ERROR record since the last step
         self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
-        # this step's prefill chunks that owe prompt logprobs: (request, first, end) of the prompt
-        # positions they report, in step order
-        self._prompt_runs: list[tuple[Req, int, int]] = []
+        self.prompt_logprobs = PromptLogprobs()  # what this step's prefill chunks owe
 
     # ---- requests in -----------------------------------------------------------
     @property
@@ -422,7 +397,7 @@ class Scheduler:
         mask = self._token_mask(rows[sample]) if self.num_constrained else None
         ask = None
         if any(req.prompt_logprobs_next < len(req.prompt) for req, _ in prefill):
-            ask = self._prompt_logprobs_ask(prefill, B, starts)
+            ask = self.prompt_logprobs.ask(prefill, B, starts)
         return StepInput(
             rows=rows,
             starts=starts,
@@ -434,71 +409,6 @@ class Scheduler:
             token_mask=mask,
             prompt_logprobs=ask,
         )
-
-    def _prompt_logprobs_ask(
-        self, prefill: list[tuple[Req, int]], num_decodes: int, starts: np.ndarray
-    ) -> PromptLogprobsAsk | None:
-        """What the runner computes for the prefill chunks owed prompt logprobs: a chunk of
-        positions [s, s + n) reports the prompt positions [next, min(P, s + n + 1)) (position j's
-        logprob is read from the logits at j - 1; position 0 has none). Notes them in
-        _prompt_runs for _prompt_records."""
-        seqs, first, counts, targets = [], [], [], []
-        for i, (req, n) in enumerate(prefill):
-            P, owed = len(req.prompt), req.prompt_logprobs_next
-            if owed >= P:
-                continue
-            s = int(starts[num_decodes + i])
-            end = min(P, s + n + 1)
-            if end <= owed:  # a resumed chunk still recomputing positions it reported
-                continue
-            self._prompt_runs.append((req, owed, end))
-            lo = max(owed, 1) - 1  # the first position whose logits are read
-            if end - 1 > lo:
-                seqs.append(num_decodes + i)
-                first.append(lo - s)
-                counts.append(end - 1 - lo)
-                targets.append(req.prompt[lo + 1 : end])
-        if not seqs:
-            return None
-        return PromptLogprobsAsk(
-            seqs=np.array(seqs, np.int64),
-            first=np.array(first, np.int64),
-            counts=np.array(counts, np.int64),
-            targets=np.concatenate(targets).astype(np.int64),
-            top_k=max(req.params.prompt_logprobs for req, _, _ in self._prompt_runs),
-        )
-
-    def _prompt_records(self, out) -> tuple[np.ndarray, list[bytes]]:
-        """The PROMPT_LOGPROBS records of this step's _prompt_runs, from the runner's output."""
-        runs, self._prompt_runs = self._prompt_runs, []
-        got = out.prompt_logprobs
-        recs, payloads, at = [], [], 0
-        for req, owed, end in runs:
-            k, m = req.params.prompt_logprobs, end - owed
-            lps = np.full(m, np.nan, np.float32)  # position 0: no token predicts it
-            ranks = np.zeros(m, np.uint32)
-            top_ids = np.zeros((m, k), np.uint32)
-            top_lps = np.full((m, k), np.nan, np.float32)
-            skip = 1 if owed == 0 else 0  # position 0 is reported, never computed
-            c = m - skip
-            if c:
-                lps[skip:] = got.logprobs[at : at + c]
-                ranks[skip:] = got.ranks[at : at + c]
-                top_ids[skip:] = got.top_ids[at : at + c, :k]
-                top_lps[skip:] = got.top_logprobs[at : at + c, :k]
-                at += c
-            for a in range(0, m, PROMPT_LOGPROBS_PER_RECORD):
-                b = min(a + PROMPT_LOGPROBS_PER_RECORD, m)
-                ids = req.prompt[owed + a : owed + b]
-                payloads.append(pack_prompt_logprobs(ids, lps[a:b], ranks[a:b], top_ids[a:b], top_lps[a:b]))
-                rec = np.zeros(1, TOKEN_EVENT)
-                rec["kind"], rec["worker"], rec["slot"] = TokenKind.PROMPT_LOGPROBS, req.worker, req.slot
-                rec["gen"], rec["token"], rec["completion_tokens"] = req.generation, owed + a, b - a
-                rec["prompt_tokens"], rec["cached_tokens"] = len(req.prompt), max(req.cached_tokens, 0)
-                rec["n_top"], rec["logprob"] = k, math.nan
-                recs.append(rec)
-            req.prompt_logprobs_next = end
-        return concat_records(recs), payloads
 
     def _token_mask(self, sampled: np.ndarray) -> TokenMask | None:
         """The grammars' allowed tokens for the constrained rows among `sampled` (the rows
@@ -531,7 +441,7 @@ class Scheduler:
         else:  # the sampled rows, each once, with their drafts
             counts = 1 + np.concatenate([drafts, np.zeros(len(rows) - int(drafts.sum()) - len(drafts), np.int64)])
             rows = rows[np.cumsum(counts) - counts]
-            events, finished, picked = self._accept_drafts(rows, counts - 1, out)
+            events, finished, picked = accept_drafts(t, self.speculator, rows, counts - 1, out)
             if top_ids is not None:
                 top_ids, top_logprobs = top_ids[picked], top_logprobs[picked]
         if step.token_mask is not None:
@@ -543,43 +453,9 @@ class Scheduler:
             self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
         )
         res = self._result(events, top_ids, top_logprobs)
-        if self._prompt_runs:
-            res.prompt_records, res.prompt_payloads = self._prompt_records(out)
+        if self.prompt_logprobs.runs:
+            res.prompt_records, res.prompt_payloads = self.prompt_logprobs.records(out)
         return res
-
-    def _accept_drafts(self, rows: np.ndarray, drafts: np.ndarray, out) -> tuple[np.ndarray, list[int], np.ndarray]:
-        """Appends to each sampled row (int64 [S]; drafts int64 [S]: its drafted tokens) the
-        tokens the model chose up to and including its first choice that differs from the draft
-        (all of them when none does): (their TOKEN_OUT records, a row's in order, the rows that
-        finished, the index of each record's token in out.tokens). A row's tokens stop at the one
-        that finishes it. The KV of the accepted drafts stays; the rejected ones' is past kv_len,
-        overwritten by the next tokens."""
-        t = self.table
-        counts = 1 + drafts
-        first = np.cumsum(counts) - counts  # each row's first token in out.tokens
-        accepted = np.zeros(len(rows), np.int64)
-        for i in np.flatnonzero(drafts).tolist():
-            row, d, at = int(rows[i]), int(drafts[i]), int(first[i])
-            length = int(t.length[row])
-            wrong = np.flatnonzero(t.ids[row, length : length + d] != out.tokens[at : at + d])
-            accepted[i] = wrong[0] if len(wrong) else d
-            self.speculator.verified(row, d, int(accepted[i]))
-        parts, picks, finished = [], [], []
-        live = np.ones(len(rows), bool)
-        for j in range(int(accepted.max()) + 1):  # the j-th token of every row that has one
-            idx = np.flatnonzero(live & (accepted >= j))
-            if not len(idx):
-                break
-            at = first[idx] + j
-            events, ended = t.append(rows[idx], out.tokens[at], out.logprobs[at])
-            parts.append(events)
-            picks.append(at)
-            if ended:
-                finished += ended
-                live[idx[np.isin(rows[idx], ended)]] = False
-        drafted = rows[drafts > 0]
-        t.kv_len[drafted] = t.length[drafted] - 1
-        return concat_records(parts), finished, np.concatenate(picks)
 
     def _advance_grammars(
         self, rows: np.ndarray, tokens: np.ndarray, index: np.ndarray, events: np.ndarray, finished: list[int]

@@ -44,7 +44,8 @@ from protocol.records import REQUEST, REQUEST_ARENA_BYTES, TOKEN_OUT, ErrorCode,
 from protocol.request_records import unpack_request
 from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
-from runtime.scheduler.core import Scheduler, StepResult
+from runtime.scheduler.core import Scheduler
+from runtime.scheduler.step_result import StepResult
 from runtime.scheduler.token_out import error_record, step_records
 
 logger = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu.kvcache.req_table import ReqTable
+from protocol.record_bytes import concat_records
 from protocol.sampling_params import SamplingParams
 
 # decodes in a step above which none is drafted for
@@ -120,6 +121,42 @@ class NgramSpeculator:
             self.draft_len[row] = 1
             self.misses[row] += 1
             self.wait[row] = min(2 ** int(self.misses[row]), MAX_BACKOFF)
+
+
+def accept_drafts(
+    table: ReqTable, speculator: NgramSpeculator, rows: np.ndarray, drafts: np.ndarray, out
+) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """Appends to each sampled row (int64 [S]; drafts int64 [S]: its drafted tokens) the
+    tokens the model chose up to and including its first choice that differs from the draft
+    (all of them when none does): (their TOKEN_OUT records, a row's in order, the rows that
+    finished, the index of each record's token in out.tokens). A row's tokens stop at the one
+    that finishes it. The KV of the accepted drafts stays; the rejected ones' is past kv_len,
+    overwritten by the next tokens."""
+    counts = 1 + drafts
+    first = np.cumsum(counts) - counts  # each row's first token in out.tokens
+    accepted = np.zeros(len(rows), np.int64)
+    for i in np.flatnonzero(drafts).tolist():
+        row, d, at = int(rows[i]), int(drafts[i]), int(first[i])
+        length = int(table.length[row])
+        wrong = np.flatnonzero(table.ids[row, length : length + d] != out.tokens[at : at + d])
+        accepted[i] = wrong[0] if len(wrong) else d
+        speculator.verified(row, d, int(accepted[i]))
+    parts, picks, finished = [], [], []
+    live = np.ones(len(rows), bool)
+    for j in range(int(accepted.max()) + 1):  # the j-th token of every row that has one
+        idx = np.flatnonzero(live & (accepted >= j))
+        if not len(idx):
+            break
+        at = first[idx] + j
+        events, ended = table.append(rows[idx], out.tokens[at], out.logprobs[at])
+        parts.append(events)
+        picks.append(at)
+        if ended:
+            finished += ended
+            live[idx[np.isin(rows[idx], ended)]] = False
+    drafted = rows[drafts > 0]
+    table.kv_len[drafted] = table.length[drafted] - 1
+    return concat_records(parts), finished, np.concatenate(picks)
 
 
 class NoSpeculation:

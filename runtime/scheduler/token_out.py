@@ -16,8 +16,9 @@ import numpy as np
 from protocol.payloads import PayloadBuilder, encode_strings, pack_top_logprobs
 from protocol.record_bytes import concat_records, pack_open
 from protocol.records import NO_TOKEN, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TokenKind
-from runtime.scheduler.core import Scheduler, StepResult
+from runtime.scheduler.core import Scheduler
 from runtime.scheduler.req import Req
+from runtime.scheduler.step_result import StepResult
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from protocol.records import RequestKind, TokenKind
-from runtime.scheduler.core import StepResult
 from runtime.scheduler.process import SchedulerProcess
+from runtime.scheduler.step_result import StepResult
 from runtime.ttft_trace import TtftTrace
 
 _NEW = int(RequestKind.NEW)

@@ -1,0 +1,32 @@
+"""What one Scheduler.step() returns: its events as TOKEN_OUT records, with what the
+records' payloads are made of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.records import TOKEN_OUT
+from runtime.scheduler.req import Req
+
+# Events are TOKEN_OUT records (protocol/records.py), so the scheduler process pushes them as they
+# are: one per request with news this step, its sampled token or its end. A record that ends a
+# request without a new token has token NO_TOKEN; a request that could never run ends with
+# kind ERROR and finish ERROR (its message is Req.error).
+TOKEN_EVENT = TOKEN_OUT.dtype
+
+
+@dataclass
+class StepResult:
+    events: np.ndarray  # TOKEN_EVENT [E]: the first num_sampled carry a sampled token, the rest end
+    #                     requests without one (abort, error, no KV left)
+    num_sampled: int
+    top_ids: np.ndarray | None  # int32 [num_sampled, K] when some request asked for top logprobs
+    top_logprobs: np.ndarray | None  # float32 [num_sampled, K]
+    opened: list[Req]  # requests added since the last step, in order (the OPEN records)
+    failed: list[Req]  # requests among the events' ERROR records: their error and its message
+    # PROMPT_LOGPROBS records of this step's prefill chunks, to be sent before `events` (a request's
+    # come before its first token), and each one's payload (pack_prompt_logprobs); None: none
+    prompt_records: np.ndarray | None = None
+    prompt_payloads: list[bytes] | None = None
