@@ -2,9 +2,10 @@
 OpenAI API by a lean client of its own, for the ring and the ZMQ + pickle transport in one
 run, with the real model and with the null model (instant tokens).
 
-Workload (the one the targets below are set for): streamed chat completions, prompts of about 110 tokens (random
-words from a fixed seed, counted with the real tokenizer through the chat template, as the
-server counts them), 64 output tokens, ignore_eos, temperature 0 (greedy; --temperature).
+Workload (the one the targets below are set for): streamed chat completions, prompts of
+about 110 tokens (random words from a fixed seed, counted with the real tokenizer through
+the chat template, as the server counts them), 64 output tokens, ignore_eos, temperature 0
+(greedy; --temperature).
 Each concurrency level is a closed loop: C keep-alive connections, each sending its next
 request as soon as the previous one ended, until --num-requests were sent. Every level
 gets prompts of its own, so nothing but the chat template's system prompt is in the
