@@ -90,7 +90,7 @@ class OfflineEngine:
             if sched.only_compiling:  # nothing to run until a grammar is compiled
                 sched.wait_for_grammar()
             res = sched.step()
-            if not res.opened and not len(res.events) and res.prompt_records is None:
+            if res.empty:
                 continue
             records, blob = step_records(res, sched)
             text, payload = detokenizer.handle(Batch(records, np.frombuffer(blob, np.uint8)))

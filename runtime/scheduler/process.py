@@ -204,7 +204,7 @@ class SchedulerProcess:
     def _send(self, res: StepResult) -> None:
         """This step's records (token_out.py) in one push, several when its blob is over what one
         push may carry."""
-        if not res.opened and not len(res.events) and res.prompt_records is None:
+        if res.empty:
             return
         ev, blob = step_records(res, self.scheduler)
         if len(blob) > self._max_push:  # several pushes (push_all splits); none may be too big alone

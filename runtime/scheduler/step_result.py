@@ -30,3 +30,8 @@ class StepResult:
     # come before its first token), and each one's payload (pack_prompt_logprobs); None: none
     prompt_records: np.ndarray | None = None
     prompt_payloads: list[bytes] | None = None
+
+    @property
+    def empty(self) -> bool:
+        """No record to send: nothing opened, ended, sampled or reported."""
+        return not self.opened and not len(self.events) and self.prompt_records is None
