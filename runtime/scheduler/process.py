@@ -3,7 +3,7 @@ the Scheduler core (runtime/scheduler/core.py) and the model runner.
 
 Each iteration: pop every HTTP worker's REQUEST channel (new requests, aborts, cache
 flushes), run one step, and push that step's TOKEN_OUT records to the detokenizer in one
-batch (the protocol is in protocol/records.py): an OPEN record per request received since
+batch (the protocol: docs/architecture.md, "Records"): an OPEN record per request received since
 the last step, then one record per request with news. While there is work the loop never
 makes a syscall to look for more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
 published EngineStats) advance after each iteration and before each forward, at most once a
