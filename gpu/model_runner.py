@@ -260,13 +260,13 @@ class ModelRunner:
         step = StepInput.of(seqs)
         batch = build_forward_batch(step, self.config.page_size, self.model_config.context_length, self.device)
         prompt = None
-        if batch.prompt_index is not None:  # the Python forward: it keeps every position's hidden state
+        ask, index, targets = step.prompt_logprobs, batch.prompt_index, batch.prompt_targets  # set together
+        if ask is not None and index is not None and targets is not None:
+            # the Python forward: it keeps every position's hidden state
             self.attn.plan(batch.meta)
             x, residual = self.model.hidden(batch.input_ids, batch.meta.positions, self.attn)
             logits = self.model.logits(x, residual, batch.logits_index)
-            lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(
-                x, residual, batch.prompt_index, batch.prompt_targets, step.prompt_logprobs.top_k
-            )
+            lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(x, residual, index, targets, ask.top_k)
             prompt = PromptLogprobsOut(
                 lps.cpu().numpy(), ranks.cpu().numpy(), top_ids.to(torch.int32).cpu().numpy(), top_lps.cpu().numpy()
             )

@@ -122,24 +122,24 @@ class CpuBackend(TorchNativeBackend):
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
-        self.groups = None  # the torch backend's padded groups, planned only if a non-fp32 model needs them
+        self.groups = []  # the torch backend's padded groups, planned only if a non-fp32 model needs them
         q_lens = np.diff(meta.qo_indptr_host)
         self._decode = _requests(np.flatnonzero(q_lens == 1), meta)
         self._extend = _requests(np.flatnonzero(q_lens > 1), meta)
-        self._decode_only = self._extend is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         if q.dtype != torch.float32:
-            if self.groups is None:
+            if not self.groups:
                 super().plan(self.meta)
             return super().forward(q, k, v, layer_id)
         self.store_kv(k, v, layer_id, self.meta.out_cache_loc)
         T, Hq, D = q.shape  # q: a slice of the fused qkv rows, each token's heads contiguous
         o = torch.empty(T, Hq, D)
-        if self._decode_only:
-            self._attend_decode(q, o, layer_id)
+        dec, ext = self._decode, self._extend
+        if ext is None:  # decode only
+            if dec is not None:
+                self._attend_decode(dec, q, o, layer_id)
             return o
-        ext = self._extend
         self._check(
             self._lib.paged_extend_attention(
                 q.data_ptr(),
@@ -161,17 +161,16 @@ class CpuBackend(TorchNativeBackend):
                 torch.get_num_threads(),
             )
         )
-        if self._decode is not None:
+        if dec is not None:
             # the decode tokens sit among the extend ones: their rows gathered, attended, put back
-            tokens = self._decode.tokens.long()
+            tokens = dec.tokens.long()
             od = torch.empty(len(tokens), Hq, D)
-            self._attend_decode(q[tokens], od, layer_id)
+            self._attend_decode(dec, q[tokens], od, layer_id)
             o[tokens] = od
         return o
 
-    def _attend_decode(self, q: torch.Tensor, o: torch.Tensor, layer_id: int) -> None:
+    def _attend_decode(self, dec: _Requests, q: torch.Tensor, o: torch.Tensor, layer_id: int) -> None:
         """q: [n, Hq, D], request b's query at row b -> o: [n, Hq, D] contiguous"""
-        dec = self._decode
         self._check(
             self._lib.paged_decode_attention(
                 q.data_ptr(),

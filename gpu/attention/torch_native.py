@@ -23,7 +23,7 @@ class _Group:
     mask: torch.Tensor | None  # bool [G, 1, Qmax, Kmax], True where the query may see the key; None: plain causal
     out_tokens: torch.Tensor | None  # int64 [n], flat tokens this group produces; None: all, in order
     out_valid: torch.Tensor | None  # int64 [n], their positions in the flattened [G * Qmax] output
-    window_masks: dict[int, torch.Tensor] | None = None  # sliding window -> mask as `mask`, narrowed to it
+    window_masks: dict[int, torch.Tensor]  # sliding window -> mask as `mask`, narrowed to it
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -81,20 +81,23 @@ class TorchNativeBackend(AttentionBackend):
             None if plain_causal else as_t(mask[:, None]),
             as_t(q_index.reshape(-1)[valid]),
             as_t(valid),
-            window_masks or None,
+            window_masks,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.store_kv(k, v, layer_id, self.meta.out_cache_loc)
-        o = torch.empty_like(q) if len(self.groups) > 1 or self.groups[0].out_tokens is not None else None
+        if len(self.groups) == 1 and self.groups[0].out_tokens is None:
+            return self._group_output(self.groups[0], q, layer_id)
+        o = torch.empty_like(q)
         for g in self.groups:
-            G, Q = g.q_index.shape
-            qg = q.view(G, Q, *q.shape[1:]) if g.out_tokens is None else q[g.q_index]  # [G, Qmax, Hq, D]
-            og = self._attend(g, qg, layer_id).reshape(G * Q, *q.shape[1:])
-            if g.out_tokens is None:
-                return og
-            o[g.out_tokens] = og[g.out_valid]
+            o[g.out_tokens] = self._group_output(g, q, layer_id)[g.out_valid]
         return o
+
+    def _group_output(self, g: _Group, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """The attention output of group g's queries, [G * Qmax, Hq, D] (its padded queries in order)."""
+        G, Q = g.q_index.shape
+        qg = q.view(G, Q, *q.shape[1:]) if g.out_tokens is None else q[g.q_index]  # [G, Qmax, Hq, D]
+        return self._attend(g, qg, layer_id).reshape(G * Q, *q.shape[1:])
 
     def _attend(self, g: _Group, qg: torch.Tensor, layer_id: int) -> torch.Tensor:
         """qg: [G, Qmax, Hq, D] -> [G, Qmax, Hq, D]"""
@@ -108,9 +111,9 @@ class TorchNativeBackend(AttentionBackend):
         window = self.windows[layer_id] if self.windows else None
         mask = g.mask if window is None else g.window_masks[window]
         if self.softcap is not None:
-            return self._attend_softcapped(qg, kg, vg, mask)
+            return self._attend_softcapped(qg, kg, vg, mask, self.softcap)
         if window is not None:
-            g = _Group(g.q_index, g.pages, mask, g.out_tokens, g.out_valid)
+            g = _Group(g.q_index, g.pages, mask, g.out_tokens, g.out_valid, {})  # its window's mask is `mask` now
         if Q == 1:
             # one query per request: its heads sharing a kv head act as that head's queries,
             # plain multi-head attention with no kv expansion
@@ -125,7 +128,7 @@ class TorchNativeBackend(AttentionBackend):
         return og.transpose(1, 2)
 
     def _attend_softcapped(
-        self, qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, mask: torch.Tensor | None
+        self, qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, mask: torch.Tensor | None, softcap: float
     ) -> torch.Tensor:
         """qg: [G, Qmax, Hq, D], kg, vg: [G, Hkv, Kmax, D], mask: [G, 1, Qmax, Kmax] or None (plain
         causal from the first key) -> [G, Qmax, Hq, D]; scores capped, then masked, softmax in fp32."""
@@ -133,7 +136,7 @@ class TorchNativeBackend(AttentionBackend):
         rep = Hq // self.num_kv_heads
         k, v = kg.repeat_interleave(rep, dim=1), vg.repeat_interleave(rep, dim=1)  # [G, Hq, Kmax, D]
         scores = torch.matmul(qg.transpose(1, 2), k.transpose(2, 3)) * self.scale  # [G, Hq, Qmax, Kmax]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = torch.tanh(scores / softcap) * softcap
         if mask is None:
             mask = torch.ones(Q, k.shape[2], dtype=torch.bool, device=qg.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -81,11 +81,12 @@ class RadixCache:
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child` after its first m tokens; returns the new upper node."""
         ps = self.page_size
-        upper = TreeNode(child.parent, child.key[:m], child.pages[: m // ps])
+        parent = _parent(child)
+        upper = TreeNode(parent, child.key[:m], child.pages[: m // ps])
         upper.lock_ref = child.lock_ref  # every lock on child's path also covers upper
         upper.last_access = child.last_access
         upper.children[child.key[m : m + ps].tobytes()] = child
-        child.parent.children[child.key[:ps].tobytes()] = upper
+        parent.children[child.key[:ps].tobytes()] = upper
         child.parent = upper
         child.key = child.key[m:]
         child.pages = child.pages[m // ps :]
@@ -132,7 +133,7 @@ class RadixCache:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
             node.lock_ref += 1
-            node = node.parent
+            node = _parent(node)
 
     def unlock(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -141,7 +142,7 @@ class RadixCache:
                 self.evictable_pages += len(node.pages)
                 self.protected_pages -= len(node.pages)
                 self._push_candidate(node)
-            node = node.parent
+            node = _parent(node)
 
     # ---- a request's pages ------------------------------------------------------
     def release(self, ids: np.ndarray, pages: np.ndarray, prefix_pages: int, node: TreeNode) -> None:
@@ -196,7 +197,7 @@ class RadixCache:
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
-            parent = leaf.parent
+            parent = _parent(leaf)
             del parent.children[leaf.key[: self.page_size].tobytes()]
             leaf.parent = None  # detached: any other entry of it is stale
             self._push_candidate(parent)
@@ -210,7 +211,7 @@ class RadixCache:
         """`node` and the nodes above it, as a walk from the root to it would."""
         while node is not self.root:
             self._touch(node, now)
-            node = node.parent
+            node = _parent(node)
 
     def _touch(self, node: TreeNode, now: int) -> None:
         node.last_access = now
@@ -229,6 +230,13 @@ class RadixCache:
 def _evictable(node: TreeNode) -> bool:
     """An unlocked leaf still in the tree (the root has lock_ref 1)."""
     return node.lock_ref == 0 and not node.children and node.parent is not None
+
+
+def _parent(node: TreeNode) -> TreeNode:
+    """The node above `node`, a node of the tree below its root."""
+    if node.parent is None:
+        raise ValueError("the root and detached nodes have no parent")
+    return node.parent
 
 
 def _common_pages(key: np.ndarray, ids: np.ndarray, page_size: int) -> int:

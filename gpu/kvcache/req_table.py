@@ -25,7 +25,7 @@ import numpy as np
 
 from cbuild import BuildError, build_extension
 from protocol.record_bytes import take_records
-from protocol.records import TOKEN_OUT, Finish
+from protocol.records import TOKEN_OUT, Finish, fields_of
 from protocol.sampling_params import SamplingParams
 
 MAX_STOP_IDS = 32  # eos ids + stop_token_ids per request
@@ -91,7 +91,7 @@ class ReqTable(Generic[R]):
         self.ones = np.ones(num_rows, np.int64)  # decodes' q_lens: a slice (shared, so read-only)
         self.ones.flags.writeable = False
         core = step_core() if native else None
-        f = TOKEN_OUT.dtype.fields
+        f = fields_of(TOKEN_OUT.dtype)
         self._core = (
             None
             if core is None
@@ -150,8 +150,11 @@ class ReqTable(Generic[R]):
         return row
 
     def release(self, row: int) -> None:
+        req = self.reqs[row]
+        if req is None:
+            raise ValueError(f"row {row} holds no request")
         self.active[row] = False
-        self.reqs[row].row = -1
+        req.row = -1
         self.reqs[row] = None
         self._free_rows.append(row)
 

@@ -68,6 +68,14 @@ def _projection(w: QuantizedWeight) -> _Projection:
     )
 
 
+def _quantized(weights: list[torch.Tensor | QuantizedWeight]) -> list[QuantizedWeight]:
+    """`weights`, which CpuDecoder.applies() found quantized, every one."""
+    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+    if len(quantized) != len(weights):
+        raise TypeError("the C decode loop runs quantized projections only")
+    return quantized
+
+
 class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         """Raises KernelBuildError when the library cannot be built here."""
@@ -80,8 +88,9 @@ class CpuDecoder:
         self._decode = lib.decode_layers
         cfg, ops = model.cfg, model.ops
         self.model = model
+        qkv, o, gate_up, down = (_quantized(ws) for ws in (model.qkv, model.o, model.gate_up, model.down))
         self.max_tokens = min(
-            (w.max_tokens for w in (*model.qkv, *model.o, *model.gate_up, *model.down) if w.max_tokens is not None),
+            (w.max_tokens for w in (*qkv, *o, *gate_up, *down) if w.max_tokens is not None),
             default=None,
         )
         self._layers = (_Layer * cfg.num_layers)(
@@ -89,11 +98,11 @@ class CpuDecoder:
                 _Layer(
                     model.input_norm[i].data_ptr(),
                     model.post_norm[i].data_ptr(),
-                    None if model.qkv_bias[i] is None else model.qkv_bias[i].data_ptr(),
-                    _projection(model.qkv[i]),
-                    _projection(model.o[i]),
-                    _projection(model.gate_up[i]),
-                    _projection(model.down[i]),
+                    None if (bias := model.qkv_bias[i]) is None else bias.data_ptr(),
+                    _projection(qkv[i]),
+                    _projection(o[i]),
+                    _projection(gate_up[i]),
+                    _projection(down[i]),
                     kv_cache.k[i].data_ptr(),
                     kv_cache.v[i].data_ptr(),
                 )

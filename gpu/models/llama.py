@@ -181,11 +181,11 @@ class LlamaForCausalLM:
         n = cfg.num_layers
         self.input_norm = [weights[f"layers.{i}.input_norm"] for i in range(n)]
         self.post_norm = [weights[f"layers.{i}.post_norm"] for i in range(n)]
-        self.qkv = [weights[f"layers.{i}.qkv"] for i in range(n)]
+        self.qkv: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.qkv"] for i in range(n)]
         self.qkv_bias = [weights.get(f"layers.{i}.qkv_bias") for i in range(n)]
-        self.o = [weights[f"layers.{i}.o"] for i in range(n)]
-        self.gate_up = [weights[f"layers.{i}.gate_up"] for i in range(n)]
-        self.down = [weights[f"layers.{i}.down"] for i in range(n)]
+        self.o: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.o"] for i in range(n)]
+        self.gate_up: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.gate_up"] for i in range(n)]
+        self.down: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.down"] for i in range(n)]
         self.q_norm = [weights.get(f"layers.{i}.q_norm") for i in range(n)]
         self.k_norm = [weights.get(f"layers.{i}.k_norm") for i in range(n)]
         self.attn_out_norm = [weights.get(f"layers.{i}.attn_out_norm") for i in range(n)]
@@ -281,22 +281,25 @@ class LlamaForCausalLM:
             x, h = ops.add_rms_norm(x, residual, self.input_norm[i], eps)
             qkv = linear(h, self.qkv[i], self.qkv_bias[i])  # [T, (Hq + 2Hkv) D]
             qk = qkv[:, :qk_width].view(T, Hq + Hkv, D)
-            if self.q_norm[i] is not None:  # per head, before rope
-                qk = torch.cat(
-                    [rms_norm(qk[:, :Hq], self.q_norm[i], eps), rms_norm(qk[:, Hq:], self.k_norm[i], eps)], 1
-                )
+            q_norm, k_norm = self.q_norm[i], self.k_norm[i]
+            if q_norm is not None and k_norm is not None:  # per head, before rope
+                qk = torch.cat([rms_norm(qk[:, :Hq], q_norm, eps), rms_norm(qk[:, Hq:], k_norm, eps)], 1)
             if self.layer_rope[i] is not None:
                 qk = ropes[id(self.layer_rope[i])](qk)
             v = qkv[:, qk_width:].view(T, Hkv, D)
             o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)  # [T, Hq, D]
             o = linear(o.reshape(T, Hq * D), self.o[i])
-            if self.attn_out_norm[i] is not None:
-                o = rms_norm(o, self.attn_out_norm[i], eps)
+            attn_out_norm = self.attn_out_norm[i]
+            if attn_out_norm is not None:
+                o = rms_norm(o, attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, o, self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
             residual = linear(self._act_mul(gate_up), self.down[i])  # [T, H]
-            if self.mlp_out_norm[i] is not None:
-                residual = rms_norm(residual, self.mlp_out_norm[i], eps)
+            mlp_out_norm = self.mlp_out_norm[i]
+            if mlp_out_norm is not None:
+                residual = rms_norm(residual, mlp_out_norm, eps)
+        if residual is None:
+            raise ValueError("a model of no layers")
         return x, residual
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -322,7 +325,8 @@ class LlamaForCausalLM:
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top_lps, top_ids = logprobs.topk(top_k, dim=1) if top_k else (logprobs[:, :0], target[:, :0])
             parts.append((chosen[:, 0], ranks, top_ids, top_lps))
-        return tuple(torch.cat(p) for p in zip(*parts))
+        logprobs, ranks, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
+        return logprobs, ranks, top_ids, top_lps
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         """The last layer's residual stream x and MLP output residual: [T, H]; logits_index:

@@ -133,7 +133,8 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     kinds = {p.kind for p in parts}
     if len(kinds) != 1:
         raise ModelLoadError(f"--quantization gguf: cannot fuse projections of types {sorted(kinds)}")
-    return QuantizedWeight(parts[0].kind, *(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
+    qs, d, m = (torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m"))
+    return QuantizedWeight(parts[0].kind, qs, d, m)
 
 
 def unpermute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:

@@ -110,8 +110,8 @@ class Sampler:
         self._dirty[row] = True
         self.output_counts[row].zero_()
         if len(output_ids):
-            ids = torch.from_numpy(np.asarray(output_ids, np.int64)).to(self.device)
-            self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            out_ids = torch.from_numpy(np.asarray(output_ids, np.int64)).to(self.device)
+            self.output_counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
         self.prompt_seen[row].zero_()
         if self.penalized[row] and len(prompt_ids):
             self.prompt_seen[row, torch.from_numpy(np.asarray(prompt_ids, np.int64)).to(self.device)] = True
