@@ -33,7 +33,7 @@ def pack_request(
     slot: int,
     gen: int,
     params: SamplingParams,
-    prompt_ids: np.ndarray | list[int],
+    prompt_ids: np.ndarray | Sequence[int],
     arrival_ns: int,
     rid: int = 0,
     base: int = 0,

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.records import fields_of
+
 GEN_WINDOW_NS = 1_000_000_000  # gen_throughput and cache_hit_rate: over the last window this long
 
 ENGINE_STATS = np.dtype(
@@ -112,7 +114,7 @@ class EngineStats:
 
     def read(self) -> dict[str, int | float]:
         rec = self.record[0].copy()
-        return {name: rec[name].item() for name in ENGINE_STATS.names}
+        return {name: rec[name].item() for name in fields_of(ENGINE_STATS)}
 
     def close(self) -> None:
         self.record = None

@@ -24,6 +24,7 @@ from runtime.http_worker.disconnect import take_due
 from runtime.http_worker.main import start_http_worker
 from runtime.http_worker.process import HTTPWorkerProcess
 from runtime.http_worker.req_state import ClientGone
+from runtime.http_worker.streaming import EventStream
 from runtime.supervise.files import EngineStartError
 
 logger = logging.getLogger("ringserve.app")
@@ -34,7 +35,8 @@ MODEL_PATH = "/v1/models/"  # + a served name: its card (routed at start-up)
 REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID_SCOPE = "ringserve.request_id"  # the request's valid x-request-id, in its ASGI scope
 
-Handler = Callable[[Request], Awaitable[Response]]
+Reply = Response | EventStream  # what a route answers: a whole response or a stream of events
+Handler = Callable[[Request], Awaitable[Reply]]
 
 
 def json_response(body: bytes, status: int = 200) -> Response:
@@ -80,7 +82,7 @@ async def read_body(request: Request) -> bytes:
     except asyncio.CancelledError:
         if not read.expired:
             raise
-        if hasattr(read.task, "uncancel"):  # Python 3.11+: the task is no longer being cancelled
+        if read.task is not None and hasattr(read.task, "uncancel"):  # 3.11+: the task is no longer being cancelled
             read.task.uncancel()
         raise body_timeout(args.body_read_timeout) from None
     finally:
@@ -218,14 +220,12 @@ class Cors:
         return response
 
 
-def api_route(
-    handler: Callable[..., Awaitable[Response]], key_required: bool = True
-) -> Callable[[Request], Awaitable[Response]]:
+def api_route(handler: Callable[..., Awaitable[Reply]], key_required: bool = True) -> Handler:
     """Checks the API key (probe_route: none), hands the route the worker's state, and turns
     APIError into its response; anything else raised is a bug: logged, answered with a 500."""
 
     @functools.wraps(handler)
-    async def route(request: Request) -> Response:
+    async def route(request: Request) -> Reply:
         worker = request.app.worker
         try:
             if key_required and worker.args.api_key is not None:  # else no header to read
@@ -291,12 +291,13 @@ class App:
                     origin = value
                 elif name == b"access-control-request-method":
                     preflight = value
-            cors = self.cors if origin is not None else None
+            cors = self.cors  # answers requests that carry an Origin
             methods = self.routes.get(scope["path"])
             handler = None if methods is None else methods.get(scope["method"])
             if request_id is not None:
                 request_id = self._request_id(scope, request_id)
-            if cors is not None and preflight is not None and scope["method"] == "OPTIONS":
+            response: Reply
+            if cors is not None and origin is not None and preflight is not None and scope["method"] == "OPTIONS":
                 response = cors.preflight(origin, preflight, _header(scope, b"access-control-request-headers"))
             elif isinstance(request_id, Response):  # a bad x-request-id: 400
                 response, request_id = request_id, None
@@ -316,7 +317,7 @@ class App:
                 response.headers["allow"] = ", ".join(methods)
             if isinstance(request_id, str):
                 response.headers.append(REQUEST_ID_HEADER, request_id)
-            if cors is not None:
+            if cors is not None and origin is not None:
                 cors.add_headers(response, origin)
             await response(scope, receive, send)
         elif scope["type"] == "lifespan":

@@ -298,7 +298,7 @@ class TokenizerManager:
             group.error = err
         if group.unfinished == 0:
             self._forget(group)
-        elif self._by_rid.get(rid) is group:
+        elif rid is not None and self._by_rid.get(rid) is group:
             del self._by_rid[rid]
         group.wake()
 

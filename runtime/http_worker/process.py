@@ -246,7 +246,7 @@ class HTTPWorkerProcess:
         """A streamed delta about to be sent."""
         self.metrics.observe_delta(state, now_ns)
 
-    def engine_stats(self) -> dict[str, int] | None:
+    def engine_stats(self) -> dict[str, int | float] | None:
         if self.stats is None:
             self.stats = EngineStats.open(self.files.stats)
         return None if self.stats is None else self.stats.read()

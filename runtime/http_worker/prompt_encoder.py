@@ -95,7 +95,7 @@ class PromptEncoder:
         self._pieces_bytes = 0  # what the pieces kept take, about
         if self._backend is not None:
             try:
-                self._fast = self._setup() and self._probe()
+                self._fast = self._setup(self._backend) and self._probe()
             except Exception:  # a tokenizer layout this module does not know: the tokenizer encodes
                 self._fast = False
 
@@ -114,8 +114,8 @@ class PromptEncoder:
             return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _setup(self) -> bool:
-        spec = json.loads(self._backend.to_str())
+    def _setup(self, backend: Any) -> bool:
+        spec = json.loads(backend.to_str())
         model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
         if (
             spec.get("normalizer") is not None
@@ -138,7 +138,7 @@ class PromptEncoder:
         self._added_split = re.compile("|".join(map(re.escape, contents))) if contents else None
         chars = byte_level_char_map()  # character -> byte; ASCII bytes are their own characters' keys
         self._to_byte_level = str.maketrans({b: c for c, b in chars.items() if b < 128})
-        self._bpe = self._backend.model
+        self._bpe = backend.model
         # what add_special_tokens wraps around a text's ids (a BOS, an EOS ...)
         bare = self._slow("a", False)
         full = self._slow("a", True)

@@ -27,6 +27,6 @@ class RequestLog:
             self._endpoints.get(group, "?"),
             sum(s.prompt_tokens for s in states),
             sum(s.completion_tokens for s in states),
-            ",".join(s.finish.api_name if s.finished else "none" for s in states),
+            ",".join(s.finish.api_name or "none" for s in states),
             (end_ns - group.arrival_ns) * 1e-9,
         )

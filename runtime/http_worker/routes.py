@@ -41,6 +41,7 @@ from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
     MODEL_PATH,
     Handler,
+    Reply,
     api_route,
     client_request_id,
     error_response,
@@ -72,7 +73,7 @@ async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
 
 
 @api_route
-async def chat_completions(worker, request: Request) -> Response:
+async def chat_completions(worker, request: Request) -> Reply:
     req = parse_chat_completion(await read_body(request))
     check_model(req.model, worker.served_names)
     await worker.grammar_checks.check([req.sampling])
@@ -158,7 +159,7 @@ def chat_events(
 
 
 @api_route
-async def completions(worker, request: Request) -> Response:
+async def completions(worker, request: Request) -> Reply:
     req = parse_completion(await read_body(request))
     check_model(req.model, worker.served_names)
     await worker.grammar_checks.check([req.sampling])
@@ -199,7 +200,8 @@ def openai_events(
     echoes: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
     """`echoes`: each choice's prompt text, sent with its first delta (with its prompt logprobs)."""
-    unechoed = set(range(len(echoes))) if echoes else set()
+    texts = echoes or []
+    unechoed = set(range(len(texts)))
 
     def render(state: ReqState) -> bytes | None:
         text, lp, finish = state.take()
@@ -207,7 +209,7 @@ def openai_events(
         echo = None
         if unechoed and state.index in unechoed:
             unechoed.discard(state.index)
-            echo = echoes[state.index]
+            echo = texts[state.index]
         if plp is not None or echo is not None:
             return stream.prompt_delta(state.index, text, finish, lp, plp, echo)
         if text or finish or lp is not None:
@@ -263,7 +265,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 
 
 @api_route
-async def generate(worker, request: Request) -> Response:
+async def generate(worker, request: Request) -> Reply:
     req = parse_generate(await read_body(request))
     await worker.grammar_checks.check(req.samplings)
     prompt_param = req.samplings[0].prompt_param

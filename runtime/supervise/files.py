@@ -39,7 +39,7 @@ def runtime_dir() -> Path:
         candidates.append(Path(base) / "ringserve")
     tmp = Path(tempfile.gettempdir()) / f"ringserve-{os.getuid()}"
     candidates += [tmp, _cache_root() / "run"]
-    problems = []
+    problems: list[str] = []
     for path in candidates:
         problem = _private_dir(path)
         if problem is None:

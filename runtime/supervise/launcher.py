@@ -157,7 +157,7 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
     spec = json.dumps(
         {"server_args": dataclasses.asdict(args), "server_pid": files.server_pid, "root": str(files.root)}
     )
-    popens = {}
+    popens, pipes = {}, {}
     for role in ROLES:
         popens[role] = popen = subprocess.Popen(
             [sys.executable, "-m", "runtime.supervise.launcher", role],
@@ -165,9 +165,12 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
             start_new_session=True,
             close_fds=True,
         )
+        if popen.stdin is None:  # never, with stdin=PIPE
+            raise EngineStartError(f"the {role} process got no stdin pipe")
+        pipes[role] = pipe = popen.stdin
         try:  # a pipe holds 64 KiB unread: the write does not wait for the process
-            popen.stdin.write(spec.encode() + b"\n")
-            popen.stdin.flush()
+            pipe.write(spec.encode() + b"\n")
+            pipe.flush()
         except BrokenPipeError:
             pass  # it died already; the wait for its socket reports it
     procs = []
@@ -175,10 +178,10 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
         start = process_start_time(popen.pid)
         procs.append(EngineProcess(role, popen.pid, start if start is not None else -1))
     watch = {"server": files.server_pid, **{p.role: p.pid for p in procs}}
-    for role, popen in popens.items():
+    for role, pipe in pipes.items():
         try:
-            popen.stdin.write(json.dumps({k: v for k, v in watch.items() if k != role}).encode() + b"\n")
-            popen.stdin.close()
+            pipe.write(json.dumps({k: v for k, v in watch.items() if k != role}).encode() + b"\n")
+            pipe.close()
         except BrokenPipeError:
             pass  # it died already; the wait for its socket reports it
     logger.info(

@@ -101,14 +101,14 @@ class EngineWatchdog:
                 loop.call_soon(self._engine_exited, proc.role)
                 continue
             self._fds.append(fd)
-            loop.add_reader(fd, self._fired, fd, self._engine_exited, proc.role)
+            loop.add_reader(fd, self._fired, loop, fd, self._engine_exited, proc.role)
         fd = _pidfd(self.server_pid)
         if fd is not None:
             self._fds.append(fd)
-            loop.add_reader(fd, self._fired, fd, self._server_exited)
+            loop.add_reader(fd, self._fired, loop, fd, self._server_exited)
 
-    def _fired(self, fd: int, callback: Callable[..., None], *args) -> None:
-        self._loop.remove_reader(fd)  # an exited process's pidfd stays readable
+    def _fired(self, loop: asyncio.AbstractEventLoop, fd: int, callback: Callable[..., None], *args) -> None:
+        loop.remove_reader(fd)  # an exited process's pidfd stays readable
         callback(*args)
 
     def _engine_exited(self, role: str) -> None:
