@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -113,12 +114,9 @@ class OfflineEngine:
     ) -> list[GenerateOutput]:
         """generate() over chat conversations (lists of {"role", "content"}) through the
         tokenizer's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        ids = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True)
-            for c in conversations
-        ]
+        one = bool(conversations) and isinstance(conversations[0], dict)
+        chats: Sequence[Any] = [conversations] if one else conversations
+        ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=True) for c in chats]
         return self.generate([_as_ids(i) for i in ids], sampling_params)
 
     def _detokenizer(self, n: int) -> Detokenizer:
@@ -146,6 +144,8 @@ class OfflineEngine:
     def _output(self, run: _Run) -> GenerateOutput:
         p = run.params
         prompt_tokens, completion_tokens, cached = run.counts
+        if run.finish is None or run.finish.api_name is None:
+            raise ValueError("an unfinished run has no output")
         return GenerateOutput(
             text=b"".join(run.parts).decode(),
             token_ids=run.tokens,

@@ -149,10 +149,15 @@ class ReqTable(Generic[R]):
         req.row = row
         return row
 
-    def release(self, row: int) -> None:
+    def held(self, row: int) -> R:
+        """The request `row` holds."""
         req = self.reqs[row]
         if req is None:
             raise ValueError(f"row {row} holds no request")
+        return req
+
+    def release(self, row: int) -> None:
+        req = self.held(row)
         self.active[row] = False
         req.row = -1
         self.reqs[row] = None

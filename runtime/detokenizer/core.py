@@ -41,7 +41,7 @@ from ipc.ring import Batch
 from protocol.memo import ByteLRU, string_bytes
 from protocol.payloads import decode_strings, pack_logprobs, unpack_top_logprobs
 from protocol.record_bytes import TOKEN_OUT_STRUCT, take_records, unpack_open
-from protocol.records import NO_TOKEN, TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind
+from protocol.records import NO_TOKEN, TEXT_OUT, TOKEN_OUT, ErrorCode, Finish, OpenFlags, TextKind, TokenKind, fields_of
 from runtime.detokenizer.incremental import BatchDetokenizer, DetokOptions, DetokOutput
 from runtime.detokenizer.text_out import NO_TEXT_OUT, error_records, merge_text_out
 
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
 _TOKEN, _OPEN, _STOP, _NONE = int(TokenKind.TOKEN), int(TokenKind.OPEN), int(Finish.STOP), int(Finish.NONE)
 _PROMPT = int(TokenKind.PROMPT_LOGPROBS)
-_KIND_AT = TOKEN_OUT.dtype.fields["kind"][1]
+_KIND_AT = fields_of(TOKEN_OUT.dtype)["kind"][1]
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
 _NO_STOP_TRIM = int(OpenFlags.NO_STOP_TRIM)

@@ -161,12 +161,13 @@ class BatchDetokenizer:
             starts = None  # one token per request: groups are singletons
         reqs = req if starts is None else req[starts]  # [G]
 
-        if self.table is None:
+        table, odd_tokens = self.table, self._odd  # both set, or neither
+        if table is None or odd_tokens is None:
             slow = np.ones(len(reqs), bool)
         else:
-            odd = self._odd[token] | finished
+            odd = odd_tokens[token] | finished
             if self._with_stop:  # a token holding the first byte of one of its request's stop strings
-                odd |= (self.table.byte_bits[token] & self._stop_first[req]).any(axis=1)
+                odd |= (table.byte_bits[token] & self._stop_first[req]).any(axis=1)
             slow = (odd if starts is None else np.logical_or.reduceat(odd, starts)) | self._python[reqs]
         if starts is None:
             starts = iota
@@ -174,9 +175,9 @@ class BatchDetokenizer:
         fast = self._gather(token, starts, ends, reqs, ~slow)
         if not slow.any():
             return fast
-        token, finished = token.tolist(), finished.tolist()
+        tokens, finishes = token.tolist(), finished.tolist()
         groups = [
-            (r, token[s:e], finished[s:e])
+            (r, tokens[s:e], finishes[s:e])
             for r, s, e in zip(reqs[slow].tolist(), starts[slow].tolist(), ends[slow].tolist())
         ]
         return _concat(fast, self._per_request(groups))
@@ -193,12 +194,12 @@ class BatchDetokenizer:
 
     def _gather(self, token, starts, ends, reqs, fast) -> DetokOutput:
         """The vectorised path: each fast request's delta is its tokens' bytes, joined."""
-        if not fast.any():
+        table = self.table
+        if table is None or not fast.any():  # no table: every request takes the Python path
             return _EMPTY
         sizes = (ends - starts)[fast]
         singles = len(token) == len(starts)
         tok = token[fast] if singles else token[np.repeat(fast, ends - starts)]  # [T] grouped by request
-        table = self.table
         lens = table.length[tok]  # [T]
         out_end = np.cumsum(lens)
         out_start = out_end - lens
@@ -260,7 +261,8 @@ class BatchDetokenizer:
         min_tokens (protected or not) one token at a time. The others go whole in the first."""
         rounds: list[list[tuple[int, list[int], list[bool]]]] = [[]]
         for r, tokens, finished in groups:
-            if self._requests[r].stop is None or len(tokens) == 1:
+            req = self._requests[r]  # open: groups hold open requests only
+            if req is None or req.stop is None or len(tokens) == 1:
                 rounds[0].append((r, tokens, finished))
                 continue
             for k in range(len(tokens)):
@@ -313,13 +315,13 @@ class BatchDetokenizer:
         if self.table is None:
             state.window += run
         else:
-            parts.append(self._decode_utf8(state, run, final))
+            parts.append(self._decode_utf8(self.table, state, run, final))
         return parts
 
-    def _decode_utf8(self, state: _Request, run: list[int], final: bool) -> str:
+    def _decode_utf8(self, table: TokenTable, state: _Request, run: list[int], final: bool) -> str:
         """Byte-table path: the run's bytes after what the request held back, decoded up to
         the last complete character (everything, with U+FFFD for the rest, when final)."""
-        pieces = self.table.pieces
+        pieces = table.pieces
         data = state.pending + b"".join([pieces[t] for t in run])
         text, used = codecs.utf_8_decode(data, "replace", final)
         state.pending = data[used:]

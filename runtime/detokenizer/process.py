@@ -49,6 +49,7 @@ import logging
 import os
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -128,12 +129,12 @@ class DetokenizerProcess:
         self.args = server_args
         self.socket_path = socket_path
         self.scheduler_socket = scheduler_socket
-        self.aborts = None  # a REQUEST channel to the scheduler, opened when first needed
+        self.aborts: Any = None  # a REQUEST channel to the scheduler, opened when first needed
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
-        self.detokenizer: Detokenizer | None = None
+        self.detokenizer: Detokenizer  # made by load()
         self.inputs: list = []  # TOKEN_OUT channels (one per scheduler; one in practice)
-        self.outputs: dict[int, object] = {}  # worker -> its TEXT_OUT channel
+        self.outputs: dict[int, Any] = {}  # worker -> its TEXT_OUT channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
         self.backlogs: dict[int, Backlog] = {}  # worker -> records waiting for room in its ring (none: empty)
         self.stall_timeout = server_args.worker_stall_timeout
@@ -209,7 +210,7 @@ class DetokenizerProcess:
             if limit is not None and len(part) > limit:
                 pieces = self._pieces(recs, part, limit)
             else:
-                pieces = ((recs, part),)
+                pieces = [(recs, part)]
             backlog = self.backlogs.get(worker)
             for recs, part in pieces:
                 if backlog is None:
@@ -269,7 +270,7 @@ class DetokenizerProcess:
         per request it concerned or that is open here, and those requests are closed here."""
         seen = self.detokenizer.close_worker(worker)
         for recs, _ in backlog.pieces:
-            seen += zip(recs["slot"].tolist(), recs["gen"].tolist())
+            seen.extend(zip(recs["slot"].tolist(), recs["gen"].tolist()))
         addrs = list(dict.fromkeys(seen))
         slots, gens = [a[0] for a in addrs], [a[1] for a in addrs]
         errors, message = error_records(worker, slots, gens, ErrorCode.OVERLOADED, STALLED)

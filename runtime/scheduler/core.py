@@ -27,11 +27,11 @@ from protocol.record_bytes import concat_records
 from protocol.records import NO_TOKEN, ErrorCode, Finish, TokenKind
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
-from runtime.scheduler.grammar import GrammarError, make_grammar_backend
+from runtime.scheduler.grammar import GrammarError, XGrammarBackend, make_grammar_backend
 from runtime.scheduler.policy import order_queue
 from runtime.scheduler.prompt_logprobs import PromptLogprobs
 from runtime.scheduler.req import Req, ReqStatus
-from runtime.scheduler.speculative import accept_drafts, make_speculator
+from runtime.scheduler.speculative import NgramSpeculator, accept_drafts, make_speculator
 from runtime.scheduler.step_result import TOKEN_EVENT, StepResult
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,9 @@ class Scheduler:
     def wait_for_grammar(self, timeout: float | None = None) -> None:
         """Blocks until a waiting request's grammar is compiled (or failed), or `timeout` s pass."""
         concurrent.futures.wait(
-            [r.grammar for r in self.compiling], timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            [r.grammar for r in self.compiling if r.grammar is not None],
+            timeout,
+            return_when=concurrent.futures.FIRST_COMPLETED,
         )
 
     def close(self) -> None:
@@ -146,8 +148,8 @@ class Scheduler:
     def _take_grammars(self) -> None:
         """Queues the waiting requests whose grammar is compiled, each with a fresh matcher;
         ends those whose grammar failed with an ERROR that names what failed."""
-        for req in [r for r in self.compiling if r.grammar.done()]:
-            err = req.grammar.exception()
+        for req, compiled in [(r, r.grammar) for r in self.compiling if r.grammar is not None and r.grammar.done()]:
+            err = compiled.exception()
             if err is not None:
                 if isinstance(err, GrammarError):
                     req.error_code, req.error = ErrorCode.INVALID_REQUEST, str(err)
@@ -158,7 +160,8 @@ class Scheduler:
                 self._end(req, Finish.ERROR)
                 continue
             self.compiling.remove(req)
-            req.matcher = self.grammar.matcher(req.grammar.result())
+            assert isinstance(self.grammar, XGrammarBackend)  # a disabled backend's compiles all fail
+            req.matcher = self.grammar.matcher(compiled.result())
             req.grammar, req.status = None, ReqStatus.QUEUED
             bisect.insort(self.queue, req, key=lambda q: q.arrival)
 
@@ -227,10 +230,10 @@ class Scheduler:
             if self._make_room(len(need)):
                 break
             if t.num_active == 1:  # alone and still no page: the pool is its length limit
-                self._end(t.reqs[int(need[0])], Finish.LENGTH)
+                self._end(t.held(int(need[0])), Finish.LENGTH)
                 continue
             active = np.flatnonzero(t.active)
-            self._retract(t.reqs[int(active[np.argmax(t.arrival[active])])])
+            self._retract(t.held(int(active[np.argmax(t.arrival[active])])))
         if len(need):
             t.add_pages(need, self.pool.alloc(len(need)))
         return rows
@@ -417,6 +420,7 @@ class Scheduler:
         index = np.flatnonzero(self.constrained[sampled])
         if not len(index):
             return None
+        assert isinstance(self.grammar, XGrammarBackend)  # constrained rows run with a grammar backend only
         bitmask, reqs = self.grammar.bitmask, self.table.reqs
         for i, row in zip(index.tolist(), sampled[index].tolist()):
             reqs[row].matcher.fill_next_token_bitmask(bitmask, i)
@@ -441,6 +445,7 @@ class Scheduler:
         else:  # the sampled rows, each once, with their drafts
             counts = 1 + np.concatenate([drafts, np.zeros(len(rows) - int(drafts.sum()) - len(drafts), np.int64)])
             rows = rows[np.cumsum(counts) - counts]
+            assert isinstance(self.speculator, NgramSpeculator)  # drafts come from a speculator only
             events, finished, picked = accept_drafts(t, self.speculator, rows, counts - 1, out)
             if top_ids is not None:
                 top_ids, top_logprobs = top_ids[picked], top_logprobs[picked]
@@ -448,7 +453,7 @@ class Scheduler:
             self._advance_grammars(rows, out.tokens, step.token_mask.index, events, finished)
         stats.generated_tokens += len(events)
         for row in finished:
-            self._finish(t.reqs[row])
+            self._finish(t.held(row))
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
         )
@@ -487,6 +492,7 @@ class Scheduler:
 
     def _cache_running(self, req: Req) -> None:
         t, r = self.table, req.row
+        assert req.node is not None  # locked when the request was admitted
         tree_pages, req.node = self.cache.cache_prefix(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
         t.page_table[r, : len(tree_pages)] = tree_pages
         req.prefix_pages = len(tree_pages)
@@ -504,6 +510,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Gives back the request's row and KV pages (full pages stay in the radix cache)."""
         t, r = self.table, req.row
+        assert req.node is not None  # locked when the request was admitted
         self.cache.release(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
         self.runner.clear_request(r)
         self.speculator.release(r)

@@ -91,9 +91,11 @@ class XGrammarBackend:
         for key, fut in [(k, f) for k, f in self._in_flight.items() if f.done()]:
             del self._in_flight[key]
             err = fut.exception()
-            value = fut.result() if err is None else err
-            cost = len(key[1]) if err is not None else value.memory_size_bytes + len(key[1])
-            self._cache.put(key, value, cost)
+            if err is None:
+                value = fut.result()
+                self._cache.put(key, value, value.memory_size_bytes + len(key[1]))
+            else:
+                self._cache.put(key, err, len(key[1]))
 
     def _compile(self, kind: int, text: str):
         """Runs in the pool: the compiled grammar, or GrammarError naming what failed."""

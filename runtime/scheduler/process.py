@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.step_result import StepResult
 from runtime.scheduler.token_out import error_record, step_records
+
+if TYPE_CHECKING:
+    from runtime.engine_stats import EngineStats  # imported by start() when the stats are published
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +82,17 @@ class SchedulerProcess:
         self.stats_path = stats_path
         self.transport = get_transport(server_args.transport)
         self.waker = self.transport.make_waker()
-        self.inputs: dict[int, object] = {}  # worker -> its REQUEST channel
+        self.inputs: dict[int, Any] = {}  # worker -> its REQUEST channel
         self.worker_pids: dict[int, int] = {}  # worker -> the pid of the process holding its channel
         self._input_list: list = []
-        self.token_out = None
+        self.token_out: Any = None  # the TOKEN_OUT channel, from start()
         self._max_push = math.inf  # the most payload bytes one TOKEN_OUT push may carry
         self._has_depth = False
         self._published_ns = 0  # when _publish last stored
-        self.stats = None
-        self.scheduler: Scheduler | None = None
+        self.stats: EngineStats | None = None
+        self.scheduler: Scheduler  # made by start(), as the peers below
         self.meta: dict = {}
-        self.peers: PeerServer | None = None
+        self.peers: PeerServer
         self._stopping = False
 
     def start(self) -> None:
@@ -308,10 +312,11 @@ class SchedulerProcess:
 
     def close(self) -> None:
         self._stopping = True
-        if self.scheduler is not None:
-            self.scheduler.close()
-        if self.peers is not None:
-            self.peers.close()
+        scheduler, peers = getattr(self, "scheduler", None), getattr(self, "peers", None)  # unset: start() failed first
+        if scheduler is not None:
+            scheduler.close()
+        if peers is not None:
+            peers.close()
         for ch in self.inputs.values():
             ch.close()
         self.inputs, self._input_list = {}, []

@@ -7,11 +7,16 @@ numpy arrays, not here: a Req only carries what is needed to (re)admit it.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from protocol.records import ErrorCode
 from protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu.kvcache.radix_cache import TreeNode
 
 
 class ReqStatus(enum.IntEnum):
@@ -61,15 +66,15 @@ class Req:
         self.arrival = arrival  # admission order: retraction takes the newest first
         self.status = ReqStatus.QUEUED
         self.row = -1  # row in ReqTable and in the model runner's sampler state while running
-        self.node = None  # radix node locked for the matched prefix while running
+        self.node: TreeNode | None = None  # radix node locked for the matched prefix while running
         self.prefix_pages = 0  # pages of this request that belong to the radix tree
         self.cached_tokens = -1  # prompt tokens served from cache on first admission; -1: not yet
         self.output = np.zeros(0, dtype=np.int32)  # tokens generated before a retraction
         self.tag = tag  # its owner's data: the scheduler process keeps the rid's hash here (ABORT_RID)
         self.error_code = ErrorCode.NONE  # why it was refused before running (then finish ERROR)
         self.error = ""  # the same, one line for the user
-        self.grammar = None  # Future of its compiled grammar while COMPILING (runtime/scheduler/grammar.py)
-        self.matcher = None  # a constrained request's grammar state (xgr.GrammarMatcher), from compile to end
+        self.grammar: Future | None = None  # Future of its compiled grammar while COMPILING (grammar.py)
+        self.matcher: Any = None  # a constrained request's grammar state (xgr.GrammarMatcher), from compile to end
         # the next prompt position whose logprob it is owed (SamplingParams.prompt_logprobs); len(prompt):
         # none (never asked, or all sent). Kept across a retraction, so no position is sent twice.
         self.prompt_logprobs_next = (

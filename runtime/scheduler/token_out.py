@@ -31,11 +31,11 @@ def step_records(res: StepResult, scheduler: Scheduler) -> tuple[np.ndarray, byt
     """The records of one step and their payload blob. A request whose OPEN record cannot be
     built is aborted in `scheduler` and gets an ERROR record in its place: it fails, not the
     step."""
-    opened, ev, prompt = res.opened, res.events, res.prompt_records
+    opened, ev, prompt, prompt_payloads = res.opened, res.events, res.prompt_records, res.prompt_payloads
     payload = PayloadBuilder()
     head = len(opened)  # the records before the sampled ones
-    if prompt is not None:
-        for k, part in enumerate(res.prompt_payloads):
+    if prompt is not None and prompt_payloads is not None:  # set together
+        for k, part in enumerate(prompt_payloads):
             prompt["payload_off"][k], prompt["payload_len"][k] = payload.add(part)
         ev = concat_records([prompt, ev])
         head += len(prompt)
@@ -50,7 +50,7 @@ def step_records(res: StepResult, scheduler: Scheduler) -> tuple[np.ndarray, byt
                 message = b"the request could not be opened"
                 opens.append(error_record(req.worker, req.slot, req.generation, ErrorCode.INTERNAL, payload, message))
         ev = concat_records([np.frombuffer(b"".join(opens), TOKEN_OUT.dtype), ev])
-    if res.top_ids is not None:
+    if res.top_ids is not None and res.top_logprobs is not None:  # set together
         blob, offsets = pack_top_logprobs(res.top_ids, res.top_logprobs)
         base, _ = payload.add(blob)
         sampled = ev[head : head + res.num_sampled]
@@ -61,9 +61,9 @@ def step_records(res: StepResult, scheduler: Scheduler) -> tuple[np.ndarray, byt
         failed = {(r.worker, r.slot, r.generation): r for r in res.failed}
         n = len(opened)  # the OPEN section may hold ERROR records of its own (a failed OPEN)
         for k in (np.flatnonzero(ev["kind"][n:] == TokenKind.ERROR) + n).tolist():
-            req = failed.get((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
-            if req is not None:
-                ev["payload_off"][k], ev["payload_len"][k] = payload.add(req.error.encode())
+            failed_req = failed.get((int(ev["worker"][k]), int(ev["slot"][k]), int(ev["gen"][k])))
+            if failed_req is not None:
+                ev["payload_off"][k], ev["payload_len"][k] = payload.add(failed_req.error.encode())
     return ev, payload.blob()
 
 
