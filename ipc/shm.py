@@ -12,6 +12,12 @@ leaves one name behind; the pid in the name makes it attributable, and
 `sweep_orphans()` (run before every create) unlinks names whose pid is dead, and skips
 those it may not remove (another user's, in the sticky /dev/shm): the random part of every
 name means no file another user prepares can collide with ours.
+
+/dev/shm is world-writable: any local user may put anything there under a name that looks
+like ours (a directory, a symlink, a fifo, a pid no process can have, a file of theirs). The
+sweep and every listing here take only regular files of this user whose whole name parses
+(lstat: never followed), skip everything else without raising, and remove only a name of
+this user whose creator's pid is provably dead: what another user made there is never ours.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import secrets
+import stat
 
 import posix_ipc
 
 PREFIX = "ringserve."
 _SHM_DIR = "/dev/shm"
+PID_MAX_LIMIT = 4_194_304  # the kernel's ceiling for pid_max: no process has a larger pid
+_NAME = re.compile(r"ringserve\.([1-9][0-9]{0,6})\.[0-9a-f]{16}", re.ASCII)  # PREFIX, pid, token_hex(8)
 
 
 class SharedMemoryFull(OSError):
@@ -89,22 +99,46 @@ def map_segment(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def segment_pid(name: str) -> int | None:
+    """The creator's pid in a name create_segment gives (`ringserve.<pid>.<16 hex digits>`);
+    None for any other name, a pid no process can have included."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    pid = int(match.group(1))
+    return pid if pid <= PID_MAX_LIMIT else None
+
+
 def our_segments() -> list[str]:
-    """Names of ringserve segments currently in /dev/shm (normally none)."""
+    """Names of ringserve segments currently in /dev/shm (normally none): regular files of
+    this user whose names parse. Whatever else is there is not ours and is left out."""
+    return sorted(name for name, _ in _our_segment_pids())
+
+
+def _our_segment_pids() -> list[tuple[str, int]]:
     try:
-        return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(PREFIX))
-    except FileNotFoundError:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
         return []
+    ours = []
+    for name in names:
+        pid = segment_pid(name)
+        if pid is None:
+            continue
+        try:
+            st = os.lstat(os.path.join(_SHM_DIR, name))
+        except OSError:  # gone meanwhile
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            ours.append((name, pid))
+    return ours
 
 
 def sweep_orphans() -> list[str]:
-    """Unlinks segments left by processes killed inside create_segment; returns their names."""
+    """Unlinks segments left by processes killed inside create_segment; returns their names.
+    Never raises: a name it cannot remove stays (see the module docstring)."""
     swept = []
-    for name in our_segments():
-        try:
-            pid = int(name[len(PREFIX) :].split(".", 1)[0])
-        except ValueError:
-            continue
+    for name, pid in _our_segment_pids():
         if pid == os.getpid() or _alive(pid):
             continue
         try:
@@ -112,16 +146,17 @@ def sweep_orphans() -> list[str]:
             swept.append(name)
         except posix_ipc.ExistentialError:
             pass  # another process swept it first
-        except posix_ipc.PermissionsError:
-            pass  # another user's (sticky /dev/shm): not ours to remove, and our names never collide with it
+        except (posix_ipc.Error, OSError):
+            pass  # not ours to remove after all (root's view of another user's, say): left alone
     return swept
 
 
 def _alive(pid: int) -> bool:
+    """False only when no process has `pid` (which segment_pid bounded)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except OSError:
+        return True  # another user's (EPERM), or it cannot be told: not provably dead
     return True

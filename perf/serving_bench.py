@@ -552,7 +552,7 @@ class Server:
     def stop(self) -> dict:
         """SIGINT, then what is left behind: processes of the tree still running, shared
         memory segments they created, engine files in the runtime directory."""
-        from ipc.shm import our_segments
+        from ipc.shm import our_segments, segment_pid
         from runtime.supervise.files import ServerFiles
 
         pids = sorted(set(self.pids) | set(descendants(self.proc.pid)))
@@ -571,7 +571,7 @@ class Server:
         for pid in running + ([self.proc.pid] if self.proc.poll() is None else []):
             os.kill(pid, signal.SIGKILL)  # the benchmark's own server: nothing may outlive it
         self.proc.wait()
-        segments = [n for n in our_segments() if int(n.split(".")[1]) in pids]
+        segments = [n for n in our_segments() if segment_pid(n) in pids]
         files = sorted(p.name for p in ServerFiles.of(self.proc.pid).root.glob(f"engine-{self.proc.pid}.*"))
         return {
             "exit_status": self.proc.returncode,

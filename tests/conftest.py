@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ipc.shm import our_segments
+from ipc.shm import our_segments, segment_pid
 
 START_TIMEOUT_S = 300.0  # three processes load a tokenizer and one the model, on 2 busy CPUs
 
@@ -172,7 +172,7 @@ class Server:
         """(processes still running, shared-memory names any of them created)."""
         pids = self.processes()
         running = [p for p in pids if alive(p)]
-        segments = [n for n in our_segments() if int(n.split(".")[1]) in pids]
+        segments = [n for n in our_segments() if segment_pid(n) in pids]
         return running, segments
 
 

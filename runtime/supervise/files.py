@@ -9,12 +9,17 @@ keyed by the pid of granian's main process:
     engine-<pid>.stats           the scheduler's published stats (runtime/engine_stats.py)
     engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
     engine-<pid>.metrics/        prometheus_client's multiprocess files
+
+The directory is this user's alone, yet its names are parsed as strictly as /dev/shm's
+(ipc/shm.py): a name that does not parse, or is not a regular file of this user where one is
+expected, is skipped, never followed and never raised on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -22,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger("ringserve.files")
+
+PID_MAX_LIMIT = 4_194_304  # the kernel's ceiling for pid_max: no process has a larger pid
+_LOCK_NAME = re.compile(r"engine-([1-9][0-9]{0,6})\.lock", re.ASCII)
 
 
 class EngineStartError(RuntimeError):
@@ -118,12 +126,38 @@ class ServerFiles:
         return self._path(f"worker-{index}")
 
     def remove(self) -> None:
-        """Every file of this server (its engine is gone)."""
+        """Every file of this server (its engine is gone); a symlink is removed, never followed."""
         for path in self.root.glob(f"engine-{self.server_pid}.*"):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            try:
+                if stat.S_ISDIR(path.lstat().st_mode):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError:
+                pass  # gone meanwhile, or not removable: nothing else depends on it
+
+
+def sweep_stale_servers(root: Path) -> list[int]:
+    """Removes the files of servers whose main process is gone: those with an engine-<pid>.lock
+    that is a regular file of this user; returns their pids. Never raises."""
+    swept = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        match = _LOCK_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) > PID_MAX_LIMIT:
+            continue
+        try:
+            st = os.lstat(root / name)
+        except OSError:
+            continue
+        pid = int(match.group(1))
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and process_start_time(pid) is None:
+            ServerFiles(pid, root).remove()
+            swept.append(pid)
+    return swept
 
 
 @dataclass(frozen=True)
@@ -139,8 +173,8 @@ class EngineProcess:
 def process_start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot; None when it is gone or a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    fields = line[line.rindex(")") + 2 :].split()  # the command name may hold spaces
     return None if fields[0] in ("Z", "X") else int(fields[19])

@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -36,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import ServerArgs
-from runtime.supervise.files import EngineProcess, EngineStartError, ServerFiles, process_start_time
+from runtime.supervise.files import (
+    EngineProcess,
+    EngineStartError,
+    ServerFiles,
+    process_start_time,
+    sweep_stale_servers,
+)
 from runtime.supervise.watchdog import stop_when_any_exits
 
 logger = logging.getLogger("ringserve.launcher")
@@ -73,7 +80,7 @@ def ensure_engine(
             raise EngineGaveUp(f"granian's main process (pid {files.server_pid}) is gone: the server is stopping")
         if procs and healing:
             _before_restart(args, files, procs, cancel or threading.Event())
-        _sweep_stale(files.root)
+        sweep_stale_servers(files.root)
         for p in procs:  # half an engine: its survivor is on its way out; don't wait for its grace
             kill_and_wait(p)
         procs = _spawn_engine(args, files)
@@ -321,27 +328,22 @@ def claim_worker_index(files: ServerFiles) -> tuple[int, int]:
 
 
 def _workers_attached(files: ServerFiles) -> bool:
-    """Whether an HTTP worker holds a worker index of this server."""
+    """Whether an HTTP worker holds a worker index of this server (a name there that is not a
+    regular file, which no worker made, is skipped: never followed, never blocked on)."""
     for path in files.root.glob(f"engine-{files.server_pid}.worker-*"):
-        fd = os.open(path, os.O_RDWR)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
         finally:
             os.close(fd)
     return False
-
-
-def _sweep_stale(root: Path) -> None:
-    """Removes the files of servers whose main process is gone."""
-    for lock in root.glob("engine-*.lock"):
-        try:
-            pid = int(lock.name.split("-", 1)[1].split(".", 1)[0])
-        except ValueError:
-            continue
-        if process_start_time(pid) is None:
-            ServerFiles(pid, root).remove()
 
 
 # ---------------------------------------------------------------- engine side
