@@ -4,13 +4,18 @@ RINGSERVE_* variables; stopped with SIGINT, and every process it started account
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -174,6 +179,74 @@ class Server:
         running = [p for p in pids if alive(p)]
         segments = [n for n in our_segments() if segment_pid(n) in pids]
         return running, segments
+
+
+def dead_pid() -> int:
+    """A pid within the kernel's limit that no process has now."""
+    pid = 4_000_000
+    while Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid
+
+
+FOREIGN_UID = 65534  # nobody: the owner of what "another user" leaves in /dev/shm
+
+
+@contextlib.contextmanager
+def hostile_names(directory: Path, prefix: str, pid: int) -> Iterator[dict[str, Path]]:
+    """What any local user can put in a shared directory under names shaped like ours
+    (`<prefix><pid>.<random>`): {shape: path}. Every name is new (O_EXCL, mkdir, mkfifo:
+    never one someone else made) and only these are removed afterwards. The foreign-owned
+    shapes need root (chown) and are left out without it."""
+    token = secrets.token_hex(8)
+    made: dict[str, Path] = {}
+    outside = Path(tempfile.mkdtemp(prefix="ringserve-hostile-"))
+
+    def regular(shape: str, name: str, mode: int = 0o600, uid: int | None = None) -> None:
+        path = directory / name
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode))
+        made[shape] = path
+        if uid is not None:
+            os.chown(path, uid, uid)
+        path.chmod(mode)
+
+    try:
+        made["directory"] = directory / f"{prefix}{pid}.{token}"
+        made["directory"].mkdir()
+        made["directory, short name"] = directory / f"{prefix}{pid}.d{token}"
+        made["directory, short name"].mkdir()
+        (outside / "target").write_text("not to be touched")
+        made["symlink"] = directory / f"{prefix}{pid}.{token[::-1]}"
+        made["symlink"].symlink_to(outside / "target")
+        made["fifo"] = directory / f"{prefix}{pid}.{token[1:]}0"
+        os.mkfifo(made["fifo"], 0o600)
+        regular("huge pid", f"{prefix}{'9' * 20}.{token}")
+        regular("huge pid, short name", f"{prefix}{'9' * 20}.x{token}")
+        if os.geteuid() == 0:
+            regular("foreign owner", f"{prefix}{pid}.{token[2:]}00", 0o644, FOREIGN_UID)
+            regular("unreadable", f"{prefix}{pid}.{token[3:]}000", 0o000, FOREIGN_UID)
+        yield made
+    finally:
+        for path in made.values():
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(path.lstat().st_mode):
+                    path.rmdir()
+                else:
+                    path.unlink()
+        (outside / "target").unlink(missing_ok=True)
+        outside.rmdir()
+
+
+def shapes_of(paths: dict[str, Path]) -> dict[str, tuple[int, int] | None]:
+    """Each path's (file type, owner), never followed: None where it is gone."""
+    shapes: dict[str, tuple[int, int] | None] = {}
+    for shape, path in paths.items():
+        try:
+            st = path.lstat()
+            shapes[shape] = (stat.S_IFMT(st.st_mode), st.st_uid)
+        except FileNotFoundError:
+            shapes[shape] = None
+    return shapes
 
 
 def pytest_configure(config: pytest.Config) -> None:
