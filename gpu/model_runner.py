@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +135,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attent
 
 
 class ModelRunner:
-    def __init__(self, config: ModelRunnerConfig) -> None:
+    def __init__(self, config: ModelRunnerConfig, progress: Callable[[], None] | None = None) -> None:
+        """`progress`: called after each layer of a forward run layer by layer in Python (every
+        prefill; decode steps of the C loop are one short call), so that the caller's heartbeat
+        advances through a forward of minutes; it must be cheap."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -151,7 +154,7 @@ class ModelRunner:
         for name, q in quantized.items():  # the fp32 weights stay where products of many tokens use them
             dense = None if q.max_tokens is None else weights.get(name, weights["embed"])
             weights[name] = dataclasses.replace(q, dense=dense)
-        self.model = LlamaForCausalLM(cfg, weights)
+        self.model = LlamaForCausalLM(cfg, weights, progress)
         num_pages = self._num_kv_pages()
         try:
             self.kv_cache = KVCache(

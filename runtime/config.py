@@ -205,8 +205,8 @@ class ServerArgs:
     watchdog_timeout: float = setting(
         300.0,
         "a scheduler or detokenizer whose heartbeat is older is hung: killed and replaced (SGLang's default; "
-        "the scheduler beats before each forward, and one 2048-token prefill chunk of a 7B fp32 model on a few "
-        "CPU cores takes minutes; lower it for small models or GPUs)",
+        "the scheduler beats between a forward's layers, so a long prefill is busy, not hung: this bounds one "
+        "layer, seconds for a 7B fp32 model's 2048-token chunk on a few CPU cores)",
         unit="s",
         positive=True,
     )

@@ -173,8 +173,13 @@ def layer_ops(cos: torch.Tensor, sin: torch.Tensor) -> TorchLayerOps | CpuLayerO
 
 
 class LlamaForCausalLM:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], progress: Callable[[], None] | None = None
+    ) -> None:
         self.cfg = cfg
+        # called after each layer of a forward (and each block of prompt logits): a watcher of the
+        # caller's heartbeat then sees a long prefill make progress, a stopped or stuck one not
+        self.progress = progress
         self.embed = weights["embed"]
         self.norm = weights["norm"]
         self.lm_head = weights.get("lm_head", self.embed)
@@ -298,6 +303,8 @@ class LlamaForCausalLM:
             mlp_out_norm = self.mlp_out_norm[i]
             if mlp_out_norm is not None:
                 residual = rms_norm(residual, mlp_out_norm, eps)
+            if self.progress is not None:
+                self.progress()
         if residual is None:
             raise ValueError("a model of no layers")
         return x, residual
@@ -325,6 +332,8 @@ class LlamaForCausalLM:
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top_lps, top_ids = logprobs.topk(top_k, dim=1) if top_k else (logprobs[:, :0], target[:, :0])
             parts.append((chosen[:, 0], ranks, top_ids, top_lps))
+            if self.progress is not None:
+                self.progress()
         logprobs, ranks, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
         return logprobs, ranks, top_ids, top_lps
 

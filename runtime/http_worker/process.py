@@ -259,7 +259,7 @@ class HTTPWorkerProcess:
         if stats is not None and stats["updated_ns"]:
             age = (time.monotonic_ns() - stats["updated_ns"]) * 1e-9
             if age > min(HEARTBEAT_STALE_S, self.args.watchdog_timeout):
-                return f"The scheduler has not completed a step for {age:.0f} s."
+                return f"The scheduler has made no progress (no step, no layer of a forward) for {age:.0f} s."
         return None
 
     def engine_state(self) -> dict:

@@ -6,8 +6,9 @@ flushes), run one step, and push that step's TOKEN_OUT records to the detokenize
 batch (the protocol: docs/architecture.md, "Records"): an OPEN record per request received since
 the last step, then one record per request with news. While there is work the loop never
 makes a syscall to look for more; idle, it sleeps on its eventfd. The heartbeats (each ring's header and the
-published EngineStats) advance after each iteration and before each forward, at most once a
-millisecond while busy, and always before the loop sleeps.
+published EngineStats) advance after each iteration, before each forward and between a
+forward's layers (so a prefill of minutes is seen busy, and a stopped or stuck one hung), at
+most once a millisecond while busy, and always before the loop sleeps.
 
     launcher:       run_scheduler(server_args, socket_path, detokenizer_socket, stats_path)  main.py
     HTTP worker k:  request_ch, meta = connect_scheduler(socket_path, waker, worker=k)
@@ -100,7 +101,7 @@ class SchedulerProcess:
         from runtime.scheduler.runner import make_runner
 
         t0 = time.perf_counter()
-        runner = make_runner(self.args)
+        runner = make_runner(self.args, progress=self._publish)  # forwards run only once start() is done
         cfg = runner.model_config
         config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
         self.scheduler = Scheduler(runner, config, heartbeat=self._publish)
@@ -246,7 +247,7 @@ class SchedulerProcess:
 
     def _publish(self, force: bool = False) -> None:
         """Heartbeats (each ring's header, EngineStats) and stats: plain stores, no syscall;
-        after each iteration and before each forward, at most every PUBLISH_EVERY_NS unless
+        after each iteration, before each forward and between its layers, at most every PUBLISH_EVERY_NS unless
         forced (each publish is a small but real share of a null-model step, whose speed the
         whole token path's cost follows; docs/perf-notes.md)."""
         now = time.monotonic_ns()

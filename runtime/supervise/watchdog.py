@@ -27,8 +27,9 @@ from runtime.supervise.files import EngineProcess
 
 logger = logging.getLogger("ringserve.watchdog")
 
-# A scheduler whose heartbeat is older than this is reported hung by /health. A long
-# prefill on a slow CPU takes seconds, so one slow step must not trip it.
+# A scheduler whose heartbeat is older than this is reported hung by /health. The scheduler
+# beats between a forward's layers too, so this bounds one layer's time (or one step's
+# bookkeeping), not a whole prefill: a busy engine stays healthy, a stopped one is seen.
 HEARTBEAT_STALE_S = 30.0
 
 
