@@ -49,6 +49,7 @@ def granian_command(args: ServerArgs) -> list[str]:
         str(min(MAX_HEADER_READ_TIMEOUT_MS, max(1, round(args.body_read_timeout * 1000)))),
         "--backpressure",
         str(GRANIAN_BACKPRESSURE),
+        "--respawn-failed-workers",  # a worker that dies, or is killed as frozen (worker_watch.py), is replaced
         "--log-level",
         GRANIAN_LOG_LEVELS[args.log_level],
         "--process-name",

@@ -151,6 +151,17 @@ class Server:
     def processes(self) -> list[int]:
         return [self.pid, *self.workers, *self.engine.values()]
 
+    def worker_pid(self, index: int) -> int | None:
+        """The pid of the HTTP worker holding worker index `index` (its flock, in /proc/locks)."""
+        from runtime.supervise.files import ServerFiles
+
+        inode = os.stat(ServerFiles.of(self.pid).worker_lock(index)).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if fields[1] == "FLOCK" and int(fields[5].rsplit(":", 1)[1]) == inode:
+                return int(fields[4])
+        return None
+
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> None:
         """Stops the server with `sig` and waits for every process it had to be gone."""
         if self.proc.poll() is None:

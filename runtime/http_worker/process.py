@@ -30,6 +30,7 @@ from runtime.supervise.files import ServerFiles
 from runtime.supervise.healer import EngineHealer
 from runtime.supervise.launcher import EngineLink
 from runtime.supervise.watchdog import HEARTBEAT_STALE_S
+from runtime.supervise.worker_watch import WorkerBeat, granian_replaces_workers
 from structured.reasoning import make_reasoning_parser
 from structured.tool_parsers import template_tool_call_parser
 
@@ -105,6 +106,8 @@ class HTTPWorkerProcess:
         self.health_token = tm.tokenizer.bos_token_id if tm.tokenizer.bos_token_id is not None else 0
         self.stats: EngineStats | None = None  # opened on first use: the scheduler creates it
         self.healer = EngineHealer(args, files, link, self)
+        # the worker index, hence its file, stays when the engine is replaced
+        self.beat = WorkerBeat(files.worker_lock(link.worker), args.worker_stall_timeout, granian_replaces_workers())
         self.watches = DisconnectWatches()
         self.grammar_checks = GrammarChecks(args.grammar_backend, args.constrained_json_any_whitespace)
         self.text_ch, self.waker = link.text_ch, link.waker
@@ -117,6 +120,7 @@ class HTTPWorkerProcess:
         return self.healer.link
 
     def start(self) -> None:
+        self.beat.start()
         self._start_io()
         self.healer.start()
         self._tasks = [
@@ -126,6 +130,7 @@ class HTTPWorkerProcess:
         ]
 
     async def close(self) -> None:
+        self.beat.close()
         await self.healer.close()
         for task in self._tasks:
             task.cancel()

@@ -45,6 +45,7 @@ from runtime.supervise.files import (
     sweep_stale_servers,
 )
 from runtime.supervise.watchdog import stop_when_any_exits
+from runtime.supervise.worker_watch import WorkerWatch
 
 logger = logging.getLogger("ringserve.launcher")
 
@@ -382,6 +383,8 @@ def engine_process_main(role: str) -> int:
         else:
             from runtime.detokenizer.main import run_detokenizer
 
+            # the frozen-worker watch runs beside the detokenizer, the engine's lighter process
+            WorkerWatch(files, args.worker_stall_timeout).start()
             run_detokenizer(args, str(files.socket("detokenizer")), str(files.socket("scheduler")))
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e)

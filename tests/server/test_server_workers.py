@@ -52,16 +52,6 @@ def test_one_engine_for_two_workers(server):
         assert pid in server.descendants(server.pid)
 
 
-def worker_holding(server, index: int) -> int | None:
-    """The pid of the HTTP worker holding worker index `index` (its flock, in /proc/locks)."""
-    inode = os.stat(ServerFiles.of(server.pid).worker_lock(index)).st_ino
-    for line in Path("/proc/locks").read_text().splitlines():
-        fields = line.split()
-        if fields[1] == "FLOCK" and int(fields[5].rsplit(":", 1)[1]) == inode:
-            return int(fields[4])
-    return None
-
-
 def running_requests(server) -> float:
     text = httpx.get(server.url("/metrics"), timeout=30).text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith("sglang:num_running_reqs{")))
@@ -95,9 +85,9 @@ def test_respawned_worker_takes_the_dead_ones_place(server):
     assert sorted(set(opened)) == ["0", "1"]
     victim_index = opened[0]
     survivors = sum(1 for w in opened if w != victim_index)
-    victim = worker_holding(server, int(victim_index))
+    victim = server.worker_pid(int(victim_index))
     os.kill(victim, signal.SIGKILL)
-    respawned = lambda: worker_holding(server, int(victim_index)) not in (None, victim)
+    respawned = lambda: server.worker_pid(int(victim_index)) not in (None, victim)
     assert server.wait_until(respawned, 240, interval=0.5)
     # the new worker's attach made the scheduler abort every request of the dead one
     assert server.wait_until(lambda: running_requests(server) == survivors, 30), running_requests(server)
