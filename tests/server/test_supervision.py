@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, alive, children, free_port, wait_until
+from tests.conftest import Server, alive, children, dead_pid, free_port, wait_until
 
 
 def cmdlines() -> dict[int, bytes]:
@@ -120,30 +120,6 @@ def test_api_key_on_no_command_line_serve():
 
 
 # ---------------------------------------------------------------- other users' files (item 5)
-
-
-def test_unremovable_orphan_is_skipped(monkeypatch):
-    """The sweep skips a dead pid's segment it may not remove (another user's in the sticky
-    /dev/shm): segments are still created."""
-    import posix_ipc
-
-    from ipc import shm
-
-    def refuse(name):
-        raise posix_ipc.PermissionsError("Permission denied")
-
-    monkeypatch.setattr(shm, "our_segments", lambda: [f"{shm.PREFIX}{dead_pid()}.0123456789abcdef"])
-    monkeypatch.setattr(posix_ipc, "unlink_shared_memory", refuse)
-    fd, mapping = shm.create_segment(4096)
-    mapping.close()
-    os.close(fd)
-
-
-def dead_pid() -> int:
-    pid = 4_000_000
-    while alive(pid) or Path(f"/proc/{pid}").exists():
-        pid -= 1
-    return pid
 
 
 def test_taken_runtime_dir_falls_back(tmp_path, monkeypatch):
