@@ -103,6 +103,13 @@ class ServerArgs:
         "JSON answers may hold any whitespace, as xgrammar's default (small models may then loop on it)",
         default_text="off: JSON answers without whitespace between tokens",
     )
+    grammar_compile_timeout: float = setting(
+        30.0,
+        "a request whose grammar has not compiled by then fails with a 400 (compiles run one at a time, at a "
+        "lowered CPU priority)",
+        unit="s",
+        positive=True,
+    )
     tool_call_parser: str | None = setting(
         None,
         f'{_names(PARSERS)}: how `tool_choice: "auto"` answers are read',

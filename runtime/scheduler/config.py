@@ -29,6 +29,7 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.001
     grammar_backend: str = ServerArgs.grammar_backend
     constrained_json_any_whitespace: bool = ServerArgs.constrained_json_any_whitespace
+    grammar_compile_timeout: float = ServerArgs.grammar_compile_timeout
     tokenizer_path: str | None = ServerArgs.tokenizer_path
     speculative_algorithm: str = ServerArgs.speculative_algorithm
     speculative_num_draft_tokens: int = ServerArgs.speculative_num_draft_tokens

@@ -15,6 +15,7 @@ import concurrent.futures
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from protocol.record_bytes import concat_records
 from protocol.records import NO_TOKEN, ErrorCode, Finish, TokenKind
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
-from runtime.scheduler.grammar import GrammarError, XGrammarBackend, make_grammar_backend
+from runtime.scheduler.grammar import MAX_TOKEN_CPU_S, GrammarError, XGrammarBackend, make_grammar_backend
 from runtime.scheduler.policy import order_queue
 from runtime.scheduler.prompt_logprobs import PromptLogprobs
 from runtime.scheduler.req import Req, ReqStatus
@@ -69,6 +70,7 @@ class Scheduler:
             config.max_running_requests,
             config.constrained_json_any_whitespace,
             config.tokenizer_path,
+            config.grammar_compile_timeout,
         )
         self.speculator = make_speculator(
             config.speculative_algorithm,
@@ -79,6 +81,8 @@ class Scheduler:
         )
         self.num_constrained = 0  # running requests with a grammar
         self.constrained = np.zeros(config.max_running_requests, bool)  # by table row
+        self._mask_cpu_s = np.zeros(config.max_running_requests)  # the step's mask fill, by table row
+        self._grammar_overruns: list[Req] = []  # whose last token's grammar work passed MAX_TOKEN_CPU_S
         self.requests: dict[tuple[int, int], Req] = {}  # every live request by (worker, slot)
         self.chunked: Req | None = None  # the request mid-prefill, if any
         self.new_token_ratio = config.init_new_token_ratio
@@ -148,6 +152,7 @@ class Scheduler:
     def _take_grammars(self) -> None:
         """Queues the waiting requests whose grammar is compiled, each with a fresh matcher;
         ends those whose grammar failed with an ERROR that names what failed."""
+        self.grammar.collect()  # compiles past --grammar-compile-timeout fail now
         for req, compiled in [(r, r.grammar) for r in self.compiling if r.grammar is not None and r.grammar.done()]:
             err = compiled.exception()
             if err is not None:
@@ -211,6 +216,8 @@ class Scheduler:
     def step(self) -> StepResult:
         if self.compiling:
             self._take_grammars()
+        if self._grammar_overruns:
+            self._end_grammar_overruns()
         decode_rows = self._schedule_decode()
         prefill = self._schedule_prefill()
         if not len(decode_rows) and not prefill:
@@ -423,7 +430,9 @@ class Scheduler:
         assert isinstance(self.grammar, XGrammarBackend)  # constrained rows run with a grammar backend only
         bitmask, reqs = self.grammar.bitmask, self.table.reqs
         for i, row in zip(index.tolist(), sampled[index].tolist()):
+            start = time.thread_time()
             reqs[row].matcher.fill_next_token_bitmask(bitmask, i)
+            self._mask_cpu_s[row] = time.thread_time() - start
         return TokenMask(bitmask, index)
 
     # ---- after the forward -------------------------------------------------------------
@@ -472,8 +481,11 @@ class Scheduler:
         rows' records, in order; the rows that end here are added to `finished`."""
         reqs, finish = self.table.reqs, events["finish"]
         for k, row, token in zip(index.tolist(), rows[index].tolist(), tokens[index].tolist()):
-            req = reqs[row]
-            if req.matcher.accept_token(token):
+            req, start = reqs[row], time.thread_time()
+            accepted = req.matcher.accept_token(token)
+            if time.thread_time() - start + self._mask_cpu_s[row] > MAX_TOKEN_CPU_S:
+                self._grammar_overruns.append(req)  # ended before the next step: its next token costs more
+            if accepted:
                 if not req.matcher.is_terminated():
                     continue
                 reason = Finish.STOP
@@ -489,6 +501,17 @@ class Scheduler:
             if finish[k] == Finish.NONE:
                 finish[k] = reason
                 finished.append(row)
+
+    def _end_grammar_overruns(self) -> None:
+        """Ends with an ERROR the requests whose grammar work for one token passed
+        MAX_TOKEN_CPU_S of the step loop's CPU (grammar.py says why)."""
+        overruns, self._grammar_overruns = self._grammar_overruns, []
+        for req in overruns:
+            if req.status is not ReqStatus.FINISHED:
+                req.error_code = ErrorCode.INVALID_REQUEST
+                req.error = f"grammar: matching the answer to it costs over {MAX_TOKEN_CPU_S * 1e3:g} ms a token"
+                logger.warning("request (%d, %d, %d) failed: %s", req.worker, req.slot, req.generation, req.error)
+                self._end(req, Finish.ERROR)
 
     def _cache_running(self, req: Req) -> None:
         t, r = self.table, req.row
