@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import orjson
 
-from protocol.records import ErrorCode
+from protocol.records import GRAMMAR_ERROR_PREFIX, ErrorCode
 from protocol.sampling_params import InvalidParam
 
 
@@ -94,8 +94,11 @@ def internal_error() -> APIError:
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
 
 
-def engine_error(code: int, message: str) -> APIError:
-    """The APIError of a request the engine ended with an ERROR record."""
+def engine_error(code: int, message: str, grammar_param: str | None = None) -> APIError:
+    """The APIError of a request the engine ended with an ERROR record; `grammar_param`: the
+    field of the request's grammar, which a grammar error (the scheduler's "grammar: ...") names."""
+    if code == ErrorCode.INVALID_REQUEST and grammar_param and message.startswith(GRAMMAR_ERROR_PREFIX):
+        return bad_request(f"{grammar_param}: {message.removeprefix(GRAMMAR_ERROR_PREFIX)}", grammar_param)
     if code in (ErrorCode.PROMPT_TOO_LONG, ErrorCode.INVALID_REQUEST):
         return bad_request(
             message or "The engine rejected the request.",

@@ -111,6 +111,10 @@ class ErrorCode(enum.IntEnum):
     OVERLOADED = 4
 
 
+# an INVALID_REQUEST message about the request's grammar starts so: the HTTP side names the grammar's field
+GRAMMAR_ERROR_PREFIX = "grammar: "
+
+
 class OpenFlags(enum.IntFlag):
     SKIP_SPECIAL_TOKENS = 1
     NO_STOP_TRIM = 2

@@ -396,7 +396,7 @@ class TokenizerManager:
         if r["kind"] == TextKind.ERROR:
             message = bytes(payload[r["text_off"] : r["text_off"] + r["text_len"]]).decode(errors="replace")
             state.parts = []
-            state.error = engine_error(r["error"], message)
+            state.error = engine_error(r["error"], message, state.group.grammar_param)
             finish = Finish.ERROR
         state.finish = Finish(finish)
         state.stop_token, state.stop_index = r["stop_token"], r["stop_index"]

@@ -111,6 +111,7 @@ class ReqGroup:
         "error",
         "news",
         "unfinished",
+        "grammar_param",
         "__weakref__",
     )
 
@@ -124,6 +125,9 @@ class ReqGroup:
         self.error: BaseException | None = None  # APIError, or ClientGone
         self.news: list[ReqState] = []  # states with something to take, in arrival order
         self.unfinished = 0
+        # the field its grammar came from, which the engine's grammar errors name (set by the route
+        # as submit returns: no record is read in between)
+        self.grammar_param: str | None = None
 
     @property
     def done(self) -> bool:

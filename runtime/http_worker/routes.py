@@ -83,6 +83,7 @@ async def chat_completions(worker, request: Request) -> Reply:
     request_id, created = response_id("chatcmpl", client_request_id(request, req.request_id)), now()
     output = chat_output(worker, req, request_id)
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
+    group.grammar_param = req.sampling.grammar_param
     vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
@@ -169,6 +170,7 @@ async def completions(worker, request: Request) -> Reply:
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
     request_id, created = response_id("cmpl", client_request_id(request, req.request_id)), now()
     group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
+    group.grammar_param = req.sampling.grammar_param
     echoes = None
     if req.echo:
         echoes = [p if isinstance(p, str) else await worker.tm.decode(p) for p in req.prompts for _ in range(n)]
@@ -285,6 +287,7 @@ async def generate(worker, request: Request) -> Reply:
     rids = [rid or header_rid or new_request_id("gen") for rid in req.rids]
     choice_rids = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]
     group = await worker.submit("generate", prompt_ids, params, n, rids, req.stream)
+    group.grammar_param = req.samplings[0].grammar_param
     vocab = worker.vocab if req.return_logprob or params[0].prompt_logprobs >= 0 else None
     if req.stream:
         stream = GenerateStream(choice_rids, req.batch, vocab, req.return_text_in_logprobs)

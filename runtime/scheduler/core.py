@@ -25,7 +25,7 @@ from gpu.forward_batch import StepInput, TokenMask
 from gpu.kvcache.radix_cache import RadixCache
 from gpu.kvcache.req_table import MAX_STOP_IDS, ReqTable
 from protocol.record_bytes import concat_records
-from protocol.records import NO_TOKEN, ErrorCode, Finish, TokenKind
+from protocol.records import GRAMMAR_ERROR_PREFIX, NO_TOKEN, ErrorCode, Finish, TokenKind
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.grammar import MAX_TOKEN_CPU_S, GrammarError, XGrammarBackend, make_grammar_backend
@@ -509,7 +509,8 @@ class Scheduler:
         for req in overruns:
             if req.status is not ReqStatus.FINISHED:
                 req.error_code = ErrorCode.INVALID_REQUEST
-                req.error = f"grammar: matching the answer to it costs over {MAX_TOKEN_CPU_S * 1e3:g} ms a token"
+                limit_ms = MAX_TOKEN_CPU_S * 1e3
+                req.error = f"{GRAMMAR_ERROR_PREFIX}matching the answer to it costs over {limit_ms:g} ms a token"
                 logger.warning("request (%d, %d, %d) failed: %s", req.worker, req.slot, req.generation, req.error)
                 self._end(req, Finish.ERROR)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from protocol.memo import ByteLRU
+from protocol.records import GRAMMAR_ERROR_PREFIX
 from protocol.sampling_params import GrammarKind
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ class XGrammarBackend:
         now, ready = time.monotonic(), self._compiler_ready
         for key, (fut, submitted) in list(self._in_flight.items()):
             if ready is not None and now > max(submitted, ready) + self.compile_timeout:
-                message = f"grammar: it did not compile within {self.compile_timeout:g} s (--grammar-compile-timeout)"
+                message = f"did not compile within {self.compile_timeout:g} s (--grammar-compile-timeout)"
+                message = GRAMMAR_ERROR_PREFIX + message
                 _settle(fut, _done(GrammarError(message)))
                 del self._in_flight[key]
         for key, fut in [(k, f) for k, (f, _) in self._in_flight.items() if f.done()]:
@@ -139,8 +141,9 @@ class XGrammarBackend:
                 return compiler.compile_structural_tag(text)
         except Exception as e:  # xgrammar raises RuntimeError, ValueError, its own JSON errors...
             message = _CPP_PREFIX.sub("", str(e).strip()).splitlines()
-            raise GrammarError(f"grammar: {message[0] if message else type(e).__name__}"[:MAX_MESSAGE_CHARS]) from None
-        raise GrammarError(f"grammar: unknown grammar kind {kind}")
+            first = message[0] if message else type(e).__name__
+            raise GrammarError(f"{GRAMMAR_ERROR_PREFIX}{first}"[:MAX_MESSAGE_CHARS]) from None
+        raise GrammarError(f"{GRAMMAR_ERROR_PREFIX}unknown grammar kind {kind}")
 
     def _make_compiler(self):
         import xgrammar as xgr
