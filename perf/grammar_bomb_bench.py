@@ -1,7 +1,7 @@
 """Grammar bombs against the token path: the latency of short unconstrained completions and of
 /health while 8, then 64, pathological grammars are sent at once, against the same server idle.
 
-Two kinds of bomb: a matching bomb, `(a{0,700}){0,700}b` (compiles in 10 ms; its mask fill grows
+Two kinds of bomb: a matching bomb, `(a{0,700}){0,700}a{30}b` (compiles in 10 ms; its mask fill grows
 with each token: unbounded, its 20th token costs 20 s of the step loop), ended at its first token
 over grammar.MAX_TOKEN_CPU_S; and compile bombs, `.{0,20000}` and variants (about 9 s of a core
 each to compile), failed at --grammar-compile-timeout. Each round sends the bombs from threads,
@@ -24,7 +24,7 @@ import httpx
 from perf import report
 from perf import serving_bench as sb
 
-MATCH_BOMB = "(a{0,700}){0,700}b"
+MATCH_BOMB = "(a{0,700}){0,700}a{30}b"
 COMPILE_BOMB = ".{0,20000}"
 TARGET_RATIO = 1.5
 COMPILE_TIMEOUT_S = 10.0
