@@ -251,7 +251,7 @@ class ServerArgs:
     worker_stall_timeout: float = setting(
         30.0,
         "an HTTP worker that reads none of the text waiting for it this long has its requests failed; the "
-        "other workers' streams never wait for it",
+        "other workers' streams never wait for it. One whose event loop stops this long is killed and replaced",
         unit="s",
         positive=True,
     )
