@@ -1,5 +1,11 @@
 """Scale-out behind sglang-router: two ringserve servers (null model) and the router in front
-(`python -m sglang_router.launch_router --policy cache_aware`), on loopback only.
+(`python -m sglang_router.launch_router --policy round_robin`), on loopback only.
+
+round_robin, not the cache_aware that docs/architecture.md recommends: which server
+cache_aware picks is the router's own approximation (its prefix tree, its tie-breaking, when it
+enters a newly registered server in the tree), and in one CI run it sent all 20 requests to one
+server. What this test asks of ringserve, that each server serves what the router sends it,
+needs both servers to get requests, which round_robin makes certain.
 
 The router registers both servers from what they answer (/health, /server_info, /model_info:
 the served model's name and path), reads their loads (/get_load), routes chat, completions
@@ -24,7 +30,6 @@ from conftest import alive, descendants, free_port, wait_until
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e '.[dev]')")
 
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
-# Prompts that share no prefix: cache_aware sends each to the server with the smaller tree.
 TOPICS = ["apples", "bridges", "comets", "dunes", "engines", "forests", "glaciers", "harbors"]
 
 
@@ -45,7 +50,7 @@ def router(servers):
         "--worker-urls",
         *(s.base for s in servers),
         "--policy",
-        "cache_aware",
+        "round_robin",
         "--host",
         "127.0.0.1",
         "--port",
@@ -153,7 +158,7 @@ def test_router_serves_through_both_servers(servers, router):
 
     counts = [served(s) for s in servers]
     assert sum(counts) == len(calls), counts
-    assert min(counts) > 0, f"one server got every request: {counts}"
+    assert min(counts) >= len(calls) // 2 - 1, f"round_robin split {len(calls)} requests as {counts}"
 
     # SGLang's native routes through the router
     info = httpx.get(base + "/get_model_info", timeout=10).json()
