@@ -1,0 +1,313 @@
+/* Products with a GGUF's 32-element block types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL) read in place,
+ * straight from the file's mapping, on an x86-64 CPU with AVX2 + FMA (gpu/kernels/__init__.py
+ * builds it; the C API is issue 28's: gguf_get_rows_TYPE, gguf_gemm_TYPE_f32, gguf_gemm_TYPE_q8).
+ *
+ * Layouts (the file's, as gguf-py's quants.py reads them). A weight is N rows of K / 32 blocks,
+ * back to back; a block starts with its fp16 scale d, then (bytes, little endian):
+ *   Q4_0   d | qs[16]                 w = d * (q - 8)      q: nibbles
+ *   Q4_1   d | m (fp16) | qs[16]      w = d * q + m
+ *   Q5_0   d | qh (u32) | qs[16]      w = d * (q - 16)     q: nibble | bit j of qh << 4
+ *   Q5_1   d | m | qh | qs[16]        w = d * q + m
+ *   Q8_0   d | qs[32] (int8)          w = d * q
+ *   IQ4_NL d | qs[16]                 w = d * IQ4_NL_VALUES[nibble]
+ * with element j < 16 in the low nibble of byte j and element j + 16 in its high nibble.
+ * Every type is first unpacked to 32 int8 v (unpack below) so that w = d * v (+ m): one
+ * dequantization and one integer product serve all six types. Blocks are 18-34 bytes, so
+ * every load of w is unaligned; w is never written (a PROT_READ mapping).
+ *
+ * Numerics. get_rows and the _f32 products: v is exact as an int8, its conversion to float
+ * exact, d * v one rounded product and + m one rounded sum, as numpy's (d * q) + m in
+ * gguf-py's dequantize: the same float32 values bit for bit (no FMA contraction in this file:
+ * the pragma; the dot products' FMAs are explicit intrinsics). The _f32 products then differ
+ * from dequantize-then-matmul only in the order of their sums.
+ * The _q8 products are llama.cpp's arithmetic: x is quantized once per call per block of 32 to
+ * int8 xq with an fp32 scale xd = amax / 127 (xq = x * (127 / amax) rounded to nearest even, as
+ * llama.cpp's AVX2 quantize_row_q8_0; amax 0 gives 0), and for the types with a min also
+ * xs = xd * sum(xq) (llama.cpp's Q8_1), so that a block's product is
+ *     d xd sum_j v_j xq_j  (+ m xs)
+ * with an integer dot product: maddubs (uint8 x int8 -> int16 pair sums, which cannot
+ * saturate here: at most 2 * 128 * 127) then madd with ones (-> int32). Q4_1 and Q5_1's v are
+ * unsigned (0..31) and go straight into maddubs' unsigned operand; the signed types put |v|
+ * there and v's signs onto xq (_mm256_sign_epi8). The result differs from the _f32 product by
+ * x's rounding (at most amax / 254 per element) and the order of the float sums.
+ *
+ * Work split: rows in chunks of ROW_CHUNK over the OpenMP threads; within a chunk, tokens in
+ * tiles of TILE, each block unpacked once per tile (and the chunk's rows, a few KiB, stay in
+ * L1/L2 while the tiles of x pass).
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define TILE 4        /* tokens per pass over a row: 4 accumulators + block + x fit the 16 ymm registers */
+#define ROW_CHUNK 16  /* rows a thread takes at a time */
+
+enum block_type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL };
+
+static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline __attribute__((always_inline)) int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: case IQ4_NL: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default: return 34;  /* Q8_0 */
+    }
+}
+
+static inline __attribute__((always_inline)) int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes of nibbles -> 32 bytes: elements 0..15 (low nibbles) then 16..31 (high nibbles) */
+static inline __m256i nibbles(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+/* bit j of the 32 bits at p -> 0x10 in byte j, else 0 */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m256i spread = _mm256_shuffle_epi8(  /* byte j holds byte j / 8 of bits */
+        _mm256_set1_epi32((int32_t)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201);  /* bit j % 8 */
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* the block's 32 values v (w = d * v + m): signed except Q4_1 and Q5_1's, which are 0..31 */
+static inline __attribute__((always_inline)) __m256i unpack(int type, const uint8_t *b) {
+    switch (type) {
+    case Q4_0: return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    case Q4_1: return nibbles(b + 4);
+    case Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
+    case Q5_1: return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4));
+    case IQ4_NL: {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+        return _mm256_shuffle_epi8(table, nibbles(b + 2));
+    }
+    default: return _mm256_loadu_si256((const __m256i *)(b + 2));  /* Q8_0 */
+    }
+}
+
+/* the block's 32 weights as gguf-py's dequantize gives them, 8 at a time */
+static inline __attribute__((always_inline)) void dequantize(int type, const uint8_t *b, __m256 w[4]) {
+    const __m256i v = unpack(type, b);
+    const __m256 d = _mm256_set1_ps(fp16_at(b));
+    const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+    for (int i = 0; i < 4; i++) {
+        const __m128i eight = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
+        w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
+        if (has_min(type)) w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(fp16_at(b + 2)));
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void get_rows(int type, const uint8_t *w, int64_t K,
+                                                           const int64_t *ids, int64_t n_ids, float *out) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
+    for (int64_t i = 0; i < n_ids; i++) {
+        const uint8_t *row = w + ids[i] * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 v[4];
+            dequantize(type, row + b * block_bytes(type), v);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i * K + b * QK + 8 * j, v[j]);
+        }
+    }
+}
+
+/* y[t, n] for t < tt (a constant at each call: the token loops unroll, the sums stay in
+ * registers), one row, x as it is */
+static inline __attribute__((always_inline)) void row_tile_f32(int type, int tt, const float *x, int64_t K,
+                                                               const uint8_t *row, float *y, int64_t ldy) {
+    const int64_t nb = K / QK;
+    __m256 acc[TILE][2];
+    for (int t = 0; t < tt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 w[4];
+        dequantize(type, row + b * block_bytes(type), w);
+        for (int t = 0; t < tt; t++) {
+            const float *xb = x + t * K + b * QK;
+            acc[t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[t][1]);
+            acc[t][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[t][1]);
+        }
+    }
+    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+/* x quantized: per block of 32, int8 xq, scale xd and xs = xd * sum(xq) */
+struct q8_activations {
+    int8_t *q;  /* [T, K] */
+    float *d;   /* [T, K / 32] */
+    float *s;   /* [T, K / 32] */
+};
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* blocks [i0, i1) of x (block i is x[32 i, 32 i + 32), all tokens' rows back to back) */
+static void quantize_blocks(const float *x, int64_t i0, int64_t i1, struct q8_activations a) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
+    for (int64_t i = i0; i < i1; i++) {
+        const float *xb = x + QK * i;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+        }
+        const float m = hmax(amax);
+        const __m256 inverse = _mm256_set1_ps(m != 0.0f ? 127.0f / m : 0.0f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+        a.d[i] = m / 127.0f;
+        a.s[i] = a.d[i] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(a.q + QK * i), _mm256_permutevar8x32_epi32(packed, order));
+    }
+}
+
+/* y[t, n] for t < tt, one row, x quantized (a: the tile's first token) */
+static inline __attribute__((always_inline)) void row_tile_q8(int type, int tt, struct q8_activations a, int64_t K,
+                                                              const uint8_t *row, float *y, int64_t ldy) {
+    const int64_t nb = K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE];
+    float min_sum[TILE];  /* sum over blocks of m xs */
+    for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps(), min_sum[t] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * block_bytes(type);
+        const __m256i v = unpack(type, blk);
+        const __m256i magnitude = has_min(type) ? v : _mm256_sign_epi8(v, v);  /* -128 reads as 128 unsigned */
+        const float d = fp16_at(blk);
+        for (int t = 0; t < tt; t++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, has_min(type) ? xq : _mm256_sign_epi8(xq, v));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            acc[t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * a.d[t * nb + b]), acc[t]);
+            if (has_min(type)) min_sum[t] += fp16_at(blk + 2) * a.s[t * nb + b];
+        }
+    }
+    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(acc[t]) + min_sum[t];
+}
+
+/* rows [n0, n1), all tokens, TILE at a time */
+#define ROWS_TILED(NAME, ROW_TILE, XTYPE, X_AT)                                                            \
+    static inline __attribute__((always_inline)) void NAME(int type, XTYPE x, int64_t T, int64_t K,        \
+                                                           const uint8_t *w, float *y, int64_t ldy,        \
+                                                           int64_t n0, int64_t n1) {                       \
+        const int64_t row_bytes = K / QK * block_bytes(type);                                              \
+        for (int64_t t0 = 0; t0 < T; t0 += TILE)                                                           \
+            for (int64_t n = n0; n < n1; n++) {                                                            \
+                float *yt = y + t0 * ldy + n;                                                              \
+                const uint8_t *row = w + n * row_bytes;                                                    \
+                switch (T - t0 < TILE ? T - t0 : TILE) {                                                   \
+                case 4: ROW_TILE(type, 4, X_AT(x, t0, K), K, row, yt, ldy); break;                          \
+                case 3: ROW_TILE(type, 3, X_AT(x, t0, K), K, row, yt, ldy); break;                          \
+                case 2: ROW_TILE(type, 2, X_AT(x, t0, K), K, row, yt, ldy); break;                          \
+                default: ROW_TILE(type, 1, X_AT(x, t0, K), K, row, yt, ldy); break;                         \
+                }                                                                                          \
+            }                                                                                              \
+    }
+
+static inline __attribute__((always_inline)) const float *x_f32_at(const float *x, int64_t t, int64_t K) {
+    return x + t * K;
+}
+
+static inline __attribute__((always_inline)) struct q8_activations x_q8_at(struct q8_activations a, int64_t t,
+                                                                           int64_t K) {
+    return (struct q8_activations){a.q + t * K, a.d + t * (K / QK), a.s + t * (K / QK)};
+}
+
+ROWS_TILED(rows_f32, row_tile_f32, const float *, x_f32_at)
+ROWS_TILED(rows_q8, row_tile_q8, struct q8_activations, x_q8_at)
+
+/* The quantized x is kept between calls (one per calling thread): a fresh one per call would
+ * be mmap'ed and page-faulted in every time once it outgrows malloc's heap threshold (a
+ * 2048-token prefill's x is 1-3 MB). */
+static __thread char *q8_scratch = NULL;
+static __thread int64_t q8_scratch_bytes = 0;
+
+static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
+    const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(2 * sizeof(float)) + T * K;
+    if (need > q8_scratch_bytes) {
+        char *grown = realloc(q8_scratch, need);
+        if (grown == NULL) return -1;
+        q8_scratch = grown;
+        q8_scratch_bytes = need;
+    }
+    a->d = (float *)q8_scratch;
+    a->s = a->d + blocks;
+    a->q = (int8_t *)(a->s + blocks);
+    return 0;
+}
+
+/* One set of functions per type, each parallel region written out in it with the type a
+ * constant, so that each is compiled for its own block (an OpenMP region is outlined before
+ * inlining: a type passed down into it would be a run-time value). */
+#define CHUNKS(N) (((N) + ROW_CHUNK - 1) / ROW_CHUNK)
+#define CHUNK_END(c, N) ((c) * ROW_CHUNK + ROW_CHUNK < (N) ? (c) * ROW_CHUNK + ROW_CHUNK : (N))
+
+#define GGUF_KERNELS(NAME, TYPE)                                                                               \
+    void gguf_get_rows_##NAME(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) {    \
+        get_rows(TYPE, w, K, ids, n_ids, out);                                                                 \
+    }                                                                                                          \
+    int gguf_gemm_##NAME##_f32(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y,    \
+                               int64_t ldy, int threads) {                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                      \
+        for (int64_t c = 0; c < CHUNKS(N); c++)                                                                \
+            rows_f32(TYPE, x, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                                \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y,     \
+                              int64_t ldy, int threads) {                                                      \
+        struct q8_activations a;                                                                               \
+        if (T == 0) return 0;                                                                                  \
+        if (q8_activations_for(T, K, &a) != 0) return -1;                                                      \
+        _Pragma("omp parallel num_threads(threads)")                                                           \
+        {                                                                                                      \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (int64_t t = 0; t < T; t++)                                                                    \
+                quantize_blocks(x, t * (K / QK), (t + 1) * (K / QK), a);                                       \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (int64_t c = 0; c < CHUNKS(N); c++)                                                            \
+                rows_q8(TYPE, a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                             \
+        }                                                                                                      \
+        return 0;                                                                                              \
+    }
+
+GGUF_KERNELS(q4_0, Q4_0)
+GGUF_KERNELS(q4_1, Q4_1)
+GGUF_KERNELS(q5_0, Q5_0)
+GGUF_KERNELS(q5_1, Q5_1)
+GGUF_KERNELS(q8_0, Q8_0)
+GGUF_KERNELS(iq4_nl, IQ4_NL)
