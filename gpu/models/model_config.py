@@ -11,10 +11,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from gpu.models.model_files import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -282,6 +284,8 @@ def _eos_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """float32 [head_dim / 2], computed exactly as transformers' rope init functions do, so
     cos/sin match bit for bit."""
+    import torch  # here: the HTTP workers and the detokenizer read ModelConfig without torch
+
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     if rope.type == "linear":
         return inv_freq / rope.factor
