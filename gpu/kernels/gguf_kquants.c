@@ -1,0 +1,505 @@
+/* GGUF's K-quants (Q2_K Q3_K Q4_K Q5_K Q6_K) and IQ4_XS multiplied in place, straight from
+ * the file's blocks, on an x86-64 CPU with AVX2 + FMA: the API of the GGUF block kernels'
+ * contract, three functions a type (gguf_get_rows_T, gguf_gemm_T_f32, gguf_gemm_T_q8).
+ *
+ * A weight is N rows of K values, a row K / 256 superblocks one after another, a superblock
+ * as in the file (little-endian, fp16 scales, no alignment: every load is unaligned):
+ *   Q2_K  84 B: scales[16] (low nibble: scale, high: min of a group of 16), qs[64], d, dmin.
+ *   Q3_K 110 B: hmask[32], qs[64], scales[12] (16 6-bit scales, minus 32), d.
+ *   Q4_K 144 B: d, dmin, scales[12] (8 6-bit scales and 8 6-bit mins), qs[128].
+ *   Q5_K 176 B: d, dmin, scales[12] (as Q4_K), qh[32], qs[128].
+ *   Q6_K 210 B: ql[128], qh[64], scales[16] (int8), d.
+ *   IQ4_XS 136 B: d, scales_h (uint16, 2 high bits a scale), scales_l[4] (nibbles), qs[128].
+ * Q2_K, Q3_K and Q6_K take their 256 values in two halves of 128; quarter g (32 values, two
+ * groups of 16) of half h takes bits 2g.. of the half's bytes: Q2_K/Q3_K qs[32 h + i] >> 2 g
+ * (2 bits), Q6_K the nibble (g & 1 ? ql[64 h + 32 + i] : ql[64 h + i]) >> 4 (g >> 1) and the
+ * 2 bits qh[32 h + i] >> 2 g above it; Q3_K's third bit is hmask[i] >> (4 h + g), and the
+ * value is 4 less when that bit is clear. Q4_K/Q5_K/IQ4_XS take 8 sub-blocks of 32: Q4_K's
+ * and Q5_K's pair 2j, 2j + 1 are the low and high nibbles of qs[32 j + i], Q5_K's fifth bit
+ * qh[i] >> s; IQ4_XS's sub-block s is qs[16 s ..] (low nibbles, then high), each nibble an
+ * index into IQ4_NL's 16 int8 values. Q4_K's 12 scale bytes (as Q5_K's): bytes 0-3 hold
+ * scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3, bytes 8-11 the low 4 bits of scales
+ * 4-7 (low nibble) and mins 4-7 (high nibble), whose 2 high bits are the top 2 bits of
+ * bytes 0-3 (scales) and 4-7 (mins). Q3_K's 12: bytes 0-7 hold the low 4 bits of scales 0-7
+ * (low nibbles) and 8-15 (high nibbles), bytes 8-11 the high 2 bits, scale j at bit
+ * 2 (j / 4) of byte 8 + j % 4. IQ4_XS's scale s: nibble s % 2 of scales_l[s / 2] and bits
+ * 2 s of scales_h above it, minus 32.
+ *
+ * Every value is (d * sc) * q - (dmin * m) for a group's integer scale sc, min m and the
+ * integer q (dmin * m absent without mins), as gguf-py dequantizes it: each product rounded
+ * to float in that order, so gguf_get_rows equals gguf.quants.dequantize exactly and _f32
+ * differs from dequantize-then-matmul only in the order of the sums.
+ *
+ * _q8 is llama.cpp's arithmetic: x is quantized once per product to Q8_K (per 256: d =
+ * max / -127 for the value of largest magnitude, q = round(x / d) to nearest even, at most
+ * 127, and the 16 sums of q over each group of 16 in `bsums`), then per superblock the dot
+ * product is integer: the weights' unsigned q against x's int8 q with maddubs (u8 x s8 ->
+ * pairs summed in int16, which never saturates here: at most 2 * 63 * 127), times each
+ * group's integer scale with madd (-> int32), and the mins (or Q3_K's -4, Q6_K's -32
+ * offset) as one madd of the group scales with bsums, so no per-value subtraction. Then
+ * d_w * d_x times that sum in float. IQ4_XS's values are signed: their magnitudes go in
+ * maddubs' unsigned operand and their signs onto x. Rows go over the threads in chunks; the
+ * tokens in tiles of TILE, each superblock's scales and quants unpacked once per tile.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 256
+#define TILE 4        /* tokens a superblock is unpacked for: 4 int sums + 4 float sums + the quants fit 16 ymm */
+#define ROW_CHUNK 16  /* rows a thread takes at a time: a tile of x is reused over them from L1 */
+#define DYNAMIC_TOKENS 8  /* from this many tokens, chunks are handed out one at a time (as ggml_cpu.c's q8 GEMMs) */
+#define INLINE static inline __attribute__((always_inline))
+
+enum kquant { Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS };
+
+static const int8_t iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+static inline uint32_t u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Q4_K/Q5_K's 12 bytes -> the 8 scales (bytes 0-7 of sm) and 8 mins (bytes 8-15) */
+static inline void unpack_scales_k4(const uint8_t *p, uint8_t sm[16]) {
+    const uint32_t a0 = u32(p), a1 = u32(p + 4), a2 = u32(p + 8), low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
+    const uint32_t w[4] = {a0 & low6, (a2 & low4) | (((a0 >> 6) & two) << 4), a1 & low6,
+                           ((a2 >> 4) & low4) | (((a1 >> 6) & two) << 4)};
+    memcpy(sm, w, sizeof w);
+}
+
+/* Q3_K's 12 bytes -> its 16 scales, int8 -32..31 */
+static inline __m128i unpack_scales_q3(const uint8_t *p) {
+    const uint32_t a0 = u32(p), a1 = u32(p + 4), a2 = u32(p + 8), low4 = 0x0f0f0f0f, two = 0x03030303;
+    const __m128i s = _mm_setr_epi32((a0 & low4) | ((a2 & two) << 4), (a1 & low4) | (((a2 >> 2) & two) << 4),
+                                     ((a0 >> 4) & low4) | (((a2 >> 4) & two) << 4),
+                                     ((a1 >> 4) & low4) | (((a2 >> 6) & two) << 4));
+    return _mm_sub_epi8(s, _mm_set1_epi8(32));
+}
+
+static inline int iq4xs_scale(const uint8_t *blk, int s) {
+    const int sh = blk[2] | blk[3] << 8;
+    return (((blk[4 + s / 2] >> 4 * (s % 2)) & 0xF) | (((sh >> 2 * s) & 3) << 4)) - 32;
+}
+
+/* ---- dequantization, exactly as gguf-py ---- */
+
+/* out[i] = dl[i / 16] * q[i] - ml[i / 16]: the product rounded to float before the
+ * subtraction, as numpy computes it; the empty asm keeps gcc (whose default is
+ * -ffp-contract=fast) from fusing the two into an FMA, which rounds once and so differs. */
+static void scale_groups(const int8_t q[QK], const float dl[16], const float ml[16], float *out) {
+    for (int i = 0; i < QK; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_set1_ps(dl[i / 16]),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)))));
+        __asm__("" : "+x"(v));
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(v, _mm256_set1_ps(ml[i / 16])));
+    }
+}
+
+/* One superblock -> its 256 integer values q and each group of 16's dl = d * sc, ml = dmin * m. */
+static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK], float dl[16], float ml[16]) {
+    memset(ml, 0, 16 * sizeof(float));
+    switch (type) {
+    case Q2_K: {
+        const float d = f16(blk + 80), dmin = f16(blk + 82);
+        for (int g = 0; g < 16; g++) {
+            dl[g] = d * (float)(blk[g] & 0xF);
+            ml[g] = dmin * (float)(blk[g] >> 4);
+        }
+        for (int v = 0; v < QK; v++) q[v] = (blk[16 + 32 * (v / 128) + v % 32] >> 2 * (v / 32 % 4)) & 3;
+        break;
+    }
+    case Q3_K: {
+        const float d = f16(blk + 108);
+        int8_t sc[16];
+        _mm_storeu_si128((__m128i *)sc, unpack_scales_q3(blk + 96));
+        for (int g = 0; g < 16; g++) dl[g] = d * (float)sc[g];
+        for (int v = 0; v < QK; v++) {
+            const int h = v / 128, g = v / 32 % 4, i = v % 32;
+            q[v] = ((blk[32 + 32 * h + i] >> 2 * g) & 3) - ((blk[i] >> (4 * h + g)) & 1 ? 0 : 4);
+        }
+        break;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float d = f16(blk), dmin = f16(blk + 2);
+        uint8_t sm[16];
+        unpack_scales_k4(blk + 4, sm);
+        for (int g = 0; g < 16; g++) {
+            dl[g] = d * (float)sm[g / 2];
+            ml[g] = dmin * (float)sm[8 + g / 2];
+        }
+        const uint8_t *qs = blk + (type == Q4_K ? 16 : 48), *qh = blk + 16;
+        for (int v = 0; v < QK; v++) {
+            const int s = v / 32, i = v % 32;
+            q[v] = (qs[32 * (s / 2) + i] >> 4 * (s % 2)) & 0xF;
+            if (type == Q5_K) q[v] |= ((qh[i] >> s) & 1) << 4;
+        }
+        break;
+    }
+    case Q6_K: {
+        const float d = f16(blk + 208);
+        for (int g = 0; g < 16; g++) dl[g] = d * (float)(int8_t)blk[192 + g];
+        for (int v = 0; v < QK; v++) {
+            const int h = v / 128, g = v / 32 % 4, i = v % 32;
+            const int low = (blk[64 * h + 32 * (g & 1) + i] >> 4 * (g >> 1)) & 0xF;
+            q[v] = (low | ((blk[128 + 32 * h + i] >> 2 * g) & 3) << 4) - 32;
+        }
+        break;
+    }
+    case IQ4_XS: {
+        const float d = f16(blk);
+        for (int s = 0; s < 8; s++) dl[2 * s] = dl[2 * s + 1] = d * (float)iq4xs_scale(blk, s);
+        for (int v = 0; v < QK; v++) {
+            const int s = v / 32, i = v % 32;
+            q[v] = iq4nl_values[(blk[8 + 16 * s + i % 16] >> 4 * (i / 16)) & 0xF];
+        }
+        break;
+    }
+    }
+}
+
+static void dequantize_superblock(enum kquant type, const uint8_t *blk, float *out) {
+    int8_t q[QK];
+    float dl[16], ml[16];
+    unpack_superblock(type, blk, q, dl, ml);
+    scale_groups(q, dl, ml, out);
+}
+
+#define GET_ROWS(NAME, TYPE, BYTES)                                                                  \
+    void gguf_get_rows_##NAME(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) { \
+        const int64_t nsb = K / QK;                                                                  \
+        for (int64_t r = 0; r < n_ids; r++)                                                          \
+            for (int64_t b = 0; b < nsb; b++)                                                        \
+                dequantize_superblock(TYPE, w + (ids[r] * nsb + b) * BYTES, out + r * K + b * QK);   \
+    }
+
+/* ---- _f32: each row dequantized once (into the thread's K floats), then a tile of tokens
+ * at a time against it with FMAs ---- */
+
+INLINE void dot_rows_f32(int tt, const float *wrow, const float *x, int64_t K, float *y, int64_t ldy) {
+    __m256 acc[TILE][2];
+    for (int t = 0; t < tt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256 w0 = _mm256_loadu_ps(wrow + k), w1 = _mm256_loadu_ps(wrow + k + 8);
+        for (int t = 0; t < tt; t++) {
+            acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * K + k), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * K + k + 8), acc[t][1]);
+        }
+    }
+    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+#define GEMM_F32(NAME, TYPE, BYTES)                                                                  \
+    int gguf_gemm_##NAME##_f32(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,    \
+                               float *y, int64_t ldy, int threads) {                                 \
+        if (T <= 0 || N <= 0) return 0;                                                              \
+        const int64_t nsb = K / QK;                                                                  \
+        float *const rows = malloc((size_t)threads * K * sizeof(float));                             \
+        if (rows == NULL) return -1;                                                                 \
+        _Pragma("omp parallel num_threads(threads)")                                                 \
+        {                                                                                            \
+            float *const wrow = rows + omp_get_thread_num() * K;                                     \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t n = 0; n < N; n++) {                                                        \
+                for (int64_t b = 0; b < nsb; b++)                                                    \
+                    dequantize_superblock(TYPE, w + (n * nsb + b) * BYTES, wrow + b * QK);           \
+                for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                           \
+                    const float *xt = x + t0 * K;                                                    \
+                    float *yt = y + t0 * ldy + n;                                                    \
+                    switch (T - t0 < TILE ? T - t0 : TILE) {                                         \
+                    case 4: dot_rows_f32(4, wrow, xt, K, yt, ldy); break;                            \
+                    case 3: dot_rows_f32(3, wrow, xt, K, yt, ldy); break;                            \
+                    case 2: dot_rows_f32(2, wrow, xt, K, yt, ldy); break;                            \
+                    default: dot_rows_f32(1, wrow, xt, K, yt, ldy); break;                           \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        free(rows);                                                                                  \
+        return 0;                                                                                    \
+    }
+
+/* ---- _q8 ---- */
+
+/* x quantized to Q8_K, [T, K] as three arrays: token t's superblock b is q[t K + 256 b ..],
+ * d[t K/256 + b], bsums[t K/16 + 16 b ..] */
+struct q8k {
+    int8_t *q;
+    float *d;
+    int16_t *bsums;
+};
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* llama.cpp's quantize_row_q8_K: max is the first value of the largest magnitude, iscale =
+ * -127 / max, q = min(127, round-to-nearest-even(iscale * x)), d = 1 / iscale; all zeros give
+ * d 0, q 0. */
+static void quantize_q8_k(const float *x, int64_t nsb, int8_t *q, float *d, int16_t *bsums) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
+    for (int64_t b = 0; b < nsb; b++, x += QK, q += QK, bsums += 16) {
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)));
+        const float a = hmax(amax);
+        if (a == 0.0f) {
+            d[b] = 0.0f;
+            memset(q, 0, QK);
+            memset(bsums, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        float max = 0.0f;
+        for (int j = 0; j < QK; j++)
+            if (__builtin_fabsf(x[j]) == a) {
+                max = x[j];
+                break;
+            }
+        const float iscale = -127.0f / max;
+        const __m256 vs = _mm256_set1_ps(iscale);
+        const __m256i top = _mm256_set1_epi32(127);
+        for (int j = 0; j < QK; j += 32) {
+            __m256i iq[4];
+            for (int i = 0; i < 4; i++)
+                iq[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * i), vs)), top);
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+            _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(packed, order));
+        }
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += q[16 * g + i];
+            bsums[g] = (int16_t)s;
+        }
+        d[b] = 1.0f / iscale;
+    }
+}
+
+/* int16 lanes 0-7 = s[2 k], 8-15 = s[2 k + 1] of 16 int8 s: the scales of the two groups of
+ * 16 whose 32 values maddubs sums into lanes 0-7 and 8-15 */
+static inline __m256i pair_scales(__m128i s, int k) {
+    const __m128i pick = _mm_or_si128(_mm_set1_epi8((char)(2 * k)),
+                                      _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s, pick));
+}
+
+static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* Where token t's data for superblock b starts, the tile's first token at t = 0 */
+#define XQ(t) (xq + (t) * K)
+#define XBS(t) (xbs + (t) * (K / 16))
+#define XD(t) (xd[(t) * (K / QK)])
+
+/* One superblock for tt tokens: acc[t] += its dot product with token t (8 lanes to sum).
+ * xq, xbs, xd: token 0's Q8_K superblock (quants, bsums, d). */
+INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
+                          const float *xd, int64_t K, __m256 acc[TILE]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
+    __m256i isum[TILE];
+    for (int t = 0; t < tt; t++) isum[t] = _mm256_setzero_si256();
+    float d, dmin = 0.0f;
+    __m256i mins = _mm256_setzero_si256();  /* int16, a group of 16's min (Q2_K, Q4_K, Q5_K) */
+    switch (type) {
+    case Q2_K:
+    case Q3_K:
+    case Q6_K: {
+        /* 2 halves x 4 quarters of 32 values, groups 8 h + 2 g and 8 h + 2 g + 1 */
+        __m128i sc;
+        if (type == Q2_K) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+            sc = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+            mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+            d = f16(blk + 80), dmin = f16(blk + 82);
+        } else if (type == Q3_K) {
+            sc = unpack_scales_q3(blk + 96);
+            d = f16(blk + 108);
+        } else {
+            sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+            d = f16(blk + 208);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i lo2 = _mm256_setzero_si256(), hi = _mm256_setzero_si256(), ql0 = hi, ql1 = hi;
+            if (type == Q6_K) {
+                ql0 = load256(blk + 64 * h), ql1 = load256(blk + 64 * h + 32), hi = load256(blk + 128 + 32 * h);
+            } else {
+                lo2 = load256(blk + (type == Q2_K ? 16 : 32) + 32 * h);
+                if (type == Q3_K) hi = load256(blk);
+            }
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < 4; g++) {
+                __m256i qv;  /* 32 unsigned values: Q2_K's q, Q3_K's q + 4, Q6_K's q + 32 */
+                if (type == Q6_K) {
+                    const __m256i low = g & 2 ? _mm256_and_si256(_mm256_srli_epi16(g & 1 ? ql1 : ql0, 4), m4)
+                                              : _mm256_and_si256(g & 1 ? ql1 : ql0, m4);
+                    qv = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), m2), 4));
+                } else {
+                    qv = _mm256_and_si256(_mm256_srli_epi16(lo2, 2 * g), m2);
+                    if (type == Q3_K)
+                        qv = _mm256_or_si256(qv, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4 * h + g), m1), 2));
+                }
+                const __m256i s = pair_scales(sc, 4 * h + g);
+                for (int t = 0; t < tt; t++)
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g))));
+            }
+        }
+        if (type != Q2_K) {  /* the offset: sum sc (q + off) x - off sum sc bsums, off 4 or 32 */
+            const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
+            for (int t = 0; t < tt; t++)
+                isum[t] = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(XBS(t))), type == Q3_K ? 2 : 5));
+        }
+        break;
+    }
+    case Q4_K:
+    case Q5_K: {
+        uint8_t sm[16];
+        unpack_scales_k4(blk + 4, sm);
+        d = f16(blk), dmin = f16(blk + 2);
+        const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
+        mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  /* min s for groups 2 s, 2 s + 1 */
+        const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
+        const __m256i qh = type == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = load256(qs + 32 * j);
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (type == Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
+            }
+            const __m256i slo = _mm256_set1_epi16(sm[2 * j]), shi = _mm256_set1_epi16(sm[2 * j + 1]);
+            for (int t = 0; t < tt; t++) {
+                const int8_t *x = XQ(t) + 64 * j;
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(slo, _mm256_maddubs_epi16(lo, load256(x))),
+                                                                     _mm256_madd_epi16(shi, _mm256_maddubs_epi16(hi, load256(x + 32)))));
+            }
+        }
+        break;
+    }
+    case IQ4_XS: {
+        d = f16(blk);
+        const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = load256(blk + 8 + 32 * j);  /* sub-blocks 2 j (bytes 0-15), 2 j + 1 */
+            const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            const __m256i v0 = _mm256_shuffle_epi8(values, _mm256_permute2x128_si256(lo, hi, 0x20));
+            const __m256i v1 = _mm256_shuffle_epi8(values, _mm256_permute2x128_si256(lo, hi, 0x31));
+            const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
+            const __m256i s0 = _mm256_set1_epi16((int16_t)iq4xs_scale(blk, 2 * j)), s1 = _mm256_set1_epi16((int16_t)iq4xs_scale(blk, 2 * j + 1));
+            for (int t = 0; t < tt; t++) {
+                const int8_t *x = XQ(t) + 64 * j;
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(
+                    _mm256_madd_epi16(s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0))),
+                    _mm256_madd_epi16(s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1)))));
+            }
+        }
+        break;
+    }
+    }
+    for (int t = 0; t < tt; t++) {
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * XD(t)), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+        if (type == Q2_K || type == Q4_K || type == Q5_K)
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * XD(t)), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(XBS(t)))), acc[t]);
+    }
+}
+
+/* y[t * ldy] for t < tt = one row's products with tt tokens (Q8_K x at token 0) */
+INLINE void row_q8(enum kquant type, int tt, const uint8_t *row, int64_t block_bytes, int64_t K, const int8_t *xq,
+                   const int16_t *xbs, const float *xd, float *y, int64_t ldy) {
+    __m256 acc[TILE];
+    for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK; b++)
+        superblock_q8(type, tt, row + b * block_bytes, xq + b * QK, xbs + b * 16, xd + b, K, acc);
+    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(acc[t]);
+}
+
+/* Rows n0 .. n1, all tokens, a tile at a time: the chunk's rows (a few KiB) stay in L1/L2 for
+ * every tile, and a tile of x is read from L1 for every row. */
+INLINE void rows_q8(enum kquant type, int64_t block_bytes, const struct q8k *xq, int64_t T, int64_t K,
+                    const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = K / QK * block_bytes;
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const int8_t *q = xq->q + t0 * K;
+        const int16_t *bs = xq->bsums + t0 * (K / 16);
+        const float *d = xq->d + t0 * (K / QK);
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            float *yt = y + t0 * ldy + n;
+            switch (T - t0 < TILE ? T - t0 : TILE) {
+            case 4: row_q8(type, 4, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            case 3: row_q8(type, 3, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            case 2: row_q8(type, 2, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            default: row_q8(type, 1, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            }
+        }
+    }
+}
+
+/* The Q8_K copy of x is kept between calls (one per calling thread): a fresh one per call
+ * would be mmap'ed and page-faulted in every time once past malloc's threshold. */
+static __thread char *q8_scratch = NULL;
+static __thread int64_t q8_scratch_cap = 0;
+
+static int reserve_q8k(int64_t T, int64_t K, struct q8k *xq) {
+    const int64_t need = T * K + T * (K / 16) * (int64_t)sizeof(int16_t) + T * (K / QK) * (int64_t)sizeof(float);
+    if (need > q8_scratch_cap) {
+        char *grown = realloc(q8_scratch, need);
+        if (grown == NULL) return -1;
+        q8_scratch = grown;
+        q8_scratch_cap = need;
+    }
+    xq->d = (float *)q8_scratch;
+    xq->bsums = (int16_t *)(xq->d + T * (K / QK));
+    xq->q = (int8_t *)(xq->bsums + T * (K / 16));
+    return 0;
+}
+
+/* One function a type, not a run-time flag, so that each parallel region is compiled for its
+ * own block. x is quantized in the same parallel region (tokens over the threads), then row
+ * chunks go over the threads. */
+#define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
+    int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
+                              float *y, int64_t ldy, int threads) {                                  \
+        if (T <= 0 || N <= 0) return 0;                                                              \
+        struct q8k xq;                                                                               \
+        if (reserve_q8k(T, K, &xq)) return -1;                                                       \
+        const int64_t nsb = K / QK, chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                        \
+        const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
+        _Pragma("omp parallel num_threads(threads)")                                                 \
+        {                                                                                            \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t t = 0; t < T; t++)                                                          \
+                quantize_q8_k(x + t * K, nsb, xq.q + t * K, xq.d + t * nsb, xq.bsums + t * (K / 16)); \
+            _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
+            for (int64_t c = 0; c < chunks; c++)                                                     \
+                rows_q8(TYPE, BYTES, &xq, T, K, w, y, ldy, c * ROW_CHUNK,                            \
+                        (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N);                          \
+        }                                                                                            \
+        return 0;                                                                                    \
+    }
+
+#define KQUANT(NAME, TYPE, BYTES) GET_ROWS(NAME, TYPE, BYTES) GEMM_F32(NAME, TYPE, BYTES) GEMM_Q8(NAME, TYPE, BYTES)
+
+KQUANT(q2_k, Q2_K, 84)
+KQUANT(q3_k, Q3_K, 110)
+KQUANT(q4_k, Q4_K, 144)
+KQUANT(q5_k, Q5_K, 176)
+KQUANT(q6_k, Q6_K, 210)
+KQUANT(iq4_xs, IQ4_XS, 136)

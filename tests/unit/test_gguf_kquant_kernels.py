@@ -1,0 +1,194 @@
+"""gpu/kernels/gguf_kquants.c (the K-quants and IQ4_XS multiplied in the file's own blocks)
+against gguf-py: get_rows equals gguf.quants.dequantize exactly, gemm_f32 is
+dequantize-then-matmul, gemm_q8 is llama.cpp's Q8_K arithmetic computed here in numpy. The
+weights are random superblocks (random bytes, moderate fp16 scales) read through a read-only
+mapping at an odd address, as a GGUF file's tensors are."""
+
+import ctypes
+import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from gpu import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
+
+QK = 256
+# type -> byte offsets of its fp16 d and dmin (None: no mins) in a superblock
+SCALES = {
+    "q2_k": (80, 82),
+    "q3_k": (108, None),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208, None),
+    "iq4_xs": (0, None),
+}
+TYPES = tuple(SCALES)
+# (T, K, N, extra columns of y beyond N, threads): decode and a tile of a Gemma-3-270M product,
+# one superblock, odd N, ragged tiles, y a column slice of a wider output
+SHAPES = (
+    (1, 2048, 640, 0, 2),
+    (17, 2048, 40, 0, 2),
+    (3, 256, 13, 5, 2),
+    (5, 512, 37, 0, 1),
+    (1, 768, 9, 2, 2),
+    (4, 1024, 24, 7, 2),
+)
+
+
+def qtype(name: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[name.upper()]
+
+
+def block_bytes(name: str) -> int:
+    return GGML_QUANT_SIZES[qtype(name)][1]
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    lib = kernels.load("gguf_kquants")
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in TYPES:
+        get_rows = getattr(lib, f"gguf_get_rows_{name}")
+        get_rows.argtypes = [ptr, i64, ptr, i64, ptr]  # w, K, ids, n_ids, out
+        get_rows.restype = None
+        for mode in ("f32", "q8"):
+            gemm = getattr(lib, f"gguf_gemm_{name}_{mode}")
+            gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]  # x, T, K, w, N, y, ldy, threads
+            gemm.restype = ctypes.c_int
+    return lib
+
+
+def random_blocks(name: str, N: int, K: int, seed: int) -> np.ndarray:
+    """uint8 [N, K / 256 * block bytes]: random quants and scale bytes, finite fp16 d (either
+    sign) and dmin of moderate size"""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (N, K // QK, block_bytes(name)), dtype=np.uint8)
+    for offset in SCALES[name]:
+        if offset is not None:
+            scale = (rng.uniform(1e-3, 1e-2, (N, K // QK)) * rng.choice([-1, 1], (N, K // QK))).astype(np.float16)
+            blocks[:, :, offset : offset + 2] = scale[..., None].view(np.uint8)
+    return blocks.reshape(N, -1)
+
+
+def with_scales(blocks: np.ndarray, name: str, d: float, dmin: float) -> np.ndarray:
+    """The same blocks with every d and dmin replaced"""
+    out = blocks.reshape(blocks.shape[0], -1, block_bytes(name)).copy()
+    for offset, value in zip(SCALES[name], (d, dmin)):
+        if offset is not None:
+            out[:, :, offset : offset + 2] = np.array([value], np.float16).view(np.uint8)
+    return out.reshape(blocks.shape)
+
+
+def fp16_field(blocks: np.ndarray, name: str, which: int) -> np.ndarray:
+    """float32 [N, K / 256]: each superblock's d (which 0) or dmin (1; 0 where there is none)"""
+    offset = SCALES[name][which]
+    b = blocks.reshape(blocks.shape[0], -1, block_bytes(name))
+    if offset is None:
+        return np.zeros(b.shape[:2], np.float32)
+    return b[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+@contextmanager
+def read_only(blocks: np.ndarray, tmp_path: Path) -> Iterator[int]:
+    """The address of the blocks in a PROT_READ mapping, one byte past a page boundary"""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" + blocks.tobytes())
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+        view = np.frombuffer(mapping, np.uint8)
+        yield view.ctypes.data + 1
+        del view
+
+
+def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_K in float32: x [T, K] -> (q as float64 [T, K / 256, 256], d float32 [T, K / 256])"""
+    b = x.reshape(x.shape[0], -1, QK)
+    first_max = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)[..., 0]
+    iscale = np.divide(np.float32(-127), first_max, out=np.zeros_like(first_max), where=first_max != 0)
+    q = np.minimum(127, np.rint(b * iscale[..., None]))
+    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+    return q.astype(np.float64), d
+
+
+def gemm_q8_reference(x: np.ndarray, blocks: np.ndarray, name: str, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(y [T, N], the sum of its products' magnitudes): per superblock (d_w d_x) * sum(sc q xq) +
+    (dmin_w d_x) * sum(-m xq), the integer sums exact in float64. sc * q and -m come from
+    gguf-py itself: its dequantization of the blocks with d = 1, dmin = 0 and d = 0, dmin = 1."""
+    N = blocks.shape[0]
+    xq, xd = quantize_q8_k(x)
+    y, magnitude = np.zeros((x.shape[0], N)), np.zeros((x.shape[0], N))
+    for which, (d, dmin) in enumerate(((1.0, 0.0), (0.0, 1.0))):
+        ints = dequantize(with_scales(blocks, name, d, dmin), qtype(name)).reshape(N, -1, QK).astype(np.float64)
+        scale = fp16_field(blocks, name, which).T[:, None, :].astype(np.float64) * xd.T[:, :, None]
+        # [K / 256, T, N], exact
+        y += (scale * np.matmul(xq.transpose(1, 0, 2), ints.transpose(1, 2, 0))).sum(0)
+        magnitude += (np.abs(scale) * np.matmul(np.abs(xq).transpose(1, 0, 2), np.abs(ints).transpose(1, 2, 0))).sum(0)
+    return y, magnitude
+
+
+def run_gemm(lib: ctypes.CDLL, name: str, mode: str, x: np.ndarray, w: int, N: int, extra: int, threads: int):
+    T, K = x.shape
+    y = np.full((T, N + extra), np.nan, np.float32)
+    gemm = getattr(lib, f"gguf_gemm_{name}_{mode}")
+    assert gemm(x.ctypes.data, T, K, w, N, y.ctypes.data, N + extra, threads) == 0
+    assert np.isnan(y[:, N:]).all()  # only columns [0, N) are written
+    return y[:, :N]
+
+
+def tokens(T: int, K: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((T, K)).astype(np.float32)
+    x[0, :QK] = 0  # a superblock of zeros: Q8_K's d = 0
+    return x
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_get_rows_equal_gguf_dequantize(lib: ctypes.CDLL, tmp_path: Path, name: str) -> None:
+    N, K = 11, 768
+    blocks = random_blocks(name, N, K, seed=1)
+    ids = np.array([3, 0, 10, 3, 7], np.int64)
+    out = np.full((len(ids), K), np.nan, np.float32)
+    with read_only(blocks, tmp_path) as w:
+        getattr(lib, f"gguf_get_rows_{name}")(w, K, ids.ctypes.data, len(ids), out.ctypes.data)
+    want = dequantize(blocks, qtype(name)).reshape(N, K)[ids]
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-N{}-ldy+{}-threads{}".format(*s))
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_f32_is_dequantize_then_matmul(lib: ctypes.CDLL, tmp_path: Path, name: str, shape: tuple) -> None:
+    T, K, N, extra, threads = shape
+    blocks, x = random_blocks(name, N, K, seed=2), tokens(T, K, seed=3)
+    with read_only(blocks, tmp_path) as w:
+        y = run_gemm(lib, name, "f32", x, w, N, extra, threads)
+    W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
+    want, magnitude = x.astype(np.float64) @ W.T, np.abs(x.astype(np.float64)) @ np.abs(W).T
+    assert (np.abs(y - want) <= 1e-6 * magnitude + 1e-30).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-N{}-ldy+{}-threads{}".format(*s))
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, tmp_path: Path, name: str, shape: tuple) -> None:
+    T, K, N, extra, threads = shape
+    blocks, x = random_blocks(name, N, K, seed=4), tokens(T, K, seed=5)
+    with read_only(blocks, tmp_path) as w:
+        y = run_gemm(lib, name, "q8", x, w, N, extra, threads)
+    want, magnitude = gemm_q8_reference(x, blocks, name, K)
+    assert (np.abs(y - want) <= 1e-6 * magnitude + 1e-30).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, tmp_path: Path, name: str) -> None:
+    """x's rounding to int8 moves the product by well under 1% of its scale"""
+    T, K, N = 3, 1024, 32
+    blocks, x = random_blocks(name, N, K, seed=6), tokens(T, K, seed=7)
+    with read_only(blocks, tmp_path) as w:
+        y = run_gemm(lib, name, "q8", x, w, N, 0, 2)
+    W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
+    want, magnitude = x.astype(np.float64) @ W.T, np.abs(x.astype(np.float64)) @ np.abs(W).T
+    assert (np.abs(y - want) <= 0.01 * magnitude).all()
