@@ -19,11 +19,16 @@ BACKENDS = {
 }
 
 
-def default_backend(device: torch.device) -> str:
+def default_backend(device: torch.device, plain_attention: bool = True) -> str:
+    """The backend a model runs with when none is asked for; plain_attention: False where the
+    model has sliding windows or soft-capped scores (ModelConfig.plain_attention), which on
+    CUDA only the torch backend runs."""
     if device.type != "cuda":
         from gpu.kernels import cpu_kernels_available
 
         return "cpu" if cpu_kernels_available() else "torch"
+    if not plain_attention:
+        return "torch"
     return "flashinfer" if importlib.util.find_spec("flashinfer") else "triton"
 
 

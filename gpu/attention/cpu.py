@@ -3,8 +3,9 @@ and values in place from its pages (AVX2 + FMA, OpenMP), fp32 queries against a 
 bf16 or fp8 e5m2 cache (--kv-cache-dtype). Decode requests (one new token) go to paged_decode_attention
 (each request's keys in chunks over the threads, merged), extend requests (a prompt, a chunk
 of one, new tokens after a cached prefix) to paged_extend_attention (blocks of queries x the
-query heads of a kv head against chunks of keys, online softmax). A model that is not fp32
-runs through the torch backend.
+query heads of a kv head against chunks of keys, online softmax). Both take each layer's sliding
+window (the keys before it are not read) and the soft-cap of the scores (configure()). A model
+that is not fp32 runs through the torch backend.
 
 Against the torch backend (copy every request's pages into a padded batch, then a masked
 SDPA reads the copy) it reads each K and V row once per block of queries and skips the
@@ -32,8 +33,9 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 def _library() -> ctypes.CDLL:
     lib = kernels.load("attention_cpu")
-    # q, q_stride, k, v, kv_dtype, page_table, pt_stride, kv_lens, B, Hq, Hkv, D, page_size, scale, out, threads
-    lib.paged_decode_attention.argtypes = [
+    # q, q_stride, k, v, kv_dtype, page_table, pt_stride, kv_lens, B, Hq, Hkv, D, page_size, scale, window, softcap,
+    # out, threads
+    lib.paged_decode_attention_windowed.argtypes = [
         _ptr,
         _i64,
         _ptr,
@@ -48,11 +50,13 @@ def _library() -> ctypes.CDLL:
         _i64,
         _i64,
         ctypes.c_float,
+        _i64,
+        ctypes.c_float,
         _ptr,
         _int,
     ]
     # q, q_stride, k, v, kv_dtype, page_table, pt_stride, q_starts, q_lens, kv_lens, B, Hq, Hkv, D, page_size,
-    # scale, out, out_stride, threads
+    # scale, window, softcap, out, out_stride, threads
     lib.paged_extend_attention.argtypes = [
         _ptr,
         _i64,
@@ -70,11 +74,14 @@ def _library() -> ctypes.CDLL:
         _i64,
         _i64,
         ctypes.c_float,
+        _i64,
+        ctypes.c_float,
         _ptr,
         _i64,
         _int,
     ]
-    lib.paged_decode_attention.restype = lib.paged_extend_attention.restype = ctypes.c_int
+    lib.paged_decode_attention_windowed.restype = lib.paged_extend_attention.restype = ctypes.c_int
+    lib.soft_cap.argtypes = [_ptr, _i64, ctypes.c_float, _ptr]  # x, n, cap, out
     return lib
 
 
@@ -102,7 +109,7 @@ def _requests(seqs: np.ndarray, meta: AttentionMetadata) -> _Requests | None:
 
 
 class CpuBackend(TorchNativeBackend):
-    WINDOWS_AND_SOFTCAP = False  # its kernels attend to every key, uncapped
+    WINDOWS_AND_SOFTCAP = True
 
     def __init__(self, kv_cache: KVCache, num_q_heads: int) -> None:
         super().__init__(kv_cache, num_q_heads)
@@ -156,6 +163,7 @@ class CpuBackend(TorchNativeBackend):
                 D,
                 self.kv_cache.page_size,
                 self.scale,
+                *self._window_and_softcap(layer_id),
                 o.data_ptr(),
                 Hq * D,
                 torch.get_num_threads(),
@@ -172,7 +180,7 @@ class CpuBackend(TorchNativeBackend):
     def _attend_decode(self, dec: _Requests, q: torch.Tensor, o: torch.Tensor, layer_id: int) -> None:
         """q: [n, Hq, D], request b's query at row b -> o: [n, Hq, D] contiguous"""
         self._check(
-            self._lib.paged_decode_attention(
+            self._lib.paged_decode_attention_windowed(
                 q.data_ptr(),
                 q.stride(0),
                 *self._cache_args(layer_id),
@@ -185,6 +193,7 @@ class CpuBackend(TorchNativeBackend):
                 self.head_dim,
                 self.kv_cache.page_size,
                 self.scale,
+                *self._window_and_softcap(layer_id),
                 o.data_ptr(),
                 torch.get_num_threads(),
             )
@@ -196,6 +205,11 @@ class CpuBackend(TorchNativeBackend):
             self.kv_cache.v[layer_id].data_ptr(),
             KV_DTYPE_CODES[self.kv_cache.dtype],
         )
+
+    def _window_and_softcap(self, layer_id: int) -> tuple[int, float]:
+        """The kernels' window and softcap arguments for layer_id: 0 for none."""
+        window = self.windows[layer_id] if self.windows else None
+        return window or 0, self.softcap or 0.0
 
     @staticmethod
     def _check(rc: int) -> None:

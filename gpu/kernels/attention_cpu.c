@@ -11,6 +11,12 @@
  * kv_dtype (kv_dtype.h: fp32, fp16, bf16 or fp8 e5m2, widened to fp32 as read); page_table int32
  * [B, pt_stride]. D is a multiple of 8, at most 256. Softmax in fp32 as SDPA computes it, but in
  * chunks of keys (online softmax), so its sums run in another order.
+ *
+ * Gemma's attention (gpu/attention/base.py configure()): a sliding window w > 0 lets a query at
+ * position p see keys p - w + 1 .. p only (transformers' "p - w < key <= p"), and the keys before
+ * the window are never read, so a long request's decode on a window layer costs the window, not
+ * its context; a soft-cap c > 0 takes every score s = q . k * scale to c tanh(s / c) before the
+ * softmax (Gemma 2). w = 0 and c = 0: plain causal attention.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -41,6 +47,42 @@ static inline __m256 lanes_below(int64_t n) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int n8 = n < 0 ? 0 : n > 8 ? 8 : (int)n;
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n8), lane));
+}
+
+/* tanh(x) to a few ulp, as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625, where 1 - 2 / (e^2x + 1)
+ * would cancel; that form above it, where the result is >= 0.55 and keeps exp8's ~2e-7. exp8
+ * clamps at 88, so a large |x| gives exactly +-1, as tanhf does. */
+static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 a = _mm256_andnot_ps(sign, x), z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    const __m256 e = exp8(_mm256_add_ps(a, a));
+    const __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_blendv_ps(_mm256_or_ps(large, _mm256_and_ps(sign, x)), small,
+                            _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+}
+
+/* Gemma 2's soft-capped scores: cap tanh(s / cap) */
+static inline __m256 soft_cap8(__m256 s, float cap) {
+    return _mm256_mul_ps(_mm256_set1_ps(cap), tanh8(_mm256_mul_ps(s, _mm256_set1_ps(1.0f / cap))));
+}
+
+/* x [n] -> cap tanh(x / cap), as the kernels cap their scores: tests/unit/test_attention_cpu_windows.py
+ * holds it to torch's tanh */
+void soft_cap(const float *x, int64_t n, float cap, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, soft_cap8(_mm256_loadu_ps(x + i), cap));
+    if (i < n) {
+        float tail[8] = {0};
+        for (int64_t t = i; t < n; t++) tail[t - i] = x[t];
+        _mm256_storeu_ps(tail, soft_cap8(_mm256_loadu_ps(tail), cap));
+        for (int64_t t = i; t < n; t++) out[t] = tail[t - i];
+    }
 }
 
 
@@ -105,12 +147,14 @@ static inline void prefetch_some(Prefetch *pf) {
 }
 
 /* One chunk [j0, j0 + n) of one request, all Hq heads: acc[i] = sum_j e^(s_ij - m_i) v_j,
- * l[i] = sum_j e^(s_ij - m_i), m[i] = max_j s_ij, s_ij = q_i . k_j * scale. Inlined into
+ * l[i] = sum_j e^(s_ij - m_i), m[i] = max_j s_ij, s_ij = q_i . k_j * scale (soft-capped when
+ * softcap > 0). Inlined into
  * attend_chunk_as with a constant dtype: one copy of the loops per KV element type, each with
  * its row load and no branch on the type inside them. */
 static inline __attribute__((always_inline)) void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
                                                                int64_t Hq, int64_t G, int64_t D, float scale,
-                                                               float *acc, float *m, float *l, int dtype, Prefetch *pf) {
+                                                               float softcap, float *acc, float *m, float *l, int dtype,
+                                                               Prefetch *pf) {
     const int64_t nv = D / 8;
     const void *krow[CHUNK], *vrow[CHUNK];
     for (int64_t t = 0; t < CHUNK; t++) {  /* past n: the last row again, its score dropped */
@@ -131,7 +175,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, c
                 for (int t = 0; t < 8; t++)
                     a[t] = _mm256_fmadd_ps(qc, kv_load8(krow[t0 + t], off + 8 * c, dtype), a[t]);
             }
-            _mm256_storeu_ps(s + t0, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
+            const __m256 st = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(s + t0, softcap > 0.0f ? soft_cap8(st, softcap) : st);
         }
         float mx = s[0];
         for (int64_t t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
@@ -161,19 +206,26 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, c
 }
 
 static void attend_chunk_as(int dtype, const float *q, const KvRows *r, int64_t j0, int64_t n, int64_t Hq, int64_t G,
-                            int64_t D, float scale, float *acc, float *m, float *l, Prefetch *pf) {
+                            int64_t D, float scale, float softcap, float *acc, float *m, float *l, Prefetch *pf) {
     switch (dtype) {
-    case KV_F16: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F16, pf); break;
-    case KV_BF16: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_BF16, pf); break;
-    case KV_F8E5M2: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F8E5M2, pf); break;
-    default: attend_chunk(q, r, j0, n, Hq, G, D, scale, acc, m, l, KV_F32, pf);
+    case KV_F16: attend_chunk(q, r, j0, n, Hq, G, D, scale, softcap, acc, m, l, KV_F16, pf); break;
+    case KV_BF16: attend_chunk(q, r, j0, n, Hq, G, D, scale, softcap, acc, m, l, KV_BF16, pf); break;
+    case KV_F8E5M2: attend_chunk(q, r, j0, n, Hq, G, D, scale, softcap, acc, m, l, KV_F8E5M2, pf); break;
+    default: attend_chunk(q, r, j0, n, Hq, G, D, scale, softcap, acc, m, l, KV_F32, pf);
     }
 }
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated. */
-int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
-                           const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
-                           int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads) {
+/* the first key a query at position pos sees */
+static inline int64_t window_start(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* Request b's query sits at position kv_lens[b] - 1: its chunks start at its window's first key.
+ * Returns 0, or -1 when a scratch buffer could not be allocated. */
+int paged_decode_attention_windowed(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+                                    const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B,
+                                    int64_t Hq, int64_t Hkv, int64_t D, int64_t page_size, float scale, int64_t window,
+                                    float softcap, float *out, int threads) {
     const int64_t G = Hq / Hkv, part = Hq * (D + 2);  /* a chunk's acc [Hq, D], m [Hq], l [Hq] */
     if (D > 8 * MAX_VECS) return -1;
     /* scratch kept between calls (one per calling thread): a fresh one per call was mmap'ed
@@ -188,7 +240,8 @@ int paged_decode_attention(const float *q, int64_t q_stride, const void *k, cons
     }
     int64_t *const first = first_buf;  /* request b's chunks: first[b] .. first[b + 1] */
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (kv_lens[b] + CHUNK - 1) / CHUNK;
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + (kv_lens[b] - window_start(kv_lens[b] - 1, window) + CHUNK - 1) / CHUNK;
     const int64_t items = first[B];
     if (items * part > parts_cap) {
         float *grown = realloc(parts_buf, sizeof(float) * items * part);
@@ -204,15 +257,18 @@ int paged_decode_attention(const float *q, int64_t q_stride, const void *k, cons
         for (int64_t it = 0; it < items; it++) {
             while (first[b + 1] <= it) b++;  /* items rise within a thread's static range */
             const KvRows r = {k, v, page_table + b * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
-            const int64_t j0 = (it - first[b]) * CHUNK, n = kv_lens[b] - j0 < CHUNK ? kv_lens[b] - j0 : CHUNK;
+            const int64_t j0 = window_start(kv_lens[b] - 1, window) + (it - first[b]) * CHUNK;
+            const int64_t n = kv_lens[b] - j0 < CHUNK ? kv_lens[b] - j0 : CHUNK;
             Prefetch pf = {.nrows = 0};
             if (it + 1 < items) {  /* the next item: this request's next chunk or the next request's first */
-                const int64_t nb = first[b + 1] == it + 1 ? b + 1 : b, nj0 = (it + 1 - first[nb]) * CHUNK;
+                const int64_t nb = first[b + 1] == it + 1 ? b + 1 : b;
+                const int64_t nj0 = window_start(kv_lens[nb] - 1, window) + (it + 1 - first[nb]) * CHUNK;
                 const KvRows nr = {k, v, page_table + nb * pt_stride, page_size, Hkv * D, kv_elem_bytes(kv_dtype)};
                 prefetch_plan(&pf, &nr, nj0, kv_lens[nb] - nj0 < CHUNK ? kv_lens[nb] - nj0 : CHUNK, Hq * ((n + 7) / 8));
             }
             float *pc = parts + it * part;
-            attend_chunk_as(kv_dtype, q + b * q_stride, &r, j0, n, Hq, G, D, scale, pc, pc + Hq * D, pc + Hq * D + Hq, &pf);
+            attend_chunk_as(kv_dtype, q + b * q_stride, &r, j0, n, Hq, G, D, scale, softcap, pc, pc + Hq * D,
+                            pc + Hq * D + Hq, &pf);
         }
         /* merge: out_i = sum_c e^(m_ci - M_i) acc_ci / sum_c e^(m_ci - M_i) l_ci, M_i = max_c m_ci */
         _Pragma("omp for schedule(static)")
@@ -238,6 +294,14 @@ int paged_decode_attention(const float *q, int64_t q_stride, const void *k, cons
         }
     }
     return 0;
+}
+
+/* every key, uncapped (gpu/kernels/decode_cpu.c's Llama layers) */
+int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+                           const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
+                           int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads) {
+    return paged_decode_attention_windowed(q, q_stride, k, v, kv_dtype, page_table, pt_stride, kv_lens, B, Hq, Hkv, D,
+                                           page_size, scale, 0, 0.0f, out, threads);
 }
 
 
@@ -339,24 +403,30 @@ static inline void values_tile(const float *p, const float *alpha, const float *
     }
 }
 
-/* One row's online-softmax step over a chunk's scores s[0..n16), of which the first `seen` are
- * visible to it: s becomes e^(s - m') (0 where unseen), l and m move to the new max m', and
- * alpha = e^(m - m') is what the row's earlier sums are scaled by. */
-static inline void softmax_step(float *s, int64_t n16, int64_t seen, float *m, float *l, float *alpha) {
-    if (seen <= 0) {  /* the chunk lies wholly past this row's position: it adds nothing */
-        for (int64_t t = 0; t < n16; t += 8) _mm256_storeu_ps(s + t, _mm256_setzero_ps());
+/* One row's online-softmax step over a chunk's scores s[0..n), n a multiple of 8, of which
+ * s[from..seen) are visible to it (soft-capped first when softcap > 0): s becomes e^(s - m') (0
+ * where unseen), l and m move to the new max m', and alpha = e^(m - m') is what the row's
+ * earlier sums are scaled by. */
+static inline void softmax_step(float *s, int64_t n, int64_t from, int64_t seen, float softcap, float *m, float *l,
+                                float *alpha) {
+    if (seen <= from) {  /* the chunk lies wholly past this row's position or before its window: it adds nothing */
+        for (int64_t t = 0; t < n; t += 8) _mm256_storeu_ps(s + t, _mm256_setzero_ps());
         *alpha = 1.0f;
         return;
     }
     __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < seen; t += 8)
-        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + t),
-                                                    lanes_below(seen - t)));
+    for (int64_t t = 0; t < n; t += 8) {
+        __m256 x = _mm256_loadu_ps(s + t);
+        if (softcap > 0.0f) _mm256_storeu_ps(s + t, x = soft_cap8(x, softcap));
+        const __m256 visible = _mm256_andnot_ps(lanes_below(from - t), lanes_below(seen - t));
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, visible));
+    }
     const float mx = fmaxf(*m, hmax(vmax));
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n16; t += 8) {
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)), lanes_below(seen - t));
+    for (int64_t t = 0; t < n; t += 8) {
+        const __m256 visible = _mm256_andnot_ps(lanes_below(from - t), lanes_below(seen - t));
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)), visible);
         _mm256_storeu_ps(s + t, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -392,11 +462,13 @@ static ExtScratch ext_scratch(float *base, int64_t rows, int64_t D) {
 
 /* Queries i0 .. i0 + nq of one request (q at its first new token, out likewise) for kv head h.
  * Row r is query i0 + r / G, head h * G + r % G; the rows are padded to whole tiles with zero
- * queries at the last query's position, whose results are dropped. Each chunk of keys is widened
- * once and every tile of rows takes the part of it its positions see (to 16 keys). */
+ * queries at the last query's position, whose results are dropped. The keys from the first
+ * query's window on go in chunks; each chunk is widened once and every tile of rows takes the
+ * part of it its positions and windows see (to 16 keys). */
 static inline __attribute__((always_inline)) void extend_item(const float *q, int64_t q_stride, const KvRows *r,
                                                               int64_t q_len, int64_t kv_len, int64_t i0, int64_t nq,
-                                                              int64_t h, int64_t G, int64_t D, float scale, float *out,
+                                                              int64_t h, int64_t G, int64_t D, float scale,
+                                                              int64_t window, float softcap, float *out,
                                                               int64_t out_stride, const ExtScratch *w, int dtype) {
     const int64_t R = nq * G, RP = round_up(R, TILE_ROWS), DP = round_up(D, 16);
     const int64_t pos0 = kv_len - q_len + i0;  /* the first query's position */
@@ -416,20 +488,26 @@ static inline __attribute__((always_inline)) void extend_item(const float *q, in
         w->l[i] = 0.0f;
     }
     const int64_t last = pos0 + nq - 1;  /* the last query's position: no key past it is seen */
-    for (int64_t j0 = 0; j0 <= last; j0 += EXT_KEYS) {
+    for (int64_t j0 = window_start(pos0, window); j0 <= last; j0 += EXT_KEYS) {
         const int64_t n = last + 1 - j0 < EXT_KEYS ? last + 1 - j0 : EXT_KEYS;
         widen_chunk(r, j0, n, round_up(n, 16), h * D, D, DP, w->kt, w->vc, dtype);
         for (int64_t i = RP - TILE_ROWS; i >= 0; i -= TILE_ROWS) {  /* from the last tile, which sees the most */
             const int64_t tile_pos = pos0 + (i + TILE_ROWS - 1 < R ? i + TILE_ROWS - 1 : R - 1) / G;
             const int64_t tile_seen = tile_pos + 1 - j0 < n ? tile_pos + 1 - j0 : n, n16 = round_up(tile_seen, 16);
             if (tile_seen <= 0) break;  /* nor do the tiles before it */
-            for (int64_t t = 0; t < n16; t += 16) scores_tile(w->qs + i * D, w->kt + t, D, w->s + t);
+            /* the tile's first row's window starts first: the keys before it (by 16s) are skipped */
+            const int64_t tile_from = window_start(pos0 + i / G, window) - j0;
+            if (tile_from >= tile_seen) continue;  /* the chunk ends before its windows: earlier tiles may see it */
+            const int64_t t0 = tile_from > 0 ? tile_from / 16 * 16 : 0;
+            for (int64_t t = t0; t < n16; t += 16) scores_tile(w->qs + i * D, w->kt + t, D, w->s + t);
             for (int64_t x = 0; x < TILE_ROWS; x++) {
                 const int64_t pos = pos0 + (i + x < R ? i + x : R - 1) / G;
-                const int64_t seen = pos + 1 - j0 < n ? pos + 1 - j0 : n;
-                softmax_step(w->s + x * EXT_KEYS, n16, seen, w->m + i + x, w->l + i + x, w->alpha + i + x);
+                const int64_t seen = pos + 1 - j0 < n ? pos + 1 - j0 : n, from = window_start(pos, window) - j0;
+                softmax_step(w->s + x * EXT_KEYS + t0, n16 - t0, from - t0, seen - t0, softcap, w->m + i + x,
+                             w->l + i + x, w->alpha + i + x);
             }
-            for (int64_t c = 0; c < DP; c += 16) values_tile(w->s, w->alpha + i, w->vc + c, n16, DP, w->acc + i * DP + c);
+            for (int64_t c = 0; c < DP; c += 16)
+                values_tile(w->s + t0, w->alpha + i, w->vc + t0 * DP + c, n16 - t0, DP, w->acc + i * DP + c);
         }
     }
     for (int64_t i = 0; i < R; i++) {
@@ -443,13 +521,15 @@ static inline __attribute__((always_inline)) void extend_item(const float *q, in
 
 static void extend_item_as(int dtype, const float *q, int64_t q_stride, const KvRows *r, int64_t q_len,
                            int64_t kv_len, int64_t i0, int64_t nq, int64_t h, int64_t G, int64_t D, float scale,
-                           float *out, int64_t out_stride, const ExtScratch *w) {
+                           int64_t window, float softcap, float *out, int64_t out_stride, const ExtScratch *w) {
+#define EXTEND_ITEM(DT) extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, window, softcap, out, out_stride, w, DT)
     switch (dtype) {
-    case KV_F16: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F16); break;
-    case KV_BF16: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_BF16); break;
-    case KV_F8E5M2: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F8E5M2); break;
-    default: extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, out, out_stride, w, KV_F32);
+    case KV_F16: EXTEND_ITEM(KV_F16); break;
+    case KV_BF16: EXTEND_ITEM(KV_BF16); break;
+    case KV_F8E5M2: EXTEND_ITEM(KV_F8E5M2); break;
+    default: EXTEND_ITEM(KV_F32);
     }
+#undef EXTEND_ITEM
 }
 
 /* Item `it` of paged_extend_attention: request b's queries i0 .. i0 + nq for kv head h; first[b]
@@ -476,7 +556,8 @@ static ExtItem ext_item(const int64_t *first, int64_t B, int64_t Hkv, int64_t bl
 int paged_extend_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
                            const int32_t *page_table, int64_t pt_stride, const int32_t *q_starts,
                            const int32_t *q_lens, const int32_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                           int64_t page_size, float scale, float *out, int64_t out_stride, int threads) {
+                           int64_t page_size, float scale, int64_t window, float softcap, float *out,
+                           int64_t out_stride, int threads) {
     if (D % 8 || D > 8 * MAX_VECS || threads < 1) return -1;
     const int64_t G = Hq / Hkv, block = EXT_ROWS / G > 0 ? EXT_ROWS / G : 1;  /* queries per item */
     const int64_t rows = round_up(block * G, TILE_ROWS), per_thread = ext_scratch_floats(rows, D);
@@ -513,7 +594,7 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k, cons
             const ExtItem e = ext_item(first, B, Hkv, block, q_lens, it);
             const KvRows r = {k, v, page_table + e.b * pt_stride, page_size, Hkv * D, elem};
             extend_item_as(kv_dtype, q + q_starts[e.b] * q_stride, q_stride, &r, q_lens[e.b], kv_lens[e.b], e.i0, e.nq,
-                           e.h, G, D, scale, out + q_starts[e.b] * out_stride, out_stride, &w);
+                           e.h, G, D, scale, window, softcap, out + q_starts[e.b] * out_stride, out_stride, &w);
         }
     }
     return 0;
