@@ -15,11 +15,11 @@
  * dequantization and one integer product serve all six types. Blocks are 18-34 bytes, so
  * every load of w is unaligned; w is never written (a PROT_READ mapping).
  *
- * Numerics. get_rows and the _f32 products: v is exact as an int8, its conversion to float
- * exact, d * v one rounded product and + m one rounded sum, as numpy's (d * q) + m in
- * gguf-py's dequantize: the same float32 values bit for bit (no FMA contraction in this file:
- * the pragma; the dot products' FMAs are explicit intrinsics). The _f32 products then differ
- * from dequantize-then-matmul only in the order of their sums.
+ * Numerics. get_rows and the _f32 products: v is exact as an int8 and as a float, d * v exact
+ * too (an 11-bit fp16 d times an at most 8-bit v fits float32's 24 bits), + m one rounded sum:
+ * numpy's (d * q) + m in gguf-py's dequantize, the same float32 values bit for bit (whether or
+ * not the compiler fuses the two into an FMA). The _f32 products then differ from
+ * dequantize-then-matmul only in the order of their sums.
  * The _q8 products are llama.cpp's arithmetic: x is quantized once per call per block of 32 to
  * int8 xq with an fp32 scale xd = amax / 127 (xq = x * (127 / amax) rounded to nearest even, as
  * llama.cpp's AVX2 quantize_row_q8_0; amax 0 gives 0), and for the types with a min also
@@ -35,7 +35,6 @@
  * tiles of TILE, each block unpacked once per tile (and the chunk's rows, a few KiB, stay in
  * L1/L2 while the tiles of x pass).
  */
-#pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,28 +60,28 @@ static inline __attribute__((always_inline)) int64_t block_bytes(int type) {
 
 static inline __attribute__((always_inline)) int has_min(int type) { return type == Q4_1 || type == Q5_1; }
 
-static inline float fp16_at(const uint8_t *p) {
+/* the fp16 at p in every lane (a broadcast load and one conversion) */
+static inline __m256 fp16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
+    return _mm256_cvtph_ps(_mm_set1_epi16((int16_t)h));
 }
 
 /* 16 bytes of nibbles -> 32 bytes: elements 0..15 (low nibbles) then 16..31 (high nibbles) */
 static inline __m256i nibbles(const uint8_t *qs) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
 }
 
-/* bit j of the 32 bits at p -> 0x10 in byte j, else 0 */
-static inline __m256i fifth_bits(const uint8_t *p) {
+/* bit j of the 32 bits at p -> 0xFF in byte j, else 0 */
+static inline __m256i bit_bytes(const uint8_t *p) {
     uint32_t bits;
     memcpy(&bits, p, sizeof bits);
     const __m256i spread = _mm256_shuffle_epi8(  /* byte j holds byte j / 8 of bits */
         _mm256_set1_epi32((int32_t)bits),
         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
     const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201);  /* bit j % 8 */
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
 
 /* the block's 32 values v (w = d * v + m): signed except Q4_1 and Q5_1's, which are 0..31 */
@@ -90,8 +89,9 @@ static inline __attribute__((always_inline)) __m256i unpack(int type, const uint
     switch (type) {
     case Q4_0: return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
     case Q4_1: return nibbles(b + 4);
-    case Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
-    case Q5_1: return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4));
+    /* q - 16 as an int8: the nibble with 0xF0 above it where bit 4 is clear */
+    case Q5_0: return _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bit_bytes(b + 2), _mm256_set1_epi8((char)0xF0)));
+    case Q5_1: return _mm256_or_si256(nibbles(b + 8), _mm256_and_si256(bit_bytes(b + 4), _mm256_set1_epi8(0x10)));
     case IQ4_NL: {
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
         return _mm256_shuffle_epi8(table, nibbles(b + 2));
@@ -103,12 +103,12 @@ static inline __attribute__((always_inline)) __m256i unpack(int type, const uint
 /* the block's 32 weights as gguf-py's dequantize gives them, 8 at a time */
 static inline __attribute__((always_inline)) void dequantize(int type, const uint8_t *b, __m256 w[4]) {
     const __m256i v = unpack(type, b);
-    const __m256 d = _mm256_set1_ps(fp16_at(b));
+    const __m256 d = fp16_at(b);
     const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
     for (int i = 0; i < 4; i++) {
         const __m128i eight = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
         w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
-        if (has_min(type)) w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(fp16_at(b + 2)));
+        if (has_min(type)) w[i] = _mm256_add_ps(w[i], fp16_at(b + 2));
     }
 }
 
@@ -196,28 +196,39 @@ static void quantize_blocks(const float *x, int64_t i0, int64_t i1, struct q8_ac
     }
 }
 
-/* y[t, n] for t < tt, one row, x quantized (a: the tile's first token) */
+/* block b of one row times the tile's tokens' blocks b, into acc[t] and min_sum[t] */
+static inline __attribute__((always_inline)) void block_q8(int type, int tt, struct q8_activations a, int64_t K,
+                                                           const uint8_t *row, int64_t b, __m256 acc[],
+                                                           float min_sum[]) {
+    const int64_t nb = K / QK;
+    const uint8_t *blk = row + b * block_bytes(type);
+    const __m256i v = unpack(type, blk);
+    const __m256i magnitude = has_min(type) ? v : _mm256_sign_epi8(v, v); /* -128 reads as 128 unsigned */
+    const __m256 d = fp16_at(blk);
+    for (int t = 0; t < tt; t++) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, has_min(type) ? xq : _mm256_sign_epi8(xq, v));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + t * nb + b)), acc[t]);
+        if (has_min(type)) min_sum[t] += _mm256_cvtss_f32(fp16_at(blk + 2)) * a.s[t * nb + b];
+    }
+}
+
+/* y[t, n] for t < tt, one row, x quantized (a: the tile's first token). Odd and even blocks
+ * go into separate sums: one token's chain of FMAs would otherwise wait on the FMA latency. */
 static inline __attribute__((always_inline)) void row_tile_q8(int type, int tt, struct q8_activations a, int64_t K,
                                                               const uint8_t *row, float *y, int64_t ldy) {
     const int64_t nb = K / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE];
-    float min_sum[TILE];  /* sum over blocks of m xs */
-    for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps(), min_sum[t] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * block_bytes(type);
-        const __m256i v = unpack(type, blk);
-        const __m256i magnitude = has_min(type) ? v : _mm256_sign_epi8(v, v);  /* -128 reads as 128 unsigned */
-        const float d = fp16_at(blk);
-        for (int t = 0; t < tt; t++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
-            const __m256i pairs = _mm256_maddubs_epi16(magnitude, has_min(type) ? xq : _mm256_sign_epi8(xq, v));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            acc[t] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * a.d[t * nb + b]), acc[t]);
-            if (has_min(type)) min_sum[t] += fp16_at(blk + 2) * a.s[t * nb + b];
-        }
+    __m256 even[TILE], odd[TILE];
+    float even_min[TILE], odd_min[TILE]; /* sums over blocks of m xs */
+    for (int t = 0; t < tt; t++) even[t] = odd[t] = _mm256_setzero_ps(), even_min[t] = odd_min[t] = 0.0f;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        block_q8(type, tt, a, K, row, b, even, even_min);
+        block_q8(type, tt, a, K, row, b + 1, odd, odd_min);
     }
-    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(acc[t]) + min_sum[t];
+    if (b < nb) block_q8(type, tt, a, K, row, b, even, even_min);
+    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(_mm256_add_ps(even[t], odd[t])) + (even_min[t] + odd_min[t]);
 }
 
 /* rows [n0, n1), all tokens, TILE at a time */
