@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpu.models.model_files import ModelLoadError
+from gpu.models.model_files import GGUF_POINTER, ModelLoadError
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +80,7 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()  # per layer, False: no rope (SmolLM3); (): rope everywhere
     local_rope: RopeConfig | None = None  # the sliding layers' rope (Gemma 3), None: the same as the others
     local_rope_layers: tuple[bool, ...] = ()  # per layer, True: local_rope's (Gemma 3's sliding layers)
+    gguf_path: Path | None = None  # a GGUF model's file, its weights read in place (model_dir's gguf.json)
 
     @property
     def attn_scale(self) -> float:
@@ -165,6 +166,7 @@ class ModelConfig:
                 rope_layers=_rope_layers(cfg, num_layers) if arch == "SmolLM3ForCausalLM" else (),
                 local_rope=_rope_config(cfg, "sliding_attention") if arch == "Gemma3ForCausalLM" else None,
                 local_rope_layers=sliding if arch == "Gemma3ForCausalLM" else (),
+                gguf_path=_gguf_path(model_dir),
             )
         except KeyError as e:
             raise ModelLoadError(f"{model_dir / 'config.json'} lacks {e.args[0]}") from None
@@ -184,6 +186,16 @@ class ModelConfig:
                 f"multiple of num_key_value_heads {config.num_kv_heads}"
             )
         return config
+
+
+def _gguf_path(model_dir: Path) -> Path | None:
+    pointer = model_dir / GGUF_POINTER
+    if not pointer.is_file():
+        return None
+    try:
+        return Path(json.loads(pointer.read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"cannot read {pointer}: {type(e).__name__}: {e}") from None
 
 
 def _layer_types(arch: str, cfg: dict, num_layers: int) -> list[str]:
