@@ -143,13 +143,12 @@ class DetokenizerProcess:
         self.peers.start()
 
     def load(self, max_open: int) -> None:
-        from transformers import AutoTokenizer
-
         from gpu.models.model_files import resolve_model_dir
+        from runtime.tokenizer_load import load_tokenizer
 
         model_dir = resolve_model_dir(self.args.model_path)
         t0 = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(self.args.tokenizer_path or model_dir)  # --tokenizer-path
+        tokenizer = load_tokenizer(self.args.tokenizer_path or model_dir)  # --tokenizer-path
         self.detokenizer = Detokenizer(tokenizer, max_open=max_open)
         core = self.detokenizer.incremental
         how = "numpy byte table" if core.table is not None else f"window decode ({core.fallback_reason})"

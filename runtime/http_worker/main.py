@@ -75,14 +75,13 @@ def _configure_logging(level: str) -> None:
 
 
 def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
-    from transformers import AutoTokenizer
-
     from gpu.models.model_config import ModelConfig
     from gpu.models.model_files import resolve_model_dir
+    from runtime.tokenizer_load import load_tokenizer
 
     model_dir = resolve_model_dir(args.model_path)
     cfg = ModelConfig.from_dir(model_dir, args.context_length)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or str(model_dir))
+    tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
     # the embedded model's own template renders no tools; the Hermes one renders everything
     # else as it does (tests/unit/test_hermes_template.py), and tool calls as the hermes parser reads them
     template = args.chat_template or (str(HERMES_TEMPLATE) if args.model_path is None else None)

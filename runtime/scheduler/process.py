@@ -40,12 +40,13 @@ import numpy as np
 
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes
-from ipc.peers import PeerServer, connect
+from ipc.peers import PeerServer
 from protocol.payloads import PayloadBuilder
 from protocol.records import REQUEST, REQUEST_ARENA_BYTES, TOKEN_OUT, ErrorCode, RequestKind
 from protocol.request_records import unpack_request
 from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
+from runtime.scheduler.connect import connect_scheduler as connect_scheduler
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.step_result import StepResult
 from runtime.scheduler.token_out import error_record, step_records
@@ -65,12 +66,6 @@ PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow
 _NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(
     int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE, RequestKind.ABORT_RID, RequestKind.ABORT_ALL)
 )
-
-
-def connect_scheduler(socket_path: str, waker, worker: int, timeout: float = 60.0):
-    """HTTP worker `worker`'s REQUEST channel (producer side) from the scheduler at
-    `socket_path`, and the scheduler's description of the model and KV cache (a dict)."""
-    return connect(socket_path, waker, {"worker": worker, "pid": os.getpid()}, timeout)
 
 
 class SchedulerProcess:

@@ -283,7 +283,7 @@ def attach_engine(
     this worker's channels. Blocking: run it off the event loop."""
     from ipc import get_transport
     from runtime.detokenizer.process import connect_detokenizer
-    from runtime.scheduler.process import connect_scheduler
+    from runtime.scheduler.connect import connect_scheduler
 
     procs = ensure_engine(args, files, cancel, healing=claimed is not None)
     try:
