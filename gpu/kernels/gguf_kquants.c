@@ -76,12 +76,11 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Q4_K/Q5_K's 12 bytes -> the 8 scales (bytes 0-7 of sm) and 8 mins (bytes 8-15) */
-static inline void unpack_scales_k4(const uint8_t *p, uint8_t sm[16]) {
+/* Q4_K/Q5_K's 12 bytes -> the 8 scales (bytes 0-7) and 8 mins (bytes 8-15) */
+static inline __m128i unpack_scales_k4(const uint8_t *p) {
     const uint32_t a0 = u32(p), a1 = u32(p + 4), a2 = u32(p + 8), low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
-    const uint32_t w[4] = {a0 & low6, (a2 & low4) | (((a0 >> 6) & two) << 4), a1 & low6,
-                           ((a2 >> 4) & low4) | (((a1 >> 6) & two) << 4)};
-    memcpy(sm, w, sizeof w);
+    return _mm_setr_epi32(a0 & low6, (a2 & low4) | (((a0 >> 6) & two) << 4), a1 & low6,
+                          ((a2 >> 4) & low4) | (((a1 >> 6) & two) << 4));
 }
 
 /* Q3_K's 12 bytes -> its 16 scales, int8 -32..31 */
@@ -93,9 +92,16 @@ static inline __m128i unpack_scales_q3(const uint8_t *p) {
     return _mm_sub_epi8(s, _mm_set1_epi8(32));
 }
 
-static inline int iq4xs_scale(const uint8_t *blk, int s) {
-    const int sh = blk[2] | blk[3] << 8;
-    return (((blk[4 + s / 2] >> 4 * (s % 2)) & 0xF) | (((sh >> 2 * s) & 3) << 4)) - 32;
+/* IQ4_XS's scales_h and scales_l -> its 8 scales, int16 -32..31 */
+static inline __m128i unpack_scales_iq4xs(const uint8_t *blk) {
+    const uint32_t sl = u32(blk + 4);
+    const __m128i low = _mm_unpacklo_epi8(_mm_cvtsi32_si128(sl & 0x0f0f0f0f), _mm_cvtsi32_si128((sl >> 4) & 0x0f0f0f0f));
+    const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(blk[2] | blk[3] << 8),
+                                                            _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                          _mm256_set1_epi32(3));
+    const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(_mm256_cvtepu8_epi32(low), _mm256_slli_epi32(high, 4)),
+                                        _mm256_set1_epi32(32));
+    return _mm_packs_epi32(_mm256_castsi256_si128(sc), _mm256_extracti128_si256(sc, 1));
 }
 
 /* ---- dequantization, exactly as gguf-py ---- */
@@ -138,7 +144,7 @@ static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK]
     case Q5_K: {
         const float d = f16(blk), dmin = f16(blk + 2);
         uint8_t sm[16];
-        unpack_scales_k4(blk + 4, sm);
+        _mm_storeu_si128((__m128i *)sm, unpack_scales_k4(blk + 4));
         for (int g = 0; g < 16; g++) {
             dl[g] = d * (float)sm[g / 2];
             ml[g] = dmin * (float)sm[8 + g / 2];
@@ -163,7 +169,9 @@ static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK]
     }
     case IQ4_XS: {
         const float d = f16(blk);
-        for (int s = 0; s < 8; s++) dl[2 * s] = dl[2 * s + 1] = d * (float)iq4xs_scale(blk, s);
+        int16_t sc[8];
+        _mm_storeu_si128((__m128i *)sc, unpack_scales_iq4xs(blk));
+        for (int s = 0; s < 8; s++) dl[2 * s] = dl[2 * s + 1] = d * (float)sc[s];
         for (int v = 0; v < QK; v++) {
             const int s = v / 32, i = v % 32;
             q[v] = iq4nl_values[(blk[8 + 16 * s + i % 16] >> 4 * (i / 16)) & 0xF];
@@ -292,12 +300,11 @@ static void quantize_q8_k(const float *x, int64_t nsb, int8_t *q, float *d, int1
     }
 }
 
-/* int16 lanes 0-7 = s[2 k], 8-15 = s[2 k + 1] of 16 int8 s: the scales of the two groups of
- * 16 whose 32 values maddubs sums into lanes 0-7 and 8-15 */
-static inline __m256i pair_scales(__m128i s, int k) {
-    const __m128i pick = _mm_or_si128(_mm_set1_epi8((char)(2 * k)),
-                                      _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s, pick));
+/* s: 8 int16 in both 128-bit halves -> int16 lanes 0-7 = s[lo], 8-15 = s[hi]: the scales of
+ * the values maddubs sums into lanes 0-7 (bytes 0-15) and 8-15 (bytes 16-31), one shuffle */
+static inline __m256i pick_scales(__m256i s, int lo, int hi) {
+    return _mm256_shuffle_epi8(s, _mm256_set_m128i(_mm_set1_epi16((short)((2 * hi + 1) << 8 | 2 * hi)),
+                                                   _mm_set1_epi16((short)((2 * lo + 1) << 8 | 2 * lo))));
 }
 
 static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -334,6 +341,9 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
             sc = _mm_loadu_si128((const __m128i *)(blk + 192));
             d = f16(blk + 208);
         }
+        /* groups 0-7 and 8-15's scales, int16, each in both halves for pick_scales */
+        const __m256i sc_lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc)),
+                      sc_hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
         for (int h = 0; h < 2; h++) {
             __m256i lo2 = _mm256_setzero_si256(), hi = _mm256_setzero_si256(), ql0 = hi, ql1 = hi;
             if (type == Q6_K) {
@@ -354,7 +364,7 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
                     if (type == Q3_K)
                         qv = _mm256_or_si256(qv, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4 * h + g), m1), 2));
                 }
-                const __m256i s = pair_scales(sc, 4 * h + g);
+                const __m256i s = pick_scales(h ? sc_hi : sc_lo, 2 * g, 2 * g + 1);
                 for (int t = 0; t < tt; t++)
                     isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g))));
             }
@@ -368,11 +378,10 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
     }
     case Q4_K:
     case Q5_K: {
-        uint8_t sm[16];
-        unpack_scales_k4(blk + 4, sm);
+        const __m128i sm = unpack_scales_k4(blk + 4);
         d = f16(blk), dmin = f16(blk + 2);
-        const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
-        mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  /* min s for groups 2 s, 2 s + 1 */
+        mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  /* min s for groups 2 s, 2 s + 1 */
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
         const __m256i qh = type == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
@@ -382,7 +391,7 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
             }
-            const __m256i slo = _mm256_set1_epi16(sm[2 * j]), shi = _mm256_set1_epi16(sm[2 * j + 1]);
+            const __m256i slo = pick_scales(scales, 2 * j, 2 * j), shi = pick_scales(scales, 2 * j + 1, 2 * j + 1);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(slo, _mm256_maddubs_epi16(lo, load256(x))),
@@ -394,13 +403,14 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
     case IQ4_XS: {
         d = f16(blk);
         const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
+        const __m256i scales = _mm256_broadcastsi128_si256(unpack_scales_iq4xs(blk));
         for (int j = 0; j < 4; j++) {
             const __m256i raw = load256(blk + 8 + 32 * j);  /* sub-blocks 2 j (bytes 0-15), 2 j + 1 */
             const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             const __m256i v0 = _mm256_shuffle_epi8(values, _mm256_permute2x128_si256(lo, hi, 0x20));
             const __m256i v1 = _mm256_shuffle_epi8(values, _mm256_permute2x128_si256(lo, hi, 0x31));
             const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
-            const __m256i s0 = _mm256_set1_epi16((int16_t)iq4xs_scale(blk, 2 * j)), s1 = _mm256_set1_epi16((int16_t)iq4xs_scale(blk, 2 * j + 1));
+            const __m256i s0 = pick_scales(scales, 2 * j, 2 * j), s1 = pick_scales(scales, 2 * j + 1, 2 * j + 1);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(
