@@ -85,7 +85,7 @@ static inline __m256i bit_bytes(const uint8_t *p) {
 }
 
 /* the block's 32 values v (w = d * v + m): signed except Q4_1 and Q5_1's, which are 0..31 */
-static inline __attribute__((always_inline)) __m256i unpack(int type, const uint8_t *b) {
+static inline __attribute__((always_inline)) __m256i values(int type, const uint8_t *b) {
     switch (type) {
     case Q4_0: return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
     case Q4_1: return nibbles(b + 4);
@@ -100,9 +100,28 @@ static inline __attribute__((always_inline)) __m256i unpack(int type, const uint
     }
 }
 
+/* v as unsigned codes u = v + code_offset (bytes, wrapping): what the integer products take */
+static inline __attribute__((always_inline)) int code_offset(int type) {
+    switch (type) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+    case Q8_0: case IQ4_NL: return 128;
+    default: return 0;
+    }
+}
+
+static inline __attribute__((always_inline)) __m256i codes(int type, const uint8_t *b) {
+    switch (type) {
+    case Q4_0: return nibbles(b + 2);
+    case Q5_0: return _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bit_bytes(b + 2), _mm256_set1_epi8(0x10)));
+    case Q4_1: case Q5_1: return values(type, b);
+    default: return _mm256_xor_si256(values(type, b), _mm256_set1_epi8((char)0x80));  /* Q8_0, IQ4_NL */
+    }
+}
+
 /* the block's 32 weights as gguf-py's dequantize gives them, 8 at a time */
 static inline __attribute__((always_inline)) void dequantize(int type, const uint8_t *b, __m256 w[4]) {
-    const __m256i v = unpack(type, b);
+    const __m256i v = values(type, b);
     const __m256 d = fp16_at(b);
     const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
     for (int i = 0; i < 4; i++) {
@@ -153,12 +172,23 @@ static inline __attribute__((always_inline)) void row_tile_f32(int type, int tt,
     for (int t = 0; t < tt; t++) y[t * ldy] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
 }
 
-/* x quantized: per block of 32, int8 xq, scale xd and xs = xd * sum(xq) */
+/* x quantized: per block of 32, int8 xq, scale xd, xs = xd * sum(xq) and, for codes with an
+ * offset o, the 8 int32 corrections -o * (sum of xq's 4 bytes 4 i .. 4 i + 3) that take
+ * sum u xq back to sum v xq (v = u - o) in the same lanes as the integer product's */
 struct q8_activations {
-    int8_t *q;  /* [T, K] */
-    float *d;   /* [T, K / 32] */
-    float *s;   /* [T, K / 32] */
+    int8_t *q;   /* [T, K] */
+    float *d;    /* [T, K / 32] */
+    float *s;    /* [T, K / 32] */
+    int32_t *c;  /* [T, K / 32, 8] */
+    int vnni;    /* the product's instruction: a constant at each call (specializes the kernels) */
 };
+
+/* the code offset the product corrects for with a.c: VNNI's products take every type's codes
+ * (no int16 step to saturate); AVX2's maddubs would saturate on 255 * 127 pairs, so Q8_0 and
+ * IQ4_NL go through signs there instead */
+static inline __attribute__((always_inline)) int corrected_offset(int type, int vnni) {
+    return vnni || code_offset(type) <= 16 ? code_offset(type) : 0;
+}
 
 static inline float hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -175,7 +205,7 @@ static inline int32_t hsum_epi32(__m256i v) {
 }
 
 /* blocks [i0, i1) of x (block i is x[32 i, 32 i + 32), all tokens' rows back to back) */
-static void quantize_blocks(const float *x, int64_t i0, int64_t i1, struct q8_activations a) {
+static void quantize_blocks(const float *x, int64_t i0, int64_t i1, struct q8_activations a, int offset) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
     for (int64_t i = i0; i < i1; i++) {
@@ -191,9 +221,22 @@ static void quantize_blocks(const float *x, int64_t i0, int64_t i1, struct q8_ac
         for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
         a.d[i] = m / 127.0f;
         a.s[i] = a.d[i] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(a.q + QK * i), _mm256_permutevar8x32_epi32(packed, order));
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256((__m256i *)(a.q + QK * i), packed);
+        if (offset) {
+            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed),
+                                                   _mm256_set1_epi16(1));
+            _mm256_storeu_si256((__m256i *)(a.c + 8 * i), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+        }
     }
+}
+
+/* AVX512-VNNI's u8 x s8 product of 4 bytes into each int32 lane of acc, in asm: an intrinsic
+ * would need the file built for AVX-512, and the AVX2 path must run without it */
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+    __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    return acc;
 }
 
 /* block b of one row times the tile's tokens' blocks b, into acc[t] and min_sum[t] */
@@ -202,14 +245,20 @@ static inline __attribute__((always_inline)) void block_q8(int type, int tt, str
                                                            float min_sum[]) {
     const int64_t nb = K / QK;
     const uint8_t *blk = row + b * block_bytes(type);
-    const __m256i v = unpack(type, blk);
-    const __m256i magnitude = has_min(type) ? v : _mm256_sign_epi8(v, v); /* -128 reads as 128 unsigned */
+    const int corrected = corrected_offset(type, a.vnni) || has_min(type);  /* the codes go in as they are */
+    const __m256i u = corrected ? codes(type, blk) : values(type, blk);
+    const __m256i magnitude = corrected ? u : _mm256_sign_epi8(u, u); /* -128 reads as 128 unsigned */
     const __m256 d = fp16_at(blk);
     for (int t = 0; t < tt; t++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude, has_min(type) ? xq : _mm256_sign_epi8(xq, v));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-        acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + t * nb + b)), acc[t]);
+        const __m256i signed_xq = corrected ? xq : _mm256_sign_epi8(xq, u);
+        const __m256i start = corrected_offset(type, a.vnni)
+                                  ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * (t * nb + b)))
+                                  : _mm256_setzero_si256();
+        const __m256i sum = a.vnni ? dpbusd(start, magnitude, signed_xq)
+                                   : _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_xq),
+                                                                               _mm256_set1_epi16(1)));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + t * nb + b)), acc[t]);
         if (has_min(type)) min_sum[t] += _mm256_cvtss_f32(fp16_at(blk + 2)) * a.s[t * nb + b];
     }
 }
@@ -256,7 +305,8 @@ static inline __attribute__((always_inline)) const float *x_f32_at(const float *
 
 static inline __attribute__((always_inline)) struct q8_activations x_q8_at(struct q8_activations a, int64_t t,
                                                                            int64_t K) {
-    return (struct q8_activations){a.q + t * K, a.d + t * (K / QK), a.s + t * (K / QK)};
+    const int64_t nb = K / QK;
+    return (struct q8_activations){a.q + t * K, a.d + t * nb, a.s + t * nb, a.c + 8 * t * nb, a.vnni};
 }
 
 ROWS_TILED(rows_f32, row_tile_f32, const float *, x_f32_at)
@@ -269,7 +319,7 @@ static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_bytes = 0;
 
 static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
-    const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(2 * sizeof(float)) + T * K;
+    const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(2 * sizeof(float) + 8 * sizeof(int32_t)) + T * K;
     if (need > q8_scratch_bytes) {
         char *grown = realloc(q8_scratch, need);
         if (grown == NULL) return -1;
@@ -278,13 +328,26 @@ static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
     }
     a->d = (float *)q8_scratch;
     a->s = a->d + blocks;
-    a->q = (int8_t *)(a->s + blocks);
+    a->c = (int32_t *)(a->s + blocks);
+    a->q = (int8_t *)(a->c + 8 * blocks);
     return 0;
+}
+
+/* AVX512-VNNI on 256-bit vectors where the CPU has it (a build with GGUF_Q32_AVX2_ONLY defined
+ * never takes it: the tests' way to check the AVX2 path on such a CPU) */
+static int vnni_available(void) {
+#ifdef GGUF_Q32_AVX2_ONLY
+    return 0;
+#else
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#endif
 }
 
 /* One set of functions per type, each parallel region written out in it with the type a
  * constant, so that each is compiled for its own block (an OpenMP region is outlined before
- * inlining: a type passed down into it would be a run-time value). */
+ * inlining: a type passed down into it would be a run-time value); likewise the two
+ * instructions of the q8 products, one call each. */
 #define CHUNKS(N) (((N) + ROW_CHUNK - 1) / ROW_CHUNK)
 #define CHUNK_END(c, N) ((c) * ROW_CHUNK + ROW_CHUNK < (N) ? (c) * ROW_CHUNK + ROW_CHUNK : (N))
 
@@ -304,14 +367,24 @@ static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
         if (q8_activations_for(T, K, &a) != 0) return -1;                                                      \
+        const int vnni = vnni_available(), offset = corrected_offset(TYPE, vnni);                              \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t t = 0; t < T; t++)                                                                    \
-                quantize_blocks(x, t * (K / QK), (t + 1) * (K / QK), a);                                       \
+                quantize_blocks(x, t * (K / QK), (t + 1) * (K / QK), a, offset);                               \
             _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t c = 0; c < CHUNKS(N); c++)                                                            \
-                rows_q8(TYPE, a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                             \
+            for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
+                struct q8_activations with = a;                                                                \
+                with.vnni = vnni;                                                                              \
+                if (vnni) {                                                                                    \
+                    with.vnni = 1;                                                                             \
+                    rows_q8(TYPE, with, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                      \
+                } else {                                                                                       \
+                    with.vnni = 0;                                                                             \
+                    rows_q8(TYPE, with, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                      \
+                }                                                                                              \
+            }                                                                                                  \
         }                                                                                                      \
         return 0;                                                                                              \
     }

@@ -4,12 +4,14 @@ dequantize-then-matmul up to the order of the sums, the _q8 products equal a num
 llama.cpp's arithmetic (x quantized per 32-block to int8, integer dot products per block)."""
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from cbuild import build
 from gpu import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
@@ -17,18 +19,16 @@ pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="nee
 TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")
 WITH_MIN = ("q4_1", "q5_1")  # a block's fp16 min m follows its fp16 scale d
 QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # gguf.quants.quantize makes their blocks
-# (T, K, N, ldy - N): the Gemma 3 270M products at decode, then odd ones: one block, N not a
+# (T, K, N, ldy - N): a Gemma 3 270M product at decode, a long row, then odd ones: one block, N not a
 # multiple of 8 or of the row chunk, y a column slice of a wider output, partial token tiles
-SHAPES = ((1, 640, 2048, 0), (1, 2048, 640, 0), (3, 32, 13, 5), (5, 96, 37, 0), (17, 576, 67, 3), (1, 64, 1, 2))
+SHAPES = ((1, 640, 2048, 0), (4, 2048, 96, 0), (3, 32, 13, 5), (5, 96, 37, 0), (17, 576, 67, 3), (1, 64, 1, 2))
 THREADS = 2
 
 p = ctypes.c_void_p
 i64 = ctypes.c_int64
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    lib = kernels.load("gguf_q32")
+def with_argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in TYPES:
         getattr(lib, f"gguf_get_rows_{name}").argtypes = [p, i64, p, i64, p]
         getattr(lib, f"gguf_get_rows_{name}").restype = None
@@ -37,6 +37,21 @@ def lib() -> ctypes.CDLL:
             gemm.argtypes = [p, i64, i64, p, i64, p, i64, ctypes.c_int]
             gemm.restype = ctypes.c_int
     return lib
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    """As the server loads it: the q8 products through AVX512-VNNI where the CPU has it."""
+    return with_argtypes(kernels.load("gguf_q32"))
+
+
+@pytest.fixture(scope="module", params=("as loaded", "AVX2 only"))
+def q8_lib(request: pytest.FixtureRequest, lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Both paths of the q8 products, whichever the CPU would pick."""
+    if request.param == "as loaded":
+        return lib
+    source = Path(kernels.__file__).parent / "gguf_q32.c"
+    return with_argtypes(ctypes.CDLL(str(build("gguf_q32_avx2", [source], (*kernels.CFLAGS, "-DGGUF_Q32_AVX2_ONLY")))))
 
 
 def qtype(name: str) -> GGMLQuantizationType:
@@ -71,7 +86,9 @@ def scales(name: str, w: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
 def gemm(lib: ctypes.CDLL, name: str, activations: str, x: np.ndarray, w: np.ndarray, N: int, ldy: int) -> np.ndarray:
     T, K = x.shape
     y = np.full((T, ldy), np.nan, dtype=np.float32)
-    rc = getattr(lib, f"gguf_gemm_{name}_{activations}")(x.ctypes.data, T, K, w.ctypes.data, N, y.ctypes.data, ldy, THREADS)
+    rc = getattr(lib, f"gguf_gemm_{name}_{activations}")(
+        x.ctypes.data, T, K, w.ctypes.data, N, y.ctypes.data, ldy, THREADS
+    )
     assert rc == 0
     assert np.isnan(y[:, N:]).all(), "wrote past column N"
     return y[:, :N]
@@ -119,9 +136,11 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("T, K, N, pad", SHAPES)
-def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, name: str, T: int, K: int, N: int, pad: int) -> None:
+def test_gemm_q8_is_llama_cpp_integer_arithmetic(
+    q8_lib: ctypes.CDLL, name: str, T: int, K: int, N: int, pad: int
+) -> None:
     rng = np.random.default_rng(3)
-    w, x = weight(name, N, K, rng), rng.standard_normal((T, K)).astype(np.float32)
+    w, x = random_bytes_weight(name, N, K, rng), rng.standard_normal((T, K)).astype(np.float32)
     x[0, :32] = 0  # a block of zeros: scale 0, values 0
     d, m = scales(name, w, K)
     # each weight's integer value v (w = d * v + m): recovered from gguf-py's dequantization
@@ -133,5 +152,5 @@ def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, name: str, T:
     terms = (d[None] * xd[:, None, :]).astype(np.float64) * dot
     min_terms = m[None].astype(np.float64) * xs[:, None, :]
     want = terms.sum(-1) + min_terms.sum(-1)
-    got = gemm(lib, name, "q8", x, w, N, N + pad)
+    got = gemm(q8_lib, name, "q8", x, w, N, N + pad)
     assert_within(got, want, np.abs(terms).sum(-1) + np.abs(min_terms).sum(-1), 1e-5)
