@@ -381,17 +381,22 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
         const __m128i sm = unpack_scales_k4(blk + 4);
         d = f16(blk), dmin = f16(blk + 2);
         mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  /* min s for groups 2 s, 2 s + 1 */
-        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
-        const __m256i qh = type == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+        __m256i qh = type == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+        /* rolled, j's scales and high bits shifted down each time: unrolled, gcc hoisted every
+         * j's quants and scales out of the token loop and spilled them (slower at 4 tokens) */
+        _Pragma("GCC unroll 1")
         for (int j = 0; j < 4; j++) {
             const __m256i raw = load256(qs + 32 * j);
             __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             if (type == Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, m1), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), m1), 4));
+                qh = _mm256_srli_epi16(qh, 2);
             }
-            const __m256i slo = pick_scales(scales, 2 * j, 2 * j), shi = pick_scales(scales, 2 * j + 1, 2 * j + 1);
+            const __m256i slo = pick_scales(scales, 0, 0), shi = pick_scales(scales, 1, 1);
+            scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(slo, _mm256_maddubs_epi16(lo, load256(x))),
@@ -403,14 +408,16 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
     case IQ4_XS: {
         d = f16(blk);
         const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4nl_values));
-        const __m256i scales = _mm256_broadcastsi128_si256(unpack_scales_iq4xs(blk));
+        __m256i scales = _mm256_broadcastsi128_si256(unpack_scales_iq4xs(blk));
+        _Pragma("GCC unroll 1")  /* as Q4_K's */
         for (int j = 0; j < 4; j++) {
             const __m256i raw = load256(blk + 8 + 32 * j);  /* sub-blocks 2 j (bytes 0-15), 2 j + 1 */
             const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             const __m256i v0 = _mm256_shuffle_epi8(values, _mm256_permute2x128_si256(lo, hi, 0x20));
             const __m256i v1 = _mm256_shuffle_epi8(values, _mm256_permute2x128_si256(lo, hi, 0x31));
             const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
-            const __m256i s0 = pick_scales(scales, 2 * j, 2 * j), s1 = pick_scales(scales, 2 * j + 1, 2 * j + 1);
+            const __m256i s0 = pick_scales(scales, 0, 0), s1 = pick_scales(scales, 1, 1);
+            scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(
