@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.engine_stats import used_kv_pages
+from runtime.http_worker.process_memory import resident_bytes
 from runtime.http_worker.req_state import ReqState
 
 # SGLang's names, label (model_name) and default buckets (python/sglang/srt/metrics/collector.py,
@@ -38,6 +39,9 @@ E2E_BUCKETS = (
 # a choice's finish (protocol.records.Finish: NONE, STOP, LENGTH, ABORT, ERROR) as SGLang and
 # vLLM label it: an error, a timeout, a dead engine, a client gone all end a request "abort"
 FINISH_REASONS = ("abort", "stop", "length", "abort", "abort")
+# the name prometheus_client's process collector (and vLLM) gives a process's RSS, here one
+# sample per process of the server, labelled with its role and pid
+RESIDENT_MEMORY = "process_resident_memory_bytes"
 
 
 def use_multiprocess_dir(path: Path) -> None:
@@ -176,15 +180,19 @@ class WorkerMetrics:
 
 
 class _Forward:
+    """This worker's registry, less the default process collector's resident memory: the
+    server's, per process, is _EngineCollector's."""
+
     def __init__(self, registry: Any) -> None:
         self.registry = registry
 
     def collect(self):
-        return self.registry.collect()
+        return (family for family in self.registry.collect() if family.name != RESIDENT_MEMORY)
 
 
 class _EngineCollector:
-    """Gauges read at scrape time: the engine's published stats, this worker's rings."""
+    """Gauges read at scrape time: the engine's published stats, this worker's rings, each
+    process's resident memory."""
 
     def __init__(self, model_name: str, engine: dict | None, worker: dict[str, Any]) -> None:
         self.model_name, self.engine, self.worker = model_name, engine, worker
@@ -202,6 +210,12 @@ class _EngineCollector:
         if e is not None:
             rings.add_metric(["token_out", ""], e["token_out_depth"])
         yield rings
+        memory = GaugeMetricFamily(RESIDENT_MEMORY, "Resident memory size in bytes.", labels=["role", "pid"])
+        for role, pid in self.worker["processes"]:
+            rss = resident_bytes(pid)
+            if rss is not None:
+                memory.add_metric([role, str(pid)], rss)
+        yield memory
         if e is None:
             return
         used_pages = used_kv_pages(e)

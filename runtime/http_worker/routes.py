@@ -50,6 +50,7 @@ from runtime.http_worker.asgi import (
     probe_route,
     read_body,
 )
+from runtime.http_worker.process_memory import server_processes
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.streaming import EventStream, sse_events
 from structured.tool_parsers import PARSERS, make_parser
@@ -418,7 +419,12 @@ async def health_generate(worker, request: Request) -> Response:
 async def metrics(worker, request: Request) -> Response:
     body, content_type = worker.metrics.render(
         worker.engine_stats(),
-        {"dead": worker.tm.dead is not None, "index": worker.link.worker, "rings": worker.ring_depths()},
+        {
+            "dead": worker.tm.dead is not None,
+            "index": worker.link.worker,
+            "rings": worker.ring_depths(),
+            "processes": server_processes(worker.files.server_pid, worker.link.procs),
+        },
     )
     return Response(body, media_type=content_type)
 
