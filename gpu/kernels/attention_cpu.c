@@ -175,8 +175,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const float *q, c
                 for (int t = 0; t < 8; t++)
                     a[t] = _mm256_fmadd_ps(qc, kv_load8(krow[t0 + t], off + 8 * c, dtype), a[t]);
             }
-            const __m256 st = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));
-            _mm256_storeu_ps(s + t0, softcap > 0.0f ? soft_cap8(st, softcap) : st);
+            __m256 st = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));
+            if (softcap > 0.0f) st = soft_cap8(st, softcap);
+            _mm256_storeu_ps(s + t0, st);
         }
         float mx = s[0];
         for (int64_t t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
