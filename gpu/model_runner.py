@@ -171,10 +171,7 @@ class ModelRunner:
                 f"lower --max-total-tokens or --mem-fraction-static"
             ) from None
         self.pool = PagePool(num_pages, config.page_size)
-        # sliding windows and soft-capped scores (Gemma 2/3, SmolLM3) are the torch backend's alone
-        self.attention_backend = config.attention_backend or (
-            default_backend(self.device) if cfg.plain_attention else "torch"
-        )
+        self.attention_backend = config.attention_backend or default_backend(self.device, cfg.plain_attention)
         try:
             self.attn = self._attention(self.attention_backend)
         except ValueError as e:  # a backend this machine (or this model) cannot run

@@ -13,6 +13,7 @@ import torch
 from test_gpu_model_families import PAGE, SMALL, forward_logits
 
 from gpu.forward_batch import SeqInput
+from gpu.kernels import cpu_kernels_available
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
 from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.model_files import ModelLoadError
@@ -170,8 +171,9 @@ def check_family(family, path, runner: ModelRunner, tol: float = 1e-4) -> None:
     # the C decode loop is the plain Llama layer: only Phi-3 (split fused weights) is one
     assert cfg.llama_like == (family == "phi3")
     assert not CpuDecoder.applies(runner.model, "cpu")
-    if family in ("gemma2", "gemma3", "smollm3"):  # windows / soft-cap: routed to the torch backend
-        assert runner.attention_backend == "torch"
+    if family in ("gemma2", "gemma3", "smollm3"):  # windows / soft-cap: on CUDA, the torch backend's alone
+        on_cpu_kernels = runner.device.type == "cpu" and cpu_kernels_available()
+        assert runner.attention_backend == ("cpu" if on_cpu_kernels else "torch")
 
     rng = np.random.default_rng(1)
     long = rng.integers(3, 256, 300).astype(np.int32)
@@ -196,14 +198,11 @@ def check_family(family, path, runner: ModelRunner, tol: float = 1e-4) -> None:
     assert greedy(runner, [first, second], chunk=7) == [hf_greedy(hf, first), hf_greedy(hf, second)]
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_windowed_model_refuses_other_backends(backend, tmp_path):
-    if backend == "triton" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_windowed_model_refuses_triton(tmp_path):
     save_tiny("gemma2", tmp_path)
-    device = "cpu" if backend == "cpu" else "cuda"
     with pytest.raises(ModelLoadError, match="attention-backend"):  # ... torch (or triton is unavailable)
-        make_runner(tmp_path, attention_backend=backend, device=device)
+        make_runner(tmp_path, attention_backend="triton", device="cuda")
 
 
 def test_unsupported_rope_is_refused(tmp_path):
