@@ -126,7 +126,9 @@ static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK]
             dl[g] = d * (float)(blk[g] & 0xF);
             ml[g] = dmin * (float)(blk[g] >> 4);
         }
-        for (int v = 0; v < QK; v++) q[v] = (blk[16 + 32 * (v / 128) + v % 32] >> 2 * (v / 32 % 4)) & 3;
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int i = 0; i < 32; i++) q[128 * h + 32 * g + i] = (blk[16 + 32 * h + i] >> 2 * g) & 3;
         break;
     }
     case Q3_K: {
@@ -134,10 +136,10 @@ static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK]
         int8_t sc[16];
         _mm_storeu_si128((__m128i *)sc, unpack_scales_q3(blk + 96));
         for (int g = 0; g < 16; g++) dl[g] = d * (float)sc[g];
-        for (int v = 0; v < QK; v++) {
-            const int h = v / 128, g = v / 32 % 4, i = v % 32;
-            q[v] = ((blk[32 + 32 * h + i] >> 2 * g) & 3) - ((blk[i] >> (4 * h + g)) & 1 ? 0 : 4);
-        }
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int i = 0; i < 32; i++)  /* 4 less where the hmask bit is clear */
+                    q[128 * h + 32 * g + i] = ((blk[32 + 32 * h + i] >> 2 * g) & 3) + (((blk[i] >> (4 * h + g)) & 1) << 2) - 4;
         break;
     }
     case Q4_K:
@@ -150,21 +152,26 @@ static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK]
             ml[g] = dmin * (float)sm[8 + g / 2];
         }
         const uint8_t *qs = blk + (type == Q4_K ? 16 : 48), *qh = blk + 16;
-        for (int v = 0; v < QK; v++) {
-            const int s = v / 32, i = v % 32;
-            q[v] = (qs[32 * (s / 2) + i] >> 4 * (s % 2)) & 0xF;
-            if (type == Q5_K) q[v] |= ((qh[i] >> s) & 1) << 4;
-        }
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 32; i++) {
+                q[64 * j + i] = qs[32 * j + i] & 0xF;
+                q[64 * j + 32 + i] = qs[32 * j + i] >> 4;
+                if (type == Q5_K) {
+                    q[64 * j + i] |= ((qh[i] >> 2 * j) & 1) << 4;
+                    q[64 * j + 32 + i] |= ((qh[i] >> (2 * j + 1)) & 1) << 4;
+                }
+            }
         break;
     }
     case Q6_K: {
         const float d = f16(blk + 208);
         for (int g = 0; g < 16; g++) dl[g] = d * (float)(int8_t)blk[192 + g];
-        for (int v = 0; v < QK; v++) {
-            const int h = v / 128, g = v / 32 % 4, i = v % 32;
-            const int low = (blk[64 * h + 32 * (g & 1) + i] >> 4 * (g >> 1)) & 0xF;
-            q[v] = (low | ((blk[128 + 32 * h + i] >> 2 * g) & 3) << 4) - 32;
-        }
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int i = 0; i < 32; i++) {
+                    const int low = (blk[64 * h + 32 * (g & 1) + i] >> 4 * (g >> 1)) & 0xF;
+                    q[128 * h + 32 * g + i] = (low | ((blk[128 + 32 * h + i] >> 2 * g) & 3) << 4) - 32;
+                }
         break;
     }
     case IQ4_XS: {
@@ -172,9 +179,11 @@ static void unpack_superblock(enum kquant type, const uint8_t *blk, int8_t q[QK]
         int16_t sc[8];
         _mm_storeu_si128((__m128i *)sc, unpack_scales_iq4xs(blk));
         for (int s = 0; s < 8; s++) dl[2 * s] = dl[2 * s + 1] = d * (float)sc[s];
-        for (int v = 0; v < QK; v++) {
-            const int s = v / 32, i = v % 32;
-            q[v] = iq4nl_values[(blk[8 + 16 * s + i % 16] >> 4 * (i / 16)) & 0xF];
+        const __m128i values = _mm_loadu_si128((const __m128i *)iq4nl_values), m4 = _mm_set1_epi8(0x0F);
+        for (int s = 0; s < 8; s++) {  /* sub-block s: low nibbles of qs[16 s ..], then the high ones */
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * s));
+            _mm_storeu_si128((__m128i *)(q + 32 * s), _mm_shuffle_epi8(values, _mm_and_si128(raw, m4)));
+            _mm_storeu_si128((__m128i *)(q + 32 * s + 16), _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(raw, 4), m4)));
         }
         break;
     }

@@ -1,0 +1,251 @@
+"""GGUF block kernels (gpu/kernels/gguf_kquants.c, gpu/kernels/gguf_q32.c: products straight
+from a GGUF file's blocks) against the repacked gemm_q4_1_q8 (gpu/quant/blocks.py's
+QuantizedWeight with activations "q8", gpu/kernels/ggml_cpu.c) in the same run: µs per product
+and GB/s of weights read, on Gemma-3-270M-shaped products at decode and prefill token counts.
+
+    python -m perf.gguf_kernels_bench [--tokens 1,8,64] [--modes q8,f32] [--threads N]
+
+Every type whose three symbols a kernel library exports is measured (a library that is not
+there, or a type it lacks, is skipped); a shape whose K is not a multiple of the type's block
+(256 for the K-quants) is skipped too. Weights are random blocks with moderate fp16 scales;
+each product is timed as the best of --repeats rounds of enough calls to last ~--round-ms.
+Writes perf/results/gguf_kernels.json and .md (perf/report.py)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from gpu import kernels
+from gpu.quant.blocks import QuantizedWeight, ggml_cpu
+from perf import report
+
+SHAPES = ((640, 2048), (2048, 640), (640, 1024))  # (K, N): Gemma 3 270M's up/gate, down, q
+# library -> type -> (block values, block bytes, byte offsets of the fp16 scales)
+LIBRARIES = {
+    "gguf_q32": {
+        "q4_0": (32, 18, (0,)),
+        "q4_1": (32, 20, (0, 2)),
+        "q5_0": (32, 22, (0,)),
+        "q5_1": (32, 24, (0, 2)),
+        "q8_0": (32, 34, (0,)),
+        "iq4_nl": (32, 18, (0,)),
+    },
+    "gguf_kquants": {
+        "q2_k": (256, 84, (80, 82)),
+        "q3_k": (256, 110, (108,)),
+        "q4_k": (256, 144, (0, 2)),
+        "q5_k": (256, 176, (0, 2)),
+        "q6_k": (256, 210, (208,)),
+        "iq4_xs": (256, 136, (0,)),
+    },
+}
+BASELINE = "repacked q4_1 (gemm_q4_1_q8)"
+
+
+def random_blocks(
+    rng: np.random.Generator, N: int, K: int, qk: int, nbytes: int, scales: tuple[int, ...]
+) -> np.ndarray:
+    blocks = rng.integers(0, 256, (N, K // qk, nbytes), dtype=np.uint8)
+    for offset in scales:
+        blocks[:, :, offset : offset + 2] = rng.uniform(1e-3, 1e-2, (N, K // qk, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(N, -1)
+
+
+def gguf_kernels(lib: ctypes.CDLL, name: str, modes: list[str]) -> dict[str, Callable] | None:
+    """mode -> the library's gemm for the type `name`, or None when it lacks any of the type's symbols"""
+    try:
+        fns = {mode: getattr(lib, f"gguf_gemm_{name}_{mode}") for mode in ("f32", "q8")}
+        getattr(lib, f"gguf_get_rows_{name}")
+    except AttributeError:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in fns.values():
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]  # x, T, K, w, N, y, ldy, threads
+        fn.restype = ctypes.c_int
+    return {mode: fns[mode] for mode in modes}
+
+
+def best_us(calls: Sequence[Callable[[], object]], repeats: int, round_ms: float) -> tuple[float, float]:
+    """(wall, CPU) µs per call, each the best of `repeats` rounds, a round going through `calls`
+    (the same product on as many copies of the weight) as many times as lasts ~round_ms. On a
+    shared machine the CPU time of this process shows the work done, the wall time also the
+    waits for a core."""
+    for call in calls[:3]:
+        call()
+    t = time.perf_counter()
+    for call in calls:
+        call()
+    passes = max(1, int(round_ms / 1e3 / max(time.perf_counter() - t, 1e-7)))
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(passes):
+            for call in calls:
+                call()
+        wall = min(wall, (time.perf_counter() - t) / (passes * len(calls)))
+        cpu = min(cpu, (time.process_time() - c) / (passes * len(calls)))
+    return wall * 1e6, cpu * 1e6
+
+
+def baseline_calls(x: torch.Tensor, N: int, y: torch.Tensor, threads: int, copies: int) -> tuple[list, list]:
+    """gemm_q4_1_q8 on `copies` copies of a repacked Q4_1 weight, called as QuantizedWeight.matmul
+    calls it: (the calls, the copies, to be kept while they run)"""
+    (T, K), g = x.shape, torch.Generator().manual_seed(0)
+    w = QuantizedWeight(
+        "Q4_1",
+        torch.randint(0, 256, (N, K // 32, 16), dtype=torch.uint8, generator=g),
+        torch.rand(N, K // 32, generator=g) * 1e-2,
+        torch.rand(N, K // 32, generator=g) * -1e-2,
+    ).with_activations("q8")
+    gemm, kept = ggml_cpu().gemm_q4_1_q8, [(w.qs.clone(), w.d.clone(), w.m.clone()) for _ in range(copies)]
+    calls = [
+        functools.partial(gemm, x.data_ptr(), T, K, qs.data_ptr(), d.data_ptr(), m.data_ptr(), N, y.data_ptr(), threads)
+        for qs, d, m in kept
+    ]
+    return calls, kept
+
+
+def gguf_calls(fn: Callable, x: torch.Tensor, weight: np.ndarray, y: torch.Tensor, threads: int, copies: int):
+    """fn on `copies` copies of the GGUF weight: (the calls, the copies, to be kept while they run)"""
+    (T, K), N = x.shape, weight.shape[0]
+    kept = np.tile(weight, (copies, 1)).reshape(copies, *weight.shape)
+    calls = [functools.partial(fn, x.data_ptr(), T, K, w.ctypes.data, N, y.data_ptr(), N, threads) for w in kept]
+    return calls, kept
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,8,64", help="token counts T, comma-separated")
+    ap.add_argument("--modes", default="q8,f32", help="the GGUF kernels' activations: q8 and/or f32")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--round-ms", type=float, default=30.0)
+    ap.add_argument(
+        "--stream-mib",
+        type=int,
+        default=256,
+        help="at T=1, also time the products over copies of the weight totalling this much, so each "
+        "reads its weight from memory as a decode step does (0: not)",
+    )
+    report.add_arguments(ap, "gguf_kernels")
+    args = ap.parse_args()
+    tokens, modes = [int(t) for t in args.tokens.split(",")], args.modes.split(",")
+    started = report.start(args)
+
+    types: dict[str, tuple[int, int, tuple[int, ...], dict[str, Callable]]] = {}
+    skipped: list[str] = []
+    for library, layouts in LIBRARIES.items():
+        try:
+            lib = kernels.load(library)
+        except (kernels.KernelBuildError, FileNotFoundError) as e:
+            skipped.append(f"{library}: {e}")
+            continue
+        for name, (qk, nbytes, scales) in layouts.items():
+            fns = gguf_kernels(lib, name, modes)
+            if fns is None:
+                skipped.append(f"{name}: not in {library}")
+            else:
+                types[name] = (qk, nbytes, scales, fns)
+
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def measure(name: str, mode: str, K: int, N: int, T: int, source: str, product: tuple, nbytes: int) -> None:
+        us, cpu_us = best_us(product[0], args.repeats, args.round_ms)
+        rows.append(
+            {
+                "type": name,
+                "mode": mode,
+                "K": K,
+                "N": N,
+                "T": T,
+                "weights": source,
+                "us": us,
+                "cpu_us": cpu_us,
+                "bytes": nbytes,
+            }
+        )
+
+    for K, N in SHAPES:
+        weights = {
+            name: random_blocks(rng, N, K, qk, nbytes, scales)
+            for name, (qk, nbytes, scales, _) in types.items()
+            if K % qk == 0
+        }
+        for T in tokens:
+            x, y = torch.randn(T, K), torch.empty(T, N)
+            sources = {"cached": 1}
+            if T == 1 and args.stream_mib:
+                sources["streamed"] = 0
+            for source in sources:
+                nbytes = N * K // 32 * (16 + 2 * 4)  # the baseline's nibbles, d and m
+                copies = sources[source] or -(-args.stream_mib * 2**20 // nbytes)
+                measure(BASELINE, "q8", K, N, T, source, baseline_calls(x, N, y, args.threads, copies), nbytes)
+                for name, w in weights.items():
+                    copies = sources[source] or -(-args.stream_mib * 2**20 // w.nbytes)
+                    for mode, fn in types[name][3].items():
+                        product = gguf_calls(fn, x, w, y, args.threads, copies)
+                        measure(name, mode, K, N, T, source, product, w.nbytes)
+            print(f"K={K} N={N} T={T}: done", flush=True)
+
+    base = {(r["K"], r["N"], r["T"], r["weights"]): r for r in rows if r["type"] == BASELINE}
+    for r in rows:
+        r["GB/s"] = r["bytes"] / r["us"] / 1e3
+        r["GB/s vs baseline"] = r["GB/s"] / base[r["K"], r["N"], r["T"], r["weights"]]["GB/s"]
+    columns = ("type", "mode", "K", "N", "T", "weights", "µs", "CPU µs", "weight KiB", "GB/s", "GB/s / baseline's")
+    table = report.table(
+        columns,
+        [
+            (
+                r["type"],
+                r["mode"],
+                r["K"],
+                r["N"],
+                r["T"],
+                r["weights"],
+                report.fmt(r["us"]),
+                report.fmt(r["cpu_us"]),
+                report.fmt(r["bytes"] / 1024, ".0f"),
+                report.fmt(r["GB/s"], ".2f"),
+                report.fmt(r["GB/s vs baseline"], ".2f"),
+            )
+            for r in rows
+        ],
+    )
+    print(table)
+    notes = (
+        f"\n\n{args.threads} threads; best of {args.repeats} rounds of ~{args.round_ms:.0f} ms (µs: wall time; "
+        "CPU µs: this process's CPU time, all threads, a spinning one's too). GB/s (wall time): bytes of "
+        "weights read per second (the GGUF blocks as in the file; the baseline's repacked Q4_1: 16 bytes of "
+        f"nibbles and two float32 a 32-block). The baseline is {BASELINE}, the kernel of "
+        "--quantization gguf-q8, measured in the same run. weights cached: one copy, called again and again, "
+        f"so it stays in the caches; streamed: {args.stream_mib} MiB of copies called in turn, each read "
+        "from memory, as in a decode step." + (f"\n\nSkipped: {'; '.join(skipped)}." if skipped else "")
+    )
+    paths = report.write_results(
+        "gguf_kernels",
+        {
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "round_ms": args.round_ms,
+            "stream_mib": args.stream_mib,
+            "skipped": skipped,
+            "results": rows,
+        },
+        table + notes,
+        started,
+        out=args.out,
+    )
+    print("wrote " + " and ".join(map(str, paths)))
+
+
+if __name__ == "__main__":
+    main()
