@@ -206,9 +206,9 @@ def main() -> None:
             )
             start_s[label(mode, kv)] = time.perf_counter() - t
     first = next(iter(runners.values()))
-    from transformers import AutoModelForCausalLM
+    from tests.conftest import reference_model
 
-    hf = AutoModelForCausalLM.from_pretrained(first.model_config.model_dir, dtype=torch.float32).eval()
+    hf = reference_model(args.model_path)
     pad_id = first.model_config.eos_token_ids[0]
     rng = np.random.default_rng(0)
     V = first.model_config.vocab_size

@@ -65,12 +65,9 @@ def run_engine(args, prompts, out_lens) -> dict:
 
 
 def run_transformers(args, prompts, out_lens) -> dict:
-    from transformers import AutoModelForCausalLM
+    from tests.conftest import reference_model
 
-    from gpu.models.model_files import resolve_model_dir
-
-    model_dir = resolve_model_dir(None)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = reference_model()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def generate(batch: list[list[int]], new_tokens: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import reference_model
 from runner_greedy import NEW_TOKENS, PAGE, generate
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
@@ -45,9 +46,7 @@ def prompts(runner):
 
 @pytest.fixture(scope="module")
 def expected(runner, prompts):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(runner.model_config.model_dir, dtype=torch.float32)
+    model = reference_model(runner.config.model_path)
     out = []
     with torch.inference_mode():
         for ids in prompts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import reference_model
 
 from protocol.sampling_params import SamplingParams
 from runtime.offline import OfflineEngine
@@ -38,9 +39,7 @@ def engine():
 @pytest.fixture(scope="module")
 def reference(engine):
     """prompt ids -> transformers' log-softmax [P, V] (row p predicts token p + 1)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(engine.runner.model_config.model_dir, dtype=torch.float32)
+    model = reference_model(engine.server_args.model_path)
     cache = {}
 
     def logprobs(ids: list[int]) -> np.ndarray:

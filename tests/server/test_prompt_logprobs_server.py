@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 from bad_requests import MODEL
-
-from gpu.models.model_files import resolve_model_dir
+from conftest import reference_model
 
 ATOL = 1e-3
 K = 2  # alternatives asked for
@@ -120,12 +119,10 @@ def got(server, client):
 @pytest.fixture(scope="module")
 def reference(got):
     """prompt name -> (ids, transformers' log-softmax [P, V]: row p predicts token p + 1)."""
-    from transformers import AutoModelForCausalLM
-
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.float32)
+        model = reference_model()
         out = {}
         with torch.inference_mode():
             for name, ids in got["ids"].items():
