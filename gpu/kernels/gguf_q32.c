@@ -43,6 +43,7 @@
 #define QK 32
 #define TILE 4        /* tokens per pass over a row: 4 accumulators + block + x fit the 16 ymm registers */
 #define ROW_CHUNK 16  /* rows a thread takes at a time */
+#define ROW_TILE 4    /* rows a q8 product takes together at one token */
 
 enum block_type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL };
 
@@ -239,78 +240,95 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     return acc;
 }
 
-/* block b of one row times the tile's tokens' blocks b, into acc[t] and min_sum[t] */
-static inline __attribute__((always_inline)) void block_q8(int type, int tt, struct q8_activations a, int64_t K,
-                                                           const uint8_t *row, int64_t b, __m256 acc[],
-                                                           float min_sum[]) {
+/* y[t, n + r] for r < R rows (row_bytes apart from row) and t < tt tokens (a: the first one),
+ * x quantized. R and tt are constants at each call: the loops unroll and the R * tt sums stay
+ * in registers. Each block is unpacked once for the tile's tokens, each token's block of x
+ * (values, corrections, scale) loaded once for the tile's rows: at one token the loads, not
+ * the arithmetic, are what bounds a row at a time. */
+static inline __attribute__((always_inline)) void tile_q8(int type, int R, int tt, struct q8_activations a,
+                                                          int64_t K, const uint8_t *row, int64_t row_bytes,
+                                                          float *y, int64_t ldy) {
     const int64_t nb = K / QK;
-    const uint8_t *blk = row + b * block_bytes(type);
-    const int corrected = corrected_offset(type, a.vnni) || has_min(type);  /* the codes go in as they are */
-    const __m256i u = corrected ? codes(type, blk) : values(type, blk);
-    const __m256i magnitude = corrected ? u : _mm256_sign_epi8(u, u); /* -128 reads as 128 unsigned */
-    const __m256 d = fp16_at(blk);
-    for (int t = 0; t < tt; t++) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
-        const __m256i signed_xq = corrected ? xq : _mm256_sign_epi8(xq, u);
-        const __m256i start = corrected_offset(type, a.vnni)
-                                  ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * (t * nb + b)))
-                                  : _mm256_setzero_si256();
-        const __m256i sum = a.vnni ? dpbusd(start, magnitude, signed_xq)
-                                   : _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_xq),
-                                                                               _mm256_set1_epi16(1)));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + t * nb + b)), acc[t]);
-        if (has_min(type)) min_sum[t] += _mm256_cvtss_f32(fp16_at(blk + 2)) * a.s[t * nb + b];
+    const int offset = corrected_offset(type, a.vnni), corrected = offset || has_min(type);  /* codes as they are */
+    __m256 acc[ROW_TILE][TILE];
+    float min_sum[ROW_TILE][TILE];  /* sums over blocks of m xs */
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < tt; t++) acc[r][t] = _mm256_setzero_ps(), min_sum[r][t] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i u[ROW_TILE], magnitude[ROW_TILE];
+        __m256 d[ROW_TILE];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
+            u[r] = corrected ? codes(type, blk) : values(type, blk);
+            magnitude[r] = corrected ? u[r] : _mm256_sign_epi8(u[r], u[r]); /* -128 reads as 128 unsigned */
+            d[r] = fp16_at(blk);
+        }
+        for (int t = 0; t < tt; t++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
+            const __m256i start = offset ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * (t * nb + b)))
+                                         : _mm256_setzero_si256();
+            const __m256 xd = _mm256_broadcast_ss(a.d + t * nb + b);
+            for (int r = 0; r < R; r++) {
+                const __m256i signed_xq = corrected ? xq : _mm256_sign_epi8(xq, u[r]);
+                const __m256i sum =
+                    a.vnni ? dpbusd(start, magnitude[r], signed_xq)
+                           : _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], signed_xq),
+                                                                       _mm256_set1_epi16(1)));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d[r], xd), acc[r][t]);
+                if (has_min(type))
+                    min_sum[r][t] += _mm256_cvtss_f32(fp16_at(row + r * row_bytes + b * block_bytes(type) + 2)) *
+                                     a.s[t * nb + b];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < tt; t++) y[t * ldy + r] = hsum(acc[r][t]) + min_sum[r][t];
+}
+
+/* rows [n0, n1), all tokens: ROW_TILE rows by 1 token at a time for one token, else 2 rows by
+ * up to TILE tokens (measured fastest of the shapes that fit the registers) */
+static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, int64_t T, int64_t K,
+                                                          const uint8_t *w, float *y, int64_t ldy, int64_t n0,
+                                                          int64_t n1) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
+    if (T == 1) {
+        int64_t n = n0;
+        for (; n + ROW_TILE <= n1; n += ROW_TILE) tile_q8(type, ROW_TILE, 1, a, K, w + n * row_bytes, row_bytes, y + n, ldy);
+        for (; n < n1; n++) tile_q8(type, 1, 1, a, K, w + n * row_bytes, row_bytes, y + n, ldy);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const struct q8_activations at = {a.q + t0 * K, a.d + t0 * nb, a.s + t0 * nb, a.c + 8 * t0 * nb, a.vnni};
+        float *yt = y + t0 * ldy;
+        int64_t n = n0;
+#define TOKENS_CASE(R, TT)                                                                        \
+    case TT:                                                                                      \
+        for (; n + R <= n1; n += R) tile_q8(type, R, TT, at, K, w + n * row_bytes, row_bytes, yt + n, ldy); \
+        for (; n < n1; n++) tile_q8(type, 1, TT, at, K, w + n * row_bytes, row_bytes, yt + n, ldy);           \
+        break;
+        switch (T - t0 < TILE ? T - t0 : TILE) { TOKENS_CASE(2, 4) TOKENS_CASE(2, 3) TOKENS_CASE(2, 2) TOKENS_CASE(4, 1) }
+#undef TOKENS_CASE
     }
 }
 
-/* y[t, n] for t < tt, one row, x quantized (a: the tile's first token). Odd and even blocks
- * go into separate sums: one token's chain of FMAs would otherwise wait on the FMA latency. */
-static inline __attribute__((always_inline)) void row_tile_q8(int type, int tt, struct q8_activations a, int64_t K,
-                                                              const uint8_t *row, float *y, int64_t ldy) {
-    const int64_t nb = K / QK;
-    __m256 even[TILE], odd[TILE];
-    float even_min[TILE], odd_min[TILE]; /* sums over blocks of m xs */
-    for (int t = 0; t < tt; t++) even[t] = odd[t] = _mm256_setzero_ps(), even_min[t] = odd_min[t] = 0.0f;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        block_q8(type, tt, a, K, row, b, even, even_min);
-        block_q8(type, tt, a, K, row, b + 1, odd, odd_min);
-    }
-    if (b < nb) block_q8(type, tt, a, K, row, b, even, even_min);
-    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(_mm256_add_ps(even[t], odd[t])) + (even_min[t] + odd_min[t]);
+/* rows [n0, n1), all tokens, TILE at a time, x as it is */
+static inline __attribute__((always_inline)) void rows_f32(int type, const float *x, int64_t T, int64_t K,
+                                                           const uint8_t *w, float *y, int64_t ldy, int64_t n0,
+                                                           int64_t n1) {
+    const int64_t row_bytes = K / QK * block_bytes(type);
+    for (int64_t t0 = 0; t0 < T; t0 += TILE)
+        for (int64_t n = n0; n < n1; n++) {
+            const float *xt = x + t0 * K;
+            float *yt = y + t0 * ldy + n;
+            const uint8_t *row = w + n * row_bytes;
+            switch (T - t0 < TILE ? T - t0 : TILE) {
+            case 4: row_tile_f32(type, 4, xt, K, row, yt, ldy); break;
+            case 3: row_tile_f32(type, 3, xt, K, row, yt, ldy); break;
+            case 2: row_tile_f32(type, 2, xt, K, row, yt, ldy); break;
+            default: row_tile_f32(type, 1, xt, K, row, yt, ldy); break;
+            }
+        }
 }
-
-/* rows [n0, n1), all tokens, TILE at a time */
-#define ROWS_TILED(NAME, ROW_TILE, XTYPE, X_AT)                                                            \
-    static inline __attribute__((always_inline)) void NAME(int type, XTYPE x, int64_t T, int64_t K,        \
-                                                           const uint8_t *w, float *y, int64_t ldy,        \
-                                                           int64_t n0, int64_t n1) {                       \
-        const int64_t row_bytes = K / QK * block_bytes(type);                                              \
-        for (int64_t t0 = 0; t0 < T; t0 += TILE)                                                           \
-            for (int64_t n = n0; n < n1; n++) {                                                            \
-                float *yt = y + t0 * ldy + n;                                                              \
-                const uint8_t *row = w + n * row_bytes;                                                    \
-                switch (T - t0 < TILE ? T - t0 : TILE) {                                                   \
-                case 4: ROW_TILE(type, 4, X_AT(x, t0, K), K, row, yt, ldy); break;                          \
-                case 3: ROW_TILE(type, 3, X_AT(x, t0, K), K, row, yt, ldy); break;                          \
-                case 2: ROW_TILE(type, 2, X_AT(x, t0, K), K, row, yt, ldy); break;                          \
-                default: ROW_TILE(type, 1, X_AT(x, t0, K), K, row, yt, ldy); break;                         \
-                }                                                                                          \
-            }                                                                                              \
-    }
-
-static inline __attribute__((always_inline)) const float *x_f32_at(const float *x, int64_t t, int64_t K) {
-    return x + t * K;
-}
-
-static inline __attribute__((always_inline)) struct q8_activations x_q8_at(struct q8_activations a, int64_t t,
-                                                                           int64_t K) {
-    const int64_t nb = K / QK;
-    return (struct q8_activations){a.q + t * K, a.d + t * nb, a.s + t * nb, a.c + 8 * t * nb, a.vnni};
-}
-
-ROWS_TILED(rows_f32, row_tile_f32, const float *, x_f32_at)
-ROWS_TILED(rows_q8, row_tile_q8, struct q8_activations, x_q8_at)
 
 /* The quantized x is kept between calls (one per calling thread): a fresh one per call would
  * be mmap'ed and page-faulted in every time once it outgrows malloc's heap threshold (a
