@@ -3,7 +3,7 @@ against the torch backend, the reference pinned to transformers: mixed decode an
 with windows smaller than, equal to and larger than the contexts, crossing pages, the decode's
 chunks of 32 keys and the extend's of 64, prompts after cached prefixes, with and without the
 cap, over the KV cache types and Gemma's GQA shapes; the keys before a window are not read; the
-kernels' tanh against torch's."""
+kernels' tanh against torch's in float64."""
 
 import numpy as np
 import pytest
@@ -95,7 +95,7 @@ def test_windows_and_softcap_on_the_other_cache_types(dtype):
         torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=2e-5)
 
 
-def test_soft_cap_is_torchs_tanh_to_a_few_ulp():
+def test_soft_cap_is_tanh_to_two_epsilons():
     from gpu.attention.cpu import _library
 
     lib = _library()
@@ -106,9 +106,10 @@ def test_soft_cap_is_torchs_tanh_to_a_few_ulp():
     cap = 50.0
     got = torch.empty_like(x)
     lib.soft_cap(x.data_ptr(), len(x), cap, got.data_ptr())
-    want = (torch.tanh(x.double() / cap) * cap).float()
-    ulps = ((got - want).abs() / torch.finfo(torch.float32).eps / want.abs()).max()
-    assert ulps <= 4, f"{float(ulps)} ulp"
+    want = torch.tanh(x.double() / cap) * cap
+    # relative error in float32 epsilons: measured 1.54 (torch's own float32 tanh: 1.20)
+    eps = ((got.double() - want).abs() / want.abs()).max() / torch.finfo(torch.float32).eps
+    assert eps <= 2, f"{float(eps)} epsilons"
 
 
 def test_gemma_runs_on_the_cpu_kernels_by_default():
