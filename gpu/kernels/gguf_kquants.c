@@ -39,7 +39,9 @@
  * offset) as one madd of the group scales with bsums, so no per-value subtraction. Then
  * d_w * d_x times that sum in float. IQ4_XS's values are signed: their magnitudes go in
  * maddubs' unsigned operand and their signs onto x. Rows go over the threads in chunks; the
- * tokens in tiles of TILE, each superblock's scales and quants unpacked once per tile.
+ * tokens in tiles of TILE, each superblock's scales and quants unpacked once per tile. Where
+ * the CPU has AVX512-VNNI (chosen at run time), each madd and the add after it are one
+ * vpdpwssd, the same integers.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -318,6 +320,17 @@ static inline __m256i pick_scales(__m256i s, int lo, int hi) {
 
 static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* acc + madd(a, b): int16 pairs multiplied and summed into int32. With VNNI one instruction,
+ * vpdpwssd, written as asm so that this file builds with the -mavx2 of every kernel and the
+ * VNNI path is chosen at run time (gguf_kquants_vnni). */
+INLINE __m256i madd_acc(int vnni, __m256i acc, __m256i a, __m256i b) {
+    if (vnni) {
+        __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+        return acc;
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
 /* Where token t's data for superblock b starts, the tile's first token at t = 0 */
 #define XQ(t) (xq + (t) * K)
 #define XBS(t) (xbs + (t) * (K / 16))
@@ -325,7 +338,7 @@ static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const 
 
 /* One superblock for tt tokens: acc[t] += its dot product with token t (8 lanes to sum).
  * xq, xbs, xd: token 0's Q8_K superblock (quants, bsums, d). */
-INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
+INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
                           const float *xd, int64_t K, __m256 acc[TILE]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
     __m256i isum[TILE];
@@ -375,13 +388,12 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
                 }
                 const __m256i s = pick_scales(h ? sc_hi : sc_lo, 2 * g, 2 * g + 1);
                 for (int t = 0; t < tt; t++)
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g))));
+                    isum[t] = madd_acc(vnni, isum[t], s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g)));
             }
         }
-        if (type != Q2_K) {  /* the offset: sum sc (q + off) x - off sum sc bsums, off 4 or 32 */
-            const __m256i sc16 = _mm256_cvtepi8_epi16(sc);
-            for (int t = 0; t < tt; t++)
-                isum[t] = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(XBS(t))), type == Q3_K ? 2 : 5));
+        if (type != Q2_K) {  /* the offset: sum sc (q + off) x - off sum sc bsums, off 4 or 32 (-off sc fits int16) */
+            const __m256i offsets = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), type == Q3_K ? 2 : 5));
+            for (int t = 0; t < tt; t++) isum[t] = madd_acc(vnni, isum[t], offsets, load256(XBS(t)));
         }
         break;
     }
@@ -408,8 +420,8 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
             scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
-                isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(slo, _mm256_maddubs_epi16(lo, load256(x))),
-                                                                     _mm256_madd_epi16(shi, _mm256_maddubs_epi16(hi, load256(x + 32)))));
+                isum[t] = madd_acc(vnni, isum[t], slo, _mm256_maddubs_epi16(lo, load256(x)));
+                isum[t] = madd_acc(vnni, isum[t], shi, _mm256_maddubs_epi16(hi, load256(x + 32)));
             }
         }
         break;
@@ -429,9 +441,8 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
             scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
-                isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(
-                    _mm256_madd_epi16(s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0))),
-                    _mm256_madd_epi16(s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1)))));
+                isum[t] = madd_acc(vnni, isum[t], s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0)));
+                isum[t] = madd_acc(vnni, isum[t], s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1)));
             }
         }
         break;
@@ -445,18 +456,18 @@ INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const in
 }
 
 /* y[t * ldy] for t < tt = one row's products with tt tokens (Q8_K x at token 0) */
-INLINE void row_q8(enum kquant type, int tt, const uint8_t *row, int64_t block_bytes, int64_t K, const int8_t *xq,
+INLINE void row_q8(enum kquant type, int tt, int vnni, const uint8_t *row, int64_t block_bytes, int64_t K, const int8_t *xq,
                    const int16_t *xbs, const float *xd, float *y, int64_t ldy) {
     __m256 acc[TILE];
     for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / QK; b++)
-        superblock_q8(type, tt, row + b * block_bytes, xq + b * QK, xbs + b * 16, xd + b, K, acc);
+        superblock_q8(type, tt, vnni, row + b * block_bytes, xq + b * QK, xbs + b * 16, xd + b, K, acc);
     for (int t = 0; t < tt; t++) y[t * ldy] = hsum(acc[t]);
 }
 
 /* Rows n0 .. n1, all tokens, a tile at a time: the chunk's rows (a few KiB) stay in L1/L2 for
  * every tile, and a tile of x is read from L1 for every row. */
-INLINE void rows_q8(enum kquant type, int64_t block_bytes, const struct q8k *xq, int64_t T, int64_t K,
+INLINE void rows_q8(enum kquant type, int vnni, int64_t block_bytes, const struct q8k *xq, int64_t T, int64_t K,
                     const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t row_bytes = K / QK * block_bytes;
     for (int64_t t0 = 0; t0 < T; t0 += TILE) {
@@ -467,10 +478,10 @@ INLINE void rows_q8(enum kquant type, int64_t block_bytes, const struct q8k *xq,
             const uint8_t *row = w + n * row_bytes;
             float *yt = y + t0 * ldy + n;
             switch (T - t0 < TILE ? T - t0 : TILE) {
-            case 4: row_q8(type, 4, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            case 3: row_q8(type, 3, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            case 2: row_q8(type, 2, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            default: row_q8(type, 1, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            case 4: row_q8(type, 4, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            case 3: row_q8(type, 3, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            case 2: row_q8(type, 2, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            default: row_q8(type, 1, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
             }
         }
     }
@@ -495,27 +506,49 @@ static int reserve_q8k(int64_t T, int64_t K, struct q8k *xq) {
     return 0;
 }
 
-/* One function a type, not a run-time flag, so that each parallel region is compiled for its
- * own block. x is quantized in the same parallel region (tokens over the threads), then row
- * chunks go over the threads. */
-#define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
-    int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
-                              float *y, int64_t ldy, int threads) {                                  \
-        if (T <= 0 || N <= 0) return 0;                                                              \
-        struct q8k xq;                                                                               \
-        if (reserve_q8k(T, K, &xq)) return -1;                                                       \
+/* 1: the q8 products take vpdpwssd (AVX512-VNNI and AVX512VL), 0: AVX2 alone. Set from the
+ * CPU when the library loads; a variable the tests set to run both paths. */
+int gguf_kquants_vnni = 0;
+
+__attribute__((constructor)) static void choose_vnni(void) {
+    __builtin_cpu_init();
+    gguf_kquants_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+}
+
+/* The VNNI path may also use AVX-512VL's 16 more vector registers: fewer spills at 4 tokens. */
+#define VNNI_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+#define AVX2_TARGET
+
+/* One function a type and path, not run-time flags, so that each parallel region is compiled
+ * for its own block. x is quantized in the same parallel region (tokens over the threads),
+ * then row chunks go over the threads. */
+#define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, VNNI)                                                  \
+    PATH##_TARGET static void NAME##_q8_##PATH(const float *x, int64_t T, int64_t K, const uint8_t *w, \
+                                               int64_t N, float *y, int64_t ldy, int threads,         \
+                                               const struct q8k *xq) {                                \
         const int64_t nsb = K / QK, chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                        \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t t = 0; t < T; t++)                                                          \
-                quantize_q8_k(x + t * K, nsb, xq.q + t * K, xq.d + t * nsb, xq.bsums + t * (K / 16)); \
+                quantize_q8_k(x + t * K, nsb, xq->q + t * K, xq->d + t * nsb, xq->bsums + t * (K / 16)); \
             _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
             for (int64_t c = 0; c < chunks; c++)                                                     \
-                rows_q8(TYPE, BYTES, &xq, T, K, w, y, ldy, c * ROW_CHUNK,                            \
+                rows_q8(TYPE, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK,                       \
                         (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N);                          \
         }                                                                                            \
+    }
+
+#define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0)                                                         \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, VNNI, 1)                                                         \
+    int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
+                              float *y, int64_t ldy, int threads) {                                  \
+        if (T <= 0 || N <= 0) return 0;                                                              \
+        struct q8k xq;                                                                               \
+        if (reserve_q8k(T, K, &xq)) return -1;                                                       \
+        (gguf_kquants_vnni ? NAME##_q8_VNNI : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq);  \
         return 0;                                                                                    \
     }
 

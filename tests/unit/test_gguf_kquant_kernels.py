@@ -65,6 +65,23 @@ def lib() -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="module")
+def vnni_detected(lib: ctypes.CDLL) -> bool:
+    """Whether the library chose its VNNI path for this CPU when it loaded"""
+    return bool(ctypes.c_int.in_dll(lib, "gguf_kquants_vnni").value)
+
+
+@pytest.fixture(params=("avx2", "vnni"))
+def q8_path(request: pytest.FixtureRequest, lib: ctypes.CDLL, vnni_detected: bool) -> Iterator[str]:
+    """Each q8 test on both paths (VNNI where the CPU has it); the CPU's choice restored after"""
+    if request.param == "vnni" and not vnni_detected:
+        pytest.skip("the CPU lacks AVX512-VNNI")
+    flag = ctypes.c_int.in_dll(lib, "gguf_kquants_vnni")
+    flag.value = request.param == "vnni"
+    yield request.param
+    flag.value = vnni_detected
+
+
 def random_blocks(name: str, N: int, K: int, seed: int) -> np.ndarray:
     """uint8 [N, K / 256 * block bytes]: random quants and scale bytes, finite fp16 d (either
     sign) and dmin of moderate size"""
@@ -173,7 +190,9 @@ def test_gemm_f32_is_dequantize_then_matmul(lib: ctypes.CDLL, tmp_path: Path, na
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-N{}-ldy+{}-threads{}".format(*s))
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, tmp_path: Path, name: str, shape: tuple) -> None:
+def test_gemm_q8_is_llama_cpp_integer_arithmetic(
+    lib: ctypes.CDLL, tmp_path: Path, name: str, shape: tuple, q8_path: str
+) -> None:
     T, K, N, extra, threads = shape
     blocks, x = random_blocks(name, N, K, seed=4), tokens(T, K, seed=5)
     with read_only(blocks, tmp_path) as w:
@@ -183,7 +202,7 @@ def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, tmp_path: Pat
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, tmp_path: Path, name: str) -> None:
+def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, tmp_path: Path, name: str, q8_path: str) -> None:
     """x's rounding to int8 moves the product by well under 1% of its scale"""
     T, K, N = 3, 1024, 32
     blocks, x = random_blocks(name, N, K, seed=6), tokens(T, K, seed=7)
