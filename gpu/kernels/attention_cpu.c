@@ -49,9 +49,9 @@ static inline __m256 lanes_below(int64_t n) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n8), lane));
 }
 
-/* tanh(x) to a few ulp, as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625, where 1 - 2 / (e^2x + 1)
- * would cancel; that form above it, where the result is >= 0.55 and keeps exp8's ~2e-7. exp8
- * clamps at 88, so a large |x| gives exactly +-1, as tanhf does. */
+/* tanh(x) within 2 float epsilons (relative), as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625,
+ * where 1 - 2 / (e^2x + 1) would cancel; that form above it, where the result is >= 0.55 and
+ * keeps exp8's ~2e-7. exp8 clamps at 88, so a large |x| gives exactly +-1, as tanhf does. */
 static inline __m256 tanh8(__m256 x) {
     const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
     const __m256 a = _mm256_andnot_ps(sign, x), z = _mm256_mul_ps(x, x);
@@ -148,9 +148,8 @@ static inline void prefetch_some(Prefetch *pf) {
 
 /* One chunk [j0, j0 + n) of one request, all Hq heads: acc[i] = sum_j e^(s_ij - m_i) v_j,
  * l[i] = sum_j e^(s_ij - m_i), m[i] = max_j s_ij, s_ij = q_i . k_j * scale (soft-capped when
- * softcap > 0). Inlined into
- * attend_chunk_as with a constant dtype: one copy of the loops per KV element type, each with
- * its row load and no branch on the type inside them. */
+ * softcap > 0). Inlined into attend_chunk_as with a constant dtype: one copy of the loops per KV
+ * element type, each with its row load and no branch on the type inside them. */
 static inline __attribute__((always_inline)) void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
                                                                int64_t Hq, int64_t G, int64_t D, float scale,
                                                                float softcap, float *acc, float *m, float *l, int dtype,
@@ -523,7 +522,8 @@ static inline __attribute__((always_inline)) void extend_item(const float *q, in
 static void extend_item_as(int dtype, const float *q, int64_t q_stride, const KvRows *r, int64_t q_len,
                            int64_t kv_len, int64_t i0, int64_t nq, int64_t h, int64_t G, int64_t D, float scale,
                            int64_t window, float softcap, float *out, int64_t out_stride, const ExtScratch *w) {
-#define EXTEND_ITEM(DT) extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, window, softcap, out, out_stride, w, DT)
+#define EXTEND_ITEM(DT) \
+    extend_item(q, q_stride, r, q_len, kv_len, i0, nq, h, G, D, scale, window, softcap, out, out_stride, w, DT)
     switch (dtype) {
     case KV_F16: EXTEND_ITEM(KV_F16); break;
     case KV_BF16: EXTEND_ITEM(KV_BF16); break;
