@@ -3,7 +3,6 @@ backend and sampler behind one step() over a batch mixing prefill chunks and dec
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -22,8 +21,9 @@ from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.llama import LlamaForCausalLM
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError, default_model_path, resolve_model_dir
-from gpu.models.weights import load_weights
-from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION, QUANTIZED_ARCHITECTURES, load_quantized
+from gpu.models.weights import Weight, load_gguf_weights, load_weights
+from gpu.quant.gguf_weight import GGUFWeight
+from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION
 from gpu.sampling.sampler import Sampler
 from protocol.sampling_params import SamplingParams
 
@@ -98,20 +98,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_quantization(
-    quantization: str, model_path: Path, device: torch.device, dtype: torch.dtype, architecture: str
-) -> str:
-    """--quantization auto: AUTO_QUANTIZATION where its kernels can run the model (a .gguf file
-    of an architecture gpu/quant/loader.py reads, on the CPU, in float32), else none; other values as
-    they are. AUTO_QUANTIZATION is the fastest mode within the quality bound of
-    perf/results/quality.md (mean KL from the exact mode <= 0.01 nats/token, perplexity within 1%)."""
+def resolve_quantization(quantization: str, model_path: Path, device: torch.device, dtype: torch.dtype) -> str:
+    """--quantization auto: AUTO_QUANTIZATION where its kernels can run the model (a .gguf file,
+    of any family the forward runs, on a CPU that builds them, in float32), else none (for a
+    .gguf: its weights dequantized); other values as they are. AUTO_QUANTIZATION is the fastest
+    mode within the quality bound of perf/results/quality.md (mean KL from the exact mode <=
+    0.01 nats/token, perplexity within 1%)."""
     if quantization != "auto":
         return quantization
     runs = (
         model_path.suffix == ".gguf"
         and device.type == "cpu"
         and dtype == torch.float32
-        and architecture in QUANTIZED_ARCHITECTURES
+        and kernels.cpu_kernels_available()
     )
     return AUTO_QUANTIZATION if runs else "none"
 
@@ -148,13 +147,9 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
         path = default_model_path() if config.model_path is None else Path(config.model_path)
-        self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype, cfg.architecture)
-        quantized = {} if self.quantization == "none" else self._gguf_weights(path)
-        weights = load_weights(cfg, self.dtype, self.device)
-        for name, q in quantized.items():  # the fp32 weights stay where products of many tokens use them
-            dense = None if q.max_tokens is None else weights.get(name, weights["embed"])
-            weights[name] = dataclasses.replace(q, dense=dense)
-        self.model = LlamaForCausalLM(cfg, weights, progress)
+        self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype)
+        weights, rope_style = self._weights(path)
+        self.model = LlamaForCausalLM(cfg, weights, progress, rope_style)
         num_pages = self._num_kv_pages()
         try:
             self.kv_cache = KVCache(
@@ -204,25 +199,28 @@ class ModelRunner:
             logger.warning("%s; decode steps run the Python forward", e)
             return None
 
-    def _gguf_weights(self, path: Path) -> dict:
-        """--quantization gguf | gguf-q8: the projections in the GGUF file's own blocks (gpu/quant/).
-        When auto chose the mode and the blocks cannot be used here (no C compiler or AVX2, a block
-        type the kernels do not take), the fp32 weights, with a warning."""
-        mode = self.quantization
-        if mode not in ACTIVATIONS:
+    def _weights(self, path: Path) -> tuple[dict[str, Weight], str]:
+        """The model's weights and rope style (LlamaForCausalLM's). A GGUF's are used in place
+        (--quantization gguf | gguf-q8: its blocks through the kernels) or dequantized (none:
+        float copies, an explicit choice); an HF directory's are read (none only)."""
+        mode, cfg = self.quantization, self.model_config
+        if mode != "none" and mode not in ACTIVATIONS:
             raise ModelLoadError(f"--quantization must be one of auto, none, {', '.join(ACTIVATIONS)}, not {mode!r}")
-        if self.config.quantization == "auto":
-            try:
-                return load_quantized(path, self.model_config, ACTIVATIONS[mode])
-            except ModelLoadError as e:
-                logger.warning("%s; --quantization auto runs the fp32 weights (none)", e)
-                self.quantization = "none"
-                return {}
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"--quantization {mode} needs a .gguf model, not {path}")
+        if cfg.gguf_path is None:
+            if mode != "none":
+                raise ModelLoadError(f"--quantization {mode} needs a .gguf model, not {path}")
+            weights: dict[str, Weight] = dict(load_weights(cfg, self.dtype, self.device))
+            return weights, "halves"
+        if mode == "none":
+            weights, rope_style = load_gguf_weights(cfg, "f32")
+            dense: dict[str, Weight] = {
+                name: (w.dequantize() if isinstance(w, GGUFWeight) else w).to(self.device, self.dtype)
+                for name, w in weights.items()
+            }
+            return dense, rope_style
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ModelLoadError(f"--quantization {mode} runs on the CPU in float32 (its kernels are AVX2 C)")
-        return load_quantized(path, self.model_config, ACTIVATIONS[mode])
+        return load_gguf_weights(cfg, ACTIVATIONS[mode])
 
     def _num_kv_pages(self) -> int:
         cfg, c = self.model_config, self.config

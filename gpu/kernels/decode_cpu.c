@@ -1,6 +1,7 @@
 /* A whole decode step's layers in one call, for a model whose projections are GGUF blocks
  * (--quantization gguf / gguf-q8) on an x86-64 CPU with AVX2 + FMA (gpu/models/cpu_decode.py builds
- * this file together with the kernels it runs: ggml_cpu.c, layer_cpu.c, attention_cpu.c).
+ * this file together with the kernels it runs: layer_cpu.c, attention_cpu.c; the block products
+ * are the GGUF kernels' (gguf_q32.c, gguf_kquants.c), called through the pointers it is given).
  *
  * The Python forward (gpu/models/llama.py) makes ~10 calls a layer into these same kernels, each
  * with its ctypes conversion, tensor allocations and views, a large share of a batch-1 step
@@ -17,33 +18,32 @@
 #include <string.h>
 #include "kv_dtype.h"
 
-/* ggml_cpu.c */
-void gemm_q4_1(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
-               float *y, int threads);
-void gemm_q8_0(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
-               float *y, int threads);
-int gemm_q4_1_q8(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
-                 float *y, int threads);
-int gemm_q8_0_q8(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d, const float *m, int64_t N,
-                 float *y, int threads);
 /* layer_cpu.c */
 void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_t H, float eps, float *out,
               int threads);
 void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
-          const float *cos_table, const float *sin_table, int threads);
+          const float *cos_table, const float *sin_table, int pairs, int threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
 /* attention_cpu.c */
 int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
                            const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
                            int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads);
 
-enum { GEMM_Q4_1, GEMM_Q8_0, GEMM_Q4_1_Q8, GEMM_Q8_0_Q8 };
+/* a GGUF kernel, gguf_gemm_TYPE_{f32,q8}: y[t, :N] (row t at y + t * ldy) = x[t] @ W^T; 0 or -1 (no memory) */
+typedef int (*Gemm)(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
+                    int threads);
 
-typedef struct {  /* y [T, n] = x [T, k] @ W^T, W in the blocks' layout for `kernel` */
-    const uint8_t *qs;
-    const float *d, *m;
-    int64_t n, k;
-    int64_t kernel;
+#define MAX_PARTS 3  /* q, k, v */
+
+typedef struct {  /* rows of a projection in one GGUF tensor: its blocks in the mapping */
+    Gemm gemm;
+    const uint8_t *w;
+    int64_t n;
+} Part;
+
+typedef struct {  /* y [T, n] = x [T, k] @ W^T, W the parts' rows one after another */
+    Part parts[MAX_PARTS];
+    int64_t n_parts, n, k;
 } Projection;
 
 typedef struct {
@@ -56,24 +56,25 @@ typedef struct {
 typedef struct {
     int64_t hidden, intermediate, q_heads, kv_heads, head_dim, page_size;
     int64_t kv_dtype;  /* KV_F32 | KV_F16 | KV_BF16 | KV_F8E5M2 */
+    int64_t rope_pairs;  /* rope's pairs are dims (2j, 2j + 1), not (j, j + D/2): layer_cpu.c rope */
     float eps, scale;
 } Dims;
 
+/* each part's product into its column slice of y [T, p->n] */
 static int project(const Projection *p, const float *x, int64_t T, float *y, int threads) {
-    switch (p->kernel) {
-    case GEMM_Q4_1: gemm_q4_1(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads); return 0;
-    case GEMM_Q8_0: gemm_q8_0(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads); return 0;
-    case GEMM_Q4_1_Q8: return gemm_q4_1_q8(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads);
-    case GEMM_Q8_0_Q8: return gemm_q8_0_q8(x, T, p->k, p->qs, p->d, p->m, p->n, y, threads);
+    int64_t column = 0;
+    for (int64_t i = 0; i < p->n_parts; i++) {
+        const Part *part = p->parts + i;
+        if (part->gemm(x, T, p->k, part->w, part->n, y + column, p->n, threads)) return -1;
+        column += part->n;
     }
-    return -1;
+    return 0;
 }
 
 /* x [T, H]: the embeddings in; out, the residual stream before the last layer's MLP output is
  * added, which is left in residual [T, H] (the Python forward's x and residual after its loop).
  * positions, out_cache_loc int64 [T]; page_table int32 [T, pt_stride]; kv_lens int32 [T].
- * Returns 0, or -1 when scratch memory could not be allocated (or a projection's kernel is
- * unknown). */
+ * Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64_t T, float *x, float *residual,
                   const int64_t *positions, const float *cos_table, const float *sin_table,
                   const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens,
@@ -101,7 +102,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         if (L->qkv_bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += L->qkv_bias[j];
-        rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, threads);
+        rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, (int)dims->rope_pairs, threads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_width;
             kv_store_row((char *)L->k_cache + out_cache_loc[t] * kv_row_bytes, row + Hq * D, kv_width, kv_dtype);

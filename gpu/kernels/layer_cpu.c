@@ -50,22 +50,25 @@ void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_
 }
 
 /* In place on the first n_heads heads of each row of x (the q and k heads of the fused qkv
- * rows, row t at x + t * row_stride, head h at + h * D): rotate-half rope at positions[t],
- * cos / sin rows of the [P, D/2] tables: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
+ * rows, row t at x + t * row_stride, head h at + h * D): rope at positions[t], cos / sin rows
+ * of the [P, D/2] tables, pair j rotated as x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+ * Pair j is dims (j, j + D/2) (rotate-half), or with `pairs` dims (2j, 2j + 1) (llama.cpp's
+ * NORM rope, for the q/k rows of a Llama-architecture GGUF). */
 void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
-          const float *cos_table, const float *sin_table, int threads) {
+          const float *cos_table, const float *sin_table, int pairs, int threads) {
     const int64_t half = D / 2;
+    const int64_t step = pairs ? 2 : 1, second = pairs ? 1 : half;  /* pair j: dims j * step, j * step + second */
     #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * half;
         const float *s = sin_table + positions[t] * half;
         for (int64_t h = 0; h < n_heads; h++) {
-            float *x1 = x + t * row_stride + h * D;
-            float *x2 = x1 + half;
+            float *head = x + t * row_stride + h * D;
             for (int64_t j = 0; j < half; j++) {
-                const float a = x1[j], b = x2[j];
-                x1[j] = a * c[j] - b * s[j];
-                x2[j] = b * c[j] + a * s[j];
+                float *x1 = head + j * step, *x2 = x1 + second;
+                const float a = *x1, b = *x2;
+                *x1 = a * c[j] - b * s[j];
+                *x2 = b * c[j] + a * s[j];
             }
         }
     }

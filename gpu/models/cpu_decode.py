@@ -1,35 +1,36 @@
 """Decode steps of a GGUF-quantized model on the CPU with its layer loop in C
 (gpu/kernels/decode_cpu.c): the same kernels as the Python forward, in the same order, one
 call a step instead of ~10 a layer. Used by the ModelRunner for steps where every request
-has one new token, when the model's projections are all GGUF blocks, the per-layer glue is
-the C kernels (CpuLayerOps) and the attention backend is `cpu`; anything else takes the
-Python forward."""
+has one new token, when the model's projections are all GGUF blocks (GGUFWeights of block
+types), the per-layer glue is the C kernels (CpuLayerOps) and the attention backend is `cpu`;
+anything else takes the Python forward."""
 
 from __future__ import annotations
 
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from gpu import kernels
 from gpu.attention.base import AttentionMetadata
 from gpu.attention.cpu import KV_DTYPE_CODES
 from gpu.kvcache.kv_cache import KVCache
 from gpu.models.llama import CpuLayerOps, LlamaForCausalLM
-from gpu.quant.blocks import GEMMS, QuantizedWeight
+from gpu.quant.gguf_weight import GGUFWeight
 
-_KERNEL_CODES = {name: code for code, name in enumerate(("gemm_q4_1", "gemm_q8_0", "gemm_q4_1_q8", "gemm_q8_0_q8"))}
+MAX_PARTS = 3  # decode_cpu.c's: q, k, v
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("gemm", ctypes.c_void_p), ("w", ctypes.c_void_p), ("n", ctypes.c_int64)]
 
 
 class _Projection(ctypes.Structure):
     _fields_ = [
-        ("qs", ctypes.c_void_p),
-        ("d", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
+        ("parts", _Part * MAX_PARTS),
+        ("n_parts", ctypes.c_int64),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
-        ("kernel", ctypes.c_int64),
     ]
 
 
@@ -56,30 +57,31 @@ class _Dims(ctypes.Structure):
         ("head_dim", ctypes.c_int64),
         ("page_size", ctypes.c_int64),
         ("kv_dtype", ctypes.c_int64),
+        ("rope_pairs", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]
 
 
-def _projection(w: QuantizedWeight) -> _Projection:
+def _in_blocks(w: torch.Tensor | GGUFWeight) -> bool:
+    """Whether every part of w goes through a block kernel (which the C loop calls)."""
+    return isinstance(w, GGUFWeight) and len(w.parts) <= MAX_PARTS and all(p.kernels is not None for p in w.parts)
+
+
+def _projection(w: torch.Tensor | GGUFWeight) -> _Projection:
+    if not isinstance(w, GGUFWeight) or not _in_blocks(w):
+        raise TypeError("the C decode loop runs projections in GGUF blocks only")
+    parts = [
+        _Part(p.kernels.gemm_addresses[w.activations], p.address, p.rows) for p in w.parts if p.kernels is not None
+    ]
     n, k = w.shape
-    return _Projection(
-        w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), n, k, _KERNEL_CODES[GEMMS[w.kind, w.activations]]
-    )
-
-
-def _quantized(weights: list[torch.Tensor | QuantizedWeight]) -> list[QuantizedWeight]:
-    """`weights`, which CpuDecoder.applies() found quantized, every one."""
-    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
-    if len(quantized) != len(weights):
-        raise TypeError("the C decode loop runs quantized projections only")
-    return quantized
+    return _Projection((_Part * MAX_PARTS)(*parts), len(parts), n, k)
 
 
 class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         """Raises KernelBuildError when the library cannot be built here."""
-        lib = kernels.load("decode_cpu", "ggml_cpu", "layer_cpu", "attention_cpu")
+        lib = kernels.load("decode_cpu", "layer_cpu", "attention_cpu")
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         # layers, n_layers, dims, T, x, residual, positions, cos, sin, out_cache_loc, page_table, pt_stride, kv_lens,
         # threads
@@ -88,21 +90,16 @@ class CpuDecoder:
         self._decode = lib.decode_layers
         cfg, ops = model.cfg, model.ops
         self.model = model
-        qkv, o, gate_up, down = (_quantized(ws) for ws in (model.qkv, model.o, model.gate_up, model.down))
-        self.max_tokens = min(
-            (w.max_tokens for w in (*qkv, *o, *gate_up, *down) if w.max_tokens is not None),
-            default=None,
-        )
         self._layers = (_Layer * cfg.num_layers)(
             *(
                 _Layer(
                     model.input_norm[i].data_ptr(),
                     model.post_norm[i].data_ptr(),
                     None if (bias := model.qkv_bias[i]) is None else bias.data_ptr(),
-                    _projection(qkv[i]),
-                    _projection(o[i]),
-                    _projection(gate_up[i]),
-                    _projection(down[i]),
+                    _projection(model.qkv[i]),
+                    _projection(model.o[i]),
+                    _projection(model.gate_up[i]),
+                    _projection(model.down[i]),
                     kv_cache.k[i].data_ptr(),
                     kv_cache.v[i].data_ptr(),
                 )
@@ -111,13 +108,14 @@ class CpuDecoder:
         )
         intermediate = model.gate_up[0].shape[0] // 2
         self._dims = _Dims(
-            model.embed.shape[1],
+            cfg.hidden_size,
             intermediate,
             cfg.num_q_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
             kv_cache.page_size,
             KV_DTYPE_CODES[kv_cache.dtype],
+            int(ops.rope_style == "pairs"),
             cfg.rms_norm_eps,
             cfg.head_dim**-0.5,
         )
@@ -131,16 +129,16 @@ class CpuDecoder:
             attention_backend == "cpu"
             and model.cfg.llama_like  # the C loop is the plain Llama layer: no Qwen3/Gemma/SmolLM3 variations
             and isinstance(model.ops, CpuLayerOps)
-            and all(isinstance(w, QuantizedWeight) for w in projections)
+            and all(_in_blocks(w) for w in projections)
         )
 
     def takes(self, meta: AttentionMetadata) -> bool:
-        """A decode step of no more tokens than every projection runs through its blocks."""
-        return meta.is_decode and (self.max_tokens is None or meta.num_tokens <= self.max_tokens)
+        """A decode step."""
+        return meta.is_decode
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
         """input_ids: int64 [T] -> float32 logits [S, V], as LlamaForCausalLM.forward."""
-        x = F.embedding(input_ids, self.model.embed).contiguous()  # [T, H], the residual stream
+        x = self.model.embedding(input_ids).contiguous()  # [T, H], the residual stream
         residual = torch.empty_like(x)
         page_table = meta.page_table if meta.page_table.is_contiguous() else meta.page_table.contiguous()
         cos, sin = self._tables

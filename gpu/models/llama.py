@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gpu import kernels
 from gpu.attention.base import AttentionBackend
 from gpu.models.model_config import ModelConfig, rope_inv_freq
-from gpu.quant.blocks import QuantizedWeight
+from gpu.quant.gguf_weight import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +37,15 @@ SHORT_GEMM_TOKENS = 128
 
 def linear(
     x: torch.Tensor,
-    w: torch.Tensor | QuantizedWeight,
+    w: torch.Tensor | GGUFWeight,
     bias: torch.Tensor | None = None,
     w_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [T, K], w: [N, K] (or GGUF blocks), w_t: the same weight as a [K, N] copy or None
-    -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
-    if isinstance(w, QuantizedWeight):
-        if w.dense is None or w.max_tokens is None or x.shape[0] <= w.max_tokens:
-            out = w.matmul(x)
-            return out if bias is None else out + bias
-        w = w.dense
+    """x: [T, K], w: [N, K] (or a GGUF file's tensors), w_t: the same weight as a [K, N] copy
+    or None -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
+    if isinstance(w, GGUFWeight):
+        out = w.matmul(x)
+        return out if bias is None else out + bias
     if not x.is_cpu:
         return F.linear(x, w, bias)
     T = x.shape[0]
@@ -65,8 +63,18 @@ def linear(
 PROMPT_LOGITS_ROWS = 1024
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2] (rotate-half layout)
+# How a head's rotary pairs lie: "halves", dims (j, j + D/2) (transformers' rotate-half,
+# llama.cpp's NEOX), or "pairs", dims (2j, 2j + 1) (llama.cpp's NORM: the q/k rows of a Llama-
+# architecture GGUF, which its converter permuted so; q.k is the same under the same
+# permutation of both, so the rows are used as they are)
+ROPE_STYLES = ("halves", "pairs")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "halves") -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D/2]
+    if style == "pairs":
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -74,8 +82,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class TorchLayerOps:
     """The per-layer glue in torch ops: CUDA, other dtypes, CPUs without the C kernels."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rope_style: str = "halves") -> None:
         self.cos, self.sin = cos, sin  # [P, D/2]
+        self.rope_style = rope_style
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -89,7 +98,7 @@ class TorchLayerOps:
         returns them rotated."""
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2], gathered once for all layers
         sin = self.sin[positions].unsqueeze(1)
-        return lambda qk: apply_rope(qk, cos, sin)
+        return lambda qk: apply_rope(qk, cos, sin, self.rope_style)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2I] -> silu(gate) * up [T, I]"""
@@ -101,15 +110,17 @@ class CpuLayerOps:
     """The same glue by gpu/kernels/layer_cpu.c, one call per op: fp32 on an AVX2 CPU. x is
     updated in place by add_rms_norm and q, k by the rope (both fresh tensors of this step)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rope_style: str = "halves") -> None:
         lib = kernels.load("layer_cpu")  # KernelBuildError when it cannot be built here
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]  # x, residual, w, T, H, eps, out
-        lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32]  # x, row stride, T, heads, D, pos, cos, sin
+        # x, row stride, T, heads, D, pos, cos, sin, pairs
+        lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32]
         lib.silu_mul.argtypes = [ptr, i64, i64, ptr, i32]  # gate_up, T, I, out
         for fn in (lib.rms_norm, lib.rope, lib.silu_mul):
             fn.restype = None
         self.lib, self.cos, self.sin = lib, cos.contiguous(), sin.contiguous()
+        self.rope_style = rope_style
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -146,6 +157,7 @@ class CpuLayerOps:
                 positions.data_ptr(),
                 self.cos.data_ptr(),
                 self.sin.data_ptr(),
+                int(self.rope_style == "pairs"),
                 torch.get_num_threads(),
             )
             return qk
@@ -160,55 +172,77 @@ class CpuLayerOps:
         return out
 
 
-def layer_ops(cos: torch.Tensor, sin: torch.Tensor) -> TorchLayerOps | CpuLayerOps:
+def layer_ops(cos: torch.Tensor, sin: torch.Tensor, rope_style: str = "halves") -> TorchLayerOps | CpuLayerOps:
     """The C kernels for an fp32 model on a CPU that can build them, else the torch ops (a failed
     build warns, as the attention backend's does)."""
+    if rope_style not in ROPE_STYLES:
+        raise ValueError(f"rope_style must be one of {ROPE_STYLES}, not {rope_style!r}")
     if not (cos.is_cpu and cos.dtype == torch.float32 and kernels.cpu_kernels_available()):
-        return TorchLayerOps(cos, sin)
+        return TorchLayerOps(cos, sin, rope_style)
     try:
-        return CpuLayerOps(cos, sin)
+        return CpuLayerOps(cos, sin, rope_style)
     except kernels.KernelBuildError as e:
         logger.warning("%s; the per-layer norms, rope and silu run as torch ops", e)
-        return TorchLayerOps(cos, sin)
+        return TorchLayerOps(cos, sin, rope_style)
 
 
 class LlamaForCausalLM:
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], progress: Callable[[], None] | None = None
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor | GGUFWeight],
+        progress: Callable[[], None] | None = None,
+        rope_style: str = "halves",
     ) -> None:
+        """rope_style: how the q/k rows of `weights` hold each rotary pair (ROPE_STYLES)."""
         self.cfg = cfg
         # called after each layer of a forward (and each block of prompt logits): a watcher of the
         # caller's heartbeat then sees a long prefill make progress, a stopped or stuck one not
         self.progress = progress
+
+        def tensor(name: str) -> torch.Tensor | None:
+            """A norm or bias: a tensor (None when the model has none)."""
+            w = weights.get(name)
+            if w is not None and not isinstance(w, torch.Tensor):
+                raise TypeError(f"{name}: a tensor was expected, not {type(w).__name__}")
+            return w
+
+        def needed(name: str) -> torch.Tensor:
+            w = tensor(name)
+            if w is None:
+                raise KeyError(name)
+            return w
+
         self.embed = weights["embed"]
-        self.norm = weights["norm"]
+        self.norm = needed("norm")
+        self.device, self.dtype = self.norm.device, self.norm.dtype
         self.lm_head = weights.get("lm_head", self.embed)
         n = cfg.num_layers
-        self.input_norm = [weights[f"layers.{i}.input_norm"] for i in range(n)]
-        self.post_norm = [weights[f"layers.{i}.post_norm"] for i in range(n)]
-        self.qkv: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.qkv"] for i in range(n)]
-        self.qkv_bias = [weights.get(f"layers.{i}.qkv_bias") for i in range(n)]
-        self.o: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.o"] for i in range(n)]
-        self.gate_up: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.gate_up"] for i in range(n)]
-        self.down: list[torch.Tensor | QuantizedWeight] = [weights[f"layers.{i}.down"] for i in range(n)]
-        self.q_norm = [weights.get(f"layers.{i}.q_norm") for i in range(n)]
-        self.k_norm = [weights.get(f"layers.{i}.k_norm") for i in range(n)]
-        self.attn_out_norm = [weights.get(f"layers.{i}.attn_out_norm") for i in range(n)]
-        self.mlp_out_norm = [weights.get(f"layers.{i}.mlp_out_norm") for i in range(n)]
+        self.input_norm = [needed(f"layers.{i}.input_norm") for i in range(n)]
+        self.post_norm = [needed(f"layers.{i}.post_norm") for i in range(n)]
+        self.qkv = [weights[f"layers.{i}.qkv"] for i in range(n)]
+        self.qkv_bias = [tensor(f"layers.{i}.qkv_bias") for i in range(n)]
+        self.o = [weights[f"layers.{i}.o"] for i in range(n)]
+        self.gate_up = [weights[f"layers.{i}.gate_up"] for i in range(n)]
+        self.down = [weights[f"layers.{i}.down"] for i in range(n)]
+        self.q_norm = [tensor(f"layers.{i}.q_norm") for i in range(n)]
+        self.k_norm = [tensor(f"layers.{i}.k_norm") for i in range(n)]
+        self.attn_out_norm = [tensor(f"layers.{i}.attn_out_norm") for i in range(n)]
+        self.mlp_out_norm = [tensor(f"layers.{i}.mlp_out_norm") for i in range(n)]
 
         # On the CPU a one-token product x @ W^T streams W much faster from a [K, N] copy than from
         # the [N, K] weight when K is the short hidden size (MKL; measured for gate_up and lm_head,
         # not for qkv, o or down). Single-token steps, i.e. batch-1 decode, the latency case, use
         # the copies (see linear()).
-        def copy_t(w: torch.Tensor | QuantizedWeight) -> torch.Tensor | None:
-            return w.t().contiguous() if self.embed.is_cpu and isinstance(w, torch.Tensor) else None
+        def copy_t(w: torch.Tensor | GGUFWeight) -> torch.Tensor | None:
+            return w.t().contiguous() if self.device.type == "cpu" and isinstance(w, torch.Tensor) else None
 
         self.gate_up_t = [copy_t(w) for w in self.gate_up]
         self.lm_head_t = copy_t(self.lm_head)
         self.cos, self.sin = self._rope_tables(cfg.rope)
-        self.ops = layer_ops(self.cos, self.sin)
+        self.ops = layer_ops(self.cos, self.sin, rope_style)
         # each layer's rope: None (SmolLM3's NoPE layers), the model's, or the sliding layers' own (Gemma 3)
-        local = None if cfg.local_rope is None else layer_ops(*self._rope_tables(cfg.local_rope))
+        local = None if cfg.local_rope is None else layer_ops(*self._rope_tables(cfg.local_rope), rope_style)
         self.layer_rope = [
             None
             if cfg.rope_layers and not cfg.rope_layers[i]
@@ -218,9 +252,7 @@ class LlamaForCausalLM:
             for i in range(n)
         ]
         self.embed_scale = (
-            None
-            if cfg.embed_scale is None
-            else torch.tensor(cfg.embed_scale).to(self.embed.dtype).to(self.embed.device)
+            None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(self.dtype).to(self.device)
         )
 
     def _rope_tables(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,8 +263,8 @@ class LlamaForCausalLM:
         if rope.attention_factor != 1.0:  # yarn
             cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
         return (
-            cos.to(device=self.embed.device, dtype=self.embed.dtype),
-            sin.to(device=self.embed.device, dtype=self.embed.dtype),
+            cos.to(device=self.device, dtype=self.dtype),
+            sin.to(device=self.device, dtype=self.dtype),
         )
 
     @property
@@ -254,12 +286,10 @@ class LlamaForCausalLM:
             ],
             *[t for t in (*self.gate_up_t, self.lm_head_t) if t is not None],
         ]
-        parts = {}  # by identity: a tied lm_head (or a quantized one's dense copy) is the embedding itself
-        for t in tensors:
-            for part in (t.qs, t.d, t.m, t.dense) if isinstance(t, QuantizedWeight) else (t,):
-                if part is not None:
-                    parts[id(part)] = part
-        return sum(part.numel() * part.element_size() for part in parts.values())
+        # by identity: a tied lm_head is the embedding itself; a GGUF's tensors count the bytes
+        # of the file they read (mapped pages, resident once read)
+        unique = {id(t): t for t in tensors}
+        return sum(t.nbytes if isinstance(t, GGUFWeight) else t.numel() * t.element_size() for t in unique.values())
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, attn: AttentionBackend
@@ -279,7 +309,7 @@ class LlamaForCausalLM:
         qk_width, eps = (Hq + Hkv) * D, cfg.rms_norm_eps
         ops = self.ops
         ropes = {id(o): o.rope_at(positions) for o in self.layer_rope if o is not None}  # one gather per table
-        x, residual = F.embedding(input_ids, self.embed), None  # [T, H]; residual: the last layer's MLP output
+        x, residual = self.embedding(input_ids), None  # [T, H]; residual: the last layer's MLP output
         if self.embed_scale is not None:
             x = x * self.embed_scale
         for i in range(cfg.num_layers):
@@ -308,6 +338,12 @@ class LlamaForCausalLM:
         if residual is None:
             raise ValueError("a model of no layers")
         return x, residual
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: int64 [T] -> their rows of the embedding [T, H] (not yet scaled)."""
+        if isinstance(self.embed, GGUFWeight):
+            return self.embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2I] -> act(gate) * up [T, I]"""
