@@ -43,7 +43,8 @@
 #define QK 32
 #define TILE 4        /* tokens per pass over a row: 4 accumulators + block + x fit the 16 ymm registers */
 #define ROW_CHUNK 16  /* rows a thread takes at a time */
-#define ROW_TILE 4    /* rows a q8 product takes together at one token */
+#define ROW_TILE 4    /* rows a q8 product takes together */
+#define X_TILE 8      /* tokens a q8 product takes together (when more than one): one ymm lane each */
 
 enum block_type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL };
 
@@ -174,14 +175,17 @@ static inline __attribute__((always_inline)) void row_tile_f32(int type, int tt,
 }
 
 /* x quantized: per block of 32, int8 xq, scale xd, xs = xd * sum(xq) and, for codes with an
- * offset o, the 8 int32 corrections -o * (sum of xq's 4 bytes 4 i .. 4 i + 3) that take
- * sum u xq back to sum v xq (v = u - o) in the same lanes as the integer product's */
+ * offset o, corrections that take the codes' sum u xq back to sum v xq (v = u - o) in the
+ * integer product's lanes. Two layouts:
+ * - one token: q [K]; d, s [K / 32]; c [K / 32, 8]: -o * (sum of xq's bytes 4 i .. 4 i + 3)
+ * - tiles of X_TILE tokens (T padded with zeros): q [T / X_TILE, K / 32, 8, X_TILE, 4], a
+ *   block's 4-byte group g of the tile's tokens side by side; d, s, c [T / X_TILE, K / 32,
+ *   X_TILE], c: -o * sum(xq) */
 struct q8_activations {
-    int8_t *q;   /* [T, K] */
-    float *d;    /* [T, K / 32] */
-    float *s;    /* [T, K / 32] */
-    int32_t *c;  /* [T, K / 32, 8] */
-    int vnni;    /* the product's instruction: a constant at each call (specializes the kernels) */
+    int8_t *q;
+    float *d, *s;
+    int32_t *c;
+    int vnni;  /* the product's instruction: a constant at each call (specializes the kernels) */
 };
 
 /* the code offset the product corrects for with a.c: VNNI's products take every type's codes
@@ -205,30 +209,41 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* blocks [i0, i1) of x (block i is x[32 i, 32 i + 32), all tokens' rows back to back) */
-static void quantize_blocks(const float *x, int64_t i0, int64_t i1, struct q8_activations a, int offset) {
+/* token t of x [T, K] into a (t >= T: padding, all zeros); tiled: the X_TILE layout */
+static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, struct q8_activations a, int offset,
+                           int tiled) {
+    const int64_t nb = K / QK;
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
-    for (int64_t i = i0; i < i1; i++) {
-        const float *xb = x + QK * i;
+    for (int64_t b = 0; b < nb; b++) {
         __m256 v[4], amax = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            v[j] = t < T ? _mm256_loadu_ps(x + t * K + b * QK + 8 * j) : _mm256_setzero_ps();
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
         }
         const float m = hmax(amax);
         const __m256 inverse = _mm256_set1_ps(m != 0.0f ? 127.0f / m : 0.0f);
         __m256i q[4];
         for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
-        a.d[i] = m / 127.0f;
-        a.s[i] = a.d[i] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        const float d = m / 127.0f;
+        const int32_t sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
         const __m256i packed = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-        _mm256_storeu_si256((__m256i *)(a.q + QK * i), packed);
-        if (offset) {
-            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed),
-                                                   _mm256_set1_epi16(1));
-            _mm256_storeu_si256((__m256i *)(a.c + 8 * i), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+        if (tiled) {
+            const int64_t block = t / X_TILE * nb + b, at = block * X_TILE + t % X_TILE;
+            int8_t bytes[QK];
+            _mm256_storeu_si256((__m256i *)bytes, packed);
+            for (int g = 0; g < QK / 4; g++) memcpy(a.q + (block * QK / 4 + g) * X_TILE * 4 + t % X_TILE * 4, bytes + 4 * g, 4);
+            a.d[at] = d;
+            a.s[at] = d * (float)sum;
+            a.c[at] = -offset * sum;
+        } else {
+            _mm256_storeu_si256((__m256i *)(a.q + b * QK), packed);
+            a.d[b] = d;
+            a.s[b] = d * (float)sum;
+            const __m256i group_sums =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed), _mm256_set1_epi16(1));
+            _mm256_storeu_si256((__m256i *)(a.c + 8 * b), _mm256_sub_epi32(_mm256_setzero_si256(), group_sums));
         }
     }
 }
@@ -240,74 +255,109 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     return acc;
 }
 
-/* y[t, n + r] for r < R rows (row_bytes apart from row) and t < tt tokens (a: the first one),
- * x quantized. R and tt are constants at each call: the loops unroll and the R * tt sums stay
- * in registers. Each block is unpacked once for the tile's tokens, each token's block of x
- * (values, corrections, scale) loaded once for the tile's rows: at one token the loads, not
- * the arithmetic, are what bounds a row at a time. */
-static inline __attribute__((always_inline)) void tile_q8(int type, int R, int tt, struct q8_activations a,
-                                                          int64_t K, const uint8_t *row, int64_t row_bytes,
-                                                          float *y, int64_t ldy) {
-    const int64_t nb = K / QK;
-    const int offset = corrected_offset(type, a.vnni), corrected = offset || has_min(type);  /* codes as they are */
-    __m256 acc[ROW_TILE][TILE];
-    float min_sum[ROW_TILE][TILE];  /* sums over blocks of m xs */
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < tt; t++) acc[r][t] = _mm256_setzero_ps(), min_sum[r][t] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i u[ROW_TILE], magnitude[ROW_TILE];
-        __m256 d[ROW_TILE];
-        for (int r = 0; r < R; r++) {
-            const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
-            u[r] = corrected ? codes(type, blk) : values(type, blk);
-            magnitude[r] = corrected ? u[r] : _mm256_sign_epi8(u[r], u[r]); /* -128 reads as 128 unsigned */
-            d[r] = fp16_at(blk);
-        }
-        for (int t = 0; t < tt; t++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + t * K + b * QK));
-            const __m256i start = offset ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * (t * nb + b)))
-                                         : _mm256_setzero_si256();
-            const __m256 xd = _mm256_broadcast_ss(a.d + t * nb + b);
-            for (int r = 0; r < R; r++) {
-                const __m256i signed_xq = corrected ? xq : _mm256_sign_epi8(xq, u[r]);
-                const __m256i sum =
-                    a.vnni ? dpbusd(start, magnitude[r], signed_xq)
-                           : _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], signed_xq),
-                                                                       _mm256_set1_epi16(1)));
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d[r], xd), acc[r][t]);
-                if (has_min(type))
-                    min_sum[r][t] += _mm256_cvtss_f32(fp16_at(row + r * row_bytes + b * block_bytes(type) + 2)) *
-                                     a.s[t * nb + b];
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < tt; t++) y[t * ldy + r] = hsum(acc[r][t]) + min_sum[r][t];
+/* one block's integer product: sum_j v_j xq_j in 8 int32 lanes (lane i: bytes 4 i .. 4 i + 3)
+ * from the codes (or values) u and their magnitudes (unpack_q8); start: the corrections */
+static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnni, __m256i u, __m256i magnitude,
+                                                                __m256i xq, __m256i start) {
+    const int corrected = corrected_offset(type, vnni) || has_min(type);
+    const __m256i signed_xq = corrected ? xq : _mm256_sign_epi8(xq, u);
+    if (vnni) return dpbusd(start, magnitude, signed_xq);
+    return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_xq), _mm256_set1_epi16(1)));
 }
 
-/* rows [n0, n1), all tokens: ROW_TILE rows by 1 token at a time for one token, else 2 rows by
- * up to TILE tokens (measured fastest of the shapes that fit the registers) */
+/* block b of a row: its codes as the product takes them, their magnitudes, its scale */
+struct unpacked {
+    __m256i u, magnitude;
+    __m256 d;
+};
+
+static inline __attribute__((always_inline)) struct unpacked unpack_q8(int type, int vnni, const uint8_t *blk) {
+    /* the codes go in as they are where corrected for, else signed values: |v| and signs onto x */
+    const int corrected = corrected_offset(type, vnni) || has_min(type);
+    const __m256i u = corrected ? codes(type, blk) : values(type, blk);
+    return (struct unpacked){u, corrected ? u : _mm256_sign_epi8(u, u), fp16_at(blk)}; /* -128 reads as 128 */
+}
+
+/* y[n + r] for r < R rows (row_bytes apart from row) at one token, R a constant at each
+ * call. Each block of x (values, corrections, scale) is loaded once for the R rows: a row at a
+ * time, the loads, not the arithmetic, bounded it. */
+static inline __attribute__((always_inline)) void rows_one_token(int type, int R, struct q8_activations a, int64_t K,
+                                                                 const uint8_t *row, int64_t row_bytes, float *y) {
+    const int64_t nb = K / QK;
+    __m256 acc[ROW_TILE];
+    float min_sum[ROW_TILE];  /* sums over blocks of m xs */
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), min_sum[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + b * QK));
+        const __m256i start = corrected_offset(type, a.vnni) ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * b))
+                                                             : _mm256_setzero_si256();
+        const __m256 xd = _mm256_broadcast_ss(a.d + b);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
+            const struct unpacked w = unpack_q8(type, a.vnni, blk);
+            const __m256i sum = block_dot(type, a.vnni, w.u, w.magnitude, xq, start);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(w.d, xd), acc[r]);
+            if (has_min(type)) min_sum[r] += _mm256_cvtss_f32(fp16_at(blk + 2)) * a.s[b];
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + min_sum[r];
+}
+
+/* y[t, n + r] for t < tokens (<= X_TILE, the rest padding) and r < R rows, at a tile of
+ * X_TILE tokens (a: its first, tiled layout). Lane t is token t: each 4-byte group of the
+ * block's codes, broadcast, meets the tile's tokens' same group in one integer product, so a
+ * block's 8 sums come out in one vector and one conversion, scale product and FMA serve the 8
+ * tokens (per token and block, these float operations were what bounded the product). */
+static inline __attribute__((always_inline)) void rows_tile(int type, int R, struct q8_activations a, int64_t K,
+                                                            const uint8_t *row, int64_t row_bytes, float *y,
+                                                            int64_t ldy, int64_t tokens) {
+    const int64_t nb = K / QK;
+    __m256 acc[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = a.q + b * X_TILE * QK;
+        const __m256 xd = _mm256_loadu_ps(a.d + b * X_TILE);
+        const __m256i start = corrected_offset(type, a.vnni) ? _mm256_loadu_si256((const __m256i *)(a.c + b * X_TILE))
+                                                             : _mm256_setzero_si256();
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
+            const struct unpacked w = unpack_q8(type, a.vnni, blk);
+            int32_t u[QK / 4], magnitude[QK / 4];  /* each group broadcast from here: a load, no shuffle */
+            _mm256_storeu_si256((__m256i *)u, w.u);
+            _mm256_storeu_si256((__m256i *)magnitude, w.magnitude);
+            __m256i sum[2] = {start, _mm256_setzero_si256()};  /* two chains of integer products */
+            for (int g = 0; g < QK / 4; g++)
+                sum[g % 2] = block_dot(type, a.vnni, _mm256_set1_epi32(u[g]), _mm256_set1_epi32(magnitude[g]),
+                                       _mm256_loadu_si256((const __m256i *)(xb + g * X_TILE * 4)), sum[g % 2]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[0], sum[1])), _mm256_mul_ps(w.d, xd), acc[r]);
+            if (has_min(type)) acc[r] = _mm256_fmadd_ps(fp16_at(blk + 2), _mm256_loadu_ps(a.s + b * X_TILE), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float per_token[X_TILE];
+        _mm256_storeu_ps(per_token, acc[r]);
+        for (int t = 0; t < tokens; t++) y[t * ldy + r] = per_token[t];
+    }
+}
+
+/* rows [n0, n1), all tokens: ROW_TILE rows at a time, by one token or by tiles of X_TILE */
 static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, int64_t T, int64_t K,
                                                           const uint8_t *w, float *y, int64_t ldy, int64_t n0,
                                                           int64_t n1) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
     if (T == 1) {
         int64_t n = n0;
-        for (; n + ROW_TILE <= n1; n += ROW_TILE) tile_q8(type, ROW_TILE, 1, a, K, w + n * row_bytes, row_bytes, y + n, ldy);
-        for (; n < n1; n++) tile_q8(type, 1, 1, a, K, w + n * row_bytes, row_bytes, y + n, ldy);
+        for (; n + ROW_TILE <= n1; n += ROW_TILE) rows_one_token(type, ROW_TILE, a, K, w + n * row_bytes, row_bytes, y + n);
+        for (; n < n1; n++) rows_one_token(type, 1, a, K, w + n * row_bytes, row_bytes, y + n);
         return;
     }
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-        const struct q8_activations at = {a.q + t0 * K, a.d + t0 * nb, a.s + t0 * nb, a.c + 8 * t0 * nb, a.vnni};
-        float *yt = y + t0 * ldy;
+    for (int64_t t0 = 0; t0 < T; t0 += X_TILE) {
+        const struct q8_activations at = {a.q + t0 * K, a.d + t0 * nb, a.s + t0 * nb, a.c + t0 * nb, a.vnni};
+        const int64_t tokens = T - t0 < X_TILE ? T - t0 : X_TILE;
         int64_t n = n0;
-#define TOKENS_CASE(R, TT)                                                                        \
-    case TT:                                                                                      \
-        for (; n + R <= n1; n += R) tile_q8(type, R, TT, at, K, w + n * row_bytes, row_bytes, yt + n, ldy); \
-        for (; n < n1; n++) tile_q8(type, 1, TT, at, K, w + n * row_bytes, row_bytes, yt + n, ldy);           \
-        break;
-        switch (T - t0 < TILE ? T - t0 : TILE) { TOKENS_CASE(2, 4) TOKENS_CASE(2, 3) TOKENS_CASE(2, 2) TOKENS_CASE(4, 1) }
-#undef TOKENS_CASE
+        for (; n + ROW_TILE <= n1; n += ROW_TILE)
+            rows_tile(type, ROW_TILE, at, K, w + n * row_bytes, row_bytes, y + t0 * ldy + n, ldy, tokens);
+        for (; n < n1; n++) rows_tile(type, 1, at, K, w + n * row_bytes, row_bytes, y + t0 * ldy + n, ldy, tokens);
     }
 }
 
@@ -336,6 +386,7 @@ static inline __attribute__((always_inline)) void rows_f32(int type, const float
 static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_bytes = 0;
 
+/* for T tokens (padded: a multiple of X_TILE when more than one) */
 static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
     const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(2 * sizeof(float) + 8 * sizeof(int32_t)) + T * K;
     if (need > q8_scratch_bytes) {
@@ -384,13 +435,13 @@ static int vnni_available(void) {
                               int64_t ldy, int threads) {                                                      \
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
-        if (q8_activations_for(T, K, &a) != 0) return -1;                                                      \
+        const int64_t padded = T == 1 ? 1 : (T + X_TILE - 1) / X_TILE * X_TILE;                                \
+        if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
         const int vnni = vnni_available(), offset = corrected_offset(TYPE, vnni);                              \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t t = 0; t < T; t++)                                                                    \
-                quantize_blocks(x, t * (K / QK), (t + 1) * (K / QK), a, offset);                               \
+            for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, T > 1);                \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
                 struct q8_activations with = a;                                                                \
