@@ -66,13 +66,19 @@ def server_env(args: ServerArgs) -> dict[str, str]:
 
 
 def check_model(args: ServerArgs) -> str | None:
-    """Why the model cannot be served (one line), or None. Converts a GGUF once."""
+    """Why the model cannot be served (one line), or None. A GGUF's directory is made once
+    (its tokenizer), and its tensors are checked against the config here: a file whose
+    metadata lies about shapes fails the start, not each scheduler granian respawns."""
     from gpu.models.model_config import ModelConfig
     from gpu.models.model_files import ModelLoadError, resolve_model_dir
     from runtime.http_worker.chat_template import read_chat_template
 
     try:
-        ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)
+        config = ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)
+        if config.gguf_path is not None:
+            from gpu.models.weights import load_gguf_weights
+
+            load_gguf_weights(config, "f32")  # views of the mapping: the weights are not read
         if args.chat_template is not None:
             read_chat_template(args.chat_template)
         if args.tokenizer_path is not None and not any(
