@@ -322,13 +322,13 @@ static inline __attribute__((always_inline)) void rows_tile(int type, int R, str
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
             const struct unpacked w = unpack_q8(type, a.vnni, blk);
-            int32_t u[QK / 4], magnitude[QK / 4];  /* each group broadcast from here: a load, no shuffle */
-            _mm256_storeu_si256((__m256i *)u, w.u);
-            _mm256_storeu_si256((__m256i *)magnitude, w.magnitude);
             __m256i sum[2] = {start, _mm256_setzero_si256()};  /* two chains of integer products */
-            for (int g = 0; g < QK / 4; g++)
-                sum[g % 2] = block_dot(type, a.vnni, _mm256_set1_epi32(u[g]), _mm256_set1_epi32(magnitude[g]),
+            for (int g = 0; g < QK / 4; g++) {
+                const __m256i group = _mm256_set1_epi32(g);  /* one shuffle broadcasts a group */
+                sum[g % 2] = block_dot(type, a.vnni, _mm256_permutevar8x32_epi32(w.u, group),
+                                       _mm256_permutevar8x32_epi32(w.magnitude, group),
                                        _mm256_loadu_si256((const __m256i *)(xb + g * X_TILE * 4)), sum[g % 2]);
+            }
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[0], sum[1])), _mm256_mul_ps(w.d, xd), acc[r]);
             if (has_min(type)) acc[r] = _mm256_fmadd_ps(fp16_at(blk + 2), _mm256_loadu_ps(a.s + b * X_TILE), acc[r]);
         }
