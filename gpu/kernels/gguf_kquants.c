@@ -341,8 +341,13 @@ INLINE __m256i madd_acc(int vnni, __m256i acc, __m256i a, __m256i b) {
 INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
                           const float *xd, int64_t K, __m256 acc[TILE]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
-    __m256i isum[TILE];
-    for (int t = 0; t < tt; t++) isum[t] = _mm256_setzero_si256();
+    /* VNNI at one token: two chains of vpdpwssd (every other chunk of 32), not one chain of 8
+     * dependent ones whose latency shows (measured); elsewhere the chains of several tokens or
+     * AVX2's adds (latency 1) overlap. */
+    const int chains = vnni && tt == 1 ? 2 : 1;
+    __m256i isums[2][TILE];
+    for (int t = 0; t < tt; t++) isums[0][t] = isums[1][t] = _mm256_setzero_si256();
+#define ISUM(t, chunk) isums[(chunk) % chains][t]
     float d, dmin = 0.0f;
     __m256i mins = _mm256_setzero_si256();  /* int16, a group of 16's min (Q2_K, Q4_K, Q5_K) */
     switch (type) {
@@ -388,12 +393,12 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
                 }
                 const __m256i s = pick_scales(h ? sc_hi : sc_lo, 2 * g, 2 * g + 1);
                 for (int t = 0; t < tt; t++)
-                    isum[t] = madd_acc(vnni, isum[t], s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g)));
+                    ISUM(t, g) = madd_acc(vnni, ISUM(t, g), s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g)));
             }
         }
         if (type != Q2_K) {  /* the offset: sum sc (q + off) x - off sum sc bsums, off 4 or 32 (-off sc fits int16) */
             const __m256i offsets = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), type == Q3_K ? 2 : 5));
-            for (int t = 0; t < tt; t++) isum[t] = madd_acc(vnni, isum[t], offsets, load256(XBS(t)));
+            for (int t = 0; t < tt; t++) ISUM(t, 0) = madd_acc(vnni, ISUM(t, 0), offsets, load256(XBS(t)));
         }
         break;
     }
@@ -420,8 +425,8 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
             scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
-                isum[t] = madd_acc(vnni, isum[t], slo, _mm256_maddubs_epi16(lo, load256(x)));
-                isum[t] = madd_acc(vnni, isum[t], shi, _mm256_maddubs_epi16(hi, load256(x + 32)));
+                ISUM(t, 0) = madd_acc(vnni, ISUM(t, 0), slo, _mm256_maddubs_epi16(lo, load256(x)));
+                ISUM(t, 1) = madd_acc(vnni, ISUM(t, 1), shi, _mm256_maddubs_epi16(hi, load256(x + 32)));
             }
         }
         break;
@@ -441,15 +446,17 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
             scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
-                isum[t] = madd_acc(vnni, isum[t], s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0)));
-                isum[t] = madd_acc(vnni, isum[t], s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1)));
+                ISUM(t, 0) = madd_acc(vnni, ISUM(t, 0), s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0)));
+                ISUM(t, 1) = madd_acc(vnni, ISUM(t, 1), s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1)));
             }
         }
         break;
     }
     }
+#undef ISUM
     for (int t = 0; t < tt; t++) {
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * XD(t)), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+        const __m256i isum = chains == 2 ? _mm256_add_epi32(isums[0][t], isums[1][t]) : isums[0][t];
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * XD(t)), _mm256_cvtepi32_ps(isum), acc[t]);
         if (type == Q2_K || type == Q4_K || type == Q5_K)
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * XD(t)), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(XBS(t)))), acc[t]);
     }
