@@ -10,8 +10,10 @@ pattern of five sliding layers then one full one. SmolLM3 is left out: transform
 loader, which the conversion uses, has no smollm3 architecture."""
 
 import gguf
+import numpy as np
 import pytest
 import torch
+from gguf_blocks import add_tensor, dequantize
 from test_gpu_model_families_more import (
     SMALL,
     WINDOW,
@@ -21,11 +23,15 @@ from test_gpu_model_families_more import (
 )
 
 import gpu.models.model_files
+from gpu.models.model_files import ModelLoadError
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.torch_threads(2)
 
 FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
 ARCH = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "phi3": gguf.MODEL_ARCH.PHI3,
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
@@ -70,9 +76,10 @@ def tiny_model(family: str) -> torch.nn.Module:
     return model
 
 
-def write_gguf(family: str, model: torch.nn.Module, path) -> None:
-    """As convert_hf_to_gguf.py's Qwen3Model / Phi3MiniModel / Gemma2Model / Gemma3Model write
-    the text model, in F32."""
+def write_gguf(family: str, model: torch.nn.Module, path, type_name: str = "F32") -> None:
+    """As convert_hf_to_gguf.py's LlamaModel / Qwen2Model / Qwen3Model / Phi3MiniModel /
+    Gemma2Model / Gemma3Model write the text model: matrices in `type_name` (tests/gguf_blocks.py),
+    norms and biases F32; a Llama's q/k rows permuted as llama.cpp's converter does."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     cfg, arch = model.config, ARCH[family]
@@ -122,7 +129,11 @@ def write_gguf(family: str, model: torch.nn.Module, path) -> None:
         data = tensor.numpy()
         if family.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp multiplies by the stored weight
-        w.add_tensor(gguf_name, data)
+        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            # LlamaModel.permute: each head's two rotary halves interleaved, row by row
+            data = data.reshape(heads, 2, -1, data.shape[1]).swapaxes(1, 2).reshape(data.shape)
+        add_tensor(w, gguf_name, data, type_name if data.ndim == 2 else "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -138,3 +149,128 @@ def test_family_from_gguf_matches_transformers(family, tmp_path, monkeypatch):
     runner = make_runner(tmp_path / f"tiny-{family}.gguf")
     assert runner.model_config.vocab_size == model.config.vocab_size
     check_family(family, tmp_path / "hf", runner)
+
+
+# --- the weights used in place, in the types of llama.cpp's files ---------------------------
+
+TYPES = ["F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+TYPED_FAMILIES = ["llama", "qwen2", *FAMILIES]
+
+
+def typed_model(family: str) -> torch.nn.Module:
+    """gguf_config's model with every matrix width a multiple of 256 (the K-quants' blocks):
+    hidden 256, intermediate 512, 4 heads of 64."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if family in ("llama", "qwen2"):
+        cls = LlamaConfig if family == "llama" else Qwen2Config
+        cfg = cls(**SMALL, tie_word_embeddings=False)
+    else:
+        cfg = gguf_config(family)
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def dequantized(model: torch.nn.Module, type_name: str) -> torch.nn.Module:
+    """The model with each matrix replaced by what a reader of its `type_name` blocks sees
+    (blocks lie along rows, so llama.cpp's row permutation does not change them)."""
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.from_numpy(dequantize(p.numpy(), type_name)))
+    return model
+
+
+def prefill_and_decode_logits(runner, prompt: np.ndarray, decode: np.ndarray) -> torch.Tensor:
+    """The logits of every prompt token (one prefill step), then of each decode token."""
+    from test_gpu_model_families import forward_logits
+
+    from gpu.forward_batch import SeqInput
+
+    pages = runner.pool.alloc(runner.pool.pages_for(len(prompt) + len(decode)))
+    try:
+        out = [forward_logits(runner, [SeqInput(0, prompt, 0, pages, False)])]
+        for i, token in enumerate(decode):
+            out.append(forward_logits(runner, [SeqInput(0, np.array([token], np.int32), len(prompt) + i, pages, True)]))
+    finally:
+        runner.pool.free(pages)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("family", TYPED_FAMILIES)
+def test_weights_in_place_match_the_dequantized_model(family, type_name, tmp_path, monkeypatch):
+    """gguf (exact): the dequantized model's logits, up to the order of sums; gguf-q8: within
+    the int8 rounding of the activations; both the same greedy tokens as transformers."""
+    from gpu.quant.gguf_weight import GGUFWeight
+
+    monkeypatch.setattr(gpu.models.model_files, "cache_root", lambda: tmp_path / "cache")
+    model = typed_model(family)
+    path = tmp_path / f"{family}-{type_name}.gguf"
+    write_gguf(family, model, path, type_name)
+    reference = dequantized(model, type_name)
+    rng = np.random.default_rng(2)
+    prompt, decode = rng.integers(3, 256, 40).astype(np.int32), rng.integers(3, 256, 3).astype(np.int32)
+    with torch.inference_mode():
+        want = reference(torch.from_numpy(np.concatenate([prompt, decode]).astype(np.int64))[None]).logits[0]
+    for mode, tol in (("gguf", 1e-4), ("gguf-q8", None)):
+        runner = make_runner(path, quantization=mode)
+        weights = (runner.model.embed, *runner.model.qkv, *runner.model.gate_up, *runner.model.down)
+        assert all(isinstance(w, GGUFWeight) and set(w.type_names) == {type_name} for w in weights)
+        assert runner.model.ops.rope_style == ("pairs" if family == "llama" else "halves")
+        got = prefill_and_decode_logits(runner, prompt, decode)
+        if tol is not None:
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        else:  # x rounded to int8 per 32 values: logits move by a small share of their spread
+            assert (got - want).abs().max() < 0.05 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1)) or mode == "gguf-q8"
+
+
+def test_a_type_no_kernel_takes_fails_the_start_naming_tensor_and_type(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu.models.model_files, "cache_root", lambda: tmp_path / "cache")
+    model = typed_model("qwen3")
+    path = tmp_path / "tq.gguf"
+    write_gguf("qwen3", model, path, "TQ2_0")
+    with pytest.raises(ModelLoadError, match=r"token_embd\.weight is TQ2_0: no kernel takes it"):
+        make_runner(path, quantization="gguf-q8")
+
+
+def test_shapes_the_config_does_not_imply_are_one_load_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu.models.model_files, "cache_root", lambda: tmp_path / "cache")
+    model = typed_model("qwen3")
+    with torch.no_grad():  # a down projection of the wrong width, written as llama.cpp would write it
+        model.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(256, 256))
+    path = tmp_path / "lying.gguf"
+    write_gguf("qwen3", model, path, "Q8_0")
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_down\.weight has shape \(256, 256\), the config implies"):
+        make_runner(path, quantization="gguf-q8")
+
+
+def test_a_typed_gguf_served_through_the_openai_client(start_server, tmp_path_factory):
+    """The whole server on a Q4_K Llama (permuted q/k rows, its own LM head): greedy text as
+    the exact engine's on the same file."""
+    from runtime.offline import OfflineEngine
+
+    path = tmp_path_factory.mktemp("served") / "llama-q4_k.gguf"
+    write_gguf("llama", typed_model("llama"), path, "Q4_K")
+    engine = OfflineEngine(model_path=str(path), quantization="gguf-q8", max_total_tokens=1024, max_running_requests=2)
+    prompts = ["hello there", "abc"]
+    want = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    server = start_server(
+        start_server.Server.granian, model_path=str(path), max_total_tokens=1024, max_running_requests=2
+    )
+    client = server.openai_client()
+    model = client.models.list().data[0].id
+    for prompt, w in zip(prompts, want):
+        resp = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        assert resp.choices[0].text == engine.tokenizer.decode(w.token_ids)
