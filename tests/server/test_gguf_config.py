@@ -84,6 +84,7 @@ def test_default_model_directory(cache):
         assert (model_dir / name).read_bytes() == (cache.parent / "expected" / name).read_bytes(), name
     config = ModelConfig.from_dir(model_dir)
     assert config.gguf_path == path.resolve() and config.architecture == "LlamaForCausalLM"
+    assert resolve_model_dir(model_dir) == model_dir  # the directory itself is a model path too
     made = (model_dir / "config.json").stat().st_mtime_ns
     assert resolve_model_dir(None) == model_dir and (model_dir / "config.json").stat().st_mtime_ns == made
     assert [p.name for p in cache.iterdir()] == [model_dir.name]  # no temporary directory left
