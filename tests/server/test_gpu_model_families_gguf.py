@@ -1,13 +1,14 @@
 """The families beyond the Llama core, from GGUF files: the tiny random models of
 test_gpu_model_families_more written with the gguf package as llama.cpp's
 convert_hf_to_gguf.py writes them (metadata keys, tensor names, Gemma's norms stored as
-1 + w, a byte-level tokenizer of the tiny vocabulary), loaded by the ModelRunner through
-the GGUF conversion; logits and greedy tokens equal transformers' on the original weights.
+1 + w, a byte-level tokenizer of the tiny vocabulary), loaded by the ModelRunner from the
+file itself (its config made from the metadata, its weights read in place); logits and
+greedy tokens equal transformers' on the original weights.
 
 What a GGUF cannot say is set as llama.cpp assumes it: Gemma's query_pre_attn_scalar is
 transformers' default 256 (llama.cpp has no key for it), Gemma 3's layers follow the fixed
-pattern of five sliding layers then one full one. SmolLM3 is left out: transformers' GGUF
-loader, which the conversion uses, has no smollm3 architecture."""
+pattern of five sliding layers then one full one. SmolLM3's config from its metadata is
+tested in test_gguf_config.py."""
 
 import gguf
 import numpy as np
