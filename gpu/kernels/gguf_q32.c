@@ -44,7 +44,7 @@
 #define TILE 4        /* tokens per pass over a row: 4 accumulators + block + x fit the 16 ymm registers */
 #define ROW_CHUNK 16  /* rows a thread takes at a time */
 #define ROW_TILE 4    /* rows a q8 product takes together */
-#define X_TILE 8      /* tokens a q8 product takes together (when more than one): one ymm lane each */
+#define X_TILE 16     /* tokens a q8 product takes together (when more than one): two halves of 8 lanes */
 
 enum block_type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL };
 
@@ -303,44 +303,57 @@ static inline __attribute__((always_inline)) void rows_one_token(int type, int R
     for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + min_sum[r];
 }
 
-/* y[t, n + r] for t < tokens (<= X_TILE, the rest padding) and r < R rows, at a tile of
- * X_TILE tokens (a: its first, tiled layout). Lane t is token t: each 4-byte group of the
- * block's codes, broadcast, meets the tile's tokens' same group in one integer product, so a
- * block's 8 sums come out in one vector and one conversion, scale product and FMA serve the 8
- * tokens (per token and block, these float operations were what bounded the product). */
-static inline __attribute__((always_inline)) void rows_tile(int type, int R, struct q8_activations a, int64_t K,
-                                                            const uint8_t *row, int64_t row_bytes, float *y,
-                                                            int64_t ldy, int64_t tokens) {
+/* y[t, n + r] for t < tokens (<= 8 * halves, the rest padding) and r < R rows, at a tile of
+ * X_TILE tokens (a: its first, tiled layout). Lane t of half h is token 8 h + t: each 4-byte
+ * group of the block's codes, broadcast, meets the tokens' same group in one integer product,
+ * so a block's 8 sums come out in one vector and one conversion, scale product and FMA serve 8
+ * tokens (per token and block, these float operations were what bounded the product); the
+ * block's unpacking and broadcasts serve the 16 tokens of both halves. */
+static inline __attribute__((always_inline)) void rows_tile(int type, int R, int halves, struct q8_activations a,
+                                                            int64_t K, const uint8_t *row, int64_t row_bytes,
+                                                            float *y, int64_t ldy, int64_t tokens) {
     const int64_t nb = K / QK;
-    __m256 acc[ROW_TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *xb = a.q + b * X_TILE * QK;
-        const __m256 xd = _mm256_loadu_ps(a.d + b * X_TILE);
-        const __m256i start = corrected_offset(type, a.vnni) ? _mm256_loadu_si256((const __m256i *)(a.c + b * X_TILE))
-                                                             : _mm256_setzero_si256();
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
             const struct unpacked w = unpack_q8(type, a.vnni, blk);
-            __m256i sum[2] = {start, _mm256_setzero_si256()};  /* two chains of integer products */
+            __m256i sum[2][2];  /* [half][chain]: two chains of integer products at one half */
+            for (int h = 0; h < halves; h++) {
+                sum[h][0] = corrected_offset(type, a.vnni) ? _mm256_loadu_si256((const __m256i *)(a.c + b * X_TILE + 8 * h))
+                                                           : _mm256_setzero_si256();
+                sum[h][1] = _mm256_setzero_si256();
+            }
             for (int g = 0; g < QK / 4; g++) {
                 const __m256i group = _mm256_set1_epi32(g);  /* one shuffle broadcasts a group */
-                sum[g % 2] = block_dot(type, a.vnni, _mm256_permutevar8x32_epi32(w.u, group),
-                                       _mm256_permutevar8x32_epi32(w.magnitude, group),
-                                       _mm256_loadu_si256((const __m256i *)(xb + g * X_TILE * 4)), sum[g % 2]);
+                const __m256i u = _mm256_permutevar8x32_epi32(w.u, group);
+                const __m256i magnitude = _mm256_permutevar8x32_epi32(w.magnitude, group);
+                for (int h = 0; h < halves; h++)
+                    sum[h][g % 2] = block_dot(type, a.vnni, u, magnitude,
+                                              _mm256_loadu_si256((const __m256i *)(xb + (g * X_TILE + 8 * h) * 4)),
+                                              sum[h][g % 2]);
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[0], sum[1])), _mm256_mul_ps(w.d, xd), acc[r]);
-            if (has_min(type)) acc[r] = _mm256_fmadd_ps(fp16_at(blk + 2), _mm256_loadu_ps(a.s + b * X_TILE), acc[r]);
+            for (int h = 0; h < halves; h++) {
+                const __m256 xd = _mm256_loadu_ps(a.d + b * X_TILE + 8 * h);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[h][0], sum[h][1])),
+                                            _mm256_mul_ps(w.d, xd), acc[r][h]);
+                if (has_min(type))
+                    acc[r][h] = _mm256_fmadd_ps(fp16_at(blk + 2), _mm256_loadu_ps(a.s + b * X_TILE + 8 * h), acc[r][h]);
+            }
         }
     }
     for (int r = 0; r < R; r++) {
         float per_token[X_TILE];
-        _mm256_storeu_ps(per_token, acc[r]);
+        for (int h = 0; h < halves; h++) _mm256_storeu_ps(per_token + 8 * h, acc[r][h]);
         for (int t = 0; t < tokens; t++) y[t * ldy + r] = per_token[t];
     }
 }
 
-/* rows [n0, n1), all tokens: ROW_TILE rows at a time, by one token or by tiles of X_TILE */
+/* rows [n0, n1), all tokens: by one token, ROW_TILE rows at a time, or by tiles of X_TILE
+ * tokens, ROW_TILE rows at a time for 8 tokens or fewer (one half) and half as many for more
+ * (what fits the 16 registers) */
 static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, int64_t T, int64_t K,
                                                           const uint8_t *w, float *y, int64_t ldy, int64_t n0,
                                                           int64_t n1) {
@@ -354,10 +367,17 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
     for (int64_t t0 = 0; t0 < T; t0 += X_TILE) {
         const struct q8_activations at = {a.q + t0 * K, a.d + t0 * nb, a.s + t0 * nb, a.c + t0 * nb, a.vnni};
         const int64_t tokens = T - t0 < X_TILE ? T - t0 : X_TILE;
+        float *yt = y + t0 * ldy;
         int64_t n = n0;
-        for (; n + ROW_TILE <= n1; n += ROW_TILE)
-            rows_tile(type, ROW_TILE, at, K, w + n * row_bytes, row_bytes, y + t0 * ldy + n, ldy, tokens);
-        for (; n < n1; n++) rows_tile(type, 1, at, K, w + n * row_bytes, row_bytes, y + t0 * ldy + n, ldy, tokens);
+        if (tokens > 8) {
+            for (; n + ROW_TILE / 2 <= n1; n += ROW_TILE / 2)
+                rows_tile(type, ROW_TILE / 2, 2, at, K, w + n * row_bytes, row_bytes, yt + n, ldy, tokens);
+            for (; n < n1; n++) rows_tile(type, 1, 2, at, K, w + n * row_bytes, row_bytes, yt + n, ldy, tokens);
+        } else {
+            for (; n + ROW_TILE <= n1; n += ROW_TILE)
+                rows_tile(type, ROW_TILE, 1, at, K, w + n * row_bytes, row_bytes, yt + n, ldy, tokens);
+            for (; n < n1; n++) rows_tile(type, 1, 1, at, K, w + n * row_bytes, row_bytes, yt + n, ldy, tokens);
+        }
     }
 }
 
