@@ -78,20 +78,30 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Q4_K/Q5_K's 12 bytes -> the 8 scales (bytes 0-7) and 8 mins (bytes 8-15) */
+/* Q4_K/Q5_K's 12 bytes at p (dwords a0 a1 a2; the 4 bytes after them are read, still in the
+ * superblock) -> the 8 scales (bytes 0-7) and 8 mins (bytes 8-15): dwords a0 & 0x3f..,
+ * a2 & 0x0f.. | the top 2 bits of a0's bytes, a1 & 0x3f.., a2 >> 4 & 0x0f.. | a1's top 2 bits */
 static inline __m128i unpack_scales_k4(const uint8_t *p) {
-    const uint32_t a0 = u32(p), a1 = u32(p + 4), a2 = u32(p + 8), low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
-    return _mm_setr_epi32(a0 & low6, (a2 & low4) | (((a0 >> 6) & two) << 4), a1 & low6,
-                          ((a2 >> 4) & low4) | (((a1 >> 6) & two) << 4));
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i high = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                       _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low, high);
 }
 
-/* Q3_K's 12 bytes -> its 16 scales, int8 -32..31 */
+/* Q3_K's 12 bytes at p (dwords a0 a1 a2, the last of the superblock but for d) -> its 16
+ * scales, int8 -32..31: dword i is a0, a1, a0 >> 4, a1 >> 4 (& 0x0f..) | bits 2 i of a2's bytes
+ * above them */
 static inline __m128i unpack_scales_q3(const uint8_t *p) {
-    const uint32_t a0 = u32(p), a1 = u32(p + 4), a2 = u32(p + 8), low4 = 0x0f0f0f0f, two = 0x03030303;
-    const __m128i s = _mm_setr_epi32((a0 & low4) | ((a2 & two) << 4), (a1 & low4) | (((a2 >> 2) & two) << 4),
-                                     ((a0 >> 4) & low4) | (((a2 >> 4) & two) << 4),
-                                     ((a1 >> 4) & low4) | (((a2 >> 6) & two) << 4));
-    return _mm_sub_epi8(s, _mm_set1_epi8(32));
+    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p - 2)), 2);  /* no read past the superblock */
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4)),
+                                      _mm_set1_epi8(0x0F));
+    const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)),
+                                                                     _mm_setr_epi32(0, 2, 4, 6)),
+                                                      _mm_set1_epi8(0x03)),
+                                        4);
+    return _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
 }
 
 /* IQ4_XS's scales_h and scales_l -> its 8 scales, int16 -32..31 */
