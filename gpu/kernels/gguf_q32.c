@@ -11,7 +11,7 @@
  *   Q8_0   d | qs[32] (int8)          w = d * q
  *   IQ4_NL d | qs[16]                 w = d * IQ4_NL_VALUES[nibble]
  * with element j < 16 in the low nibble of byte j and element j + 16 in its high nibble.
- * Every type is first unpacked to 32 int8 v (unpack below) so that w = d * v (+ m): one
+ * Every type is first unpacked to 32 int8 v (values below) so that w = d * v (+ m): one
  * dequantization and one integer product serve all six types. Blocks are 18-34 bytes, so
  * every load of w is unaligned; w is never written (a PROT_READ mapping).
  *
@@ -25,15 +25,21 @@
  * llama.cpp's AVX2 quantize_row_q8_0; amax 0 gives 0), and for the types with a min also
  * xs = xd * sum(xq) (llama.cpp's Q8_1), so that a block's product is
  *     d xd sum_j v_j xq_j  (+ m xs)
- * with an integer dot product: maddubs (uint8 x int8 -> int16 pair sums, which cannot
- * saturate here: at most 2 * 128 * 127) then madd with ones (-> int32). Q4_1 and Q5_1's v are
- * unsigned (0..31) and go straight into maddubs' unsigned operand; the signed types put |v|
- * there and v's signs onto xq (_mm256_sign_epi8). The result differs from the _f32 product by
- * x's rounding (at most amax / 254 per element) and the order of the float sums.
+ * with the sum an exact integer: uint8 x int8 products of 4 bytes summed into int32 lanes, by
+ * AVX512-VNNI's vpdpbusd where the CPU has it (chosen at run time), else AVX2's maddubs (pairs
+ * into int16) then madd with ones. The unsigned operand is the block's codes u = v + o (o: 8
+ * for Q4_0, 16 for Q5_0, 128 for Q8_0 and IQ4_NL, 0 for the types with a min), the sum started
+ * at -o sum(xq), computed with x's quantization. maddubs' int16 pairs would saturate on
+ * 2 * 255 * 127, so on AVX2 Q8_0 and IQ4_NL put |v| there instead and v's signs onto xq
+ * (_mm256_sign_epi8; at most 2 * 128 * 127). The result differs from the _f32 product by x's
+ * rounding (at most amax / 254 per element) and the order of the float sums.
  *
- * Work split: rows in chunks of ROW_CHUNK over the OpenMP threads; within a chunk, tokens in
- * tiles of TILE, each block unpacked once per tile (and the chunk's rows, a few KiB, stay in
- * L1/L2 while the tiles of x pass).
+ * Work split: rows in chunks of ROW_CHUNK over the OpenMP threads. The _q8 products take
+ * ROW_TILE rows together, at one token (decode) with x's block loaded once for them, at more
+ * in tiles of X_TILE tokens with one token a vector lane (x quantized into that layout): a
+ * block's unpacking and a float scale-and-add per block serve many tokens, where a token at a
+ * time they were most of the work (see rows_tile). The _f32 products take tokens TILE at a
+ * time, each block dequantized once per tile.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -41,7 +47,7 @@
 #include <string.h>
 
 #define QK 32
-#define TILE 4        /* tokens per pass over a row: 4 accumulators + block + x fit the 16 ymm registers */
+#define TILE 4        /* tokens an f32 product takes together: 8 sums + 4 weight vectors fit the 16 ymm registers */
 #define ROW_CHUNK 16  /* rows a thread takes at a time */
 #define ROW_TILE 4    /* rows a q8 product takes together */
 #define X_TILE 16     /* tokens a q8 product takes together (when more than one): two halves of 8 lanes */
@@ -279,8 +285,8 @@ static inline __attribute__((always_inline)) struct unpacked unpack_q8(int type,
 }
 
 /* y[n + r] for r < R rows (row_bytes apart from row) at one token, R a constant at each
- * call. Each block of x (values, corrections, scale) is loaded once for the R rows: a row at a
- * time, the loads, not the arithmetic, bounded it. */
+ * call: each block of x (values, corrections, scale) loaded once for the R rows, and R
+ * independent chains of FMAs (a row at a time measured 5-15% slower). */
 static inline __attribute__((always_inline)) void rows_one_token(int type, int R, struct q8_activations a, int64_t K,
                                                                  const uint8_t *row, int64_t row_bytes, float *y) {
     const int64_t nb = K / QK;
@@ -307,8 +313,8 @@ static inline __attribute__((always_inline)) void rows_one_token(int type, int R
  * X_TILE tokens (a: its first, tiled layout). Lane t of half h is token 8 h + t: each 4-byte
  * group of the block's codes, broadcast, meets the tokens' same group in one integer product,
  * so a block's 8 sums come out in one vector and one conversion, scale product and FMA serve 8
- * tokens (per token and block, these float operations were what bounded the product); the
- * block's unpacking and broadcasts serve the 16 tokens of both halves. */
+ * tokens, and the block's unpacking and broadcasts the 16 of both halves (a token at a time,
+ * these were most of the instructions: measured 1.5-2x slower at 64 tokens). */
 static inline __attribute__((always_inline)) void rows_tile(int type, int R, int halves, struct q8_activations a,
                                                             int64_t K, const uint8_t *row, int64_t row_bytes,
                                                             float *y, int64_t ldy, int64_t tokens) {
@@ -464,15 +470,12 @@ static int vnni_available(void) {
             for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, T > 1);                \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
-                struct q8_activations with = a;                                                                \
-                with.vnni = vnni;                                                                              \
-                if (vnni) {                                                                                    \
-                    with.vnni = 1;                                                                             \
-                    rows_q8(TYPE, with, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                      \
-                } else {                                                                                       \
-                    with.vnni = 0;                                                                             \
-                    rows_q8(TYPE, with, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N));                      \
-                }                                                                                              \
+                if (vnni)                                                                                      \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 1}, T, K, w, y, ldy,             \
+                            c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
+                else                                                                                           \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 0}, T, K, w, y, ldy,             \
+                            c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
             }                                                                                                  \
         }                                                                                                      \
         return 0;                                                                                              \
