@@ -1,16 +1,18 @@
 """The CPU backend: attention by gpu/kernels/attention_cpu.c, which reads each request's keys
 and values in place from its pages (AVX2 + FMA, OpenMP), fp32 queries against a fp32, fp16,
-bf16 or fp8 e5m2 cache (--kv-cache-dtype). Decode requests (one new token) go to paged_decode_attention
-(each request's keys in chunks over the threads, merged), extend requests (a prompt, a chunk
-of one, new tokens after a cached prefix) to paged_extend_attention (blocks of queries x the
-query heads of a kv head against chunks of keys, online softmax). Both take each layer's sliding
-window (the keys before it are not read) and the soft-cap of the scores (configure()). A model
-that is not fp32 runs through the torch backend.
+bf16 or fp8 e5m2 cache (--kv-cache-dtype). Decode requests (one new token) go to
+paged_decode_attention_windowed (each request's keys in chunks over the threads, merged), extend
+requests (a prompt, a chunk of one, new tokens after a cached prefix) to paged_extend_attention
+(blocks of queries x the query heads of a kv head against chunks of keys, online softmax). Both
+take each layer's sliding window (the keys before it are not read) and the soft-cap of the
+scores (configure(): Gemma 2 / 3, SmolLM3). A model that is not fp32 runs through the torch
+backend.
 
 Against the torch backend (copy every request's pages into a padded batch, then a masked
 SDPA reads the copy) it reads each K and V row once per block of queries and skips the
 padding; the results agree to fp32 rounding (tests/unit/test_gpu_attention.py,
-perf/attention_bench.py)."""
+tests/unit/test_attention_cpu_windows.py, perf/attention_bench.py,
+perf/attention_windows_bench.py)."""
 
 from __future__ import annotations
 
