@@ -51,6 +51,7 @@
 
 #define QK 256
 #define TILE 4        /* tokens a superblock is unpacked for: 4 int sums + 4 float sums + the quants fit 16 ymm */
+#define TILE_VNNI 8   /* the same in the VNNI path, which has AVX-512VL's 32 */
 #define ROW_CHUNK 16  /* rows a thread takes at a time: a tile of x is reused over them from L1 */
 #define DYNAMIC_TOKENS 8  /* from this many tokens, chunks are handed out one at a time (as ggml_cpu.c's q8 GEMMs) */
 #define INLINE static inline __attribute__((always_inline))
@@ -349,13 +350,13 @@ INLINE __m256i madd_acc(int vnni, __m256i acc, __m256i a, __m256i b) {
 /* One superblock for tt tokens: acc[t] += its dot product with token t (8 lanes to sum).
  * xq, xbs, xd: token 0's Q8_K superblock (quants, bsums, d). */
 INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
-                          const float *xd, int64_t K, __m256 acc[TILE]) {
+                          const float *xd, int64_t K, __m256 acc[TILE_VNNI]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
     /* VNNI at one token: two chains of vpdpwssd (every other chunk of 32), not one chain of 8
      * dependent ones whose latency shows (measured); elsewhere the chains of several tokens or
      * AVX2's adds (latency 1) overlap. */
     const int chains = vnni && tt == 1 ? 2 : 1;
-    __m256i isums[2][TILE];
+    __m256i isums[2][TILE_VNNI];
     for (int t = 0; t < tt; t++) isums[0][t] = isums[1][t] = _mm256_setzero_si256();
 #define ISUM(t, chunk) isums[(chunk) % chains][t]
     float d, dmin = 0.0f;
@@ -475,7 +476,7 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
 /* y[t * ldy] for t < tt = one row's products with tt tokens (Q8_K x at token 0) */
 INLINE void row_q8(enum kquant type, int tt, int vnni, const uint8_t *row, int64_t block_bytes, int64_t K, const int8_t *xq,
                    const int16_t *xbs, const float *xd, float *y, int64_t ldy) {
-    __m256 acc[TILE];
+    __m256 acc[TILE_VNNI];
     for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / QK; b++)
         superblock_q8(type, tt, vnni, row + b * block_bytes, xq + b * QK, xbs + b * 16, xd + b, K, acc);
@@ -486,20 +487,21 @@ INLINE void row_q8(enum kquant type, int tt, int vnni, const uint8_t *row, int64
  * every tile, and a tile of x is read from L1 for every row. */
 INLINE void rows_q8(enum kquant type, int vnni, int64_t block_bytes, const struct q8k *xq, int64_t T, int64_t K,
                     const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    const int64_t row_bytes = K / QK * block_bytes;
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+    const int64_t row_bytes = K / QK * block_bytes, tile = vnni ? TILE_VNNI : TILE;
+    for (int64_t t0 = 0; t0 < T; t0 += tile) {
         const int8_t *q = xq->q + t0 * K;
         const int16_t *bs = xq->bsums + t0 * (K / 16);
         const float *d = xq->d + t0 * (K / QK);
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *row = w + n * row_bytes;
             float *yt = y + t0 * ldy + n;
-            switch (T - t0 < TILE ? T - t0 : TILE) {
-            case 4: row_q8(type, 4, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            case 3: row_q8(type, 3, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            case 2: row_q8(type, 2, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            default: row_q8(type, 1, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            }
+#define TOKENS(TT) \
+    case TT: row_q8(type, TT, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            if (vnni)
+                switch (T - t0 < tile ? T - t0 : tile) { TOKENS(8) TOKENS(7) TOKENS(6) TOKENS(5) TOKENS(4) TOKENS(3) TOKENS(2) TOKENS(1) }
+            else
+                switch (T - t0 < tile ? T - t0 : tile) { TOKENS(4) TOKENS(3) TOKENS(2) TOKENS(1) }
+#undef TOKENS
         }
     }
 }

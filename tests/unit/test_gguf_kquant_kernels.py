@@ -30,15 +30,17 @@ SCALES = {
     "iq4_xs": (0, None),
 }
 TYPES = tuple(SCALES)
-# (T, K, N, extra columns of y beyond N, threads): decode and a tile of a Gemma-3-270M product,
-# one superblock, odd N, ragged tiles, y a column slice of a wider output
+# (T, K, N, extra columns of y beyond N, threads): decode on a Gemma-3-270M product, one
+# superblock, odd N, y a column slice of a wider output, and token counts that leave every
+# tile size (1-4 in AVX2, 1-8 in VNNI) for the last tile
 SHAPES = (
     (1, 2048, 640, 0, 2),
-    (17, 2048, 40, 0, 2),
-    (3, 256, 13, 5, 2),
-    (5, 512, 37, 0, 1),
-    (1, 768, 9, 2, 2),
-    (4, 1024, 24, 7, 2),
+    (20, 2048, 40, 0, 2),
+    (13, 256, 13, 5, 2),
+    (7, 512, 37, 0, 1),
+    (14, 768, 9, 2, 2),
+    (11, 1024, 24, 7, 2),
+    (2, 512, 16, 0, 2),
 )
 
 
