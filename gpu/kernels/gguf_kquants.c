@@ -33,15 +33,16 @@
  * _q8 is llama.cpp's arithmetic: x is quantized once per product to Q8_K (per 256: d =
  * max / -127 for the value of largest magnitude, q = round(x / d) to nearest even, at most
  * 127, and the 16 sums of q over each group of 16 in `bsums`), then per superblock the dot
- * product is integer: the weights' unsigned q against x's int8 q with maddubs (u8 x s8 ->
- * pairs summed in int16, which never saturates here: at most 2 * 63 * 127), times each
- * group's integer scale with madd (-> int32), and the mins (or Q3_K's -4, Q6_K's -32
- * offset) as one madd of the group scales with bsums, so no per-value subtraction. Then
- * d_w * d_x times that sum in float. IQ4_XS's values are signed: their magnitudes go in
- * maddubs' unsigned operand and their signs onto x. Rows go over the threads in chunks; the
- * tokens in tiles of TILE, each superblock's scales and quants unpacked once per tile. Where
- * the CPU has AVX512-VNNI (chosen at run time), each madd and the add after it are one
- * vpdpwssd, the same integers.
+ * product is integer: the weights' unsigned q (Q3_K's q + 4, Q6_K's q + 32) against x's int8 q
+ * with maddubs (u8 x s8 -> pairs summed in int16, which never saturates here: at most
+ * 2 * 127 * 127), times each group's integer scale with madd (-> int32); Q3_K's and Q6_K's
+ * offsets are one more madd, of -4 or -32 times the group scales with bsums, so no per-value
+ * subtraction. Then d_w * d_x times that sum in float, and for Q2_K/Q4_K/Q5_K minus
+ * dmin_w * d_x times the mins' madd with bsums. IQ4_XS's values are signed: their magnitudes
+ * go in maddubs' unsigned operand and their signs onto x. Rows go over the threads in chunks;
+ * the tokens in tiles of TILE, each superblock's scales and quants unpacked once per tile.
+ * Where the CPU has AVX512-VNNI and AVX512VL (chosen at run time), each madd and the add after
+ * it are one vpdpwssd, the same integers, in tiles of TILE_VNNI.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -119,9 +120,9 @@ static inline __m128i unpack_scales_iq4xs(const uint8_t *blk) {
 
 /* ---- dequantization, exactly as gguf-py ---- */
 
-/* out[i] = dl[i / 16] * q[i] - ml[i / 16]. Each product is exact in float (fp16 d: 11
- * significant bits, sc at most 8, q at most 7, 24 in all), so gcc fusing the product and the
- * subtraction into an FMA (its default -ffp-contract=fast does) rounds exactly as numpy. */
+/* out[i] = dl[i / 16] * q[i] - ml[i / 16]. Each product is exact in float (an fp16 d has at
+ * most 11 significant bits and |sc * q| <= 127 * 32 at most 12), so gcc fusing the product and
+ * the subtraction into an FMA (its default -ffp-contract=fast does) rounds exactly as numpy. */
 static void scale_groups(const int8_t q[QK], const float dl[16], const float ml[16], float *out) {
     for (int i = 0; i < QK; i += 8) {
         const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
