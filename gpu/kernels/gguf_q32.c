@@ -118,11 +118,29 @@ static inline __attribute__((always_inline)) int code_offset(int type) {
     }
 }
 
-static inline __attribute__((always_inline)) __m256i codes(int type, const uint8_t *b) {
+/* + 16 in byte j where bit j of the 32 bits at p is set: AVX-512's mask registers take the 32
+ * bits as they are (two instructions, against bit_bytes' five). In asm, as dpbusd below; k1 is
+ * not declared clobbered because gcc refuses that without AVX-512 enabled, and then allocates
+ * no mask register of its own (nor does an ABI call keep one: they are call-clobbered). */
+#ifdef __AVX512F__
+#error "built with AVX-512 enabled, gcc may use k1: declare it clobbered in add_fifth_bits"
+#endif
+static inline __m256i add_fifth_bits(__m256i u, const uint8_t *p) {
+    __asm__("kmovd %[bits], %%k1\n\tvpaddb %[sixteen], %[u], %[u]%{%%k1%}"
+            : [u] "+x"(u)
+            : [bits] "m"(*(const uint32_t(*)[1])p), [sixteen] "x"(_mm256_set1_epi8(16)));
+    return u;
+}
+
+/* avx512: the CPU has AVX512-BW and VL (the VNNI path) */
+static inline __attribute__((always_inline)) __m256i codes(int type, int avx512, const uint8_t *b) {
     switch (type) {
     case Q4_0: return nibbles(b + 2);
-    case Q5_0: return _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bit_bytes(b + 2), _mm256_set1_epi8(0x10)));
-    case Q4_1: case Q5_1: return values(type, b);
+    case Q5_0:
+        return avx512 ? add_fifth_bits(nibbles(b + 6), b + 2)
+                      : _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bit_bytes(b + 2), _mm256_set1_epi8(0x10)));
+    case Q5_1: return avx512 ? add_fifth_bits(nibbles(b + 8), b + 4) : values(type, b);
+    case Q4_1: return values(type, b);
     default: return _mm256_xor_si256(values(type, b), _mm256_set1_epi8((char)0x80));  /* Q8_0, IQ4_NL */
     }
 }
@@ -280,7 +298,7 @@ struct unpacked {
 static inline __attribute__((always_inline)) struct unpacked unpack_q8(int type, int vnni, const uint8_t *blk) {
     /* the codes go in as they are where corrected for, else signed values: |v| and signs onto x */
     const int corrected = corrected_offset(type, vnni) || has_min(type);
-    const __m256i u = corrected ? codes(type, blk) : values(type, blk);
+    const __m256i u = corrected ? codes(type, vnni, blk) : values(type, blk);
     return (struct unpacked){u, corrected ? u : _mm256_sign_epi8(u, u), fp16_at(blk)}; /* -128 reads as 128 */
 }
 
@@ -291,8 +309,7 @@ static inline __attribute__((always_inline)) void rows_one_token(int type, int R
                                                                  const uint8_t *row, int64_t row_bytes, float *y) {
     const int64_t nb = K / QK;
     __m256 acc[ROW_TILE];
-    float min_sum[ROW_TILE];  /* sums over blocks of m xs */
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), min_sum[r] = 0.0f;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const __m256i xq = _mm256_loadu_si256((const __m256i *)(a.q + b * QK));
         const __m256i start = corrected_offset(type, a.vnni) ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * b))
@@ -303,10 +320,11 @@ static inline __attribute__((always_inline)) void rows_one_token(int type, int R
             const struct unpacked w = unpack_q8(type, a.vnni, blk);
             const __m256i sum = block_dot(type, a.vnni, w.u, w.magnitude, xq, start);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(w.d, xd), acc[r]);
-            if (has_min(type)) min_sum[r] += _mm256_cvtss_f32(fp16_at(blk + 2)) * a.s[b];
+            if (has_min(type)) /* + m xs, in lane 0 only */
+                acc[r] = _mm256_fmadd_ps(fp16_at(blk + 2), _mm256_zextps128_ps256(_mm_load_ss(a.s + b)), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]) + min_sum[r];
+    for (int r = 0; r < R; r++) y[r] = hsum(acc[r]);
 }
 
 /* y[t, n + r] for t < tokens (<= 8 * halves, the rest padding) and r < R rows, at a tile of
@@ -428,14 +446,15 @@ static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
     return 0;
 }
 
-/* AVX512-VNNI on 256-bit vectors where the CPU has it (a build with GGUF_Q32_AVX2_ONLY defined
+/* AVX512-VNNI (and BW's mask registers) on 256-bit vectors where the CPU has them (a build with GGUF_Q32_AVX2_ONLY defined
  * never takes it: the tests' way to check the AVX2 path on such a CPU) */
 static int vnni_available(void) {
 #ifdef GGUF_Q32_AVX2_ONLY
     return 0;
 #else
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw");
 #endif
 }
 
