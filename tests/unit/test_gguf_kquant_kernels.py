@@ -135,7 +135,7 @@ def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.float64), d
 
 
-def gemm_q8_reference(x: np.ndarray, blocks: np.ndarray, name: str, K: int) -> tuple[np.ndarray, np.ndarray]:
+def gemm_q8_reference(x: np.ndarray, blocks: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(y [T, N], the sum of its products' magnitudes): per superblock (d_w d_x) * sum(sc q xq) +
     (dmin_w d_x) * sum(-m xq), the integer sums exact in float64. sc * q and -m come from
     gguf-py itself: its dequantization of the blocks with d = 1, dmin = 0 and d = 0, dmin = 1."""
@@ -151,7 +151,9 @@ def gemm_q8_reference(x: np.ndarray, blocks: np.ndarray, name: str, K: int) -> t
     return y, magnitude
 
 
-def run_gemm(lib: ctypes.CDLL, name: str, mode: str, x: np.ndarray, w: int, N: int, extra: int, threads: int):
+def run_gemm(
+    lib: ctypes.CDLL, name: str, mode: str, x: np.ndarray, w: int, N: int, extra: int, threads: int
+) -> np.ndarray:
     T, K = x.shape
     y = np.full((T, N + extra), np.nan, np.float32)
     gemm = getattr(lib, f"gguf_gemm_{name}_{mode}")
@@ -199,7 +201,7 @@ def test_gemm_q8_is_llama_cpp_integer_arithmetic(
     blocks, x = random_blocks(name, N, K, seed=4), tokens(T, K, seed=5)
     with read_only(blocks, tmp_path) as w:
         y = run_gemm(lib, name, "q8", x, w, N, extra, threads)
-    want, magnitude = gemm_q8_reference(x, blocks, name, K)
+    want, magnitude = gemm_q8_reference(x, blocks, name)
     assert (np.abs(y - want) <= 1e-6 * magnitude + 1e-30).all()
 
 
