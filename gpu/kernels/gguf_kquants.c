@@ -470,7 +470,7 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
         const __m256i isum = chains == 2 ? _mm256_add_epi32(isums[0][t], isums[1][t]) : isums[0][t];
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * XD(t)), _mm256_cvtepi32_ps(isum), acc[t]);
         if (type == Q2_K || type == Q4_K || type == Q5_K)
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * XD(t)), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(XBS(t)))), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * XD(t)), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(XBS(t)))), acc[t]);
     }
 }
 
