@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from gpu.models.model_files import ModelLoadError
+from gpu.models.load_error import ModelLoadError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 counted in 32 bits; nothing in use still writes it

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from cbuild import cache_root
+from gpu.models.load_error import ModelLoadError
 
 if TYPE_CHECKING:
     from gpu.models.gguf_file import GGUFFile
@@ -35,10 +36,6 @@ GGUF_FAMILIES = {
     "phi3": "phi3",
     "smollm3": "smollm3",
 }
-
-
-class ModelLoadError(RuntimeError):
-    """A model that cannot be loaded; the message is one line meant for the user."""
 
 
 def default_model_path() -> Path:
