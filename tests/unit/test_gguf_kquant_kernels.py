@@ -1,14 +1,13 @@
 """gpu/kernels/gguf_kquants.c (the K-quants and IQ4_XS multiplied in the file's own blocks)
 against gguf-py: get_rows equals gguf.quants.dequantize exactly, gemm_f32 is
 dequantize-then-matmul, gemm_q8 is llama.cpp's Q8_K arithmetic computed here in numpy. The
-weights are random superblocks (random bytes, moderate fp16 scales) read through a read-only
-mapping at an odd address, as a GGUF file's tensors are."""
+weights are random superblocks (random bytes, moderate fp16 scales) in read-only pages, as a
+GGUF file's mapping, that end where an inaccessible page begins (so mostly unaligned)."""
 
 import ctypes
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,14 +114,23 @@ def fp16_field(blocks: np.ndarray, name: str, which: int) -> np.ndarray:
 
 
 @contextmanager
-def read_only(blocks: np.ndarray, tmp_path: Path) -> Iterator[int]:
-    """The address of the blocks in a PROT_READ mapping, one byte past a page boundary"""
-    path = tmp_path / "weights.bin"
-    path.write_bytes(b"\0" + blocks.tobytes())
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
-        view = np.frombuffer(mapping, np.uint8)
-        yield view.ctypes.data + 1
-        del view
+def read_only(blocks: np.ndarray) -> Iterator[int]:
+    """The address of a copy of the blocks in read-only pages, ending where an inaccessible page
+    begins: a kernel that writes to its weights, or reads past their end, crashes the test"""
+    libc = ctypes.CDLL(None, use_errno=True)
+    ptr, size, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    libc.mmap.restype, libc.mmap.argtypes = ptr, [ptr, size, i32, i32, i32, ctypes.c_long]
+    libc.mprotect.argtypes, libc.munmap.argtypes = [ptr, size, i32], [ptr, size]
+    data, page = -(-blocks.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE
+    base = libc.mmap(None, data + page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert base not in (None, ctypes.c_void_p(-1).value), f"mmap: errno {ctypes.get_errno()}"
+    start = base + data - blocks.nbytes
+    ctypes.memmove(start, blocks.ctypes.data, blocks.nbytes)
+    assert libc.mprotect(base, data, mmap.PROT_READ) == 0 and libc.mprotect(base + data, page, 0) == 0  # 0: PROT_NONE
+    try:
+        yield start
+    finally:
+        libc.munmap(base, data + page)
 
 
 def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,12 +177,12 @@ def tokens(T: int, K: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_get_rows_equal_gguf_dequantize(lib: ctypes.CDLL, tmp_path: Path, name: str) -> None:
+def test_get_rows_equal_gguf_dequantize(lib: ctypes.CDLL, name: str) -> None:
     N, K = 11, 768
     blocks = random_blocks(name, N, K, seed=1)
     ids = np.array([3, 0, 10, 3, 7], np.int64)
     out = np.full((len(ids), K), np.nan, np.float32)
-    with read_only(blocks, tmp_path) as w:
+    with read_only(blocks) as w:
         getattr(lib, f"gguf_get_rows_{name}")(w, K, ids.ctypes.data, len(ids), out.ctypes.data)
     want = dequantize(blocks, qtype(name)).reshape(N, K)[ids]
     assert np.array_equal(out, want)
@@ -182,10 +190,10 @@ def test_get_rows_equal_gguf_dequantize(lib: ctypes.CDLL, tmp_path: Path, name: 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-N{}-ldy+{}-threads{}".format(*s))
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_f32_is_dequantize_then_matmul(lib: ctypes.CDLL, tmp_path: Path, name: str, shape: tuple) -> None:
+def test_gemm_f32_is_dequantize_then_matmul(lib: ctypes.CDLL, name: str, shape: tuple) -> None:
     T, K, N, extra, threads = shape
     blocks, x = random_blocks(name, N, K, seed=2), tokens(T, K, seed=3)
-    with read_only(blocks, tmp_path) as w:
+    with read_only(blocks) as w:
         y = run_gemm(lib, name, "f32", x, w, N, extra, threads)
     W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
     want, magnitude = x.astype(np.float64) @ W.T, np.abs(x.astype(np.float64)) @ np.abs(W).T
@@ -194,23 +202,21 @@ def test_gemm_f32_is_dequantize_then_matmul(lib: ctypes.CDLL, tmp_path: Path, na
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-N{}-ldy+{}-threads{}".format(*s))
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_is_llama_cpp_integer_arithmetic(
-    lib: ctypes.CDLL, tmp_path: Path, name: str, shape: tuple, q8_path: str
-) -> None:
+def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, name: str, shape: tuple, q8_path: str) -> None:
     T, K, N, extra, threads = shape
     blocks, x = random_blocks(name, N, K, seed=4), tokens(T, K, seed=5)
-    with read_only(blocks, tmp_path) as w:
+    with read_only(blocks) as w:
         y = run_gemm(lib, name, "q8", x, w, N, extra, threads)
     want, magnitude = gemm_q8_reference(x, blocks, name)
     assert (np.abs(y - want) <= 1e-6 * magnitude + 1e-30).all()
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, tmp_path: Path, name: str, q8_path: str) -> None:
+def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, name: str, q8_path: str) -> None:
     """x's rounding to int8 moves the product by well under 1% of its scale"""
     T, K, N = 3, 1024, 32
     blocks, x = random_blocks(name, N, K, seed=6), tokens(T, K, seed=7)
-    with read_only(blocks, tmp_path) as w:
+    with read_only(blocks) as w:
         y = run_gemm(lib, name, "q8", x, w, N, 0, 2)
     W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
     want, magnitude = x.astype(np.float64) @ W.T, np.abs(x.astype(np.float64)) @ np.abs(W).T
