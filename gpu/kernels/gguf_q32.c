@@ -35,11 +35,11 @@
  * rounding (at most amax / 254 per element) and the order of the float sums.
  *
  * Work split: rows in chunks of ROW_CHUNK over the OpenMP threads. The _q8 products take
- * ROW_TILE rows together, at one token (decode) with x's block loaded once for them, at more
- * in tiles of X_TILE tokens with one token a vector lane (x quantized into that layout): a
- * block's unpacking and a float scale-and-add per block serve many tokens, where a token at a
- * time they were most of the work (see rows_tile). The _f32 products take tokens TILE at a
- * time, each block dequantized once per tile.
+ * ROW_TILE rows together, at up to ONE_TOKEN_MAX tokens (decode) one token at a time with x's
+ * block loaded once for the rows, at more in tiles of X_TILE tokens with one token a vector
+ * lane (x quantized into that layout): a block's unpacking and a float scale-and-add per
+ * block serve many tokens, where a token at a time they were most of the work (rows_tile).
+ * The _f32 products take tokens TILE at a time, each block dequantized once per tile.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -50,7 +50,8 @@
 #define TILE 4        /* tokens an f32 product takes together: 8 sums + 4 weight vectors fit the 16 ymm registers */
 #define ROW_CHUNK 16  /* rows a thread takes at a time */
 #define ROW_TILE 4    /* rows a q8 product takes together */
-#define X_TILE 16     /* tokens a q8 product takes together (when more than one): two halves of 8 lanes */
+#define X_TILE 16     /* tokens a q8 product takes together (more than ONE_TOKEN_MAX): two halves of 8 lanes */
+#define ONE_TOKEN_MAX 3  /* up to this many tokens a q8 product takes them one at a time (faster than a tile: measured) */
 
 enum block_type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL };
 
@@ -201,7 +202,8 @@ static inline __attribute__((always_inline)) void row_tile_f32(int type, int tt,
 /* x quantized: per block of 32, int8 xq, scale xd, xs = xd * sum(xq) and, for codes with an
  * offset o, corrections that take the codes' sum u xq back to sum v xq (v = u - o) in the
  * integer product's lanes. Two layouts:
- * - one token: q [K]; d, s [K / 32]; c [K / 32, 8]: -o * (sum of xq's bytes 4 i .. 4 i + 3)
+ * - a token at a time: q [T, K]; d, s [T, K / 32]; c [T, K / 32, 8]: -o * (sum of xq's bytes
+ *   4 i .. 4 i + 3)
  * - tiles of X_TILE tokens (T padded with zeros): q [T / X_TILE, K / 32, 8, X_TILE, 4], a
  *   block's 4-byte group g of the tile's tokens side by side; d, s, c [T / X_TILE, K / 32,
  *   X_TILE], c: -o * sum(xq) */
@@ -262,12 +264,12 @@ static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, stru
             a.s[at] = d * (float)sum;
             a.c[at] = -offset * sum;
         } else {
-            _mm256_storeu_si256((__m256i *)(a.q + b * QK), packed);
-            a.d[b] = d;
-            a.s[b] = d * (float)sum;
+            _mm256_storeu_si256((__m256i *)(a.q + t * K + b * QK), packed);
+            a.d[t * nb + b] = d;
+            a.s[t * nb + b] = d * (float)sum;
             const __m256i group_sums =
                 _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed), _mm256_set1_epi16(1));
-            _mm256_storeu_si256((__m256i *)(a.c + 8 * b), _mm256_sub_epi32(_mm256_setzero_si256(), group_sums));
+            _mm256_storeu_si256((__m256i *)(a.c + 8 * (t * nb + b)), _mm256_sub_epi32(_mm256_setzero_si256(), group_sums));
         }
     }
 }
@@ -375,17 +377,21 @@ static inline __attribute__((always_inline)) void rows_tile(int type, int R, int
     }
 }
 
-/* rows [n0, n1), all tokens: by one token, ROW_TILE rows at a time, or by tiles of X_TILE
+/* rows [n0, n1), all tokens: one token at a time, ROW_TILE rows at a time, or by tiles of X_TILE
  * tokens, ROW_TILE rows at a time for 8 tokens or fewer (one half) and half as many for more
  * (what fits the 16 registers) */
 static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, int64_t T, int64_t K,
                                                           const uint8_t *w, float *y, int64_t ldy, int64_t n0,
                                                           int64_t n1) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
-    if (T == 1) {
-        int64_t n = n0;
-        for (; n + ROW_TILE <= n1; n += ROW_TILE) rows_one_token(type, ROW_TILE, a, K, w + n * row_bytes, row_bytes, y + n);
-        for (; n < n1; n++) rows_one_token(type, 1, a, K, w + n * row_bytes, row_bytes, y + n);
+    if (T <= ONE_TOKEN_MAX) {
+        for (int64_t t = 0; t < T; t++) {
+            const struct q8_activations at = {a.q + t * K, a.d + t * nb, a.s + t * nb, a.c + 8 * t * nb, a.vnni};
+            int64_t n = n0;
+            for (; n + ROW_TILE <= n1; n += ROW_TILE)
+                rows_one_token(type, ROW_TILE, at, K, w + n * row_bytes, row_bytes, y + t * ldy + n);
+            for (; n < n1; n++) rows_one_token(type, 1, at, K, w + n * row_bytes, row_bytes, y + t * ldy + n);
+        }
         return;
     }
     for (int64_t t0 = 0; t0 < T; t0 += X_TILE) {
@@ -430,7 +436,7 @@ static inline __attribute__((always_inline)) void rows_f32(int type, const float
 static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_bytes = 0;
 
-/* for T tokens (padded: a multiple of X_TILE when more than one) */
+/* for T tokens (padded: a multiple of X_TILE when more than ONE_TOKEN_MAX) */
 static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
     const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(2 * sizeof(float) + 8 * sizeof(int32_t)) + T * K;
     if (need > q8_scratch_bytes) {
@@ -480,13 +486,13 @@ static int vnni_available(void) {
                               int64_t ldy, int threads) {                                                      \
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
-        const int64_t padded = T == 1 ? 1 : (T + X_TILE - 1) / X_TILE * X_TILE;                                \
+        const int64_t padded = T <= ONE_TOKEN_MAX ? T : (T + X_TILE - 1) / X_TILE * X_TILE;                    \
         if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
         const int vnni = vnni_available(), offset = corrected_offset(TYPE, vnni);                              \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, T > 1);                \
+            for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, T > ONE_TOKEN_MAX);   \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
                 if (vnni)                                                                                      \
