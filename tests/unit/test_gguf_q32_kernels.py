@@ -4,6 +4,7 @@ dequantize-then-matmul up to the order of the sums, the _q8 products equal a num
 llama.cpp's arithmetic (x quantized per 32-block to int8, integer dot products per block)."""
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +112,9 @@ def assert_within(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, rtol
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("make", (weight, random_bytes_weight))
-def test_get_rows_is_gguf_py_dequantize(lib: ctypes.CDLL, name: str, make) -> None:
+def test_get_rows_is_gguf_py_dequantize(
+    lib: ctypes.CDLL, name: str, make: Callable[[str, int, int, np.random.Generator], np.ndarray]
+) -> None:
     rng = np.random.default_rng(1)
     N, K = 37, 320
     w = make(name, N, K, rng)
