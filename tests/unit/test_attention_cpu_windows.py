@@ -59,9 +59,9 @@ def _poison_before_windows(kv, pages, window):
     """NaN into every cached key and value of layer 0 (the windowed one) before the first new
     token's window: a kernel that read one would return NaN."""
     for (start, _), p in zip(SHAPES, pages):
-        for j in range(max(0, start - window + 1)):
-            slot = int(p[j // kv.page_size]) * kv.page_size + j % kv.page_size
-            kv.k_slots(0)[slot] = kv.v_slots(0)[slot] = float("nan")
+        j = np.arange(max(0, start - window + 1))
+        slots = torch.from_numpy(p[j // kv.page_size].astype(np.int64) * kv.page_size + j % kv.page_size)
+        kv.k_slots(0)[slots] = kv.v_slots(0)[slots] = float("nan")
 
 
 # windows: one key; 7; the decode's chunk of keys; across the extend's chunk and many pages;
