@@ -93,6 +93,11 @@ static inline __m256i bit_bytes(const uint8_t *p) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
 
+/* IQ4_NL_VALUES in both 128-bit lanes, as a byte shuffle takes a table */
+static inline __m256i iq4_nl_table(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+}
+
 /* the block's 32 values v (w = d * v + m): signed except Q4_1 and Q5_1's, which are 0..31 */
 static inline __attribute__((always_inline)) __m256i values(int type, const uint8_t *b) {
     switch (type) {
@@ -101,10 +106,7 @@ static inline __attribute__((always_inline)) __m256i values(int type, const uint
     /* q - 16 as an int8: the nibble with 0xF0 above it where bit 4 is clear */
     case Q5_0: return _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bit_bytes(b + 2), _mm256_set1_epi8((char)0xF0)));
     case Q5_1: return _mm256_or_si256(nibbles(b + 8), _mm256_and_si256(bit_bytes(b + 4), _mm256_set1_epi8(0x10)));
-    case IQ4_NL: {
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
-        return _mm256_shuffle_epi8(table, nibbles(b + 2));
-    }
+    case IQ4_NL: return _mm256_shuffle_epi8(iq4_nl_table(), nibbles(b + 2));
     default: return _mm256_loadu_si256((const __m256i *)(b + 2));  /* Q8_0 */
     }
 }
@@ -142,7 +144,9 @@ static inline __attribute__((always_inline)) __m256i codes(int type, int avx512,
                       : _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bit_bytes(b + 2), _mm256_set1_epi8(0x10)));
     case Q5_1: return avx512 ? add_fifth_bits(nibbles(b + 8), b + 4) : values(type, b);
     case Q4_1: return values(type, b);
-    default: return _mm256_xor_si256(values(type, b), _mm256_set1_epi8((char)0x80));  /* Q8_0, IQ4_NL */
+    case IQ4_NL: /* the table's codes: a constant, out of the loops */
+        return _mm256_shuffle_epi8(_mm256_xor_si256(iq4_nl_table(), _mm256_set1_epi8((char)0x80)), nibbles(b + 2));
+    default: return _mm256_xor_si256(values(type, b), _mm256_set1_epi8((char)0x80));  /* Q8_0 */
     }
 }
 
