@@ -526,13 +526,15 @@ static int reserve_q8k(int64_t T, int64_t K, struct q8k *xq) {
     return 0;
 }
 
-/* 1: the q8 products take vpdpwssd (AVX512-VNNI and AVX512VL), 0: AVX2 alone. Set from the
- * CPU when the library loads; a variable the tests set to run both paths. */
+/* 1: the q8 products take vpdpwssd (AVX512-VNNI, with the AVX-512 subsets VNNI_TARGET
+ * compiles for), 0: AVX2 alone. Set from the CPU when the library loads; a variable the tests
+ * set to run both paths. */
 int gguf_kquants_vnni = 0;
 
 __attribute__((constructor)) static void choose_vnni(void) {
     __builtin_cpu_init();
-    gguf_kquants_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    gguf_kquants_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
 
 /* The VNNI path may also use AVX-512VL's 16 more vector registers: fewer spills at 4 tokens. */
