@@ -1,20 +1,20 @@
 """GGUF block kernels (gpu/kernels/gguf_kquants.c, gpu/kernels/gguf_q32.c: products straight
-from a GGUF file's blocks) against the repacked gemm_q4_1_q8 (gpu/quant/blocks.py's
-QuantizedWeight with activations "q8", gpu/kernels/ggml_cpu.c) in the same run: µs per product
-and GB/s of weights read, on Gemma-3-270M-shaped products at decode and prefill token counts.
+from a GGUF file's blocks) against the repacked Q4_1 kernel of --quantization gguf-q8
+(gpu/quant/blocks.py's repack_q4_1, gpu/kernels/ggml_cpu.c's 8 interleaved rows) in the same
+run: µs per product and GB/s of weights read, on Gemma-3-270M-shaped products at decode and
+prefill token counts.
 
     python -m perf.gguf_kernels_bench [--tokens 1,8,64] [--modes q8,f32] [--threads N]
 
-Every type whose three symbols a kernel library exports is measured (a library that is not
-there, or a type it lacks, is skipped); a shape whose K is not a multiple of the type's block
-(256 for the K-quants) is skipped too. Weights are random blocks with moderate fp16 scales;
+Every type of gpu/quant/gguf_types.py whose kernels its library exports is measured (a
+library that is not there, or a type it lacks, is skipped); a shape whose K is not a multiple
+of the type's block (256 for the K-quants) is skipped too. Weights are random blocks with moderate fp16 scales;
 each product is timed as the best of --repeats rounds of enough calls to last ~--round-ms.
 Writes perf/results/gguf_kernels.json and .md (perf/report.py)."""
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import os
 import time
@@ -23,54 +23,39 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from gpu import kernels
-from gpu.quant.blocks import QuantizedWeight, ggml_cpu
+from gpu.models.model_files import ModelLoadError
+from gpu.quant.blocks import repack_q4_1
+from gpu.quant.gguf_types import BLOCK_TYPES, type_kernels
+from gpu.quant.gguf_weight import GGUFWeight, WeightPart
 from perf import report
 
 SHAPES = ((640, 2048), (2048, 640), (640, 1024))  # (K, N): Gemma 3 270M's up/gate, down, q
-# library -> type -> (block values, block bytes, byte offsets of the fp16 scales)
-LIBRARIES = {
-    "gguf_q32": {
-        "q4_0": (32, 18, (0,)),
-        "q4_1": (32, 20, (0, 2)),
-        "q5_0": (32, 22, (0,)),
-        "q5_1": (32, 24, (0, 2)),
-        "q8_0": (32, 34, (0,)),
-        "iq4_nl": (32, 18, (0,)),
-    },
-    "gguf_kquants": {
-        "q2_k": (256, 84, (80, 82)),
-        "q3_k": (256, 110, (108,)),
-        "q4_k": (256, 144, (0, 2)),
-        "q5_k": (256, 176, (0, 2)),
-        "q6_k": (256, 210, (208,)),
-        "iq4_xs": (256, 136, (0,)),
-    },
+# GGUF type -> byte offsets of its blocks' fp16 scales (d, and m or dmin), given moderate values
+SCALE_OFFSETS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_XS": (0,),
 }
-BASELINE = "repacked q4_1 (gemm_q4_1_q8)"
+BASELINE = "repacked Q4_1 (ggml_cpu.c)"
 
 
-def random_blocks(
-    rng: np.random.Generator, N: int, K: int, qk: int, nbytes: int, scales: tuple[int, ...]
-) -> np.ndarray:
-    blocks = rng.integers(0, 256, (N, K // qk, nbytes), dtype=np.uint8)
-    for offset in scales:
-        blocks[:, :, offset : offset + 2] = rng.uniform(1e-3, 1e-2, (N, K // qk, 1)).astype(np.float16).view(np.uint8)
+def random_blocks(rng: np.random.Generator, type_name: str, N: int, K: int) -> np.ndarray:
+    """uint8 [N, row bytes]: random quants and scale bytes, moderate fp16 scales"""
+    block = BLOCK_TYPES[type_name]
+    blocks = rng.integers(0, 256, (N, K // block.block_elements, block.block_bytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[type_name]:
+        scales = rng.uniform(1e-3, 1e-2, (*blocks.shape[:2], 1)).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8)
     return blocks.reshape(N, -1)
-
-
-def gguf_kernels(lib: ctypes.CDLL, name: str, modes: list[str]) -> dict[str, Callable] | None:
-    """mode -> the library's gemm for the type `name`, or None when it lacks any of the type's symbols"""
-    try:
-        fns = {mode: getattr(lib, f"gguf_gemm_{name}_{mode}") for mode in ("f32", "q8")}
-        getattr(lib, f"gguf_get_rows_{name}")
-    except AttributeError:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    for fn in fns.values():
-        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]  # x, T, K, w, N, y, ldy, threads
-        fn.restype = ctypes.c_int
-    return {mode: fns[mode] for mode in modes}
 
 
 def best_us(calls: Sequence[Callable[[], object]], repeats: int, round_ms: float) -> tuple[float, float]:
@@ -95,22 +80,21 @@ def best_us(calls: Sequence[Callable[[], object]], repeats: int, round_ms: float
     return wall * 1e6, cpu * 1e6
 
 
-def baseline_calls(x: torch.Tensor, N: int, y: torch.Tensor, threads: int, copies: int) -> tuple[list, list]:
-    """gemm_q4_1_q8 on `copies` copies of a repacked Q4_1 weight, called as QuantizedWeight.matmul
-    calls it: (the calls, the copies, to be kept while they run)"""
-    (T, K), g = x.shape, torch.Generator().manual_seed(0)
-    w = QuantizedWeight(
-        "Q4_1",
-        torch.randint(0, 256, (N, K // 32, 16), dtype=torch.uint8, generator=g),
-        torch.rand(N, K // 32, generator=g) * 1e-2,
-        torch.rand(N, K // 32, generator=g) * -1e-2,
-    ).with_activations("q8")
-    gemm, kept = ggml_cpu().gemm_q4_1_q8, [(w.qs.clone(), w.d.clone(), w.m.clone()) for _ in range(copies)]
-    calls = [
-        functools.partial(gemm, x.data_ptr(), T, K, qs.data_ptr(), d.data_ptr(), m.data_ptr(), N, y.data_ptr(), threads)
-        for qs, d, m in kept
-    ]
-    return calls, kept
+def baseline_calls(
+    rng: np.random.Generator, x: torch.Tensor, N: int, y: torch.Tensor, threads: int, copies: int
+) -> tuple[list, list]:
+    """The kernel of --quantization gguf-q8 on `copies` Q4_1 weights repacked as the loader
+    repacks them (gpu/quant/blocks.py): (the calls, the weights, to be kept while they run)"""
+    T, K = x.shape
+    kept = []
+    for _ in range(copies):
+        blocks = random_blocks(rng, "Q4_1", N, K)
+        part = WeightPart("baseline", "Q4_1", N, 0, blocks, blocks.ctypes.data, None, type_kernels("baseline", "Q4_1"))
+        kept.append(repack_q4_1(GGUFWeight.of_parts((part,), (N, K), "q8")).parts[0])
+    return [
+        functools.partial(p.kernels.gemm["q8"], x.data_ptr(), T, K, p.address, N, y.data_ptr(), N, threads)
+        for p in kept
+    ], kept
 
 
 def gguf_calls(fn: Callable, x: torch.Tensor, weight: np.ndarray, y: torch.Tensor, threads: int, copies: int):
@@ -140,20 +124,15 @@ def main() -> None:
     tokens, modes = [int(t) for t in args.tokens.split(",")], args.modes.split(",")
     started = report.start(args)
 
-    types: dict[str, tuple[int, int, tuple[int, ...], dict[str, Callable]]] = {}
+    gemms: dict[str, dict[str, Callable]] = {}  # type -> mode -> its gemm
     skipped: list[str] = []
-    for library, layouts in LIBRARIES.items():
+    for type_name in BLOCK_TYPES:
         try:
-            lib = kernels.load(library)
-        except (kernels.KernelBuildError, FileNotFoundError) as e:
-            skipped.append(f"{library}: {e}")
+            found = type_kernels("(benchmark)", type_name)
+        except (ModelLoadError, FileNotFoundError) as e:  # no such kernel, or its library is not there
+            skipped.append(str(e))
             continue
-        for name, (qk, nbytes, scales) in layouts.items():
-            fns = gguf_kernels(lib, name, modes)
-            if fns is None:
-                skipped.append(f"{name}: not in {library}")
-            else:
-                types[name] = (qk, nbytes, scales, fns)
+        gemms[type_name] = {mode: found.gemm[mode] for mode in modes}
 
     rng = np.random.default_rng(0)
     rows = []
@@ -175,23 +154,18 @@ def main() -> None:
         )
 
     for K, N in SHAPES:
-        weights = {
-            name: random_blocks(rng, N, K, qk, nbytes, scales)
-            for name, (qk, nbytes, scales, _) in types.items()
-            if K % qk == 0
-        }
+        weights = {name: random_blocks(rng, name, N, K) for name in gemms if K % BLOCK_TYPES[name].block_elements == 0}
         for T in tokens:
             x, y = torch.randn(T, K), torch.empty(T, N)
-            sources = {"cached": 1}
-            if T == 1 and args.stream_mib:
-                sources["streamed"] = 0
-            for source in sources:
+            # (weights, MiB of copies to go through: None for one copy, kept in the caches)
+            sources = [("cached", None)] + ([("streamed", args.stream_mib)] if T == 1 and args.stream_mib else [])
+            for source, mib in sources:
                 nbytes = N * K // 32 * (16 + 2 * 4)  # the baseline's nibbles, d and m
-                copies = sources[source] or -(-args.stream_mib * 2**20 // nbytes)
-                measure(BASELINE, "q8", K, N, T, source, baseline_calls(x, N, y, args.threads, copies), nbytes)
+                copies = 1 if mib is None else -(-mib * 2**20 // nbytes)
+                measure(BASELINE, "q8", K, N, T, source, baseline_calls(rng, x, N, y, args.threads, copies), nbytes)
                 for name, w in weights.items():
-                    copies = sources[source] or -(-args.stream_mib * 2**20 // w.nbytes)
-                    for mode, fn in types[name][3].items():
+                    copies = 1 if mib is None else -(-mib * 2**20 // w.nbytes)
+                    for mode, fn in gemms[name].items():
                         product = gguf_calls(fn, x, w, y, args.threads, copies)
                         measure(name, mode, K, N, T, source, product, w.nbytes)
             print(f"K={K} N={N} T={T}: done", flush=True)
