@@ -22,6 +22,7 @@ from gpu.models.llama import LlamaForCausalLM
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.models.weights import Weight, load_gguf_weights, load_weights
+from gpu.quant.blocks import repack_where_faster
 from gpu.quant.gguf_weight import GGUFWeight
 from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION
 from gpu.sampling.sampler import Sampler
@@ -201,8 +202,9 @@ class ModelRunner:
 
     def _weights(self, path: Path) -> tuple[dict[str, Weight], str]:
         """The model's weights and rope style (LlamaForCausalLM's). A GGUF's are used in place
-        (--quantization gguf | gguf-q8: its blocks through the kernels) or dequantized (none:
-        float copies, an explicit choice); an HF directory's are read (none only)."""
+        (--quantization gguf | gguf-q8: its blocks through the kernels; gguf-q8's Q4_1
+        projections repacked, gpu/quant/blocks.py) or dequantized (none: float copies, an
+        explicit choice); an HF directory's are read (none only)."""
         mode, cfg = self.quantization, self.model_config
         if mode != "none" and mode not in ACTIVATIONS:
             raise ModelLoadError(f"--quantization must be one of auto, none, {', '.join(ACTIVATIONS)}, not {mode!r}")
@@ -220,7 +222,9 @@ class ModelRunner:
             return dense, rope_style
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ModelLoadError(f"--quantization {mode} runs on the CPU in float32 (its kernels are AVX2 C)")
-        return load_gguf_weights(cfg, ACTIVATIONS[mode])
+        weights, rope_style = load_gguf_weights(cfg, ACTIVATIONS[mode])
+        repack_where_faster(weights)
+        return weights, rope_style
 
     def _num_kv_pages(self) -> int:
         cfg, c = self.model_config, self.config

@@ -1,86 +1,17 @@
-/* Products with GGUF-quantized weights on an x86-64 CPU with AVX2 + FMA (gpu/quant/blocks.py builds
- * and loads this file).
+/* The one product kept on a repacked copy of a GGUF's blocks (gpu/quant/blocks.py builds and
+ * loads this file): Q4_1 weights with int8 activations (--quantization gguf-q8), the blocks of
+ * the embedded SmolLM2's projections. The in-place kernels (gguf_q32.c) read the file's own
+ * layout, one row after another; here the rows are interleaved in groups of 8, which measured
+ * ~2x less CPU a decode step's products (perf/results/gguf_repack.md). It goes once the
+ * in-place Q4_1 kernel is as fast.
  *
- * y[T, N] = x[T, K] @ W^T where W is N rows of K / 32 blocks; block b of row n holds 32
- * quantized values q (Q4_1: nibbles 0..15, element j in the low nibble of byte j and element
- * j + 16 in its high nibble; Q8_0: int8), a scale d and, for Q4_1, a min m, so that the weight
- * is d * q + m, computed as a product then a sum, exactly as gguf-py (and so the fp32 weights
- * ringserve converts a GGUF into) dequantizes it. Only the order of the dot products' sums
- * differs from an fp32 product.
- *
- * A decode step reads every weight once: Q4_1 is 24 bytes per 32 weights here against 128 in
- * fp32, which is the whole gain where the step is memory bound (few tokens). Rows are split
- * over `threads` OpenMP threads; tokens go in tiles of 4, each block dequantized once per tile
- * into 4 vectors of 8 floats.
- *
- * --quantization gguf-q8 (llama.cpp's integer arithmetic, x quantized to int8) is further down.
+ * Its arguments are the in-place kernels' (gguf_gemm_TYPE_q8): w is the repacked buffer, y[t]
+ * at y + t * ldy, so callers take it as one of them.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define TILE 4  /* tokens multiplied together: 8 accumulators + 4 weight vectors fit the 16 ymm registers */
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline void dequant_q4_1(const uint8_t *qs, float d, float m, __m256 w[4]) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask);                      /* elements 0..15 */
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);   /* elements 16..31 */
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; i++)
-        w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), vd), vm);
-}
-
-static inline void dequant_q8_0(const uint8_t *qs, float d, float m, __m256 w[4]) {
-    (void)m;
-    const __m256 vd = _mm256_set1_ps(d);
-    for (int i = 0; i < 4; i++) {
-        const __m128i q = _mm_loadl_epi64((const __m128i *)(qs + 8 * i));
-        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), vd);
-    }
-}
-
-/* qs: [N, K/32, qbytes]; d, m: [N, K/32] (m unused for Q8_0); x: [T, K]; y: [T, N] */
-#define GEMM(NAME, DEQUANT, QBYTES)                                                             \
-    void NAME(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d,          \
-              const float *m, int64_t N, float *y, int threads) {                               \
-        const int64_t nb = K / 32;                                                              \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
-        for (int64_t n = 0; n < N; n++) {                                                       \
-            const uint8_t *row = qs + n * nb * QBYTES;                                          \
-            const float *rd = d + n * nb, *rm = m + n * nb;                                     \
-            for (int64_t t0 = 0; t0 < T; t0 += TILE) {                                          \
-                const int64_t tt = T - t0 < TILE ? T - t0 : TILE;                               \
-                __m256 acc[TILE][2];                                                            \
-                for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();     \
-                for (int64_t b = 0; b < nb; b++) {                                              \
-                    __m256 w[4];                                                                \
-                    DEQUANT(row + b * QBYTES, rd[b], rm[b], w);                                 \
-                    const float *xb = x + t0 * K + b * 32;                                      \
-                    for (int t = 0; t < tt; t++, xb += K) {                                     \
-                        acc[t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[t][0]);      \
-                        acc[t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[t][1]);  \
-                        acc[t][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[t][0]); \
-                        acc[t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[t][1]); \
-                    }                                                                           \
-                }                                                                               \
-                for (int t = 0; t < tt; t++)                                                    \
-                    y[(t0 + t) * N + n] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));            \
-            }                                                                                   \
-        }                                                                                       \
-    }
-
-GEMM(gemm_q4_1, dequant_q4_1, 16)
-GEMM(gemm_q8_0, dequant_q8_0, 32)
 
 /* --quantization gguf-q8: llama.cpp's arithmetic. The activations x are quantized once per
  * product, per 32-block, to int8 q with a scale d = amax / 127 (q = x * 127 / amax rounded to
@@ -88,12 +19,11 @@ GEMM(gemm_q8_0, dequant_q8_0, 32)
  * and s = d * sum(q), so that for a Q4_1 weight block
  *     sum_j (d_w q_w + m_w) (d_x q_x) = d_w d_x sum_j q_w q_x + m_w s_x
  * with an integer dot product: maddubs (uint8 x int8 -> int16 sums of pairs) then madd with
- * ones (-> int32). A Q8_0 weight is signed: its magnitudes go in maddubs' unsigned operand and
- * its signs onto x (_mm256_sign_epi8). The numerics change from fp32 by x's rounding only.
+ * ones (-> int32). The numerics change from fp32 by x's rounding only.
  *
  * Unlike llama.cpp's vec_dot (one row and token at a time, a horizontal sum per pair), the
- * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant/blocks.py,
- * QuantizedWeight.with_activations): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
+ * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant/blocks.py
+ * repack_q4_1): one 32-byte load holds the same 4 quantized bytes of 8 rows, maddubs with
  * 4 bytes of x broadcast sums them into one int16 lane per row, and a group's 8 results come
  * out in one vector (scales, mins and the store all 8 rows wide, no horizontal sums). Far
  * fewer instructions than one row at a time (measured), so a product of a few tokens is
@@ -120,7 +50,7 @@ static inline float hmax(__m256 v) {
 }
 
 /* x: [T, K] -> q: int8 [T, K], d, s: [T, K/32] */
-void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, float *s) {
+static void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, float *s) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
     for (int64_t i = 0; i < T * (K / 32); i++) {  /* [T, K] row-major: block i is x[32 i, 32 i + 32) */
@@ -153,71 +83,58 @@ void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, floa
 
 /* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt is a constant at each call (a switch
  * below) so that the token loops unroll and the sums stay in registers.
- * xq, xd, xs: the tile's tokens; qs: the group's [K/32, qbytes/4, ROWS, 4] bytes; d, m: its
+ * xq, xd, xs: the tile's tokens; qs: the group's [K/32, 4, ROWS, 4] bytes; d, m: its
  * [K/32, ROWS] scales and mins. */
 static inline __attribute__((always_inline)) void group_tile_q8(
-        int q4_1, int tt, const int8_t *xq, const float *xd, const float *xs, int64_t K,
-        const uint8_t *qs, const float *d, const float *m, int64_t N, float *y) {
-    const int64_t nb = K / 32, block_bytes = ROWS * (q4_1 ? 16 : 32);
+        int tt, const int8_t *xq, const float *xd, const float *xs, int64_t K,
+        const uint8_t *qs, const float *d, const float *m, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, block_bytes = ROWS * 16;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     __m256 acc[TILE_Q8];
     for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = qs + b * block_bytes;
         const int8_t *xb = xq + 32 * b;  /* token t's block at xb + t * K */
-        /* Q4_1: int16 lanes (8 maddubs of at most 2 * 15 * 127 each: <= 30480); Q8_0: int32 */
+        /* int16 lanes: 8 maddubs of at most 2 * 15 * 127 each, <= 30480 */
         __m256i isum[TILE_Q8];
         for (int t = 0; t < tt; t++) isum[t] = _mm256_setzero_si256();
-        /* the c loops stay rolled: unrolled, gcc hoisted every c's weights and spilled the sums
+        /* bytes 4 c .. 4 c + 3 of the 8 rows: low nibbles are elements 4 c .., high ones 16 + 4 c ..
+         * The c loop stays rolled: unrolled, gcc hoisted every c's weights and spilled the sums
          * to the stack (measurably slower: docs/perf-notes.md) */
-        if (q4_1) {
-            /* bytes 4 c .. 4 c + 3 of the 8 rows: low nibbles are elements 4 c .., high ones 16 + 4 c .. */
-            _Pragma("GCC unroll 1")
-            for (int c = 0; c < 4; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
-                const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                for (int t = 0; t < tt; t++) {
-                    const int8_t *xt = xb + t * K + 4 * c;
-                    isum[t] = _mm256_add_epi16(isum[t], _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xt))),
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xt + 16)))));
-                }
-            }
-        } else {
-            _Pragma("GCC unroll 1")
-            for (int c = 0; c < 8; c++) {  /* elements 4 c .. 4 c + 3 */
-                const __m256i sgn = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
-                const __m256i w = _mm256_sign_epi8(sgn, sgn);  /* |w|; -128 stays 0x80, read as 128 unsigned */
-                for (int t = 0; t < tt; t++) {
-                    const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xb + t * K + 4 * c)), sgn);
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
-                }
+        _Pragma("GCC unroll 1")
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int t = 0; t < tt; t++) {
+                const int8_t *xt = xb + t * K + 4 * c;
+                isum[t] = _mm256_add_epi16(isum[t], _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xt))),
+                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xt + 16)))));
             }
         }
-        const __m256 dw = _mm256_loadu_ps(d + b * ROWS);
+        const __m256 dw = _mm256_loadu_ps(d + b * ROWS), mw = _mm256_loadu_ps(m + b * ROWS);
         for (int t = 0; t < tt; t++) {
-            const __m256 dot = _mm256_cvtepi32_ps(q4_1 ? _mm256_madd_epi16(isum[t], ones) : isum[t]);
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t], ones));
             acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[t * nb + b])), acc[t]);
-            if (q4_1)  /* + m_w s_x */
-                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * ROWS), _mm256_set1_ps(xs[t * nb + b]), acc[t]);
+            acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[t * nb + b]), acc[t]);  /* + m_w s_x */
         }
     }
-    for (int t = 0; t < tt; t++) _mm256_storeu_ps(y + t * N, acc[t]);
+    for (int t = 0; t < tt; t++) _mm256_storeu_ps(y + t * ldy, acc[t]);
 }
 
 /* Groups g0 .. g1 of 8 rows, all tokens, TILE_Q8 at a time: a tile of x (4 K bytes) is read
  * from L1 for every group of the chunk, whose blocks (a few KiB a group) stay in L1/L2 for
  * every tile, instead of all of x streaming past each group. */
 static inline __attribute__((always_inline)) void groups_q8(
-        int q4_1, const int8_t *xq, const float *xd, const float *xs, int64_t T, int64_t K,
-        const uint8_t *qs, const float *d, const float *m, int64_t N, float *y, int64_t g0, int64_t g1) {
-    const int64_t nb = K / 32, group_bytes = nb * ROWS * (q4_1 ? 16 : 32);
+        const int8_t *xq, const float *xd, const float *xs, int64_t T, int64_t K,
+        const uint8_t *qs, const float *d, const float *m, float *y, int64_t ldy, int64_t g0, int64_t g1) {
+    const int64_t nb = K / 32, group_bytes = nb * ROWS * 16;
     for (int64_t t0 = 0; t0 < T; t0 += TILE_Q8) {
         for (int64_t g = g0; g < g1; g++) {
 #define TILE_CASE(TT)                                                                                 \
     case TT:                                                                                          \
-        group_tile_q8(q4_1, TT, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,     \
-                      d + g * nb * ROWS, m + g * nb * ROWS, N, y + t0 * N + g * ROWS);               \
+        group_tile_q8(TT, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,           \
+                      d + g * nb * ROWS, m + g * nb * ROWS, y + t0 * ldy + g * ROWS, ldy);            \
         break;
             switch (T - t0 < TILE_Q8 ? T - t0 : TILE_Q8) { TILE_CASE(4) TILE_CASE(3) TILE_CASE(2) TILE_CASE(1) }
 #undef TILE_CASE
@@ -225,44 +142,39 @@ static inline __attribute__((always_inline)) void groups_q8(
     }
 }
 
-/* The same arguments as the fp32 GEMMs above, but the weights in interleaved groups of 8 rows
- * (N a multiple of 8): qs [N/8, K/32, qbytes/4, 8, 4]; d, m [N/8, K/32, 8] (m unused for Q8_0).
+/* y[t, :N] (row t at y + t * ldy) = x[t] @ W^T, W N rows (a multiple of 8) repacked into one
+ * buffer w: qs [N/8, K/32, 4, 8, 4] bytes, then d and m, float [N/8, K/32, 8] each.
  * In one parallel region, x [T, K] is quantized (quantize_q8, the tokens split over the
  * threads) into a scratch buffer, then chunks of groups go over the threads. The scratch is
  * kept between calls (one per calling thread): a fresh one per call was mmap'ed and
  * page-faulted in every time once it outgrew malloc's heap threshold (a 2048-token prefill's
- * x is 1-3 MB). One function per type, not a runtime flag, so that each parallel region is
- * compiled for its own block. Returns 0, or -1 when the scratch cannot be allocated (y
- * untouched). */
+ * x is 1-3 MB). Returns 0, or -1 when the scratch cannot be allocated (y untouched). */
 static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_cap = 0;
 
-#define GEMM_Q8(NAME, Q4_1)                                                                          \
-    int NAME(const float *x, int64_t T, int64_t K, const uint8_t *qs, const float *d,               \
-             const float *m, int64_t N, float *y, int threads) {                                     \
-        const int64_t nb = K / 32, groups = N / ROWS, need = T * nb * (int64_t)(2 * sizeof(float)) + T * K; \
-        if (T == 0) return 0;                                                                        \
-        if (need > q8_scratch_cap) {                                                                 \
-            char *grown = realloc(q8_scratch, need);                                                 \
-            if (grown == NULL) return -1;                                                            \
-            q8_scratch = grown;                                                                      \
-            q8_scratch_cap = need;                                                                   \
-        }                                                                                            \
-        float *const xd = (float *)q8_scratch, *const xs = xd + T * nb;                              \
-        int8_t *const xq = (int8_t *)(xs + T * nb);                                                  \
-        const int64_t iters = (groups + CHUNK - 1) / CHUNK, share = (iters + threads - 1) / threads; \
-        const int64_t per_fetch = T >= DYNAMIC_TOKENS || share < 1 ? 1 : share;                      \
-        _Pragma("omp parallel num_threads(threads)")                                                 \
-        {                                                                                            \
-            _Pragma("omp for schedule(static)")                                                      \
-            for (int64_t t = 0; t < T; t++)                                                          \
-                quantize_q8(x + t * K, 1, K, xq + t * K, xd + t * nb, xs + t * nb);                 \
-            _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
-            for (int64_t c = 0; c < groups; c += CHUNK)                                              \
-                groups_q8(Q4_1, xq, xd, xs, T, K, qs, d, m, N, y, c, c + CHUNK < groups ? c + CHUNK : groups); \
-        }                                                                                            \
-        return 0;                                                                                    \
+int gemm_q4_1_repacked_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
+                          int threads) {
+    const int64_t nb = K / 32, groups = N / ROWS, need = T * nb * (int64_t)(2 * sizeof(float)) + T * K;
+    const uint8_t *qs = w;
+    const float *d = (const float *)(w + N * K / 2), *m = d + N * nb;
+    if (T == 0) return 0;
+    if (need > q8_scratch_cap) {
+        char *grown = realloc(q8_scratch, need);
+        if (grown == NULL) return -1;
+        q8_scratch = grown;
+        q8_scratch_cap = need;
     }
-
-GEMM_Q8(gemm_q4_1_q8, 1)
-GEMM_Q8(gemm_q8_0_q8, 0)
+    float *const xd = (float *)q8_scratch, *const xs = xd + T * nb;
+    int8_t *const xq = (int8_t *)(xs + T * nb);
+    const int64_t iters = (groups + CHUNK - 1) / CHUNK, share = (iters + threads - 1) / threads;
+    const int64_t per_fetch = T >= DYNAMIC_TOKENS || share < 1 ? 1 : share;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, 1, K, xq + t * K, xd + t * nb, xs + t * nb);
+        #pragma omp for schedule(dynamic, per_fetch)
+        for (int64_t c = 0; c < groups; c += CHUNK)
+            groups_q8(xq, xd, xs, T, K, qs, d, m, y, ldy, c, c + CHUNK < groups ? c + CHUNK : groups);
+    }
+    return 0;
+}

@@ -32,7 +32,7 @@ def mapped_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Part:
+class WeightPart:
     """One GGUF tensor of a (fused) weight: rows [offset, offset + rows) of it."""
 
     name: str
@@ -51,16 +51,18 @@ class _Part:
         return self.values.float()
 
 
-def _part(tensor: GGUFTensor, offset: int) -> _Part:
+def _part(tensor: GGUFTensor, offset: int) -> WeightPart:
     if len(tensor.shape) != 2:
         raise ModelLoadError(f"GGUF tensor {tensor.name}: a matrix was expected, its shape is {tensor.shape}")
     rows, K = tensor.shape
     if tensor.type_name in FLOAT_TYPES:
-        return _Part(tensor.name, tensor.type_name, rows, offset, tensor.data, 0, mapped_tensor(tensor.values()), None)
+        return WeightPart(
+            tensor.name, tensor.type_name, rows, offset, tensor.data, 0, mapped_tensor(tensor.values()), None
+        )
     kernels = type_kernels(tensor.name, tensor.type_name)
     if K % BLOCK_TYPES[tensor.type_name].block_elements:
         raise ModelLoadError(f"GGUF tensor {tensor.name}: its {K} columns are not whole {tensor.type_name} blocks")
-    return _Part(tensor.name, tensor.type_name, rows, offset, tensor.data, tensor.data.ctypes.data, None, kernels)
+    return WeightPart(tensor.name, tensor.type_name, rows, offset, tensor.data, tensor.data.ctypes.data, None, kernels)
 
 
 class GGUFWeight:
@@ -84,6 +86,13 @@ class GGUFWeight:
         self.parts = tuple(parts)
         self.shape = (offset, widths.pop())
         self.activations = activations
+
+    @classmethod
+    def of_parts(cls, parts: tuple[WeightPart, ...], shape: tuple[int, int], activations: str) -> GGUFWeight:
+        """A weight of parts made elsewhere (gpu/quant/blocks.py's repacked copy)."""
+        weight = cls.__new__(cls)
+        weight.parts, weight.shape, weight.activations = parts, shape, activations
+        return weight
 
     @property
     def type_names(self) -> tuple[str, ...]:

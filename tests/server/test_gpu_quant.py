@@ -1,5 +1,6 @@
 """--quantization gguf / gguf-q8 on the embedded SmolLM2 Q4_1: every weight is used where it
-lies in the file's mapping (no copy), the projections through the block kernels; the exact
+lies in the file's mapping (no copy), the projections through the block kernels, but for
+gguf-q8's Q4_1 projections (a repacked copy, the in-place kernel being slower); the exact
 mode (gguf) gives the dequantized fp32 executor's (none) greedy tokens, gguf-q8 follows them
 for as long as measured below; the q/k rows stay in llama.cpp's permuted order and the rope
 rotates adjacent pairs. What auto resolves to, and a bad mode or a model that is not a GGUF,
@@ -51,9 +52,9 @@ def mapping(array: np.ndarray) -> np.ndarray:
 
 @needs_kernels
 def test_every_weight_is_read_in_place_from_the_mapping():
-    model = runner("gguf-q8").model
+    model = runner("gguf").model
     projections = [*model.qkv, *model.o, *model.gate_up, *model.down, model.embed, model.lm_head]
-    assert all(isinstance(w, GGUFWeight) and w.activations == "q8" for w in projections)
+    assert all(isinstance(w, GGUFWeight) and w.activations == "f32" for w in projections)
     assert model.lm_head is model.embed  # tied: one weight
     assert {t for w in projections for t in w.type_names} == {"Q4_1", "Q8_0"}
     assert len(model.qkv[0].parts) == 3 and len(model.gate_up[0].parts) == 2  # fused without a copy
@@ -66,6 +67,29 @@ def test_every_weight_is_read_in_place_from_the_mapping():
     for norm in (model.norm, *model.input_norm, *model.post_norm):  # F32 tensors of the file
         assert start <= norm.data_ptr() < end
     assert model.ops.rope_style == "pairs"  # llama.cpp's permuted q/k rows, used as they are
+
+
+@needs_kernels
+def test_q8_repacks_the_q4_1_projections_and_multiplies_as_in_place():
+    """The one exception (gpu/quant/blocks.py): gguf-q8's Q4_1 projections are a repacked copy
+    whose products are the in-place kernel's (the same int8 arithmetic, sums in another order);
+    the Q8_0 embedding and LM head stay in the mapping."""
+    from gpu.models.gguf_file import GGUFFile
+
+    model = runner("gguf-q8").model
+    file = mapping(model.embed.parts[0].data)
+    start, end = file.ctypes.data, file.ctypes.data + file.nbytes
+    assert model.embed.type_names == ("Q8_0",) and start <= model.embed.parts[0].address < end
+    tensors = GGUFFile(model.cfg.gguf_path).tensors
+    for w, names in (
+        (model.qkv[2], ["blk.2.attn_q.weight", "blk.2.attn_k.weight", "blk.2.attn_v.weight"]),
+        (model.down[7], ["blk.7.ffn_down.weight"]),
+    ):
+        assert w.type_names == ("Q4_1",) and not start <= w.parts[0].address < end
+        in_place = GGUFWeight([tensors[n] for n in names], "q8")
+        x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
+        want = in_place.matmul(x)
+        torch.testing.assert_close(w.matmul(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @needs_kernels
