@@ -34,11 +34,12 @@
  * (_mm256_sign_epi8; at most 2 * 128 * 127). The result differs from the _f32 product by x's
  * rounding (at most amax / 254 per element) and the order of the float sums.
  *
- * Work split: rows in chunks of ROW_CHUNK over the OpenMP threads. The _q8 products take
- * ROW_TILE rows together, at up to ONE_TOKEN_MAX tokens (decode) one token at a time with x's
- * block loaded once for the rows, at more in tiles of X_TILE tokens with one token a vector
- * lane (x quantized into that layout): a block's unpacking and a float scale-and-add per
- * block serve many tokens, where a token at a time they were most of the work (rows_tile).
+ * Work split: rows in chunks of ROW_CHUNK over the OpenMP threads. The _q8 products take a
+ * few rows together (ROW_TILE or half) and x in one of three layouts by the number of tokens
+ * (x quantized into it): one token (decode), x's block loaded once for the rows
+ * (rows_one_token); up to 2 * MAX_PAIRS tokens in pairs, a pair in the two 128-bit halves
+ * (rows_pairs); more in tiles of X_TILE tokens, one token a vector lane (rows_tile). The
+ * more tokens, the more of them share a block's unpacking and each float scale-and-add.
  * The _f32 products take tokens TILE at a time, each block dequantized once per tile.
  */
 #include <immintrin.h>
@@ -50,8 +51,8 @@
 #define TILE 4        /* tokens an f32 product takes together: 8 sums + 4 weight vectors fit the 16 ymm registers */
 #define ROW_CHUNK 16  /* rows a thread takes at a time */
 #define ROW_TILE 4    /* rows a q8 product takes together */
-#define X_TILE 16     /* tokens a q8 product takes together (more than ONE_TOKEN_MAX): two halves of 8 lanes */
-#define ONE_TOKEN_MAX 3  /* up to this many tokens a q8 product takes them one at a time (faster than a tile: measured) */
+#define X_TILE 16     /* tokens a q8 product takes together (more than 2 * MAX_PAIRS): two halves of 8 lanes */
+#define MAX_PAIRS 4   /* up to 2 * MAX_PAIRS tokens a q8 product takes them in pairs (faster than a tile: measured) */
 
 enum block_type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL };
 
@@ -205,12 +206,19 @@ static inline __attribute__((always_inline)) void row_tile_f32(int type, int tt,
 
 /* x quantized: per block of 32, int8 xq, scale xd, xs = xd * sum(xq) and, for codes with an
  * offset o, corrections that take the codes' sum u xq back to sum v xq (v = u - o) in the
- * integer product's lanes. Two layouts:
- * - a token at a time: q [T, K]; d, s [T, K / 32]; c [T, K / 32, 8]: -o * (sum of xq's bytes
- *   4 i .. 4 i + 3)
+ * integer product's lanes. Three layouts (enum x_layout):
+ * - one token: q [K]; d, s [K / 32]; c [K / 32, 8]: -o * (sum of xq's bytes 4 i .. 4 i + 3)
+ * - pairs of tokens (T padded to even): q [T / 2, K / 32, 2, 2, 16]: the block's groups 0..3 of
+ *   both tokens, then groups 4..7 (a group: 4 bytes); d [T / 2, K / 32, 8]: each token's xd 4
+ *   times; s likewise, xs then 3 zeros; c [T / 2, K / 32, 8]: lane i of token h (4 h + i):
+ *   -o * (sum of groups i and i + 4)
  * - tiles of X_TILE tokens (T padded with zeros): q [T / X_TILE, K / 32, 8, X_TILE, 4], a
  *   block's 4-byte group g of the tile's tokens side by side; d, s, c [T / X_TILE, K / 32,
  *   X_TILE], c: -o * sum(xq) */
+enum x_layout { ONE_TOKEN, PAIRS, TILES };
+
+static inline enum x_layout q8_layout(int64_t T) { return T == 1 ? ONE_TOKEN : T <= 2 * MAX_PAIRS ? PAIRS : TILES; }
+
 struct q8_activations {
     int8_t *q;
     float *d, *s;
@@ -239,9 +247,9 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* token t of x [T, K] into a (t >= T: padding, all zeros); tiled: the X_TILE layout */
+/* token t of x [T, K] into a, in the given layout (t >= T: padding, all zeros) */
 static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, struct q8_activations a, int offset,
-                           int tiled) {
+                           enum x_layout layout) {
     const int64_t nb = K / QK;
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
@@ -259,7 +267,9 @@ static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, stru
         const int32_t sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
         const __m256i packed = _mm256_permutevar8x32_epi32(
             _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-        if (tiled) {
+        const __m256i group_sums =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed), _mm256_set1_epi16(1));
+        if (layout == TILES) {
             const int64_t block = t / X_TILE * nb + b, at = block * X_TILE + t % X_TILE;
             int8_t bytes[QK];
             _mm256_storeu_si256((__m256i *)bytes, packed);
@@ -267,13 +277,19 @@ static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, stru
             a.d[at] = d;
             a.s[at] = d * (float)sum;
             a.c[at] = -offset * sum;
+        } else if (layout == PAIRS) {
+            const int64_t block = t / 2 * nb + b, h = t % 2;
+            _mm_storeu_si128((__m128i *)(a.q + block * 2 * QK + 16 * h), _mm256_castsi256_si128(packed));
+            _mm_storeu_si128((__m128i *)(a.q + block * 2 * QK + QK + 16 * h), _mm256_extracti128_si256(packed, 1));
+            _mm_storeu_ps(a.d + 8 * block + 4 * h, _mm_set1_ps(d));
+            _mm_storeu_ps(a.s + 8 * block + 4 * h, _mm_set_ss(d * (float)sum));
+            const __m128i lane_sums = _mm_add_epi32(_mm256_castsi256_si128(group_sums), _mm256_extracti128_si256(group_sums, 1));
+            _mm_storeu_si128((__m128i *)(a.c + 8 * block + 4 * h), _mm_sub_epi32(_mm_setzero_si128(), lane_sums));
         } else {
-            _mm256_storeu_si256((__m256i *)(a.q + t * K + b * QK), packed);
-            a.d[t * nb + b] = d;
-            a.s[t * nb + b] = d * (float)sum;
-            const __m256i group_sums =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed), _mm256_set1_epi16(1));
-            _mm256_storeu_si256((__m256i *)(a.c + 8 * (t * nb + b)), _mm256_sub_epi32(_mm256_setzero_si256(), group_sums));
+            _mm256_storeu_si256((__m256i *)(a.q + b * QK), packed);
+            a.d[b] = d;
+            a.s[b] = d * (float)sum;
+            _mm256_storeu_si256((__m256i *)(a.c + 8 * b), _mm256_sub_epi32(_mm256_setzero_si256(), group_sums));
         }
     }
 }
@@ -381,21 +397,75 @@ static inline __attribute__((always_inline)) void rows_tile(int type, int R, int
     }
 }
 
-/* rows [n0, n1), all tokens: one token at a time, ROW_TILE rows at a time, or by tiles of X_TILE
- * tokens, ROW_TILE rows at a time for 8 tokens or fewer (one half) and half as many for more
- * (what fits the 16 registers) */
+static inline float hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* y[t, n + r] for t < tokens (<= 2 * pairs, the rest padding) and r < R rows, x in pairs: one
+ * vector holds groups 0..3 of both tokens of a pair, another groups 4..7, and the block's codes
+ * go in as two vectors, groups 0..3 and 4..7 in both halves: two integer products give a pair
+ * its sums (half h: token h), and one conversion, scale product and FMA serve both tokens. The
+ * block is unpacked once for all the pairs (a token at a time it was unpacked for each, and
+ * a tile of 8 or 16 lanes pays for its padding). */
+static inline __attribute__((always_inline)) void rows_pairs(int type, int R, int pairs, struct q8_activations a,
+                                                             int64_t K, const uint8_t *row, int64_t row_bytes,
+                                                             float *y, int64_t ldy, int64_t tokens) {
+    const int64_t nb = K / QK;
+    __m256 acc[ROW_TILE][MAX_PAIRS];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < pairs; p++) acc[r][p] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
+            const struct unpacked w = unpack_q8(type, a.vnni, blk);
+            const __m256i u_low = _mm256_permute4x64_epi64(w.u, 0x44), u_high = _mm256_permute4x64_epi64(w.u, 0xEE);
+            const __m256i m_low = _mm256_permute4x64_epi64(w.magnitude, 0x44);
+            const __m256i m_high = _mm256_permute4x64_epi64(w.magnitude, 0xEE);
+            for (int p = 0; p < pairs; p++) {
+                const int64_t block = p * nb + b;
+                const int8_t *xb = a.q + block * 2 * QK;
+                const __m256i start = corrected_offset(type, a.vnni)
+                                          ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * block))
+                                          : _mm256_setzero_si256();
+                const __m256i low = block_dot(type, a.vnni, u_low, m_low, _mm256_loadu_si256((const __m256i *)xb), start);
+                const __m256i sum =
+                    block_dot(type, a.vnni, u_high, m_high, _mm256_loadu_si256((const __m256i *)(xb + QK)), low);
+                acc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(w.d, _mm256_loadu_ps(a.d + 8 * block)),
+                                            acc[r][p]);
+                if (has_min(type)) acc[r][p] = _mm256_fmadd_ps(fp16_at(blk + 2), _mm256_loadu_ps(a.s + 8 * block), acc[r][p]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < pairs; p++) {
+            y[2 * p * ldy + r] = hsum128(_mm256_castps256_ps128(acc[r][p]));
+            if (2 * p + 1 < tokens) y[(2 * p + 1) * ldy + r] = hsum128(_mm256_extractf128_ps(acc[r][p], 1));
+        }
+}
+
+/* rows [n0, n1), all tokens, in x's layout for T (q8_layout): ROW_TILE rows at a time, or half
+ * as many where the sums of more tokens take the registers (3-4 pairs, both halves of a tile) */
 static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, int64_t T, int64_t K,
                                                           const uint8_t *w, float *y, int64_t ldy, int64_t n0,
                                                           int64_t n1) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
-    if (T <= ONE_TOKEN_MAX) {
-        for (int64_t t = 0; t < T; t++) {
-            const struct q8_activations at = {a.q + t * K, a.d + t * nb, a.s + t * nb, a.c + 8 * t * nb, a.vnni};
-            int64_t n = n0;
-            for (; n + ROW_TILE <= n1; n += ROW_TILE)
-                rows_one_token(type, ROW_TILE, at, K, w + n * row_bytes, row_bytes, y + t * ldy + n);
-            for (; n < n1; n++) rows_one_token(type, 1, at, K, w + n * row_bytes, row_bytes, y + t * ldy + n);
-        }
+    if (q8_layout(T) == ONE_TOKEN) {
+        int64_t n = n0;
+        for (; n + ROW_TILE <= n1; n += ROW_TILE) rows_one_token(type, ROW_TILE, a, K, w + n * row_bytes, row_bytes, y + n);
+        for (; n < n1; n++) rows_one_token(type, 1, a, K, w + n * row_bytes, row_bytes, y + n);
+        return;
+    }
+    if (q8_layout(T) == PAIRS) {
+        int64_t n = n0;
+#define PAIRS_CASE(PAIRS, R)                                                                                        \
+    case PAIRS:                                                                                                    \
+        for (; n + R <= n1; n += R) rows_pairs(type, R, PAIRS, a, K, w + n * row_bytes, row_bytes, y + n, ldy, T);  \
+        for (; n < n1; n++) rows_pairs(type, 1, PAIRS, a, K, w + n * row_bytes, row_bytes, y + n, ldy, T);          \
+        break;
+        switch ((T + 1) / 2) { PAIRS_CASE(1, ROW_TILE) PAIRS_CASE(2, ROW_TILE) PAIRS_CASE(3, ROW_TILE / 2) PAIRS_CASE(4, ROW_TILE / 2) }
+#undef PAIRS_CASE
         return;
     }
     for (int64_t t0 = 0; t0 < T; t0 += X_TILE) {
@@ -440,9 +510,9 @@ static inline __attribute__((always_inline)) void rows_f32(int type, const float
 static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_bytes = 0;
 
-/* for T tokens (padded: a multiple of X_TILE when more than ONE_TOKEN_MAX) */
+/* for T tokens (padded as the layout needs) */
 static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
-    const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(2 * sizeof(float) + 8 * sizeof(int32_t)) + T * K;
+    const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(8 * sizeof(float) + 8 * sizeof(int32_t)) + T * K;
     if (need > q8_scratch_bytes) {
         char *grown = realloc(q8_scratch, need);
         if (grown == NULL) return -1;
@@ -450,8 +520,8 @@ static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
         q8_scratch_bytes = need;
     }
     a->d = (float *)q8_scratch;
-    a->s = a->d + blocks;
-    a->c = (int32_t *)(a->s + blocks);
+    a->s = a->d + 4 * blocks;
+    a->c = (int32_t *)(a->s + 4 * blocks);
     a->q = (int8_t *)(a->c + 8 * blocks);
     return 0;
 }
@@ -490,13 +560,15 @@ static int vnni_available(void) {
                               int64_t ldy, int threads) {                                                      \
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
-        const int64_t padded = T <= ONE_TOKEN_MAX ? T : (T + X_TILE - 1) / X_TILE * X_TILE;                    \
+        const enum x_layout layout = q8_layout(T);                                                             \
+        const int64_t padded = layout == ONE_TOKEN ? 1 : layout == PAIRS ? (T + 1) / 2 * 2                     \
+                                                                         : (T + X_TILE - 1) / X_TILE * X_TILE; \
         if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
         const int vnni = vnni_available(), offset = corrected_offset(TYPE, vnni);                              \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, T > ONE_TOKEN_MAX);   \
+            for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, layout);              \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
                 if (vnni)                                                                                      \

@@ -21,11 +21,12 @@ TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")
 WITH_MIN = ("q4_1", "q5_1")  # a block's fp16 min m follows its fp16 scale d
 QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # gguf.quants.quantize makes their blocks
 # (T, K, N, ldy - N): a Gemma 3 270M product at decode, a long row, then odd ones: one block, N not a
-# multiple of the kernel's 4 rows or 16-row chunks, y a column slice of a wider output, partial
-# 16-token tiles (one half of 8 lanes or both: 3, 5, 29 = 16 + 13, 17 = 16 + 1)
+# multiple of the kernel's 4 rows or 16-row chunks, y a column slice of a wider output; the q8
+# products' token layouts: one token, pairs (3, 5, 7: the last one padded), tiles of 16 (29 =
+# 16 + 13, 17 = 16 + 1)
 SHAPES = (
     (1, 640, 2048, 0),
-    (4, 2048, 96, 0),
+    (7, 2048, 96, 0),
     (3, 32, 13, 5),
     (5, 96, 37, 0),
     (29, 576, 67, 3),
