@@ -4,7 +4,9 @@ dequantize-then-matmul up to the order of the sums, the _q8 products equal a num
 llama.cpp's arithmetic (x quantized per 32-block to int8, integer dot products per block)."""
 
 import ctypes
-from collections.abc import Callable
+import mmap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +96,35 @@ def scales(name: str, w: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
     return d, m
 
 
+@contextmanager
+def mapped(w: np.ndarray) -> Iterator[int]:
+    """The address of a copy of w in read-only pages that end where an inaccessible one begins,
+    as a GGUF's last tensor may: a kernel that writes to its weights or reads past them crashes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = p
+    libc.mmap.argtypes = [p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes, libc.munmap.argtypes = [p, ctypes.c_size_t, ctypes.c_int], [p, ctypes.c_size_t]
+    data = -(-w.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    base = libc.mmap(
+        None, data + mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
+    )
+    assert base not in (None, ctypes.c_void_p(-1).value), f"mmap: errno {ctypes.get_errno()}"
+    start = base + data - w.nbytes
+    ctypes.memmove(start, w.ctypes.data, w.nbytes)
+    assert libc.mprotect(base, data, mmap.PROT_READ) == 0 and libc.mprotect(base + data, mmap.PAGESIZE, 0) == 0
+    try:
+        yield start
+    finally:
+        libc.munmap(base, data + mmap.PAGESIZE)
+
+
 def gemm(lib: ctypes.CDLL, name: str, activations: str, x: np.ndarray, w: np.ndarray, N: int, ldy: int) -> np.ndarray:
     T, K = x.shape
     y = np.full((T, ldy), np.nan, dtype=np.float32)
-    rc = getattr(lib, f"gguf_gemm_{name}_{activations}")(
-        x.ctypes.data, T, K, w.ctypes.data, N, y.ctypes.data, ldy, THREADS
-    )
+    with mapped(w) as address:
+        rc = getattr(lib, f"gguf_gemm_{name}_{activations}")(
+            x.ctypes.data, T, K, address, N, y.ctypes.data, ldy, THREADS
+        )
     assert rc == 0
     assert np.isnan(y[:, N:]).all(), "wrote past column N"
     return y[:, :N]
@@ -119,9 +144,10 @@ def test_get_rows_is_gguf_py_dequantize(
     rng = np.random.default_rng(1)
     N, K = 37, 320
     w = make(name, N, K, rng)
-    ids = np.array([0, 36, 5, 5, 17], dtype=np.int64)
+    ids = np.array([0, 36, 5, 5, 17], dtype=np.int64)  # 36: the last row
     out = np.full((len(ids), K), np.nan, dtype=np.float32)
-    getattr(lib, f"gguf_get_rows_{name}")(w.ctypes.data, K, ids.ctypes.data, len(ids), out.ctypes.data)
+    with mapped(w) as address:
+        getattr(lib, f"gguf_get_rows_{name}")(address, K, ids.ctypes.data, len(ids), out.ctypes.data)
     assert np.array_equal(out, dequantize(w, qtype(name))[ids])
 
 
