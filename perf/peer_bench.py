@@ -291,6 +291,21 @@ class LlamaServer:
         }
 
 
+def tree_rss_mb(pids: dict[int, int]) -> dict[str, float]:
+    """Resident and peak-resident MB (VmRSS, VmHWM) of a server's processes, summed: what the
+    server holds after the rounds, every process counted (shared pages once per process)."""
+    total = {"rss": 0.0, "peak": 0.0}
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        total["rss"] += int(fields.get("VmRSS", "0 kB").split()[0]) / 1024
+        total["peak"] += int(fields.get("VmHWM", "0 kB").split()[0]) / 1024
+    return {"rss": round(total["rss"], 1), "peak": round(total["peak"], 1), "processes": len(pids)}
+
+
 def llama_version(binary: str) -> str:
     try:
         proc = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
@@ -589,9 +604,15 @@ def markdown(result: dict) -> str:
         lines += [f"**llama.cpp skipped**: {result['llama_cpp']['skipped']}", ""]
     lines += [
         report.table(
-            ("server", "command", "start s", "status"),
+            ("server", "command", "start s", "RSS MB (peak), all processes", "status"),
             [
-                (name, f"`{shlex.join(s['argv'])}`", fmt(s.get("startup_s")), s.get("status", "up"))
+                (
+                    name,
+                    f"`{shlex.join(s['argv'])}`",
+                    fmt(s.get("startup_s")),
+                    f"{fmt(s['rss_mb']['rss'])} ({fmt(s['rss_mb']['peak'])})" if "rss_mb" in s else "",
+                    s.get("status", "up"),
+                )
                 for name, s in result["servers"].items()
             ],
         ),
@@ -730,7 +751,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--llama-slot-context", type=int, default=2048, help="context per llama.cpp slot (-c is 32 times it)"
     )
-    ap.add_argument("--gguf", default=None, help="the GGUF file for llama.cpp (default: ringserve's embedded model)")
+    ap.add_argument(
+        "--gguf", default=None, help="the GGUF file every server serves (default: ringserve's embedded model)"
+    )
     ap.add_argument(
         "--ringserve-args",
         action="append",
@@ -802,7 +825,8 @@ def start_servers(args, llama_bin: str | None, result: dict) -> dict[str, object
         started[LLAMA] = LlamaServer(llama_bin, gguf, llama_args, args.out.with_name("peer_server_llama.log"))
         result["servers"][LLAMA] = {"argv": started[LLAMA].argv, "version": llama_version(llama_bin)}
     for i, (name, extra) in enumerate(args.ringserve_configs.items()):
-        flags = [*(["--null-model"] if args.null_model else []), *extra]
+        model = ["--model-path", args.gguf] if args.gguf and not args.null_model else []
+        flags = [*(["--null-model"] if args.null_model else []), *model, *extra]
         started[name] = sb.Server(flags, args.out.with_name(f"peer_server_ringserve{i}.log"))
         result["servers"][name] = {"argv": ["python", *started[name].argv[1:]]}
     up = {}
@@ -867,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = start_servers(args, llama_bin, result)
     bench = None
     try:
-        tokenizer = sb.load_tokenizer(None)
+        tokenizer = sb.load_tokenizer(None if args.null_model else args.gguf)
         bench = Bench(servers, args)
         result["client_loop"] = bench.loop_name
         if args.warmup:
@@ -886,6 +910,7 @@ def main(argv: list[str] | None = None) -> int:
             sb.cancel_pending(bench.loop)
             bench.loop.close()
         for name, server in servers.items():
+            result["servers"][name]["rss_mb"] = tree_rss_mb(server.cpu_ticks())
             result["leftovers"][name] = server.stop()
         names = list(servers)
         off = [n for n in names if OFF_ARGS in n]
