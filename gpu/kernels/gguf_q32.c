@@ -342,8 +342,8 @@ static inline __attribute__((always_inline)) void rows_one_token(int type, int R
         const __m256i start = corrected_offset(type, a.vnni) ? _mm256_loadu_si256((const __m256i *)(a.c + 8 * b))
                                                              : _mm256_setzero_si256();
         const __m256 xd = _mm256_broadcast_ss(a.d + b);
-        for (int64_t at = b * R * block_bytes(type); at < (b + 1) * R * block_bytes(type); at += 64)
-            _mm_prefetch((const char *)row + ahead + at, _MM_HINT_T0);
+        for (int line = 0; line < R * block_bytes(type); line += 64)  /* a constant count: unrolled */
+            _mm_prefetch((const char *)row + ahead + b * R * block_bytes(type) + line, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = row + r * row_bytes + b * block_bytes(type);
             const struct unpacked w = unpack_q8(type, a.vnni, blk);
