@@ -6,7 +6,9 @@ and requests succeed again without restarting the server.
 
 Reports: requests served, failures by kind, tokens lost (a finished stream's usage
 completion_tokens against the tokens it streamed, counted from its logprobs), the RSS of
-each process at the start and the end (by role: a restarted engine's processes are new),
+each process at the start, once warm (a quarter of the way in: the allocator's arenas and
+lazy imports have grown by then) and at the end (by role: a restarted engine's processes
+are new); a leak shows as growth from warm to end,
 and each kill's recovery time (from the kill to the first request that succeeds again).
 
     python -m perf.soak --duration 1800 --streams 32 --kill-every 300        # 30 minutes
@@ -67,6 +69,7 @@ class Soak:
         self.counts: Counter[str] = Counter()  # outcomes by kind
         self.tokens_streamed = 0
         self.tokens_lost = 0  # finished streams whose usage differs from what they streamed
+        self.rss_warm: dict[str, int] = {}  # rss_by_role a quarter of the way in
         self.kills: list[dict] = []
         self.pending_recovery: list[dict] = []  # kills awaiting their first success after
         self.deadline = 0.0
@@ -161,9 +164,15 @@ class Soak:
         timeout = httpx.Timeout(self.args.request_timeout)
         async with httpx.AsyncClient(base_url=self.base, limits=limits, timeout=timeout) as client:
             killer = asyncio.create_task(self.killer()) if self.args.kill_every > 0 else None
+            warm = asyncio.create_task(self.read_warm_rss())
             await asyncio.gather(*(self.stream_loop(client) for _ in range(self.args.streams)))
-            if killer is not None:
-                killer.cancel()
+            for task in (killer, warm):
+                if task is not None:
+                    task.cancel()
+
+    async def read_warm_rss(self) -> None:
+        await asyncio.sleep(self.args.duration / 4)
+        self.rss_warm = rss_by_role(self.server)
         for kill in self.pending_recovery:
             kill["recovered_s"] = None  # not recovered before the end
 
@@ -210,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_streamed": soak.tokens_streamed,
         "tokens_lost": soak.tokens_lost,
         "rss_kb_start": rss_start,
+        "rss_kb_warm": soak.rss_warm,
         "rss_kb_end": rss_end,
         "kills": kills,
         "all_recovered": all(r is not None for r in recoveries),
@@ -224,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             f"healthy at the end: {healthy_at_end}.",
             report.table(("outcome", "requests"), sorted(soak.counts.items())),
             report.table(
-                ("process", "RSS start (MiB)", "RSS end (MiB)"),
+                ("process", "RSS start (MiB)", "RSS warm (MiB)", "RSS end (MiB)"),
                 [
-                    (role, report.fmt(rss_start.get(role, 0) / 1024), report.fmt(rss_end.get(role, 0) / 1024))
+                    (role, *(report.fmt(rss.get(role, 0) / 1024) for rss in (rss_start, soak.rss_warm, rss_end)))
                     for role in sorted(set(rss_start) | set(rss_end))
                 ],
             ),
