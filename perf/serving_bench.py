@@ -121,11 +121,16 @@ class ChatCounter:
 
 
 def vocab_words(tokenizer) -> list[str]:
-    """Lower-case ASCII words that are one vocabulary entry each with their leading space."""
+    """Lower-case ASCII words that are one vocabulary entry each with their leading space
+    (byte-level BPE writes the space as U+0120, SentencePiece as U+2581)."""
     return sorted(
         t[1:]
         for t in tokenizer.get_vocab()
-        if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha() and t[1:].islower() and 3 <= len(t) - 1 <= 8
+        if t[:1] in ("\u0120", "\u2581")
+        and t[1:].isascii()
+        and t[1:].isalpha()
+        and t[1:].islower()
+        and 3 <= len(t) - 1 <= 8
     )
 
 
