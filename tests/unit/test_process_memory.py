@@ -14,11 +14,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime.http_worker.process_memory import resident_bytes, server_processes
 from runtime.supervise.files import EngineProcess, process_start_time
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+
+
+def sleeper() -> subprocess.Popen:
+    """A child running its own program: until it has exec'd, a forked child's RSS is this
+    test process's (over 1 GiB late in the unit tier)."""
+    child = subprocess.Popen(SLEEPER, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "up\n"
+    return child
 
 
 def test_roles_and_sizes_of_the_servers_processes():
-    worker, engine = subprocess.Popen(SLEEPER), subprocess.Popen(SLEEPER)
+    worker, engine = sleeper(), sleeper()
     try:
         scheduler = EngineProcess("scheduler", engine.pid, process_start_time(engine.pid) or -1)
         found = server_processes(os.getpid(), [scheduler])
