@@ -24,6 +24,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from cbuild import BuildError, build_extension
+from gpu.kvcache.ngram import ngram_draft
 from protocol.record_bytes import take_records
 from protocol.records import TOKEN_OUT, Finish, fields_of
 from protocol.sampling_params import SamplingParams
@@ -221,6 +222,13 @@ class ReqTable(Generic[R]):
         a = self.active
         future = np.minimum(self.max_len[a] - self.length[a], clip)
         return float(np.sum(self.length[a] - self.kv_len[a]) + ratio * np.sum(future))
+
+    def draft(self, row: int, k: int, min_window: int, max_window: int) -> np.ndarray:
+        """ngram_draft over `row`'s known tokens (a view of them: valid until the row is reused)."""
+        if self._core is None:
+            return ngram_draft(self.ids[row, : self.length[row]], k, min_window, max_window)
+        start, n = self._core.draft(row, k, min_window, max_window)
+        return self.ids[row, start : start + n]
 
     def append(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """Appends one sampled token (int32) to each of rows (int64): (their TOKEN_OUT records

@@ -29,6 +29,8 @@
  *       logprob (float32 [n]), finish and completion tokens, and finished[:k] (int64) with
  *       the rows that finished, in order. A stop token counts only past min_len and wins over
  *       length.
+ *   draft(row, k, min_window, max_window) -> (start, n): the n-gram draft of gpu/kvcache/ngram.py's
+ *       ngram_draft over the row's known tokens, as ids[row, start:start + n] (n = 0: none).
  * Row indices out of range raise IndexError before anything is written.
  */
 #define PY_SSIZE_T_CLEAN
@@ -351,6 +353,47 @@ done:
     return result;
 }
 
+/* ngram_draft's search without its arrays: the occurrences of the last token are tried from
+   the latest back, each matched backwards up to the window, so the first longest is the latest */
+static PyObject *StepCore_draft(StepCore *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "draft(row, k, min_window, max_window)");
+        return NULL;
+    }
+    Py_ssize_t v[4];
+    for (int i = 0; i < 4; i++)
+        if ((v[i] = PyLong_AsSsize_t(args[i])) == -1 && PyErr_Occurred())
+            return NULL;
+    Py_ssize_t row = v[0], k = v[1], lo = v[2], hi = v[3];
+    if (row < 0 || row >= c->rows) {
+        PyErr_Format(PyExc_IndexError, "row %zd outside the table's %zd rows", row, c->rows);
+        return NULL;
+    }
+    Py_ssize_t L = COL(c, LENGTH)[row];
+    if (L < 0 || L > c->max_seq) {
+        PyErr_Format(PyExc_IndexError, "row %zd holds %zd tokens", row, L);
+        return NULL;
+    }
+    if (L <= lo || k <= 0)
+        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    const int32_t *ids = COL(c, IDS) + row * c->max_seq;
+    const int32_t last = ids[L - 1];
+    Py_ssize_t cap = hi < L - 1 ? hi : L - 1, best = 0, best_end = -1;
+    for (Py_ssize_t end = L - 2; end >= 0 && best < cap; end--) {
+        if (ids[end] != last)
+            continue;
+        Py_ssize_t m = 1;
+        while (m < cap && end - m >= 0 && ids[end - m] == ids[L - 1 - m])
+            m++;
+        if (m > best)
+            best = m, best_end = end;
+    }
+    if (best_end < 0 || best < lo)
+        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    Py_ssize_t n = L - best_end - 1 < k ? L - best_end - 1 : k;
+    return Py_BuildValue("(nn)", best_end + 1, n);
+}
+
 static PyMethodDef StepCore_methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))StepCore_decode_rows, METH_FASTCALL,
      "decode_rows(page_size, rows, need) -> (n, k)"},
@@ -361,6 +404,8 @@ static PyMethodDef StepCore_methods[] = {
      "reserved_tokens(ratio, clip) -> float"},
     {"append", (PyCFunction)(void (*)(void))StepCore_append, METH_FASTCALL,
      "append(rows, tokens, logprobs, events, finished) -> k"},
+    {"draft", (PyCFunction)(void (*)(void))StepCore_draft, METH_FASTCALL,
+     "draft(row, k, min_window, max_window) -> (start, n)"},
     {NULL, NULL, 0, NULL},
 };
 

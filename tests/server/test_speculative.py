@@ -1,15 +1,16 @@
 """N-gram speculative decoding (runtime/scheduler/speculative.py): the prompt-lookup drafter
-against a brute-force reference, the adaptive policy, the scheduler's verify bookkeeping on the
+(gpu/kvcache/ngram.py, and the request table's C form of it) against a brute-force reference,
+the adaptive policy, the scheduler's verify bookkeeping on the
 null model (tokens, finish reasons and counts equal to speculation off, pages accounted, KV
 lengths, retraction) and on the real model (greedy tokens and logprobs equal to speculation off)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
+from gpu.kvcache.ngram import ngram_draft
+from gpu.kvcache.req_table import ReqTable, step_core
 from gpu.model_runner import ModelRunnerConfig
 from gpu.null_model import NullModelRunner
 from protocol.records import Finish
@@ -17,7 +18,7 @@ from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
-from runtime.scheduler.speculative import MAX_BATCH, NgramSpeculator, NoSpeculation, make_speculator, ngram_draft
+from runtime.scheduler.speculative import MAX_BATCH, NgramSpeculator, NoSpeculation, make_speculator
 
 PS = 16
 
@@ -50,12 +51,31 @@ def test_ngram_draft_prefers_the_longest_then_the_latest_match():
     assert ngram_draft(np.array([1, 2, 3], np.int32), 4, 1, 4).tolist() == []
 
 
-def cycling_table(rows: int, period: int, length: int = 20, max_len: int = 100) -> SimpleNamespace:
-    """What propose() reads of a ReqTable: rows whose known tokens cycle through `period` ids."""
+def cycling_table(rows: int, period: int, length: int = 20, max_len: int = 100) -> ReqTable:
+    """A request table whose rows' known tokens cycle through `period` ids (filled as admit would)."""
+    table: ReqTable = ReqTable(rows, max_len, PS)
     ids = np.tile(np.arange(period, dtype=np.int32), -(-max_len // period))[:max_len]
-    return SimpleNamespace(
-        ids=ids[None, :].repeat(rows, 0), length=np.full(rows, length, np.int32), max_len=np.full(rows, max_len)
-    )
+    table.ids[:] = ids
+    table.length[:], table.max_len[:] = length, max_len
+    return table
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_tables_c_draft_is_ngram_draft(seed):
+    """step_core.c's search against the numpy one, over rows of few distinct ids (many matches)."""
+    if step_core() is None:
+        pytest.skip("the C step bookkeeping cannot be built here")
+    rng = np.random.default_rng(seed)
+    c, py = ReqTable(3, 80, PS), ReqTable(3, 80, PS, native=False)
+    for row in range(3):
+        n = int(rng.integers(0, 81))
+        ids = rng.integers(0, 1 + (seed + row) % 5, size=n).astype(np.int32)
+        for t in (c, py):
+            t.ids[row, :n], t.length[row] = ids, n
+        k, lo = int(rng.integers(0, 9)), int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 14))
+        want = ngram_draft(ids, k, lo, hi).tolist()
+        assert c.draft(row, k, lo, hi).tolist() == py.draft(row, k, lo, hi).tolist() == want
 
 
 def test_the_draft_length_adapts_and_whole_rejections_back_off():
