@@ -31,10 +31,32 @@ from protocol.sampling_params import SamplingParams
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class RandomIds:
+    """128 random bits an id, from one os.urandom call per 256 ids: the syscall cost more than
+    the rest of an id. A process that forks refills its own pool (a pool copied into two
+    processes would give both the same ids)."""
+
+    ID_BYTES = 16
+    POOL_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._pool, self._at, self._pid = b"", 0, -1
+
+    def next_hex(self) -> str:
+        if self._at >= len(self._pool) or self._pid != os.getpid():
+            self._pool, self._at, self._pid = os.urandom(self.POOL_BYTES), 0, os.getpid()
+        at = self._at
+        self._at = at + self.ID_BYTES
+        return self._pool[at : at + self.ID_BYTES].hex()
+
+
+_IDS = RandomIds()
+
+
 def new_request_id(kind: str) -> str:
     """ "chatcmpl-<hex>" or "cmpl-<hex>", as OpenAI names its responses: 128 random bits, as
     uuid4().hex has (less 6 fixed bits) at a fraction of its cost."""
-    return f"{kind}-{os.urandom(16).hex()}"
+    return f"{kind}-{_IDS.next_hex()}"
 
 
 def now() -> int:

@@ -84,7 +84,7 @@ STAGES: dict[str, list[tuple[str, str]]] = {
     ],
     "ringserve::scheduler": [
         _RINGS,
-        ("drafting (n-gram)", r"speculative\.py"),
+        ("drafting (n-gram)", r"speculative\.py|ngram\.py|ReqTable\.draft"),
         ("model step (null)", r"null_model\.py"),
         ("token records out", r"token_out\.py|record_bytes\.py|SchedulerProcess\._publish"),
         ("request records in", r"request_records\.py|SchedulerProcess\._handle_requests"),

@@ -2,6 +2,7 @@
 the logprobs token vocab against the real SmolLM2 tokenizer."""
 
 import dataclasses
+import os
 
 import httpx
 import numpy as np
@@ -17,6 +18,7 @@ from httpapi.info import check_model, models_body, served_model_name, server_inf
 from httpapi.logprobs import LOGPROB_FLOOR, LogprobVocab, TokenLogprobs
 from httpapi.responses import (
     ChoiceResult,
+    RandomIds,
     Usage,
     chat_completion_body,
     completion_body,
@@ -237,3 +239,20 @@ def test_logprob_vocab_of_a_sentencepiece_tokenizer():
     assert vocab.bytes[10:] == [b"", b""]  # a padded embedding's extra ids
     assert b"".join(vocab.bytes[i] for i in (6, 3, 4, 5)).decode() == " hello€"
     assert vocab.text[3] == "\\xe2" and vocab.chars[3:6] == [1, 0, 0]
+
+
+def test_request_ids_are_distinct_across_pool_refills_and_forks():
+
+    ids = RandomIds()
+    seen = [ids.next_hex() for _ in range(3 * RandomIds.POOL_BYTES // RandomIds.ID_BYTES + 5)]
+    assert len(set(seen)) == len(seen) and all(len(i) == 32 for i in seen)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next id comes from a pool of its own, not the parent's copy
+        os.write(write, ids.next_hex().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read), os.close(write)
+    assert child != ids.next_hex() and child not in seen
+    assert new_request_id("chatcmpl").startswith("chatcmpl-")
