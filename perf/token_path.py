@@ -4,18 +4,20 @@ model (instant tokens, so that all the CPU left is the server's own path), at 1,
 server over ZMQ + pickle (the baseline the rings are measured against).
 
 serving_bench's workload and client (streamed chat completions, ~110-token prompts, 64 output
-tokens, ignore_eos; closed loops of C keep-alive connections). For each level:
-  - every thread's utime+stime over the window (/proc/<pid>/task/<tid>/stat): the measured CPU;
-  - py-spy (a sampling profiler reading the processes from outside: nothing runs in them)
-    samples every Python thread of every process at --rate Hz over the same window; a sample is
-    put in the stage of the innermost frame that a rule of the process's role names (STAGES), a
-    sample waiting in poll/epoll is dropped, and each thread's measured CPU is split over the
-    stages in proportion to its samples. Threads that run no Python (granian's tokio I/O
-    threads) are their own stage. So the table's numbers are measured CPU; only the split of a
-    thread's CPU between stages is sampled (~1/sqrt(samples) of a stage's share).
-Each level's window is long enough for the 10 ms CPU ticks and the samples (--requests).
+tokens, ignore_eos; closed loops of C keep-alive connections). Each level runs twice:
+  - alone, for the numbers: each process's utime+stime over the window (/proc);
+  - with py-spy attached (a sampling profiler reading the processes from outside: nothing runs
+    in them, but its own CPU would crowd the server's on two cores), for the split: it samples
+    every Python thread at --rate Hz; a sample is put in the stage of the innermost frame that
+    a rule of the process's role names (STAGES), a sample waiting in poll/epoll is dropped;
+    each thread's CPU over that window (/proc/<pid>/task/<tid>/stat) is split over its stages
+    in proportion to its samples, and threads that run no Python (granian's tokio I/O
+    threads) are their own stage. Each process's shares then split its CPU of the first pass.
+So a table's numbers are measured CPU; only the split of a process's CPU between stages is
+sampled (~1/sqrt(samples) of a stage's share). Each window is long enough for the 10 ms CPU
+ticks and the samples (--requests).
 
-    python -m perf.token_path                          # the whole set (~4 min on 2 cores)
+    python -m perf.token_path                          # the whole set (~6 min on 2 cores)
     python -m perf.token_path --configs defaults --levels 256
 Writes perf/results/token_path.json and token_path.md (perf/report.py), the servers' logs
 beside them (not committed). Needs py-spy (`pip install py-spy`; the dev extra has it).
@@ -211,14 +213,18 @@ def measure(
     loop,
     server: sb.Server,
     bodies: list[bytes],
+    profiled_bodies: list[bytes],
     concurrency: int,
     w: sb.Workload,
     rate: int,
     timeout: float,
     keep: Path | None,
 ) -> dict:
-    """One level: serving_bench's measurement, with every thread's CPU and py-spy over the window;
-    py-spy's raw samples stay in `keep` when given (one file a process, named by its pid)."""
+    """One level, twice: serving_bench's measurement alone (`bodies`: the numbers), then with
+    py-spy over the window (`profiled_bodies`: each process's split over stages, which scales
+    the first pass's CPU of that process; py-spy's own CPU would otherwise crowd the server on
+    two cores). py-spy's raw samples stay in `keep` when given (a file a process, by pid)."""
+    level = sb.measure_level(loop, server, bodies, concurrency, w, timeout)
     pids = sb.descendants(server.proc.pid)
     role_of_pid = {pid: sb.role_of(sb.proc_title(pid), pid, server.proc.pid) for pid in pids}
     with tempfile.TemporaryDirectory() as scratch:
@@ -229,15 +235,20 @@ def measure(
         profilers = Profilers(pids, rate, folder)
         time.sleep(0.5)  # attached
         ticks0 = thread_ticks(pids)
-        level = sb.measure_level(loop, server, bodies, concurrency, w, timeout)
+        profiled = sb.measure_level(loop, server, profiled_bodies, concurrency, w, timeout)
         ticks1 = thread_ticks(pids)
         samples = profilers.stop()
     stages = split_cpu(role_of_pid, ticks0, ticks1, samples)
     tokens = level["output_tokens"] or 1
-    level["stages_us_per_token"] = {
-        role: {stage: cpu / tokens * 1e6 for stage, cpu in sorted(per.items(), key=lambda kv: -kv[1])}
-        for role, per in stages.items()
-    }
+    level["stages_us_per_token"] = {}
+    for role, per in stages.items():
+        cpu = level["server_cpu_by_process_s"].get(role, 0.0)
+        total = sum(per.values()) or 1.0
+        level["stages_us_per_token"][role] = {
+            stage: cpu * share / total / tokens * 1e6 for stage, share in sorted(per.items(), key=lambda kv: -kv[1])
+        }
+    level["profiled_server_cpu_us_per_token"] = profiled["server_cpu_us_per_token"]
+    level["failed"] += profiled["failed"]
     level["samples"] = sum(sum(c.values()) for per in samples.values() for c in per.values())
     return level
 
@@ -335,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in CONFIGS if c.name in wanted]
     plan = [(c, [lv for lv in c.levels if not only or lv in only]) for c in configs]
     # each config starts a server of its own (an empty prefix cache): they take the same prompts
-    total = max(args.warmup + sum(counts.get(lv, 4 * lv) for lv in lvs) for _, lvs in plan)
+    total = max(args.warmup + 2 * sum(counts.get(lv, 4 * lv) for lv in lvs) for _, lvs in plan)
     prompts, _ = sb.make_prompts(sb.load_tokenizer(None), total, w.prompt_tokens, 0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
@@ -364,9 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for c in levels:
                     n = counts.get(c, 4 * c)
-                    bodies = [sb.request_body(name, p, w) for p in prompts[at : at + n]]
-                    at += n
-                    lv = measure(loop, server, bodies, c, w, args.rate, args.request_timeout, args.samples)
+                    bodies = [sb.request_body(name, p, w) for p in prompts[at : at + 2 * n]]
+                    at += 2 * n
+                    lv = measure(
+                        loop, server, bodies[:n], bodies[n:], c, w, args.rate, args.request_timeout, args.samples
+                    )
                     failed += lv["failed"]
                     run["levels"].append(lv)
                     print(
