@@ -24,12 +24,13 @@ HEADLINE_END = "<!-- /headline -->"
 STREAMS = 256
 
 
+RATIO = "zmq+pickle / defaults, 256 streams"
+
+
 def level(result: dict, config: str, streams: int) -> dict:
-    for run in result["runs"]:
-        if run["config"] == config:
-            for lv in run["levels"]:
-                if lv["concurrency"] == streams:
-                    return lv
+    for lv in result["levels"]:
+        if lv["config"] == config and lv["concurrency"] == streams:
+            return lv
     raise LookupError(f"{RESULT.name} has no level of {streams} streams for {config!r}")
 
 
@@ -37,13 +38,15 @@ def headline(result: dict) -> str:
     """The sentence, from a token_path result holding the defaults and zmq+pickle at STREAMS."""
     ring = level(result, "defaults", STREAMS)["server_cpu_us_per_token"]
     zmq = level(result, "zmq+pickle", STREAMS)["server_cpu_us_per_token"]
+    ratio = result["ratios"][RATIO]["median"]
     run = result["run"]
     machine = run["machine"]
     return (
         f"with the null model (instant tokens) at {STREAMS} concurrent streams it spent {ring:.1f} µs of CPU "
-        f"per streamed token, {zmq / ring:.1f}x less than the same server over ZMQ + pickle ({zmq:.1f} µs), "
-        f"in one run on a {machine['logical_cores']}-core {machine['cpu']} machine at commit `{run['commit']}` "
-        "([perf/results/token_path.md](perf/results/token_path.md): where each µs goes, by process and stage)."
+        f"per streamed token, {ratio:.1f}x less than the same server over ZMQ + pickle ({zmq:.1f} µs; medians "
+        f"of {result['rounds']} interleaved rounds on a {machine['logical_cores']}-core {machine['cpu']} machine "
+        f"at commit `{run['commit']}`; [perf/results/token_path.md](perf/results/token_path.md): where each µs "
+        "goes, by process and stage)."
     )
 
 

@@ -4,7 +4,10 @@ model (instant tokens, so that all the CPU left is the server's own path), at 1,
 server over ZMQ + pickle (the baseline the rings are measured against).
 
 serving_bench's workload and client (streamed chat completions, ~110-token prompts, 64 output
-tokens, ignore_eos; closed loops of C keep-alive connections). Each level runs twice:
+tokens, ignore_eos; closed loops of C keep-alive connections). Every configuration's server is
+up at once and the levels run in --rounds rounds, in an order that rotates, so that all see
+the same spells of a machine whose speed moves; each number is the median of its rounds, each
+ratio the median of the rounds' ratios. Each level runs in two ways:
   - alone, for the numbers: each process's utime+stime over the window (/proc);
   - with py-spy attached (a sampling profiler reading the processes from outside: nothing runs
     in them, but its own CPU would crowd the server's on two cores), for the split: it samples
@@ -12,12 +15,13 @@ tokens, ignore_eos; closed loops of C keep-alive connections). Each level runs t
     a rule of the process's role names (STAGES), a sample waiting in poll/epoll is dropped;
     each thread's CPU over that window (/proc/<pid>/task/<tid>/stat) is split over its stages
     in proportion to its samples, and threads that run no Python (granian's tokio I/O
-    threads) are their own stage. Each process's shares then split its CPU of the first pass.
+    threads) are their own stage; once, after the rounds. Each process's shares then split its
+    median CPU per token.
 So a table's numbers are measured CPU; only the split of a process's CPU between stages is
 sampled (~1/sqrt(samples) of a stage's share). Each window is long enough for the 10 ms CPU
 ticks and the samples (--requests).
 
-    python -m perf.token_path                          # the whole set (~6 min on 2 cores)
+    python -m perf.token_path                          # the whole set (~5 min on 2 cores)
     python -m perf.token_path --configs defaults --levels 256
 Writes perf/results/token_path.json and token_path.md (perf/report.py), the servers' logs
 beside them (not committed). Needs py-spy (`pip install py-spy`; the dev extra has it).
@@ -30,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +48,7 @@ from perf import serving_bench as sb
 
 LEVELS = (1, 32, 256, 1024)
 # requests a level: windows of a few seconds at the rates the null model serves them
-REQUESTS = {1: 512, 32: 4096, 256: 8192, 1024: 8192}
+REQUESTS = {1: 256, 32: 2048, 256: 4096, 1024: 4096}
 ROLES = ("http worker", "ringserve::scheduler", "ringserve::detokenizer", "granian main")
 NATIVE_THREADS = "native threads (granian I/O)"
 UNSAMPLED = "unsampled"
@@ -209,111 +214,142 @@ def split_cpu(role_of_pid: dict[int, str], ticks0: dict, ticks1: dict, samples: 
     return {role: dict(stages) for role, stages in out.items()}
 
 
-def measure(
+def profile(
     loop,
     server: sb.Server,
     bodies: list[bytes],
-    profiled_bodies: list[bytes],
     concurrency: int,
     w: sb.Workload,
     rate: int,
     timeout: float,
     keep: Path | None,
-) -> dict:
-    """One level, twice: serving_bench's measurement alone (`bodies`: the numbers), then with
-    py-spy over the window (`profiled_bodies`: each process's split over stages, which scales
-    the first pass's CPU of that process; py-spy's own CPU would otherwise crowd the server on
-    two cores). py-spy's raw samples stay in `keep` when given (a file a process, by pid)."""
-    level = sb.measure_level(loop, server, bodies, concurrency, w, timeout)
+) -> tuple[dict[str, dict[str, float]], int, int]:
+    """One more window of a level with py-spy attached: (role -> stage -> share of that role's
+    CPU, samples taken, requests failed). py-spy's raw samples stay in `keep` when given."""
     pids = sb.descendants(server.proc.pid)
     role_of_pid = {pid: sb.role_of(sb.proc_title(pid), pid, server.proc.pid) for pid in pids}
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         if keep is not None:
-            folder = keep / f"c{concurrency}-{time.strftime('%H%M%S')}"
-            folder.mkdir(parents=True)
+            folder = keep / f"{server.port}-c{concurrency}"
+            folder.mkdir(parents=True, exist_ok=True)
         profilers = Profilers(pids, rate, folder)
         time.sleep(0.5)  # attached
         ticks0 = thread_ticks(pids)
-        profiled = sb.measure_level(loop, server, profiled_bodies, concurrency, w, timeout)
+        level = sb.measure_level(loop, server, bodies, concurrency, w, timeout)
         ticks1 = thread_ticks(pids)
         samples = profilers.stop()
-    stages = split_cpu(role_of_pid, ticks0, ticks1, samples)
-    tokens = level["output_tokens"] or 1
-    level["stages_us_per_token"] = {}
-    for role, per in stages.items():
-        cpu = level["server_cpu_by_process_s"].get(role, 0.0)
+    shares = {}
+    for role, per in split_cpu(role_of_pid, ticks0, ticks1, samples).items():
         total = sum(per.values()) or 1.0
-        level["stages_us_per_token"][role] = {
-            stage: cpu * share / total / tokens * 1e6 for stage, share in sorted(per.items(), key=lambda kv: -kv[1])
-        }
-    level["profiled_server_cpu_us_per_token"] = profiled["server_cpu_us_per_token"]
-    level["failed"] += profiled["failed"]
-    level["samples"] = sum(sum(c.values()) for per in samples.values() for c in per.values())
-    return level
+        shares[role] = {stage: cpu / total for stage, cpu in sorted(per.items(), key=lambda kv: -kv[1])}
+    count = sum(sum(c.values()) for per in samples.values() for c in per.values())
+    return shares, count, level["failed"]
+
+
+def summarize(config: Config, concurrency: int, rounds: list[dict], shares: dict[str, dict[str, float]]) -> dict:
+    """A level's medians over its rounds, and its stages: the profiled shares of each process's
+    median CPU per token."""
+    med = statistics.median
+    per_process = {
+        role: med(lv["server_cpu_by_process_s"].get(role, 0.0) / max(lv["output_tokens"], 1) * 1e6 for lv in rounds)
+        for role in ROLES
+    }
+    return {
+        "config": config.name,
+        "concurrency": concurrency,
+        "requests_a_round": rounds[0]["num_requests"],
+        "server_cpu_us_per_token": med(lv["server_cpu_us_per_token"] for lv in rounds),
+        "process_us_per_token": per_process,
+        "request_throughput": med(lv["request_throughput"] for lv in rounds),
+        "tokens_per_event": med(lv["tokens_per_event"] or 0.0 for lv in rounds),
+        "tokens_per_step": med(lv["tokens_per_step"] or 0.0 for lv in rounds),
+        "failed": sum(lv["failed"] for lv in rounds),
+        "stages_us_per_token": {
+            role: {stage: share * per_process.get(role, 0.0) for stage, share in per.items()}
+            for role, per in shares.items()
+        },
+        "rounds": rounds,
+    }
+
+
+# ratios of two levels taken round by round: (name, (config, streams) over (config, streams))
+RATIOS = (
+    ("zmq+pickle / defaults, 256 streams", ("zmq+pickle", 256), ("defaults", 256)),
+    ("workers 4 / defaults, 256 streams", ("workers 4", 256), ("defaults", 256)),
+    ("workers 4 / defaults, 1,024 streams", ("workers 4", 1024), ("defaults", 1024)),
+    ("defaults 1,024 / 256 streams", ("defaults", 1024), ("defaults", 256)),
+    ("speculation off / defaults, 256 streams", ("speculation off", 256), ("defaults", 256)),
+)
+
+
+def round_ratios(levels: dict[tuple[str, int], dict]) -> dict[str, dict]:
+    out = {}
+    for name, top, bottom in RATIOS:
+        if top in levels and bottom in levels:
+            pairs = zip(levels[top]["rounds"], levels[bottom]["rounds"])
+            values = [a["server_cpu_us_per_token"] / b["server_cpu_us_per_token"] for a, b in pairs]
+            out[name] = {"median": statistics.median(values), "rounds": values}
+    return out
 
 
 def markdown(result: dict) -> str:
     fmt = report.fmt
-    runs = result["runs"]
-    summary_rows = []
-    for run in runs:
-        for lv in run["levels"]:
-            per_role = {r: lv["server_cpu_by_process_s"].get(r, 0.0) / max(lv["output_tokens"], 1) * 1e6 for r in ROLES}
-            summary_rows.append(
-                (
-                    run["config"],
-                    lv["concurrency"],
-                    lv["num_requests"],
-                    f"{lv['request_throughput']:.0f}",
-                    fmt(lv["tokens_per_event"]),
-                    fmt(lv["tokens_per_step"]),
-                    fmt(lv["server_cpu_us_per_token"], ".2f"),
-                    *(fmt(per_role[r], ".2f") for r in ROLES[:3]),
-                    lv["failed"],
-                )
-            )
+    levels = result["levels"]
+    summary = [
+        (
+            lv["config"],
+            lv["concurrency"],
+            lv["requests_a_round"],
+            f"{lv['request_throughput']:.0f}",
+            fmt(lv["tokens_per_event"]),
+            fmt(lv["tokens_per_step"]),
+            fmt(lv["server_cpu_us_per_token"], ".2f"),
+            *(fmt(lv["process_us_per_token"][r], ".2f") for r in ROLES[:3]),
+            " / ".join(f"{x['server_cpu_us_per_token']:.1f}" for x in lv["rounds"]),
+            lv["failed"],
+        )
+        for lv in levels
+    ]
+    columns = (
+        "config",
+        "streams",
+        "requests",
+        "req/s",
+        "tok/event",
+        "tok/step",
+        "server",
+        "HTTP worker(s)",
+        "scheduler",
+        "detokenizer",
+        "server, each round",
+        "failed",
+    )
     parts = [
-        "Server CPU per streamed token (µs), by process",
+        f"Server CPU per streamed token (µs), by process: medians of {result['rounds']} interleaved rounds "
+        "(every server up at once, the levels in a rotating order)",
+        report.table(columns, summary),
+        "Ratios of server CPU per token, round by round (median; each round)",
         report.table(
-            (
-                "config",
-                "streams",
-                "requests",
-                "req/s",
-                "tok/event",
-                "tok/step",
-                "server",
-                "HTTP worker(s)",
-                "scheduler",
-                "detokenizer",
-                "failed",
-            ),
-            summary_rows,
+            ("ratio", "median", "rounds"),
+            [
+                (name, f"{r['median']:.2f}", " / ".join(f"{x:.2f}" for x in r["rounds"]))
+                for name, r in result["ratios"].items()
+            ],
         ),
     ]
+    names = [f"{lv['config']} c={lv['concurrency']}" for lv in levels]
     for role in ROLES[:3]:
-        columns = [f"{run['config']} c={lv['concurrency']}" for run in runs for lv in run["levels"]]
         stages: list[str] = []
-        for run in runs:
-            for lv in run["levels"]:
-                for stage in lv["stages_us_per_token"].get(role, {}):
-                    if stage not in stages:
-                        stages.append(stage)
+        for lv in levels:
+            stages += [s for s in lv["stages_us_per_token"].get(role, {}) if s not in stages]
         rows = [
-            (
-                stage,
-                *(
-                    fmt(lv["stages_us_per_token"].get(role, {}).get(stage), ".2f")
-                    for run in runs
-                    for lv in run["levels"]
-                ),
-            )
+            (stage, *(fmt(lv["stages_us_per_token"].get(role, {}).get(stage), ".2f") for lv in levels))
             for stage in stages
         ]
-        parts += [f"{role}: µs of CPU per streamed token, by stage", report.table(("stage", *columns), rows)]
+        parts += [f"{role}: µs of CPU per streamed token, by stage", report.table(("stage", *names), rows)]
     parts.append(
-        "Measured CPU of every thread over each level's window, split over stages by py-spy's samples "
+        "Each process's median CPU per token, split over stages by py-spy's samples of one more window "
         f"({result['rate']} Hz); the null model; {result['workload']}."
     )
     return "\n\n".join(parts)
@@ -328,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", default="", help=f"requests a level, as c:n,c:n (default: {REQUESTS})")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples a second")
     ap.add_argument("--warmup", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=Path, help="keep py-spy's raw samples in this folder")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     report.add_arguments(ap, "token_path")
@@ -345,58 +382,90 @@ def main(argv: list[str] | None = None) -> int:
     w = sb.Workload(sb.Workload.prompt_tokens, sb.Workload.output_tokens, 0.0, 0)
     configs = [c for c in CONFIGS if c.name in wanted]
     plan = [(c, [lv for lv in c.levels if not only or lv in only]) for c in configs]
-    # each config starts a server of its own (an empty prefix cache): they take the same prompts
-    total = max(args.warmup + 2 * sum(counts.get(lv, 4 * lv) for lv in lvs) for _, lvs in plan)
+    plan = [(c, lvs) for c, lvs in plan if lvs]
+    counts.update({lv: counts.get(lv, 4 * lv) for _, lvs in plan for lv in lvs})
+    # each config has a server of its own (a prefix cache of its own): they take the same prompts
+    total = max(args.warmup + (args.rounds + 1) * sum(counts[lv] for lv in lvs) for _, lvs in plan)
     prompts, _ = sb.make_prompts(sb.load_tokenizer(None), total, w.prompt_tokens, 0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "rate": args.rate,
         "workload": f"{w.prompt_tokens}-token prompts, {w.output_tokens} output tokens, streamed chat, ignore_eos",
-        "runs": [],
     }
-    failed = 0
+    servers: dict[str, sb.Server] = {}
+    cursor: dict[str, int] = {}
+    names: dict[str, str] = {}
+    result: dict = {**result, "rounds": args.rounds, "servers": {}, "levels": [], "ratios": {}}
     loop, _ = sb.new_event_loop()
+
+    def take(config: str, n: int) -> list[bytes]:
+        at = cursor[config]
+        cursor[config] = at + n
+        return [sb.request_body(names[config], p, w) for p in prompts[at : at + n]]
+
     try:
-        for config, levels in plan:
-            if not levels:
-                continue
+        for config, _ in plan:
             extra = ["--transport", config.transport, "--null-model", *config.args]
-            server = sb.Server(extra, args.out.with_name(f"token_path_{config.name.replace(' ', '_')}.log"))
-            run = {"config": config.name, "server_args": extra, "levels": []}
-            try:
-                run["startup_s"] = server.wait_healthy()
-                name = server.model_name()
-                warm = [sb.request_body(name, p, w) for p in prompts[: args.warmup]]
-                at = args.warmup
-                loop.run_until_complete(
-                    sb.run_closed_loop(
-                        "127.0.0.1", server.port, warm, 16, args.request_timeout, lambda: None, lambda: None
-                    )
+            servers[config.name] = sb.Server(
+                extra, args.out.with_name(f"token_path_{config.name.replace(' ', '_').replace('+', '_')}.log")
+            )
+            result["servers"][config.name] = {"server_args": extra}
+        for name, server in servers.items():
+            result["servers"][name]["startup_s"] = server.wait_healthy()
+            names[name], cursor[name] = server.model_name(), 0
+            loop.run_until_complete(
+                sb.run_closed_loop(
+                    "127.0.0.1",
+                    server.port,
+                    take(name, args.warmup),
+                    16,
+                    args.request_timeout,
+                    lambda: None,
+                    lambda: None,
                 )
-                for c in levels:
-                    n = counts.get(c, 4 * c)
-                    bodies = [sb.request_body(name, p, w) for p in prompts[at : at + 2 * n]]
-                    at += 2 * n
-                    lv = measure(
-                        loop, server, bodies[:n], bodies[n:], c, w, args.rate, args.request_timeout, args.samples
-                    )
-                    failed += lv["failed"]
-                    run["levels"].append(lv)
-                    print(
-                        f"{config.name} c={c}: {lv['server_cpu_us_per_token'] or 0:.2f} µs/token "
-                        f"{lv['request_throughput']:.0f} req/s {lv['tokens_per_event'] or 0:.1f} tok/event",
-                        flush=True,
-                    )
-                    for role, stages in lv["stages_us_per_token"].items():
-                        print(f"  {role}: " + ", ".join(f"{s} {v:.2f}" for s, v in stages.items()), flush=True)
-            finally:
-                sb.cancel_pending(loop)
-                run["leftovers"] = server.stop()
-            result["runs"].append(run)
+            )
+        order = [(config, c) for config, levels in plan for c in levels]
+        rounds: dict[tuple[str, int], list[dict]] = {(config.name, c): [] for config, c in order}
+        for r in range(args.rounds):
+            k = r % len(order)
+            for config, c in order[k:] + order[:k]:
+                lv = sb.measure_level(
+                    loop, servers[config.name], take(config.name, counts[c]), c, w, args.request_timeout
+                )
+                rounds[(config.name, c)].append(lv)
+                print(
+                    f"round {r} {config.name} c={c}: {lv['server_cpu_us_per_token'] or 0:.2f} µs/token "
+                    f"{lv['request_throughput']:.0f} req/s {lv['tokens_per_event'] or 0:.1f} tok/event",
+                    flush=True,
+                )
+        levels = {}
+        for config, c in order:
+            shares, count, failed = profile(
+                loop,
+                servers[config.name],
+                take(config.name, counts[c]),
+                c,
+                w,
+                args.rate,
+                args.request_timeout,
+                args.samples,
+            )
+            lv = levels[(config.name, c)] = summarize(config, c, rounds[(config.name, c)], shares)
+            lv["samples"], lv["failed"] = count, lv["failed"] + failed
+            result["levels"].append(lv)
+            print(f"{config.name} c={c}: median {lv['server_cpu_us_per_token']:.2f} µs/token", flush=True)
+            for role, stages in lv["stages_us_per_token"].items():
+                print(f"  {role}: " + ", ".join(f"{s} {v:.2f}" for s, v in stages.items()), flush=True)
+        result["ratios"] = round_ratios(levels)
+        for name, ratio in result["ratios"].items():
+            print(f"{name}: {ratio['median']:.2f}", flush=True)
     finally:
+        sb.cancel_pending(loop)
         loop.close()
+        for name, server in servers.items():
+            result["servers"][name]["leftovers"] = server.stop()
         report.write_results("token_path", result, markdown(result), started, out=args.out)
-    return 1 if failed else 0
+    return 1 if any(lv["failed"] for lv in result["levels"]) else 0
 
 
 if __name__ == "__main__":
