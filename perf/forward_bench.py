@@ -206,7 +206,7 @@ def main() -> None:
             )
             start_s[label(mode, kv)] = time.perf_counter() - t
     first = next(iter(runners.values()))
-    from tests.conftest import reference_model
+    from gpu.models.reference import reference_model
 
     hf = reference_model(args.model_path)
     pad_id = first.model_config.eos_token_ids[0]

@@ -65,7 +65,7 @@ def run_engine(args, prompts, out_lens) -> dict:
 
 
 def run_transformers(args, prompts, out_lens) -> dict:
-    from tests.conftest import reference_model
+    from gpu.models.reference import reference_model
 
     model = reference_model()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0

@@ -324,21 +324,6 @@ def tm_rings():
     engine_waker.close()
 
 
-def reference_model(model_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """transformers' model of a GGUF file (the default model's when None), dequantized by
-    transformers with ringserve's config.json of it (which sets what transformers' GGUF loader
-    misses), or of an HF directory: the reference computation ringserve's outputs are held to."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gpu.models.model_files import default_model_path, resolve_model_dir
-
-    path = default_model_path() if model_path is None else Path(model_path)
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    config = AutoConfig.from_pretrained(resolve_model_dir(path))
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype).eval()
-
-
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer, loaded once: no test changes it."""

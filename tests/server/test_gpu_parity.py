@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import reference_model
 from runner_greedy import NEW_TOKENS, PAGE, generate
 
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from gpu.models.reference import reference_model
 
 PROMPTS = [
     "Hi",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import reference_model
 
+from gpu.models.reference import reference_model
 from protocol.sampling_params import SamplingParams
 from runtime.offline import OfflineEngine
 

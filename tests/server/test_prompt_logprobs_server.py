@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from bad_requests import MODEL
-from conftest import reference_model
+
+from gpu.models.reference import reference_model
 
 ATOL = 1e-3
 K = 2  # alternatives asked for

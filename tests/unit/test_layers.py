@@ -162,3 +162,16 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
             path.unlink()
     assert found == {"ipc.a": {"runtime.scheduler.core"}, "ipc.b": {"ipc.a"}}
     assert layer_of("runtime.scheduler.core") > layer_of("ipc.a")
+
+
+def test_the_benchmarks_import_no_test_module():
+    """perf/ measures the packages; what it needs of a reference (transformers' model of a
+    file) lives in the packages, never in tests/, which sit above it."""
+    offenders = []
+    for path in sorted((ROOT / "perf").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("tests", "conftest")]
+    assert not offenders, offenders
