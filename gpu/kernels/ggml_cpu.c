@@ -9,6 +9,7 @@
  * at y + t * ldy, so callers take it as one of them.
  */
 #include <immintrin.h>
+#include "simd_math.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,24 +30,10 @@
  * fewer instructions than one row at a time (measured), so a product of a few tokens is
  * memory bound again.
  */
-static inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
-}
-
 static inline int32_t load_i32(const int8_t *p) {  /* 4 bytes of x as one int32, without aliasing UB */
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
-}
-
-static inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* x: [T, K] -> q: int8 [T, K], d, s: [T, K/32] */

@@ -45,6 +45,7 @@
  * it are one vpdpwssd, the same integers, in tiles of TILE_VNNI.
  */
 #include <immintrin.h>
+#include "simd_math.h"
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -71,13 +72,6 @@ static inline uint32_t u32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
     return v;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* Q4_K/Q5_K's 12 bytes at p (dwords a0 a1 a2; the 4 bytes after them are read, still in the
@@ -274,13 +268,6 @@ struct q8k {
     float *d;
     int16_t *bsums;
 };
-
-static inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* llama.cpp's quantize_row_q8_K: max is the first value of the largest magnitude, iscale =
  * -127 / max, q = min(127, round-to-nearest-even(iscale * x)), d = 1 / iscale; all zeros give

@@ -43,6 +43,7 @@
  * The _f32 products take tokens TILE at a time, each block dequantized once per tile.
  */
 #include <immintrin.h>
+#include "simd_math.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,13 +165,6 @@ static inline __attribute__((always_inline)) void dequantize(int type, const uin
     }
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __attribute__((always_inline)) void get_rows(int type, const uint8_t *w, int64_t K,
                                                            const int64_t *ids, int64_t n_ids, float *out) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
@@ -232,20 +226,6 @@ struct q8_activations {
  * IQ4_NL go through signs there instead */
 static inline __attribute__((always_inline)) int corrected_offset(int type, int vnni) {
     return vnni || code_offset(type) <= 16 ? code_offset(type) : 0;
-}
-
-static inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
 }
 
 /* token t of x [T, K] into a, in the given layout (t >= T: padding, all zeros) */
