@@ -20,6 +20,21 @@ from structured.grammars import (
 GUIDED_BACKENDS = ("auto", "xgrammar")  # guided_decoding_backend values this server serves
 
 
+def grammar_text(value: Any) -> str:
+    if type(value) is not str or not value:
+        raise InvalidGrammar("it must be a non-empty string")
+    return value
+
+
+# SGLang's grammar fields on its OpenAI routes' top level and in /generate's sampling_params
+# (where structural_tag joins them; on the OpenAI routes it is vLLM's field too)
+SGLANG_GRAMMARS = (
+    ("json_schema", GrammarKind.JSON_SCHEMA, json_schema_text),
+    ("regex", GrammarKind.REGEX, grammar_text),
+    ("ebnf", GrammarKind.EBNF, grammar_text),
+)
+
+
 def read_grammar(f: Fields, names: dict[str, str], forced: str | None = None) -> dict[str, Any]:
     """The grammar OpenAI's and vLLM's fields ask for, as read_sampling's grammar_kind and
     grammar (none: {}); at most one source. `forced`: a forced tool call's schema. Sets
@@ -41,6 +56,11 @@ def read_grammar(f: Fields, names: dict[str, str], forced: str | None = None) ->
         refuse_unserved(so, {"whitespace_pattern": REFUSED_OPENAI["guided_whitespace_pattern"]})
         so.warn_unknown("structured_outputs")
     candidates += _guided(f, ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag"))
+    candidates += [  # SGLang's, on its OpenAI routes as in /generate's sampling_params
+        (f.param(key), kind, lambda read=read, value=value: read(value))
+        for key, kind, read in SGLANG_GRAMMARS
+        if (value := f.raw(key)) is not None
+    ]
     backend = f.get_str("guided_decoding_backend")
     if backend is not None and backend not in GUIDED_BACKENDS:
         raise bad_request(
@@ -120,9 +140,3 @@ def one_grammar(candidates: list[tuple[str, GrammarKind, Any]], names: dict[str,
         raise bad_request(f"{param} is not a valid grammar: {e.message}", param) from None
     names["grammar"] = param
     return {"grammar_kind": kind, "grammar": text}
-
-
-def grammar_text(value: Any) -> str:
-    if type(value) is not str or not value:
-        raise InvalidGrammar("it must be a non-empty string")
-    return value

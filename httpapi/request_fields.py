@@ -36,6 +36,7 @@ REFUSED_OPENAI = {
     "vllm_xargs": "vllm_xargs (custom extensions) is not supported",
     "repetition_detection": "repetition_detection is not supported",
     "thinking_token_budget": "thinking_token_budget is not supported",
+    "stop_regex": "stop_regex is not supported; stop strings are",
     "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
     "priority": "priority scheduling is not supported",
     "mm_processor_kwargs": "this server runs a text-only model",

@@ -17,7 +17,7 @@ from typing import Any
 from httpapi.chat_request import ChatTemplateArgs, read_messages, read_template_args, read_tools
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, load_object
-from httpapi.grammar_fields import grammar_text, one_grammar, read_grammar
+from httpapi.grammar_fields import SGLANG_GRAMMARS, one_grammar, read_grammar
 from httpapi.request_fields import (
     REFUSED_OPENAI,
     Prompt,
@@ -32,7 +32,7 @@ from httpapi.request_fields import (
 )
 from httpapi.sampling import SamplingSpec, read_sampling
 from protocol.sampling_params import GrammarKind
-from structured.grammars import json_schema_text, structural_tag_text
+from structured.grammars import structural_tag_text
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is what the context leaves)
 GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
@@ -100,7 +100,7 @@ REFUSED_GENERATE = {
     "multi_item_delimiter_indices": "multi-item scoring is not supported",
 }
 REFUSED_SAMPLING_PARAMS = {
-    "stop_regex": "stop_regex is not supported; stop strings are",
+    "stop_regex": REFUSED_OPENAI["stop_regex"],
     "custom_params": "custom_params (for custom logit processors) is not supported",
     "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
 }
@@ -263,9 +263,7 @@ def _generate_sampling(
         [
             (sp.param(key), kind, lambda key=key, read=read: read(sp.raw(key)))
             for key, kind, read in (
-                ("json_schema", GrammarKind.JSON_SCHEMA, json_schema_text),
-                ("regex", GrammarKind.REGEX, grammar_text),
-                ("ebnf", GrammarKind.EBNF, grammar_text),
+                *SGLANG_GRAMMARS,
                 ("structural_tag", GrammarKind.STRUCTURAL_TAG, structural_tag_text),
             )
             if sp.raw(key) is not None

@@ -204,6 +204,7 @@ def _chat_choice(c: ChoiceResult, vocab: LogprobVocab | None, output: ChatOutput
         "message": message,
         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, need_vocab(vocab)),
         "finish_reason": finish_reason,
+        "matched_stop": c.matched_stop,  # SGLang's: the stop string or token id that ended the choice
     }
 
 
@@ -240,7 +241,13 @@ def completion_choice(c: ChoiceResult, vocab: LogprobVocab | None, echo: bool) -
             )[0]
         else:
             logprobs = completion_logprobs(c.logprobs, need_vocab(vocab), 0)[0]
-    choice = {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    choice = {
+        "index": c.index,
+        "text": c.text,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+        "matched_stop": c.matched_stop,  # SGLang's: the stop string or token id that ended the choice
+    }
     if c.prompt_logprobs is not None:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, need_vocab(vocab))
     return choice

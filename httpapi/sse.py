@@ -42,6 +42,18 @@ _CHAT_CLOSE = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r
 _COMPLETION_CLOSE = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
 
 
+def with_matched_stop(chunk: bytes, finish_reason: str | None, matched_stop: int | str | None) -> bytes:
+    """`chunk`, an OpenAI event, with SGLang's matched_stop on its choice beside its
+    finish_reason when that is set (the event that finishes the choice): the stop string or
+    token id that ended it, else null. The field is found by its bytes: inside a JSON string a
+    quote is escaped, so the text cannot hold them."""
+    if finish_reason is None:
+        return chunk
+    field = b'"finish_reason":' + orjson.dumps(finish_reason)  # tool_calls too, beside _REASONS
+    at = chunk.rindex(field) + len(field)
+    return chunk[:at] + b',"matched_stop":' + orjson.dumps(matched_stop) + chunk[at:]
+
+
 def error_event(err: APIError) -> bytes:
     return b"data: " + err.body() + b"\n\n"
 
@@ -93,10 +105,12 @@ class ChatStream(_OpenAIStream):
         logprobs: TokenLogprobs | None,
         prompt_logprobs: PromptLogprobs | None,
         echo: str | None,
+        matched_stop: int | str | None = None,
     ) -> bytes:
         """A choice's first delta when it carries prompt logprobs: vLLM's prompt_logprobs on the
         chunk, as on its non-streamed chat response (a chat prompt is never echoed)."""
-        return self.with_prompt_logprobs(self.delta(index, text, finish_reason, logprobs), prompt_logprobs)
+        chunk = with_matched_stop(self.delta(index, text, finish_reason, logprobs), finish_reason, matched_stop)
+        return self.with_prompt_logprobs(chunk, prompt_logprobs)
 
     def with_prompt_logprobs(self, chunk: bytes, prompt_logprobs: PromptLogprobs | None) -> bytes:
         """`chunk` (one event of this stream) with vLLM's prompt_logprobs on it."""
@@ -156,11 +170,14 @@ class CompletionStream(_OpenAIStream):
         logprobs: TokenLogprobs | None,
         prompt_logprobs: PromptLogprobs | None,
         echo: str | None,
+        matched_stop: int | str | None = None,
     ) -> bytes:
         """A choice's first delta when its prompt is echoed or its prompt logprobs came: the
         echoed text before the delta's, its prompt's logprobs before the delta's (echo with
         logprobs, text offsets continuing), and vLLM's prompt_logprobs on the choice."""
         choice: dict = {"index": index, "text": (echo or "") + text, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["matched_stop"] = matched_stop
         if echo is not None and self.echo_logprobs and prompt_logprobs is not None:
             with_top = logprobs is not None and logprobs.top_ids.shape[1] > 0
             choice["logprobs"], self._text_offset[index] = echoed_logprobs(

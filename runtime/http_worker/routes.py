@@ -35,7 +35,7 @@ from httpapi.responses import (
     usage_of,
 )
 from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
-from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream
+from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream, with_matched_stop
 from protocol.sampling_params import SamplingParams
 from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
@@ -147,13 +147,15 @@ def chat_events(
             deltas += tail
         if not deltas:
             if finish or lp is not None or plp is not None:
-                return stream.with_prompt_logprobs(stream.event(state.index, {}, finish, lp), plp)
+                event = with_matched_stop(stream.event(state.index, {}, finish, lp), finish, state.matched_stop)
+                return stream.with_prompt_logprobs(event, plp)
             return None
         last = len(deltas) - 1
         events = [
             stream.event(state.index, d, finish if i == last else None, lp if i == 0 else None)
             for i, d in enumerate(deltas)
         ]
+        events[last] = with_matched_stop(events[last], finish, state.matched_stop)
         events[0] = stream.with_prompt_logprobs(events[0], plp)
         return b"".join(events)
 
@@ -214,9 +216,9 @@ def openai_events(
             unechoed.discard(state.index)
             echo = texts[state.index]
         if plp is not None or echo is not None:
-            return stream.prompt_delta(state.index, text, finish, lp, plp, echo)
+            return stream.prompt_delta(state.index, text, finish, lp, plp, echo, state.matched_stop)
         if text or finish or lp is not None:
-            return stream.delta(state.index, text, finish, lp)
+            return with_matched_stop(stream.delta(state.index, text, finish, lp), finish, state.matched_stop)
         return None
 
     return sse_events(worker, group, render, head, usage_tail(group, stream, n, include_usage))

@@ -163,6 +163,17 @@ OPENAI_COMMON = [
     ("mm_processor_kwargs", "refused", {"a": 1}, "a text-only model", None, None),
     # SGLang's extras of its OpenAI routes
     ("no_stop_trim", "served", True, "SamplingParams.no_stop_trim", p(no_stop_trim=True), None),
+    ("regex", "served", "[a-z]+", "SGLang's: REGEX grammar", grammar(GrammarKind.REGEX), None),
+    ("ebnf", "served", 'root ::= "a"', "SGLang's: EBNF grammar", grammar(GrammarKind.EBNF), None),
+    (
+        "json_schema",
+        "served",
+        '{"type": "object"}',
+        "SGLang's: JSON_SCHEMA grammar",
+        grammar(GrammarKind.JSON_SCHEMA),
+        None,
+    ),
+    ("stop_regex", "refused", "a+", "not supported (stop strings are)", None, None),
     ("return_hidden_states", "refused", True, "not returned", None, None),
 ]
 CHAT_ONLY = [
@@ -334,6 +345,8 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
     (SAMPLING, "n"): lambda b: isinstance(b, list) and len(b) == 2,
     (CHAT, "guided_choice"): lambda b: text_of(b) in ("yes", "no"),
     (COMPLETIONS, "guided_regex"): lambda b: text_of(b).isalpha() and text_of(b).islower(),
+    (COMPLETIONS, "regex"): lambda b: text_of(b).isalpha() and text_of(b).islower(),
+    (CHAT, "ebnf"): lambda b: text_of(b) == "a",
     (SAMPLING, "regex"): lambda b: text_of(b).isalpha() and text_of(b).islower(),
 }
 PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", GENERATE: "/generate", SAMPLING: "/generate"}

@@ -208,6 +208,15 @@ def test_stop_strings(got, want):
     assert got["stop_stream"][-1].choices[0].finish_reason == "stop"
     assert got["stop_generate"]["text"] == cut
     assert got["stop_generate"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # SGLang's matched_stop on OpenAI choices: the stop string that ended it, on the finishing chunk
+    assert got["stop"].choices[0].model_extra["matched_stop"] == stop
+    assert got["stop_stream"][-1].choices[0].model_extra["matched_stop"] == stop
+    assert all("matched_stop" not in c.choices[0].model_extra for c in got["stop_stream"][:-1])
+    assert got["completions"].choices[0].model_extra["matched_stop"] is None  # length
+    eos = {c.model_extra["matched_stop"] for c in got["chat"].choices if c.finish_reason == "stop"}
+    assert all(isinstance(m, int) for m in eos)  # the model's end-of-turn token id
+    (last,) = [c.choices[0] for c in got["chat_stream"] if c.choices and c.choices[0].finish_reason]
+    assert last.model_extra["matched_stop"] == got["chat"].choices[0].model_extra["matched_stop"]
     # include_stop_str_in_output (vLLM's; SGLang's no_stop_trim): the match stays in the text
     assert (got["stop_kept"].choices[0].text, got["stop_kept"].choices[0].finish_reason) == (cut + stop, "stop")
     # a stop string may not end in the text of the first min_tokens tokens: here, all of them

@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletionChunk
 from httpapi.errors import engine_unavailable
 from httpapi.logprobs import LogprobVocab, TokenLogprobs
 from httpapi.responses import Usage
-from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event
+from httpapi.sse import DONE, HEADERS, ChatStream, CompletionStream, GenerateStream, error_event, with_matched_stop
 
 MODEL = "SmolLM2-135M-Instruct"
 # a small real vocab: ids 0..255 are the bytes themselves, 256.. a few multi-byte tokens
@@ -179,3 +179,17 @@ def test_any_text_round_trips_through_one_event(text, finish_reason, index):
         (data,) = events(event)
         (choice,) = orjson.loads(data)["choices"]
         assert (read(choice), choice["finish_reason"], choice["index"]) == (text, finish_reason, index)
+
+
+def test_matched_stop_goes_beside_the_finish_reason_whatever_the_text():
+    stream = ChatStream("chatcmpl-1", 1, "m", 1)
+    tricky = 'say "finish_reason":"stop" and stop'  # its quotes are escaped in the event
+    chunk = with_matched_stop(stream.delta(0, tricky, "stop"), "stop", "stop")
+    choice = orjson.loads(chunk[len(b"data: ") :])["choices"][0]
+    assert (choice["delta"]["content"], choice["finish_reason"], choice["matched_stop"]) == (tricky, "stop", "stop")
+    tool = with_matched_stop(stream.event(0, {}, "tool_calls"), "tool_calls", 2)
+    assert orjson.loads(tool[len(b"data: ") :])["choices"][0]["matched_stop"] == 2
+    assert with_matched_stop(stream.delta(0, "x"), None, None) == stream.delta(0, "x")
+    completion = CompletionStream("cmpl-1", 1, "m", 1)
+    length = with_matched_stop(completion.delta(0, "y", "length"), "length", None)
+    assert orjson.loads(length[len(b"data: ") :])["choices"][0]["matched_stop"] is None
