@@ -259,14 +259,10 @@ def forced_call_schema_of(tools: tuple[Tool, ...], choice: ToolChoice, parallel:
 def read_template_args(
     f: Fields, messages: list[dict[str, Any]], tools: tuple[Tool, ...], rich: bool
 ) -> ChatTemplateArgs | None:
-    add_generation_prompt = f.get_bool("add_generation_prompt", True)
     continue_final_message = f.get_bool("continue_final_message", False)
-    if continue_final_message and add_generation_prompt:
-        raise bad_request(
-            "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt "
-            "to false to continue the final message",
-            "continue_final_message",
-        )
+    # SGLang's: continuing the final message prefills the assistant's reply, whatever
+    # add_generation_prompt says (its default is true; vLLM refuses the two together)
+    add_generation_prompt = f.get_bool("add_generation_prompt", True) and not continue_final_message
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request(
             "continue_final_message needs the last message to be the assistant's, which it continues",

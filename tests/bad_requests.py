@@ -311,16 +311,6 @@ BAD_REQUESTS: list[BadRequest] = [
         "chat_template_kwargs",
     ),
     _row(
-        "continue_final_message with add_generation_prompt",
-        CHAT,
-        chat(
-            messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
-            continue_final_message=True,
-        ),
-        400,
-        "continue_final_message",
-    ),
-    _row(
         "continue_final_message after a user",
         CHAT,
         chat(continue_final_message=True, add_generation_prompt=False),

@@ -171,6 +171,10 @@ def test_template_inputs():
         add_generation_prompt=False,
     )
     assert cont.template.call_kwargs()["continue_final_message"]
+    # SGLang's prefill: continue_final_message alone (add_generation_prompt left at its default)
+    prefill = chat(messages=[*HI, {"role": "assistant", "content": "Hel"}], continue_final_message=True)
+    assert prefill.template.call_kwargs()["continue_final_message"]
+    assert not prefill.template.call_kwargs()["add_generation_prompt"]
     refused(lambda: chat(chat_template_kwargs={"k": "x" * 70000}), "chat_template_kwargs")
     refused(lambda: chat(chat_template_kwargs={"tools": []}), "chat_template_kwargs")
     refused(lambda: chat(documents=[{"title": 5}]), "documents")
