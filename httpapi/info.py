@@ -38,22 +38,24 @@ def check_model(model: str | None, served: Collection[str]) -> None:
         raise model_not_found(model)
 
 
-def model_card(served: str, created: int, context_len: int, model_path: str) -> dict:
-    """The served model as GET /v1/models lists it and GET /v1/models/{id} returns it."""
+def model_card(served: str, created: int, context_len: int, root: str) -> dict:
+    """The served model as GET /v1/models lists it and GET /v1/models/{id} returns it. `root`:
+    the model every served name is (vLLM's field), by its name: a path would tell clients
+    where the server keeps its files."""
     return {
         "id": served,
         "object": "model",
         "created": created,
         "owned_by": "ringserve",
-        "root": model_path,
+        "root": root,
         "parent": None,
         "max_model_len": context_len,
     }
 
 
-def models_body(served: Sequence[str], created: int, context_len: int, model_path: str) -> bytes:
-    """Every served name, the first first."""
-    cards = [model_card(name, created, context_len, model_path) for name in served]
+def models_body(served: Sequence[str], created: int, context_len: int) -> bytes:
+    """Every served name, the first first; each one's root is the first."""
+    cards = [model_card(name, created, context_len, served[0]) for name in served]
     return orjson.dumps({"object": "list", "data": cards})
 
 

@@ -255,7 +255,7 @@ def response_id(prefix: str, client_id: str | None) -> str:
 @api_route
 async def models(worker, request: Request) -> Response:
     m = worker.model
-    return json_response(models_body(worker.served_names, worker.started, m.context_length, m.model_dir))
+    return json_response(models_body(worker.served_names, worker.started, m.context_length))
 
 
 @api_route
@@ -263,7 +263,7 @@ async def retrieve_model(worker, request: Request) -> Response:
     """GET /v1/models/{id}: routed at start-up for each served name; another id is a 404."""
     m = worker.model
     name = request.url.path[len(MODEL_PATH) :]
-    return json_response(orjson_dumps(model_card(name, worker.started, m.context_length, m.model_dir)))
+    return json_response(orjson_dumps(model_card(name, worker.started, m.context_length, worker.served_names[0])))
 
 
 # ---------------------------------------------------------------- SGLang native

@@ -264,6 +264,7 @@ def test_cached_tokens_are_counted(server, client):
 def test_native_routes(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
+    assert client.models.retrieve(MODEL).model_extra["root"] == MODEL  # the model's name, not its files' place
     missing = httpx.get(server.url("/v1/models/not-" + MODEL), headers=AUTH)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert missing.json()["error"]["param"] == "model"

@@ -184,11 +184,13 @@ def test_generate_body_is_sglang_shaped(vocab):
 
 
 def test_models_and_server_info():
-    body = models_body((MODEL,), 1700000000, 8192, "/models/smol")
+    body = models_body((MODEL, "alias"), 1700000000, 8192)
     page = orjson.loads(body)
     assert page["object"] == "list" and Model.model_validate(page["data"][0]).id == MODEL
+    # every name's root is the model, by name: never a path of the server's disk
+    assert [card["root"] for card in page["data"]] == [MODEL, MODEL]
     listed = client(serve(200, body)).models.list()
-    assert [m.id for m in listed] == [MODEL]
+    assert [m.id for m in listed] == [MODEL, "alias"]
     info = orjson.loads(
         server_info_body(dataclasses.asdict(ServerArgs(api_key="secret", port=1234)), max_total_num_tokens=1000)
     )
