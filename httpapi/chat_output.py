@@ -1,7 +1,8 @@
 """What a chat choice's text becomes in the answer: the `<think>` part as `reasoning_content`
-(--reasoning-parser), tool calls as `tool_calls` (parsed from the text with --tool-call-parser
-when tool_choice is "auto", or read from the grammar-constrained JSON of a forced call), the
-rest as `content`; finish_reason "tool_calls" when a choice that stopped made calls.
+and `reasoning` (the older name and vLLM's newer one; --reasoning-parser), tool calls as
+`tool_calls` (parsed from the text with --tool-call-parser when tool_choice is "auto", or read
+from the grammar-constrained JSON of a forced call), the rest as `content`; finish_reason
+"tool_calls" when a choice that stopped made calls.
 
 Whole (`chat_message`) and streamed (`ChatDeltas`) answers agree: a stream's content,
 reasoning and each call's argument deltas concatenate to the whole answer's fields, because
@@ -49,8 +50,8 @@ def chat_message(text: str, finish_reason: str | None, out: ChatOutput) -> tuple
         content = text
     calls = calls[: out.max_calls]
     message: dict = {"role": "assistant", "content": content if content or not calls else None}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
+    if reasoning is not None:  # SGLang's and vLLM's older name, and vLLM's newer one
+        message["reasoning_content"] = message["reasoning"] = reasoning
     if calls:
         message["tool_calls"] = [
             {
@@ -90,7 +91,7 @@ class ChatDeltas:
         return deltas, _finish(finish_reason, self._made_calls)
 
     def _with_reasoning(self, reasoning: str, deltas: list[dict]) -> list[dict]:
-        return [{"reasoning_content": reasoning}, *deltas] if reasoning else deltas
+        return [{"reasoning_content": reasoning, "reasoning": reasoning}, *deltas] if reasoning else deltas
 
     def _content(self, text: str, final: bool) -> list[dict]:
         if self._forced is not None:

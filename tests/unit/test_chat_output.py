@@ -78,11 +78,13 @@ def streamed(out: ChatOutput, pieces: list[str], finish: str) -> tuple[dict, str
     tail, reason = deltas.finish(finish)
     content, reasoning, calls = None, None, {}
     for d in events + tail:
+        if "reasoning_content" in d:  # under both names, vLLM's newer beside the older
+            assert d == {"reasoning_content": d["reasoning"], "reasoning": d["reasoning"]} and d["reasoning"]
+            reasoning = (reasoning or "") + d["reasoning_content"]
+            continue
         assert len(d) == 1 and next(iter(d.values())) not in ("", [])
         if "content" in d:
             content = (content or "") + d["content"]
-        elif "reasoning_content" in d:
-            reasoning = (reasoning or "") + d["reasoning_content"]
         else:
             (call,) = d["tool_calls"]
             if "id" in call:  # the head: index, id, type, name first
@@ -92,7 +94,7 @@ def streamed(out: ChatOutput, pieces: list[str], finish: str) -> tuple[dict, str
                 calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
     message = {"role": "assistant", "content": content if content or not calls else None}
     if out.reasoning is not None and (reasoning is not None or content is not None or calls):
-        message["reasoning_content"] = reasoning
+        message["reasoning_content"] = message["reasoning"] = reasoning
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return message, reason
@@ -161,6 +163,7 @@ def test_forced_json_cut_short_is_content():
 def test_reasoning_goes_to_reasoning_content():
     message, _ = chat_message(TEXTS["reasoning"][0], "stop", outputs()["reasoning"])
     assert message["reasoning_content"] == "Let me think." and message["content"] == "The answer is 4."
+    assert message["reasoning"] == message["reasoning_content"]  # vLLM's newer name
     message, _ = chat_message("I pondered.</think>The end.", "stop", outputs()["reasoning+auto"])
     assert message["reasoning_content"] == "I pondered." and message["content"] == "The end."
     assert "tool_calls" not in message
