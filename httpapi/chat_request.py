@@ -92,13 +92,14 @@ class ChatCompletionRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True  # False: at most one call in a choice (vLLM's)
     request_id: str | None = None  # the client's, vLLM's: the response's id is chatcmpl-<request_id>
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     f = Fields(load_object(body))
     model = f.get_str("model")
     messages, rich = read_messages(f.raw("messages"))
-    stream, include_usage = read_stream(f)
+    stream, include_usage, continuous_usage = read_stream(f)
     n = read_n(f, prompts=1)
     max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
     max_tokens_param = "max_tokens" if max_completion_tokens is None else "max_completion_tokens"
@@ -137,6 +138,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         tool_choice,
         parallel_tool_calls,
         request_id,
+        continuous_usage,
     )
 
 

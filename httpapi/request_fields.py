@@ -108,16 +108,19 @@ def read_prompts(
     return prompts, batch
 
 
-def read_stream(f: Fields) -> tuple[bool, bool]:
+def read_stream(f: Fields) -> tuple[bool, bool, bool]:
+    """(stream, include_usage: a usage chunk before DONE, continuous: usage on every chunk too,
+    vLLM's continuous_usage_stats, which asks for it only with include_usage, as vLLM reads it)."""
     stream = f.get_bool("stream", False)
     options = f.get_object("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     include_usage = options.get_bool("include_usage", False)
-    options.ignore("continuous_usage_stats")
-    return stream, include_usage
+    continuous = options.get_bool("continuous_usage_stats", False)
+    options.warn_unknown("stream_options")
+    return stream, include_usage, include_usage and continuous
 
 
 def read_n(f: Fields, prompts: int) -> int:

@@ -125,6 +125,7 @@ class CompletionRequest:
     sampling: SamplingSpec
     add_special_tokens: bool = True  # a text prompt's tokens get the tokenizer's BOS and the like
     request_id: str | None = None  # the client's: the response's id is cmpl-<request_id>
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     f = Fields(load_object(body))
     model = f.get_str("model")
     prompts, _ = read_prompts(f.raw("prompt"), "prompt", token_ids_allowed=True)
-    stream, include_usage = read_stream(f)
+    stream, include_usage, continuous_usage = read_stream(f)
     n = read_n(f, prompts=len(prompts))
     max_tokens = f.get_int("max_tokens", COMPLETION_MAX_TOKENS)
     echo = f.get_bool("echo", False)
@@ -197,7 +198,9 @@ def parse_completion(body: bytes) -> CompletionRequest:
     check_ignored(f)
     f.warn_unknown("/v1/completions")
     sampling = SamplingSpec.build(values, max_tokens, names, "prompt")
-    return CompletionRequest(model, prompts, n, stream, include_usage, echo, sampling, add_special_tokens, request_id)
+    return CompletionRequest(
+        model, prompts, n, stream, include_usage, echo, sampling, add_special_tokens, request_id, continuous_usage
+    )
 
 
 def parse_generate(body: bytes) -> GenerateRequest:

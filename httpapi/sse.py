@@ -9,7 +9,8 @@ when the client falls behind.
 Event order for the OpenAI endpoints:
     start()                      chat only: a role chunk per choice
     delta(index, text, ...)      any number, finish_reason on each choice's last
-    usage(Usage)                 only with stream_options.include_usage
+    usage(Usage)                 only with stream_options.include_usage (and with
+                                 continuous_usage_stats, each chunk carries its own: with_usage)
     DONE
 and on a failure mid-stream: error_event(APIError), then DONE.
 """
@@ -54,6 +55,12 @@ def with_matched_stop(chunk: bytes, finish_reason: str | None, matched_stop: int
     return chunk[:at] + b',"matched_stop":' + orjson.dumps(matched_stop) + chunk[at:]
 
 
+def with_usage(chunk: bytes, usage: Usage) -> bytes:
+    """`chunk`, one OpenAI event, with a usage of its own: vLLM's continuous_usage_stats (its
+    choice's completion tokens so far)."""
+    return chunk[: -len(b"}\n\n")] + b',"usage":' + orjson.dumps(usage.as_dict()) + b"}\n\n"
+
+
 def error_event(err: APIError) -> bytes:
     return b"data: " + err.body() + b"\n\n"
 
@@ -89,13 +96,17 @@ class ChatStream(_OpenAIStream):
         self._vocab = vocab
         self._open = [self._head + b'"choices":[{"index":%d,"delta":{"content":' % i for i in range(n_choices)]
 
-    def start(self) -> bytes:
-        """The first chunk of every choice: role "assistant", empty content."""
-        return b"".join(
+    def start(self, usages: Sequence[Usage] | None = None) -> bytes:
+        """The first chunk of every choice: role "assistant", empty content; `usages`: each
+        choice's own usage on it (continuous_usage_stats)."""
+        chunks = [
             self._head + b'"choices":[{"index":%d,"delta":{"role":"assistant","content":""},'
             b'"logprobs":null,"finish_reason":null}]}\n\n' % i
             for i in range(len(self._open))
-        )
+        ]
+        if usages is not None:
+            chunks = [with_usage(c, u) for c, u in zip(chunks, usages)]
+        return b"".join(chunks)
 
     def prompt_delta(
         self,

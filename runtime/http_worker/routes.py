@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,7 +36,7 @@ from httpapi.responses import (
     usage_of,
 )
 from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
-from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream, with_matched_stop
+from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream, with_matched_stop, with_usage
 from protocol.sampling_params import SamplingParams
 from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
@@ -88,10 +89,12 @@ async def chat_completions(worker, request: Request) -> Reply:
     vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
+        usage = StreamUsage(req.include_usage, req.continuous_usage)
         if output.plain:
-            events = openai_events(worker, group, stream, req.n, req.include_usage, stream.start())
+            head = stream.start([usage_of(s) for s in group.states] if usage.continuous else None)
+            events = openai_events(worker, group, stream, req.n, usage, head)
         else:
-            events = chat_events(worker, group, stream, req.n, req.include_usage, output)
+            events = chat_events(worker, group, stream, req.n, usage, output)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     return json_response(
@@ -133,12 +136,15 @@ def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutp
 
 
 def chat_events(
-    worker, group: ReqGroup, stream: ChatStream, n: int, include_usage: bool, output: ChatOutput
+    worker, group: ReqGroup, stream: ChatStream, n: int, usage: StreamUsage, output: ChatOutput
 ) -> AsyncIterator[bytes]:
     """A chat stream whose text is parsed (reasoning, tool calls) into delta objects as it comes."""
     parsers = [ChatDeltas(output) for _ in group.states]
 
     def render(state: ReqState) -> bytes | None:
+        return usage.on_each(_render(state), state)
+
+    def _render(state: ReqState) -> list[bytes]:
         text, lp, finish = state.take()
         plp = state.take_prompt_logprobs()  # vLLM's prompt_logprobs: on the choice's first event
         deltas = parsers[state.index].feed(text) if text else []
@@ -148,8 +154,8 @@ def chat_events(
         if not deltas:
             if finish or lp is not None or plp is not None:
                 event = with_matched_stop(stream.event(state.index, {}, finish, lp), finish, state.matched_stop)
-                return stream.with_prompt_logprobs(event, plp)
-            return None
+                return [stream.with_prompt_logprobs(event, plp)]
+            return []
         last = len(deltas) - 1
         events = [
             stream.event(state.index, d, finish if i == last else None, lp if i == 0 else None)
@@ -157,9 +163,10 @@ def chat_events(
         ]
         events[last] = with_matched_stop(events[last], finish, state.matched_stop)
         events[0] = stream.with_prompt_logprobs(events[0], plp)
-        return b"".join(events)
+        return events
 
-    return sse_events(worker, group, render, stream.start(), usage_tail(group, stream, n, include_usage))
+    head = stream.start([usage_of(s) for s in group.states] if usage.continuous else None)
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, usage.final))
 
 
 @api_route
@@ -181,12 +188,16 @@ async def completions(worker, request: Request) -> Reply:
     vocab = worker.vocab if params[0].logprobs or with_prompt else None
     if req.stream:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
+        usage = StreamUsage(req.include_usage, req.continuous_usage)
         if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
             stream.echo_logprobs = bool(echoes) and params[0].logprobs
-            events = openai_events(worker, group, stream, n, req.include_usage, b"", echoes)
+            events = openai_events(worker, group, stream, n, usage, b"", echoes)
         else:
-            first = b"".join(stream.delta(i, text) for i, text in enumerate(echoes)) if echoes else b""
-            events = openai_events(worker, group, stream, n, req.include_usage, first)
+            first = b"".join(
+                usage.on_each([stream.delta(i, text)], state) or b""
+                for i, (text, state) in enumerate(zip(echoes or [], group.states))
+            )
+            events = openai_events(worker, group, stream, n, usage, first)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     body = completion_body(
@@ -200,7 +211,7 @@ def openai_events(
     group: ReqGroup,
     stream: ChatStream | CompletionStream,
     n: int,
-    include_usage: bool,
+    usage: StreamUsage,
     head: bytes,
     echoes: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
@@ -216,12 +227,34 @@ def openai_events(
             unechoed.discard(state.index)
             echo = texts[state.index]
         if plp is not None or echo is not None:
-            return stream.prompt_delta(state.index, text, finish, lp, plp, echo, state.matched_stop)
+            return usage.on_each(
+                [stream.prompt_delta(state.index, text, finish, lp, plp, echo, state.matched_stop)], state
+            )
         if text or finish or lp is not None:
-            return with_matched_stop(stream.delta(state.index, text, finish, lp), finish, state.matched_stop)
+            event = with_matched_stop(stream.delta(state.index, text, finish, lp), finish, state.matched_stop)
+            return usage.on_each([event], state)
         return None
 
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, include_usage))
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, usage.final))
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """What stream_options asks for: `final`, a usage chunk before DONE (include_usage);
+    `continuous`, each chunk's own usage too (vLLM's continuous_usage_stats: its choice's
+    completion tokens so far)."""
+
+    final: bool
+    continuous: bool
+
+    def on_each(self, events: list[bytes], state: ReqState) -> bytes | None:
+        """One render's events of `state` as one write, each with the state's usage when continuous."""
+        if not events:
+            return None
+        if self.continuous:
+            usage = usage_of(state)
+            events = [with_usage(e, usage) for e in events]
+        return events[0] if len(events) == 1 else b"".join(events)
 
 
 def usage_tail(

@@ -80,6 +80,19 @@ def got(server, client, want):
         "chat_stream": lambda: list(
             client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat)
         ),
+        "chat_stream_continuous": lambda: list(
+            client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, n=2, **chat
+            )
+        ),
+        "completions_stream_continuous": lambda: list(
+            client.completions.create(
+                prompt=PROMPTS[0],
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+                **completion,
+            )
+        ),
         "stop": lambda: client.completions.create(prompt=PROMPTS[0], stop=[stop, "never appears"], **completion),
         "stop_stream": lambda: list(client.completions.create(prompt=PROMPTS[0], stop=stop, stream=True, **completion)),
         "stop_min_tokens": lambda: client.completions.create(
@@ -222,6 +235,24 @@ def test_stop_strings(got, want):
     # a stop string may not end in the text of the first min_tokens tokens: here, all of them
     assert want["completions"][0].finish_reason == "length"
     assert (got["stop_min_tokens"].choices[0].text, got["stop_min_tokens"].choices[0].finish_reason) == (text, "length")
+
+
+def test_continuous_usage_stats(got, want):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries usage, its choice's
+    completion tokens so far; the last chunk the whole request's."""
+    for name, n in (("chat_stream_continuous", 2), ("completions_stream_continuous", 1)):
+        chunks = got[name]
+        assert all(c.usage is not None for c in chunks), name
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        for i in range(n):
+            mine = [c.usage.completion_tokens for c in chunks[:-1] if c.choices and c.choices[0].index == i]
+            assert mine == sorted(mine) and mine[-1] <= MAX_TOKENS, (name, mine)
+        final = chunks[-1]
+        assert not final.choices and final.usage.completion_tokens == sum(
+            max(c.usage.completion_tokens for c in chunks[:-1] if c.choices and c.choices[0].index == i)
+            for i in range(n)
+        )
+    assert got["completions_stream_continuous"][-1].usage.completion_tokens == want["completions"][0].completion_tokens
 
 
 def test_n_choices(got, want):
