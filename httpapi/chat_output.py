@@ -28,6 +28,7 @@ class ChatOutput:
     tools: tuple[Tool, ...] = ()
     forced: ToolChoice | None = None  # "required" or a named function: the text is the grammar's JSON
     max_calls: int | None = None  # parallel_tool_calls false: 1 (vLLM's: later calls are dropped)
+    include_reasoning: bool = True  # false: the reasoning is parsed out of the content and dropped
 
     @property
     def plain(self) -> bool:
@@ -50,7 +51,7 @@ def chat_message(text: str, finish_reason: str | None, out: ChatOutput) -> tuple
         content = text
     calls = calls[: out.max_calls]
     message: dict = {"role": "assistant", "content": content if content or not calls else None}
-    if reasoning is not None:  # SGLang's and vLLM's older name, and vLLM's newer one
+    if reasoning is not None and out.include_reasoning:  # SGLang's and vLLM's older name, and vLLM's newer one
         message["reasoning_content"] = message["reasoning"] = reasoning
     if calls:
         message["tool_calls"] = [
@@ -91,7 +92,9 @@ class ChatDeltas:
         return deltas, _finish(finish_reason, self._made_calls)
 
     def _with_reasoning(self, reasoning: str, deltas: list[dict]) -> list[dict]:
-        return [{"reasoning_content": reasoning, "reasoning": reasoning}, *deltas] if reasoning else deltas
+        if not reasoning or not self._out.include_reasoning:
+            return deltas
+        return [{"reasoning_content": reasoning, "reasoning": reasoning}, *deltas]
 
     def _content(self, text: str, final: bool) -> list[dict]:
         if self._forced is not None:

@@ -93,6 +93,10 @@ class ChatCompletionRequest:
     parallel_tool_calls: bool = True  # False: at most one call in a choice (vLLM's)
     request_id: str | None = None  # the client's, vLLM's: the response's id is chatcmpl-<request_id>
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    # with a --reasoning-parser: false drops the reasoning (vLLM's include_reasoning), or leaves
+    # it in the content (SGLang's separate_reasoning)
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -122,6 +126,8 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     )
     sglang_no_stop_trim(f, values)
     request_id = read_request_id(f)
+    include_reasoning = f.get_bool("include_reasoning", True)
+    separate_reasoning = f.get_bool("separate_reasoning", True)
     refuse_unserved(f, REFUSED_OPENAI)
     check_ignored(f)
     f.warn_unknown("/v1/chat/completions")
@@ -139,6 +145,8 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         parallel_tool_calls,
         request_id,
         continuous_usage,
+        include_reasoning,
+        separate_reasoning,
     )
 
 

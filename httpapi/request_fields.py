@@ -55,8 +55,6 @@ REFUSED_OPENAI = {
     ),
     "echo": "chat echo is not supported",
     "best_of": "best_of is not supported; use n",
-    "include_reasoning": "include_reasoning false is not supported",
-    "separate_reasoning": "separate_reasoning false is not supported: the server's --reasoning-parser applies",
     "stream_reasoning": "stream_reasoning false is not supported: reasoning is streamed as it comes",
     "return_hidden_states": "hidden states are not returned by this server",
     "modalities": "this server runs a text-only model: only the text modality",
@@ -65,9 +63,7 @@ ASK_NOTHING: tuple = (False, 0, "", [], {})  # a refused field's values that ask
 NOTHING_ASKED: dict[str, tuple] = {
     "best_of": (1,),
     "thinking_token_budget": (-1,),
-    "include_reasoning": (True,),
-    "separate_reasoning": (True,),  # SGLang's defaults, which sglang-router sends with every chat
-    "stream_reasoning": (True,),
+    "stream_reasoning": (True,),  # SGLang's default, which sglang-router sends with every chat
     "modalities": (["text"],),
 }
 OPENAI_IGNORED = {"str": IGNORED_STRS, "bool": IGNORED_BOOLS, "number": IGNORED_NUMBERS, "object": IGNORED_OBJECTS}

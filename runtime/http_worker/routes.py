@@ -127,11 +127,12 @@ def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutp
     forced = choice if choice.mode in ("required", "function") else None
     return ChatOutput(
         request_id,
-        reasoning=worker.reasoning,
+        reasoning=worker.reasoning if req.separate_reasoning else None,
         tool_parser=parser,
         tools=tools,
         forced=forced,
         max_calls=None if req.parallel_tool_calls else 1,
+        include_reasoning=req.include_reasoning,
     )
 
 

@@ -5,7 +5,8 @@ own chat template, which renders no tools, and --reasoning-parser deepseek-r1.
 - tools the template cannot show the model are a 400 naming `tools` (but with tool_choice
   "none"), and tool_choice "auto" with no parser for the template's format a 400 too;
 - deepseek-r1's reasoning starts at the first token: a text that never closes it is all
-  reasoning_content, whole and streamed alike."""
+  reasoning_content, whole and streamed alike; dropped with include_reasoning false, left in the
+  content with separate_reasoning false."""
 
 from __future__ import annotations
 
@@ -62,3 +63,19 @@ def test_reasoning_that_never_closes_is_all_reasoning(client):
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert reasoning == message["reasoning_content"] and content == ""
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_reasoning_dropped_or_left_in_the_content(client):
+    """vLLM's include_reasoning false drops it; SGLang's separate_reasoning false leaves it in the content."""
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12)
+    reasoning = whole.model_dump()["choices"][0]["message"]["reasoning_content"]
+    dropped = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, extra_body={"include_reasoning": False}
+    )
+    message = dropped.model_dump()["choices"][0]["message"]
+    assert not message.get("reasoning_content") and not message["content"]
+    kept = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, extra_body={"separate_reasoning": False}
+    )
+    message = kept.model_dump()["choices"][0]["message"]
+    assert message["content"] == reasoning and not message.get("reasoning_content")

@@ -172,3 +172,15 @@ def test_reasoning_goes_to_reasoning_content():
 def test_plain_output_is_content_only():
     assert chat_message("hi", "stop", outputs()["plain"]) == ({"role": "assistant", "content": "hi"}, "stop")
     assert outputs()["plain"].plain and not outputs()["auto"].plain
+
+
+def test_include_reasoning_false_drops_the_reasoning_whole_and_streamed():
+    """vLLM's include_reasoning: false: the reasoning is still parsed out of the content, then dropped."""
+    out = ChatOutput("chatcmpl-1", reasoning=make_reasoning_parser("qwen3"), include_reasoning=False)
+    text = TEXTS["reasoning"][0]
+    message, _ = chat_message(text, "stop", out)
+    assert message == {"role": "assistant", "content": "The answer is 4."}
+    deltas = ChatDeltas(out)
+    events = [d for ch in text for d in deltas.feed(ch)] + deltas.finish("stop")[0]
+    assert all(set(d) == {"content"} for d in events)
+    assert "".join(d["content"] for d in events) == "The answer is 4."
