@@ -13,11 +13,13 @@ from httpapi.fields import Fields, load_object
 from httpapi.grammar_fields import read_grammar
 from httpapi.request_fields import (
     REFUSED_OPENAI,
+    PromptTruncation,
     check_ignored,
     read_n,
     read_prompt_logprobs,
     read_request_id,
     read_stream,
+    read_truncation,
     refuse_unserved,
     sglang_no_stop_trim,
     shown,
@@ -97,6 +99,7 @@ class ChatCompletionRequest:
     # it in the content (SGLang's separate_reasoning)
     include_reasoning: bool = True
     separate_reasoning: bool = True
+    truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -126,6 +129,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     )
     sglang_no_stop_trim(f, values)
     request_id = read_request_id(f)
+    truncation = read_truncation(f)
     include_reasoning = f.get_bool("include_reasoning", True)
     separate_reasoning = f.get_bool("separate_reasoning", True)
     refuse_unserved(f, REFUSED_OPENAI)
@@ -147,6 +151,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         continuous_usage,
         include_reasoning,
         separate_reasoning,
+        truncation,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 from httpapi.errors import bad_request
@@ -21,8 +22,6 @@ IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam sear
 # it asks for nothing (null, false, 0, an empty list or object, or the value in NOTHING_ASKED).
 REFUSED_OPENAI = {
     "use_beam_search": "beam search is not supported",
-    "truncate_prompt_tokens": "prompt truncation is not supported: send a shorter prompt",
-    "truncation_side": "prompt truncation is not supported",
     "allowed_token_ids": "allowed_token_ids is not supported; logit_bias is",
     "bad_words": "bad_words is not supported",
     "logprob_token_ids": "logprobs of chosen token ids are not supported; top_logprobs is",
@@ -173,6 +172,37 @@ def check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED)
 def sglang_no_stop_trim(f: Fields, values: dict[str, Any]) -> None:
     """SGLang's name on its OpenAI routes for vLLM's include_stop_str_in_output: either keeps the stop."""
     values["no_stop_trim"] = f.get_bool("no_stop_trim", False) or values["no_stop_trim"]
+
+
+@dataclass(frozen=True)
+class PromptTruncation:
+    """vLLM's truncate_prompt_tokens: a prompt keeps its last `tokens` tokens (its first, with
+    truncation_side "right"); -1: as many as the context holds."""
+
+    tokens: int
+    side: str = "left"
+
+    def apply(self, ids: list[int], context_len: int) -> list[int]:
+        keep = context_len if self.tokens == -1 else self.tokens
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if self.side == "left" else ids[:keep]
+
+
+def read_truncation(f: Fields) -> PromptTruncation | None:
+    """vLLM's truncate_prompt_tokens (-1, or at least 1) and truncation_side (left or right)."""
+    tokens = f.get_int("truncate_prompt_tokens")
+    side = f.get_str("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise bad_request(f'truncation_side must be "left" or "right", not {shown(side)}', "truncation_side")
+    if tokens is None:
+        return None
+    if tokens < 1 and tokens != -1:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the context's length) or at least 1, not {tokens}",
+            "truncate_prompt_tokens",
+        )
+    return PromptTruncation(tokens, side)
 
 
 def read_request_id(f: Fields) -> str | None:

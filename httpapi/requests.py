@@ -21,12 +21,14 @@ from httpapi.grammar_fields import SGLANG_GRAMMARS, one_grammar, read_grammar
 from httpapi.request_fields import (
     REFUSED_OPENAI,
     Prompt,
+    PromptTruncation,
     check_ignored,
     read_n,
     read_prompt_logprobs,
     read_prompts,
     read_request_id,
     read_stream,
+    read_truncation,
     refuse_unserved,
     sglang_no_stop_trim,
 )
@@ -126,6 +128,7 @@ class CompletionRequest:
     add_special_tokens: bool = True  # a text prompt's tokens get the tokenizer's BOS and the like
     request_id: str | None = None  # the client's: the response's id is cmpl-<request_id>
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -194,12 +197,23 @@ def parse_completion(body: bytes) -> CompletionRequest:
     sglang_no_stop_trim(f, values)
     add_special_tokens = f.get_bool("add_special_tokens", True)
     request_id = read_request_id(f)
+    truncation = read_truncation(f)
     refuse_unserved(f, {k: v for k, v in REFUSED_OPENAI.items() if k != "echo"})
     check_ignored(f)
     f.warn_unknown("/v1/completions")
     sampling = SamplingSpec.build(values, max_tokens, names, "prompt")
     return CompletionRequest(
-        model, prompts, n, stream, include_usage, echo, sampling, add_special_tokens, request_id, continuous_usage
+        model,
+        prompts,
+        n,
+        stream,
+        include_usage,
+        echo,
+        sampling,
+        add_special_tokens,
+        request_id,
+        continuous_usage,
+        truncation,
     )
 
 

@@ -317,6 +317,10 @@ BAD_REQUESTS: list[BadRequest] = [
         400,
         "continue_final_message",
     ),
+    _row(
+        "truncate_prompt_tokens zero", COMPLETIONS, completion(truncate_prompt_tokens=0), 400, "truncate_prompt_tokens"
+    ),
+    _row("truncation_side neither", CHAT, chat(truncation_side="middle"), 400, "truncation_side"),
     # prompt logprobs
     _row("prompt_logprobs negative", COMPLETIONS, completion(prompt_logprobs=-1), 400, "prompt_logprobs"),
     _row("prompt_logprobs above 20", CHAT, chat(prompt_logprobs=21), 400, "prompt_logprobs"),

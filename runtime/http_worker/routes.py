@@ -80,6 +80,8 @@ async def chat_completions(worker, request: Request) -> Reply:
     check_model(req.model, worker.served_names)
     await worker.grammar_checks.check([req.sampling])
     ids = await worker.tm.chat_ids(req.messages, req.template)
+    if req.truncation is not None:
+        ids = req.truncation.apply(ids, worker.model.context_length)
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
     request_id, created = response_id("chatcmpl", client_request_id(request, req.request_id)), now()
@@ -176,6 +178,8 @@ async def completions(worker, request: Request) -> Reply:
     check_model(req.model, worker.served_names)
     await worker.grammar_checks.check([req.sampling])
     prompt_ids = [await prompt_tokens(worker, p, "prompt", req.add_special_tokens) for p in req.prompts]
+    if req.truncation is not None:
+        prompt_ids = [req.truncation.apply(ids, worker.model.context_length) for ids in prompt_ids]
     params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
     n = req.n
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)

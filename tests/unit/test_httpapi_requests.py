@@ -272,3 +272,13 @@ def test_resolve_takes_numpy_prompts():
     assert req.sampling.resolve(np.array([1, 2, 3], dtype=np.int32), 100, 10).max_new_tokens == 16
     with pytest.raises(APIError, match="outside the vocabulary"):
         req.sampling.resolve(np.array([1, 10], dtype=np.int32), 100, 10)
+
+
+def test_prompt_truncation_keeps_the_last_or_first_tokens():
+    from httpapi.request_fields import PromptTruncation
+
+    ids = list(range(10))
+    assert PromptTruncation(3).apply(ids, 100) == [7, 8, 9]
+    assert PromptTruncation(3, "right").apply(ids, 100) == [0, 1, 2]
+    assert PromptTruncation(-1).apply(ids, 4) == [6, 7, 8, 9]  # the context's length
+    assert PromptTruncation(20).apply(ids, 100) == ids
