@@ -100,6 +100,7 @@ class ChatCompletionRequest:
     include_reasoning: bool = True
     separate_reasoning: bool = True
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -117,11 +118,13 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     template = read_template_args(f, messages, tools, rich)
     names = {"max_tokens": max_tokens_param}
     parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
+    return_token_ids = f.get_bool("return_token_ids", False)
     values = read_sampling(
         f,
         seed="seed",
         min_tokens="min_tokens",
         no_stop_trim="include_stop_str_in_output",
+        return_ids=return_token_ids,
         logprobs=f.get_bool("logprobs", False),
         top_logprobs=f.get_int("top_logprobs", 0),
         prompt_logprobs=read_prompt_logprobs(f),
@@ -152,6 +155,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         include_reasoning,
         separate_reasoning,
         truncation,
+        return_token_ids,
     )
 
 

@@ -129,6 +129,7 @@ class CompletionRequest:
     request_id: str | None = None  # the client's: the response's id is cmpl-<request_id>
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
+    return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids in the answer
 
 
 @dataclass(frozen=True)
@@ -184,11 +185,13 @@ def parse_completion(body: bytes) -> CompletionRequest:
     names = {"top_logprobs": "logprobs"}
     if prompt_logprobs < 0 and echo and logprobs is not None:  # vLLM's: the echoed prompt's logprobs too
         prompt_logprobs, names["prompt_logprobs"] = logprobs, "logprobs"
+    return_token_ids = f.get_bool("return_token_ids", False)
     values = read_sampling(
         f,
         seed="seed",
         min_tokens="min_tokens",
         no_stop_trim="include_stop_str_in_output",
+        return_ids=return_token_ids,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,
@@ -214,6 +217,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         request_id,
         continuous_usage,
         truncation,
+        return_token_ids,
     )
 
 

@@ -177,10 +177,12 @@ def chat_completion_body(
     n: int,
     vocab: LogprobVocab | None = None,
     output: ChatOutput | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> bytes:
     """`vocab` is needed when the choices carry logprobs; `output` reads their texts for
     reasoning and tool calls (none: all content). Prompt logprobs are the response's, as vLLM
-    reports them for chat (its choices share the prompt)."""
+    reports them for chat (its choices share the prompt). `prompt_token_ids`: vLLM's
+    return_token_ids (each choice then has its token_ids)."""
     body = {
         "id": request_id,
         "object": "chat.completion",
@@ -189,6 +191,8 @@ def chat_completion_body(
         "choices": [_chat_choice(c, vocab, output) for c in choices],
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
     }
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = prompt_token_ids
     if choices and choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, need_vocab(vocab))
     return orjson.dumps(body)
@@ -205,6 +209,7 @@ def _chat_choice(c: ChoiceResult, vocab: LogprobVocab | None, output: ChatOutput
         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, need_vocab(vocab)),
         "finish_reason": finish_reason,
         "matched_stop": c.matched_stop,  # SGLang's: the stop string or token id that ended the choice
+        **({"token_ids": c.output_ids} if c.output_ids is not None else {}),
     }
 
 
@@ -216,22 +221,30 @@ def completion_body(
     n: int,
     vocab: LogprobVocab | None = None,
     echo: bool = False,
+    prompt_token_ids: list[list[int]] | None = None,
 ) -> bytes:
     """`echo`: the choices' texts start with their prompts, and so do their logprobs when asked
-    (the prompt's logprobs then come with the choice: SamplingParams.prompt_logprobs)."""
+    (the prompt's logprobs then come with the choice: SamplingParams.prompt_logprobs).
+    `prompt_token_ids`: each prompt's, for vLLM's return_token_ids (on its n choices, with
+    their token_ids)."""
     return orjson.dumps(
         {
             "id": request_id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [completion_choice(c, vocab, echo) for c in choices],
+            "choices": [
+                completion_choice(c, vocab, echo, None if prompt_token_ids is None else prompt_token_ids[c.index // n])
+                for c in choices
+            ],
             "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
         }
     )
 
 
-def completion_choice(c: ChoiceResult, vocab: LogprobVocab | None, echo: bool) -> dict:
+def completion_choice(
+    c: ChoiceResult, vocab: LogprobVocab | None, echo: bool, prompt_token_ids: list[int] | None = None
+) -> dict:
     """One text_completion choice; vLLM's prompt_logprobs on it when the choice carries them."""
     logprobs = None
     if c.logprobs is not None:
@@ -248,6 +261,8 @@ def completion_choice(c: ChoiceResult, vocab: LogprobVocab | None, echo: bool) -
         "finish_reason": c.finish_reason,
         "matched_stop": c.matched_stop,  # SGLang's: the stop string or token id that ended the choice
     }
+    if prompt_token_ids is not None:  # vLLM's return_token_ids
+        choice["prompt_token_ids"], choice["token_ids"] = prompt_token_ids, c.output_ids
     if c.prompt_logprobs is not None:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, need_vocab(vocab))
     return choice

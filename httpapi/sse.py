@@ -43,22 +43,32 @@ _CHAT_CLOSE = {r: b'},"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r
 _COMPLETION_CLOSE = {r: b',"logprobs":null,"finish_reason":' + enc + b"}]}\n\n" for r, enc in _REASONS.items()}
 
 
-def with_matched_stop(chunk: bytes, finish_reason: str | None, matched_stop: int | str | None) -> bytes:
-    """`chunk`, an OpenAI event, with SGLang's matched_stop on its choice beside its
-    finish_reason when that is set (the event that finishes the choice): the stop string or
-    token id that ended it, else null. The field is found by its bytes: inside a JSON string a
-    quote is escaped, so the text cannot hold them."""
-    if finish_reason is None:
-        return chunk
+def with_choice_field(chunk: bytes, finish_reason: str | None, key: str, value: object) -> bytes:
+    """`chunk`, an OpenAI event of one choice, with `key` on that choice, beside its
+    finish_reason (whose bytes find it: inside a JSON string a quote is escaped, so the text
+    cannot hold them)."""
     field = b'"finish_reason":' + orjson.dumps(finish_reason)  # tool_calls too, beside _REASONS
     at = chunk.rindex(field) + len(field)
-    return chunk[:at] + b',"matched_stop":' + orjson.dumps(matched_stop) + chunk[at:]
+    return chunk[:at] + b',"' + key.encode() + b'":' + orjson.dumps(value) + chunk[at:]
+
+
+def with_matched_stop(chunk: bytes, finish_reason: str | None, matched_stop: int | str | None) -> bytes:
+    """`chunk` with SGLang's matched_stop on its choice when it finishes it (finish_reason
+    set): the stop string or token id that ended the choice, else null."""
+    if finish_reason is None:
+        return chunk
+    return with_choice_field(chunk, finish_reason, "matched_stop", matched_stop)
+
+
+def with_field(chunk: bytes, key: str, value: object) -> bytes:
+    """`chunk`, one OpenAI event, with `key` at its top level."""
+    return chunk[: -len(b"}\n\n")] + b',"' + key.encode() + b'":' + orjson.dumps(value) + b"}\n\n"
 
 
 def with_usage(chunk: bytes, usage: Usage) -> bytes:
-    """`chunk`, one OpenAI event, with a usage of its own: vLLM's continuous_usage_stats (its
-    choice's completion tokens so far)."""
-    return chunk[: -len(b"}\n\n")] + b',"usage":' + orjson.dumps(usage.as_dict()) + b"}\n\n"
+    """`chunk` with a usage of its own: vLLM's continuous_usage_stats (its choice's completion
+    tokens so far)."""
+    return with_field(chunk, "usage", usage.as_dict())
 
 
 def error_event(err: APIError) -> bytes:

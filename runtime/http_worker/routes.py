@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -36,7 +35,16 @@ from httpapi.responses import (
     usage_of,
 )
 from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
-from httpapi.sse import DONE, ChatStream, CompletionStream, GenerateStream, with_matched_stop, with_usage
+from httpapi.sse import (
+    DONE,
+    ChatStream,
+    CompletionStream,
+    GenerateStream,
+    with_choice_field,
+    with_field,
+    with_matched_stop,
+    with_usage,
+)
 from protocol.sampling_params import SamplingParams
 from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
@@ -91,19 +99,27 @@ async def chat_completions(worker, request: Request) -> Reply:
     vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
-        usage = StreamUsage(req.include_usage, req.continuous_usage)
+        extras = ChunkExtras(req.include_usage, req.continuous_usage, req.return_token_ids)
+        head = stream.start([usage_of(s) for s in group.states] if extras.continuous_usage else None)
+        if req.return_token_ids:  # vLLM's: the prompt's ids on the stream's first write
+            head = with_field(head, "prompt_token_ids", ids)
         if output.plain:
-            head = stream.start([usage_of(s) for s in group.states] if usage.continuous else None)
-            events = openai_events(worker, group, stream, req.n, usage, head)
+            events = openai_events(worker, group, stream, req.n, extras, head)
         else:
-            events = chat_events(worker, group, stream, req.n, usage, output)
+            events = chat_events(worker, group, stream, req.n, extras, head, output)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
-    return json_response(
-        chat_completion_body(
-            request_id, created, worker.model.served_name, choice_results(states), req.n, vocab, output
-        )
+    body = chat_completion_body(
+        request_id,
+        created,
+        worker.model.served_name,
+        choice_results(states),
+        req.n,
+        vocab,
+        output,
+        ids if req.return_token_ids else None,
     )
+    return json_response(body)
 
 
 def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutput:
@@ -139,15 +155,16 @@ def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutp
 
 
 def chat_events(
-    worker, group: ReqGroup, stream: ChatStream, n: int, usage: StreamUsage, output: ChatOutput
+    worker, group: ReqGroup, stream: ChatStream, n: int, extras: ChunkExtras, head: bytes, output: ChatOutput
 ) -> AsyncIterator[bytes]:
     """A chat stream whose text is parsed (reasoning, tool calls) into delta objects as it comes."""
     parsers = [ChatDeltas(output) for _ in group.states]
 
     def render(state: ReqState) -> bytes | None:
-        return usage.on_each(_render(state), state)
+        events, finish = _render(state)
+        return extras.on_each(events, state, finish)
 
-    def _render(state: ReqState) -> list[bytes]:
+    def _render(state: ReqState) -> tuple[list[bytes], str | None]:
         text, lp, finish = state.take()
         plp = state.take_prompt_logprobs()  # vLLM's prompt_logprobs: on the choice's first event
         deltas = parsers[state.index].feed(text) if text else []
@@ -157,8 +174,8 @@ def chat_events(
         if not deltas:
             if finish or lp is not None or plp is not None:
                 event = with_matched_stop(stream.event(state.index, {}, finish, lp), finish, state.matched_stop)
-                return [stream.with_prompt_logprobs(event, plp)]
-            return []
+                return [stream.with_prompt_logprobs(event, plp)], finish
+            return [], finish
         last = len(deltas) - 1
         events = [
             stream.event(state.index, d, finish if i == last else None, lp if i == 0 else None)
@@ -166,10 +183,9 @@ def chat_events(
         ]
         events[last] = with_matched_stop(events[last], finish, state.matched_stop)
         events[0] = stream.with_prompt_logprobs(events[0], plp)
-        return events
+        return events, finish
 
-    head = stream.start([usage_of(s) for s in group.states] if usage.continuous else None)
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, usage.final))
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras.final_usage))
 
 
 @api_route
@@ -193,20 +209,29 @@ async def completions(worker, request: Request) -> Reply:
     vocab = worker.vocab if params[0].logprobs or with_prompt else None
     if req.stream:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
-        usage = StreamUsage(req.include_usage, req.continuous_usage)
+        # vLLM's return_token_ids: each choice's prompt ids on its first chunk
+        choice_prompts = [prompt_ids[i // n] for i in range(len(group.states))] if req.return_token_ids else None
+        extras = ChunkExtras(req.include_usage, req.continuous_usage, req.return_token_ids, choice_prompts)
         if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
             stream.echo_logprobs = bool(echoes) and params[0].logprobs
-            events = openai_events(worker, group, stream, n, usage, b"", echoes)
+            events = openai_events(worker, group, stream, n, extras, b"", echoes)
         else:
             first = b"".join(
-                usage.on_each([stream.delta(i, text)], state) or b""
+                extras.on_each([stream.delta(i, text)], state, None) or b""
                 for i, (text, state) in enumerate(zip(echoes or [], group.states))
             )
-            events = openai_events(worker, group, stream, n, usage, first)
+            events = openai_events(worker, group, stream, n, extras, first)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     body = completion_body(
-        request_id, created, worker.model.served_name, choice_results(states, echoes), n, vocab, bool(echoes)
+        request_id,
+        created,
+        worker.model.served_name,
+        choice_results(states, echoes),
+        n,
+        vocab,
+        bool(echoes),
+        prompt_ids if req.return_token_ids else None,
     )
     return json_response(body)
 
@@ -216,7 +241,7 @@ def openai_events(
     group: ReqGroup,
     stream: ChatStream | CompletionStream,
     n: int,
-    usage: StreamUsage,
+    extras: ChunkExtras,
     head: bytes,
     echoes: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
@@ -232,34 +257,52 @@ def openai_events(
             unechoed.discard(state.index)
             echo = texts[state.index]
         if plp is not None or echo is not None:
-            return usage.on_each(
-                [stream.prompt_delta(state.index, text, finish, lp, plp, echo, state.matched_stop)], state
-            )
+            first = stream.prompt_delta(state.index, text, finish, lp, plp, echo, state.matched_stop)
+            return extras.on_each([first], state, finish)
         if text or finish or lp is not None:
             event = with_matched_stop(stream.delta(state.index, text, finish, lp), finish, state.matched_stop)
-            return usage.on_each([event], state)
+            return extras.on_each([event], state, finish)
         return None
 
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, usage.final))
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras.final_usage))
 
 
-@dataclass(frozen=True)
-class StreamUsage:
-    """What stream_options asks for: `final`, a usage chunk before DONE (include_usage);
-    `continuous`, each chunk's own usage too (vLLM's continuous_usage_stats: its choice's
-    completion tokens so far)."""
+class ChunkExtras:
+    """What a stream's chunks carry beside their deltas, as asked: `final_usage`, a usage chunk
+    before DONE (stream_options.include_usage); `continuous_usage`, each chunk's own usage too
+    (vLLM's continuous_usage_stats: its choice's completion tokens so far); `token_ids`, vLLM's
+    return_token_ids: each choice's token ids not sent before on its next chunk, and
+    `choice_prompts`' prompt ids on a completion choice's first."""
 
-    final: bool
-    continuous: bool
+    def __init__(
+        self,
+        final_usage: bool,
+        continuous_usage: bool,
+        token_ids: bool = False,
+        choice_prompts: list[list[int]] | None = None,
+    ) -> None:
+        self.final_usage, self.continuous_usage, self.token_ids = final_usage, continuous_usage, token_ids
+        self.choice_prompts = choice_prompts
+        self.sent: dict[int, int] = {}  # choice index -> its token ids sent
 
-    def on_each(self, events: list[bytes], state: ReqState) -> bytes | None:
-        """One render's events of `state` as one write, each with the state's usage when continuous."""
+    def on_each(self, events: list[bytes], state: ReqState, finish: str | None) -> bytes | None:
+        """One render's events of `state` (the last one finishing the choice when `finish`) as one write."""
         if not events:
             return None
-        if self.continuous:
+        if self.token_ids:
+            events[0] = self._with_ids(events[0], state, finish if len(events) == 1 else None)
+        if self.continuous_usage:
             usage = usage_of(state)
             events = [with_usage(e, usage) for e in events]
         return events[0] if len(events) == 1 else b"".join(events)
+
+    def _with_ids(self, event: bytes, state: ReqState, finish: str | None) -> bytes:
+        first = state.index not in self.sent
+        if first and self.choice_prompts is not None:
+            event = with_choice_field(event, finish, "prompt_token_ids", self.choice_prompts[state.index])
+        sent = self.sent.get(state.index, 0)
+        self.sent[state.index] = len(state.output_ids)
+        return with_choice_field(event, finish, "token_ids", state.output_ids[sent:])
 
 
 def usage_tail(

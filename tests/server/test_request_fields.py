@@ -157,7 +157,14 @@ OPENAI_COMMON = [
     ("session_id", "ignored", "s", "a routing identity; no output changes", None, None),
     ("logits_processors", "refused", ["m.P"], "custom logits processors are not supported", None, None),
     ("return_tokens_as_token_ids", "refused", True, "not supported", None, None),
-    ("return_token_ids", "refused", True, "not supported", None, None),
+    (
+        "return_token_ids",
+        "served",
+        True,
+        "vLLM's: prompt_token_ids and each choice's token_ids in the answer",
+        p(return_ids=True),
+        None,
+    ),
     ("return_token_offsets", "ignored", True, "vLLM ignores it outside its /render endpoints", None, None),
     ("routed_experts_prompt_start", "ignored", 0, "routed-expert data is never returned", None, None),
     ("cache_salt", "refused", "salt", "the prefix cache is shared: a salt would promise isolation", None, None),
@@ -359,6 +366,10 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
     (COMPLETIONS, "request_id"): lambda b: b["id"] == "cmpl-my-id",
     (COMPLETIONS, "echo"): lambda b: b["choices"][0]["text"].startswith("Hi"),
     (CHAT, "truncate_prompt_tokens"): lambda b: b["usage"]["prompt_tokens"] == 1,
+    (CHAT, "return_token_ids"): lambda b: len(b["choices"][0]["token_ids"]) == b["usage"]["completion_tokens"],
+    (COMPLETIONS, "return_token_ids"): lambda b: (
+        len(b["choices"][0]["prompt_token_ids"]) == b["usage"]["prompt_tokens"]
+    ),
     (COMPLETIONS, "truncate_prompt_tokens"): lambda b: b["usage"]["prompt_tokens"] == 1,
     (CHAT, "logprobs"): lambda b: b["choices"][0]["logprobs"] is not None,
     (COMPLETIONS, "logprobs"): lambda b: len(b["choices"][0]["logprobs"]["top_logprobs"][0]) == 2,

@@ -93,6 +93,18 @@ def got(server, client, want):
                 **completion,
             )
         ),
+        "token_ids": lambda: client.completions.create(
+            prompt=PROMPTS, extra_body={"return_token_ids": True}, **completion
+        ),
+        "token_ids_stream": lambda: list(
+            client.completions.create(
+                prompt=PROMPTS[0], stream=True, extra_body={"return_token_ids": True}, **completion
+            )
+        ),
+        "chat_token_ids": lambda: client.chat.completions.create(extra_body={"return_token_ids": True}, **chat),
+        "chat_token_ids_stream": lambda: list(
+            client.chat.completions.create(stream=True, extra_body={"return_token_ids": True}, **chat)
+        ),
         "stop": lambda: client.completions.create(prompt=PROMPTS[0], stop=[stop, "never appears"], **completion),
         "stop_stream": lambda: list(client.completions.create(prompt=PROMPTS[0], stop=stop, stream=True, **completion)),
         "stop_min_tokens": lambda: client.completions.create(
@@ -210,6 +222,26 @@ def test_generate_output_ids(got, want):
     events = got["generate_ids_stream"]
     assert events[-1]["output_ids"] == ids and events[-1]["text"] == want["completions"][0].text
     assert all(ids[: len(e["output_ids"])] == e["output_ids"] for e in events)
+
+
+def test_return_token_ids(got, want, tokenizer):
+    """vLLM's return_token_ids: each completion choice's prompt_token_ids and token_ids (a chat
+    answer's prompt ids at its top level); streamed, the prompt's on the first chunk and each
+    chunk's own new ids."""
+    resp = got["token_ids"]
+    for choice, prompt, expected in zip(resp.choices, PROMPTS, want["completions"]):
+        extra = choice.model_extra
+        assert extra["prompt_token_ids"] == tokenizer(prompt)["input_ids"] and extra["token_ids"] == expected.token_ids
+    chunks = [c.choices[0].model_extra for c in got["token_ids_stream"] if c.choices]
+    assert chunks[0]["prompt_token_ids"] == tokenizer(PROMPTS[0])["input_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == want["completions"][0].token_ids
+    chat = got["chat_token_ids"]
+    assert chat.model_extra["prompt_token_ids"] and chat.choices[0].model_extra["token_ids"] == want["chat"].token_ids
+    stream = got["chat_token_ids_stream"]
+    assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    ids = [t for c in stream if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
+    assert ids == want["chat"].token_ids
 
 
 def test_stop_strings(got, want):
