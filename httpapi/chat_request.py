@@ -101,6 +101,7 @@ class ChatCompletionRequest:
     separate_reasoning: bool = True
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
+    echo: str = ""  # vLLM's echo: the final message's content, which each choice's text then starts with
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -133,6 +134,7 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     sglang_no_stop_trim(f, values)
     request_id = read_request_id(f)
     truncation = read_truncation(f)
+    echo = echoed_text(f.get_bool("echo", False), messages, template)
     include_reasoning = f.get_bool("include_reasoning", True)
     separate_reasoning = f.get_bool("separate_reasoning", True)
     refuse_unserved(f, REFUSED_OPENAI)
@@ -156,7 +158,17 @@ def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
         separate_reasoning,
         truncation,
         return_token_ids,
+        echo,
     )
+
+
+def echoed_text(echo: bool, messages: list[dict[str, Any]], template: ChatTemplateArgs | None) -> str:
+    """vLLM's chat echo: the final message's content when its role is the answer's (the
+    assistant's, or with add_generation_prompt false, that message's own), else nothing."""
+    add_generation_prompt = template is None or template.add_generation_prompt
+    if not echo or (add_generation_prompt and messages[-1]["role"] != "assistant"):
+        return ""
+    return messages[-1]["content"]
 
 
 def read_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:

@@ -51,7 +51,6 @@ REFUSED_OPENAI = {
         "a per-request chat_template is not supported: a client's Jinja template would run in the "
         "server; the model's template (or the server's --chat-template) applies"
     ),
-    "echo": "chat echo is not supported",
     "best_of": "best_of is not supported; use n",
     "stream_reasoning": "stream_reasoning false is not supported: reasoning is streamed as it comes",
     "return_hidden_states": "hidden states are not returned by this server",

@@ -201,7 +201,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     add_special_tokens = f.get_bool("add_special_tokens", True)
     request_id = read_request_id(f)
     truncation = read_truncation(f)
-    refuse_unserved(f, {k: v for k, v in REFUSED_OPENAI.items() if k != "echo"})
+    refuse_unserved(f, REFUSED_OPENAI)
     check_ignored(f)
     f.warn_unknown("/v1/completions")
     sampling = SamplingSpec.build(values, max_tokens, names, "prompt")

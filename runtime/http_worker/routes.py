@@ -104,16 +104,18 @@ async def chat_completions(worker, request: Request) -> Reply:
         if req.return_token_ids:  # vLLM's: the prompt's ids on the stream's first write
             head = with_field(head, "prompt_token_ids", ids)
         if output.plain:
+            if req.echo:
+                head += b"".join(stream.delta(i, req.echo) for i in range(len(group.states)))
             events = openai_events(worker, group, stream, req.n, extras, head)
         else:
-            events = chat_events(worker, group, stream, req.n, extras, head, output)
+            events = chat_events(worker, group, stream, req.n, extras, head, output, req.echo)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
     states = await finished(worker, request, group)
     body = chat_completion_body(
         request_id,
         created,
         worker.model.served_name,
-        choice_results(states),
+        choice_results(states, [req.echo] * len(states) if req.echo else None),
         req.n,
         vocab,
         output,
@@ -155,10 +157,20 @@ def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutp
 
 
 def chat_events(
-    worker, group: ReqGroup, stream: ChatStream, n: int, extras: ChunkExtras, head: bytes, output: ChatOutput
+    worker,
+    group: ReqGroup,
+    stream: ChatStream,
+    n: int,
+    extras: ChunkExtras,
+    head: bytes,
+    output: ChatOutput,
+    echo: str = "",
 ) -> AsyncIterator[bytes]:
-    """A chat stream whose text is parsed (reasoning, tool calls) into delta objects as it comes."""
+    """A chat stream whose text is parsed (reasoning, tool calls) into delta objects as it comes;
+    `echo` (vLLM's) starts each choice's text, parsed as the whole answer parses it."""
     parsers = [ChatDeltas(output) for _ in group.states]
+    if echo:
+        head += b"".join(stream.event(i, d) for i, parser in enumerate(parsers) for d in parser.feed(echo))
 
     def render(state: ReqState) -> bytes | None:
         events, finish = _render(state)

@@ -223,7 +223,14 @@ CHAT_ONLY = [
     ("modalities", "refused", ["text", "audio"], "text only (['text'] is accepted)", None, None),
     ("audio", "refused", {"voice": "x"}, "no audio output", None, None),
     ("web_search_options", "refused", {"search_context_size": "low"}, "web search is not supported", None, None),
-    ("echo", "refused", True, "chat echo is not supported", None, None),
+    (
+        "echo",
+        "served",
+        True,
+        "vLLM's: the final message's content starts each choice's when its role is the answer's",
+        lambda r: r[0].echo == "Hel",
+        {"messages": [*HI, {"role": "assistant", "content": "Hel"}]},
+    ),
     ("add_generation_prompt", "served", False, "the template's generation prompt is left out", None, None),
     ("continue_final_message", "served", True, "the final message is continued", None, None),
     ("add_special_tokens", "served", True, "the rendered text gets the tokenizer's special tokens", None, None),
@@ -365,6 +372,7 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
     (CHAT, "request_id"): lambda b: b["id"] == "chatcmpl-my-id",
     (COMPLETIONS, "request_id"): lambda b: b["id"] == "cmpl-my-id",
     (COMPLETIONS, "echo"): lambda b: b["choices"][0]["text"].startswith("Hi"),
+    (CHAT, "echo"): lambda b: b["choices"][0]["message"]["content"].startswith("Hel"),
     (CHAT, "truncate_prompt_tokens"): lambda b: b["usage"]["prompt_tokens"] == 1,
     (CHAT, "return_token_ids"): lambda b: len(b["choices"][0]["token_ids"]) == b["usage"]["completion_tokens"],
     (COMPLETIONS, "return_token_ids"): lambda b: (

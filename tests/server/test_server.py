@@ -105,6 +105,19 @@ def got(server, client, want):
         "chat_token_ids_stream": lambda: list(
             client.chat.completions.create(stream=True, extra_body={"return_token_ids": True}, **chat)
         ),
+        "chat_echo": lambda: [
+            (list if stream else lambda r: r)(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=[*CHAT, {"role": "assistant", "content": "The capital"}],
+                    max_tokens=4,
+                    temperature=0,
+                    stream=stream,
+                    extra_body={"echo": True, "continue_final_message": True},
+                )
+            )
+            for stream in (False, True)
+        ],
         "stop": lambda: client.completions.create(prompt=PROMPTS[0], stop=[stop, "never appears"], **completion),
         "stop_stream": lambda: list(client.completions.create(prompt=PROMPTS[0], stop=stop, stream=True, **completion)),
         "stop_min_tokens": lambda: client.completions.create(
@@ -242,6 +255,14 @@ def test_return_token_ids(got, want, tokenizer):
     assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
     ids = [t for c in stream if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
     assert ids == want["chat"].token_ids
+
+
+def test_chat_echo(got):
+    """vLLM's chat echo with a continued final message: the answer starts with that message."""
+    whole, chunks = got["chat_echo"]
+    text = whole.choices[0].message.content
+    assert text.startswith("The capital") and len(text) > len("The capital")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
 
 def test_stop_strings(got, want):
