@@ -128,8 +128,8 @@ def chat_logprobs(lp: TokenLogprobs, vocab: LogprobVocab) -> dict:
 def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int) -> tuple[dict, int]:
     """OpenAI completions' choice.logprobs, and where the next token's text starts: each
     token's offset is `text_offset` plus the characters of the tokens before it (by the
-    tokens' own texts, whatever text the stream has released so far). top_logprobs is null
-    when logprobs was 0."""
+    tokens' own texts, whatever text the stream has released so far). With logprobs 0 a
+    position's top_logprobs holds its own token alone, as vLLM answers."""
     ids, lps, top_ids, top_lps = lp.lists()
     text, chars = vocab.text, vocab.chars
     offsets = []
@@ -139,7 +139,7 @@ def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int
     top = (
         [{text[a]: y for a, y in zip(alt_ids, alt_lps)} for alt_ids, alt_lps in zip(top_ids, top_lps)]
         if lp.top_ids.shape[1]
-        else None
+        else [{text[t]: x} for t, x in zip(ids, lps)]
     )
     body = {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
     return body, text_offset

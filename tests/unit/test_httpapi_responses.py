@@ -117,7 +117,10 @@ def test_completion_without_alternatives_and_minus_infinity(vocab):
     lp = TokenLogprobs.of([42, 43], [-np.inf, -0.5])
     body = completion_body("cmpl-2", now(), MODEL, [ChoiceResult(0, "xy", "stop", Usage(1, 2), lp)], 1, vocab)
     logprobs = Completion.model_validate(orjson.loads(body)).choices[0].logprobs
-    assert logprobs.token_logprobs == [LOGPROB_FLOOR, -0.5] and logprobs.top_logprobs is None
+    assert logprobs.token_logprobs == [LOGPROB_FLOOR, -0.5]
+    # logprobs 0: each position's own token alone, as vLLM answers
+    assert [list(d.values()) for d in logprobs.top_logprobs] == [[LOGPROB_FLOOR], [-0.5]]
+    assert [list(d) for d in logprobs.top_logprobs] == [[t] for t in logprobs.tokens]
 
 
 def test_abort_finish_reason_reaches_the_client(vocab):
