@@ -233,5 +233,7 @@ def test_a_client_that_leaves_a_multi_prompt_request_has_its_work_aborted(server
     assert server.wait_until(lambda: engine_state(server)["running"] + engine_state(server)["queued"] == 0, 10)
     stopped = time.monotonic() - left
     generated = engine_state(server)["generated_tokens"] - start
-    assert generated < asked / 2, f"{generated} of {asked} tokens generated: the work ran to its end"
+    # the null model with n-gram drafting makes ~half of it in the second before the watch acts
+    # (the draft search in C made it faster): what a missed abort shows is all of it generated
+    assert generated < asked * 0.8, f"{generated} of {asked} tokens generated: the work ran to its end"
     assert stopped < 3, f"the work stopped {stopped:.1f} s after the client left"
