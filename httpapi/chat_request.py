@@ -307,7 +307,7 @@ def read_template_args(
         raise bad_request(
             'documents must be a list of objects of strings, like {"title": ..., "text": ...}', "documents"
         )
-    kwargs = _template_kwargs(f)
+    kwargs = template_kwargs(f)
     effort = f.get_str("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -317,7 +317,19 @@ def read_template_args(
         raise bad_request(f"documents must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "documents")
     if not (rich or tools or documents or kwargs or not add_generation_prompt or add_special_tokens):
         return None  # continue_final_message needs add_generation_prompt false: covered
-    template_tools = [
+    return ChatTemplateArgs(
+        add_generation_prompt,
+        continue_final_message,
+        template_tools(tools),
+        documents or None,
+        kwargs,
+        add_special_tokens,
+    )
+
+
+def template_tools(tools: tuple[Tool, ...]) -> list[dict] | None:
+    """The tools as HF chat templates read them (OpenAI's chat shape); None for none."""
+    return [
         {
             "type": "function",
             "function": {
@@ -327,18 +339,10 @@ def read_template_args(
             },
         }
         for t in tools
-    ]
-    return ChatTemplateArgs(
-        add_generation_prompt,
-        continue_final_message,
-        template_tools or None,
-        documents or None,
-        kwargs,
-        add_special_tokens,
-    )
+    ] or None
 
 
-def _template_kwargs(f: Fields) -> dict[str, Any]:
+def template_kwargs(f: Fields) -> dict[str, Any]:
     """chat_template_kwargs: variables for the template, bounded; none may be one of the call's
     own arguments (each has its field)."""
     kwargs = f.get_object("chat_template_kwargs")

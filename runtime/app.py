@@ -8,6 +8,9 @@ sets them from its flags).
 """
 
 from runtime.http_worker.asgi import App
+from runtime.http_worker.responses_routes import RESPONSE_ITEM_ROUTES, RESPONSES_PATH, RESPONSES_ROUTES
 from runtime.http_worker.routes import ROUTES, retrieve_model
 
-app = App(ROUTES, model_card=retrieve_model)
+app = App(
+    {**ROUTES, **RESPONSES_ROUTES}, model_card=retrieve_model, prefixes={RESPONSES_PATH + "/": RESPONSE_ITEM_ROUTES}
+)

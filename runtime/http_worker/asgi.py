@@ -266,11 +266,18 @@ class App:
     like this: docs/perf-notes.md). Nothing of it is needed: api_route turns every error into
     its response, and unknown paths and methods are answered here, in OpenAI's error format."""
 
-    def __init__(self, routes: dict[str, dict[str, Handler]], model_card: Handler) -> None:
-        """model_card: the route of GET /v1/models/<the served model's name>."""
+    def __init__(
+        self,
+        routes: dict[str, dict[str, Handler]],
+        model_card: Handler,
+        prefixes: dict[str, dict[str, Handler]] | None = None,
+    ) -> None:
+        """model_card: the route of GET /v1/models/<the served model's name>; prefixes: routes of
+        the paths under a prefix (/v1/responses/<id>...), looked up when no path matches whole."""
         self.routes: dict[str, dict[str, Handler]] = {}
         for path, methods in routes.items():
             self.add_route(path, methods)
+        self.prefixes = prefixes or {}
         self.model_card = model_card
         self.worker: HTTPWorkerProcess | None = None
         self.body_reads = BodyReads()
@@ -293,6 +300,8 @@ class App:
                     preflight = value
             cors = self.cors  # answers requests that carry an Origin
             methods = self.routes.get(scope["path"])
+            if methods is None and self.prefixes:
+                methods = next((m for p, m in self.prefixes.items() if scope["path"].startswith(p)), None)
             handler = None if methods is None else methods.get(scope["method"])
             if request_id is not None:
                 request_id = self._request_id(scope, request_id)

@@ -26,6 +26,7 @@ from runtime.http_worker.grammar_checks import GrammarChecks
 from runtime.http_worker.metrics import WorkerMetrics
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.request_log import RequestLog
+from runtime.http_worker.response_store import ResponseStore
 from runtime.supervise.files import ServerFiles
 from runtime.supervise.healer import EngineHealer
 from runtime.supervise.launcher import EngineLink
@@ -110,6 +111,8 @@ class HTTPWorkerProcess:
         self.beat = WorkerBeat(files.worker_lock(link.worker), args.worker_stall_timeout, granian_replaces_workers())
         self.watches = DisconnectWatches()
         self.grammar_checks = GrammarChecks(args.grammar_backend, args.constrained_json_any_whitespace)
+        self.responses = ResponseStore(files.responses)
+        self.background: set[asyncio.Task] = set()  # background responses running in this worker
         self.text_ch, self.waker = link.text_ch, link.waker
         self._io: list[asyncio.Task] = []  # the reader and the outbox, on the engine's channels
         self._tasks: list[asyncio.Task] = []  # timeouts, metrics flushing, disconnect watches
@@ -141,6 +144,10 @@ class HTTPWorkerProcess:
         if self.stats is not None:
             self.stats.close()
         self.grammar_checks.close()
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        self.responses.close()
         self.link.close(self.files)
 
     # ---------------------------------------------------------------- the rings

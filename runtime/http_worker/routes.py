@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
-from httpapi.chat_request import ChatCompletionRequest, parse_chat_completion
+from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import bad_request, engine_unavailable
 from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
 from httpapi.requests import (
@@ -63,7 +63,7 @@ from runtime.http_worker.process_memory import server_processes
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.streaming import EventStream, sse_events
 from structured.tool_parsers import PARSERS, make_parser
-from structured.tools import HERMES_TEMPLATE
+from structured.tools import HERMES_TEMPLATE, Tool, ToolChoice
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -93,7 +93,15 @@ async def chat_completions(worker, request: Request) -> Reply:
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
     request_id, created = response_id("chatcmpl", client_request_id(request, req.request_id)), now()
-    output = chat_output(worker, req, request_id)
+    output = chat_output(
+        worker,
+        request_id,
+        req.tools,
+        req.tool_choice,
+        None if req.parallel_tool_calls else 1,
+        req.include_reasoning,
+        req.separate_reasoning,
+    )
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     group.grammar_param = req.sampling.grammar_param
     vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
@@ -124,10 +132,18 @@ async def chat_completions(worker, request: Request) -> Reply:
     return json_response(body)
 
 
-def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutput:
-    """How the request's choices are read (reasoning, tool calls); 400 when its tools cannot
-    be served: the chat template does not render them, or no parser reads "auto" calls."""
-    tools, choice = req.tools, req.tool_choice
+def chat_output(
+    worker,
+    request_id: str,
+    tools: tuple[Tool, ...],
+    choice: ToolChoice,
+    max_calls: int | None,
+    include_reasoning: bool = True,
+    separate_reasoning: bool = True,
+) -> ChatOutput:
+    """How a chat request's choices are read (reasoning, tool calls; the Responses API's too);
+    400 when its tools cannot be served: the chat template does not render them, or no parser
+    reads "auto" calls."""
     if tools and choice.mode != "none" and not worker.template_renders_tools:
         raise bad_request(
             "tools: this model's chat template does not render tools; start the server with a --chat-template "
@@ -147,12 +163,12 @@ def chat_output(worker, req: ChatCompletionRequest, request_id: str) -> ChatOutp
     forced = choice if choice.mode in ("required", "function") else None
     return ChatOutput(
         request_id,
-        reasoning=worker.reasoning if req.separate_reasoning else None,
+        reasoning=worker.reasoning if separate_reasoning else None,
         tool_parser=parser,
         tools=tools,
         forced=forced,
-        max_calls=None if req.parallel_tool_calls else 1,
-        include_reasoning=req.include_reasoning,
+        max_calls=max_calls,
+        include_reasoning=include_reasoning,
     )
 
 

@@ -9,6 +9,7 @@ keyed by the pid of granian's main process:
     engine-<pid>.stats           the scheduler's published stats (runtime/engine_stats.py)
     engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
     engine-<pid>.metrics/        prometheus_client's multiprocess files
+    engine-<pid>.responses       the Responses API's stored responses (SQLite; runtime/http_worker/response_store.py)
 
 The directory is this user's alone, yet its names are parsed as strictly as /dev/shm's
 (ipc/shm.py): a name that does not parse, or is not a regular file of this user where one is
@@ -114,6 +115,10 @@ class ServerFiles:
     @property
     def stats(self) -> Path:
         return self._path("stats")
+
+    @property
+    def responses(self) -> Path:
+        return self._path("responses")
 
     @property
     def metrics_dir(self) -> Path:

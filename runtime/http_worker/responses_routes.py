@@ -1,0 +1,265 @@
+"""OpenAI's Responses API: POST /v1/responses (whole, streamed or in the background), and a
+stored response's GET, DELETE, POST .../cancel and GET .../input_items.
+
+A response runs as a chat request does (the same template, sampling, grammars, tool-call and
+reasoning parsers: routes.chat_output); what differs is its input (items, instructions, a
+stored conversation it continues) and its output (items and typed events:
+httpapi/responses_output.py). Stored responses live in the server's ResponseStore, which
+every worker shares."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from urllib.parse import parse_qs
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from httpapi.chat_output import ChatDeltas, ChatOutput
+from httpapi.errors import APIError, bad_request
+from httpapi.info import check_model
+from httpapi.responses import new_request_id, usage_of
+from httpapi.responses_output import (
+    ResponseEvents,
+    ResponseHead,
+    ResponseUsage,
+    output_items,
+    response_logprobs,
+    status_of,
+)
+from httpapi.responses_request import chat_messages, parse_responses_create, template_args
+from httpapi.sampling import check_request_size
+from runtime.http_worker.asgi import Handler, Reply, api_route, client_request_id, json_response, read_body
+from runtime.http_worker.req_state import ReqGroup, ReqState
+from runtime.http_worker.response_store import RUNNING, StoredResponse
+from runtime.http_worker.routes import chat_output, finished
+from runtime.http_worker.streaming import EventStream, sse_events
+
+logger = logging.getLogger("ringserve.responses")
+
+RESPONSES_PATH = "/v1/responses"
+MAX_LISTED_ITEMS = 100  # input_items' limit, as OpenAI's
+
+
+class Prepared:
+    """A response about to run: its head (id, echoed fields), the conversation it answers and
+    how its text is read."""
+
+    def __init__(self, head: ResponseHead, history: list[dict], output: ChatOutput, vocab) -> None:
+        self.head, self.history, self.output, self.vocab = head, history, output, vocab
+
+
+@api_route
+async def create_response(worker, request: Request) -> Reply:
+    req = parse_responses_create(await read_body(request))
+    check_model(req.model, worker.served_names)
+    await worker.grammar_checks.check([req.sampling])
+    history = req.items
+    if req.previous_response_id is not None:
+        previous = worker.responses.get(req.previous_response_id)
+        if previous is None:
+            raise not_found(req.previous_response_id, "previous_response_id")
+        history = previous.conversation + req.items
+    messages, rich = chat_messages(req.instructions, history)
+    try:
+        ids = await worker.tm.chat_ids(messages, template_args(req.tools, req.chat_template_kwargs, rich))
+    except APIError as err:  # the chat's checks name its messages: here they are the input
+        if err.param == "messages":
+            err.param, err.message = "input", err.message.replace("messages", "input")
+        raise
+    params = worker.sampling_params(req.sampling, ids)
+    check_request_size([len(ids)], [params], 1, "input", max_tokens=worker.kv_tokens)
+    response_id = "resp_" + (client_request_id(request, req.request_id) or new_request_id("x")[2:])
+    echo = {**req.echo, "temperature": params.temperature, "top_p": params.top_p}
+    echo["max_output_tokens"] = req.sampling.max_tokens
+    head = ResponseHead(response_id, worker.model.served_name, echo)
+    max_calls = 1 if not req.parallel_tool_calls else req.max_tool_calls
+    output = chat_output(worker, response_id, req.tools, req.tool_choice, max_calls)
+    run = Prepared(head, history, output, worker.vocab if req.include_logprobs else None)
+    group = await worker.submit("responses", [ids], [params], 1, [response_id], req.stream)
+    group.grammar_param = req.sampling.grammar_param
+    if req.background:
+        queued = head.response("queued", [])
+        worker.responses.put(queued, history, background=True)
+        task = asyncio.create_task(run_in_background(worker, group, run), name=f"response-{response_id}")
+        worker.background.add(task)
+        task.add_done_callback(worker.background.discard)
+        return json_response(orjson.dumps(queued))
+    if req.stream:
+        events = ResponseEvents(head, run.vocab, req.include_logprobs)
+        return EventStream(
+            response_events(worker, group, run, events, req.store), lambda: worker.tm.abort(group), worker.watches
+        )
+    states = await finished(worker, request, group)
+    response = whole_response(worker, states[0], run)
+    if req.store:
+        worker.responses.put(response, history, background=False)
+    return json_response(orjson.dumps(response))
+
+
+def whole_response(worker, state: ReqState, run: Prepared) -> dict:
+    """A finished response's object, from its one choice."""
+    text, lp, finish = state.take()
+    items, reasoning = output_items(run.head, text, finish, run.output, response_logprobs(lp, run.vocab))
+    status, reason = status_of(finish)
+    return run.head.response(status, items, response_usage(worker, state, reasoning), reason)
+
+
+def response_usage(worker, state: ReqState, reasoning: str) -> ResponseUsage:
+    """Its usage; reasoning_tokens counts the reasoning's text as the tokenizer splits it."""
+    usage = usage_of(state)
+    reasoning_tokens = len(worker.tm.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    return ResponseUsage(
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+        min(reasoning_tokens, usage.completion_tokens),
+    )
+
+
+def response_events(worker, group: ReqGroup, run: Prepared, events: ResponseEvents, store: bool):
+    """The stream: response.created and .in_progress, each item's events as its text comes,
+    then response.completed (or .incomplete, .failed) with the whole response, which is stored."""
+    deltas = ChatDeltas(run.output)
+    finish_reason: str | None = None
+
+    def render(state: ReqState) -> bytes | None:
+        nonlocal finish_reason
+        text, lp, finish = state.take()
+        out = deltas.feed(text) if text else []
+        if finish is not None:
+            tail, _ = deltas.finish(finish)
+            out += tail
+            finish_reason = finish
+        return events.feed(out, lp) or None
+
+    def tail() -> bytes:
+        state = group.states[0]
+        last, response = events.finish(finish_reason, response_usage(worker, state, events.reasoning))
+        if store:
+            worker.responses.put(response, run.history, background=False)
+        return last
+
+    return sse_events(worker, group, render, events.start(), tail)
+
+
+async def run_in_background(worker, group: ReqGroup, run: Prepared) -> None:
+    """A background response: stored as in_progress, then as it ended, unless it was cancelled
+    (through any worker) meanwhile."""
+    store, head = worker.responses, run.head
+    store.update_running(head.response("in_progress", []))
+    try:
+        states = await group.finished()
+        response = whole_response(worker, states[0], run)
+    except APIError as err:
+        response = head.response("failed", [], error=err)
+    except Exception as err:  # a bug: the response says it failed rather than staying in progress
+        logger.exception("background response %s failed", head.id)
+        response = head.response("failed", [], error=APIError(500, repr(err), code="internal_error"))
+    finally:
+        worker.observe(group)
+    if response["status"] == "cancelled":  # aborted: /v1/responses/{id}/cancel marked it already
+        return
+    store.update_running(response)
+
+
+# ---------------------------------------------------------------- stored responses
+
+
+def not_found(response_id: str, param: str = "response_id") -> APIError:
+    return APIError(404, f"Response with id '{response_id[:80]}' not found.", param)
+
+
+def _target(request: Request) -> tuple[str, str]:
+    """(the response id, what follows it: "", "cancel" or "input_items") of /v1/responses/<id>[/<what>]."""
+    rest = request.url.path[len(RESPONSES_PATH) + 1 :]
+    response_id, _, what = rest.partition("/")
+    if not response_id:
+        raise APIError(404, f"{request.method} {request.url.path}: Not Found")
+    return response_id, what
+
+
+def _stored(worker, response_id: str) -> StoredResponse:
+    stored = worker.responses.get(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return stored
+
+
+@api_route
+async def get_response(worker, request: Request) -> Response:
+    response_id, what = _target(request)
+    if what == "":
+        query = parse_qs(request.url.query)
+        if query.get("stream", ["false"])[0] == "true":
+            raise bad_request("stream: resuming a response's stream is not supported; retrieve it whole", "stream")
+        return json_response(orjson.dumps(_stored(worker, response_id).response))
+    if what == "input_items":
+        return json_response(orjson.dumps(input_items(_stored(worker, response_id), request)))
+    raise APIError(404, f"GET {request.url.path}: Not Found")
+
+
+def input_items(stored: StoredResponse, request: Request) -> dict:
+    """OpenAI's list of a response's input items (newest first unless order=asc), paged by
+    limit (1-100, default 20) and after (an item id)."""
+    query = parse_qs(request.url.query)
+    order = query.get("order", ["desc"])[0]
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', not {order[:20]!r}", "order")
+    try:
+        limit = int(query.get("limit", ["20"])[0])
+    except ValueError:
+        raise bad_request("limit must be an integer", "limit") from None
+    if not 1 <= limit <= MAX_LISTED_ITEMS:
+        raise bad_request(f"limit must be between 1 and {MAX_LISTED_ITEMS}", "limit")
+    items = stored.history if order == "asc" else stored.history[::-1]
+    after = query.get("after", [None])[0]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise bad_request(f"after: no input item {after[:80]!r} in this response", "after")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+@api_route
+async def delete_response(worker, request: Request) -> Response:
+    response_id, what = _target(request)
+    if what:
+        raise APIError(404, f"DELETE {request.url.path}: Not Found")
+    stored = _stored(worker, response_id)
+    if stored.status in RUNNING:
+        worker.tm.abort_rid(response_id)
+    worker.responses.delete(response_id)
+    return json_response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}))
+
+
+@api_route
+async def cancel_response(worker, request: Request) -> Response:
+    """Cancels a background response that is still running (through whichever worker runs it:
+    its rid is aborted server-wide); one that ended is returned as it is."""
+    response_id, what = _target(request)
+    if what != "cancel":
+        raise APIError(404, f"POST {request.url.path}: Not Found")
+    stored = worker.responses.cancel(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    if not stored.background:
+        raise bad_request("Cannot cancel a synchronous response.", "response_id")
+    if stored.status == "cancelled":
+        worker.tm.abort_rid(response_id)
+    return json_response(orjson.dumps(stored.response))
+
+
+RESPONSES_ROUTES: dict[str, dict[str, Handler]] = {RESPONSES_PATH: {"POST": create_response}}
+# /v1/responses/<id>[/cancel | /input_items]
+RESPONSE_ITEM_ROUTES: dict[str, Handler] = {"GET": get_response, "DELETE": delete_response, "POST": cancel_response}
