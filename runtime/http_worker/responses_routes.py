@@ -33,7 +33,7 @@ from httpapi.responses_request import chat_messages, parse_responses_create, tem
 from httpapi.sampling import check_request_size
 from runtime.http_worker.asgi import Handler, Reply, api_route, client_request_id, json_response, read_body
 from runtime.http_worker.req_state import ReqGroup, ReqState
-from runtime.http_worker.response_store import RUNNING, StoredResponse
+from runtime.http_worker.response_store import RUNNING, StoredResponse, owner_of
 from runtime.http_worker.routes import chat_output, finished
 from runtime.http_worker.streaming import EventStream, sse_events
 
@@ -47,8 +47,8 @@ class Prepared:
     """A response about to run: its head (id, echoed fields), the conversation it answers and
     how its text is read."""
 
-    def __init__(self, head: ResponseHead, history: list[dict], output: ChatOutput, vocab) -> None:
-        self.head, self.history, self.output, self.vocab = head, history, output, vocab
+    def __init__(self, head: ResponseHead, history: list[dict], output: ChatOutput, vocab, owner: bytes) -> None:
+        self.head, self.history, self.output, self.vocab, self.owner = head, history, output, vocab, owner
 
 
 @api_route
@@ -56,9 +56,9 @@ async def create_response(worker, request: Request) -> Reply:
     req = parse_responses_create(await read_body(request))
     check_model(req.model, worker.served_names)
     await worker.grammar_checks.check([req.sampling])
-    history = req.items
+    history, owner = req.items, owner_of(request.headers.get("authorization"))
     if req.previous_response_id is not None:
-        previous = worker.responses.get(req.previous_response_id)
+        previous = worker.responses.get(req.previous_response_id, owner)
         if previous is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = previous.conversation + req.items
@@ -77,12 +77,12 @@ async def create_response(worker, request: Request) -> Reply:
     head = ResponseHead(response_id, worker.model.served_name, echo)
     max_calls = 1 if not req.parallel_tool_calls else req.max_tool_calls
     output = chat_output(worker, response_id, req.tools, req.tool_choice, max_calls)
-    run = Prepared(head, history, output, worker.vocab if req.include_logprobs else None)
+    run = Prepared(head, history, output, worker.vocab if req.include_logprobs else None, owner)
     group = await worker.submit("responses", [ids], [params], 1, [response_id], req.stream)
     group.grammar_param = req.sampling.grammar_param
     if req.background:
         queued = head.response("queued", [])
-        worker.responses.put(queued, history, background=True)
+        worker.responses.put(queued, history, True, owner)
         task = asyncio.create_task(run_in_background(worker, group, run), name=f"response-{response_id}")
         worker.background.add(task)
         task.add_done_callback(worker.background.discard)
@@ -95,7 +95,7 @@ async def create_response(worker, request: Request) -> Reply:
     states = await finished(worker, request, group)
     response = whole_response(worker, states[0], run)
     if req.store:
-        worker.responses.put(response, history, background=False)
+        worker.responses.put(response, history, False, owner)
     return json_response(orjson.dumps(response))
 
 
@@ -139,7 +139,7 @@ def response_events(worker, group: ReqGroup, run: Prepared, events: ResponseEven
         state = group.states[0]
         last, response = events.finish(finish_reason, response_usage(worker, state, events.reasoning))
         if store:
-            worker.responses.put(response, run.history, background=False)
+            worker.responses.put(response, run.history, False, run.owner)
         return last
 
     return sse_events(worker, group, render, events.start(), tail)
@@ -149,7 +149,7 @@ async def run_in_background(worker, group: ReqGroup, run: Prepared) -> None:
     """A background response: stored as in_progress, then as it ended, unless it was cancelled
     (through any worker) meanwhile."""
     store, head = worker.responses, run.head
-    store.update_running(head.response("in_progress", []))
+    store.update_running(head.response("in_progress", []), run.owner)
     try:
         states = await group.finished()
         response = whole_response(worker, states[0], run)
@@ -162,7 +162,7 @@ async def run_in_background(worker, group: ReqGroup, run: Prepared) -> None:
         worker.observe(group)
     if response["status"] == "cancelled":  # aborted: /v1/responses/{id}/cancel marked it already
         return
-    store.update_running(response)
+    store.update_running(response, run.owner)
 
 
 # ---------------------------------------------------------------- stored responses
@@ -181,8 +181,8 @@ def _target(request: Request) -> tuple[str, str]:
     return response_id, what
 
 
-def _stored(worker, response_id: str) -> StoredResponse:
-    stored = worker.responses.get(response_id)
+def _stored(worker, request: Request, response_id: str) -> StoredResponse:
+    stored = worker.responses.get(response_id, owner_of(request.headers.get("authorization")))
     if stored is None:
         raise not_found(response_id)
     return stored
@@ -195,9 +195,9 @@ async def get_response(worker, request: Request) -> Response:
         query = parse_qs(request.url.query)
         if query.get("stream", ["false"])[0] == "true":
             raise bad_request("stream: resuming a response's stream is not supported; retrieve it whole", "stream")
-        return json_response(orjson.dumps(_stored(worker, response_id).response))
+        return json_response(orjson.dumps(_stored(worker, request, response_id).response))
     if what == "input_items":
-        return json_response(orjson.dumps(input_items(_stored(worker, response_id), request)))
+        return json_response(orjson.dumps(input_items(_stored(worker, request, response_id), request)))
     raise APIError(404, f"GET {request.url.path}: Not Found")
 
 
@@ -236,10 +236,10 @@ async def delete_response(worker, request: Request) -> Response:
     response_id, what = _target(request)
     if what:
         raise APIError(404, f"DELETE {request.url.path}: Not Found")
-    stored = _stored(worker, response_id)
+    stored = _stored(worker, request, response_id)
     if stored.status in RUNNING:
         worker.tm.abort_rid(response_id)
-    worker.responses.delete(response_id)
+    worker.responses.delete(response_id, owner_of(request.headers.get("authorization")))
     return json_response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}))
 
 
@@ -250,7 +250,7 @@ async def cancel_response(worker, request: Request) -> Response:
     response_id, what = _target(request)
     if what != "cancel":
         raise APIError(404, f"POST {request.url.path}: Not Found")
-    stored = worker.responses.cancel(response_id)
+    stored = worker.responses.cancel(response_id, owner_of(request.headers.get("authorization")))
     if stored is None:
         raise not_found(response_id)
     if not stored.background:

@@ -54,10 +54,11 @@ def create(client, **fields):
 
 
 def by_worker(server) -> dict[str, httpx.Client]:
-    """A keep-alive connection held by each worker (x-ringserve-worker names it)."""
+    """A keep-alive connection held by each worker (x-ringserve-worker names it), with the
+    openai client's credential (a stored response is its maker's)."""
     held: dict[str, httpx.Client] = {}
     for _ in range(64):
-        http = httpx.Client(base_url=server.url(""), timeout=60)
+        http = httpx.Client(base_url=server.url(""), timeout=60, headers={"authorization": "Bearer none"})
         worker = http.get("/v1/models").headers["x-ringserve-worker"]
         if worker in held:
             http.close()
@@ -112,6 +113,8 @@ def test_a_stored_response_is_found_through_either_worker(server, client):
     for http in workers.values():
         got = http.get(f"/v1/responses/{first.id}")
         assert got.status_code == 200 and got.json()["output"] == output
+    with pytest.raises(openai.NotFoundError):  # another credential's request finds nothing
+        server.openai_client(api_key="another-key").responses.retrieve(first.id)
     # previous_response_id continues the conversation as the explicit conversation would
     follow = "And three more?"
     chained = create(client, input=follow, previous_response_id=first.id, instructions="Answer briefly.")

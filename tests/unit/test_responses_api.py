@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import orjson
 import pytest
@@ -15,7 +16,7 @@ from httpapi.chat_output import ChatDeltas, ChatOutput
 from httpapi.errors import APIError
 from httpapi.responses_output import ResponseEvents, ResponseHead, ResponseUsage, output_items
 from httpapi.responses_request import chat_messages, parse_responses_create
-from runtime.http_worker.response_store import ResponseStore
+from runtime.http_worker.response_store import ResponseStore, owner_of
 from structured.reasoning import make_reasoning_parser
 from structured.tool_parsers import make_parser
 from structured.tools import parse_tool_choice, parse_tools
@@ -259,23 +260,49 @@ def response(response_id: str, status: str = "completed") -> dict:
     return {"id": response_id, "status": status, "output": [{"type": "message", "id": "m_" + response_id}]}
 
 
+A, B = owner_of("Bearer key-a"), owner_of("Bearer key-b")
+
+
 def test_two_workers_share_the_store(tmp_path):
     one, two = ResponseStore(tmp_path / "r.db"), ResponseStore(tmp_path / "r.db")
-    one.put(response("resp_a"), [{"id": "in_a"}], background=False)
-    got = two.get("resp_a")
+    one.put(response("resp_a"), [{"id": "in_a"}], False, A)
+    got = two.get("resp_a", A)
     assert got is not None and got.conversation == [{"id": "in_a"}, {"type": "message", "id": "m_resp_a"}]
-    one.put(response("resp_b", "queued"), [], background=True)
-    assert two.cancel("resp_b").status == "cancelled"
-    assert not one.update_running(response("resp_b"))  # the runner's end does not undo a cancel
-    assert one.get("resp_b").status == "cancelled"
-    assert two.cancel("resp_a").status == "completed"  # a synchronous one is returned as it is
-    assert one.delete("resp_a") and two.get("resp_a") is None and not two.delete("resp_a")
+    one.put(response("resp_b", "queued"), [], True, A)
+    assert two.cancel("resp_b", A).status == "cancelled"
+    assert not one.update_running(response("resp_b"), A)  # the runner's end does not undo a cancel
+    assert one.get("resp_b", A).status == "cancelled"
+    assert two.cancel("resp_a", A).status == "completed"  # a synchronous one is returned as it is
+    assert one.delete("resp_a", A) and two.get("resp_a", A) is None and not two.delete("resp_a", A)
     one.close(), two.close()
 
 
-def test_the_store_keeps_the_newest(tmp_path):
-    store = ResponseStore(tmp_path / "r.db", max_responses=3)
-    for i in range(5):
-        store.put(response(f"resp_{i}"), [], background=False)
-    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+def test_another_key_finds_nothing_and_replaces_nothing(tmp_path):
+    store = ResponseStore(tmp_path / "r.db")
+    store.put(response("resp_a", "queued"), [{"id": "a's input"}], True, A)
+    assert store.get("resp_a", B) is None and store.cancel("resp_a", B) is None and not store.delete("resp_a", B)
+    assert not store.update_running(response("resp_a"), B)
+    store.put(response("resp_a"), [{"id": "b's input"}], False, B)  # the same id, B's own client request id
+    assert store.get("resp_a", A).history == [{"id": "a's input"}] and store.get("resp_a", A).status == "queued"
+    assert store.get("resp_a", B).history == [{"id": "b's input"}]
+    assert owner_of(None) != A and len(A) == 16  # a digest: the store holds no key
     store.close()
+
+
+def test_the_least_recently_used_go_first_over_any_bound(tmp_path):
+    store = ResponseStore(tmp_path / "r.db", max_responses=3)
+    for i in range(3):
+        store.put(response(f"resp_{i}"), [], False, A)
+    store.get("resp_0", A)  # read: now the most recently used
+    store.put(response("resp_3"), [], False, A)
+    assert [store.get(f"resp_{i}", A) is not None for i in range(4)] == [True, False, True, True]
+    big = ResponseStore(tmp_path / "big.db", max_bytes=2000)  # two of the four below
+    for i in range(4):
+        big.put(response(f"resp_{i}"), [{"text": "x" * 900}], False, A)
+    assert [big.get(f"resp_{i}", A) is not None for i in range(4)] == [False, False, True, True]
+    old = ResponseStore(tmp_path / "old.db", max_age_s=0.2)
+    old.put(response("resp_old"), [], False, A)
+    time.sleep(0.3)
+    assert old.get("resp_old", A) is None
+    for s in (store, big, old):
+        s.close()
