@@ -44,17 +44,7 @@ def read_grammar(f: Fields, names: dict[str, str], forced: str | None = None) ->
     if forced is not None:
         candidates.append(("tools", GrammarKind.JSON_SCHEMA, lambda: json_schema_text(forced)))
     candidates += _response_format(f)
-    so = f.get_object("structured_outputs")
-    if so is not None:
-        candidates += _guided(so, ("json", "regex", "choice", "grammar", "structural_tag"))
-        if so.get_bool("json_object", False):
-            candidates.append((so.param("json_object"), GrammarKind.JSON_SCHEMA, lambda: JSON_OBJECT_SCHEMA))
-        if so.get_bool("disable_any_whitespace", False):
-            names["compact_json"] = so.param("disable_any_whitespace")
-        so.get_bool("disable_additional_properties", False)  # xgrammar's strict mode refuses them already
-        so.get_bool("disable_fallback", False)  # one backend: nothing to fall back to
-        refuse_unserved(so, {"whitespace_pattern": REFUSED_OPENAI["guided_whitespace_pattern"]})
-        so.warn_unknown("structured_outputs")
+    candidates += structured_outputs(f, names)
     candidates += _guided(f, ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag"))
     candidates += [  # SGLang's, on its OpenAI routes as in /generate's sampling_params
         (f.param(key), kind, lambda read=read, value=value: read(value))
@@ -69,6 +59,23 @@ def read_grammar(f: Fields, names: dict[str, str], forced: str | None = None) ->
             "guided_decoding_backend",
         )
     return one_grammar(candidates, names)
+
+
+def structured_outputs(f: Fields, names: dict[str, str]) -> list[tuple[str, GrammarKind, Any]]:
+    """vLLM's structured_outputs object (chat, completions and the Responses API take it)."""
+    so = f.get_object("structured_outputs")
+    if so is None:
+        return []
+    candidates = _guided(so, ("json", "regex", "choice", "grammar", "structural_tag"))
+    if so.get_bool("json_object", False):
+        candidates.append((so.param("json_object"), GrammarKind.JSON_SCHEMA, lambda: JSON_OBJECT_SCHEMA))
+    if so.get_bool("disable_any_whitespace", False):
+        names["compact_json"] = so.param("disable_any_whitespace")
+    so.get_bool("disable_additional_properties", False)  # xgrammar's strict mode refuses them already
+    so.get_bool("disable_fallback", False)  # one backend: nothing to fall back to
+    refuse_unserved(so, {"whitespace_pattern": REFUSED_OPENAI["guided_whitespace_pattern"]})
+    so.warn_unknown("structured_outputs")
+    return candidates
 
 
 def _guided(f: Fields, keys: tuple[str, ...]) -> list[tuple[str, GrammarKind, Any]]:

@@ -26,7 +26,7 @@ from httpapi.chat_request import (
 )
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
-from httpapi.grammar_fields import one_grammar
+from httpapi.grammar_fields import one_grammar, structured_outputs
 from httpapi.request_fields import REFUSED_OPENAI, check_ignored, read_request_id, refuse_unserved, shown
 from httpapi.responses import new_request_id
 from httpapi.sampling import SamplingSpec, read_sampling
@@ -55,6 +55,8 @@ REFUSED_RESPONSES = {
     "prompt_cache_options": "prompt_cache_options are not supported: the prefix cache is automatic",
     "prompt_cache_retention": "prompt_cache_retention is not supported: the prefix cache is automatic",
     "enable_response_messages": "enable_response_messages (raw prompt and output messages) is not supported",
+    "previous_input_messages": "previous_input_messages (Harmony messages) is not supported: "
+    "continue with previous_response_id, or send the conversation as input",
 }
 IGNORED_RESPONSES: dict[str, tuple[str, ...]] = {
     "str": ("user", "service_tier", "prompt_cache_key", "safety_identifier"),
@@ -127,6 +129,7 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         [
             *_forced(tools, tool_choice, parallel and max_tool_calls != 1),
             *(_text_format(text) if text is not None else []),
+            *structured_outputs(f, names),
         ],
         names,
     )

@@ -1,5 +1,6 @@
-"""Every request field of vLLM's ChatCompletionRequest and CompletionRequest (with OpenAI's
-own) and of SGLang's GenerateReqInput and SamplingParams, and what this server does with it:
+"""Every request field of vLLM's ChatCompletionRequest, CompletionRequest and ResponsesRequest
+(with OpenAI's own) and of SGLang's GenerateReqInput and SamplingParams, and what this server
+does with it:
 
     served   it changes the request as documented in `how`; the walk asserts the effect on
              the parsed request (`check`) and, where the server's response shows it, on the
@@ -24,9 +25,10 @@ import pytest
 from httpapi.chat_request import parse_chat_completion
 from httpapi.errors import APIError
 from httpapi.requests import parse_completion, parse_generate
+from httpapi.responses_request import parse_responses_create
 from protocol.sampling_params import GrammarKind
 
-CHAT, COMPLETIONS, GENERATE, SAMPLING = "chat", "completions", "generate", "sampling_params"
+CHAT, COMPLETIONS, GENERATE, SAMPLING, RESPONSES = "chat", "completions", "generate", "sampling_params", "responses"
 HI = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 STRUCTURAL_TAG = orjson.dumps(  # vLLM's legacy form (SGLang's too)
@@ -40,12 +42,13 @@ BASES = {
     CHAT: {"messages": HI, "max_tokens": 4},
     COMPLETIONS: {"prompt": "Hi", "max_tokens": 4},
     GENERATE: {"text": "Hi", "sampling_params": {"max_new_tokens": 4}},
+    RESPONSES: {"input": "Hi", "max_output_tokens": 4},
 }
 
 
 @dataclass(frozen=True)
 class F:
-    where: str  # CHAT, COMPLETIONS, GENERATE, or SAMPLING (/generate's sampling_params)
+    where: str  # CHAT, COMPLETIONS, GENERATE, RESPONSES, or SAMPLING (/generate's sampling_params)
     name: str
     verdict: str  # served | refused | ignored
     value: Any  # what the walk sends
@@ -351,6 +354,142 @@ SAMPLING_PARAMS = [
     ("sampling_seed", "served", 7, "SamplingParams.seed", p(seed=7), None),
 ]
 
+FLAT_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+WALKED_RESPONSE = "resp_walk"  # the walk stores it first: previous_response_id continues it
+RESPONSES_FIELDS = [  # OpenAI's ResponseCreateParams and vLLM's ResponsesRequest
+    ("model", "served", "SmolLM2-135M-Instruct", "checked against the served name (404 otherwise)", None, None),
+    ("input", "served", "Hi", "a user message, or items: messages, function calls and outputs, reasoning", None, None),
+    ("instructions", "served", "Be brief.", "a system message first", lambda r: r[0].instructions == "Be brief.", None),
+    ("max_output_tokens", "served", 3, "SamplingParams.max_new_tokens", p(max_new_tokens=3), None),
+    ("temperature", "served", 0.5, "SamplingParams.temperature", p(temperature=0.5), None),
+    ("top_p", "served", 0.5, "SamplingParams.top_p", p(top_p=0.5), None),
+    ("top_k", "served", 5, "vLLM's: SamplingParams.top_k", p(top_k=5), None),
+    ("repetition_penalty", "served", 1.1, "vLLM's", p(repetition_penalty=1.1), None),
+    ("seed", "served", 7, "vLLM's", p(seed=7), None),
+    ("stop", "served", ["zz"], "vLLM's", p(stop=("zz",)), None),
+    ("ignore_eos", "served", True, "vLLM's", p(ignore_eos=True), None),
+    ("logit_bias", "served", {"42": 5}, "vLLM's", p(logit_bias=((42, 5.0),)), None),
+    ("skip_special_tokens", "served", False, "vLLM's", p(skip_special_tokens=False), None),
+    ("include_stop_str_in_output", "served", True, "vLLM's", p(no_stop_trim=True), None),
+    ("tools", "served", [FLAT_TOOL], "flat function tools, as chat's", lambda r: len(r[0].tools) == 1, None),
+    (
+        "tool_choice",
+        "served",
+        "required",
+        "as chat's: a JSON_SCHEMA grammar of the calls",
+        grammar(GrammarKind.JSON_SCHEMA),
+        {"tools": [FLAT_TOOL]},
+    ),
+    ("parallel_tool_calls", "served", False, "one call at most", lambda r: not r[0].parallel_tool_calls, None),
+    ("max_tool_calls", "served", 2, "calls kept at most", lambda r: r[0].max_tool_calls == 2, None),
+    (
+        "text",
+        "served",
+        {"format": {"type": "json_object"}},
+        "text.format: a JSON_SCHEMA grammar",
+        grammar(GrammarKind.JSON_SCHEMA),
+        None,
+    ),
+    ("structured_outputs", "served", {"regex": "[a-z]+"}, "vLLM's: a grammar", grammar(GrammarKind.REGEX), None),
+    ("include", "served", ["message.output_text.logprobs"], "the output text's logprobs", p(logprobs=True), None),
+    (
+        "top_logprobs",
+        "served",
+        2,
+        "SamplingParams.top_logprobs",
+        p(top_logprobs=2),
+        {"include": ["message.output_text.logprobs"]},
+    ),
+    (
+        "reasoning",
+        "served",
+        {"effort": "low"},
+        "effort: the chat template's reasoning_effort",
+        lambda r: r[0].chat_template_kwargs == {"reasoning_effort": "low"},
+        None,
+    ),
+    (
+        "chat_template_kwargs",
+        "served",
+        {"enable_thinking": False},
+        "passed to the chat template",
+        lambda r: r[0].chat_template_kwargs == {"enable_thinking": False},
+        None,
+    ),
+    ("stream", "served", True, "OpenAI's typed SSE events", lambda r: r[0].stream, None),
+    (
+        "stream_options",
+        "served",
+        {"include_obfuscation": False},
+        "no obfuscation padding is ever sent",
+        None,
+        {"stream": True},
+    ),
+    (
+        "store",
+        "served",
+        False,
+        "kept for retrieval and previous_response_id (default true)",
+        lambda r: not r[0].store,
+        None,
+    ),
+    (
+        "previous_response_id",
+        "served",
+        WALKED_RESPONSE,
+        "continues a stored response",
+        lambda r: r[0].previous_response_id == WALKED_RESPONSE,
+        None,
+    ),
+    ("background", "served", True, "answered queued at once; runs and is stored", lambda r: r[0].background, None),
+    (
+        "metadata",
+        "served",
+        {"k": "v"},
+        "echoed (16 pairs at most)",
+        lambda r: r[0].echo["metadata"] == {"k": "v"},
+        None,
+    ),
+    (
+        "truncation",
+        "served",
+        "disabled",
+        '"disabled" only: "auto" is a 400 (an input over the context is one)',
+        None,
+        None,
+    ),
+    (
+        "request_id",
+        "served",
+        "my-id",
+        "vLLM's: the response's id is resp_<request_id>",
+        lambda r: r[0].request_id == "my-id",
+        None,
+    ),
+    ("user", "ignored", "u", "an end user's id for OpenAI's abuse checks", None, None),
+    ("safety_identifier", "ignored", "s", "an end user's id for OpenAI's abuse checks", None, None),
+    ("service_tier", "ignored", "auto", "one tier; vLLM ignores it too", None, None),
+    ("prompt_cache_key", "ignored", "k", "the prefix cache is automatic; vLLM ignores it too", None, None),
+    ("conversation", "refused", "conv_1", "no conversations API: previous_response_id continues one", None, None),
+    ("prompt", "refused", {"id": "pmpt_1"}, "no stored prompt templates", None, None),
+    ("context_management", "refused", [{"type": "compaction"}], "no compaction", None, None),
+    ("background_options", "refused", {"a": 1}, "not served", None, None),
+    ("moderation", "refused", {"a": 1}, "no moderation", None, None),
+    ("image", "refused", {"a": 1}, "text only", None, None),
+    ("access_programs", "refused", ["p"], "not served", None, None),
+    ("prompt_cache_options", "refused", {"a": 1}, "the prefix cache is automatic", None, None),
+    ("prompt_cache_retention", "refused", "24h", "the prefix cache is automatic", None, None),
+    ("enable_response_messages", "refused", True, "vLLM's raw messages: not served", None, None),
+    ("previous_input_messages", "refused", [HI[0]], "vLLM's Harmony messages: not served", None, None),
+    ("media_io_kwargs", "refused", {"image": {}}, "text only", None, None),
+    ("mm_processor_kwargs", "refused", {"a": 1}, "text only", None, None),
+    ("priority", "refused", 1, "no priority scheduling", None, None),
+    ("cache_salt", "refused", "salt", "one prefix cache for all requests", None, None),
+    ("kv_transfer_params", "refused", {"a": 1}, "no disaggregated serving", None, None),
+    ("vllm_xargs", "refused", {"a": 1}, "no custom extensions", None, None),
+    ("thinking_token_budget", "refused", 10, "not served yet", None, None),
+]
+
 
 def _fields(where: str, rows: list[tuple]) -> list[F]:
     return [F(where, name, verdict, value, how, check, extra) for name, verdict, value, how, check, extra in rows]
@@ -361,6 +500,7 @@ FIELDS: list[F] = (
     + _fields(COMPLETIONS, OPENAI_COMMON + COMPLETIONS_ONLY)
     + _fields(GENERATE, GENERATE_TOP)
     + _fields(SAMPLING, SAMPLING_PARAMS)
+    + _fields(RESPONSES, RESPONSES_FIELDS)
 )
 # Responses the server's output shows (beyond a 200): field -> check of the JSON body
 ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
@@ -390,8 +530,19 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
     (COMPLETIONS, "regex"): lambda b: text_of(b).isalpha() and text_of(b).islower(),
     (CHAT, "ebnf"): lambda b: text_of(b) == "a",
     (SAMPLING, "regex"): lambda b: text_of(b).isalpha() and text_of(b).islower(),
+    (RESPONSES, "max_output_tokens"): lambda b: b["usage"]["output_tokens"] == 3,
+    (RESPONSES, "request_id"): lambda b: b["id"] == "resp_my-id",
+    (RESPONSES, "background"): lambda b: b["status"] in ("queued", "in_progress"),
+    (RESPONSES, "previous_response_id"): lambda b: b["previous_response_id"] == WALKED_RESPONSE,
+    (RESPONSES, "metadata"): lambda b: b["metadata"] == {"k": "v"},
 }
-PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", GENERATE: "/generate", SAMPLING: "/generate"}
+PATHS = {
+    CHAT: "/v1/chat/completions",
+    COMPLETIONS: "/v1/completions",
+    GENERATE: "/generate",
+    SAMPLING: "/generate",
+    RESPONSES: "/v1/responses",
+}
 # tool_choice needs tools; continue_final_message needs an assistant's message and no generation prompt
 COMPANIONS = {
     "tool_choice": {"tools": [TOOL]},
@@ -408,7 +559,8 @@ def body_of(field: F) -> dict:
         body = dict(BASES[GENERATE])
         body["sampling_params"] = {**body["sampling_params"], field.name: field.value}
     else:
-        body = {**BASES[field.where], **COMPANIONS.get(field.name, {}), **(field.extra or {}), field.name: field.value}
+        companions = COMPANIONS.get(field.name, {}) if field.where != RESPONSES else {}  # theirs: in `extra`
+        body = {**BASES[field.where], **companions, **(field.extra or {}), field.name: field.value}
     if field.where == GENERATE and field.name == "input_ids":
         del body["text"]
     return body
@@ -426,6 +578,9 @@ def parse(field: F) -> tuple[Any, Any]:
         sampling = req.sampling
     elif field.where == COMPLETIONS:
         req = parse_completion(body)
+        sampling = req.sampling
+    elif field.where == RESPONSES:
+        req = parse_responses_create(body)
         sampling = req.sampling
     else:
         req = parse_generate(body)
@@ -475,6 +630,8 @@ def test_the_walk(server):
     the response's documented effect, where it shows one); the server stays healthy."""
     failures = []
     with httpx.Client(base_url=server.base, timeout=60) as client:
+        stored = client.post(PATHS[RESPONSES], json={**BASES[RESPONSES], "request_id": WALKED_RESPONSE[5:]})
+        assert stored.json()["id"] == WALKED_RESPONSE, stored.text
         for field in FIELDS:
             r = client.post(PATHS[field.where], json=body_of(field))
             label = f"{field.where}.{field.name} ({field.verdict})"
