@@ -42,6 +42,13 @@ class APIError(Exception):
         self.type = type
         self.code = code
 
+    def fresh(self) -> APIError:
+        """The same error as a new instance, for one more raise of an error kept and raised
+        again (an engine that is gone): each raise of one instance prepends the raiser's
+        frames to its __traceback__, which keeps them, and all they refer to, alive, so a
+        kept instance grows by every request it fails (tens of MB in a 503 storm)."""
+        return APIError(self.status, self.message, self.param, self.type, self.code)
+
     def as_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

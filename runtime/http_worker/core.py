@@ -134,7 +134,7 @@ class TokenizerManager:
         """The engine is gone (or the worker stops): every request fails with `err`, new ones too."""
         self.dead = err
         for group in list(self._groups):
-            self._fail(group, err, abort=False)
+            self._fail(group, err.fresh(), abort=False)
 
     # ---------------------------------------------------------------- tokenizing
 
@@ -194,7 +194,7 @@ class TokenizerManager:
         (or queued for room) when this returns. `stream`: its deltas are awaited one by one
         (next_news), else only its end (finished)."""
         if self.dead is not None:
-            raise self.dead
+            raise self.dead.fresh()
         for rid in rids or ():  # /abort_request must reach every request its rid names
             if rid in self._by_rid:
                 raise bad_request(f"rid {rid!r} is already in use by a request in flight", "rid")

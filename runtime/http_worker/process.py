@@ -223,7 +223,7 @@ class HTTPWorkerProcess:
 
     def check_alive(self) -> None:
         if self.tm.dead is not None:
-            raise self.tm.dead
+            raise self.tm.dead.fresh()
 
     def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int]) -> SamplingParams:
         """A request's final sampling parameters for one tokenized prompt; raises APIError(400)."""

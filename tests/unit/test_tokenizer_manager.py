@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from httpapi.errors import APIError
+from httpapi.errors import APIError, engine_unavailable
 from ipc.channel import Channel
 from ipc.ring import Batch
 from protocol.payloads import pack_prompt_logprobs
@@ -243,3 +243,46 @@ def test_prompt_logprobs_records_are_collected_without_a_wake(tokenizer, tm_ring
     np.testing.assert_array_equal(plp.top_ids, top_ids)
     np.testing.assert_array_equal(plp.top_logprobs, top_lps)
     assert again is None, "taken once"
+
+
+def test_an_engine_gone_fails_each_request_with_an_error_of_its_own(tokenizer, tm_rings):
+    """While the engine is gone every request fails with the kept 503. Raised as that one
+    instance, each raise would prepend the failing request's frames to its __traceback__ and
+    keep them alive: the HTTP worker grew tens of MB during each engine restart of the soak
+    (and without bound once restarts were used up), the more the more 503s it answered."""
+    waker, req_out, req_in, text_out, text_in = tm_rings
+    model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
+
+    async def run() -> tuple[list[APIError], list[APIError], APIError]:
+        tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60)
+        try:
+            in_flight = [await tm.submit([[1, 2, 3]], [SamplingParams(max_new_tokens=8)]) for _ in range(2)]
+            kept = engine_unavailable("The engine's scheduler process exited")
+            tm.fail_all(kept)
+            failed = []
+            for group in in_flight:
+                with pytest.raises(APIError) as e:
+                    await group.finished()
+                failed.append(e.value)
+            refused = []
+            for _ in range(50):
+                with pytest.raises(APIError) as e:
+                    await tm.submit([[1, 2, 3]], [SamplingParams(max_new_tokens=8)])
+                refused.append(e.value)
+            return failed, refused, kept
+        finally:
+            tm.close()
+
+    failed, refused, kept = asyncio.run(run())
+    errors = failed + refused
+    assert all(e.status == 503 and e.message == kept.message for e in errors)
+    assert len({id(e) for e in errors} | {id(kept)}) == len(errors) + 1
+    assert kept.__traceback__ is None
+    assert max(traceback_length(e) for e in refused) == traceback_length(refused[0])
+
+
+def traceback_length(err: BaseException) -> int:
+    n, tb = 0, err.__traceback__
+    while tb is not None:
+        n, tb = n + 1, tb.tb_next
+    return n
