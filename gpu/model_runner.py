@@ -200,12 +200,13 @@ class ModelRunner:
             logger.warning("%s; decode steps run the Python forward", e)
             return None
 
-    def _weights(self, path: Path) -> tuple[dict[str, Weight], str]:
-        """The model's weights and rope style (LlamaForCausalLM's). A GGUF's are used in place
+    def _weights(self, path: Path, cfg: ModelConfig | None = None) -> tuple[dict[str, Weight], str]:
+        """The weights and rope style (LlamaForCausalLM's) of the model at `path` (whose config
+        is `cfg`, the served model's by default). A GGUF's are used in place
         (--quantization gguf | gguf-q8: its blocks through the kernels; gguf-q8's Q4_1
         projections repacked, gpu/quant/blocks.py) or dequantized (none: float copies, an
         explicit choice); an HF directory's are read (none only)."""
-        mode, cfg = self.quantization, self.model_config
+        mode, cfg = self.quantization, cfg or self.model_config
         if mode != "none" and mode not in ACTIVATIONS:
             raise ModelLoadError(f"--quantization must be one of auto, none, {', '.join(ACTIVATIONS)}, not {mode!r}")
         if cfg.gguf_path is None:
@@ -248,6 +249,24 @@ class ModelRunner:
         # more than every row at full context is never used
         tokens = min(budget_tokens, c.max_running_requests * cfg.context_length)
         return max(1, tokens // c.page_size)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
+        """The checkpoint at `model_path` served from now on, in the served weights' buffers
+        (gpu/models/weight_update.py); WeightUpdateError, the served weights untouched, when it
+        is not of the same architecture and shapes."""
+        from gpu.models.weight_update import load_matching
+
+        weights = load_matching(self.model, self._weights, model_path, load_format)
+        self.model.set_weights(weights, in_place=self.model_config.gguf_path is None)
+        if self.decoder is not None:  # it holds the weights' addresses: a GGUF's are new
+            self.decoder = self._cpu_decoder()
+
+    def weights_by_name(self, name: str, truncate_size: int, max_values: int) -> torch.Tensor:
+        """SGLang's get_weights_by_name: the first `truncate_size` rows (values of a vector) of
+        the weight an HF checkpoint names `name`, float32, as served (gpu/models/weight_update.py)."""
+        from gpu.models.weight_update import hf_weight_rows
+
+        return hf_weight_rows(self.model, name, truncate_size, max_values)
 
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """(Re)initialises row's sampler state; on resume, output_ids is what it generated so far."""

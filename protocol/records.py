@@ -71,6 +71,12 @@ class RequestKind(enum.IntEnum):
     FLUSH_CACHE = 3
     ABORT_RID = 4  # every request whose rid hashes to rid_hash, whichever worker holds it
     ABORT_ALL = 5  # every request of every worker
+    CONTROL = 6  # an engine call (pause, continue, weights): its UTF-8 JSON arguments in the grammar
+    #              field's payload; answered by a REPLY to (worker, slot, gen), a slot the caller holds
+
+
+# SGLang's /pause_generation modes (runtime/scheduler/control.py says what each does)
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class TokenKind(enum.IntEnum):
@@ -78,12 +84,14 @@ class TokenKind(enum.IntEnum):
     OPEN = 1  # a newly admitted request, in the OPEN_RECORD layout
     ERROR = 2  # the request failed: `error` holds an ErrorCode, the payload a UTF-8 message
     PROMPT_LOGPROBS = 3  # prompt positions [token, token + completion_tokens): pack_prompt_logprobs
+    REPLY = 4  # the answer to a CONTROL record: UTF-8 JSON in the payload
 
 
 class TextKind(enum.IntEnum):
     TEXT = 0
     ERROR = 1  # `error` holds an ErrorCode, the text payload a UTF-8 message
     PROMPT_LOGPROBS = 2  # prompt positions [stop_token, stop_token + n_tokens): pack_prompt_logprobs
+    REPLY = 3  # TokenKind.REPLY passed on: its JSON in the text payload
 
 
 class Finish(enum.IntEnum):

@@ -216,3 +216,17 @@ def pack_control(
     rec = np.zeros(len(slot) if isinstance(slot, Sequence) else 1, REQUEST.dtype)
     rec["kind"], rec["worker"], rec["slot"], rec["gen"], rec["rid_hash"] = kind, worker, slot, gen, rid
     return rec
+
+
+def pack_call(worker: int, slot: int, gen: int, args: bytes) -> tuple[np.ndarray, bytes]:
+    """A CONTROL record addressed to the caller's (worker, slot, gen), where its REPLY comes
+    back, and its payload: `args`, UTF-8 JSON, in the grammar field (a payload of bytes)."""
+    rec = pack_control(RequestKind.CONTROL, worker, slot, gen)
+    rec["grammar_off"], rec["grammar_len"] = 0, len(args)
+    return rec, args
+
+
+def call_args(record: np.void, payload: np.ndarray) -> bytes:
+    """A CONTROL record's JSON arguments."""
+    off, n = int(record["grammar_off"]), int(record["grammar_len"])
+    return payload[off : off + n].tobytes()

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from protocol.records import fields_of
+from protocol.records import PAUSE_MODES, fields_of
 
 GEN_WINDOW_NS = 1_000_000_000  # gen_throughput and cache_hit_rate: over the last window this long
+PAUSE_CODES = {mode: i + 1 for i, mode in enumerate(PAUSE_MODES)}  # the `paused` field; 0: running
 
 ENGINE_STATS = np.dtype(
     [
@@ -42,6 +43,7 @@ ENGINE_STATS = np.dtype(
         ("spec_accepted_tokens", np.uint64),  # of those, the tokens the model chose too
         ("gen_throughput", np.float64),  # tokens generated per second over the last window
         ("cache_hit_rate", np.float64),  # prompt tokens from the prefix cache / all, last window with any
+        ("paused", np.uint8),  # /pause_generation: PAUSE_CODES[mode], 0 running
     ]
 )
 
@@ -98,6 +100,7 @@ class EngineStats:
             spec.draft_tokens,
             spec.accepted_tokens,
             *self._rates,
+            PAUSE_CODES.get(scheduler.paused, 0),
         )
 
     def _roll(self, now: int, s: Any) -> None:

@@ -255,6 +255,55 @@ class LlamaForCausalLM:
             None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(self.dtype).to(self.device)
         )
 
+    def _layer_weights(self) -> dict[str, list]:
+        """The per-layer weight lists by load_weights' names (layers.{i}.<name>)."""
+        return {
+            "input_norm": self.input_norm,
+            "post_norm": self.post_norm,
+            "qkv": self.qkv,
+            "qkv_bias": self.qkv_bias,
+            "o": self.o,
+            "gate_up": self.gate_up,
+            "down": self.down,
+            "q_norm": self.q_norm,
+            "k_norm": self.k_norm,
+            "attn_out_norm": self.attn_out_norm,
+            "mlp_out_norm": self.mlp_out_norm,
+        }
+
+    def named_weights(self) -> dict[str, torch.Tensor | GGUFWeight]:
+        """The weights served, by load_weights' names: what a new checkpoint must match (a
+        tied lm_head is the embedding itself, so it is not listed)."""
+        out: dict[str, torch.Tensor | GGUFWeight] = {"embed": self.embed, "norm": self.norm}
+        if self.lm_head is not self.embed:
+            out["lm_head"] = self.lm_head
+        for name, per_layer in self._layer_weights().items():
+            out.update({f"layers.{i}.{name}": w for i, w in enumerate(per_layer) if w is not None})
+        return out
+
+    def set_weights(self, new: dict[str, torch.Tensor | GGUFWeight], in_place: bool) -> None:
+        """`new`, of named_weights' names and shapes (the caller checked them), served from now
+        on. `in_place`: each tensor's values are copied into the tensor served, its buffer kept
+        (an HF checkpoint's); else each weight is replaced (a GGUF's are views of its file's
+        read-only mapping, the new file's mapped as the old one was). The transposed copies are
+        refilled in their own buffers."""
+        layers, current = self._layer_weights(), self.named_weights()
+        for name, w in new.items():
+            if in_place:
+                served = current[name]
+                assert isinstance(served, torch.Tensor) and isinstance(w, torch.Tensor)
+                served.copy_(w)
+            elif name in ("embed", "norm", "lm_head"):
+                setattr(self, name, w)
+            else:
+                _, layer, key = name.split(".")
+                layers[key][int(layer)] = w
+        if "lm_head" not in new:
+            self.lm_head = self.embed
+        for t, w in [*zip(self.gate_up_t, self.gate_up), (self.lm_head_t, self.lm_head)]:
+            if t is not None and isinstance(w, torch.Tensor):
+                t.copy_(w.t())
+
     def _rope_tables(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
         # cos/sin of every position, computed once in fp32 as transformers does, kept in the model dtype
         positions = torch.arange(self.cfg.context_length, dtype=torch.float32)

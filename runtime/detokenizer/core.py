@@ -19,7 +19,8 @@ OfflineEngine) must abort it (to free its KV pages); its later tokens are droppe
 
 A PROMPT_LOGPROBS record (a request's prompt logprobs, before its first TOKEN) is forwarded
 to the request's worker as a TEXT_OUT PROMPT_LOGPROBS record with the same payload, ahead of
-the request's text; one for a request that is not open here is stale and dropped.
+the request's text; one for a request that is not open here is stale and dropped. A REPLY (the
+scheduler's answer to an engine call: pause, weights) goes to its caller's worker as it is.
 
 A record that cannot be handled fails its own request, never the process: an OPEN that
 raises (its stop strings unreadable, say) gets an ERROR record (INTERNAL); a batch whose
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 # plain ints for the hot path: an IntEnum member lookup is a Python-level __getattr__
 _TOKEN, _OPEN, _STOP, _NONE = int(TokenKind.TOKEN), int(TokenKind.OPEN), int(Finish.STOP), int(Finish.NONE)
 _PROMPT = int(TokenKind.PROMPT_LOGPROBS)
+_REPLY = int(TokenKind.REPLY)
 _KIND_AT = fields_of(TOKEN_OUT.dtype)["kind"][1]
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
@@ -167,6 +169,8 @@ class Detokenizer:
         raw = rec.tobytes()  # fields read in one call: numpy reads a record's fields one at a time
         if raw[_KIND_AT] == _PROMPT:
             return self._prompt_logprobs(raw, payload)
+        if raw[_KIND_AT] == _REPLY:
+            return self._reply(raw, payload)
         if raw[_KIND_AT] != _OPEN:
             return self._error_record(raw, rec, payload)
         o = unpack_open(raw)
@@ -206,6 +210,15 @@ class Detokenizer:
         out["worker"], out["slot"], out["gen"], out["kind"] = w, s, gen, TextKind.PROMPT_LOGPROBS
         out["n_tokens"], out["n_top"], out["stop_token"], out["stop_index"] = count, n_top, first, -1
         out["prompt_tokens"], out["cached_tokens"], out["logprobs_len"] = prompt_tokens, cached, size
+        return out, np.array(payload[off : off + size], np.uint8)
+
+    @staticmethod
+    def _reply(raw: bytes, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A REPLY to an engine call, passed on to its caller's worker: it opened nothing here."""
+        (w, _, _, s, gen, _, _, _, _, _, off, size, _, _, _) = TOKEN_OUT_STRUCT.unpack(raw)
+        out = np.zeros(1, TEXT_OUT.dtype)
+        out["worker"], out["slot"], out["gen"], out["kind"], out["text_len"] = w, s, gen, TextKind.REPLY, size
+        out["stop_token"], out["stop_index"] = -1, -1
         return out, np.array(payload[off : off + size], np.uint8)
 
     def _open(self, w: int, s: int, gen: int, flags: int, n_top: int, min_tokens: int, body: np.ndarray) -> bool:

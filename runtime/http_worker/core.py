@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from httpapi.chat_request import ChatTemplateArgs
 from httpapi.errors import APIError, bad_request, engine_error, engine_unavailable
@@ -46,7 +47,7 @@ from httpapi.sampling import check_prompt_chars
 from protocol.payloads import unpack_logprobs, unpack_prompt_logprobs
 from protocol.record_bytes import concat_records, record_fields, take_records
 from protocol.records import MAX_REQUEST_PAYLOAD_BYTES, Finish, RequestKind, TextKind
-from protocol.request_records import pack_control, pack_request, rid_hash
+from protocol.request_records import pack_call, pack_control, pack_request, rid_hash
 from protocol.sampling_params import SamplingParams
 from runtime.http_worker.chat_template import ChatTemplate
 from runtime.http_worker.prompt_encoder import PromptEncoder
@@ -58,6 +59,7 @@ LONG_PROMPT_CHARS = 4096  # longer texts are tokenized off the event loop
 LONG_CONVERSATION_MESSAGES = 64  # longer conversations are rendered off the event loop
 LONG_DECODE_IDS = 4096  # longer id lists are decoded off the event loop
 _PROMPT_LOGPROBS = int(TextKind.PROMPT_LOGPROBS)
+_REPLY = int(TextKind.REPLY)
 MIN_TOKEN_CHARS = 16  # the characters a token may hold, at least (longest_token_chars)
 
 
@@ -118,6 +120,7 @@ class TokenizerManager:
         self._next_gen = secrets.randbits(32) or 1
         self._groups: set[ReqGroup] = set()
         self._by_rid: dict[str, ReqGroup] = {}
+        self._calls: dict[int, asyncio.Future] = {}  # slot -> the engine call waiting there for its REPLY
 
     # ---------------------------------------------------------------- life
 
@@ -256,6 +259,27 @@ class TokenizerManager:
     def flush_cache(self) -> None:
         self._send(pack_control(RequestKind.FLUSH_CACHE, self.worker), None)
 
+    async def call(self, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """An engine call (runtime/scheduler/control.py: pause, continue, weights) and its
+        answer. It holds a slot of this worker's table, as a request does, so that its REPLY
+        comes back here and a late one (past `timeout`, a 504) is dropped as stale."""
+        if self.dead is not None:
+            raise self.dead
+        slot, gen = self._alloc()
+        answer = asyncio.get_running_loop().create_future()
+        self._calls[slot] = answer
+        try:
+            self._send(*pack_call(self.worker, slot, gen, orjson.dumps(args)))
+            return await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(
+                504, f"The engine did not answer within {timeout:g} s.", type="server_error", code="timeout"
+            ) from None
+        finally:
+            del self._calls[slot]
+            self._gens[slot] = 0
+            self._free.append(slot)
+
     def _alloc(self) -> tuple[int, int]:
         if not self._free:
             n = len(self._gens)
@@ -341,7 +365,9 @@ class TokenizerManager:
             range(len(recs)),
         ):
             state = states[slot]
-            if state is None:  # ended earlier in this batch
+            if state is None:  # ended earlier in this batch, or an engine call's slot
+                if odd and slot in self._calls:
+                    self._reply(slot, recs[i], blob)
                 continue
             if odd and recs["kind"][i] == _PROMPT_LOGPROBS:  # no token yet: nothing to wake for
                 self._prompt_logprobs(state, recs[i], payload)
@@ -358,6 +384,12 @@ class TokenizerManager:
                 state.group.post(state)
         if aborts:
             self._send(concat_records(aborts), None)
+
+    def _reply(self, slot: int, rec: np.void, blob: bytes) -> None:
+        answer = self._calls[slot]
+        if rec["kind"] == _REPLY and not answer.done():
+            off, n = int(rec["text_off"]), int(rec["text_len"])
+            answer.set_result(orjson.loads(blob[off : off + n]))
 
     @staticmethod
     def _prompt_logprobs(state: ReqState, rec: np.void, payload: np.ndarray) -> None:

@@ -45,6 +45,7 @@ from httpapi.sse import (
     with_matched_stop,
     with_usage,
 )
+from protocol.records import PAUSE_MODES
 from protocol.sampling_params import SamplingParams
 from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
@@ -504,16 +505,28 @@ async def get_load(worker, request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    problem = request.app.worker.health_problem()
+    worker = request.app.worker
+    problem = worker.health_problem()
     if problem:
         return error_response(engine_unavailable(problem))
-    return Response(b"", 200)
+    return paused_health(worker) or Response(b"", 200)
+
+
+def paused_health(worker) -> Response | None:
+    """While /pause_generation holds the engine: 200 saying so (alive, and generation will go on)."""
+    stats = worker.engine_stats()
+    if not stats or not stats["paused"]:
+        return None
+    return json_response(orjson_dumps({"status": "paused", "mode": PAUSE_MODES[stats["paused"] - 1]}))
 
 
 @probe_route
 async def health_generate(worker, request: Request) -> Response:
-    """Runs one greedy token through the whole engine."""
+    """Runs one greedy token through the whole engine (none while it is paused: /health's answer)."""
     worker.check_alive()
+    paused = paused_health(worker)
+    if paused is not None:
+        return paused
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
     group = await worker.tm.submit([[worker.health_token]], [params])
     try:

@@ -93,11 +93,14 @@ class Scheduler:
         self._failed: list[Req] = []  # ended with an ERROR record since the last step
         self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
         self.prompt_logprobs = PromptLogprobs()  # what this step's prefill chunks owe
+        self.paused: str | None = None  # /pause_generation's mode: no forward runs, ends and OPENs still sent
 
     # ---- requests in -----------------------------------------------------------
     @property
     def has_work(self) -> bool:
         """Something to run or to report: step() would do something."""
+        if self.paused:
+            return bool(self._ended or self._opened)
         return self._has_steps or bool(self.compiling)
 
     @property
@@ -214,6 +217,8 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> StepResult:
+        if self.paused:
+            return self._result(np.zeros(0, TOKEN_EVENT), None, None)
         if self.compiling:
             self._take_grammars()
         if self._grammar_overruns:
@@ -546,10 +551,19 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
 
-    def _retract(self, req: Req) -> None:
+    def retract_all(self) -> int:
+        """Every running request back to the queue, its KV pages released (to be recomputed when
+        it is admitted again: after a weight update, by the new weights); returns how many."""
+        rows = np.flatnonzero(self.table.active).tolist()
+        for row in rows:
+            self._retract(self.table.held(row), "paused")
+        return len(rows)
+
+    def _retract(self, req: Req, why: str = "KV pool exhausted") -> None:
         t, r = self.table, req.row
         logger.info(
-            "KV pool exhausted: retracting request (%d, %d, %d) after %d tokens",
+            "%s: retracting request (%d, %d, %d) after %d tokens",
+            why,
             req.worker,
             req.slot,
             req.generation,

@@ -37,19 +37,21 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from ipc import ChannelSpec, get_transport
 from ipc.channel import payload_sizes
 from ipc.peers import PeerServer
 from protocol.payloads import PayloadBuilder
 from protocol.records import REQUEST, REQUEST_ARENA_BYTES, TOKEN_OUT, ErrorCode, RequestKind
-from protocol.request_records import unpack_request
+from protocol.request_records import call_args, unpack_request
 from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.connect import connect_scheduler as connect_scheduler
+from runtime.scheduler.control import EngineControl, parse_args, reply
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.step_result import StepResult
-from runtime.scheduler.token_out import error_record, step_records
+from runtime.scheduler.token_out import error_record, reply_record, step_records
 
 if TYPE_CHECKING:
     from runtime.engine_stats import EngineStats  # imported by start() when the stats are published
@@ -63,8 +65,16 @@ SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
 GRAMMAR_POLL_S = 0.002  # with only grammar compiles pending, the loop looks for a finished one this often
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
-_NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL = map(
-    int, (RequestKind.NEW, RequestKind.ABORT, RequestKind.FLUSH_CACHE, RequestKind.ABORT_RID, RequestKind.ABORT_ALL)
+_NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL, _CONTROL = map(
+    int,
+    (
+        RequestKind.NEW,
+        RequestKind.ABORT,
+        RequestKind.FLUSH_CACHE,
+        RequestKind.ABORT_RID,
+        RequestKind.ABORT_ALL,
+        RequestKind.CONTROL,
+    ),
 )
 
 
@@ -100,6 +110,7 @@ class SchedulerProcess:
         cfg = runner.model_config
         config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
         self.scheduler = Scheduler(runner, config, heartbeat=self._publish)
+        self.control = EngineControl(self.scheduler)
         pool = runner.pool
         self.meta = {
             "pid": os.getpid(),
@@ -197,6 +208,8 @@ class SchedulerProcess:
             elif kind == _FLUSH:
                 freed = sched.flush_cache()
                 logger.info("cache flushed: %d pages freed", freed)
+            elif kind == _CONTROL:
+                self._call(worker, slot, gen, call_args(recs[i], batch.payload))
             else:
                 logger.error("request record of unknown kind %d from worker %d dropped", kind, worker)
 
@@ -234,6 +247,19 @@ class SchedulerProcess:
                 error_record(w, s, g, ErrorCode.INVALID_REQUEST, payload, message.encode()), TOKEN_OUT.dtype
             )
         return ev, payload.blob()
+
+    def _call(self, worker: int, slot: int, gen: int, raw: bytes) -> None:
+        """An engine call (control.py), answered at once with its REPLY; the stats published
+        then, so that /health shows a pause from every worker."""
+        try:
+            answer = self.control.call(parse_args(raw))
+        except Exception as e:  # a bug, or a malformed call: its caller gets the reason
+            logger.exception("engine call from worker %d failed", worker)
+            answer = reply(False, f"the engine call failed: {e!r}")
+        payload = PayloadBuilder()
+        rec = reply_record(worker, slot, gen, payload, orjson.dumps(answer))
+        self.token_out.push_all(np.frombuffer(rec, TOKEN_OUT.dtype), payload.blob())
+        self._publish(force=True)
 
     def _push_error(self, worker: int, slot: int, gen: int, code: ErrorCode, message: str) -> None:
         payload = PayloadBuilder()

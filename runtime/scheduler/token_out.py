@@ -100,3 +100,11 @@ def error_record(worker: int, slot: int, gen: int, code: ErrorCode, payload: Pay
     rec["finish"], rec["error"], rec["token"] = Finish.ERROR, code, NO_TOKEN
     rec["payload_off"], rec["payload_len"] = payload.add(message) if message else (0, 0)
     return rec.tobytes()
+
+
+def reply_record(worker: int, slot: int, gen: int, payload: PayloadBuilder, body: bytes) -> bytes:
+    """A REPLY record's bytes (the answer to an engine call, `body` added to `payload`)."""
+    rec = np.zeros(1, TOKEN_OUT.dtype)
+    rec["kind"], rec["worker"], rec["slot"], rec["gen"], rec["token"] = TokenKind.REPLY, worker, slot, gen, NO_TOKEN
+    rec["payload_off"], rec["payload_len"] = payload.add(body)
+    return rec.tobytes()
