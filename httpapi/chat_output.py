@@ -6,16 +6,18 @@ from the grammar-constrained JSON of a forced call), the rest as `content`; fini
 
 Whole (`chat_message`) and streamed (`ChatDeltas`) answers agree: a stream's content,
 reasoning and each call's argument deltas concatenate to the whole answer's fields, because
-both run the same parsers (structured/ guarantees it of each). A forced call's JSON is read
-once it is complete, so a stream sends its calls with the last event."""
+both run the same parsers (structured/ guarantees it of each). A forced call's JSON is read as
+it arrives (structured/forced_calls.py): a stream sends each call's name once it is complete and
+its arguments as they grow."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from structured.forced_calls import ForcedCalls
 from structured.reasoning import ReasoningParser
 from structured.tool_parsers import ArgumentsDelta, CallStart, ContentDelta, ToolCall, ToolCallParser, call_id
-from structured.tools import Tool, ToolChoice, forced_calls
+from structured.tools import Tool, ToolChoice
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class ChatOutput:
     def plain(self) -> bool:
         return self.reasoning is None and self.tool_parser is None and self.forced is None
 
+    def calls_parser(self) -> ToolCallParser | ForcedCalls | None:
+        """What reads the calls in the text: the forced call's JSON, or --tool-call-parser's format."""
+        return ForcedCalls(self.tools, self.forced) if self.forced is not None else self.tool_parser
+
 
 def chat_message(text: str, finish_reason: str | None, out: ChatOutput) -> tuple[dict, str | None]:
     """(the choice's `message`, its finish_reason) for the choice's whole text."""
@@ -41,11 +47,9 @@ def chat_message(text: str, finish_reason: str | None, out: ChatOutput) -> tuple
     if out.reasoning is not None:
         reasoning, text = out.reasoning.parse(text)
     calls: list[ToolCall] = []
-    if out.forced is not None:
-        calls = _forced(text, out.tools, out.forced)
-        content = None if calls else text
-    elif out.tool_parser is not None:
-        parsed = out.tool_parser.parse(text)
+    parser = out.calls_parser()
+    if parser is not None:
+        parsed = parser.parse(text)
         calls, content = parsed.calls, parsed.content
     else:
         content = text
@@ -71,9 +75,8 @@ class ChatDeltas:
     def __init__(self, out: ChatOutput) -> None:
         self._out = out
         self._reasoning = out.reasoning.stream() if out.reasoning is not None else None
-        self._tools = out.tool_parser.stream() if out.tool_parser is not None else None
-        # a forced call's choice and its JSON's parts so far
-        self._forced: tuple[ToolChoice, list[str]] | None = (out.forced, []) if out.forced is not None else None
+        parser = out.calls_parser()
+        self._tools = parser.stream() if parser is not None else None
         self._made_calls = False
 
     def feed(self, text: str) -> list[dict]:
@@ -83,7 +86,7 @@ class ChatDeltas:
         return self._with_reasoning(reasoning, self._content(content, final=False))
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
-        """The deltas still held (a partial marker, a forced call's JSON) and the finish_reason."""
+        """The deltas still held (a partial marker) and the finish_reason."""
         if self._reasoning is None:
             deltas = self._content("", final=True)
         else:
@@ -97,10 +100,6 @@ class ChatDeltas:
         return [{"reasoning_content": reasoning, "reasoning": reasoning}, *deltas]
 
     def _content(self, text: str, final: bool) -> list[dict]:
-        if self._forced is not None:
-            choice, parts = self._forced
-            parts.append(text)
-            return self._forced_deltas(choice, parts) if final else []
         if self._tools is None:
             return [{"content": text}] if text else []
         events = self._tools.finish() if final else []
@@ -118,18 +117,6 @@ class ChatDeltas:
                 deltas.append({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]})
         return deltas
 
-    def _forced_deltas(self, choice: ToolChoice, parts: list[str]) -> list[dict]:
-        text = "".join(parts)
-        calls = _forced(text, self._out.tools, choice)[: self._out.max_calls]
-        if not calls:
-            return [{"content": text}] if text else []
-        self._made_calls = True
-        deltas = []
-        for i, call in enumerate(calls):
-            deltas.append({"tool_calls": [self._call_head(i, call.name)]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-        return deltas
-
     def _call_head(self, index: int, name: str) -> dict:
         return {
             "index": index,
@@ -137,14 +124,6 @@ class ChatDeltas:
             "type": "function",
             "function": {"name": name, "arguments": ""},
         }
-
-
-def _forced(text: str, tools: tuple[Tool, ...], choice: ToolChoice) -> list[ToolCall]:
-    """A forced call's calls; none when its JSON was cut short (max_tokens): the text is then content."""
-    try:
-        return forced_calls(text, tools, choice)
-    except ValueError:
-        return []
 
 
 def _finish(finish_reason: str | None, made_calls: bool) -> str | None:

@@ -12,8 +12,6 @@ from typing import Any, Literal
 
 import orjson
 
-from structured.tool_parsers import ToolCall, compact_json, loads_json
-
 HERMES_TEMPLATE = Path(__file__).with_name("templates") / "hermes.jinja"  # ChatML with Hermes tool calls
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 128 * 1024  # the tools' JSON: they are rendered into every prompt of the request
@@ -155,28 +153,6 @@ def forced_call_schema(tools: tuple[Tool, ...], choice: ToolChoice, max_calls: i
     if max_calls is not None:  # parallel_tool_calls false: a model that repeats calls cannot
         schema["maxItems"] = max_calls
     return orjson.dumps(schema).decode()
-
-
-def forced_calls(text: str, tools: tuple[Tool, ...], choice: ToolChoice) -> list[ToolCall]:
-    """The calls in output that `forced_call_schema` constrained, arguments normalized as the
-    tool-call parsers do. Raises ValueError when the output does not match the schema's shape,
-    as when max_tokens cut it short."""
-    value = loads_json(text)
-    if choice.mode == "function":
-        if not isinstance(value, dict):
-            raise ValueError("the forced call's arguments are not an object")
-        return [ToolCall(_tool_named(tools, choice.name).name, compact_json(value))]
-    if choice.mode != "required":
-        raise ValueError(f"tool_choice {choice.mode!r} forces no call")
-    if not isinstance(value, list) or not value:
-        raise ValueError("forced calls are not a non-empty array")
-    names = {tool.name for tool in tools}
-    calls = []
-    for item in value:
-        if not isinstance(item, dict) or item.get("name") not in names or not isinstance(item.get("parameters"), dict):
-            raise ValueError(f"not a call of one of the tools: {item!r:.200}")
-        calls.append(ToolCall(item["name"], compact_json(item["parameters"])))
-    return calls
 
 
 def _tool_named(tools: tuple[Tool, ...], name: str | None) -> Tool:

@@ -5,7 +5,8 @@ JSON-schema answers parse and validate against their schemas (jsonschema) for 24
 streamed and not, with n=2, sent at once beside unconstrained requests so that constrained and
 unconstrained rows share steps; regex answers full-match; guided_choice answers are a choice;
 forced tool calls (tool_choice "required" and a named function) validate against the tool's
-parameters, and a stream's tool-call deltas reassemble to the non-streamed call; grammars that
+parameters, and a stream's tool-call deltas (sent as the call's JSON arrives) reassemble to the
+non-streamed call; grammars that
 do not compile and tools that do not exist are 400s naming the field, and the server stays
 healthy. Every request is greedy, so the streamed and the non-streamed answers are the same."""
 
@@ -365,6 +366,9 @@ def test_forced_tool_calls_validate_and_streams_reassemble(answers, name):
         (c.function.name, c.function.arguments) for c in message.tool_calls
     ]
     assert all(c["id"].startswith("call_") for c in got)
+    # the calls stream as their JSON arrives: a head first, then arguments over several chunks
+    carrying = [i for i, chunk in enumerate(chunks) if chunk.choices and chunk.choices[0].delta.tool_calls]
+    assert len(carrying) > 2 and carrying[0] < carrying[-1] - 1, carrying
 
 
 def test_auto_tool_choice_answers_with_text_or_valid_calls(answers):

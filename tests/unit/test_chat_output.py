@@ -155,9 +155,16 @@ def test_forced_calls_are_read_from_the_grammars_json():
     assert reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == '{"city":"Lima"}'
 
 
-def test_forced_json_cut_short_is_content():
+def test_forced_json_cut_short_is_never_content():
+    """A forced answer cut by max_tokens keeps the calls whose name was complete, the last with
+    the arguments it had (finish_reason "length" says it is cut), as a stream has sent them."""
     message, reason = chat_message('[{"na', "length", outputs()["required"])
-    assert message == {"role": "assistant", "content": '[{"na'} and reason == "length"
+    assert message == {"role": "assistant", "content": ""} and reason == "length"
+    cut = '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Os'
+    message, reason = chat_message(cut, "length", outputs()["required"])
+    assert message["content"] is None and reason == "length"
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls == [("get_time", "{}"), ("get_weather", '{"city":"Os')]
 
 
 def test_reasoning_goes_to_reasoning_content():

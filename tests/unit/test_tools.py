@@ -10,7 +10,6 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
-from structured.tool_parsers import ToolCall
 from structured.tools import (
     MAX_TOOLS,
     MAX_TOOLS_BYTES,
@@ -18,7 +17,6 @@ from structured.tools import (
     Tool,
     ToolChoice,
     forced_call_schema,
-    forced_calls,
     parse_tool_choice,
     parse_tools,
 )
@@ -230,30 +228,3 @@ def test_required_refuses_clashing_definitions() -> None:
     with pytest.raises(InvalidTool) as raised:
         forced_call_schema(parse_tools([a, b]), ToolChoice("required"))
     assert raised.value.param == "tools"
-
-
-def test_forced_calls() -> None:
-    tools = parse_tools(ALL)
-    output = '[{"name": "get_weather", "parameters": {"city": "Zürich"}}, {"name": "get_time", "parameters": {}}]'
-    assert forced_calls(output, tools, ToolChoice("required")) == [
-        ToolCall("get_weather", '{"city":"Zürich"}'),
-        ToolCall("get_time", "{}"),
-    ]
-    named = forced_calls('{ "q" : "a b",\n "top_k": 2 }', tools, ToolChoice("function", "search_web"))
-    assert named == [ToolCall("search_web", '{"q":"a b","top_k":2}')]
-
-
-@pytest.mark.parametrize(
-    ("text", "choice"),
-    [
-        ('[{"name": "get_weather", "parameters": {"city": "Zü', ToolChoice("required")),  # cut by max_tokens
-        ("[]", ToolChoice("required")),
-        ('[{"name": "nope", "parameters": {}}]', ToolChoice("required")),
-        ('[{"name": "get_time", "arguments": {}}]', ToolChoice("required")),
-        ('["get_time"]', ToolChoice("function", "get_time")),
-        ("{}", ToolChoice("auto")),
-    ],
-)
-def test_forced_calls_refuses_other_output(text: str, choice: ToolChoice) -> None:
-    with pytest.raises(ValueError):
-        forced_calls(text, parse_tools(ALL), choice)
