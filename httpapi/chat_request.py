@@ -8,10 +8,11 @@ from typing import Any
 
 import orjson
 
-from httpapi.errors import bad_request
+from httpapi.errors import APIError, bad_request
 from httpapi.fields import Fields, load_object
 from httpapi.grammar_fields import read_grammar
 from httpapi.request_fields import (
+    MAX_CHOICES,
     REFUSED_OPENAI,
     PromptTruncation,
     check_ignored,
@@ -105,7 +106,36 @@ class ChatCompletionRequest:
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
-    f = Fields(load_object(body))
+    return chat_request_of(load_object(body))
+
+
+def parse_batch_chat_completion(body: bytes) -> list[ChatCompletionRequest]:
+    """vLLM's /v1/chat/completions/batch: `messages` is a list of conversations, every other
+    field is shared; one choice per conversation (choice i answers conversation i). As vLLM's,
+    it neither streams nor takes tools; n is 1."""
+    obj = load_object(body)
+    conversations = obj.get("messages")
+    if type(conversations) is not list or not conversations or any(type(c) is not list for c in conversations):
+        raise bad_request("messages must be a non-empty list of conversations (each a list of messages)", "messages")
+    if len(conversations) > MAX_CHOICES:
+        raise bad_request(f"messages: at most {MAX_CHOICES} conversations in one batch", "messages")
+    for key, served in (("stream", (None, False)), ("tools", (None, [])), ("n", (None, 1))):
+        if obj.get(key) not in served:
+            raise bad_request(f"{key} is not served on /v1/chat/completions/batch (as vLLM's)", key)
+    requests = []
+    for i, conversation in enumerate(conversations):
+        try:
+            requests.append(chat_request_of({**obj, "messages": conversation}))
+        except APIError as err:  # a conversation's own error names it
+            if err.param is not None and err.param.startswith("messages"):
+                err.param = f"messages[{i}]" + err.param.removeprefix("messages")
+                err.message = f"messages[{i}]" + err.message.removeprefix("messages")
+            raise
+    return requests
+
+
+def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
+    f = Fields(obj)
     model = f.get_str("model")
     messages, rich = read_messages(f.raw("messages"))
     stream, include_usage, continuous_usage = read_stream(f)

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
-from httpapi.chat_request import parse_chat_completion
+from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
 from httpapi.errors import bad_request, engine_unavailable
+from httpapi.fields import load_object
 from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
 from httpapi.requests import (
     parse_abort,
@@ -215,6 +218,53 @@ def chat_events(
         return events, finish
 
     return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras.final_usage))
+
+
+@api_route
+async def batch_chat_completions(worker, request: Request) -> Reply:
+    """vLLM's /v1/chat/completions/batch: N conversations in one request, run as one group (as
+    a completions batch runs its prompts), answered as one chat completion whose choice i
+    answers conversation i; usage sums them."""
+    reqs = parse_batch_chat_completion(await read_body(request))
+    first = reqs[0]
+    check_model(first.model, worker.served_names)
+    await worker.grammar_checks.check([first.sampling])  # shared by every conversation
+    prompt_ids = [await worker.tm.chat_ids(req.messages, req.template) for req in reqs]
+    if first.truncation is not None:
+        prompt_ids = [first.truncation.apply(ids, worker.model.context_length) for ids in prompt_ids]
+    params = [worker.sampling_params(first.sampling, ids) for ids in prompt_ids]
+    check_request_size([len(ids) for ids in prompt_ids], params, 1, "messages", max_tokens=worker.kv_tokens)
+    request_id, created = response_id("chatcmpl", client_request_id(request, first.request_id)), now()
+    reasoning = (first.include_reasoning, first.separate_reasoning)
+    output = chat_output(worker, request_id, (), first.tool_choice, None, *reasoning)
+    group = await worker.submit("chat", prompt_ids, params, 1, [request_id], False)
+    group.grammar_param = first.sampling.grammar_param
+    vocab = worker.vocab if params[0].logprobs or params[0].prompt_logprobs >= 0 else None
+    states = await finished(worker, request, group)
+    echoes = [req.echo for req in reqs] if first.echo else None
+    results = choice_results(states, echoes)
+    return json_response(chat_completion_body(request_id, created, worker.model.served_name, results, 1, vocab, output))
+
+
+@api_route
+async def invocations(worker, request: Request) -> Reply:
+    """SageMaker's /invocations (vLLM serves it): the body's shape picks the route, a chat's
+    (`messages`) or a completion's (`prompt`), which then serves it as its own."""
+    body = await read_body(request)
+    obj = load_object(body)
+    handler = chat_completions if "messages" in obj else completions if "prompt" in obj else None
+    if handler is None:
+        raise bad_request("/invocations takes a chat request (messages) or a completions request (prompt)", None)
+    sent = False
+
+    async def receive() -> Message:  # the body once more, then the client's own messages (a disconnect)
+        nonlocal sent
+        if sent:
+            return await request.receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return await inspect.unwrap(handler)(worker, Request(request.scope, receive))  # api_route's checks: done
 
 
 @api_route
@@ -555,6 +605,8 @@ async def metrics(worker, request: Request) -> Response:
 
 ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/chat/completions": {"POST": chat_completions},
+    "/v1/chat/completions/batch": {"POST": batch_chat_completions},
+    "/invocations": {"POST": invocations},
     "/v1/completions": {"POST": completions},
     "/v1/models": {"GET": models},
     "/generate": {"POST": generate, "PUT": generate},

@@ -345,6 +345,44 @@ def test_cached_tokens_are_counted(server, client):
     assert 32 <= cached < second.usage.prompt_tokens  # whole 16-token pages of the prompt
 
 
+def test_batch_chat_answers_each_conversation_as_alone(server, client, want):
+    """vLLM's /v1/chat/completions/batch: choice i is conversation i's answer, usage the sum."""
+    other = [{"role": "user", "content": "Name a color."}]
+    alone = client.chat.completions.create(model=MODEL, messages=other, max_tokens=MAX_TOKENS, temperature=0)
+    body = {"model": MODEL, "messages": [CHAT, other, CHAT], "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(server.url("/v1/chat/completions/batch"), json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in choices]
+    assert texts == [want["chat"].text, alone.choices[0].message.content, want["chat"].text]
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == 2 * want["chat"].prompt_tokens + alone.usage.prompt_tokens
+    for fields, param in (
+        ({"stream": True}, "stream"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"n": 2}, "n"),
+        ({"messages": [CHAT, [{"role": "user"}]]}, "messages[1][0].content"),
+        ({"messages": CHAT}, "messages"),
+    ):
+        r = httpx.post(server.url("/v1/chat/completions/batch"), json={**body, **fields}, headers=AUTH, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+
+
+def test_invocations_serve_chat_and_completions_by_shape(server, want):
+    """SageMaker's /invocations: a chat body is served as chat, a prompt as a completion."""
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(server.url("/invocations"), json=chat, headers=AUTH, timeout=120)
+    assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["message"]["content"] == want["chat"].text
+    prompt = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(server.url("/invocations"), json={**prompt, "stream": True}, headers=AUTH, timeout=120)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want["completions"][0].text
+    r = httpx.post(server.url("/invocations"), json={"input": "x"}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert httpx.post(server.url("/invocations"), json=chat, timeout=60).status_code == 401  # the key still guards it
+
+
 def test_native_routes(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
