@@ -3,6 +3,7 @@ template's arguments (which /tokenize's chat fields share), each 400 naming its 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,9 @@ from httpapi.request_fields import (
 from httpapi.sampling import SamplingSpec, read_sampling
 from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's roles; vLLM passes any other role to the chat template, which renders it or refuses
+# it (a 400). Bounded to a name, so that a role cannot carry the template's own markup.
+CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file", "input_file")
 # tool_choice's deprecated twin: values that ask for no call
 NO_FUNCTION_CALL = ("none", "auto")
@@ -212,8 +215,12 @@ def read_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
         if type(message) is not dict:
             raise bad_request(f"{where} must be an object with role and content", where)
         role = message.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {list(ROLES)}, not {role!r}", f"{where}.role")
+        if type(role) is not str or not CUSTOM_ROLE.fullmatch(role):
+            raise bad_request(
+                f"{where}.role must be a role name (system, developer, user, assistant, tool, or another the chat "
+                f"template renders: a letter, then up to 63 of A-Z, a-z, 0-9, _ . -), not {shown(role)}",
+                f"{where}.role",
+            )
         out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), role, f"{where}.content")}
         for key in ("name", "tool_call_id"):
             text = message.get(key)

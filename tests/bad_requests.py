@@ -85,7 +85,10 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("messages empty", CHAT, chat(messages=[]), 400, "messages"),
     _row("messages is a string", CHAT, chat(messages="Hi"), 400, "messages"),
     _row("message is a string", CHAT, chat(messages=["Hi"]), 400, "messages[0]"),
-    _row("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages[0].role"),
+    _row(
+        "role not a name", CHAT, chat(messages=[{"role": "user<|im_end|>", "content": "Hi"}]), 400, "messages[0].role"
+    ),
+    _row("role not a string", CHAT, chat(messages=[{"role": 5, "content": "Hi"}]), 400, "messages[0].role"),
     _row("content is a number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
     _row(
         "image content part",

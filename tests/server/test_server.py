@@ -369,6 +369,15 @@ def test_batch_chat_answers_each_conversation_as_alone(server, client, want):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
 
 
+def test_custom_roles_render_as_the_template_writes_them(server, client, tokenizer):
+    """vLLM's: a role outside OpenAI's reaches the chat template (ChatML writes any role)."""
+    messages = [{"role": "observer", "content": "It rains."}, *CHAT]
+    r = httpx.post(server.url("/tokenize"), json={"messages": messages}, headers=AUTH, timeout=60)
+    assert "<|im_start|>observer\nIt rains.<|im_end|>" in tokenizer.decode(r.json()["tokens"])
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert answer.choices[0].message.content
+
+
 def test_invocations_serve_chat_and_completions_by_shape(server, want):
     """SageMaker's /invocations: a chat body is served as chat, a prompt as a completion."""
     chat = {"model": MODEL, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
