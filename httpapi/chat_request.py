@@ -106,6 +106,7 @@ class ChatCompletionRequest:
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
     echo: str = ""  # vLLM's echo: the final message's content, which each choice's text then starts with
+    tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -153,6 +154,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     names = {"max_tokens": max_tokens_param}
     parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
     return_token_ids = f.get_bool("return_token_ids", False)
+    tokens_as_ids = f.get_bool("return_tokens_as_token_ids")
     values = read_sampling(
         f,
         seed="seed",
@@ -192,6 +194,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
         truncation,
         return_token_ids,
         echo,
+        tokens_as_ids,
     )
 
 

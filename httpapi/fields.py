@@ -85,7 +85,11 @@ class Fields:
             raise bad_request(f"{self.param(key)} must be a number, not {_json_type(value)}", self.param(key))
         return float(value)
 
-    def get_bool(self, key: str, default: bool) -> bool:
+    @overload
+    def get_bool(self, key: str, default: bool) -> bool: ...
+    @overload
+    def get_bool(self, key: str, default: None = None) -> bool | None: ...
+    def get_bool(self, key: str, default: bool | None = None) -> bool | None:
         value = self.obj.get(key)
         if value is None:
             return default

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,6 +79,15 @@ class LogprobVocab:
         self.text = [b.decode("utf-8", "backslashreplace") for b in self.bytes]
         # characters that start in the token: bytes that are not UTF-8 continuation bytes
         self.chars = [sum((c & 0xC0) != 0x80 for c in b) for b in self.bytes]
+
+    @functools.cached_property
+    def as_token_ids(self) -> LogprobVocab:
+        """vLLM's return_tokens_as_token_ids: each token shown as "token_id:<id>", which names it
+        even where its text does not (a part of a UTF-8 character, a token two ids share); its
+        bytes and character count stay its own."""
+        shown = copy.copy(self)
+        shown.text = [f"token_id:{i}" for i in range(len(self.bytes))]
+        return shown
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> LogprobVocab:

@@ -26,7 +26,6 @@ REFUSED_OPENAI = {
     "bad_words": "bad_words is not supported",
     "logprob_token_ids": "logprobs of chosen token ids are not supported; top_logprobs is",
     "logits_processors": "custom logits processors are not supported",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "return_prompt_text": "return_prompt_text is not supported",
     "cache_salt": "cache_salt is not supported: this server's prefix cache is shared by all requests",
     "kv_transfer_params": "disaggregated serving (kv_transfer_params) is not supported",

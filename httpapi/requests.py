@@ -130,6 +130,7 @@ class CompletionRequest:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
     return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids in the answer
+    tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     if prompt_logprobs < 0 and echo and logprobs is not None:  # vLLM's: the echoed prompt's logprobs too
         prompt_logprobs, names["prompt_logprobs"] = logprobs, "logprobs"
     return_token_ids = f.get_bool("return_token_ids", False)
+    tokens_as_ids = f.get_bool("return_tokens_as_token_ids")
     values = read_sampling(
         f,
         seed="seed",
@@ -218,6 +220,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         continuous_usage,
         truncation,
         return_token_ids,
+        tokens_as_ids,
     )
 
 

@@ -120,6 +120,17 @@ class ServerArgs:
         f"{_names(REASONING_PARSERS)}: the `<think>` part goes to `reasoning_content`",
         choices=tuple(REASONING_PARSERS),
     )
+    return_tokens_as_token_ids: bool = setting(
+        False,
+        'vLLM\'s: logprobs show each token as "token_id:<id>" (a request\'s `return_tokens_as_token_ids` '
+        "overrides it)",
+        same_row=True,
+    )
+    enable_force_include_usage: bool = setting(
+        False,
+        "vLLM's: every stream ends with its usage, as if `stream_options.include_usage` were true",
+        same_row=True,
+    )
     null_model: bool = setting(False, "instant tokens: measures the server's own per-token cost")
     random_seed: int = setting(0, "seed of unseeded sampling")
     host: str = setting(

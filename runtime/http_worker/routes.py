@@ -18,6 +18,7 @@ from httpapi.chat_request import parse_batch_chat_completion, parse_chat_complet
 from httpapi.errors import bad_request, engine_unavailable
 from httpapi.fields import load_object
 from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
+from httpapi.logprobs import LogprobVocab
 from httpapi.requests import (
     parse_abort,
     parse_completion,
@@ -108,10 +109,11 @@ async def chat_completions(worker, request: Request) -> Reply:
     )
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
     group.grammar_param = req.sampling.grammar_param
-    vocab = worker.vocab if params.logprobs or params.prompt_logprobs >= 0 else None
+    vocab = logprob_vocab(worker, params.logprobs or params.prompt_logprobs >= 0, req.tokens_as_ids)
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
-        extras = ChunkExtras(req.include_usage, req.continuous_usage, req.return_token_ids)
+        usage = req.include_usage or worker.args.enable_force_include_usage
+        extras = ChunkExtras(usage, req.continuous_usage, req.return_token_ids)
         head = stream.start([usage_of(s) for s in group.states] if extras.continuous_usage else None)
         if req.return_token_ids:  # vLLM's: the prompt's ids on the stream's first write
             head = with_field(head, "prompt_token_ids", ids)
@@ -239,7 +241,7 @@ async def batch_chat_completions(worker, request: Request) -> Reply:
     output = chat_output(worker, request_id, (), first.tool_choice, None, *reasoning)
     group = await worker.submit("chat", prompt_ids, params, 1, [request_id], False)
     group.grammar_param = first.sampling.grammar_param
-    vocab = worker.vocab if params[0].logprobs or params[0].prompt_logprobs >= 0 else None
+    vocab = logprob_vocab(worker, params[0].logprobs or params[0].prompt_logprobs >= 0, first.tokens_as_ids)
     states = await finished(worker, request, group)
     echoes = [req.echo for req in reqs] if first.echo else None
     results = choice_results(states, echoes)
@@ -285,12 +287,13 @@ async def completions(worker, request: Request) -> Reply:
     if req.echo:
         echoes = [p if isinstance(p, str) else await worker.tm.decode(p) for p in req.prompts for _ in range(n)]
     with_prompt = params[0].prompt_logprobs >= 0  # echo with logprobs, or vLLM's prompt_logprobs
-    vocab = worker.vocab if params[0].logprobs or with_prompt else None
+    vocab = logprob_vocab(worker, params[0].logprobs or with_prompt, req.tokens_as_ids)
     if req.stream:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
         # vLLM's return_token_ids: each choice's prompt ids on its first chunk
         choice_prompts = [prompt_ids[i // n] for i in range(len(group.states))] if req.return_token_ids else None
-        extras = ChunkExtras(req.include_usage, req.continuous_usage, req.return_token_ids, choice_prompts)
+        usage = req.include_usage or worker.args.enable_force_include_usage
+        extras = ChunkExtras(usage, req.continuous_usage, req.return_token_ids, choice_prompts)
         if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
             stream.echo_logprobs = bool(echoes) and params[0].logprobs
             events = openai_events(worker, group, stream, n, extras, b"", echoes)
@@ -313,6 +316,15 @@ async def completions(worker, request: Request) -> Reply:
         prompt_ids if req.return_token_ids else None,
     )
     return json_response(body)
+
+
+def logprob_vocab(worker, needed: bool, tokens_as_ids: bool | None) -> LogprobVocab | None:
+    """The vocabulary a response's logprobs show, if it has any: tokens as their text, or as
+    "token_id:<id>" (vLLM's return_tokens_as_token_ids; unset: --return-tokens-as-token-ids)."""
+    if not needed:
+        return None
+    as_ids = worker.args.return_tokens_as_token_ids if tokens_as_ids is None else tokens_as_ids
+    return worker.vocab.as_token_ids if as_ids else worker.vocab
 
 
 def openai_events(

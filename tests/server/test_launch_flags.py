@@ -7,6 +7,7 @@ with several served names, a copied --tokenizer-path, vLLM's aliases and --log-r
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -199,6 +200,8 @@ def start(start_server, tokenizer_copy):
         max_num_seqs=8,
         gpu_memory_utilization=0.3,
         max_total_tokens=8192,
+        return_tokens_as_token_ids=1,
+        enable_force_include_usage=1,
     )
 
 
@@ -221,6 +224,27 @@ def test_aliases_reach_the_engine(server):
     info = httpx.get(server.url("/get_server_info"), timeout=30).json()
     assert info["context_length"] == 1024 and info["max_running_requests"] == 8
     assert info["mem_fraction_static"] == 0.3
+
+
+def test_tokens_as_ids_and_forced_usage(server):
+    """--return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" (a request may say
+    false); --enable-force-include-usage: a stream ends with usage unasked."""
+    client = server.openai_client()
+    lp = client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=4, logprobs=2).choices[0].logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens) and len(lp.tokens) == 4
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp.top_logprobs for t in top)
+    chat = client.chat.completions.create(
+        model=NAMES[0], messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True
+    )
+    assert all(re.fullmatch(r"token_id:\d+", c.token) for c in chat.choices[0].logprobs.content)
+    ids = [int(t.split(":")[1]) for t in lp.tokens]
+    text = httpx.post(server.url("/detokenize"), json={"tokens": ids}, timeout=30).json()["text"]
+    plain = client.completions.create(
+        model=NAMES[0], prompt="Hi", max_tokens=4, logprobs=0, extra_body={"return_tokens_as_token_ids": False}
+    )
+    assert "".join(plain.choices[0].logprobs.tokens) == text == plain.choices[0].text
+    chunks = list(client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=3, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
 
 
 def test_tokenizer_path_is_used(server, tokenizer_copy):

@@ -159,7 +159,14 @@ OPENAI_COMMON = [
     ("request_id", "served", "my-id", "the response's id is <prefix>-<request_id>", None, None),
     ("session_id", "ignored", "s", "a routing identity; no output changes", None, None),
     ("logits_processors", "refused", ["m.P"], "custom logits processors are not supported", None, None),
-    ("return_tokens_as_token_ids", "refused", True, "not supported", None, None),
+    (
+        "return_tokens_as_token_ids",
+        "served",
+        True,
+        'logprobs show tokens as "token_id:<id>"',
+        lambda r: r[0].tokens_as_ids is True,
+        None,
+    ),
     (
         "return_token_ids",
         "served",
