@@ -13,6 +13,7 @@ JSON list or a comma-separated one in one argument or environment variable.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ PARALLELISM_HINT = "; run several servers behind sglang-router"
 PROG = "python -m runtime serve"
 DESCRIPTION = "Start the ringserve OpenAI-compatible server."
 README_HEADING = "## Settings"
+
+
+ROOT_PATH = re.compile(r"(/[A-Za-z0-9._~-]+)+")
 
 
 def _names(names: Iterable[str]) -> str:
@@ -138,6 +142,13 @@ class ServerArgs:
     )
     port: int = setting(30000, "the port to listen on (`serve` only)", at_least=1, same_row=True)
     workers: int = setting(1, "HTTP worker processes (`serve` only)", at_least=1, same_row=True)
+    root_path: str = setting(
+        "",
+        "vLLM's: the path prefix a proxy serves this server under: `<prefix>/v1/...` is served as `/v1/...` "
+        "(paths without it still are)",
+        default_text="none",
+        same_row=True,
+    )
     api_key: str | None = setting(
         None,
         "a bearer key on every route but `/health`, `/health_generate`, `/metrics`; better given as "
@@ -288,6 +299,8 @@ class ServerArgs:
             )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.root_path and not ROOT_PATH.fullmatch(self.root_path):
+            raise ValueError(f"--root-path must be a path like /api/llm (no trailing slash), not {self.root_path!r}")
         if self.chat_template is not None and not (
             os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
         ):

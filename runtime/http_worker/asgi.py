@@ -282,6 +282,7 @@ class App:
         self.worker: HTTPWorkerProcess | None = None
         self.body_reads = BodyReads()
         self.cors: Cors | None = None  # from the worker's arguments, at start-up
+        self.root_path = ""  # --root-path, at start-up
 
     def add_route(self, path: str, methods: dict[str, Handler]) -> None:
         """Routes `path`; HEAD is answered where GET is."""
@@ -299,6 +300,8 @@ class App:
                 elif name == b"access-control-request-method":
                     preflight = value
             cors = self.cors  # answers requests that carry an Origin
+            if self.root_path and scope["path"].startswith(self.root_path + "/"):  # behind a proxy's prefix
+                scope["path"] = scope["path"][len(self.root_path) :]
             methods = self.routes.get(scope["path"])
             if methods is None and self.prefixes:
                 methods = next((m for p, m in self.prefixes.items() if scope["path"].startswith(p)), None)
@@ -360,6 +363,7 @@ class App:
                 for name in self.worker.served_names:
                     self.add_route(MODEL_PATH + name, {"GET": self.model_card})
                 self.cors = Cors.of(self.worker.args)
+                self.root_path = self.worker.args.root_path
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.body_reads.close()

@@ -1,7 +1,8 @@
 """SGLang's and vLLM's launch flags (runtime/config.py): every alias of a ringserve setting, by
 flag and by environment variable; the refusals (tensor / data parallelism, an alias and its
 target given different values); list settings; then a real server (the null model) started
-with several served names, a copied --tokenizer-path, vLLM's aliases and --log-requests, and
+with several served names, a copied --tokenizer-path, vLLM's aliases, --log-requests, --root-path,
+--return-tokens-as-token-ids and --enable-force-include-usage, and
 `python -m runtime serve --tp 2` refused with the reason."""
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def test_alias_and_target_agreeing_is_fine():
         (["--dp", "2"], "data parallelism is not supported; run several servers behind sglang-router"),
         (["--served-model-name", '["a,b"]'], "served-model-name"),
         (["--allowed-origins", '["a"'], "JSON list"),
+        (["--root-path", "api/"], "--root-path must be a path"),
+        (["--root-path", "/api/"], "--root-path must be a path"),
     ],
 )
 def test_refusals(argv, match):
@@ -202,6 +205,7 @@ def start(start_server, tokenizer_copy):
         max_total_tokens=8192,
         return_tokens_as_token_ids=1,
         enable_force_include_usage=1,
+        root_path="/api/llm",
     )
 
 
@@ -245,6 +249,17 @@ def test_tokens_as_ids_and_forced_usage(server):
     assert "".join(plain.choices[0].logprobs.tokens) == text == plain.choices[0].text
     chunks = list(client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=3, stream=True))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_root_path_is_served_and_so_is_the_bare_path(server):
+    """--root-path (vLLM's): a proxy that keeps the prefix and one that strips it both work."""
+    assert httpx.get(server.url("/api/llm/v1/models"), timeout=30).json()["data"][0]["id"] == NAMES[0]
+    assert httpx.get(server.url("/v1/models"), timeout=30).status_code == 200
+    assert httpx.get(server.url("/api/llmx/v1/models"), timeout=30).status_code == 404
+    out = openai.OpenAI(base_url=server.url("/api/llm/v1"), api_key="none", max_retries=0).completions.create(
+        model=NAMES[0], prompt="Hi", max_tokens=2
+    )
+    assert out.choices[0].text
 
 
 def test_tokenizer_path_is_used(server, tokenizer_copy):
