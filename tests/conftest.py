@@ -88,8 +88,11 @@ class Server:
         self.start_times: dict[int, int | None] = {}
 
     @classmethod
-    def granian(cls, workers: int = 1, granian_flags: tuple[str, ...] = (), **settings) -> Server:
-        port = free_port()
+    def granian(
+        cls, workers: int = 1, granian_flags: tuple[str, ...] = (), port: int | None = None, **settings
+    ) -> Server:
+        """`port`: another server's, once it stopped (a restart in place); else a free one."""
+        port = port or free_port()
         argv = [
             sys.executable,
             "-m",
