@@ -56,6 +56,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
+import orjson
 
 from perf import report
 from perf import serving_bench as sb
@@ -371,7 +372,7 @@ class Soak:
         return time.monotonic() - t0 if set(fault["answers"]) <= {"200", "400"} else None
 
     async def fault_slow_body(self, fault: dict) -> float | None:
-        body = json.dumps({"model": self.model, "prompt": "slow " * 40, "max_tokens": 8}).encode()
+        body = orjson.dumps({"model": self.model, "prompt": "slow " * 40, "max_tokens": 8})
         pieces = 8
 
         async def trickle():
@@ -408,7 +409,7 @@ class Soak:
         async def half_a_request() -> None:
             reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port, family=socket.AF_INET)
             head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            writer.write(head + b"content-length: 4000\r\n\r\n" + json.dumps(body).encode()[:100])
+            writer.write(head + b"content-length: 4000\r\n\r\n" + orjson.dumps(body)[:100])
             await writer.drain()
             writer.close()
 
