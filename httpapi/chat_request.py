@@ -26,7 +26,7 @@ from httpapi.request_fields import (
     sglang_no_stop_trim,
     shown,
 )
-from httpapi.sampling import SamplingSpec, read_sampling
+from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_sampling
 from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
 # OpenAI's roles; vLLM passes any other role to the chat template, which renders it or refuses
@@ -163,6 +163,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
         return_ids=return_token_ids,
         logprobs=f.get_bool("logprobs", False),
         top_logprobs=f.get_int("top_logprobs", 0),
+        allowed_token_ids=read_allowed_token_ids(f),
         prompt_logprobs=read_prompt_logprobs(f),
         **read_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice, parallel_tool_calls)),
     )

@@ -22,7 +22,6 @@ IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam sear
 # it asks for nothing (null, false, 0, an empty list or object, or the value in NOTHING_ASKED).
 REFUSED_OPENAI = {
     "use_beam_search": "beam search is not supported",
-    "allowed_token_ids": "allowed_token_ids is not supported; logit_bias is",
     "bad_words": "bad_words is not supported",
     "logprob_token_ids": "logprobs of chosen token ids are not supported; top_logprobs is",
     "logits_processors": "custom logits processors are not supported",

@@ -32,7 +32,7 @@ from httpapi.request_fields import (
     refuse_unserved,
     sglang_no_stop_trim,
 )
-from httpapi.sampling import SamplingSpec, read_sampling
+from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_sampling
 from protocol.sampling_params import GrammarKind
 from structured.grammars import structural_tag_text
 
@@ -196,6 +196,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         return_ids=return_token_ids,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
+        allowed_token_ids=read_allowed_token_ids(f),
         prompt_logprobs=prompt_logprobs,
         **read_grammar(f, names),
     )

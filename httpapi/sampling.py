@@ -20,6 +20,7 @@ from protocol.memo import ByteLRU, string_bytes
 from protocol.records import MAX_OPEN_PAYLOAD_BYTES, MAX_REQUEST_PAYLOAD_BYTES
 from protocol.request_records import MEMO_BYTES, sampling_payload_bytes, stop_payload_bytes
 from protocol.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,
     MAX_STOP_BYTES,
@@ -74,6 +75,19 @@ def read_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def read_allowed_token_ids(fields: Fields) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: the only tokens the answer may hold, a non-empty list (checked
+    against the vocabulary in SamplingParams.validate()), in id order without repeats."""
+    raw = fields.raw("allowed_token_ids")
+    param = fields.param("allowed_token_ids")
+    if type(raw) is list and len(raw) > MAX_ALLOWED_TOKEN_IDS:  # before a pass over what a client may make huge
+        raise bad_request(f"{param} may name at most {MAX_ALLOWED_TOKEN_IDS} tokens", param)
+    ids = fields.get_token_ids("allowed_token_ids")
+    if raw is not None and not ids:
+        raise bad_request(f"{param} must name at least one token", param)
+    return tuple(sorted(set(ids)))
+
+
 def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int | None = None) -> SamplingParams:
     try:
         return params.validate(vocab_size)
@@ -111,6 +125,7 @@ class SamplingSpec:
             spec = _spec(values, max_tokens, dict(names), prompt_param)
             # bounded by bytes: the stop strings, the grammar and the bias are the client's
             cost = string_bytes((*stop, grammar)) + LOGIT_BIAS_ENTRY_BYTES * len(values.get("logit_bias", ()))
+            cost += 8 * len(values.get("allowed_token_ids", ()))
             _SPECS.put(key, spec, cost)
         return spec
 
@@ -126,10 +141,11 @@ class SamplingSpec:
         max_new = resolve_max_tokens(
             self.max_tokens, len(prompt_ids), context_len, self.names.get("max_tokens", "max_tokens")
         )
-        if max_new == self.params.max_new_tokens and not self.params.stop_token_ids and not self.params.logit_bias:
-            return self.params  # validated in build(): only max_tokens and the vocabulary's checks are left
-        params = dataclasses.replace(self.params, max_new_tokens=max_new)
-        return validated(params, self.names, vocab_size)  # again: stop_token_ids and logit_bias need the vocabulary
+        p = self.params
+        if max_new == p.max_new_tokens and not (p.stop_token_ids or p.logit_bias or p.allowed_token_ids):
+            return p  # validated in build(): only max_tokens and the vocabulary's checks are left
+        params = dataclasses.replace(p, max_new_tokens=max_new)
+        return validated(params, self.names, vocab_size)  # again: token ids need the vocabulary
 
     @property
     def grammar_param(self) -> str:

@@ -149,6 +149,8 @@ REQUEST = RecordLayout(
             ("grammar_len", np.uint32),
             ("bias_off", np.uint32),  # logit_bias: n u32 token ids, then their n f32 biases
             ("bias_len", np.uint32),
+            ("allowed_off", np.uint32),  # allowed_token_ids: u32 token ids (none: any token)
+            ("allowed_len", np.uint32),
             # its sampling parameters, from has_seed to the end: requests that share them share these
             # bytes, so each side converts them once (request_records.py pack_request, unpack_request)
             ("has_seed", np.uint8),
@@ -182,6 +184,7 @@ REQUEST = RecordLayout(
         PayloadRef("stop_off", "stop_len", np.dtype(np.uint8)),
         PayloadRef("grammar_off", "grammar_len", np.dtype(np.uint8)),
         PayloadRef("bias_off", "bias_len", np.dtype(np.uint8)),
+        PayloadRef("allowed_off", "allowed_len", np.dtype(np.uint8)),
     ),
 )
 

@@ -39,7 +39,7 @@ def pack_request(
     base: int = 0,
 ) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
-    strings, the grammar and the logit bias, each 4-aligned), ready for `channel.push(record,
+    strings, the grammar, the logit bias and the allowed token ids, each 4-aligned), ready for `channel.push(record,
     blob)`. rid: rid_hash() of the request's id, 0 for none. base: where the blob starts in the
     push's payload, when several requests go in one push. The record is packed by struct
     (record_struct), the sampling part once per SamplingParams object: set field by field, a
@@ -62,23 +62,37 @@ def pack_request(
         packed.grammar_len,
         at + packed.bias_at,
         packed.bias_len,
+        at + packed.allowed_at,
+        packed.allowed_len,
     )
     return np.frombuffer(bytearray(head + packed.sampling), REQUEST.dtype), prompt + packed.extras
 
 
 def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams, np.ndarray]:
     """(params, prompt ids u32 view) of one NEW record of a popped batch. Requests with the
-    same sampling bytes, stop strings, grammar and bias get the same (frozen) SamplingParams."""
+    same sampling bytes, stop strings, grammar, bias and allowed ids get the same (frozen)
+    SamplingParams."""
     raw = record.tobytes()
-    prompt_off, prompt_len, stop_off, stop_len, grammar_off, grammar_len, bias_off, bias_len = (
-        _REQUEST_HEAD.unpack_from(raw)[6:]
-    )
-    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len)
+    (
+        prompt_off,
+        prompt_len,
+        stop_off,
+        stop_len,
+        grammar_off,
+        grammar_len,
+        bias_off,
+        bias_len,
+        allowed_off,
+        allowed_len,
+    ) = _REQUEST_HEAD.unpack_from(raw)[6:]
+    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len, allowed_len)
     key += payload[stop_off : stop_off + stop_len].tobytes()
     if grammar_len:
         key += payload[grammar_off : grammar_off + grammar_len].tobytes()
     if bias_len:
         key += payload[bias_off : bias_off + bias_len].tobytes()
+    if allowed_len:
+        key += payload[allowed_off : allowed_off + allowed_len].tobytes()
     params = _PARAMS.get(key)
     if params is None:  # a server sees a few distinct sampling settings: each converted once
         params = _params_of(key)
@@ -88,15 +102,17 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
 
 def _params_of(key: bytes) -> SamplingParams:
     """The SamplingParams of unpack_request's key: a REQUEST record's sampling bytes, the
-    lengths of its extras, then the stop strings, the grammar and the logit bias."""
+    lengths of its extras, then the stop strings, the grammar, the logit bias and the allowed ids."""
     values = _REQUEST_SAMPLING.unpack_from(key)
     r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
-    stop_len, grammar_len, bias_len = _EXTRA_LENS.unpack_from(key, _REQUEST_SAMPLING.size)
+    stop_len, grammar_len, bias_len, allowed_len = _EXTRA_LENS.unpack_from(key, _REQUEST_SAMPLING.size)
     at = _REQUEST_SAMPLING.size + _EXTRA_LENS.size
     grammar_at, bias_at = at + stop_len, at + stop_len + grammar_len
+    allowed_at = bias_at + bias_len
     n_bias = bias_len // 8
     bias_ids = np.frombuffer(key, np.uint32, n_bias, bias_at).tolist()
     biases = np.frombuffer(key, np.float32, n_bias, bias_at + 4 * n_bias).tolist()
+    allowed = tuple(np.frombuffer(key, np.uint32, allowed_len // 4, allowed_at).tolist())
     return SamplingParams(
         max_new_tokens=r["max_new_tokens"],
         min_new_tokens=r["min_new_tokens"],
@@ -120,6 +136,7 @@ def _params_of(key: bytes) -> SamplingParams:
         grammar_kind=r["grammar_kind"],
         grammar=key[grammar_at:bias_at].decode(),
         logit_bias=tuple(zip(bias_ids, biases)),
+        allowed_token_ids=allowed,
         prompt_logprobs=r["prompt_logprobs"],
         prompt_logprobs_start=r["prompt_logprobs_start"],
     )
@@ -128,12 +145,14 @@ def _params_of(key: bytes) -> SamplingParams:
 class _PackedSampling(NamedTuple):
     params: SamplingParams  # held, so that its id stays its own while the memo keeps this
     sampling: bytes  # the record's bytes from SAMPLING_AT on
-    extras: bytes  # the stop strings, the grammar and the logit bias, each part 4-aligned
+    extras: bytes  # the stop strings, the grammar, the logit bias and the allowed ids, each part 4-aligned
     stop_len: int
     grammar_at: int  # offsets in `extras`
     grammar_len: int
     bias_at: int
     bias_len: int
+    allowed_at: int
+    allowed_len: int
 
 
 def _packed_sampling(params: SamplingParams) -> _PackedSampling:
@@ -177,10 +196,14 @@ def _packed_sampling(params: SamplingParams) -> _PackedSampling:
     if params.logit_bias:
         ids, values = zip(*params.logit_bias)
         bias = np.array(ids, np.uint32).tobytes() + np.array(values, np.float32).tobytes()
+    allowed = np.array(params.allowed_token_ids, np.uint32).tobytes()
     grammar_at = _aligned(len(stop))
     bias_at = grammar_at + _aligned(len(grammar))
-    extras = stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias
-    packed = _PackedSampling(params, sampling, extras, len(stop), grammar_at, len(grammar), bias_at, len(bias))
+    allowed_at = bias_at + len(bias)  # whole u32s and f32s: still aligned
+    extras = stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias + allowed
+    packed = _PackedSampling(
+        params, sampling, extras, len(stop), grammar_at, len(grammar), bias_at, len(bias), allowed_at, len(allowed)
+    )
     _PACKED.put(id(params), packed, len(sampling) + 2 * len(extras) + string_bytes(params.stop))
     return packed
 
@@ -190,7 +213,7 @@ def _aligned(n: int) -> int:
 
 
 def sampling_payload_bytes(params: SamplingParams) -> int:
-    """The bytes `params` adds to a NEW record's payload: its stop strings, grammar and logit bias."""
+    """The bytes `params` adds to a NEW record's payload: its stop strings, grammar, logit bias and allowed ids."""
     return len(_packed_sampling(params).extras)
 
 
@@ -201,7 +224,7 @@ def stop_payload_bytes(params: SamplingParams) -> int:
 
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
-_EXTRA_LENS = struct.Struct("=III")  # stop_len, grammar_len, bias_len in unpack_request's key
+_EXTRA_LENS = struct.Struct("=IIII")  # stop_len, grammar_len, bias_len, allowed_len in unpack_request's key
 _SAMPLING_NAMES = [n for n, (_, at) in _REQUEST_FIELDS.items() if at >= SAMPLING_AT][:-1]  # scalars
 _PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strings -> SamplingParams
 _PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> _PackedSampling

@@ -26,6 +26,7 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_GRAMMAR_BYTES = 256 << 10
 # logit_bias: OpenAI's range; entries bounded so a request's bias rows stay small on every step
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 4096  # vLLM's allowed_token_ids: a request's list rides its REQUEST payload
 MAX_ABS_LOGIT_BIAS = 100.0
 
 
@@ -72,6 +73,7 @@ class SamplingParams:
     grammar_kind: int = GrammarKind.NONE  # the output must match `grammar` (constrained decoding)
     grammar: str = ""
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only tokens it may sample (empty: any)
     prompt_logprobs: int = -1  # -1: none; else each prompt token's logprob and this many top alternatives
     prompt_logprobs_start: int = 0  # the first prompt position reported (SGLang's logprob_start_len)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -138,6 +140,16 @@ class SamplingParams:
             self._validate_grammar()
         if self.logit_bias:
             self._validate_logit_bias(vocab_size)
+        if self.allowed_token_ids and not (
+            len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+            and all(
+                isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.allowed_token_ids
+            )
+        ):
+            raise InvalidParam(
+                "allowed_token_ids",
+                f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids in the vocabulary",
+            )
         if not (isinstance(self.prompt_logprobs, int) and -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not (isinstance(self.prompt_logprobs_start, int) and 0 <= self.prompt_logprobs_start < 2**31):

@@ -6,11 +6,12 @@ ops whatever the batch size; only rows with a seed cost one generator call each.
 
 Order, as vLLM: raw logits -> (logprobs are taken here: the model's own distribution,
 vLLM's default "raw_logprobs") -> min_tokens masks EOS/stop ids -> logit_bias is added ->
-repetition, frequency, presence penalties -> the grammar's mask (constrained decoding: the
-tokens it forbids go to -inf) -> greedy argmax, or temperature, then top_k / top_p / min_p masks
-(all three measured on the same temperature-scaled distribution, kept tokens are their
-intersection) and inverse-CDF sampling from the renormalised kept probabilities (one
-uniform per row: a sort or an exponential race over [256, V] costs seconds on a CPU).
+tokens outside allowed_token_ids go to -inf -> repetition, frequency, presence penalties ->
+the grammar's mask (constrained decoding: the tokens it forbids go to -inf) -> greedy argmax,
+or temperature, then top_k / top_p / min_p masks (all three measured on the same
+temperature-scaled distribution, kept tokens are their intersection) and inverse-CDF sampling
+from the renormalised kept probabilities (one uniform per row: a sort or an exponential race
+over [256, V] costs seconds on a CPU).
 
 Seeded rows draw their uniform from a generator seeded by (seed, tokens generated so far),
 so a seeded request gives the same tokens whatever else is in the batch and after being
@@ -65,6 +66,9 @@ class Sampler:
         # logit_bias: each biased row's entries, and its (token ids int64, values float32) on the device
         self.bias_len = np.zeros(R, np.int64)
         self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * R
+        # allowed_token_ids: each restricted row's bool [V] of the tokens it may take
+        self.restricted = np.zeros(R, bool)
+        self.allowed: list[torch.Tensor | None] = [None] * R
         self._dirty = np.zeros(R, bool)
         # device state
         self.params_t = torch.zeros(R, 7, dtype=torch.float32, device=device)
@@ -107,6 +111,12 @@ class Sampler:
                 torch.tensor(ids, dtype=torch.int64, device=self.device),
                 torch.tensor(values, dtype=torch.float32, device=self.device),
             )
+        self.restricted[row] = bool(params.allowed_token_ids)
+        self.allowed[row] = None
+        if params.allowed_token_ids:
+            allowed = torch.zeros(self.V, dtype=torch.bool, device=self.device)
+            allowed[torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)] = True
+            self.allowed[row] = allowed
         self._dirty[row] = True
         self.output_counts[row].zero_()
         if len(output_ids):
@@ -124,6 +134,7 @@ class Sampler:
         self.greedy[row], self.penalized[row], self.seeded[row] = True, False, False
         self.logprobs[row], self.top_logprobs[row], self.min_tokens[row] = False, 0, 0
         self.bias_len[row], self.bias[row] = 0, None
+        self.restricted[row], self.allowed[row] = False, None
 
     def sample(self, logits: torch.Tensor, rows: np.ndarray, mask: TokenMask | None = None) -> SampleResult:
         """logits: float32 [S, V] of the rows `rows` (int64 [S]), modified in place; records the
@@ -149,6 +160,13 @@ class Sampler:
         biased = self.bias_len[rows] > 0
         if biased.any():
             self.add_bias(logits, rows, np.flatnonzero(biased))
+
+        restricted = self.restricted[rows]
+        if restricted.any():
+            pos = np.flatnonzero(restricted)
+            allowed = torch.stack([self.allowed[r] for r in rows[pos].tolist()])  # type: ignore[misc]
+            idx = self._t(pos)
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
         penalized = self.penalized[rows]
         if penalized.any():

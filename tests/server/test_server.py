@@ -369,6 +369,23 @@ def test_batch_chat_answers_each_conversation_as_alone(server, client, want):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
 
 
+def test_allowed_token_ids_are_all_the_answer_holds(server, client, tokenizer):
+    """vLLM's allowed_token_ids: greedy or sampled, every output token is one of them."""
+    allowed = sorted({*tokenizer.encode(" Paris London Rome", add_special_tokens=False), tokenizer.eos_token_id})
+    for temperature in (0.0, 1.0):
+        r = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=8,
+            temperature=temperature,
+            extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+        )
+        assert r.choices[0].token_ids and set(r.choices[0].token_ids) <= set(allowed), r.choices[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": [10**6]})
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
 def test_custom_roles_render_as_the_template_writes_them(server, client, tokenizer):
     """vLLM's: a role outside OpenAI's reaches the chat template (ChatML writes any role)."""
     messages = [{"role": "observer", "content": "It rains."}, *CHAT]

@@ -329,6 +329,27 @@ def test_logit_bias_is_per_row_and_cleared_with_the_row():
     assert sampler.sample(logits.clone(), np.array([0, 1])).tokens.tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_are_the_only_tokens_a_row_takes(temperature):
+    """vLLM's allowed_token_ids: per row, after logit_bias (a bias cannot reach a token outside),
+    cleared with the row; logprobs stay the model's own distribution."""
+    sampler = make()
+    allowed = (2, 5)
+    params = SamplingParams(temperature=temperature, allowed_token_ids=allowed, logit_bias=((0, 100.0),), logprobs=True)
+    sampler.set_request(0, params, no_output(), no_output())
+    sampler.set_request(1, SamplingParams(temperature=0.0), no_output(), no_output())
+    seen = set()
+    for _ in range(200 if temperature else 1):
+        res = sampler.sample(logits_of(PROBS, 2), np.array([0, 1]))
+        seen.add(res.tokens[0].item())
+        assert res.tokens[1].item() == 0  # the unrestricted row is untouched
+    assert seen == ({2} if temperature == 0.0 else set(allowed))
+    assert res.logprobs[0].item() == pytest.approx(math.log(PROBS[res.tokens[0].item()]), rel=1e-4)
+    sampler.clear_request(0)
+    sampler.set_request(0, SamplingParams(temperature=0.0), no_output(), no_output())
+    assert sampler.sample(logits_of(PROBS, 1), np.array([0])).tokens.tolist() == [0]
+
+
 def _bitmask(allowed: list[list[int]], n: int) -> torch.Tensor:
     """xgrammar's layout: bit j of word k allows token 32k + j."""
     bits = np.zeros((len(allowed), -(-n // 32) * 32), np.uint8)
