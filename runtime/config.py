@@ -162,6 +162,20 @@ class ServerArgs:
         "one line a finished request (rid, endpoint, tokens, finish reason, latency; never text)",
         same_row=True,
     )
+    dump_requests_folder: str | None = setting(
+        None,
+        "SGLang's: each finished request's inputs, sampling parameters and outputs (never a header) as JSON "
+        "lines in `requests-w<worker>.jsonl` there (docs/engine-control.md; `perf/replay.py` sends them again)",
+        default_text="none",
+        same_row=True,
+    )
+    dump_requests_max_bytes: int = setting(
+        64 << 20,
+        "a worker's dump, at most: past half of it its file is renamed `.1.jsonl` (the previous one dropped)",
+        default_text="67108864 (64 MiB)",
+        at_least=4096,
+        same_row=True,
+    )
     allowed_origins: tuple[str, ...] = setting(
         (),
         "CORS, vLLM's flags: the origins whose pages may call the server (`'[\"*\"]'`: any)",

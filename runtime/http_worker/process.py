@@ -25,6 +25,7 @@ from runtime.http_worker.disconnect import DisconnectWatches
 from runtime.http_worker.grammar_checks import GrammarChecks
 from runtime.http_worker.metrics import WorkerMetrics
 from runtime.http_worker.req_state import ReqGroup, ReqState
+from runtime.http_worker.request_dump import RequestDump
 from runtime.http_worker.request_log import RequestLog
 from runtime.http_worker.response_store import ResponseStore
 from runtime.supervise.files import ServerFiles
@@ -95,6 +96,11 @@ class HTTPWorkerProcess:
         self.model = tm.model
         self.served_names = served_model_names(args.model_path, args.served_model_name)  # the first: tm.model's
         self.request_log = RequestLog() if args.log_requests else None
+        self.dump = (
+            RequestDump(args.dump_requests_folder, link.worker, args.dump_requests_max_bytes)
+            if args.dump_requests_folder
+            else None
+        )
         self.vocab = vocab
         self.metrics = metrics
         self.kv_tokens: int | None = link.meta.get("max_total_tokens")  # may hold less than the context
@@ -148,6 +154,8 @@ class HTTPWorkerProcess:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         self.responses.close()
+        if self.dump is not None:
+            self.dump.close()
         self.link.close(self.files)
 
     # ---------------------------------------------------------------- the rings
@@ -244,6 +252,8 @@ class HTTPWorkerProcess:
         group = await self.tm.submit([ids for ids in prompts for _ in range(n)], choice_params, rids, stream)
         if self.request_log is not None:
             self.request_log.submitted(group, endpoint)
+        if self.dump is not None:
+            self.dump.submitted(group, endpoint, prompts, params, n)
         return group
 
     def observe(self, group: ReqGroup) -> None:
@@ -253,6 +263,8 @@ class HTTPWorkerProcess:
         self.metrics.observe_request(group.arrival_ns, end_ns, group.states)
         if self.request_log is not None:
             self.request_log.ended(group, end_ns)
+        if self.dump is not None:
+            self.dump.ended(group)
 
     def observe_delta(self, state: ReqState, now_ns: int) -> None:
         """A streamed delta about to be sent."""

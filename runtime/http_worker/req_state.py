@@ -46,6 +46,7 @@ class ReqState:
         "last_ns",
         "output_ids",
         "prompt_logprobs",
+        "kept",
     )
 
     def __init__(
@@ -68,6 +69,7 @@ class ReqState:
         self.sent_tokens, self.last_ns = 0, 0  # streamed so far, and when (the HTTP layer's)
         self.output_ids: list[int] = []  # every token id so far, when params.return_ids
         self.prompt_logprobs: list[PromptLogprobs] = []  # its PROMPT_LOGPROBS records', not yet taken
+        self.kept: list[str] | None = None  # every text taken, when the request is dumped (request_dump.py)
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,8 @@ class ReqState:
         """Every pending delta as one: (text, logprobs or None, finish_reason once finished)."""
         parts, self.parts = self.parts, []
         text = parts[0].decode(errors="replace") if len(parts) == 1 else b"".join(parts).decode(errors="replace")
+        if self.kept is not None:
+            self.kept.append(text)
         lp = None
         if self.logprobs:
             lp = self.logprobs[0] if len(self.logprobs) == 1 else TokenLogprobs.concat(self.logprobs)

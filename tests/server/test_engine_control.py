@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import torch
 from safetensors import safe_open
@@ -44,7 +45,7 @@ def save_checkpoint(path: Path, seed: int, **changes) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{**SHAPE, **changes}), dtype=torch.float32)
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(resolve_model_dir(None) / name, path / name)
     return path
 
@@ -69,7 +70,12 @@ def greedy(model_path: Path, n: int = NEW, prompts=PROMPTS) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, checkpoints):
+def dump_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dump")
+
+
+@pytest.fixture(scope="module")
+def server(start_server, checkpoints, dump_folder):
     return start_server(
         start_server.Server.granian,
         workers=2,
@@ -77,6 +83,7 @@ def server(start_server, checkpoints):
         api_key=KEY,
         max_total_tokens=8192,
         max_running_requests=16,
+        dump_requests_folder=str(dump_folder),
     )
 
 
@@ -222,6 +229,44 @@ def test_update_weights_with_requests_in_flight(server, checkpoints, abort):
         assert finishes == ({"abort"} if abort else {"length"})
         r = http.post("/update_weights_from_disk", json={"model_path": str(checkpoints["a"])})
         assert r.status_code == 200
+
+
+def test_dump_and_replay_round_trip(server, dump_folder, tmp_path, monkeypatch):
+    """Requests of every generation route, dumped by both workers, replayed by perf/replay.py
+    to the same server: every determined choice (greedy, or seeded) comes back equal. The API
+    key is nowhere in the dump."""
+    from perf import replay
+
+    mark = time.time()
+    chat = {"model": "a", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0}
+    with client(server) as http:
+        assert http.post("/v1/chat/completions", json={**chat, "stream": True}).status_code == 200
+        r = http.post("/v1/completions", json={"model": "a", "prompt": "One two", "max_tokens": 10, "n": 2, "seed": 7})
+        assert r.status_code == 200, r.text
+        generate(http, PROMPTS[1])
+        body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "temperature": 0.9}}
+        assert http.post("/generate", json=body).status_code == 200  # unseeded: sent, not compared
+    lines = []
+    for _ in range(100):  # each worker writes its line as its request ends
+        lines = [
+            line
+            for file in sorted(dump_folder.glob("requests-w*.jsonl"))
+            for line in file.read_bytes().splitlines()
+            if orjson.loads(line)["time"] >= mark
+        ]
+        if len(lines) == 4:
+            break
+        time.sleep(0.1)
+    assert {orjson.loads(line)["endpoint"] for line in lines} == {"chat", "completions", "generate"}
+    assert all(KEY not in f.read_text() for f in dump_folder.iterdir())
+    dump = tmp_path / "requests-w0.jsonl"
+    dump.write_bytes(b"\n".join(lines) + b"\n")
+    monkeypatch.setenv("RINGSERVE_API_KEY", KEY)
+    out = tmp_path / "replay.json"
+    assert replay.main(["--dump", str(dump), "--url", server.base, "--out", str(out)]) == 0
+    result = orjson.loads(out.read_bytes())
+    assert result["requests"] == 4 and result["compared"] == 4 and result["equal"] == 4
+    assert (tmp_path / "replay.md").read_text().count("| chat |") == 1
 
 
 def test_update_weights_of_a_gguf(start_server, tmp_path_factory):
