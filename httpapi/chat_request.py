@@ -29,6 +29,7 @@ from httpapi.request_fields import (
 from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_sampling
 from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
+REFUSED_CHAT = {k: why for k, why in REFUSED_OPENAI.items() if k != "thinking_token_budget"}  # served here
 # OpenAI's roles; vLLM passes any other role to the chat template, which renders it or refuses
 # it (a 400). Bounded to a name, so that a role cannot carry the template's own markup.
 CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
@@ -107,6 +108,7 @@ class ChatCompletionRequest:
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
     echo: str = ""  # vLLM's echo: the final message's content, which each choice's text then starts with
     tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
+    thinking_budget: int = -1  # vLLM's thinking_token_budget: reasoning tokens at most (-1: no bound)
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -173,7 +175,8 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     echo = echoed_text(f.get_bool("echo", False), messages, template)
     include_reasoning = f.get_bool("include_reasoning", True)
     separate_reasoning = f.get_bool("separate_reasoning", True)
-    refuse_unserved(f, REFUSED_OPENAI)
+    thinking_budget = read_thinking_budget(f, names)
+    refuse_unserved(f, REFUSED_CHAT)
     check_ignored(f)
     f.warn_unknown("/v1/chat/completions")
     sampling = SamplingSpec.build(values, max_tokens, names, "messages")
@@ -196,7 +199,23 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
         return_token_ids,
         echo,
         tokens_as_ids,
+        thinking_budget,
     )
+
+
+def read_thinking_budget(f: Fields, names: dict[str, str]) -> int:
+    """vLLM's thinking_token_budget: -1 (or absent) for no bound, else a token count; the
+    reasoning's end is then forced by the sampler, which cannot also hold the answer to a grammar."""
+    budget = f.get_int("thinking_token_budget", -1)
+    if budget < -1:
+        raise bad_request("thinking_token_budget must be -1 (no bound) or a token count", "thinking_token_budget")
+    if budget >= 0 and "grammar" in names:
+        raise bad_request(
+            f"thinking_token_budget cannot be combined with a grammar ({names['grammar']}): the reasoning's "
+            "forced end would break it",
+            "thinking_token_budget",
+        )
+    return budget
 
 
 def echoed_text(echo: bool, messages: list[dict[str, Any]], template: ChatTemplateArgs | None) -> str:

@@ -151,6 +151,8 @@ REQUEST = RecordLayout(
             ("bias_len", np.uint32),
             ("allowed_off", np.uint32),  # allowed_token_ids: u32 token ids (none: any token)
             ("allowed_len", np.uint32),
+            ("think_off", np.uint32),  # the reasoning's markers: u32 count of start ids, the start ids, the end ids
+            ("think_len", np.uint32),
             # its sampling parameters, from has_seed to the end: requests that share them share these
             # bytes, so each side converts them once (request_records.py pack_request, unpack_request)
             ("has_seed", np.uint8),
@@ -175,6 +177,7 @@ REQUEST = RecordLayout(
             ("frequency_penalty", np.float64),
             ("presence_penalty", np.float64),
             ("seed", np.int64),
+            ("thinking_budget", np.int32),  # -1: no bound
             ("stop_token_ids", np.uint32, (MAX_STOP_TOKEN_IDS,)),
         ],
         align=True,
@@ -185,6 +188,7 @@ REQUEST = RecordLayout(
         PayloadRef("grammar_off", "grammar_len", np.dtype(np.uint8)),
         PayloadRef("bias_off", "bias_len", np.dtype(np.uint8)),
         PayloadRef("allowed_off", "allowed_len", np.dtype(np.uint8)),
+        PayloadRef("think_off", "think_len", np.dtype(np.uint8)),
     ),
 )
 

@@ -39,11 +39,11 @@ def pack_request(
     base: int = 0,
 ) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
-    strings, the grammar, the logit bias and the allowed token ids, each 4-aligned), ready for `channel.push(record,
-    blob)`. rid: rid_hash() of the request's id, 0 for none. base: where the blob starts in the
-    push's payload, when several requests go in one push. The record is packed by struct
-    (record_struct), the sampling part once per SamplingParams object: set field by field, a
-    numpy record costs a numpy call a field."""
+    strings, the grammar, the logit bias, the allowed token ids and the reasoning's markers,
+    each 4-aligned), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's
+    id, 0 for none. base: where the blob starts in the push's payload, when several requests go
+    in one push. The record is packed by struct (record_struct), the sampling part once per
+    SamplingParams object: set field by field, a numpy record costs a numpy call a field."""
     packed = _packed_sampling(params)
     prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
     at = base + len(prompt)  # the extras stay 4-aligned: the prompt is whole u32s
@@ -64,6 +64,8 @@ def pack_request(
         packed.bias_len,
         at + packed.allowed_at,
         packed.allowed_len,
+        at + packed.think_at,
+        packed.think_len,
     )
     return np.frombuffer(bytearray(head + packed.sampling), REQUEST.dtype), prompt + packed.extras
 
@@ -84,8 +86,10 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
         bias_len,
         allowed_off,
         allowed_len,
+        think_off,
+        think_len,
     ) = _REQUEST_HEAD.unpack_from(raw)[6:]
-    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len, allowed_len)
+    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len, allowed_len, think_len)
     key += payload[stop_off : stop_off + stop_len].tobytes()
     if grammar_len:
         key += payload[grammar_off : grammar_off + grammar_len].tobytes()
@@ -93,6 +97,8 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
         key += payload[bias_off : bias_off + bias_len].tobytes()
     if allowed_len:
         key += payload[allowed_off : allowed_off + allowed_len].tobytes()
+    if think_len:
+        key += payload[think_off : think_off + think_len].tobytes()
     params = _PARAMS.get(key)
     if params is None:  # a server sees a few distinct sampling settings: each converted once
         params = _params_of(key)
@@ -105,7 +111,7 @@ def _params_of(key: bytes) -> SamplingParams:
     lengths of its extras, then the stop strings, the grammar, the logit bias and the allowed ids."""
     values = _REQUEST_SAMPLING.unpack_from(key)
     r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
-    stop_len, grammar_len, bias_len, allowed_len = _EXTRA_LENS.unpack_from(key, _REQUEST_SAMPLING.size)
+    stop_len, grammar_len, bias_len, allowed_len, think_len = _EXTRA_LENS.unpack_from(key, _REQUEST_SAMPLING.size)
     at = _REQUEST_SAMPLING.size + _EXTRA_LENS.size
     grammar_at, bias_at = at + stop_len, at + stop_len + grammar_len
     allowed_at = bias_at + bias_len
@@ -113,6 +119,8 @@ def _params_of(key: bytes) -> SamplingParams:
     bias_ids = np.frombuffer(key, np.uint32, n_bias, bias_at).tolist()
     biases = np.frombuffer(key, np.float32, n_bias, bias_at + 4 * n_bias).tolist()
     allowed = tuple(np.frombuffer(key, np.uint32, allowed_len // 4, allowed_at).tolist())
+    think = np.frombuffer(key, np.uint32, think_len // 4, allowed_at + allowed_len).tolist()
+    n_start = think[0] if think else 0
     return SamplingParams(
         max_new_tokens=r["max_new_tokens"],
         min_new_tokens=r["min_new_tokens"],
@@ -139,6 +147,9 @@ def _params_of(key: bytes) -> SamplingParams:
         allowed_token_ids=allowed,
         prompt_logprobs=r["prompt_logprobs"],
         prompt_logprobs_start=r["prompt_logprobs_start"],
+        thinking_budget=r["thinking_budget"],
+        think_start_ids=tuple(think[1 : 1 + n_start]),
+        think_end_ids=tuple(think[1 + n_start :]),
     )
 
 
@@ -153,6 +164,8 @@ class _PackedSampling(NamedTuple):
     bias_len: int
     allowed_at: int
     allowed_len: int
+    think_at: int
+    think_len: int
 
 
 def _packed_sampling(params: SamplingParams) -> _PackedSampling:
@@ -187,6 +200,7 @@ def _packed_sampling(params: SamplingParams) -> _PackedSampling:
         p.frequency_penalty,
         p.presence_penalty,
         p.seed or 0,
+        p.thinking_budget,
         *stop_ids,
         *(0,) * (MAX_STOP_TOKEN_IDS - len(stop_ids)),
     )
@@ -199,10 +213,26 @@ def _packed_sampling(params: SamplingParams) -> _PackedSampling:
     allowed = np.array(params.allowed_token_ids, np.uint32).tobytes()
     grammar_at = _aligned(len(stop))
     bias_at = grammar_at + _aligned(len(grammar))
+    think = b""
+    if params.thinking_budget >= 0:
+        markers = [len(params.think_start_ids), *params.think_start_ids, *params.think_end_ids]
+        think = np.array(markers, np.uint32).tobytes()
     allowed_at = bias_at + len(bias)  # whole u32s and f32s: still aligned
-    extras = stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias + allowed
+    think_at = allowed_at + len(allowed)
+    extras = stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias + allowed + think
     packed = _PackedSampling(
-        params, sampling, extras, len(stop), grammar_at, len(grammar), bias_at, len(bias), allowed_at, len(allowed)
+        params,
+        sampling,
+        extras,
+        len(stop),
+        grammar_at,
+        len(grammar),
+        bias_at,
+        len(bias),
+        allowed_at,
+        len(allowed),
+        think_at,
+        len(think),
     )
     _PACKED.put(id(params), packed, len(sampling) + 2 * len(extras) + string_bytes(params.stop))
     return packed
@@ -224,7 +254,7 @@ def stop_payload_bytes(params: SamplingParams) -> int:
 
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
-_EXTRA_LENS = struct.Struct("=IIII")  # stop_len, grammar_len, bias_len, allowed_len in unpack_request's key
+_EXTRA_LENS = struct.Struct("=5I")  # stop, grammar, bias, allowed, think lengths in unpack_request's key
 _SAMPLING_NAMES = [n for n, (_, at) in _REQUEST_FIELDS.items() if at >= SAMPLING_AT][:-1]  # scalars
 _PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strings -> SamplingParams
 _PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> _PackedSampling

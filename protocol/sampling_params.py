@@ -27,6 +27,7 @@ MAX_GRAMMAR_BYTES = 256 << 10
 # logit_bias: OpenAI's range; entries bounded so a request's bias rows stay small on every step
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 4096  # vLLM's allowed_token_ids: a request's list rides its REQUEST payload
+MAX_THINK_MARKER_IDS = 16  # the reasoning's start and end markers, as token ids
 MAX_ABS_LOGIT_BIAS = 100.0
 
 
@@ -76,6 +77,12 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only tokens it may sample (empty: any)
     prompt_logprobs: int = -1  # -1: none; else each prompt token's logprob and this many top alternatives
     prompt_logprobs_start: int = 0  # the first prompt position reported (SGLang's logprob_start_len)
+    # vLLM's thinking_token_budget: at most this many reasoning tokens (-1: no bound), then the
+    # reasoning's end (think_end_ids) is forced. The reasoning starts with the first token, or
+    # once the model wrote think_start_ids when they are given.
+    thinking_budget: int = -1
+    think_start_ids: tuple[int, ...] = ()
+    think_end_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -154,6 +161,8 @@ class SamplingParams:
             raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not (isinstance(self.prompt_logprobs_start, int) and 0 <= self.prompt_logprobs_start < 2**31):
             raise InvalidParam("prompt_logprobs_start", "the prompt logprobs' start must be a position in the prompt")
+        if self.thinking_budget != -1:
+            self._validate_thinking_budget(vocab_size)
         return self
 
     def _validate_grammar(self) -> None:
@@ -165,6 +174,17 @@ class SamplingParams:
             raise InvalidParam(
                 "grammar", f"a grammar (schema, regex or EBNF) must be at most {MAX_GRAMMAR_BYTES} bytes"
             )
+
+    def _validate_thinking_budget(self, vocab_size: int | None) -> None:
+        if not (isinstance(self.thinking_budget, int) and 0 <= self.thinking_budget < 2**31):
+            raise InvalidParam("thinking_budget", "thinking_token_budget must be -1 (no bound) or a token count")
+        for ids, needed in ((self.think_start_ids, False), (self.think_end_ids, True)):
+            if not (
+                (ids or not needed)
+                and len(ids) <= MAX_THINK_MARKER_IDS
+                and all(isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids)
+            ):
+                raise InvalidParam("thinking_budget", "the reasoning's markers must be token ids in the vocabulary")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

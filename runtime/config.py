@@ -126,8 +126,7 @@ class ServerArgs:
     )
     return_tokens_as_token_ids: bool = setting(
         False,
-        'vLLM\'s: logprobs show each token as "token_id:<id>" (a request\'s `return_tokens_as_token_ids` '
-        "overrides it)",
+        "vLLM's: logprobs show each token as `token_id:<id>` (a request's `return_tokens_as_token_ids` overrides it)",
         same_row=True,
     )
     enable_force_include_usage: bool = setting(
@@ -142,8 +141,8 @@ class ServerArgs:
     )
     port: int = setting(30000, "the port to listen on (`serve` only)", at_least=1, same_row=True)
     workers: int = setting(1, "HTTP worker processes (`serve` only)", at_least=1, same_row=True)
-    root_path: str = setting(
-        "",
+    root_path: str | None = setting(
+        None,
         "vLLM's: the path prefix a proxy serves this server under: `<prefix>/v1/...` is served as `/v1/...` "
         "(paths without it still are)",
         default_text="none",

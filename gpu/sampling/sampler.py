@@ -7,7 +7,8 @@ ops whatever the batch size; only rows with a seed cost one generator call each.
 Order, as vLLM: raw logits -> (logprobs are taken here: the model's own distribution,
 vLLM's default "raw_logprobs") -> min_tokens masks EOS/stop ids -> logit_bias is added ->
 tokens outside allowed_token_ids go to -inf -> repetition, frequency, presence penalties ->
-the grammar's mask (constrained decoding: the tokens it forbids go to -inf) -> greedy argmax,
+the grammar's mask (constrained decoding: the tokens it forbids go to -inf) -> a row past its
+thinking_token_budget takes its reasoning's end marker's next token -> greedy argmax,
 or temperature, then top_k / top_p / min_p masks (all three measured on the same
 temperature-scaled distribution, kept tokens are their intersection) and inverse-CDF sampling
 from the renormalised kept probabilities (one uniform per row: a sort or an exponential race
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from gpu.forward_batch import TokenMask
+from gpu.sampling.thinking_budget import ThinkingBudget
 from protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 # columns of the per-row float parameter table
@@ -69,6 +71,9 @@ class Sampler:
         # allowed_token_ids: each restricted row's bool [V] of the tokens it may take
         self.restricted = np.zeros(R, bool)
         self.allowed: list[torch.Tensor | None] = [None] * R
+        # thinking_token_budget: each budgeted row's count and end marker
+        self.budgeted = np.zeros(R, bool)
+        self.thinking: list[ThinkingBudget | None] = [None] * R
         self._dirty = np.zeros(R, bool)
         # device state
         self.params_t = torch.zeros(R, 7, dtype=torch.float32, device=device)
@@ -117,6 +122,12 @@ class Sampler:
             allowed = torch.zeros(self.V, dtype=torch.bool, device=self.device)
             allowed[torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)] = True
             self.allowed[row] = allowed
+        self.budgeted[row] = params.thinking_budget >= 0
+        self.thinking[row] = None
+        if params.thinking_budget >= 0:
+            self.thinking[row] = ThinkingBudget(
+                params.thinking_budget, params.think_start_ids, params.think_end_ids, output_ids.tolist()
+            )
         self._dirty[row] = True
         self.output_counts[row].zero_()
         if len(output_ids):
@@ -135,6 +146,7 @@ class Sampler:
         self.logprobs[row], self.top_logprobs[row], self.min_tokens[row] = False, 0, 0
         self.bias_len[row], self.bias[row] = 0, None
         self.restricted[row], self.allowed[row] = False, None
+        self.budgeted[row], self.thinking[row] = False, None
 
     def sample(self, logits: torch.Tensor, rows: np.ndarray, mask: TokenMask | None = None) -> SampleResult:
         """logits: float32 [S, V] of the rows `rows` (int64 [S]), modified in place; records the
@@ -176,6 +188,13 @@ class Sampler:
         if mask is not None:
             apply_token_mask(logits, mask)
 
+        budgeted = np.flatnonzero(self.budgeted[rows])
+        for i in budgeted.tolist():
+            forced = self.thinking[rows[i]].forced_token()  # type: ignore[union-attr]
+            if forced is not None:
+                logits[i] = float("-inf")
+                logits[i, forced] = 0.0
+
         greedy = self.greedy[rows]
         if greedy.all():
             tokens = logits.argmax(dim=-1)
@@ -191,6 +210,10 @@ class Sampler:
             (rows_t, tokens), torch.ones(S, dtype=torch.int32, device=self.device), accumulate=True
         )
         self.num_generated[rows] += 1
+        if len(budgeted):
+            chosen_ids = tokens[self._t(budgeted)].tolist()
+            for i, token in zip(budgeted.tolist(), chosen_ids):
+                self.thinking[rows[i]].advance(token)  # type: ignore[union-attr]
 
         if raw_logprobs is None:
             return SampleResult(tokens, None, None, None)

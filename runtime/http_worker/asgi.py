@@ -363,7 +363,7 @@ class App:
                 for name in self.worker.served_names:
                     self.add_route(MODEL_PATH + name, {"GET": self.model_card})
                 self.cors = Cors.of(self.worker.args)
-                self.root_path = self.worker.args.root_path
+                self.root_path = self.worker.args.root_path or ""
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.body_reads.close()

@@ -38,7 +38,7 @@ from httpapi.responses import (
     output_ids_of,
     usage_of,
 )
-from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids
+from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids, validated
 from httpapi.sse import (
     DONE,
     ChatStream,
@@ -67,6 +67,7 @@ from runtime.http_worker.asgi import (
 from runtime.http_worker.process_memory import server_processes
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.streaming import EventStream, sse_events
+from structured.reasoning import THINK_END, THINK_START
 from structured.tool_parsers import PARSERS, make_parser
 from structured.tools import HERMES_TEMPLATE, Tool, ToolChoice
 
@@ -96,6 +97,8 @@ async def chat_completions(worker, request: Request) -> Reply:
     if req.truncation is not None:
         ids = req.truncation.apply(ids, worker.model.context_length)
     params = worker.sampling_params(req.sampling, ids)
+    if req.thinking_budget >= 0:
+        params = with_thinking_budget(worker, params, req.thinking_budget)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
     request_id, created = response_id("chatcmpl", client_request_id(request, req.request_id)), now()
     output = chat_output(
@@ -136,6 +139,23 @@ async def chat_completions(worker, request: Request) -> Reply:
         ids if req.return_token_ids else None,
     )
     return json_response(body)
+
+
+def with_thinking_budget(worker, params: SamplingParams, budget: int) -> SamplingParams:
+    """`params` with vLLM's thinking_token_budget: the reasoning's markers as this tokenizer
+    writes them (no start marker when the server's reasoning parser starts in the reasoning)."""
+    reasoning = worker.reasoning
+    if reasoning is None:
+        raise bad_request(
+            "thinking_token_budget needs a server started with --reasoning-parser (its end marker is what "
+            "the budget forces)",
+            "thinking_token_budget",
+        )
+    tokenizer = worker.tm.tokenizer
+    start = () if reasoning.starts_in_reasoning else tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
+    end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+    budgeted = dataclasses.replace(params, thinking_budget=budget, think_start_ids=start, think_end_ids=end)
+    return validated(budgeted, {"thinking_budget": "thinking_token_budget"}, worker.model.vocab_size)
 
 
 def chat_output(
@@ -235,6 +255,8 @@ async def batch_chat_completions(worker, request: Request) -> Reply:
     if first.truncation is not None:
         prompt_ids = [first.truncation.apply(ids, worker.model.context_length) for ids in prompt_ids]
     params = [worker.sampling_params(first.sampling, ids) for ids in prompt_ids]
+    if first.thinking_budget >= 0:
+        params = [with_thinking_budget(worker, p, first.thinking_budget) for p in params]
     check_request_size([len(ids) for ids in prompt_ids], params, 1, "messages", max_tokens=worker.kv_tokens)
     request_id, created = response_id("chatcmpl", client_request_id(request, first.request_id)), now()
     reasoning = (first.include_reasoning, first.separate_reasoning)

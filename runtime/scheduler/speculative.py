@@ -12,9 +12,9 @@ accepting, stops drafting for a while after drafts it rejected whole (longer eac
 nothing is drafted in steps with more decodes than MAX_BATCH, where a forward is compute
 bound and rejected tokens cost as much as accepted ones.
 
-Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar):
-their choice at each drafted position does not depend on the tokens sampled before it in the
-same step, so verifying k positions at once is exact.
+Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar, no
+thinking budget): their choice at each drafted position does not depend on the tokens sampled
+before it in the same step, so verifying k positions at once is exact.
 """
 
 from __future__ import annotations
@@ -55,7 +55,13 @@ class NgramSpeculator:
         self.stats = SpeculationStats()
 
     def admit(self, row: int, params: SamplingParams, constrained: bool) -> None:
-        self.eligible[row] = params.greedy and not constrained and not params.min_new_tokens and not params.penalized
+        self.eligible[row] = (
+            params.greedy
+            and not constrained
+            and not params.min_new_tokens
+            and not params.penalized
+            and params.thinking_budget < 0  # its forced tokens are the sampler's, step by step
+        )
         self.draft_len[row], self.misses[row], self.wait[row] = self.max_draft, 0, 0
 
     def release(self, row: int) -> None:

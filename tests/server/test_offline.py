@@ -1,5 +1,6 @@
 """The OfflineEngine on the real model: prompt forms, finish reasons (EOS, ignore_eos,
-stop token ids, stop strings, length), usage with cached tokens, logprobs, bad input."""
+stop token ids, stop strings, length), usage with cached tokens, logprobs, a thinking budget,
+bad input."""
 
 from __future__ import annotations
 
@@ -80,6 +81,18 @@ def test_stop_token_ids_and_stop_strings(engine):
     head = engine.tokenizer.decode(base.token_ids[:6])
     assert (o.finish_reason, o.text) == ("stop", head[: head.index(last)])
     assert engine.scheduler.num_running == 0 and not engine.scheduler.has_work
+
+
+def test_a_thinking_budget_forces_the_reasoning_end(engine):
+    """vLLM's thinking_token_budget through the scheduler and the sampler: the answer's first
+    `budget` tokens are the model's own (greedy: as without a budget), then `</think>` is forced,
+    then the model goes on; the n-gram speculation of this engine leaves such a request alone."""
+    end = tuple(engine.tokenizer.encode("</think>", add_special_tokens=False))
+    free = engine.chat(QUESTION, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))[0]
+    budgeted = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, thinking_budget=4, think_end_ids=end)
+    o = engine.chat(QUESTION, budgeted)[0]
+    assert o.token_ids[:4] == free.token_ids[:4]
+    assert tuple(o.token_ids[4 : 4 + len(end)]) == end and "</think>" in o.text
 
 
 def test_logprobs(engine):

@@ -384,6 +384,11 @@ def test_allowed_token_ids_are_all_the_answer_holds(server, client, tokenizer):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": [10**6]})
     assert e.value.body["param"] == "allowed_token_ids"
+    with pytest.raises(openai.BadRequestError) as e:  # this server has no reasoning parser
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={"thinking_token_budget": 4}
+        )
+    assert e.value.body["param"] == "thinking_token_budget" and "--reasoning-parser" in e.value.body["message"]
 
 
 def test_custom_roles_render_as_the_template_writes_them(server, client, tokenizer):

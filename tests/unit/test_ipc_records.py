@@ -66,6 +66,9 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
         grammar='{"type": "object", "properties": {"é🙂": {"type": "string"}}}',
         logit_bias=((5, -100.0), (49151, 2.5), (0, 0.25)),  # biases that float32 holds exactly
         allowed_token_ids=(7, 0, 49151, 7),
+        thinking_budget=5,
+        think_start_ids=(1, 2),
+        think_end_ids=(3, 49151, 4),
         prompt_logprobs=20,
         prompt_logprobs_start=7,
     ).validate()
