@@ -82,6 +82,7 @@ class ResponsesRequest:
     chat_template_kwargs: dict[str, Any]  # chat_template_kwargs, and reasoning.effort as reasoning_effort
     echo: dict[str, Any]  # the fields the response object repeats (tools, text, reasoning, metadata, ...)
     request_id: str | None = None  # the client's (vLLM's): the response's id is resp_<request_id>
+    truncation: str = "disabled"  # "auto": the oldest turns are dropped until the input fits
 
     # what ChatOutput reads of a chat request (routes.chat_output)
     include_reasoning: bool = True
@@ -144,11 +145,8 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         **grammar,
     )
     truncation = f.get_str("truncation", "disabled")
-    if truncation != "disabled":
-        raise bad_request(
-            f'truncation {shown(truncation)} is not supported: only "disabled" (an input over the context is a 400)',
-            "truncation",
-        )
+    if truncation not in ("disabled", "auto"):
+        raise bad_request(f'truncation must be "disabled" or "auto", not {shown(truncation)}', "truncation")
     metadata = read_metadata(f)
     request_id = read_request_id(f)
     max_output_tokens = f.get_int("max_output_tokens")
@@ -193,6 +191,7 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         kwargs,
         echo,
         request_id,
+        truncation,
     )
 
 

@@ -29,7 +29,7 @@ from httpapi.responses_output import (
     response_logprobs,
     status_of,
 )
-from httpapi.responses_request import chat_messages, parse_responses_create, template_args
+from httpapi.responses_request import ResponsesRequest, chat_messages, parse_responses_create, template_args
 from httpapi.sampling import check_request_size
 from runtime.http_worker.asgi import Handler, Reply, api_route, client_request_id, json_response, read_body
 from runtime.http_worker.req_state import ReqGroup, ReqState
@@ -62,13 +62,9 @@ async def create_response(worker, request: Request) -> Reply:
         if previous is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         history = previous.conversation + req.items
-    messages, rich = chat_messages(req.instructions, history)
-    try:
-        ids = await worker.tm.chat_ids(messages, template_args(req.tools, req.chat_template_kwargs, rich))
-    except APIError as err:  # the chat's checks name its messages: here they are the input
-        if err.param == "messages":
-            err.param, err.message = "input", err.message.replace("messages", "input")
-        raise
+    ids = await prompt_ids(worker, req, history)
+    if req.truncation == "auto" and not fits(worker, req, ids):
+        ids = await truncated_prompt_ids(worker, req, history)
     params = worker.sampling_params(req.sampling, ids)
     check_request_size([len(ids)], [params], 1, "input", max_tokens=worker.kv_tokens)
     response_id = "resp_" + (client_request_id(request, req.request_id) or new_request_id("x")[2:])
@@ -97,6 +93,45 @@ async def create_response(worker, request: Request) -> Reply:
     if req.store:
         worker.responses.put(response, history, False, owner)
     return json_response(orjson.dumps(response))
+
+
+async def prompt_ids(worker, req: ResponsesRequest, items: list[dict]) -> list[int]:
+    """The conversation's prompt: instructions and items through the chat template."""
+    messages, rich = chat_messages(req.instructions, items)
+    try:
+        return await worker.tm.chat_ids(messages, template_args(req.tools, req.chat_template_kwargs, rich))
+    except APIError as err:  # the chat's checks name its messages: here they are the input
+        if err.param == "messages":
+            err.param, err.message = "input", err.message.replace("messages", "input")
+        raise
+
+
+def fits(worker, req: ResponsesRequest, ids: list[int]) -> bool:
+    """Whether the prompt leaves the context room for max_output_tokens (at least one token)."""
+    room = min(worker.model.context_length, worker.kv_tokens or worker.model.context_length) - len(ids)
+    return room >= (req.sampling.max_tokens or 1)
+
+
+async def truncated_prompt_ids(worker, req: ResponsesRequest, history: list[dict]) -> list[int]:
+    """truncation "auto", as OpenAI's: the conversation loses its oldest items, whole turns from
+    a message of the client's on (a tool call never loses its call), the fewest that make it fit
+    (a binary search: a handful of renders); instructions stay. A last turn that cannot fit
+    alone is the 400 an over-long input gets."""
+    starts = [
+        i for i, item in enumerate(history) if i > 0 and item["type"] == "message" and item["role"] != "assistant"
+    ]
+    lo, hi, best = 0, len(starts) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            ids = await prompt_ids(worker, req, history[starts[mid] :])
+        except APIError:  # too long to render at all
+            ids = None
+        if ids is not None and fits(worker, req, ids):
+            best, hi = ids, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else await prompt_ids(worker, req, history[starts[-1] if starts else 0 :])
 
 
 def whole_response(worker, state: ReqState, run: Prepared) -> dict:

@@ -476,9 +476,9 @@ RESPONSES_FIELDS = [  # OpenAI's ResponseCreateParams and vLLM's ResponsesReques
     (
         "truncation",
         "served",
-        "disabled",
-        '"disabled" only: "auto" is a 400 (an input over the context is one)',
-        None,
+        "auto",
+        '"auto": the oldest turns are dropped until the input fits ("disabled": an input over the context is a 400)',
+        lambda r: r[0].truncation == "auto",
         None,
     ),
     (

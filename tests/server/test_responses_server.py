@@ -21,6 +21,7 @@ import pytest
 from bad_requests import MODEL
 
 TOKENS = 16
+CONTEXT = 2048  # small: truncation's over-long input prefills in seconds on a CPU
 QUESTION = "Name three colors."
 WEATHER = {
     "type": "function",
@@ -41,7 +42,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(start_server.Server.granian, workers=2, log_level="warning")
+    return start_server(start_server.Server.granian, workers=2, log_level="warning", context_length=CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_background_responses_run_and_cancel(client):
     assert queued.status in ("queued", "in_progress") and queued.background
     done = wait_for(client, queued.id, ("completed", "incomplete"))
     assert done.output_text == whole.output_text
-    long = create(client, input="Write a long story about the sea.", background=True, max_output_tokens=2000)
+    long = create(client, input="Write a long story about the sea.", background=True, max_output_tokens=1000)
     wait_for(client, long.id, ("in_progress",))
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
@@ -207,6 +208,28 @@ def test_text_format_json_schema_validates(client):
     r = create(client, input="Describe a person.", text={"format": fmt}, max_output_tokens=64)
     assert r.status == "completed" and r.text.format.type == "json_schema"
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
+
+
+def test_truncation_auto_drops_the_oldest_turns(server, client):
+    """An input over the context: a 400 naming it, unless truncation "auto" drops the oldest
+    turns (whole: a user's message and what follows it) until it fits."""
+    long_turns = []
+    for i in range(20):
+        long_turns += [
+            {"role": "user", "content": f"Story {i}: " + "the sea was calm and the sky was grey. " * 12},
+            {"role": "assistant", "content": "I see."},
+        ]
+    ask = [*long_turns, {"role": "user", "content": QUESTION}]
+    with pytest.raises(openai.BadRequestError) as e:
+        create(client, input=ask)
+    assert e.value.body["param"] == "input"
+    fitted = create(client, input=ask, truncation="auto")
+    assert fitted.truncation == "auto" and fitted.output_text
+    assert fitted.usage.input_tokens + TOKENS <= CONTEXT
+    last_turns = create(client, input=ask[-5:])  # greedy: the same answer as the turns it kept
+    assert fitted.usage.input_tokens >= last_turns.usage.input_tokens
+    items = client.responses.input_items.list(fitted.id, limit=100)
+    assert len(items.data) == len(ask)  # what it was given is stored whole
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,7 @@ def test_items_of_every_served_kind_are_normalized():
         ({"input": "x", "background": True, "store": False}, "background"),
         ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "stream_options": {}}, "stream_options"),
-        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "truncation": "middle"}, "truncation"),
         ({"input": "x", "include": ["file_search_call.results"]}, "include"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "max_tool_calls": 0}, "max_tool_calls"),
