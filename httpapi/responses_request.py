@@ -19,15 +19,17 @@ import orjson
 from httpapi.chat_request import (
     MEDIA_PARTS,
     REASONING_EFFORTS,
+    REFUSED_CHAT,
     ChatTemplateArgs,
     forced_call_schema_of,
+    read_thinking_budget,
     template_kwargs,
     template_tools,
 )
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
 from httpapi.grammar_fields import one_grammar, structured_outputs
-from httpapi.request_fields import REFUSED_OPENAI, check_ignored, read_request_id, refuse_unserved, shown
+from httpapi.request_fields import check_ignored, read_request_id, refuse_unserved, shown
 from httpapi.responses import new_request_id
 from httpapi.sampling import SamplingSpec, read_sampling
 from protocol.sampling_params import GrammarKind
@@ -44,7 +46,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # OpenAI's Responses fields this server does not serve: field -> why (refuse_unserved's table)
 REFUSED_RESPONSES = {
-    **REFUSED_OPENAI,
+    **REFUSED_CHAT,
     "conversation": "conversations are not supported: continue a stored response with previous_response_id",
     "prompt": "prompt templates are not supported: send input (and instructions)",
     "context_management": "context management (compaction) is not supported",
@@ -83,6 +85,7 @@ class ResponsesRequest:
     echo: dict[str, Any]  # the fields the response object repeats (tools, text, reasoning, metadata, ...)
     request_id: str | None = None  # the client's (vLLM's): the response's id is resp_<request_id>
     truncation: str = "disabled"  # "auto": the oldest turns are dropped until the input fits
+    thinking_budget: int = -1  # vLLM's thinking_token_budget, as chat's
 
     # what ChatOutput reads of a chat request (routes.chat_output)
     include_reasoning: bool = True
@@ -150,6 +153,7 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
     metadata = read_metadata(f)
     request_id = read_request_id(f)
     max_output_tokens = f.get_int("max_output_tokens")
+    thinking_budget = read_thinking_budget(f, names)
     refuse_unserved(f, REFUSED_RESPONSES)
     check_ignored(f, IGNORED_RESPONSES)
     f.warn_unknown("/v1/responses")
@@ -192,6 +196,7 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         echo,
         request_id,
         truncation,
+        thinking_budget,
     )
 
 

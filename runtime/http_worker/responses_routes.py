@@ -34,7 +34,7 @@ from httpapi.sampling import check_request_size
 from runtime.http_worker.asgi import Handler, Reply, api_route, client_request_id, json_response, read_body
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.response_store import RUNNING, StoredResponse, owner_of
-from runtime.http_worker.routes import chat_output, finished
+from runtime.http_worker.routes import chat_output, finished, with_thinking_budget
 from runtime.http_worker.streaming import EventStream, sse_events
 
 logger = logging.getLogger("ringserve.responses")
@@ -66,6 +66,8 @@ async def create_response(worker, request: Request) -> Reply:
     if req.truncation == "auto" and not fits(worker, req, ids):
         ids = await truncated_prompt_ids(worker, req, history)
     params = worker.sampling_params(req.sampling, ids)
+    if req.thinking_budget >= 0:
+        params = with_thinking_budget(worker, params, req.thinking_budget)
     check_request_size([len(ids)], [params], 1, "input", max_tokens=worker.kv_tokens)
     response_id = "resp_" + (client_request_id(request, req.request_id) or new_request_id("x")[2:])
     echo = {**req.echo, "temperature": params.temperature, "top_p": params.top_p}

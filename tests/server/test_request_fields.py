@@ -510,7 +510,14 @@ RESPONSES_FIELDS = [  # OpenAI's ResponseCreateParams and vLLM's ResponsesReques
     ("cache_salt", "refused", "salt", "one prefix cache for all requests", None, None),
     ("kv_transfer_params", "refused", {"a": 1}, "no disaggregated serving", None, None),
     ("vllm_xargs", "refused", {"a": 1}, "no custom extensions", None, None),
-    ("thinking_token_budget", "refused", 10, "not served yet", None, None),
+    (
+        "thinking_token_budget",
+        "served",
+        4,
+        "as chat's (needs a --reasoning-parser: the walk's server has none, a 400 naming it)",
+        lambda r: r[0].thinking_budget == 4,
+        None,
+    ),
 ]
 
 
@@ -560,7 +567,10 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
     (RESPONSES, "metadata"): lambda b: b["metadata"] == {"k": "v"},
 }
 # served fields the walk's server answers with a 400 naming them: it runs without what they need
-NEEDS_MORE = {(CHAT, "thinking_token_budget"): "--reasoning-parser"}
+NEEDS_MORE = {
+    (CHAT, "thinking_token_budget"): "--reasoning-parser",
+    (RESPONSES, "thinking_token_budget"): "--reasoning-parser",
+}
 PATHS = {
     CHAT: "/v1/chat/completions",
     COMPLETIONS: "/v1/completions",
