@@ -31,7 +31,9 @@ class ResponseUsage:
     def as_dict(self) -> dict:
         return {
             "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            # cache_write_tokens: OpenAI's newer field, which its client's types require; this
+            # server's prefix cache is automatic, with no writes a client asks (or pays) for
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": self.output_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.input_tokens + self.output_tokens,

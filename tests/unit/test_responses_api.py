@@ -11,6 +11,8 @@ import time
 
 import orjson
 import pytest
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
 from httpapi.errors import APIError
@@ -183,6 +185,9 @@ TEXTS = [
 ]  # fmt: skip
 
 
+STREAM_EVENT: TypeAdapter = TypeAdapter(ResponseStreamEvent)
+
+
 def events_of(stream: bytes) -> list[dict]:
     """The SSE stream's events, each checked: `event:` names the data's type."""
     out = []
@@ -226,7 +231,7 @@ def check_stack(events: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize(("kind", "text", "finish"), TEXTS)
 def test_a_stream_split_anywhere_is_a_valid_stack_adding_up_to_the_whole_output(kind, text, finish):
-    head = ResponseHead("resp_1", "m", {})
+    head = ResponseHead("resp_1", "m", {**parse(input="x").echo, "temperature": 0.0, "top_p": 1.0})
     whole, reasoning = output_items(head, text, finish, OUTPUTS[kind](), None)
     rng = random.Random(text)
     splits = [[text], list(text)]
@@ -240,6 +245,8 @@ def test_a_stream_split_anywhere_is_a_valid_stack_adding_up_to_the_whole_output(
         stream += events.feed(deltas.finish(finish)[0], None)
         last, response = events.finish(finish, ResponseUsage(3, len(pieces)))
         stack = events_of(stream + last)
+        for event in stack:  # each event is one the official client's types accept
+            STREAM_EVENT.validate_python(event)
         built = check_stack(stack)
         assert stack[-1]["response"] == response and response["output"] == whole, pieces
         for item in built:
