@@ -177,6 +177,7 @@ class ResponseEvents:
         self.text: list[str] = []  # the open item's text (or arguments) so far
         self.logprobs: list[dict] = []  # the open message's logprobs so far
         self.reasoning = ""  # the whole reasoning text, for usage's reasoning_tokens
+        self.pending: list[dict] = []  # logprobs of tokens no output text delta has carried yet
 
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -188,15 +189,18 @@ class ResponseEvents:
         return self.event("response.created", response=response) + self.event("response.in_progress", response=response)
 
     def feed(self, deltas: list[dict], lp: TokenLogprobs | None) -> bytes:
-        """The events of one take's chat deltas; its logprobs go with its first text delta."""
+        """The events of one take's chat deltas. Its tokens' logprobs go with the next output
+        text delta (this take's or a later one: text held back, or reasoning, has none), so
+        that the streamed logprobs are the whole response's, every token's."""
         events = []
-        logprobs = response_logprobs(lp, self.vocab) if self.with_logprobs else None
+        if self.with_logprobs:
+            self.pending += response_logprobs(lp, self.vocab) or []
         for delta in deltas:
             if "reasoning_content" in delta:
                 events += self._text("reasoning", delta["reasoning_content"], None)
             elif "content" in delta:
-                events += self._text("message", delta["content"], logprobs)
-                logprobs = None
+                events += self._text("message", delta["content"], self.pending if self.with_logprobs else None)
+                self.pending = []
             else:
                 call = delta["tool_calls"][0]
                 function = call["function"]
@@ -213,6 +217,9 @@ class ResponseEvents:
         status, reason = status_of(finish_reason)
         item_status = "incomplete" if reason else "completed"
         events = [] if self.output or self.open is not None else self._open_text("message")  # an empty answer
+        if self.pending and self.open is not None and self.open["type"] == "message":
+            self.logprobs += self.pending  # the last tokens' (a stop string's): in the done event
+        self.pending = []
         events += self._close(item_status)
         if error is not None:
             status = "failed"

@@ -105,6 +105,13 @@ def test_logprobs_come_one_per_output_token(client):
     assert len(logprobs) == r.usage.output_tokens
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
     assert "".join(lp.token for lp in logprobs) == r.output_text  # ascii answer: tokens are its text
+    events = list(create(client, input=QUESTION, include=["message.output_text.logprobs"], top_logprobs=2, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all(e.logprobs for e in deltas)  # every text delta carries its tokens' logprobs
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs]
+    # the prompt comes from the prefix cache the second time: the same logits up to float rounding
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-3)
 
 
 def test_a_stored_response_is_found_through_either_worker(server, client):
