@@ -7,11 +7,12 @@ arguments object, or an array of `{"name": ..., "parameters": {...}}` objects. T
 follows that JSON one character at a time: the structure (a stack of open containers, strings
 and their escapes) is all it needs, because the grammar already guarantees the values. Whitespace
 outside strings is dropped, so the arguments come out compact as the tool-call parsers write them
-(strings and numbers are kept as the model wrote them). A text cut short (max_tokens) leaves the
-calls whose name was complete, the last with the arguments it had: finish_reason "length" tells
-the client that call is cut; the JSON itself is never content.
+(strings and numbers are kept as the model wrote them).
 
-`parse` is the stream fed the whole text at once, so whole and streamed answers agree."""
+`parse` is the stream fed the whole text at once, so whole and streamed answers agree, but for a
+text cut short (max_tokens): the whole answer has the calls that were complete, as OpenAI answers
+(a stream has sent the cut call's head and arguments so far; its finish_reason "length" says it
+was cut). The JSON itself is never content."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ class ForcedCalls:
     def parse(self, text: str) -> ParsedCalls:
         stream = self.stream()
         events = stream.feed(text) + stream.finish()
-        names = {e.index: e.name for e in events if isinstance(e, CallStart)}
+        names = {e.index: e.name for e in events if isinstance(e, CallStart) and e.index in stream.complete}
         arguments = dict.fromkeys(names, "")
         for e in events:
-            if isinstance(e, ArgumentsDelta):
+            if isinstance(e, ArgumentsDelta) and e.index in names:
                 arguments[e.index] += e.text
         return ParsedCalls("", [ToolCall(names[i], arguments[i]) for i in sorted(names)])
 
@@ -64,6 +65,7 @@ class ForcedCallStream:
         self.args_depth: int | None = None  # stack depth where the arguments region began
         self.args_scalar = False
         self.done = False  # the named function's arguments closed: the rest is not a call
+        self.complete: set[int] = set()  # calls whose arguments closed
 
     def feed(self, text: str) -> list[Event]:
         out: list[str] = []  # arguments characters for the current call
@@ -155,6 +157,7 @@ class ForcedCallStream:
 
     def _close_args(self, out: list[str], events: list[Event]) -> None:
         self._flush(out, events)
+        self.complete.add(self.index)
         self.args_depth, self.args_scalar = None, False
         self.member = ""
         if self.forced.named is not None:

@@ -208,6 +208,9 @@ def test_forced_calls_stream_and_their_outputs_continue_the_conversation(client)
     assert answer.output[0].type == "message" and answer.output_text
     required = create(client, input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=64)
     assert {item.type for item in required.output} == {"function_call"}
+    cut = create(client, input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=6)
+    assert cut.incomplete_details.reason == "max_output_tokens"  # no call is complete in 6 tokens: none is
+    assert all(item.type != "function_call" for item in cut.output) and not cut.output_text
 
 
 def test_text_format_json_schema_validates(client):

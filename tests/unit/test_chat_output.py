@@ -65,8 +65,8 @@ TEXTS = {
     "reasoning+auto": [
         'I should look it up.</think>\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     ],
-    "required": ['[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"get_time","parameters":{}}]', '[{"na'],
-    "named": ['{"city":"Lima"}', '{"ci'],
+    "required": ['[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"get_time","parameters":{}}]'],
+    "named": ['{"city":"Lima"}'],
 }
 CASES = [(kind, text) for kind, texts in TEXTS.items() for text in texts]
 
@@ -156,15 +156,20 @@ def test_forced_calls_are_read_from_the_grammars_json():
 
 
 def test_forced_json_cut_short_is_never_content():
-    """A forced answer cut by max_tokens keeps the calls whose name was complete, the last with
-    the arguments it had (finish_reason "length" says it is cut), as a stream has sent them."""
+    """A forced answer cut by max_tokens keeps the calls that were complete, as OpenAI answers;
+    its stream has sent the cut call's head and arguments so far, and finish_reason "length"."""
     message, reason = chat_message('[{"na', "length", outputs()["required"])
     assert message == {"role": "assistant", "content": ""} and reason == "length"
     cut = '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Os'
     message, reason = chat_message(cut, "length", outputs()["required"])
     assert message["content"] is None and reason == "length"
-    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
-    assert calls == [("get_time", "{}"), ("get_weather", '{"city":"Os')]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("get_time", "{}")]
+    sent, reason = streamed(outputs()["required"], [cut[:20], cut[20:]], "length")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in sent["tool_calls"]] == [
+        ("get_time", "{}"),
+        ("get_weather", '{"city":"Os'),
+    ]
+    assert reason == "length" and not sent["content"]
 
 
 def test_reasoning_goes_to_reasoning_content():

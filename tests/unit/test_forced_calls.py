@@ -1,8 +1,8 @@
 """A forced call's JSON read as it arrives (structured/forced_calls.py), against the JSON itself:
 texts the forced-call grammar accepts (checked with xgrammar), written with and without
 whitespace, give each call's name and its arguments as compact JSON; a stream split anywhere adds
-up to the whole parse; every prefix (a text cut by max_tokens) gives a prefix of the calls, never
-content."""
+up to the whole parse; every prefix (a text cut by max_tokens) streams a prefix of the calls
+(the last one cut) and parses to the calls complete in it, never content."""
 
 from __future__ import annotations
 
@@ -111,10 +111,12 @@ def test_required_calls_are_read_whole_streamed_and_cut(seed):
     for pieces in splits(text, rng):
         assert read_stream(reader, pieces) == want, pieces
     for cut in range(len(text) + 1):
-        got = reader.parse(text[:cut]).calls
-        assert len(got) <= len(want) and all(g.name == w.name for g, w in zip(got, want)), text[:cut]
-        assert all(w.arguments.startswith(g.arguments) for g, w in zip(got, want)), text[:cut]
-        assert got[:-1] == want[: max(len(got) - 1, 0)]  # only the last call can be cut
+        sent = read_stream(reader, [text[:cut]])
+        assert len(sent) <= len(want) and all(g.name == w.name for g, w in zip(sent, want)), text[:cut]
+        assert all(w.arguments.startswith(g.arguments) for g, w in zip(sent, want)), text[:cut]
+        assert sent[:-1] == want[: max(len(sent) - 1, 0)]  # only the last call can be cut
+        whole = reader.parse(text[:cut]).calls
+        assert whole == want[: len(whole)] and len(whole) >= len(sent) - 1, text[:cut]  # the complete ones
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -128,8 +130,9 @@ def test_a_named_function_is_its_arguments(seed):
     assert reader.parse(text).calls == [ToolCall(name, compact(args))]
     for pieces in splits(text, rng):
         assert read_stream(reader, pieces) == [ToolCall(name, compact(args))]
-    assert reader.parse("").calls == []  # nothing written: no call yet
-    assert reader.parse(text[:1]).calls == [ToolCall(name, "{")]  # the call starts with its first character
+    assert read_stream(reader, [""]) == []  # nothing written: no call yet
+    assert read_stream(reader, [text[:1]]) == [ToolCall(name, "{")]  # the call starts with its first character
+    assert reader.parse(text[:-1]).calls == []  # cut: no complete call
 
 
 def test_the_name_may_follow_the_parameters_and_unknown_names_are_no_call():
