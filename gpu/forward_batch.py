@@ -45,6 +45,23 @@ class PromptLogprobsAsk:
     top_k: int  # alternatives reported per position (the most any of them asked for)
 
 
+# PoolAsk.kinds: what is read of a sequence's final hidden states (after the model's last norm)
+POOL_SUM = 0  # their sum over the sequence's new tokens (a mean, over a prompt's chunks)
+POOL_FIRST = 1  # its first new token's
+POOL_LAST = 2  # its last new token's
+POOL_LABELS = 3  # the log-softmax of its last new token's logits, at the sequence's label ids
+
+
+@dataclass(frozen=True)
+class PoolAsk:
+    """The step's sequences whose final hidden states are pooled (embeddings, scores) rather
+    than sampled from: one float32 vector each comes back (StepOutput.pooled)."""
+
+    seqs: np.ndarray  # int64 [Q], indexes into the step's sequences
+    kinds: np.ndarray  # int64 [Q], POOL_*
+    labels: tuple[np.ndarray, ...]  # per entry: int64 label token ids (POOL_LABELS), else empty
+
+
 @dataclass(frozen=True)
 class StepInput:
     """A step's sequences as columns: what the scheduler hands the runner, built from its
@@ -60,6 +77,7 @@ class StepInput:
     sample: np.ndarray  # bool [B], sample a token after this sequence's last new one
     token_mask: TokenMask | None = None  # None: no sampled sequence is constrained
     prompt_logprobs: PromptLogprobsAsk | None = None  # None: no sequence asks (the common case)
+    pool: PoolAsk | None = None  # None: no sequence is pooled (the common case)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -94,6 +112,7 @@ class ForwardBatch:
     meta: AttentionMetadata
     prompt_index: torch.Tensor | None = None  # int64 [N], the flat tokens whose prompt logprobs are gathered
     prompt_targets: torch.Tensor | None = None  # int64 [N], the token each of them predicts
+    qo_indptr: np.ndarray | None = None  # int64 [B + 1], each sequence's first flat token (pooled steps)
 
 
 def build_forward_batch(
@@ -159,4 +178,12 @@ def build_forward_batch(
         before = np.cumsum(ask.counts) - ask.counts  # each run's first entry in the flat index
         flat = np.repeat(run_start - before, ask.counts) + np.arange(int(ask.counts.sum()))
         prompt_index, prompt_targets = t(flat), t(np.asarray(ask.targets, np.int64))
-    return ForwardBatch(t(input_ids), t(logits_index), sample_rows, meta, prompt_index, prompt_targets)
+    return ForwardBatch(
+        t(input_ids),
+        t(logits_index),
+        sample_rows,
+        meta,
+        prompt_index,
+        prompt_targets,
+        qo_indptr if step.pool is not None else None,
+    )

@@ -14,7 +14,16 @@ import torch
 
 from gpu import kernels
 from gpu.attention import create_backend, default_backend
-from gpu.forward_batch import SeqInput, StepInput, build_forward_batch
+from gpu.forward_batch import (
+    POOL_FIRST,
+    POOL_LABELS,
+    POOL_LAST,
+    POOL_SUM,
+    ForwardBatch,
+    SeqInput,
+    StepInput,
+    build_forward_batch,
+)
 from gpu.kvcache.kv_cache import KVCache
 from gpu.kvcache.page_pool import PagePool
 from gpu.models.cpu_decode import CpuDecoder
@@ -81,6 +90,7 @@ class StepOutput:
     top_ids: np.ndarray | None  # int32 [S, K], K = the most top_logprobs asked this step
     top_logprobs: np.ndarray | None  # float32 [S, K]
     prompt_logprobs: PromptLogprobsOut | None = None  # when the step's input asked (StepInput.prompt_logprobs)
+    pooled: list[np.ndarray] | None = None  # float32, one per StepInput.pool entry, in order
 
 
 def resolve_device(device: str) -> torch.device:
@@ -280,17 +290,23 @@ class ModelRunner:
         """One forward over the mixed batch, then one sampled token per sequence with sample set."""
         step = StepInput.of(seqs)
         batch = build_forward_batch(step, self.config.page_size, self.model_config.context_length, self.device)
-        prompt = None
+        prompt = pooled = None
         ask, index, targets = step.prompt_logprobs, batch.prompt_index, batch.prompt_targets  # set together
-        if ask is not None and index is not None and targets is not None:
+        if (ask is not None and index is not None and targets is not None) or step.pool is not None:
             # the Python forward: it keeps every position's hidden state
             self.attn.plan(batch.meta)
             x, residual = self.model.hidden(batch.input_ids, batch.meta.positions, self.attn)
             logits = self.model.logits(x, residual, batch.logits_index)
-            lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(x, residual, index, targets, ask.top_k)
-            prompt = PromptLogprobsOut(
-                lps.cpu().numpy(), ranks.cpu().numpy(), top_ids.to(torch.int32).cpu().numpy(), top_lps.cpu().numpy()
-            )
+            if ask is not None and index is not None and targets is not None:
+                lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(x, residual, index, targets, ask.top_k)
+                prompt = PromptLogprobsOut(
+                    lps.cpu().numpy(),
+                    ranks.cpu().numpy(),
+                    top_ids.to(torch.int32).cpu().numpy(),
+                    top_lps.cpu().numpy(),
+                )
+            if step.pool is not None:
+                pooled = self._pool(step, batch, x, residual)
         elif self.decoder is not None and self.decoder.takes(batch.meta):
             logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
         else:
@@ -298,7 +314,7 @@ class ModelRunner:
             logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn)
         S = len(batch.sample_rows)
         if S == 0:
-            return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, prompt)
+            return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, prompt, pooled)
         res = self.sampler.sample(logits, batch.sample_rows, step.token_mask)
         logprobs = res.logprobs.cpu().numpy() if res.logprobs is not None else np.full(S, np.nan, np.float32)
         return StepOutput(
@@ -307,4 +323,26 @@ class ModelRunner:
             top_ids=None if res.top_ids is None else res.top_ids.to(torch.int32).cpu().numpy(),
             top_logprobs=None if res.top_logprobs is None else res.top_logprobs.cpu().numpy(),
             prompt_logprobs=prompt,
+            pooled=pooled,
         )
+
+    def _pool(self, step: StepInput, batch: ForwardBatch, x: torch.Tensor, residual: torch.Tensor) -> list[np.ndarray]:
+        """StepInput.pool's vectors from the forward's last-layer states (PoolAsk says what each is)."""
+        ask, qo = step.pool, batch.qo_indptr
+        assert ask is not None and qo is not None  # set together
+        out = []
+        for seq, kind, labels in zip(ask.seqs.tolist(), ask.kinds.tolist(), ask.labels):
+            a, b = int(qo[seq]), int(qo[seq + 1])
+            if kind == POOL_SUM:
+                index = torch.arange(a, b, device=x.device)
+                out.append(self.model.final_hidden(x, residual, index).sum(0).cpu().numpy())
+                continue
+            at = torch.tensor([a if kind == POOL_FIRST else b - 1], device=x.device)
+            if kind in (POOL_FIRST, POOL_LAST):
+                out.append(self.model.final_hidden(x, residual, at)[0].cpu().numpy())
+            elif kind == POOL_LABELS:
+                logprobs = torch.log_softmax(self.model.logits(x, residual, at)[0], dim=-1)
+                out.append(logprobs[torch.from_numpy(labels).to(x.device)].cpu().numpy())
+            else:
+                raise ValueError(f"pooling kind {kind}")
+        return out

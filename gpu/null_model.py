@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpu.forward_batch import PromptLogprobsAsk, SeqInput, StepInput, TokenMask
+from gpu.forward_batch import POOL_LABELS, POOL_SUM, PoolAsk, PromptLogprobsAsk, SeqInput, StepInput, TokenMask
 from gpu.kvcache.page_pool import PagePool
 from gpu.model_runner import ModelRunnerConfig, PromptLogprobsOut, StepOutput
 from gpu.models.model_config import ModelConfig
@@ -62,6 +62,10 @@ class NullModelRunner:
         if step.token_mask is not None:
             _apply_mask(tokens, step.token_mask)
         prompt = None if step.prompt_logprobs is None else self._prompt_logprobs(step.prompt_logprobs)
+        if step.pool is not None:
+            return StepOutput(
+                tokens, np.full(len(rows), np.nan, np.float32), None, None, prompt, self._pooled(step.pool, step)
+            )
         if not self.num_logprobs:  # the common case, in two numpy calls fewer
             return StepOutput(tokens, np.full(len(rows), np.nan, np.float32), None, None, prompt)
         logprobs = np.where(self.logprobs[rows], 0.0, np.nan).astype(np.float32)
@@ -72,6 +76,16 @@ class NullModelRunner:
         top_lp = np.full((len(rows), K), ALTERNATIVE_LOGPROB, np.float32)
         top_lp[:, 0] = 0.0
         return StepOutput(tokens, logprobs, top_ids, top_lp, prompt)
+
+    def _pooled(self, ask: PoolAsk, step: StepInput) -> list[np.ndarray]:
+        """Fixed values: every hidden state all ones (a sum: one per token), every label certain."""
+        H = self.model_config.hidden_size
+        return [
+            np.zeros(len(labels), np.float32)
+            if kind == POOL_LABELS
+            else np.full(H, float(step.q_lens[seq]) if kind == POOL_SUM else 1.0, np.float32)
+            for seq, kind, labels in zip(ask.seqs.tolist(), ask.kinds.tolist(), ask.labels)
+        ]
 
     def _prompt_logprobs(self, ask: PromptLogprobsAsk) -> PromptLogprobsOut:
         """Fixed values: every prompt token is certain (logprob 0, rank 1) and the first of its

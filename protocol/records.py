@@ -85,6 +85,11 @@ class TokenKind(enum.IntEnum):
     ERROR = 2  # the request failed: `error` holds an ErrorCode, the payload a UTF-8 message
     PROMPT_LOGPROBS = 3  # prompt positions [token, token + completion_tokens): pack_prompt_logprobs
     REPLY = 4  # the answer to a CONTROL record: UTF-8 JSON in the payload
+    # A pooled request's answer, which ends it (finish STOP, token NO_TOKEN, no TOKEN record before
+    # or after): float32 values in the payload (SamplingParams.pooling: a hidden state, summed over
+    # the prompt for MEAN; LABELS: one log-probability per label token). Generation's records are
+    # untouched: only pooled requests (prefill only) produce these.
+    POOLED = 5
 
 
 class TextKind(enum.IntEnum):
@@ -92,6 +97,7 @@ class TextKind(enum.IntEnum):
     ERROR = 1  # `error` holds an ErrorCode, the text payload a UTF-8 message
     PROMPT_LOGPROBS = 2  # prompt positions [stop_token, stop_token + n_tokens): pack_prompt_logprobs
     REPLY = 3  # TokenKind.REPLY passed on: its JSON in the text payload
+    POOLED = 4  # TokenKind.POOLED passed on (finish STOP): its float32 values as the text payload
 
 
 class Finish(enum.IntEnum):
@@ -165,6 +171,7 @@ REQUEST = RecordLayout(
             ("no_stop_trim", np.uint8),
             ("return_ids", np.uint8),
             ("grammar_kind", np.uint8),  # GrammarKind
+            ("pooling", np.uint8),  # Pooling: NONE generates, the others answer with a POOLED record
             ("prompt_logprobs", np.int8),  # -1: none, else top alternatives per prompt position
             ("prompt_logprobs_start", np.uint32),
             ("max_new_tokens", np.uint32),

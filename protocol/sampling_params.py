@@ -41,6 +41,16 @@ class GrammarKind(enum.IntEnum):
     STRUCTURAL_TAG = 4  # xgrammar's structural tag, as JSON
 
 
+class Pooling(enum.IntEnum):
+    """What a request gives back instead of generated tokens (SamplingParams.pooling)."""
+
+    NONE = 0  # generation
+    LAST = 1  # the last prompt token's final hidden state (decoder embedding models)
+    MEAN = 2  # the mean of every prompt token's
+    CLS = 3  # the first prompt token's
+    LABELS = 4  # the log-softmax of the next-token logits after the prompt, at allowed_token_ids (scores)
+
+
 class InvalidParam(ValueError):
     """A request parameter is out of range; `param` names it as the API spells it."""
 
@@ -83,6 +93,9 @@ class SamplingParams:
     thinking_budget: int = -1
     think_start_ids: tuple[int, ...] = ()
     think_end_ids: tuple[int, ...] = ()
+    # Pooling.NONE: generate; else prefill only, then one POOLED record and no token (runtime/
+    # scheduler/pooling.py); LABELS reads its label token ids from allowed_token_ids
+    pooling: int = Pooling.NONE
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -163,6 +176,10 @@ class SamplingParams:
             raise InvalidParam("prompt_logprobs_start", "the prompt logprobs' start must be a position in the prompt")
         if self.thinking_budget != -1:
             self._validate_thinking_budget(vocab_size)
+        if self.pooling not in _POOLINGS:
+            raise InvalidParam("pooling", f"pooling {self.pooling} is not one of {list(Pooling)}")
+        if self.pooling == Pooling.LABELS and not self.allowed_token_ids:
+            raise InvalidParam("label_token_ids", "a score needs at least one label token id")
         return self
 
     def _validate_grammar(self) -> None:
@@ -200,6 +217,7 @@ class SamplingParams:
                 )
 
 
+_POOLINGS = frozenset(int(k) for k in Pooling)
 _GRAMMAR_KINDS = frozenset(int(k) for k in GrammarKind if k != GrammarKind.NONE)
 
 

@@ -135,6 +135,23 @@ class ServerArgs:
         same_row=True,
     )
     null_model: bool = setting(False, "instant tokens: measures the server's own per-token cost")
+    is_embedding: bool = setting(
+        False,
+        "SGLang's: serve embeddings (`/v1/embeddings`, `/encode`; vLLM's `--task embed`, `--runner pooling`), "
+        "not generation (docs/embeddings.md)",
+        same_row=True,
+        value_aliases=(
+            ("task", (("embed", True), ("generate", False))),
+            ("runner", (("pooling", True), ("generate", False))),
+        ),
+    )
+    pooling: str | None = setting(
+        None,
+        "how an embedding pools the final hidden states: `last`, `mean`, `cls`",
+        choices=("last", "mean", "cls"),
+        default_text="the model's (sentence-transformers' `1_Pooling`), else `last`",
+        same_row=True,
+    )
     random_seed: int = setting(0, "seed of unseeded sampling")
     host: str = setting(
         "127.0.0.1", "the address to listen on (`serve` only: granian's own when granian runs directly)"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "RINGSERVE_"
+VALUE_ALIAS_DEST = "value_alias__"  # a value alias's, until parse_cli sets its setting
 ALIAS_DEST = "alias__"  # an alias's argparse destination until merge_aliases moves it to its setting
 TABLE_HEAD = "| flag | default | meaning |\n|---|---|---|\n"
 
@@ -38,6 +39,9 @@ class Setting:
     at_least: int | None = None
     positive: bool = False
     same_row: bool = False  # the README shows it in the row of the setting declared before it
+    # a boolean's spellings as another project's flag with a value: (flag name, {value: the boolean})
+    # (vLLM's `--task embed` for SGLang's `--is-embedding`); command line only
+    value_aliases: tuple[tuple[str, tuple[tuple[str, bool], ...]], ...] = ()
 
 
 def setting(
@@ -52,9 +56,12 @@ def setting(
     at_least: int | None = None,
     positive: bool = False,
     same_row: bool = False,
+    value_aliases: tuple[tuple[str, tuple[tuple[str, bool], ...]], ...] = (),
 ) -> Any:
     """A dataclass field: its default, and its Setting as metadata."""
-    described = Setting(help, tuple(choices), default_text, unit, aliases, short_flags, at_least, positive, same_row)
+    described = Setting(
+        help, tuple(choices), default_text, unit, aliases, short_flags, at_least, positive, same_row, value_aliases
+    )
     return dataclasses.field(default=default, metadata={"setting": described})
 
 
@@ -118,12 +125,24 @@ def parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
     for alias, target in aliases_of(cls).items():
         help_ = f"= {flag(target)} (vLLM's name)"
         _add_flag(parser, [flag(alias)], ALIAS_DEST + alias, _field_type(cls, target), help_, target.upper())
+    for f, s in settings_of(cls):
+        for alias, values in s.value_aliases:
+            words = ", ".join(f"{v} = {flag(f.name)} {'on' if b else 'off'}" for v, b in values)
+            parser.add_argument(flag(alias), dest=VALUE_ALIAS_DEST + alias, choices=[v for v, _ in values], help=words)
     return parser
 
 
 def parse_cli(cls: type, argv: Sequence[str] | None, prog: str, description: str) -> dict[str, Any]:
     """The settings given in `argv`, by field name."""
     given = {k: v for k, v in vars(parser(cls, prog, description).parse_args(argv)).items() if v is not None}
+    for f, s in settings_of(cls):
+        for alias, values in s.value_aliases:
+            if VALUE_ALIAS_DEST + alias in given:
+                word = given.pop(VALUE_ALIAS_DEST + alias)
+                value = dict(values)[word]
+                if given.get(f.name, value) != value:
+                    raise ValueError(f"{flag(alias)} {word} and {flag(f.name)} conflict: they name the same setting")
+                given[f.name] = value
     for name in list_fields(cls):  # several values, each a JSON or comma-separated list
         if name in given:
             given[name] = parse_list(given[name])

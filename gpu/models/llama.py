@@ -422,6 +422,12 @@ class LlamaForCausalLM:
         logprobs, ranks, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
         return logprobs, ranks, top_ids, top_lps
 
+    def final_hidden(self, x: torch.Tensor, residual: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The flat tokens `index` [N]' hidden states after the last norm, float32 [N, H]:
+        transformers' last_hidden_state, what embeddings pool."""
+        _, h = self.ops.add_rms_norm(x[index], residual[index], self.norm, self.cfg.rms_norm_eps)
+        return h.float()
+
     def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         """The last layer's residual stream x and MLP output residual: [T, H]; logits_index:
         int64 [S] -> float32 logits [S, V]."""

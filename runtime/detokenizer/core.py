@@ -21,6 +21,8 @@ A PROMPT_LOGPROBS record (a request's prompt logprobs, before its first TOKEN) i
 to the request's worker as a TEXT_OUT PROMPT_LOGPROBS record with the same payload, ahead of
 the request's text; one for a request that is not open here is stale and dropped. A REPLY (the
 scheduler's answer to an engine call: pause, weights) goes to its caller's worker as it is.
+A POOLED record (an embedding's or a score's values) ends its request here and goes to its
+worker as a TEXT_OUT POOLED record, finish STOP, the values as its text payload.
 
 A record that cannot be handled fails its own request, never the process: an OPEN that
 raises (its stop strings unreadable, say) gets an ERROR record (INTERNAL); a batch whose
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 _TOKEN, _OPEN, _STOP, _NONE = int(TokenKind.TOKEN), int(TokenKind.OPEN), int(Finish.STOP), int(Finish.NONE)
 _PROMPT = int(TokenKind.PROMPT_LOGPROBS)
 _REPLY = int(TokenKind.REPLY)
+_POOLED = int(TokenKind.POOLED)
 _KIND_AT = fields_of(TOKEN_OUT.dtype)["kind"][1]
 _SKIP_SPECIAL = int(OpenFlags.SKIP_SPECIAL_TOKENS)
 _LOGPROBS = int(OpenFlags.LOGPROBS)
@@ -171,6 +174,8 @@ class Detokenizer:
             return self._prompt_logprobs(raw, payload)
         if raw[_KIND_AT] == _REPLY:
             return self._reply(raw, payload)
+        if raw[_KIND_AT] == _POOLED:
+            return self._pooled(raw, payload)
         if raw[_KIND_AT] != _OPEN:
             return self._error_record(raw, rec, payload)
         o = unpack_open(raw)
@@ -210,6 +215,18 @@ class Detokenizer:
         out["worker"], out["slot"], out["gen"], out["kind"] = w, s, gen, TextKind.PROMPT_LOGPROBS
         out["n_tokens"], out["n_top"], out["stop_token"], out["stop_index"] = count, n_top, first, -1
         out["prompt_tokens"], out["cached_tokens"], out["logprobs_len"] = prompt_tokens, cached, size
+        return out, np.array(payload[off : off + size], np.uint8)
+
+    def _pooled(self, raw: bytes, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A POOLED record as its TEXT_OUT twin, which ends the request (payload as it is)."""
+        (w, _, finish, s, gen, _, prompt_tokens, _, cached, _, off, size, _, _, _) = TOKEN_OUT_STRUCT.unpack(raw)
+        if not self._is_open(w, s, gen):
+            return NO_TEXT_OUT
+        self._close(w, s)
+        out = np.zeros(1, TEXT_OUT.dtype)
+        out["worker"], out["slot"], out["gen"], out["kind"], out["finish"] = w, s, gen, TextKind.POOLED, finish
+        out["prompt_tokens"], out["cached_tokens"], out["text_len"] = prompt_tokens, cached, size
+        out["stop_token"], out["stop_index"] = -1, -1
         return out, np.array(payload[off : off + size], np.uint8)
 
     @staticmethod

@@ -30,6 +30,7 @@ from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.grammar import MAX_TOKEN_CPU_S, GrammarError, XGrammarBackend, make_grammar_backend
 from runtime.scheduler.policy import order_queue
+from runtime.scheduler.pooling import NO_CACHE_POOLINGS, Pooler
 from runtime.scheduler.prompt_logprobs import PromptLogprobs
 from runtime.scheduler.req import Req, ReqStatus
 from runtime.scheduler.speculative import NgramSpeculator, accept_drafts, make_speculator
@@ -93,6 +94,7 @@ class Scheduler:
         self._failed: list[Req] = []  # ended with an ERROR record since the last step
         self._valid_params: SamplingParams | None = None  # the last params validated (frozen)
         self.prompt_logprobs = PromptLogprobs()  # what this step's prefill chunks owe
+        self.pooler = Pooler(config.max_running_requests)  # embeddings and scores: pooled, not sampled
         self.paused: str | None = None  # /pause_generation's mode: no forward runs, ends and OPENs still sent
 
     # ---- requests in -----------------------------------------------------------
@@ -177,7 +179,7 @@ class Scheduler:
         n, ctx, kv = len(req.prompt), self.config.context_length, self.pool.num_pages * self.page_size
         if n == 0:
             return ErrorCode.INVALID_REQUEST, "the prompt is empty"
-        if n >= ctx:
+        if n > ctx or (n == ctx and not req.params.pooling):  # a pooled request generates nothing
             return (
                 ErrorCode.PROMPT_TOO_LONG,
                 f"the prompt has {n} tokens; the context holds {ctx} including at least one generated token",
@@ -299,6 +301,8 @@ class Scheduler:
         # KV may come from the cache only up to the position before the next one it is owed
         owed = req.prompt_logprobs_next
         key = fill[: max(owed - 1, 0)] if owed < len(req.prompt) else fill[:-1]
+        if req.params.pooling in NO_CACHE_POOLINGS:
+            key = fill[:0]
         prefix_pages, node = self.cache.match_prefix(key)
         prefix = len(prefix_pages) * ps
         remaining = len(fill) - prefix
@@ -325,7 +329,8 @@ class Scheduler:
         t.kv_len[row] = prefix
         req.node, req.prefix_pages, req.status = node, len(prefix_pages), ReqStatus.RUNNING
         self.runner.set_request(row, req.params, req.prompt, req.output)
-        self.speculator.admit(row, req.params, req.matcher is not None)
+        self.speculator.admit(row, req.params, req.matcher is not None or bool(req.params.pooling))
+        self.pooler.admit(row, req)
         if req.matcher is not None:
             self.constrained[row] = True
             self.num_constrained += 1
@@ -367,8 +372,8 @@ class Scheduler:
         known tokens, each with the pages it needs if free ones are left (drafts evict nothing):
         int64 [len(decode_rows)], the drafts of each; None: none. Not while a constrained request
         runs: its mask is filled for one sampled token a sequence."""
-        if self.num_constrained:
-            return None
+        if self.num_constrained or (self.pooler.num_running and self.pooler.pooled[decode_rows].any()):
+            return None  # a pooled prompt's last token, run as a decode, samples nothing
         t = self.table
         proposed = self.speculator.propose(t, decode_rows)
         if not proposed:
@@ -409,6 +414,9 @@ class Scheduler:
             num_pages, page_table = np.repeat(num_pages, counts), np.repeat(page_table, counts, axis=0)
             B = len(sample) - len(prefill)
             q_lens = np.concatenate([np.ones(B, np.int64), q_lens[len(drafts) :]])
+        pool = None
+        if self.pooler.num_running:
+            pool, sample = self.pooler.ask(t.reqs, rows, starts, q_lens, sample)
         mask = self._token_mask(rows[sample]) if self.num_constrained else None
         ask = None
         if any(req.prompt_logprobs_next < len(req.prompt) for req, _ in prefill):
@@ -423,6 +431,7 @@ class Scheduler:
             sample=sample,
             token_mask=mask,
             prompt_logprobs=ask,
+            pool=pool,
         )
 
     def _token_mask(self, sampled: np.ndarray) -> TokenMask | None:
@@ -452,7 +461,7 @@ class Scheduler:
         for req, _ in prefill:  # their full pages are shareable from now on
             self._cache_running(req)
         # the decodes, then the prompts whose last chunk this was
-        rows = step.rows[step.sample] if prefill else step.rows
+        rows = step.rows[step.sample] if prefill or step.pool is not None else step.rows
         top_ids, top_logprobs = out.top_ids, out.top_logprobs
         if drafts is None:
             events, finished = t.append(rows, out.tokens, out.logprobs)
@@ -471,9 +480,16 @@ class Scheduler:
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - self.config.new_token_ratio_decay
         )
+        pooled, pooled_recs, pooled_payloads = (
+            self.pooler.records(out.pooled) if self.pooler.num_running else ([], None, [])
+        )
+        for req in pooled:
+            self._finish(req)
         res = self._result(events, top_ids, top_logprobs)
         if self.prompt_logprobs.runs:
             res.prompt_records, res.prompt_payloads = self.prompt_logprobs.records(out)
+        if pooled_recs is not None:
+            res.add_before(pooled_recs, pooled_payloads)
         return res
 
     def _advance_grammars(
@@ -543,6 +559,7 @@ class Scheduler:
         self.cache.release(t.ids[r, : t.kv_len[r]], t.pages(r), req.prefix_pages, req.node)
         self.runner.clear_request(r)
         self.speculator.release(r)
+        self.pooler.release(r)
         if req.matcher is not None:  # it keeps its matcher: a retracted request resumes with it
             self.constrained[r] = False
             self.num_constrained -= 1

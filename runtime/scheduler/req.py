@@ -46,6 +46,7 @@ class Req:
         "grammar",
         "matcher",
         "prompt_logprobs_next",
+        "pool_sum",
     )
 
     def __init__(
@@ -80,6 +81,8 @@ class Req:
         self.prompt_logprobs_next = (
             min(params.prompt_logprobs_start, len(prompt)) if params.prompt_logprobs >= 0 else len(prompt)
         )
+
+        self.pool_sum: np.ndarray | None = None  # a pooled request's vector so far (runtime/scheduler/pooling.py)
 
     @property
     def key(self) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protocol.record_bytes import concat_records
 from protocol.records import TOKEN_OUT
 from runtime.scheduler.req import Req
 
@@ -27,9 +28,18 @@ class StepResult:
     opened: list[Req]  # requests added since the last step, in order (the OPEN records)
     failed: list[Req]  # requests among the events' ERROR records: their error and its message
     # PROMPT_LOGPROBS records of this step's prefill chunks, to be sent before `events` (a request's
-    # come before its first token), and each one's payload (pack_prompt_logprobs); None: none
+    # come before its first token), and each one's payload (pack_prompt_logprobs); then the POOLED
+    # records of the pooled requests that ended this step (add_before); None: none
     prompt_records: np.ndarray | None = None
     prompt_payloads: list[bytes] | None = None
+
+    def add_before(self, records: np.ndarray, payloads: list[bytes]) -> None:
+        """Records with a payload each, sent after those already before `events`."""
+        if self.prompt_records is None or self.prompt_payloads is None:
+            self.prompt_records, self.prompt_payloads = records, list(payloads)
+        else:
+            self.prompt_records = concat_records([self.prompt_records, records])
+            self.prompt_payloads = [*self.prompt_payloads, *payloads]
 
     @property
     def empty(self) -> bool:

@@ -19,7 +19,7 @@ from protocol.payloads import (
 from protocol.record_bytes import concat_records, record_struct, take_records
 from protocol.records import REQUEST, TEXT_OUT, TOKEN_OUT, RecordLayout, RequestKind, live_mask
 from protocol.request_records import pack_control, pack_request, unpack_request
-from protocol.sampling_params import GrammarKind, SamplingParams
+from protocol.sampling_params import GrammarKind, Pooling, SamplingParams
 
 
 @pytest.fixture()
@@ -71,6 +71,7 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
         think_end_ids=(3, 49151, 4),
         prompt_logprobs=20,
         prompt_logprobs_start=7,
+        pooling=Pooling.LABELS,
     ).validate()
     changed = {
         f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra" and getattr(params, f.name) != f.default
