@@ -65,14 +65,18 @@ def read_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     param = fields.param("logit_bias")
     if len(bias.obj) > MAX_LOGIT_BIAS:  # before a loop over what a client may make huge
         raise bad_request(f"{param} may name at most {MAX_LOGIT_BIAS} tokens", param)
-    pairs = []
-    for key, value in bias.obj.items():
-        if not (key.isascii() and key.lstrip("-").isdigit() and len(key) <= 20):
-            raise bad_request(f"{param} keys must be token ids as integer strings, not {key[:40]!r}", param)
-        if type(value) not in (int, float):
-            raise bad_request(f"{param} values must be numbers, not {type(value).__name__}", param)
-        pairs.append((int(key), float(value)))
-    return tuple(sorted(pairs))
+    bad_keys = [k for k in bias.obj if not (k.isascii() and k.lstrip("-").isdigit() and len(k) <= 20)]
+    if bad_keys:  # all of them at once, as vLLM names them
+        raise bad_request(f"{param} keys must be token ids as integer strings, not {_some(bad_keys)}", param)
+    bad_values = [k for k, v in bias.obj.items() if type(v) not in (int, float)]
+    if bad_values:
+        raise bad_request(f"{param} values must be numbers, not so for token ids {_some(bad_values)}", param)
+    return tuple(sorted((int(k), float(v)) for k, v in bias.obj.items()))
+
+
+def _some(keys: list[str], most: int = 8) -> str:
+    """A few of a client's keys, each cut short, for a message."""
+    return ", ".join(repr(k[:40]) for k in keys[:most]) + (", ..." if len(keys) > most else "")
 
 
 def read_allowed_token_ids(fields: Fields) -> tuple[int, ...]:
@@ -269,7 +273,7 @@ def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, para
         return
     top = int(token_ids.max()) if isinstance(token_ids, np.ndarray) else max(token_ids)
     if top >= vocab_size:
-        raise bad_request(f"{param} has token id {top}, outside the vocabulary of {vocab_size} tokens", param)
+        raise bad_request(f"{param} has token id {top}, out of vocabulary (the model has {vocab_size} tokens)", param)
 
 
 def resolve_max_tokens(max_tokens: int | None, prompt_len: int, context_len: int, param: str = "max_tokens") -> int:

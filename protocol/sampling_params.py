@@ -209,7 +209,8 @@ class SamplingParams:
         for entry in self.logit_bias:
             token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
             if not (isinstance(token, int) and 0 <= token and (vocab_size is None or token < vocab_size)):
-                raise InvalidParam("logit_bias", f"logit_bias has token id {token!r}, outside the vocabulary")
+                size = "" if vocab_size is None else f" (the model has {vocab_size} tokens)"
+                raise InvalidParam("logit_bias", f"logit_bias has token id {token!r}, out of vocabulary{size}")
             if not (_finite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
                 raise InvalidParam(
                     "logit_bias",

@@ -270,7 +270,7 @@ def test_resolve_max_tokens_past_the_context(max_tokens, prompt_len):
 def test_resolve_takes_numpy_prompts():
     req = parse_completion(body(prompt=[1]))
     assert req.sampling.resolve(np.array([1, 2, 3], dtype=np.int32), 100, 10).max_new_tokens == 16
-    with pytest.raises(APIError, match="outside the vocabulary"):
+    with pytest.raises(APIError, match="out of vocabulary"):
         req.sampling.resolve(np.array([1, 10], dtype=np.int32), 100, 10)
 
 
@@ -282,3 +282,14 @@ def test_prompt_truncation_keeps_the_last_or_first_tokens():
     assert PromptTruncation(3, "right").apply(ids, 100) == [0, 1, 2]
     assert PromptTruncation(-1).apply(ids, 4) == [6, 7, 8, 9]  # the context's length
     assert PromptTruncation(20).apply(ids, 100) == ids
+
+
+def test_logit_bias_errors_name_every_bad_key_and_the_vocabulary():
+    """As vLLM's suite checks: all bad keys at once; an id out of vocabulary and the size."""
+    with pytest.raises(APIError) as e:
+        parse_chat_completion(body(messages=HI, logit_bias={"bad1": 50.0, "bad2": 20.0, "3": 1}))
+    assert "'bad1'" in e.value.message and "'bad2'" in e.value.message and e.value.param == "logit_bias"
+    req = parse_chat_completion(body(messages=HI, logit_bias={"60001": 1.0}))
+    with pytest.raises(APIError) as e:
+        req.sampling.resolve([1, 2], 100, 60000)
+    assert "60001" in e.value.message and "60000" in e.value.message and "out of vocabulary" in e.value.message
