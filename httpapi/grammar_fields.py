@@ -110,7 +110,7 @@ def _response_format(f: Fields) -> list[tuple[str, GrammarKind, Any]]:
         js = rf.get_object("json_schema")
         if js is None:
             raise bad_request(
-                'response_format of type "json_schema" needs json_schema: {"name", "schema"}',
+                'response_format.json_schema must be provided when its type is "json_schema": {"name", "schema"}',
                 "response_format.json_schema",
             )
         if not js.get_str("name"):
