@@ -264,7 +264,7 @@ class TokenizerManager:
         answer. It holds a slot of this worker's table, as a request does, so that its REPLY
         comes back here and a late one (past `timeout`, a 504) is dropped as stale."""
         if self.dead is not None:
-            raise self.dead
+            raise self.dead.fresh()
         slot, gen = self._alloc()
         answer = asyncio.get_running_loop().create_future()
         self._calls[slot] = answer

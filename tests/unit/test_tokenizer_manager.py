@@ -269,6 +269,9 @@ def test_an_engine_gone_fails_each_request_with_an_error_of_its_own(tokenizer, t
                 with pytest.raises(APIError) as e:
                     await tm.submit([[1, 2, 3]], [SamplingParams(max_new_tokens=8)])
                 refused.append(e.value)
+                with pytest.raises(APIError) as e:  # an engine call (pause, weights) alike
+                    await tm.call({"op": "pause"}, timeout=1)
+                refused.append(e.value)
             return failed, refused, kept
         finally:
             tm.close()
