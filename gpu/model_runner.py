@@ -26,6 +26,7 @@ from gpu.forward_batch import (
 )
 from gpu.kvcache.kv_cache import KVCache
 from gpu.kvcache.page_pool import PagePool
+from gpu.lora import Adapter, LoraBatch, load_adapters
 from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.llama import LlamaForCausalLM
 from gpu.models.model_config import ModelConfig
@@ -69,6 +70,9 @@ class ModelRunnerConfig:
     random_seed: int = 0
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_lora_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,13 @@ class ModelRunner:
         self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype)
         weights, rope_style = self._weights(path)
         self.model = LlamaForCausalLM(cfg, weights, progress, rope_style)
+        # LoRA adapters, all resident (id i + 1: adapters[i]), and each sampler row's adapter
+        self.adapters: list[Adapter] = (
+            load_adapters(config.lora_paths, cfg, config.max_lora_rank, self.dtype, self.device, rope_style)
+            if config.enable_lora
+            else []
+        )
+        self.row_lora = np.zeros(config.max_running_requests, np.int64)
         num_pages = self._num_kv_pages()
         try:
             self.kv_cache = KVCache(
@@ -281,21 +292,39 @@ class ModelRunner:
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """(Re)initialises row's sampler state; on resume, output_ids is what it generated so far."""
         self.sampler.set_request(row, params, prompt_ids, output_ids)
+        self.row_lora[row] = params.lora_id
 
     def clear_request(self, row: int) -> None:
         self.sampler.clear_request(row)
+        self.row_lora[row] = 0
+
+    @property
+    def num_loras(self) -> int:
+        """The adapters served: a request's lora_id is in [0, num_loras]."""
+        return len(self.adapters)
+
+    def _lora_batch(self, step: StepInput) -> LoraBatch | None:
+        """The step's tokens by adapter, or None when every row runs the base model (the
+        common case costs one gather of the rows' ids)."""
+        if not self.adapters:
+            return None
+        seq_lora = self.row_lora[step.rows]
+        if not seq_lora.any():
+            return None
+        return LoraBatch(self.adapters, np.repeat(seq_lora, step.q_lens), self.device)
 
     @torch.inference_mode()
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         """One forward over the mixed batch, then one sampled token per sequence with sample set."""
         step = StepInput.of(seqs)
         batch = build_forward_batch(step, self.config.page_size, self.model_config.context_length, self.device)
+        lora = self._lora_batch(step)
         prompt = pooled = None
         ask, index, targets = step.prompt_logprobs, batch.prompt_index, batch.prompt_targets  # set together
         if (ask is not None and index is not None and targets is not None) or step.pool is not None:
             # the Python forward: it keeps every position's hidden state
             self.attn.plan(batch.meta)
-            x, residual = self.model.hidden(batch.input_ids, batch.meta.positions, self.attn)
+            x, residual = self.model.hidden(batch.input_ids, batch.meta.positions, self.attn, lora)
             logits = self.model.logits(x, residual, batch.logits_index)
             if ask is not None and index is not None and targets is not None:
                 lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(x, residual, index, targets, ask.top_k)
@@ -307,11 +336,12 @@ class ModelRunner:
                 )
             if step.pool is not None:
                 pooled = self._pool(step, batch, x, residual)
-        elif self.decoder is not None and self.decoder.takes(batch.meta):
+        elif lora is None and self.decoder is not None and self.decoder.takes(batch.meta):
+            # the C decode loop has no LoRA deltas: a step with an adapter row runs the Python forward
             logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
         else:
             self.attn.plan(batch.meta)
-            logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn)
+            logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn, lora)
         S = len(batch.sample_rows)
         if S == 0:
             return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, prompt, pooled)

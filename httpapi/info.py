@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 
-from httpapi.errors import model_not_found
+from httpapi.errors import APIError, bad_request, model_not_found
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -32,10 +32,32 @@ def served_model_names(model_path: str | None, names: str | Sequence[str] | None
     return (path.stem if path.suffix == ".gguf" else path.name,)
 
 
-def check_model(model: str | None, served: Collection[str]) -> None:
-    """No model means the served one (as vLLM and SGLang do); a name not served is a 404."""
-    if model is not None and model not in served:
-        raise model_not_found(model)
+def check_model(model: str | None, served: Collection[str], adapters: Mapping[str, int] | None = None) -> int:
+    """The LoRA adapter `model` names (its id; 0: the base model). No model means the served
+    one (as vLLM and SGLang do); an adapter is named alone (vLLM's) or as `base:adapter`
+    (SGLang's); any other name is a 404 that names it."""
+    if model is None or model in served:
+        return 0
+    if adapters:
+        if model in adapters:
+            return adapters[model]
+        base, sep, name = model.partition(":")
+        if sep and base in served and name in adapters:
+            return adapters[name]
+    raise model_not_found(model)
+
+
+def check_adapter(name: str | None, adapters: Mapping[str, int]) -> int:
+    """/generate's lora_path: the adapter's id (None: the base model, 0); an unknown name is a
+    404 that names it, a server without adapters refuses the field."""
+    if name is None:
+        return 0
+    if not adapters:
+        raise bad_request("lora_path: this server serves no LoRA adapters (start it with --enable-lora)", "lora_path")
+    lid = adapters.get(name)
+    if lid is None:
+        raise APIError(404, f"The LoRA adapter `{name}` does not exist.", "lora_path", code="model_not_found")
+    return lid
 
 
 def model_card(served: str, created: int, context_len: int, root: str) -> dict:
@@ -53,9 +75,16 @@ def model_card(served: str, created: int, context_len: int, root: str) -> dict:
     }
 
 
-def models_body(served: Sequence[str], created: int, context_len: int) -> bytes:
-    """Every served name, the first first; each one's root is the first."""
+def adapter_card(name: str, created: int, context_len: int, parent: str) -> dict:
+    """A LoRA adapter as /v1/models lists it."""
+    return {**model_card(name, created, context_len, name), "parent": parent}
+
+
+def models_body(served: Sequence[str], created: int, context_len: int, adapters: Sequence[str] = ()) -> bytes:
+    """Every served name, the first first; each one's root is the first. Then each LoRA
+    adapter, its `parent` the base model (vLLM's shape; its root is its name, not its path)."""
     cards = [model_card(name, created, context_len, served[0]) for name in served]
+    cards += [adapter_card(name, created, context_len, served[0]) for name in adapters]
     return orjson.dumps({"object": "list", "data": cards})
 
 

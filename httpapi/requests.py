@@ -87,8 +87,7 @@ REFUSED_GENERATE = {
     "return_entropy": "entropy is not returned by this server",
     "return_bytes": "return_bytes is not supported",
     "session_params": "sessions are not supported",
-    "lora_path": "LoRA adapters are not supported",
-    "lora_id": "LoRA adapters are not supported",
+    "lora_id": "LoRA adapters are named by lora_path, not by id",
     "custom_logit_processor": "custom logit processors are not supported",
     "positional_embed_overrides": "embedding overrides are not supported",
     **dict.fromkeys(
@@ -145,6 +144,7 @@ class GenerateRequest:
     return_logprob: bool
     return_text_in_logprobs: bool
     samplings: tuple[SamplingSpec, ...]  # one per prompt (sampling_params may be a list of them)
+    lora_paths: tuple[str | None, ...] = ()  # SGLang's lora_path, one per prompt (None: the base); () none
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,20 @@ def parse_generate(body: bytes) -> GenerateRequest:
     check_ignored(f, GENERATE_IGNORED)
     f.ignore("sampling_params")
     f.warn_unknown("/generate")
-    return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, samplings)
+    lora_paths = _lora_paths(f.raw("lora_path"), len(prompts))
+    return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, samplings, lora_paths)
+
+
+def _lora_paths(value: Any, n_prompts: int) -> tuple[str | None, ...]:
+    """/generate's lora_path: one adapter's name for every prompt, or a list with one per prompt
+    (null: the base model)."""
+    if value is None:
+        return ()
+    if type(value) is str:
+        return (value,) * n_prompts
+    if type(value) is list and len(value) == n_prompts and all(v is None or type(v) is str for v in value):
+        return tuple(value)
+    raise bad_request("lora_path must be an adapter's name, or a list with one (or null) per prompt", "lora_path")
 
 
 def _sampling_objects(value: Any, n_prompts: int) -> list[Fields]:

@@ -172,6 +172,7 @@ REQUEST = RecordLayout(
             ("return_ids", np.uint8),
             ("grammar_kind", np.uint8),  # GrammarKind
             ("pooling", np.uint8),  # Pooling: NONE generates, the others answer with a POOLED record
+            ("lora_id", np.uint16),  # 0: the base model; i: the i-th LoRA adapter (--lora-paths)
             ("prompt_logprobs", np.int8),  # -1: none, else top alternatives per prompt position
             ("prompt_logprobs_start", np.uint32),
             ("max_new_tokens", np.uint32),

@@ -29,6 +29,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 4096  # vLLM's allowed_token_ids: a request's list rides its REQUEST payload
 MAX_THINK_MARKER_IDS = 16  # the reasoning's start and end markers, as token ids
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LORA_ID = 0xFFFF  # REQUEST.lora_id is a u16
 
 
 class GrammarKind(enum.IntEnum):
@@ -96,6 +97,9 @@ class SamplingParams:
     # Pooling.NONE: generate; else prefill only, then one POOLED record and no token (runtime/
     # scheduler/pooling.py); LABELS reads its label token ids from allowed_token_ids
     pooling: int = Pooling.NONE
+    # the LoRA adapter the request runs with: 0 the base model, i the i-th of --lora-paths (the
+    # scheduler refuses an id it has no adapter for)
+    lora_id: int = 0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -178,6 +182,8 @@ class SamplingParams:
             self._validate_thinking_budget(vocab_size)
         if self.pooling not in _POOLINGS:
             raise InvalidParam("pooling", f"pooling {self.pooling} is not one of {list(Pooling)}")
+        if not (isinstance(self.lora_id, int) and 0 <= self.lora_id <= MAX_LORA_ID):
+            raise InvalidParam("lora_id", f"a LoRA adapter id is in [0, {MAX_LORA_ID}]")
         if self.pooling == Pooling.LABELS and not self.allowed_token_ids:
             raise InvalidParam("label_token_ids", "a score needs at least one label token id")
         return self

@@ -79,6 +79,12 @@ def check_model(args: ServerArgs) -> str | None:
             from gpu.models.weights import load_gguf_weights
 
             load_gguf_weights(config, "f32")  # views of the mapping: the weights are not read
+        if args.enable_lora:  # every adapter read and checked against the model once, here
+            import torch
+
+            from gpu.lora import load_adapters
+
+            load_adapters(args.lora_paths, config, args.max_lora_rank, torch.float32, torch.device("cpu"))
         if args.chat_template is not None:
             read_chat_template(args.chat_template)
         if args.tokenizer_path is not None and not any(

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from protocol.lora import parse_lora_paths
 from runtime import settings
 from runtime.settings import flag, setting
 from structured.reasoning import REASONING_PARSERS
@@ -241,6 +242,32 @@ class ServerArgs:
         "fcfs", "`fcfs`: first come, first served; `lpm`: longest cached prefix first", choices=("fcfs", "lpm")
     )
     disable_radix_cache: bool = setting(False, "no prefix sharing")
+    enable_lora: bool = setting(
+        False,
+        "serve LoRA adapters (docs/lora.md): requests name one as `model` or `base:adapter`, /generate as "
+        "`lora_path`; batches mix adapters and the base (decode steps with an adapter run the Python forward)",
+        same_row=True,
+    )
+    lora_paths: tuple[str, ...] = setting(
+        (),
+        "the adapters, PEFT directories as `name=path` (a bare path: named after its last part), loaded at start",
+        aliases=("lora_modules",),
+        default_text="none",
+        same_row=True,
+    )
+    max_loras_per_batch: int = setting(
+        8,
+        "adapters in one batch; all are resident, so at most this many",
+        at_least=1,
+        aliases=("max_loras",),
+        same_row=True,
+    )
+    max_lora_rank: int | None = setting(
+        None,
+        "an adapter of a higher rank is refused at start",
+        same_row=True,
+        default_text="any",
+    )
     speculative_algorithm: str = setting(
         "NGRAM",
         "`NGRAM`: n-gram (prompt lookup) speculative decoding: a greedy request's next tokens drafted from its "
@@ -331,12 +358,29 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.root_path and not ROOT_PATH.fullmatch(self.root_path):
             raise ValueError(f"--root-path must be a path like /api/llm (no trailing slash), not {self.root_path!r}")
+        self._check_lora()
         if self.chat_template is not None and not (
             os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
         ):
             raise ValueError(
                 f"--chat-template must be a Jinja template or a file holding one: {self.chat_template!r} is neither"
             )
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_paths:
+                raise ValueError("--lora-paths needs --enable-lora")
+            return
+        if self.null_model or self.is_embedding:
+            raise ValueError("--enable-lora serves generation on a model: not with --null-model or --is-embedding")
+        adapters = parse_lora_paths(self.lora_paths)
+        if len(adapters) > self.max_loras_per_batch:
+            raise ValueError(
+                f"--lora-paths names {len(adapters)} adapters; every adapter is resident, so at most "
+                f"--max-loras-per-batch ({self.max_loras_per_batch})"
+            )
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be at least 1")
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None) -> ServerArgs:

@@ -11,6 +11,10 @@ entries that no longer describe their node (touched since, locked, grown a child
 are skipped when popped. So an eviction costs O(log n) per leaf, not a walk of the tree:
 a server whose pool is full of cached prefixes evicts on every admission.
 
+Requests of a LoRA adapter compute other KV for the same tokens: each adapter id (the `salt`)
+has its own root, so a lookup or insertion never crosses from one adapter's (or the base
+model's, salt 0) pages to another's, while eviction and its accounting stay one pool-wide LRU.
+
 With `disabled` the tree stays empty: nothing matches and released pages go straight
 back to the pool, so the scheduler has one code path for both modes.
 """
@@ -45,6 +49,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.root = TreeNode(None, _EMPTY, _EMPTY)
         self.root.lock_ref = 1  # the root is never evicted
+        self._roots: dict[int, TreeNode] = {0: self.root}  # salt -> its root (parentless, never evicted)
         self.evictable_pages = 0  # pages in nodes nobody locks
         self.protected_pages = 0  # pages in nodes some running request locks
         self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, id, node), lazily pruned
@@ -55,14 +60,23 @@ class RadixCache:
         return self.evictable_pages + self.protected_pages
 
     # ---- lookup -------------------------------------------------------------
-    def match_prefix(self, ids: np.ndarray) -> tuple[np.ndarray, TreeNode]:
-        """Pages of the longest cached page-aligned prefix of `ids`, and the node where it
-        ends (split so that the node ends exactly there: locking it locks just that prefix)."""
+    def root_of(self, salt: int) -> TreeNode:
+        """The root of `salt`'s tree (a LoRA adapter's id; 0: the base model's, `root`)."""
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = TreeNode(None, _EMPTY, _EMPTY)
+            root.lock_ref = 1
+        return root
+
+    def match_prefix(self, ids: np.ndarray, salt: int = 0) -> tuple[np.ndarray, TreeNode]:
+        """Pages of the longest cached page-aligned prefix of `ids` among `salt`'s, and the node
+        where it ends (split so that the node ends exactly there: locking it locks just that prefix)."""
+        root = self.root if salt == 0 else self.root_of(salt)
         if self.disabled:
-            return _EMPTY, self.root
+            return _EMPTY, root
         ids = np.asarray(ids, dtype=np.int32)  # keys are compared as int32 bytes
         ps, now = self.page_size, next(self._clock)
-        node, pos, found = self.root, 0, []
+        node, pos, found = root, 0, []
         end = len(ids) // ps * ps
         while pos < end:
             child = node.children.get(ids[pos : pos + ps].tobytes())
@@ -128,7 +142,7 @@ class RadixCache:
 
     # ---- locking ------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to its root (each salt's root has no parent)
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
@@ -136,7 +150,7 @@ class RadixCache:
             node = _parent(node)
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
@@ -209,7 +223,7 @@ class RadixCache:
 
     def _touch_ancestors(self, node: TreeNode, now: int) -> None:
         """`node` and the nodes above it, as a walk from the root to it would."""
-        while node is not self.root:
+        while node.parent is not None:
             self._touch(node, now)
             node = _parent(node)
 

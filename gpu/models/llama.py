@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from gpu import kernels
 from gpu.attention.base import AttentionBackend
 from gpu.models.model_config import ModelConfig, rope_inv_freq
 from gpu.quant.gguf_weight import GGUFWeight
+
+if TYPE_CHECKING:
+    from gpu.lora import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -341,18 +345,24 @@ class LlamaForCausalLM:
         return sum(t.nbytes if isinstance(t, GGUFWeight) else t.numel() * t.element_size() for t in unique.values())
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor, attn: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_index: torch.Tensor,
+        attn: AttentionBackend,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]."""
-        x, residual = self.hidden(input_ids, positions, attn)
+        x, residual = self.hidden(input_ids, positions, attn, lora)
         return self.logits(x, residual, logits_index)
 
     def hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, lora: LoraBatch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: int64 [T] -> the last layer's residual stream and MLP output
         [T, H], whose sum logits() normalises: what both the sampled and the prompt-logprob
-        positions' logits are taken from."""
+        positions' logits are taken from. `lora`: the step's tokens of LoRA adapters, whose
+        deltas are added to each projection's output (None: the base model for every token)."""
         cfg = self.cfg
         T, D, Hq, Hkv = len(input_ids), cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads
         qk_width, eps = (Hq + Hkv) * D, cfg.rms_norm_eps
@@ -364,6 +374,8 @@ class LlamaForCausalLM:
         for i in range(cfg.num_layers):
             x, h = ops.add_rms_norm(x, residual, self.input_norm[i], eps)
             qkv = linear(h, self.qkv[i], self.qkv_bias[i])  # [T, (Hq + 2Hkv) D]
+            if lora is not None:
+                qkv = lora.add(qkv, h, i, "qkv")
             qk = qkv[:, :qk_width].view(T, Hq + Hkv, D)
             q_norm, k_norm = self.q_norm[i], self.k_norm[i]
             if q_norm is not None and k_norm is not None:  # per head, before rope
@@ -372,13 +384,21 @@ class LlamaForCausalLM:
                 qk = ropes[id(self.layer_rope[i])](qk)
             v = qkv[:, qk_width:].view(T, Hkv, D)
             o = attn.forward(qk[:, :Hq], qk[:, Hq:], v, i)  # [T, Hq, D]
-            o = linear(o.reshape(T, Hq * D), self.o[i])
+            o_in = o.reshape(T, Hq * D)
+            o = linear(o_in, self.o[i])
+            if lora is not None:
+                o = lora.add(o, o_in, i, "o")
             attn_out_norm = self.attn_out_norm[i]
             if attn_out_norm is not None:
                 o = rms_norm(o, attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, o, self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
-            residual = linear(self._act_mul(gate_up), self.down[i])  # [T, H]
+            if lora is not None:
+                gate_up = lora.add(gate_up, h, i, "gate_up")
+            act = self._act_mul(gate_up)
+            residual = linear(act, self.down[i])  # [T, H]
+            if lora is not None:
+                residual = lora.add(residual, act, i, "down")
             mlp_out_norm = self.mlp_out_norm[i]
             if mlp_out_norm is not None:
                 residual = rms_norm(residual, mlp_out_norm, eps)

@@ -360,7 +360,7 @@ class App:
                     logger.exception("the worker failed to start")
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
                     return
-                for name in self.worker.served_names:
+                for name in (*self.worker.served_names, *self.worker.adapters):
                     self.add_route(MODEL_PATH + name, {"GET": self.model_card})
                 self.cors = Cors.of(self.worker.args)
                 self.root_path = self.worker.args.root_path or ""

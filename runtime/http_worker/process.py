@@ -17,6 +17,7 @@ from httpapi.info import served_model_names
 from httpapi.logprobs import LogprobVocab
 from httpapi.responses import now
 from httpapi.sampling import SamplingSpec
+from protocol.lora import adapter_ids
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
 from runtime.engine_stats import EngineStats
@@ -95,6 +96,8 @@ class HTTPWorkerProcess:
         self.args, self.files, self.outbox, self.tm = args, files, outbox, tm
         self.model = tm.model
         self.served_names = served_model_names(args.model_path, args.served_model_name)  # the first: tm.model's
+        # LoRA adapter name -> the id its requests carry (the scheduler numbers them alike)
+        self.adapters: dict[str, int] = adapter_ids(args.lora_paths) if args.enable_lora else {}
         self.request_log = RequestLog() if args.log_requests else None
         self.dump = (
             RequestDump(args.dump_requests_folder, link.worker, args.dump_requests_max_bytes)
@@ -233,10 +236,12 @@ class HTTPWorkerProcess:
         if self.tm.dead is not None:
             raise self.tm.dead.fresh()
 
-    def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int]) -> SamplingParams:
-        """A request's final sampling parameters for one tokenized prompt; raises APIError(400)."""
+    def sampling_params(self, spec: SamplingSpec, prompt_ids: list[int], lora_id: int = 0) -> SamplingParams:
+        """A request's final sampling parameters for one tokenized prompt, run with LoRA adapter
+        `lora_id` (0: the base model); raises APIError(400)."""
         m = self.model
-        return spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
+        params = spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
+        return dataclasses.replace(params, lora_id=lora_id) if lora_id else params
 
     async def submit(
         self, endpoint: str, prompts: list, params: list[SamplingParams], n: int, rids: list[str], stream: bool

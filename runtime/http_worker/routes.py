@@ -17,7 +17,15 @@ from httpapi.chat_output import ChatDeltas, ChatOutput
 from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
 from httpapi.errors import bad_request, engine_unavailable
 from httpapi.fields import load_object
-from httpapi.info import check_model, model_card, model_info_body, models_body, server_info_body
+from httpapi.info import (
+    adapter_card,
+    check_adapter,
+    check_model,
+    model_card,
+    model_info_body,
+    models_body,
+    server_info_body,
+)
 from httpapi.logprobs import LogprobVocab
 from httpapi.requests import (
     parse_abort,
@@ -91,12 +99,12 @@ async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
 @api_route
 async def chat_completions(worker, request: Request) -> Reply:
     req = parse_chat_completion(await read_body(request))
-    check_model(req.model, worker.served_names)
+    lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
     ids = await worker.tm.chat_ids(req.messages, req.template)
     if req.truncation is not None:
         ids = req.truncation.apply(ids, worker.model.context_length)
-    params = worker.sampling_params(req.sampling, ids)
+    params = worker.sampling_params(req.sampling, ids, lora)
     if req.thinking_budget >= 0:
         params = with_thinking_budget(worker, params, req.thinking_budget)
     check_request_size([len(ids)], [params], req.n, "messages", max_tokens=worker.kv_tokens)
@@ -249,12 +257,12 @@ async def batch_chat_completions(worker, request: Request) -> Reply:
     answers conversation i; usage sums them."""
     reqs = parse_batch_chat_completion(await read_body(request))
     first = reqs[0]
-    check_model(first.model, worker.served_names)
+    lora = check_model(first.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([first.sampling])  # shared by every conversation
     prompt_ids = [await worker.tm.chat_ids(req.messages, req.template) for req in reqs]
     if first.truncation is not None:
         prompt_ids = [first.truncation.apply(ids, worker.model.context_length) for ids in prompt_ids]
-    params = [worker.sampling_params(first.sampling, ids) for ids in prompt_ids]
+    params = [worker.sampling_params(first.sampling, ids, lora) for ids in prompt_ids]
     if first.thinking_budget >= 0:
         params = [with_thinking_budget(worker, p, first.thinking_budget) for p in params]
     check_request_size([len(ids) for ids in prompt_ids], params, 1, "messages", max_tokens=worker.kv_tokens)
@@ -294,12 +302,12 @@ async def invocations(worker, request: Request) -> Reply:
 @api_route
 async def completions(worker, request: Request) -> Reply:
     req = parse_completion(await read_body(request))
-    check_model(req.model, worker.served_names)
+    lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
     prompt_ids = [await prompt_tokens(worker, p, "prompt", req.add_special_tokens) for p in req.prompts]
     if req.truncation is not None:
         prompt_ids = [req.truncation.apply(ids, worker.model.context_length) for ids in prompt_ids]
-    params = [worker.sampling_params(req.sampling, ids) for ids in prompt_ids]
+    params = [worker.sampling_params(req.sampling, ids, lora) for ids in prompt_ids]
     n = req.n
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
     request_id, created = response_id("cmpl", client_request_id(request, req.request_id)), now()
@@ -449,15 +457,17 @@ def response_id(prefix: str, client_id: str | None) -> str:
 @api_route
 async def models(worker, request: Request) -> Response:
     m = worker.model
-    return json_response(models_body(worker.served_names, worker.started, m.context_length))
+    return json_response(models_body(worker.served_names, worker.started, m.context_length, tuple(worker.adapters)))
 
 
 @api_route
 async def retrieve_model(worker, request: Request) -> Response:
-    """GET /v1/models/{id}: routed at start-up for each served name; another id is a 404."""
+    """GET /v1/models/{id}: routed at start-up for each served name and LoRA adapter; another id is a 404."""
     m = worker.model
     name = request.url.path[len(MODEL_PATH) :]
-    return json_response(orjson_dumps(model_card(name, worker.started, m.context_length, worker.served_names[0])))
+    base = worker.served_names[0]
+    card = adapter_card if name in worker.adapters else model_card
+    return json_response(orjson_dumps(card(name, worker.started, m.context_length, base)))
 
 
 # ---------------------------------------------------------------- SGLang native
@@ -466,10 +476,11 @@ async def retrieve_model(worker, request: Request) -> Response:
 @api_route
 async def generate(worker, request: Request) -> Reply:
     req = parse_generate(await read_body(request))
+    loras = [check_adapter(name, worker.adapters) for name in req.lora_paths] or [0] * len(req.prompts)
     await worker.grammar_checks.check(req.samplings)
     prompt_param = req.samplings[0].prompt_param
     prompt_ids = [await prompt_tokens(worker, p, prompt_param) for p in req.prompts]
-    params = [worker.sampling_params(spec, ids) for spec, ids in zip(req.samplings, prompt_ids)]
+    params = [worker.sampling_params(spec, ids, lora) for spec, ids, lora in zip(req.samplings, prompt_ids, loras)]
     n = req.n
     check_request_size(
         [len(ids) for ids in prompt_ids],

@@ -59,6 +59,7 @@ class Scheduler:
         self.config = config
         self.page_size: int = self.pool.page_size
         self.vocab_size: int = runner.model_config.vocab_size
+        self.num_loras: int = getattr(runner, "num_loras", 0)  # adapters served (the null model: none)
         self.cache = RadixCache(self.pool, disabled=config.disable_radix_cache)
         self.table: ReqTable[Req] = ReqTable(config.max_running_requests, config.context_length, self.page_size)
         self.eos_ids = np.unique(np.asarray(runner.model_config.eos_token_ids, dtype=np.int32))[:MAX_STOP_IDS]
@@ -188,6 +189,8 @@ class Scheduler:
             return ErrorCode.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
         if req.prompt.view(np.uint32).max() >= self.vocab_size:  # a negative id too, seen as uint32
             return ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
+        if req.params.lora_id > self.num_loras:
+            return ErrorCode.INVALID_REQUEST, f"lora_id: no LoRA adapter {req.params.lora_id} on this server"
         if req.params is not self._valid_params:  # requests that share settings share their object
             try:
                 req.params.validate(self.vocab_size)
@@ -303,7 +306,8 @@ class Scheduler:
         key = fill[: max(owed - 1, 0)] if owed < len(req.prompt) else fill[:-1]
         if req.params.pooling in NO_CACHE_POOLINGS:
             key = fill[:0]
-        prefix_pages, node = self.cache.match_prefix(key)
+        # an adapter's KV differs from the base model's for the same tokens: its own tree (salt)
+        prefix_pages, node = self.cache.match_prefix(key, req.params.lora_id)
         prefix = len(prefix_pages) * ps
         remaining = len(fill) - prefix
         n = min(remaining, budget)

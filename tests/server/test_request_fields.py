@@ -304,8 +304,8 @@ GENERATE_TOP = [
     ("return_bytes", "refused", True, "not supported", None, None),
     ("routed_experts_start_len", "ignored", 0, "routed experts are never returned", None, None),
     ("session_params", "refused", {"id": "s"}, "sessions are not supported", None, None),
-    ("lora_path", "refused", "/lora", "LoRA is not supported", None, None),
-    ("lora_id", "refused", "l", "LoRA is not supported", None, None),
+    ("lora_path", "served", "ad", "the adapter's name", lambda r: r[0].lora_paths == ("ad",), None),
+    ("lora_id", "refused", "l", "adapters are named by lora_path", None, None),
     ("custom_logit_processor", "refused", "p", "not supported", None, None),
     ("positional_embed_overrides", "refused", [1], "not supported", None, None),
     ("bootstrap_host", "refused", "h", "disaggregated serving is not supported", None, None),
@@ -568,6 +568,7 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
 }
 # served fields the walk's server answers with a 400 naming them: it runs without what they need
 NEEDS_MORE = {
+    (GENERATE, "lora_path"): "--enable-lora",
     (CHAT, "thinking_token_budget"): "--reasoning-parser",
     (RESPONSES, "thinking_token_budget"): "--reasoning-parser",
 }

@@ -72,6 +72,7 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
         prompt_logprobs=20,
         prompt_logprobs_start=7,
         pooling=Pooling.LABELS,
+        lora_id=65535,
     ).validate()
     changed = {
         f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra" and getattr(params, f.name) != f.default

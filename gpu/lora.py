@@ -1,0 +1,213 @@
+"""LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), loaded once
+and applied to the Llama-family forward, many adapters in one batch.
+
+The forward fuses q/k/v into one `qkv` projection and gate/up into `gate_up`; an adapter's
+modules of one fused projection are stacked into one pair (A: [sum r, K], B: [N, sum r], block
+diagonal, the scaling folded in), so each fused projection costs one pair of small GEMMs per
+adapter present in the step. A step's tokens are grouped by adapter (LoraBatch): for each
+group, (x[group] @ A^T) @ B^T is added to the base projection's rows of that group, the
+segmented-gather idea of S-LoRA / Punica as batched small GEMMs. Rows of the base model are
+not touched, and a step with no adapter row never builds a LoraBatch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu.models.model_config import ModelConfig
+from gpu.models.model_files import ModelLoadError
+from protocol.lora import parse_lora_paths
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT's module name -> (the fused projection of the forward, its part in it)
+MODULES = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraLoadError(ModelLoadError):
+    """An adapter that cannot be served: the message names the adapter and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: str
+    rank: int  # the largest of its modules'
+    # (layer, fused projection) -> (A [sum r, K], B [N, sum r] scaled): the modules it adapts
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _parts(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Each fused projection's input size and its parts' output sizes, in the order it stacks them."""
+    q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
+
+
+def _pairs_rows(b: torch.Tensor, heads: int, rope_style: str) -> torch.Tensor:
+    """B's rows of a q or k projection in the order the served weights hold them: a Llama GGUF's
+    q/k rows were permuted by its converter so that each rotary pair is adjacent (llama.cpp's
+    permute); the adapter's output rows must follow the same permutation."""
+    if rope_style != "pairs":
+        return b
+    n = b.shape[0]
+    return b.reshape(heads, 2, n // heads // 2, -1).swapaxes(1, 2).reshape(b.shape)
+
+
+def load_adapter(
+    name: str,
+    path: str,
+    cfg: ModelConfig,
+    max_rank: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rope_style: str = "halves",
+) -> Adapter:
+    """The PEFT adapter at `path` for the model of `cfg`; LoraLoadError naming what does not fit."""
+    from safetensors.torch import load_file
+
+    where = f"LoRA adapter {name!r} ({path})"
+    d = Path(path)
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (d / f).is_file():
+            raise LoraLoadError(
+                f"{where}: no {f} there (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})"
+            )
+    try:
+        conf = json.loads((d / CONFIG_FILE).read_text())
+        tensors = load_file(str(d / WEIGHTS_FILE))
+    except (OSError, ValueError) as e:
+        raise LoraLoadError(f"{where}: cannot read it: {e}") from None
+    if not isinstance(conf, dict) or conf.get("peft_type", "LORA") != "LORA":
+        raise LoraLoadError(f"{where}: peft_type {conf.get('peft_type')!r} is not LORA")
+    for key, bad, why in (
+        ("use_dora", True, "DoRA is not supported"),
+        ("fan_in_fan_out", True, "fan_in_fan_out weights are not supported"),
+    ):
+        if conf.get(key) == bad:
+            raise LoraLoadError(f"{where}: {why}")
+    if conf.get("bias", "none") != "none":
+        raise LoraLoadError(f"{where}: bias {conf['bias']!r}: only adapters without biases are supported")
+    if conf.get("alpha_pattern"):
+        raise LoraLoadError(f"{where}: alpha_pattern is not supported")
+    if conf.get("modules_to_save"):
+        raise LoraLoadError(f"{where}: modules_to_save {conf['modules_to_save']} are not supported")
+    targets = conf.get("target_modules")
+    if isinstance(targets, list):
+        lacking = sorted(set(targets) - set(MODULES))
+        if lacking:
+            raise LoraLoadError(
+                f"{where}: target modules {lacking} are not projections this model has ({', '.join(MODULES)})"
+            )
+    alpha, rslora = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora", False))
+
+    ab: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in MODULES:
+            raise LoraLoadError(f"{where}: tensor {key!r} is not a LoRA A or B of {', '.join(MODULES)}")
+        layer = int(m.group(1))
+        if layer >= cfg.num_layers:
+            raise LoraLoadError(f"{where}: tensor {key!r} is for layer {layer}; the model has {cfg.num_layers}")
+        ab.setdefault((layer, m.group(2)), {})[m.group(3)] = t
+    if not ab:
+        raise LoraLoadError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+
+    parts, top = _parts(cfg), 0
+    stacked: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, module), pair in sorted(ab.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoraLoadError(f"{where}: layer {layer} {module} has lora_{next(iter(pair))} without its pair")
+        a, b = pair["A"].float(), pair["B"].float()
+        fused, part = MODULES[module]
+        k, outs = parts[fused]
+        r = a.shape[0]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != k or b.shape != (outs[part], r):
+            raise LoraLoadError(
+                f"{where}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the model "
+                f"(A [r, {k}], B [{outs[part]}, r])"
+            )
+        if max_rank is not None and r > max_rank:
+            raise LoraLoadError(f"{where}: rank {r} ({module}) is above --max-lora-rank {max_rank}")
+        top = max(top, r)
+        scale = alpha / (math.sqrt(r) if rslora else r)
+        if fused == "qkv" and part < 2:
+            b = _pairs_rows(b, cfg.num_q_heads if part == 0 else cfg.num_kv_heads, rope_style)
+        stacked.setdefault((layer, fused), []).append((part, a, b * scale))
+
+    pairs = {}
+    for (layer, fused), items in stacked.items():
+        k, outs = parts[fused]
+        starts = np.concatenate([[0], np.cumsum(outs)])
+        a_cat = torch.cat([a for _, a, _ in items])
+        b_cat = torch.zeros(int(starts[-1]), a_cat.shape[0])
+        col = 0
+        for part, a, b in items:  # block diagonal: each part's rows read only its own A's ranks
+            b_cat[int(starts[part]) : int(starts[part + 1]), col : col + a.shape[0]] = b
+            col += a.shape[0]
+        pairs[(layer, fused)] = (a_cat.to(device, dtype).contiguous(), b_cat.to(device, dtype).contiguous())
+    return Adapter(name, path, top, pairs)
+
+
+def load_adapters(
+    lora_paths: Sequence[str],
+    cfg: ModelConfig,
+    max_rank: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rope_style: str = "halves",
+) -> list[Adapter]:
+    """--lora-paths' adapters, in id order (adapter i has id i + 1)."""
+    try:
+        named = parse_lora_paths(lora_paths)
+    except ValueError as e:
+        raise LoraLoadError(str(e)) from None
+    return [load_adapter(name, path, cfg, max_rank, dtype, device, rope_style) for name, path in named]
+
+
+class LoraBatch:
+    """One step's tokens grouped by adapter: what the forward adds to each projection."""
+
+    def __init__(self, adapters: Sequence[Adapter], token_lora: np.ndarray, device: torch.device) -> None:
+        """token_lora: int [T], each flat token's adapter id (0: the base, left as it is)."""
+        self.groups: list[tuple[Adapter, torch.Tensor | slice]] = []
+        for lid in np.unique(token_lora).tolist():
+            if lid == 0:
+                continue
+            where = np.flatnonzero(token_lora == lid)
+            # a sequence's tokens are contiguous: a group of one run is a view, not a gather
+            rows: torch.Tensor | slice = (
+                slice(int(where[0]), int(where[-1]) + 1)
+                if where[-1] - where[0] + 1 == len(where)
+                else torch.from_numpy(where).to(device)
+            )
+            self.groups.append((adapters[lid - 1], rows))
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> torch.Tensor:
+        """out [T, N] (the base projection of x [T, K], a fresh tensor) plus each group's delta, in place."""
+        for adapter, rows in self.groups:
+            pair = adapter.pairs.get((layer, fused))
+            if pair is None:
+                continue
+            a, b = pair
+            if isinstance(rows, slice):
+                out[rows] += (x[rows] @ a.t()) @ b.t()
+            else:
+                out.index_add_(0, rows, (x[rows] @ a.t()) @ b.t())
+        return out
