@@ -262,9 +262,9 @@ def parse_generate(body: bytes) -> GenerateRequest:
     stream = f.get_bool("stream", False)
     return_text = f.get_bool("return_text_in_logprobs", False)
     check_ignored(f, GENERATE_IGNORED)
-    f.ignore("sampling_params")
-    f.warn_unknown("/generate")
     lora_paths = _lora_paths(f.raw("lora_path"), len(prompts))
+    f.ignore("sampling_params", "lora_path")  # read above
+    f.warn_unknown("/generate")
     return GenerateRequest(prompts, rids, batch or n > 1, n, stream, return_logprob, return_text, samplings, lora_paths)
 
 
