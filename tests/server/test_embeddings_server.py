@@ -8,43 +8,25 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-
-from gpu.models.model_files import resolve_model_dir
+from tiny_models import save_tiny
 
 pytestmark = pytest.mark.torch_threads(2)
 
 KEY = "pool-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-SHAPE = dict(
-    vocab_size=49152,  # the default model's tokenizer, copied beside the weights
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
 IDS = [[1, 504, 3458, 282], [1, 2830, 314, 253, 1050], [77, 78, 79, 80, 81, 82, 83]]
 LONG = [int(t) for t in np.random.default_rng(0).integers(2, 40000, 300)]  # 5 chunks of 64
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors."]
 
 
 def save(path: Path, family: str, seed: int, pooling: str | None = None) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    torch.manual_seed(seed)
-    config = (Qwen2Config if family == "qwen2" else LlamaConfig)(**SHAPE)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model_dir(None) / name, path / name)
+    save_tiny(path, seed, family)
     if pooling == "mean":  # a sentence-transformers model: its pooling and Normalize modules
         modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

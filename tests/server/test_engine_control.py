@@ -5,7 +5,6 @@ reference for each checkpoint is the OfflineEngine on that checkpoint alone."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -16,38 +15,21 @@ import orjson
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import save_tiny
 
-from gpu.models.model_files import resolve_model_dir
 from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.torch_threads(2)
 
 KEY = "control-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-SHAPE = dict(
-    vocab_size=49152,  # the default model's tokenizer, copied beside the weights
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
 PROMPTS = [[1, 504, 3458, 282], [1, 2830, 314, 253, 1050], [1, 77, 78, 79, 80, 81, 82]]
 NEW = 24  # greedy tokens a request asks for, ignoring EOS
 LONG = 400  # a request still running when a pause comes
 
 
 def save_checkpoint(path: Path, seed: int, **changes) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**SHAPE, **changes}), dtype=torch.float32)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model_dir(None) / name, path / name)
-    return path
+    return save_tiny(path, seed, **changes)
 
 
 @pytest.fixture(scope="module")

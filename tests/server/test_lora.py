@@ -17,23 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-
-from gpu.models.model_files import resolve_model_dir
+from tiny_models import save_tiny
 
 pytestmark = pytest.mark.torch_threads(2)
 
 KEY = "lora-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-SHAPE = dict(
-    vocab_size=49152,  # the default model's tokenizer, copied beside the weights
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANKS = {"a4": 4, "a8": 8}
 PROMPT = [1, *range(300, 339)]  # 40 tokens: two full pages of 16 enter the prefix cache
@@ -41,13 +30,7 @@ NEW = 8
 
 
 def save_base(path: Path) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(5)
-    AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), dtype=torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(resolve_model_dir(None) / name, path / name)
-    return path
+    return save_tiny(path, 5)
 
 
 def save_adapter(base: Path, path: Path, rank: int, seed: int) -> Path:
