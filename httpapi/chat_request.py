@@ -299,6 +299,12 @@ def _content(value: Any, role: str, where: str) -> str:
         return value
     if value is None and role == "assistant":  # an assistant turn that only called tools
         return ""
+    return text_parts(value, role, where)
+
+
+def text_parts(value: Any, role: str, where: str, text_kinds: tuple[str, ...] = ("text",)) -> str:
+    """A list of content parts of `text_kinds` (and an assistant's refusal parts), their texts
+    joined by newlines; a media part is a 400 naming it (a text-only model)."""
     if type(value) is not list:
         raise bad_request(f"{where} must be a string or a list of content parts", where)
     texts = []
@@ -307,14 +313,16 @@ def _content(value: Any, role: str, where: str) -> str:
         if kind in MEDIA_PARTS:
             raise bad_request(
                 f"{where}[{j}] is a {kind!r} part: this server runs a text-only model, "
-                f"so only 'text' content parts are supported",
+                f"so only text content parts are supported",
                 f"{where}[{j}].type",
             )
-        key = "refusal" if kind == "refusal" and role == "assistant" else "text"  # OpenAI's assistant parts
-        if kind != key:
+        refusal = kind == "refusal" and role == "assistant"  # OpenAI's assistant parts
+        if not (refusal or kind in text_kinds):
             raise bad_request(
-                f'{where}[{j}] must be a content part like {{"type": "text", "text": "..."}}', f"{where}[{j}]"
+                f'{where}[{j}] must be a content part like {{"type": "{text_kinds[0]}", "text": "..."}}',
+                f"{where}[{j}]",
             )
+        key = "refusal" if refusal else "text"
         text = part.get(key)
         if type(text) is not str:
             raise bad_request(f"{where}[{j}].{key} must be a string", f"{where}[{j}].{key}")

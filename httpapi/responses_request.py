@@ -17,7 +17,6 @@ from typing import Any
 import orjson
 
 from httpapi.chat_request import (
-    MEDIA_PARTS,
     REASONING_EFFORTS,
     REFUSED_CHAT,
     ChatTemplateArgs,
@@ -25,6 +24,7 @@ from httpapi.chat_request import (
     read_thinking_budget,
     template_kwargs,
     template_tools,
+    text_parts,
 )
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
@@ -394,24 +394,8 @@ def _parts(value: Any, role: str, where: str) -> list[dict[str, Any]]:
 
 
 def _joined(value: Any, role: str, where: str) -> str:
-    """Text parts' texts joined by newlines (as chat joins its parts); media parts are a 400."""
-    if type(value) is not list:
-        raise bad_request(f"{where} must be a string or a list of content parts", where)
-    texts = []
-    for j, part in enumerate(value):
-        kind = part.get("type") if type(part) is dict else None
-        if kind in MEDIA_PARTS:
-            raise bad_request(
-                f"{where}[{j}] is a {kind!r} part: this server runs a text-only model, so only text parts are served",
-                f"{where}[{j}].type",
-            )
-        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
-        if kind not in (*TEXT_PARTS, "refusal", "reasoning_text") or type(part.get(key)) is not str:
-            raise bad_request(
-                f'{where}[{j}] must be a text part like {{"type": "input_text", "text": "..."}}', f"{where}[{j}]"
-            )
-        texts.append(part[key])
-    return "\n".join(texts)
+    """Text parts' texts joined by newlines, as chat joins its parts (chat_request.text_parts)."""
+    return text_parts(value, role, where, (*TEXT_PARTS, "reasoning_text"))
 
 
 def _str(item: dict, key: str, where: str) -> str:
