@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from conftest import alive, descendants, free_port, wait_until
+from conftest import alive, descendants, wait_until
+from router_process import healthy, running_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e '.[dev]')")
 
@@ -42,55 +41,15 @@ def servers(start_server):
 
 @pytest.fixture(scope="module")
 def router(servers):
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--worker-urls",
-        *(s.base for s in servers),
-        "--policy",
-        "round_robin",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-        "--worker-startup-check-interval",
-        "1",
-        "--health-check-interval-secs",
-        "1",
-        # a /health answered late on a loaded machine must not take a server out of the
-        # rotation for the rest of the test (the default: 3 failures in a row)
-        "--health-failure-threshold",
-        "30",
-        "--shutdown-grace-period-secs",
-        "1",
-        "--log-level",
-        "warn",
-    ]
-    proc = subprocess.Popen(argv, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_until(lambda: registered(base) == {s.base for s in servers} or proc.poll() is not None, 60, 0.2)
-        assert proc.poll() is None, f"the router exited with status {proc.returncode}"
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # a /health answered late on a loaded machine must not take a server out of the rotation
+    # for the rest of the test (the default: 3 failures in a row)
+    with running_router([s.base for s in servers], "--health-failure-threshold", "30") as r:
+        yield r.proc, r.base
 
 
 def registered(base: str) -> set[str]:
     """The URLs of the router's healthy workers that serve our model."""
-    try:
-        workers = httpx.get(base + "/workers", timeout=2).json()["workers"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return set()
-    return {w["url"] for w in workers if w["is_healthy"] and w["model_id"] == MODEL}
+    return healthy(base, MODEL)
 
 
 def served(server) -> int:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -31,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import free_port, wait_until
+from conftest import wait_until
+from router_process import healthy, running_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e '.[dev]')")
 
@@ -55,57 +54,10 @@ def servers(start_server):
 
 @pytest.fixture(scope="module")
 def router(servers):
-    port, metrics_port = free_port(), free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--worker-urls",
-        *(s.base for s in servers),
-        "--policy",
-        "round_robin",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--worker-startup-check-interval",
-        "1",
-        "--health-check-interval-secs",
-        "1",
-        "--cb-timeout-duration-secs",
-        str(CB_RETRY_S),
-        "--shutdown-grace-period-secs",
-        "1",
-        "--log-level",
-        "error",
-    ]
-    proc = subprocess.Popen(argv, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_until(lambda: healthy(base) == {s.base for s in servers} or proc.poll() is not None, 60, 0.2)
-        assert proc.poll() is None, f"the router exited with status {proc.returncode}"
-        yield base, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def healthy(base: str) -> set[str]:
-    """The URLs of the servers the router holds healthy."""
-    try:
-        workers = httpx.get(base + "/workers", timeout=5).json()["workers"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return set()
-    return {w["url"] for w in workers if w["is_healthy"]}
+    with running_router(
+        [s.base for s in servers], "--cb-timeout-duration-secs", str(CB_RETRY_S), log_level="error"
+    ) as r:
+        yield r.base, r.metrics_url
 
 
 def finished(server) -> int:
