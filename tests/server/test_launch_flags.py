@@ -32,15 +32,21 @@ ALIAS_VALUES = {
     "tp": ("1", 1),
     "data_parallel_size": ("1", 1),
     "dp": ("1", 1),
+    "lora_modules": ("a4=/adapters/a4", ("a4=/adapters/a4",)),
+    "max_loras": ("4", 4),
 }
+NEEDS_LORA = ("lora_modules",)  # an adapter without --enable-lora is refused
 
 
 @pytest.mark.parametrize("alias", list(ALIASES))
 def test_alias_by_flag_and_env(alias):
     raw, value = ALIAS_VALUES[alias]
     target = ALIASES[alias]
-    by_flag = ServerArgs.from_cli([f"--{alias.replace('_', '-')}", raw])
-    by_env = ServerArgs.from_env({f"RINGSERVE_{alias.upper()}": raw})
+    lora = alias in NEEDS_LORA
+    by_flag = ServerArgs.from_cli([f"--{alias.replace('_', '-')}", raw, *(["--enable-lora"] if lora else [])])
+    by_env = ServerArgs.from_env(
+        {f"RINGSERVE_{alias.upper()}": raw, **({"RINGSERVE_ENABLE_LORA": "1"} if lora else {})}
+    )
     assert getattr(by_flag, target) == value and by_env == by_flag
     assert ServerArgs.from_env(by_flag.to_env()) == by_flag  # the alias travels as its target's variable
     assert f"RINGSERVE_{alias.upper()}" not in by_flag.to_env()
