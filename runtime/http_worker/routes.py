@@ -15,7 +15,7 @@ from starlette.types import Message
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
 from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
-from httpapi.errors import bad_request, engine_unavailable
+from httpapi.errors import APIError, bad_request, engine_unavailable
 from httpapi.fields import load_object
 from httpapi.info import (
     adapter_card,
@@ -96,8 +96,15 @@ async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
 # ---------------------------------------------------------------- OpenAI
 
 
+def check_generates(worker, api: str) -> None:
+    """A server started for embeddings (--is-embedding) generates nothing: vLLM's 400."""
+    if worker.args.is_embedding:
+        raise APIError(400, f"The model does not support {api} API", None, "BadRequestError")
+
+
 @api_route
 async def chat_completions(worker, request: Request) -> Reply:
+    check_generates(worker, "Chat Completions")
     req = parse_chat_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
@@ -255,6 +262,7 @@ async def batch_chat_completions(worker, request: Request) -> Reply:
     """vLLM's /v1/chat/completions/batch: N conversations in one request, run as one group (as
     a completions batch runs its prompts), answered as one chat completion whose choice i
     answers conversation i; usage sums them."""
+    check_generates(worker, "Chat Completions")
     reqs = parse_batch_chat_completion(await read_body(request))
     first = reqs[0]
     lora = check_model(first.model, worker.served_names, worker.adapters)
@@ -301,6 +309,7 @@ async def invocations(worker, request: Request) -> Reply:
 
 @api_route
 async def completions(worker, request: Request) -> Reply:
+    check_generates(worker, "Completions")
     req = parse_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
@@ -475,6 +484,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 
 @api_route
 async def generate(worker, request: Request) -> Reply:
+    check_generates(worker, "Generate")
     req = parse_generate(await read_body(request))
     loras = [check_adapter(name, worker.adapters) for name in req.lora_paths] or [0] * len(req.prompts)
     await worker.grammar_checks.check(req.samplings)

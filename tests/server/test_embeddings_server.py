@@ -118,6 +118,16 @@ def test_embedding_refusals(embed_server):
         r = post(server, "/v1/embeddings", body)
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     assert post(server, "/v1/embeddings", {"input": "x"}, key=False).status_code == 401
+    # a server for embeddings generates nothing, as vLLM answers
+    for route, body, api in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "Chat Completions"),
+        ("/v1/completions", {"prompt": "x"}, "Completions"),
+        ("/generate", {"text": "x"}, "Generate"),
+        ("/v1/responses", {"input": "x"}, "Responses"),
+    ):
+        r = post(server, route, body)
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"The model does not support {api} API"
+    assert httpx.get(server.url("/health_generate"), timeout=60).status_code == 200  # the engine's own probe
 
 
 @pytest.fixture(scope="module")
