@@ -113,17 +113,7 @@ def _response_format(f: Fields) -> list[tuple[str, GrammarKind, Any]]:
                 'response_format.json_schema must be provided when its type is "json_schema": {"name", "schema"}',
                 "response_format.json_schema",
             )
-        if not js.get_str("name"):
-            raise bad_request("response_format.json_schema.name is required", "response_format.json_schema.name")
-        js.get_str("description")
-        js.get_bool("strict", False)
-        schema = js.raw("schema")
-        if type(schema) is not dict:
-            raise bad_request(
-                "response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema.schema"
-            )
-        js.warn_unknown("response_format")
-        return [("response_format.json_schema.schema", GrammarKind.JSON_SCHEMA, lambda: json_schema_text(schema))]
+        return json_schema_format(js, "response_format")
     if kind == "structural_tag":
         rf.ignore(*rf.obj)
         return [("response_format", GrammarKind.STRUCTURAL_TAG, lambda: structural_tag_text(rf.obj))]
@@ -131,6 +121,21 @@ def _response_format(f: Fields) -> list[tuple[str, GrammarKind, Any]]:
         f"response_format.type must be one of text, json_object, json_schema and structural_tag, not {shown(kind)}",
         "response_format.type",
     )
+
+
+def json_schema_format(fmt: Fields, label: str) -> list[tuple[str, GrammarKind, Any]]:
+    """A json_schema format's {"name", "description", "strict", "schema"} (chat's
+    response_format.json_schema, the Responses API's flat text.format): its schema is the
+    grammar. `label` names it in the unknown-fields warning."""
+    if not fmt.get_str("name"):
+        raise bad_request(f"{fmt.param('name')} is required", fmt.param("name"))
+    fmt.get_str("description")
+    fmt.get_bool("strict", False)
+    schema, param = fmt.raw("schema"), fmt.param("schema")
+    if type(schema) is not dict:
+        raise bad_request(f"{param} must be a JSON schema object", param)
+    fmt.warn_unknown(label)
+    return [(param, GrammarKind.JSON_SCHEMA, lambda: json_schema_text(schema))]
 
 
 def one_grammar(candidates: list[tuple[str, GrammarKind, Any]], names: dict[str, str]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from httpapi.chat_request import (
 )
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
-from httpapi.grammar_fields import one_grammar, structured_outputs
+from httpapi.grammar_fields import json_schema_format, one_grammar, structured_outputs
 from httpapi.request_fields import check_ignored, read_request_id, refuse_unserved, shown
 from httpapi.responses import new_request_id
 from httpapi.sampling import SamplingSpec, read_sampling
@@ -302,15 +302,7 @@ def _text_format(text: Fields) -> list[tuple[str, GrammarKind, Any]]:
     if kind == "json_object":
         return [("text.format", GrammarKind.JSON_SCHEMA, lambda: JSON_OBJECT_SCHEMA)]
     if kind == "json_schema":
-        if not fmt.get_str("name"):
-            raise bad_request("text.format.name is required", "text.format.name")
-        fmt.get_str("description")
-        fmt.get_bool("strict", False)
-        schema = fmt.raw("schema")
-        if type(schema) is not dict:
-            raise bad_request("text.format.schema must be a JSON schema object", "text.format.schema")
-        fmt.warn_unknown("text.format")
-        return [("text.format.schema", GrammarKind.JSON_SCHEMA, lambda: json_schema_text(schema))]
+        return json_schema_format(fmt, "text.format")
     raise bad_request(
         f"text.format.type must be one of text, json_object and json_schema, not {shown(kind)}", "text.format.type"
     )

@@ -60,6 +60,7 @@ import orjson
 
 from perf import report
 from perf import serving_bench as sb
+from runtime.supervise.files import process_start_time
 
 ENGINE_ROLES = ("ringserve::scheduler", "ringserve::detokenizer")
 FAULTS = (
@@ -118,11 +119,7 @@ def pid_of(server: sb.Server, role: str) -> int | None:
 
 def running(pid: int) -> bool:
     """Neither gone nor a zombie."""
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return st[st.rindex(")") + 2] not in "ZX"
+    return process_start_time(pid) is not None
 
 
 class HostileNames:
