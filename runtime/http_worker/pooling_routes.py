@@ -35,7 +35,7 @@ from httpapi.sampling import check_prompt_chars, check_request_size, check_token
 from protocol.sampling_params import Pooling, SamplingParams
 from runtime.http_worker.asgi import Handler, api_route, client_request_id, json_response, read_body
 from runtime.http_worker.req_state import ReqState
-from runtime.http_worker.routes import finished
+from runtime.http_worker.routes import check_api, finished
 
 POOLINGS = {"last": Pooling.LAST, "mean": Pooling.MEAN, "cls": Pooling.CLS}
 # sentence-transformers' 1_Pooling/config.json keys, in the order they are taken
@@ -120,11 +120,6 @@ def _values(state: ReqState) -> np.ndarray:
     return np.frombuffer(b"".join(state.parts), np.float32)
 
 
-def _refuse_generation_model(worker, api: str) -> None:
-    if not worker.args.is_embedding:  # vLLM's answer for a model it does not pool with
-        raise APIError(400, f"The model does not support {api} API", None, "BadRequestError")
-
-
 async def _embed(
     worker,
     request: Request,
@@ -169,7 +164,7 @@ async def embeddings(worker, request: Request) -> Response:
     """OpenAI's /v1/embeddings."""
     req = parse_embedding(await read_body(request))
     check_model(req.model, worker.served_names)
-    _refuse_generation_model(worker, "Embeddings")
+    check_api(worker, "Embeddings", pooling=True)
     vectors, states = await _embed(
         worker,
         request,
@@ -194,7 +189,7 @@ async def embeddings(worker, request: Request) -> Response:
 async def encode(worker, request: Request) -> Response:
     """SGLang's /encode."""
     req = parse_encode(await read_body(request))
-    _refuse_generation_model(worker, "Embeddings")
+    check_api(worker, "Embeddings", pooling=True)
     param = "text" if isinstance(req.inputs[0], str) else "input_ids"
     vectors, states = await _embed(
         worker,

@@ -34,7 +34,7 @@ from httpapi.sampling import check_request_size
 from runtime.http_worker.asgi import Handler, Reply, api_route, client_request_id, json_response, read_body
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.response_store import RUNNING, StoredResponse, owner_of
-from runtime.http_worker.routes import chat_output, check_generates, finished, with_thinking_budget
+from runtime.http_worker.routes import chat_output, check_api, finished, with_thinking_budget
 from runtime.http_worker.streaming import EventStream, sse_events
 
 logger = logging.getLogger("ringserve.responses")
@@ -53,7 +53,7 @@ class Prepared:
 
 @api_route
 async def create_response(worker, request: Request) -> Reply:
-    check_generates(worker, "Responses")
+    check_api(worker, "Responses")
     req = parse_responses_create(await read_body(request))
     check_model(req.model, worker.served_names)
     await worker.grammar_checks.check([req.sampling])

@@ -96,15 +96,16 @@ async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
 # ---------------------------------------------------------------- OpenAI
 
 
-def check_generates(worker, api: str) -> None:
-    """A server started for embeddings (--is-embedding) generates nothing: vLLM's 400."""
-    if worker.args.is_embedding:
+def check_api(worker, api: str, pooling: bool = False) -> None:
+    """vLLM's 400 for an API this server's mode does not serve: a server started for embeddings
+    (--is-embedding) generates nothing, and a generation model pools nothing."""
+    if worker.args.is_embedding != pooling:
         raise APIError(400, f"The model does not support {api} API", None, "BadRequestError")
 
 
 @api_route
 async def chat_completions(worker, request: Request) -> Reply:
-    check_generates(worker, "Chat Completions")
+    check_api(worker, "Chat Completions")
     req = parse_chat_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
@@ -262,7 +263,7 @@ async def batch_chat_completions(worker, request: Request) -> Reply:
     """vLLM's /v1/chat/completions/batch: N conversations in one request, run as one group (as
     a completions batch runs its prompts), answered as one chat completion whose choice i
     answers conversation i; usage sums them."""
-    check_generates(worker, "Chat Completions")
+    check_api(worker, "Chat Completions")
     reqs = parse_batch_chat_completion(await read_body(request))
     first = reqs[0]
     lora = check_model(first.model, worker.served_names, worker.adapters)
@@ -309,7 +310,7 @@ async def invocations(worker, request: Request) -> Reply:
 
 @api_route
 async def completions(worker, request: Request) -> Reply:
-    check_generates(worker, "Completions")
+    check_api(worker, "Completions")
     req = parse_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
@@ -484,7 +485,7 @@ async def retrieve_model(worker, request: Request) -> Response:
 
 @api_route
 async def generate(worker, request: Request) -> Reply:
-    check_generates(worker, "Generate")
+    check_api(worker, "Generate")
     req = parse_generate(await read_body(request))
     loras = [check_adapter(name, worker.adapters) for name in req.lora_paths] or [0] * len(req.prompts)
     await worker.grammar_checks.check(req.samplings)
