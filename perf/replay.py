@@ -4,7 +4,10 @@ Each dumped request is sent again to the server's /generate as its prompts' toke
 chat's after its template, as dumped) with its sampling parameters and n; each choice's raw
 text and finish reason are compared with the dumped ones where the output is determined:
 greedy or seeded requests that ended by themselves (stop or length). Unseeded sampled
-requests, and those that were aborted or failed, are sent but not compared.
+requests, and those that were aborted or failed, are sent but not compared. A request whose
+parameters /generate cannot carry (vLLM's allowed_token_ids, a thinking budget, a LoRA
+adapter) is not sent: altered, its output would differ for no fault of the server's; the
+results count them by reason.
 
     python -m perf.replay --dump /var/dumps --url http://127.0.0.1:30000   # RINGSERVE_API_KEY: its key
 
@@ -53,6 +56,8 @@ _GRAMMAR_FIELD = {
     GrammarKind.STRUCTURAL_TAG: "structural_tag",
 }
 _SETTLED = ("stop", "length")  # finishes a replay must reproduce; abort and error depend on the moment
+# SamplingParams' fields /generate has no way to send, and the value that means "unused"
+_UNSENDABLE: dict[str, Any] = {"allowed_token_ids": [], "thinking_budget": -1, "lora_id": 0}
 
 
 def dumped_requests(path: Path) -> Iterator[dict[str, Any]]:
@@ -83,12 +88,24 @@ def generate_body(request: dict[str, Any]) -> dict[str, Any]:
     return {"input_ids": request["prompts"], "sampling_params": params}
 
 
+def unsendable(request: dict[str, Any]) -> str | None:
+    """The first field of the request's parameters that /generate cannot carry, or None."""
+    for p in request["sampling_params"]:
+        for name, unused in _UNSENDABLE.items():
+            if p.get(name, unused) != unused:
+                return name
+    return None
+
+
 def determined(params: dict[str, Any]) -> bool:
     """The output is a function of the request: greedy, or seeded."""
     return params["temperature"] < GREEDY_TEMPERATURE or params["top_k"] == 1 or params["seed"] is not None
 
 
 def replay_one(http: httpx.Client, request: dict[str, Any]) -> dict[str, Any]:
+    field = unsendable(request)
+    if field is not None:
+        return {"status": None, "unsent": field, "seconds": 0.0, "compared": 0, "equal": 0}
     t0 = time.perf_counter()
     r = http.post("/generate", json=generate_body(request))
     seconds = time.perf_counter() - t0
@@ -130,25 +147,42 @@ def main(argv: list[str] | None = None) -> int:
 
     by_endpoint: dict[str, dict[str, float]] = {}
     for req, res in zip(requests, results):
-        row = by_endpoint.setdefault(req["endpoint"], {"requests": 0, "failed": 0, "compared": 0, "equal": 0, "s": 0.0})
+        row = by_endpoint.setdefault(
+            req["endpoint"], {"requests": 0, "unsent": 0, "failed": 0, "compared": 0, "equal": 0, "s": 0.0}
+        )
         row["requests"] += 1
-        row["failed"] += res["status"] != 200
+        row["unsent"] += res["status"] is None
+        row["failed"] += res["status"] not in (None, 200)
         row["compared"] += res["compared"]
         row["equal"] += res["equal"]
         row["s"] += res["seconds"]
-    columns = ("endpoint", "requests", "failed", "choices compared", "equal", "mean s")
+    columns = ("endpoint", "requests", "not sent", "failed", "choices compared", "equal", "mean s")
     rows = [
-        (name, r["requests"], r["failed"], r["compared"], r["equal"], report.fmt(r["s"] / r["requests"], ".3f"))
+        (
+            name,
+            r["requests"],
+            r["unsent"],
+            r["failed"],
+            r["compared"],
+            r["equal"],
+            report.fmt(r["s"] / max(1, r["requests"] - r["unsent"]), ".3f"),
+        )
         for name, r in sorted(by_endpoint.items())
     ]
     md = report.table(columns, rows)
     compared, equal = sum(r["compared"] for r in results), sum(r["equal"] for r in results)
-    failed = sum(r["status"] != 200 for r in results)
+    failed = sum(r["status"] not in (None, 200) for r in results)
+    unsent: dict[str, int] = {}
+    for r in results:
+        if r["status"] is None:
+            unsent[r["unsent"]] = unsent.get(r["unsent"], 0) + 1
     md += (
         f"\n\n{len(requests)} dumped requests from `{args.dump.name}` replayed to /generate at concurrency "
         f"{args.concurrency}: {equal} of {compared} determined choices (greedy or seeded, ended by stop or length) "
         f"equal to the dump, {failed} requests failed."
     )
+    if unsent:
+        md += " Not sent (a field /generate cannot carry): " + ", ".join(f"{n} with {k}" for k, n in unsent.items())
     print(md)
     report.write_results(
         "replay",
@@ -156,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "dump": str(args.dump),
             "requests": len(requests),
             "failed": failed,
+            "not_sent": unsent,
             "compared": compared,
             "equal": equal,
             "by_endpoint": by_endpoint,

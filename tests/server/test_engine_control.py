@@ -228,6 +228,8 @@ def test_dump_and_replay_round_trip(server, dump_folder, tmp_path, monkeypatch):
         generate(http, PROMPTS[1])
         body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "temperature": 0.9}}
         assert http.post("/generate", json=body).status_code == 200  # unseeded: sent, not compared
+        allowed = {**chat, "allowed_token_ids": [PROMPTS[1][0], PROMPTS[1][1]]}  # /generate cannot carry it
+        assert http.post("/v1/chat/completions", json=allowed).status_code == 200
     lines = []
     for _ in range(100):  # each worker writes its line as its request ends
         lines = [
@@ -236,7 +238,7 @@ def test_dump_and_replay_round_trip(server, dump_folder, tmp_path, monkeypatch):
             for line in file.read_bytes().splitlines()
             if orjson.loads(line)["time"] >= mark
         ]
-        if len(lines) == 4:
+        if len(lines) == 5:
             break
         time.sleep(0.1)
     assert {orjson.loads(line)["endpoint"] for line in lines} == {"chat", "completions", "generate"}
@@ -247,7 +249,8 @@ def test_dump_and_replay_round_trip(server, dump_folder, tmp_path, monkeypatch):
     out = tmp_path / "replay.json"
     assert replay.main(["--dump", str(dump), "--url", server.base, "--out", str(out)]) == 0
     result = orjson.loads(out.read_bytes())
-    assert result["requests"] == 4 and result["compared"] == 4 and result["equal"] == 4
+    assert result["requests"] == 5 and result["compared"] == 4 and result["equal"] == 4
+    assert result["not_sent"] == {"allowed_token_ids": 1}
     assert (tmp_path / "replay.md").read_text().count("| chat |") == 1
 
 
