@@ -376,10 +376,8 @@ def read_template_args(
             'documents must be a list of objects of strings, like {"title": ..., "text": ...}', "documents"
         )
     kwargs = template_kwargs(f)
-    effort = f.get_str("reasoning_effort")
+    effort = f.get_str("reasoning_effort", choices=REASONING_EFFORTS)
     if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise bad_request(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}", "reasoning_effort")
         kwargs.setdefault("reasoning_effort", effort)  # templates of reasoning models read it
     if documents and len(orjson.dumps(documents)) > MAX_TEMPLATE_KWARGS_BYTES:
         raise bad_request(f"documents must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "documents")

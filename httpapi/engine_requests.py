@@ -43,9 +43,7 @@ class GetWeights:
 def parse_pause(body: bytes) -> str:
     """The pause mode (SGLang's default: abort)."""
     f = Fields(load_object(body) if body.strip() else {})
-    mode = f.get_str("mode", "abort")
-    if mode not in PAUSE_MODES:
-        raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}", "mode")
+    mode = f.get_str("mode", "abort", choices=PAUSE_MODES)
     f.get_str("rid")
     f.warn_unknown("/pause_generation")
     return mode

@@ -3,11 +3,17 @@ JSON null reads as "unset" (the default), as pydantic's Optional fields do in vL
 Types are strict: "0.5" is not a number and true is not an integer.
 
 A request names a few of the ~40 fields an endpoint reads, so a read of an absent field
-is one dict lookup: no call, nothing recorded."""
+is one dict lookup: no call, nothing recorded.
+
+The reads are also the bodies' definitions: under a FieldLog (httpapi/openapi.py, never while
+serving) every Fields records what its parser reads (name, type, default, bounds, choices), and
+the OpenAPI document describes each body from that record."""
 
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
 from typing import Any, overload
 
 import orjson
@@ -47,6 +53,10 @@ class Fields:
         self.obj = obj
         self.prefix = prefix  # how params nested in this object are named: "sampling_params."
         self.read: set[str] = set()
+        log = _FIELD_LOG.get()
+        if log is not None:  # a parser read for the OpenAPI document; while serving, this lookup is all
+            self.__class__ = LoggedFields
+            self.obj = _LoggedObject(obj, log, prefix)
 
     def param(self, key: str) -> str:
         return self.prefix + key
@@ -62,10 +72,15 @@ class Fields:
         self.read.update(keys)
 
     @overload
-    def get_int(self, key: str, default: int) -> int: ...
+    def get_int(self, key: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int: ...
     @overload
-    def get_int(self, key: str, default: None = None) -> int | None: ...
-    def get_int(self, key: str, default: int | None = None) -> int | None:
+    def get_int(
+        self, key: str, default: None = None, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None: ...
+    def get_int(
+        self, key: str, default: int | None = None, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None:
+        """An integer; `minimum` and `maximum` (inclusive) bound it, and the document shows them."""
         value = self.obj.get(key)
         if value is None:
             return default
@@ -74,6 +89,8 @@ class Fields:
             if type(value) is float and abs(value) >= 2**63:  # orjson reads an integer past 64 bits as a float
                 raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
             raise bad_request(f"{self.param(key)} must be an integer, not {_json_type(value)}", self.param(key))
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise bad_request(f"{self.param(key)} must be {_range(minimum, maximum)}, not {value}", self.param(key))
         return value
 
     def get_float(self, key: str, default: float | None = None) -> float | None:
@@ -98,13 +115,20 @@ class Fields:
             raise bad_request(f"{self.param(key)} must be true or false, not {_json_type(value)}", self.param(key))
         return value
 
-    def get_str(self, key: str, default: str | None = None) -> str | None:
+    @overload
+    def get_str(self, key: str, default: str, *, choices: tuple[str, ...] = ()) -> str: ...
+    @overload
+    def get_str(self, key: str, default: None = None, *, choices: tuple[str, ...] = ()) -> str | None: ...
+    def get_str(self, key: str, default: str | None = None, *, choices: tuple[str, ...] = ()) -> str | None:
+        """A string; `choices`, when given, are the only values taken (the document's enum)."""
         value = self.obj.get(key)
         if value is None:
             return default
         self.read.add(key)
         if type(value) is not str:
             raise bad_request(f"{self.param(key)} must be a string, not {_json_type(value)}", self.param(key))
+        if choices and value not in choices:
+            raise bad_request(f"{self.param(key)} must be one of {list(choices)}, not {shown(value)}", self.param(key))
         return value
 
     def get_strs(self, key: str) -> tuple[str, ...]:
@@ -142,6 +166,112 @@ class Fields:
         unknown = [k for k, v in self.obj.items() if k not in self.read and v is not None]
         if unknown:
             log.warning("%s: ignoring unknown fields %s", endpoint, [self.param(k) for k in unknown])
+
+
+def shown(value: Any) -> str:
+    """A client's value in a message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _range(minimum: int | None, maximum: int | None) -> str:
+    if minimum is None:
+        return f"at most {maximum}"
+    return f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+
+
+# ---------------------------------------------------------------- the record of a parser's reads
+
+
+@dataclass
+class FieldRead:
+    """One field a parser read: its JSON kind (integer, number, boolean, string, strings: a string
+    or a list of them, token_ids, object, or any: read raw, its shape checked by the parser's own
+    code), the default it reads as when absent, and the bounds or choices its getter checks."""
+
+    kind: str
+    default: Any = None
+    minimum: int | None = None
+    maximum: int | None = None
+    choices: tuple[str, ...] = ()
+
+
+class FieldLog:
+    """While open (a `with` block), every Fields made in this context records its reads here:
+    param (nested ones with their prefix: "stream_options.include_usage") -> FieldRead."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, FieldRead] = {}
+        self._token: Token | None = None
+
+    def add(self, param: str, read: FieldRead) -> None:
+        """A typed read describes a field better than a raw one; the first typed read stands."""
+        known = self.fields.get(param)
+        if known is None or (known.kind == "any" and read.kind != "any"):
+            self.fields[param] = read
+
+    def __enter__(self) -> FieldLog:
+        self._token = _FIELD_LOG.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _FIELD_LOG.reset(self._token)
+
+
+_FIELD_LOG: ContextVar[FieldLog | None] = ContextVar("ringserve_field_log", default=None)
+
+
+class _LoggedObject(dict):
+    """A logged Fields' object: a key read raw (f.raw, f.obj.get) is recorded as kind "any"."""
+
+    def __init__(self, obj: dict, log: FieldLog, prefix: str) -> None:
+        super().__init__(obj)
+        self.log, self.prefix = log, prefix
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.log.add(self.prefix + key, FieldRead("any"))
+        return super().get(key, default)
+
+
+class LoggedFields(Fields):
+    """A Fields that records each typed read in the FieldLog before reading (Fields.__init__ makes
+    one while a FieldLog is open)."""
+
+    __slots__ = ()
+
+    def _log(self, key: str, kind: str, default: Any = None, **facts: Any) -> None:
+        obj = self.obj
+        assert isinstance(obj, _LoggedObject)
+        obj.log.add(self.param(key), FieldRead(kind, default, **facts))
+
+    def get_int(self, key, default=None, *, minimum=None, maximum=None):  # type: ignore[no-untyped-def]
+        self._log(key, "integer", default, minimum=minimum, maximum=maximum)
+        return super().get_int(key, default, minimum=minimum, maximum=maximum)
+
+    def get_float(self, key, default=None):  # type: ignore[no-untyped-def]
+        self._log(key, "number", default)
+        return super().get_float(key, default)
+
+    def get_bool(self, key, default=None):  # type: ignore[no-untyped-def]
+        self._log(key, "boolean", default)
+        return super().get_bool(key, default)
+
+    def get_str(self, key, default=None, *, choices=()):  # type: ignore[no-untyped-def]
+        self._log(key, "string", default, choices=choices)
+        return super().get_str(key, default, choices=choices)
+
+    def get_strs(self, key):  # type: ignore[no-untyped-def]
+        self._log(key, "strings")
+        return super().get_strs(key)
+
+    def get_token_ids(self, key):  # type: ignore[no-untyped-def]
+        self._log(key, "token_ids")
+        return super().get_token_ids(key)
+
+    def get_object(self, key):  # type: ignore[no-untyped-def]
+        self._log(key, "object")
+        return super().get_object(key)
 
 
 def _json_type(value: Any) -> str:

@@ -116,12 +116,12 @@ def server_info_body(settings: Mapping[str, object], **state: object) -> bytes:
     """The server's settings (never the API key), the version, and whatever engine state
     the caller adds (e.g. max_total_num_tokens, internal_states)."""
     info = {k: v for k, v in settings.items() if k != "api_key"}
-    info["version"] = _version()
+    info["version"] = server_version()
     info.update(state)
     return orjson.dumps(info)
 
 
-def _version() -> str:
+def server_version() -> str:
     try:
         return version("ringserve")
     except PackageNotFoundError:

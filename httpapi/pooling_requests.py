@@ -108,12 +108,8 @@ def parse_encode(body: bytes) -> EmbeddingRequest:
 
 
 def _embedding(f: Fields, model: str | None, inputs: list[Prompt], batch: bool, endpoint: str) -> EmbeddingRequest:
-    encoding = f.get_str("encoding_format", "float")
-    if encoding not in ("float", "base64"):
-        raise bad_request("encoding_format must be float or base64", "encoding_format")
-    dimensions = f.get_int("dimensions")
-    if dimensions is not None and dimensions < 1:
-        raise bad_request("dimensions must be a positive integer", "dimensions")
+    encoding = f.get_str("encoding_format", "float", choices=("float", "base64"))
+    dimensions = f.get_int("dimensions", minimum=1)
     truncate = f.get_int("truncate_prompt_tokens")
     if truncate is not None and truncate < 1 and truncate != -1:
         raise bad_request(
@@ -201,9 +197,7 @@ def parse_rerank(body: bytes) -> PairRequest:
     if type(query) is not str:
         raise bad_request("query must be a string", "query")
     documents = _texts(f.raw("documents"), "documents")
-    top_n = f.get_int("top_n")
-    if top_n is not None and top_n < 1:
-        raise bad_request("top_n must be a positive integer", "top_n")
+    top_n = f.get_int("top_n", minimum=1)
     return_documents = f.get_bool("return_documents", True)
     f.ignore("max_chunks_per_doc", "rank_fields")  # Cohere's, for long and structured documents: plain text here
     f.warn_unknown("/rerank")

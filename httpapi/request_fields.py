@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 from httpapi.errors import bad_request
-from httpapi.fields import Fields, is_token_ids
+from httpapi.fields import Fields, is_token_ids, shown
 
 MAX_CHOICES = 128  # n times the number of prompts in one request
 # Fields that change no output, in vLLM and SGLang either (tests/server/test_request_fields.py says why
@@ -115,9 +115,7 @@ def read_stream(f: Fields) -> tuple[bool, bool, bool]:
 
 
 def read_n(f: Fields, prompts: int) -> int:
-    n = f.get_int("n", 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise bad_request(f"{f.param('n')} must be between 1 and {MAX_CHOICES}", f.param("n"))
+    n = f.get_int("n", 1, minimum=1, maximum=MAX_CHOICES)
     if n * prompts > MAX_CHOICES:
         raise bad_request(
             f"{f.param('n')} times the number of prompts ({n} x {prompts}) must be at most {MAX_CHOICES}", f.param("n")
@@ -188,9 +186,7 @@ class PromptTruncation:
 def read_truncation(f: Fields) -> PromptTruncation | None:
     """vLLM's truncate_prompt_tokens (-1, or at least 1) and truncation_side (left or right)."""
     tokens = f.get_int("truncate_prompt_tokens")
-    side = f.get_str("truncation_side", "left")
-    if side not in ("left", "right"):
-        raise bad_request(f'truncation_side must be "left" or "right", not {shown(side)}', "truncation_side")
+    side = f.get_str("truncation_side", "left", choices=("left", "right"))
     if tokens is None:
         return None
     if tokens < 1 and tokens != -1:
@@ -215,8 +211,3 @@ def check_request_id(value: str, param: str) -> str:
             param,
         )
     return value
-
-
-def shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

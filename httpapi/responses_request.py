@@ -116,13 +116,9 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
     previous = f.get_str("previous_response_id")
     tools, tool_choice = read_response_tools(f)
     parallel = f.get_bool("parallel_tool_calls", True)
-    max_tool_calls = f.get_int("max_tool_calls")
-    if max_tool_calls is not None and max_tool_calls < 1:
-        raise bad_request(f"max_tool_calls must be at least 1, not {max_tool_calls}", "max_tool_calls")
+    max_tool_calls = f.get_int("max_tool_calls", minimum=1)
     include_logprobs = read_include(f)
-    top_logprobs = f.get_int("top_logprobs", 0)
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+    top_logprobs = f.get_int("top_logprobs", 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
     kwargs = template_kwargs(f)
     reasoning = read_reasoning(f)
     if reasoning.get("effort") is not None:
@@ -147,9 +143,7 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         prompt_logprobs=-1,
         **grammar,
     )
-    truncation = f.get_str("truncation", "disabled")
-    if truncation not in ("disabled", "auto"):
-        raise bad_request(f'truncation must be "disabled" or "auto", not {shown(truncation)}', "truncation")
+    truncation = f.get_str("truncation", "disabled", choices=("disabled", "auto"))
     metadata = read_metadata(f)
     request_id = read_request_id(f)
     max_output_tokens = f.get_int("max_output_tokens")
@@ -224,9 +218,7 @@ def read_reasoning(f: Fields) -> dict[str, Any]:
     r = f.get_object("reasoning")
     if r is None:
         return {}
-    effort = r.get_str("effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise bad_request(f"reasoning.effort must be one of {list(REASONING_EFFORTS)}", "reasoning.effort")
+    effort = r.get_str("effort", choices=REASONING_EFFORTS)
     summary = r.get_str("summary")
     r.get_str("generate_summary")
     r.warn_unknown("reasoning")

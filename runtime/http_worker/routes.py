@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
 
@@ -25,8 +26,11 @@ from httpapi.info import (
     model_info_body,
     models_body,
     server_info_body,
+    server_version,
 )
 from httpapi.logprobs import LogprobVocab
+from httpapi.openapi import openapi_document
+from httpapi.openapi_page import docs_page
 from httpapi.requests import (
     parse_abort,
     parse_completion,
@@ -659,6 +663,37 @@ async def metrics(worker, request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
+# ---------------------------------------------------------------- the API's description
+
+
+# Public, as vLLM's: a client reads what the API takes before it holds a key, and the document
+# tells nothing the routes do not (whether a key is needed, but not the key).
+@probe_route
+async def openapi_json(worker, request: Request) -> Response:
+    return json_response(served_document(request, worker)[0])
+
+
+@probe_route
+async def docs(worker, request: Request) -> Response:
+    return Response(served_document(request, worker)[1], media_type="text/html")
+
+
+def served_document(request: Request, worker) -> tuple[bytes, bytes]:
+    """(/openapi.json, /docs) of the routes this worker's App answers, as it answers them."""
+    app = request.app
+    routes = tuple((path, tuple(methods)) for path, methods in app.routes.items())
+    return _document(routes, tuple(app.prefixes), worker.args.root_path or "", worker.args.api_key is not None)
+
+
+@functools.lru_cache(maxsize=1)  # the routes are fixed once the worker started: one build
+def _document(
+    routes: tuple[tuple[str, tuple[str, ...]], ...], prefixes: tuple[str, ...], root_path: str, api_key: bool
+) -> tuple[bytes, bytes]:
+    names = [path[len(MODEL_PATH) :] for path, _ in routes if path.startswith(MODEL_PATH)]
+    document = openapi_document(dict(routes), prefixes, names, root_path, api_key, server_version())
+    return orjson_dumps(document), docs_page(document, root_path + "/openapi.json")
+
+
 ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/chat/completions": {"POST": chat_completions},
     "/v1/chat/completions/batch": {"POST": batch_chat_completions},
@@ -680,4 +715,6 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": health},
     "/health_generate": {"GET": health_generate},
     "/metrics": {"GET": metrics},
+    "/openapi.json": {"GET": openapi_json},
+    "/docs": {"GET": docs},
 }
