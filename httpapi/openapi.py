@@ -9,8 +9,9 @@ server's own definitions rather than written beside them:
   and checks in its own code has no type in the document: any JSON, its 400 says what it takes;
 - errors: APIError's body (httpapi/errors.py), on the statuses the routes answer.
 
-A route the App answers that has no Operation here is an error (KeyError): the unit test
-tests/unit/test_openapi.py fails on it, so a new route is described when it is added."""
+A route the App answers that has no Operation here is documented as UNDESCRIBED (any JSON
+body), so that the document never fails; tests/unit/test_openapi.py fails on it, so that a new
+route is described when it is added."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Operation:
 
     parse: the route's own body parser (None: the route reads no body); examples: bodies it
     takes, the first the smallest (the others reach nested objects, whose fields are read only
-    when present); answers: the 200's media types; streams: the 200 may be an SSE stream;
+    when present); answers: the 200's media types (none: an empty body, as /health's, whose
+    JSON while paused is left out: a client checks the status); streams: the 200 may be an SSE stream;
     public: answered without the API key (probes, scrapes, this document)."""
 
     summary: str
@@ -111,6 +113,7 @@ RERANK = Operation(
     not_found=True,
 )
 RESPONSE = Operation("A stored response (OpenAI's Responses API)", not_found=True)
+UNDESCRIBED = Operation("Not described yet: its body is any JSON here", not_found=True)
 
 # path -> method -> Operation, for every route the App answers; HEAD is answered wherever GET is
 OPERATIONS: dict[str, dict[str, Operation]] = {
@@ -197,22 +200,21 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
         )
     },
     "/get_weights_by_name": {"GET": GET_WEIGHTS, "POST": GET_WEIGHTS},
-    "/health": {"GET": Operation("Whether the engine is alive", answers=(JSON, ""), public=True)},
-    "/health_generate": {
-        "GET": Operation("Whether one token goes through the whole engine", answers=(JSON, ""), public=True)
-    },
+    "/health": {"GET": Operation("Whether the engine is alive (while paused: a JSON status)", answers=(), public=True)},
+    "/health_generate": {"GET": Operation("Whether one token goes through the whole engine", answers=(), public=True)},
     "/metrics": {"GET": Operation("Prometheus metrics", answers=("text/plain",), public=True)},
     "/openapi.json": {"GET": Operation("This document", public=True)},
     "/docs": {"GET": Operation("This document as a page (no external assets)", answers=("text/html",), public=True)},
 }
 # the paths under a prefix the App routes by prefix (prefix -> its paths here); a served model's
-# card is routed whole, /v1/models/<name>, and documented as MODEL_CARD_PATH
+# card routed whole, /v1/models/<name>, is documented as MODEL_CARD_PATH too
 PREFIXED = {
     "/v1/responses/": (
         "/v1/responses/{response_id}",
         "/v1/responses/{response_id}/input_items",
         "/v1/responses/{response_id}/cancel",
     ),
+    "/v1/models/": (MODEL_CARD_PATH,),
 }
 
 
@@ -259,8 +261,18 @@ def openapi_document(
     return document
 
 
+def undescribed(routes: Mapping[str, Collection[str]]) -> list[str]:
+    """The App's routes (path -> methods) that have no Operation: each is a test failure."""
+    return [
+        f"{method} {path}"
+        for path, methods in routes.items()
+        for method in methods
+        if method != "HEAD" and method not in OPERATIONS.get(documented_path(path), {})
+    ]
+
+
 def _operation(path: str, method: str, api_key: bool, model_names: Collection[str]) -> dict[str, Any]:
-    op = OPERATIONS[path][method]
+    op = OPERATIONS.get(path, {}).get(method, UNDESCRIBED)
     out: dict[str, Any] = {
         "summary": op.summary,
         "operationId": f"{method.lower()}{path.replace('/', '_').replace('{', '').replace('}', '').replace('.', '_')}",
@@ -274,6 +286,8 @@ def _operation(path: str, method: str, api_key: bool, model_names: Collection[st
         parameters[0]["examples"] = {name: {"value": name} for name in model_names}
     if parameters:
         out["parameters"] = parameters
+    if op is UNDESCRIBED and method != "GET":
+        out["requestBody"] = {"content": {JSON: {"schema": {}}}}
     if op.parse is not None and method != "GET":  # a GET's fields are in its query (get_weights_by_name)
         out["requestBody"] = {
             "required": True,
@@ -296,8 +310,7 @@ def _path_names(path: str) -> list[str]:
 def _responses(path: str, op: Operation, keyed: bool) -> dict[str, Any]:
     ok: dict[str, Any] = {}
     for media in op.answers:
-        if media:  # "" : an empty body, no media type
-            ok[media] = {"schema": _answer_schema(path)} if media == JSON else {}
+        ok[media] = {"schema": _answer_schema(path)} if media == JSON else {}
     if op.streams:
         ok[SSE] = {}
     responses: dict[str, Any] = {"200": {"description": "OK", **({"content": ok} if ok else {})}}

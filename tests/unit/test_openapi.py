@@ -13,7 +13,15 @@ from openapi_spec_validator import validate
 from httpapi import requests as completion_requests
 from httpapi.errors import APIError, bad_request
 from httpapi.fields import FieldLog, Fields, load_object
-from httpapi.openapi import MODEL_CARD_PATH, OPERATIONS, PREFIXED, body_schema, documented_path, openapi_document
+from httpapi.openapi import (
+    MODEL_CARD_PATH,
+    OPERATIONS,
+    PREFIXED,
+    body_schema,
+    documented_path,
+    openapi_document,
+    undescribed,
+)
 from httpapi.openapi_page import docs_page
 from runtime.app import app
 from runtime.http_worker.asgi import MODEL_PATH
@@ -63,12 +71,19 @@ def test_every_route_the_app_answers_is_documented_and_nothing_else():
     documented = {(path, method) for path, methods in doc["paths"].items() for method in methods}
     assert documented == answered
     assert MODEL_CARD_PATH in doc["paths"]
-    assert set(OPERATIONS) == {path for path, _ in answered}  # no description of a route nobody answers
+    assert set(OPERATIONS) <= {path for path, _ in answered}  # no description of a route nobody answers
 
 
-def test_a_route_without_a_description_fails_the_document():
-    with pytest.raises(KeyError):
-        openapi_document({**app_routes(), "/v1/new_route": ("POST",)}, (), SERVED)
+def test_every_route_is_described():
+    """A route added to the App without an Operation in httpapi/openapi.py: described here."""
+    assert undescribed(app_routes()) == []
+
+
+def test_a_route_without_a_description_is_still_documented():
+    doc = openapi_document({**app_routes(), "/v1/new_route": ("POST",)}, (), SERVED)
+    validate(doc)
+    assert doc["paths"]["/v1/new_route"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {}
+    assert undescribed({"/v1/new_route": ("POST", "HEAD")}) == ["POST /v1/new_route"]
 
 
 def test_a_field_a_parser_learns_appears_in_the_document(monkeypatch):
