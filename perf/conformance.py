@@ -1,0 +1,339 @@
+"""The peers' own OpenAI-server test suites, run against ringserve (issue 29's target).
+
+    python -m perf.conformance --allow-dirty                 # vLLM's tests/entrypoints/openai
+    python -m perf.conformance --sglang-tests DIR            # and SGLang's test/srt/openai_server
+
+Not part of CI: it downloads the peers' code, runs for tens of minutes and measures
+conformance, not a property the project's tests hold it to. Nothing of the peers' is
+vendored: vLLM's tests come from its sdist on PyPI and SGLang's from a checkout of its
+repository (its sdist has no tests; `--sglang-tests` names the `test/srt/openai_server`
+folder of one, or the runner downloads the tagged tarball from GitHub when it can), both
+into a cache outside the repository (`--cache-dir`). Their tests run in a separate venv
+(`--venv`: their client packages and the peers' wheels, for the imports their tests
+make; the project's .venv is never touched) with perf/conformance_shim.py, which
+hands their server fixtures a ringserve on the embedded model named as the tests' models.
+
+Each test ends as passed, failed (with its cause: the assertion or error's first line) or
+set aside, each set-aside test by a listed reason (SET_ASIDE below, or the suite's own skip
+with its message); a whole file is set aside when it starts no server (unit tests of the
+peer's own classes). Results: perf/results/conformance.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from perf import report
+from perf.conformance_shim import USES_RINGSERVE
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VERSION = "0.33.0"
+SGLANG_VERSION = "0.5.10.post1"  # the newest on PyPI when this runner was written
+SGLANG_TESTS_IN_REPO = "test/srt/openai_server"
+PYPI_SIMPLE = "https://pypi.org/simple"
+# What the peers' test files import besides the peers themselves: the client side and the
+# plugins their suites use. vLLM's wheel comes with its dependencies (its tests/utils.py,
+# which the shim keeps, imports most of them); SGLang's without (its test helpers need
+# little beyond what vLLM brought).
+CLIENT_PACKAGES = ["pytest", "pytest-asyncio", "pytest-timeout", "openai", "requests", "jsonschema", "regex", "httpx"]
+TEST_TIMEOUT_S = 300  # one test; a hang is a failure with its cause, not a stuck run
+FILE_TIMEOUT_S = 1800  # one file, servers' start-ups included
+
+# Tests set aside, by a reason each: (suite, path relative to the suite's folder, test name
+# prefix or "" for the whole file) -> reason. Only tests that depend on another model's exact
+# output or vocabulary, LoRA, images or audio, a GPU, or the peer's own internals belong here;
+# anything else that fails is counted as failed, with its cause.
+OTHER_MODEL = "depends on another model's exact output or vocabulary"
+LORA = "LoRA adapters of another model"
+MEDIA = "images, audio or prompt embeddings"
+GPU = "needs a GPU or the peer's kernels"
+INTERNALS = "the peer's internals (its engine, its Python classes, its env vars)"
+# A test that loads another model's files (its tokenizer, its chat template, adapters) from the
+# Hugging Face hub depends on that model's vocabulary or format; offline here, it fails at the
+# download, which is how it is recognised (the run sets HF_HUB_OFFLINE=1).
+HUB_FILES = "another model's files from the Hugging Face hub (its tokenizer or template: its vocabulary)"
+HUB_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "couldn't connect to 'https://huggingface.co'")
+NO_SERVER = INTERNALS + ": the test used no server (it runs the peer's own classes)"
+HARMONY = "gpt-oss's Harmony format (another model's output format)"
+SET_ASIDE: dict[tuple[str, str, str], str] = {
+    ("vllm", "correctness/test_lmeval.py", ""): OTHER_MODEL + " (GSM8K accuracy of Qwen2-1.5B)",
+    ("vllm", "completion/test_tensorizer_entrypoint.py", ""): INTERNALS + " (tensorizer weights)",
+    ("vllm", "completion/test_completion_with_prompt_embeds.py", ""): MEDIA,
+    ("vllm", "chat_completion/test_chat_completion_with_prompt_embeds.py", ""): MEDIA,
+    ("vllm", "chat_completion/test_extra_content_fields.py", ""): MEDIA + " (translategemma's images)",
+    ("vllm", "models/test_models.py", ""): LORA + " (listed in /v1/models)",
+    ("vllm", "responses/test_harmony.py", ""): HARMONY,
+    ("vllm", "responses/test_mcp_tools.py", ""): HARMONY + " and MCP tool servers",
+    ("vllm", "responses/test_parsable_context.py", ""): INTERNALS + " (VLLM_USE_EXPERIMENTAL_PARSER_CONTEXT)",
+}
+
+
+@dataclass
+class Outcome:
+    suite: str
+    file: str
+    test: str
+    status: str  # passed, failed, set aside
+    detail: str  # a failure's cause, a set-aside's reason
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ringserve-conformance"
+
+
+def sdist_url(package: str, version: str) -> tuple[str, str]:
+    """(url, sha256) of a package's sdist, from PyPI's simple index (what pip reads)."""
+    with urllib.request.urlopen(f"{PYPI_SIMPLE}/{package}/", timeout=60) as r:
+        page = r.read().decode()
+    name = f"{package}-{version}.tar.gz"
+    found = re.search(r'href="([^"]*/' + re.escape(name) + r')#sha256=([0-9a-f]{64})"', page)
+    if not found:
+        raise SystemExit(f"no sdist {name} on {PYPI_SIMPLE}")
+    return found.group(1), found.group(2)
+
+
+def vllm_suite(cache: Path) -> Path:
+    """vLLM's tests, extracted from its sdist (downloaded once, checked against its sha256)."""
+    root = cache / f"vllm-{VLLM_VERSION}"
+    if (root / "tests" / "entrypoints" / "openai").is_dir():
+        return root
+    archive = cache / f"vllm-{VLLM_VERSION}.tar.gz"
+    url, sha256 = sdist_url("vllm", VLLM_VERSION)
+    if not archive.exists():
+        urllib.request.urlretrieve(url, archive)
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != sha256:
+        archive.unlink()
+        raise SystemExit(f"{archive.name}: sha256 differs from PyPI's; removed, run again")
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(f"vllm-{VLLM_VERSION}/tests/")]
+        tar.extractall(cache, members=members, filter="data")
+    return root
+
+
+def sglang_suite(cache: Path, given: Path | None) -> Path | None:
+    """SGLang's openai_server tests: `given` (a checkout's folder), else the tagged tarball's
+    from GitHub, once; None (said why) when neither is to be had."""
+    if given is not None:
+        return given
+    folder = cache / f"sglang-{SGLANG_VERSION}-tests" / SGLANG_TESTS_IN_REPO
+    if folder.is_dir():
+        return folder
+    url = f"https://codeload.github.com/sgl-project/sglang/tar.gz/refs/tags/v{SGLANG_VERSION}"
+    try:
+        archive, _ = urllib.request.urlretrieve(url)
+    except OSError as e:
+        print(f"SGLang's tests not run: {url}: {e}; pass --sglang-tests DIR", file=sys.stderr)
+        return None
+    with tarfile.open(archive) as tar:
+        prefix = f"sglang-{SGLANG_VERSION}/{SGLANG_TESTS_IN_REPO}/"
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for m in members:
+            m.name = m.name.removeprefix(f"sglang-{SGLANG_VERSION}/")
+        tar.extractall(folder.parents[2], members=members, filter="data")
+    return folder
+
+
+def peer_wheel(cache: Path, venv_python: Path, package: str, version: str) -> Path:
+    wheels = cache / "wheels"
+    found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+    if not found:
+        pip = [str(venv_python), "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:"]
+        subprocess.run([*pip, "-d", str(wheels), f"{package}=={version}"], check=True)
+        found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
+    return found[0]
+
+
+def conformance_venv(cache: Path, venv: Path) -> Path:
+    """The venv the peers' tests run in: created once, apart from the project's .venv."""
+    python = venv / "bin" / "python"
+    if (venv / ".conformance-ready").exists():
+        return python
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, *CLIENT_PACKAGES, str(peer_wheel(cache, python, "vllm", VLLM_VERSION))], check=True)
+    subprocess.run([*pip, "--no-deps", str(peer_wheel(cache, python, "sglang", SGLANG_VERSION))], check=True)
+    (venv / ".conformance-ready").touch()
+    return python
+
+
+def starts_a_server(path: Path) -> bool:
+    """Whether a test file starts a server through the fixture the shim replaces."""
+    text = path.read_text()
+    return "RemoteOpenAIServer" in text or "popen_launch_server" in text
+
+
+def set_aside_reason(suite: str, file: str, test: str) -> str | None:
+    for (s, f, prefix), reason in SET_ASIDE.items():
+        if s == suite and f == file and test.startswith(prefix):
+            return reason
+    return None
+
+
+def test_names(path: Path) -> list[str]:
+    """The test functions and methods a file defines (for counting a file set aside whole)."""
+    tree = ast.parse(path.read_text())
+    return [
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")
+    ]
+
+
+def cause_of(case: ET.Element) -> str:
+    """A failed test's cause: its failure's or error's message, first lines, trimmed."""
+    for tag in ("failure", "error"):
+        node = case.find(tag)
+        if node is not None:
+            message = (node.get("message") or node.text or "").strip()
+            lines = [line for line in message.splitlines() if line.strip()][:3]
+            return " / ".join(lines)[:400]
+    return ""
+
+
+def run_file(suite: str, suite_root: Path, folder: Path, path: Path, python: Path, logs: Path) -> list[Outcome]:
+    """One test file under pytest with the shim; its outcomes, from its JUnit XML."""
+    rel = path.relative_to(folder).as_posix()
+    xml = logs / (rel.replace("/", "__") + ".xml")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("RINGSERVE_", "VIRTUAL_ENV"))},
+        "PYTHONPATH": str(ROOT / "perf"),
+        "HF_HUB_OFFLINE": "1",
+        "CONFORMANCE_SUITE": suite,
+        "CONFORMANCE_SUITE_ROOT": str(suite_root),
+        "CONFORMANCE_REPO": str(ROOT),
+        "CONFORMANCE_REPO_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+        "CONFORMANCE_LOG_DIR": str(logs),
+    }
+    argv = [str(python), "-m", "pytest", "-p", "conformance_shim", str(path), f"--junitxml={xml}", "-q"]
+    argv += ["-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", "--rootdir", str(suite_root)]
+    argv += ["-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=module"]
+    if suite == "vllm":  # vLLM's top conftest.py sets up its engine; the suite's own stay
+        argv += ["--confcutdir", str(suite_root / "tests" / "entrypoints")]
+    with open(logs / (rel.replace("/", "__") + ".log"), "wb") as out:
+        try:
+            subprocess.run(argv, cwd=suite_root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=FILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return [Outcome(suite, rel, "*", "failed", f"the file ran past {FILE_TIMEOUT_S} s")]
+    if not xml.exists():
+        return [Outcome(suite, rel, "*", "failed", "pytest wrote no results (see its log)")]
+    outcomes = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = case.get("name", "")
+        reason = set_aside_reason(suite, rel, name)
+        skipped = case.find("skipped")
+        used = case.find(f"properties/property[@name='{USES_RINGSERVE}']")
+        if skipped is not None:
+            status, detail = "set aside", "skipped by the suite: " + (skipped.get("message") or "")[:200]
+        elif reason is not None:
+            status, detail = "set aside", reason
+        elif used is None or used.get("value") != "True":
+            status, detail = "set aside", NO_SERVER
+        elif case.find("failure") is not None or case.find("error") is not None:
+            status, detail = "failed", cause_of(case)
+            if any(e in detail for e in HUB_ERRORS):
+                status, detail = "set aside", HUB_FILES
+        else:
+            status, detail = "passed", ""
+        outcomes.append(Outcome(suite, rel, name, status, detail))
+    if not outcomes:  # collection failed: the file's error is its one outcome
+        outcomes.append(Outcome(suite, rel, "*", "failed", collection_error(logs / (rel.replace("/", "__") + ".log"))))
+    return outcomes
+
+
+def collection_error(log: Path) -> str:
+    errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("E ")]
+    return (errors[-1][2:].strip() if errors else "collection failed (see its log)")[:400]
+
+
+def run_suite(suite: str, suite_root: Path, folder: Path, python: Path, logs: Path, only: list[str]) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    for path in sorted(folder.rglob("test_*.py")):
+        rel = path.relative_to(folder).as_posix()
+        if only and not any(rel.startswith(o) for o in only):
+            continue
+        whole = set_aside_reason(suite, rel, "")
+        if whole is None and not starts_a_server(path):
+            whole = NO_SERVER
+        if whole is not None:
+            outcomes += [Outcome(suite, rel, name, "set aside", whole) for name in test_names(path)]
+            continue
+        print(f"{suite}: {rel}", file=sys.stderr, flush=True)
+        outcomes += run_file(suite, suite_root, folder, path, python, logs)
+    return outcomes
+
+
+def counts(outcomes: list[Outcome]) -> dict[str, int]:
+    return {s: sum(o.status == s for o in outcomes) for s in ("passed", "failed", "set aside")}
+
+
+def markdown(outcomes: list[Outcome], not_run: dict[str, str]) -> str:
+    suites = sorted({o.suite for o in outcomes})
+    by_suite = [[s, *counts([o for o in outcomes if o.suite == s]).values()] for s in suites]
+    parts = ["## Counts by suite", "", report.table(["suite", "passed", "failed", "set aside"], by_suite)]
+    parts += [f"\n{suite}: not run: {why}" for suite, why in not_run.items()]
+    files = sorted({(o.suite, o.file) for o in outcomes})
+    rows = [[s, f"`{f}`", *counts([o for o in outcomes if (o.suite, o.file) == (s, f)]).values()] for s, f in files]
+    parts += ["", "## Counts by file", "", report.table(["suite", "file", "passed", "failed", "set aside"], rows)]
+    failed = [[o.suite, f"`{o.file}::{o.test}`", o.detail] for o in outcomes if o.status == "failed"]
+    parts += ["", "## Failures and their causes", "", report.table(["suite", "test", "cause"], failed)]
+    reasons: dict[str, int] = {}
+    for o in outcomes:
+        if o.status == "set aside":
+            reasons[o.detail] = reasons.get(o.detail, 0) + 1
+    by_reason = sorted(reasons.items(), key=lambda kv: -kv[1])
+    parts += ["", "## Set aside, by reason", "", report.table(["reason", "tests"], by_reason)]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    report.add_arguments(parser, "conformance")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache(), help="downloads and the peers' tests")
+    parser.add_argument("--venv", type=Path, default=None, help="the venv the tests run in (default: <cache>/venv)")
+    parser.add_argument("--sglang-tests", type=Path, default=None, help=f"a checkout's {SGLANG_TESTS_IN_REPO}")
+    parser.add_argument("--suite", choices=("vllm", "sglang", "all"), default="all")
+    parser.add_argument("--only", nargs="*", default=[], help="test files (path prefixes in their suite) to run")
+    args = parser.parse_args(argv)
+    started = report.start(args, argv)
+    cache = args.cache_dir
+    cache.mkdir(parents=True, exist_ok=True)
+    python = conformance_venv(cache, args.venv or cache / "venv")
+    logs = cache / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir()
+    outcomes: list[Outcome] = []
+    not_run: dict[str, str] = {}
+    if args.suite in ("vllm", "all"):
+        root = vllm_suite(cache)
+        outcomes += run_suite("vllm", root, root / "tests" / "entrypoints" / "openai", python, logs, args.only)
+    if args.suite in ("sglang", "all"):
+        folder = sglang_suite(cache, args.sglang_tests)
+        if folder is None:
+            not_run["sglang"] = "its tests could not be had (no --sglang-tests, GitHub unreachable)"
+        else:
+            outcomes += run_suite("sglang", folder, folder, python, logs, args.only)
+    data = {
+        "versions": {"vllm": VLLM_VERSION, "sglang": SGLANG_VERSION},
+        "counts": {s: counts([o for o in outcomes if o.suite == s]) for s in sorted({o.suite for o in outcomes})},
+        "not_run": not_run,
+        "outcomes": [o.__dict__ for o in outcomes],
+    }
+    report.write_results("conformance", data, markdown(outcomes, not_run), started, out=args.out)
+
+
+if __name__ == "__main__":
+    main()
