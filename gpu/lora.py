@@ -7,14 +7,19 @@ diagonal, the scaling folded in), so each fused projection costs one pair of sma
 adapter present in the step. A step's tokens are grouped by adapter (LoraBatch): for each
 group, (x[group] @ A^T) @ B^T is added to the base projection's rows of that group, the
 segmented-gather idea of S-LoRA / Punica as batched small GEMMs. Rows of the base model are
-not touched, and a step with no adapter row never builds a LoraBatch."""
+not touched, and a step with no adapter row never builds a LoraBatch.
+
+LoraPool holds the adapters registered with the engine and keeps at most
+--max-loras-per-batch of them in memory, evicting the least recently used one no running
+request holds when another is needed (its directory is read again when a request needs it)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +28,6 @@ import torch
 
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError
-from protocol.lora import parse_lora_paths
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -165,27 +169,80 @@ def load_adapter(
     return Adapter(name, path, top, pairs)
 
 
-def load_adapters(
-    lora_paths: Sequence[str],
-    cfg: ModelConfig,
-    max_rank: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    rope_style: str = "halves",
-) -> list[Adapter]:
-    """--lora-paths' adapters, in id order (adapter i has id i + 1)."""
-    try:
-        named = parse_lora_paths(lora_paths)
-    except ValueError as e:
-        raise LoraLoadError(str(e)) from None
-    return [load_adapter(name, path, cfg, max_rank, dtype, device, rope_style) for name, path in named]
+class LoraPool:
+    """The adapters registered with the engine, by id, and the at most `max_resident` of them
+    whose weights are in memory (`resident`, least recently used first). A registered adapter
+    not resident is read again from its directory when a request needs it, evicting the least
+    recently used resident adapter that no request holds; one that every slot's adapter is held
+    against waits (`make_resident` says False). Weights are loaded once per residency and shared
+    by every request of the adapter, never copied per request."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_rank: int | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        rope_style: str,
+        max_resident: int,
+    ) -> None:
+        self._load_args = (cfg, max_rank, dtype, device, rope_style)
+        self.max_resident = max_resident
+        self.paths: dict[int, tuple[str, str]] = {}  # id -> (name, path): every registered adapter
+        self.resident: OrderedDict[int, Adapter] = OrderedDict()
+        self.holds: Counter[int] = Counter()  # id -> the running requests (rows) using it
+        self.loads = 0  # adapters read into memory (registrations included)
+        self.evictions = 0
+
+    def load(self, name: str, path: str) -> Adapter:
+        """The adapter at `path`, read and checked against the model; LoraLoadError if it does not fit."""
+        return load_adapter(name, path, *self._load_args)
+
+    def register(self, lid: int, adapter: Adapter) -> None:
+        """Serves `adapter` (just loaded) as `lid`: kept resident if a slot is free, else its
+        weights are dropped until a request needs them."""
+        self.paths[lid] = (adapter.name, adapter.path)
+        self.loads += 1
+        if len(self.resident) < self.max_resident:
+            self.resident[lid] = adapter
+
+    def unregister(self, lid: int) -> None:
+        """Forgets `lid`; no request may hold it."""
+        del self.paths[lid]
+        self.resident.pop(lid, None)
+
+    def make_resident(self, lid: int) -> bool:
+        """Makes `lid` resident (the most recently used), evicting the least recently used
+        adapter no request holds if every slot is taken; False when all are held. Raises
+        LoraLoadError when its directory can no longer be read as it was at registration."""
+        if lid in self.resident:
+            self.resident.move_to_end(lid)
+            return True
+        if len(self.resident) >= self.max_resident:
+            victim = next((v for v in self.resident if not self.holds[v]), None)
+            if victim is None:
+                return False
+            del self.resident[victim]
+            self.evictions += 1
+        self.resident[lid] = self.load(*self.paths[lid])
+        self.loads += 1
+        return True
+
+    def hold(self, lid: int) -> None:
+        self.holds[lid] += 1
+
+    def release(self, lid: int) -> None:
+        self.holds[lid] -= 1
+        if not self.holds[lid]:
+            del self.holds[lid]
 
 
 class LoraBatch:
     """One step's tokens grouped by adapter: what the forward adds to each projection."""
 
-    def __init__(self, adapters: Sequence[Adapter], token_lora: np.ndarray, device: torch.device) -> None:
-        """token_lora: int [T], each flat token's adapter id (0: the base, left as it is)."""
+    def __init__(self, adapters: Mapping[int, Adapter], token_lora: np.ndarray, device: torch.device) -> None:
+        """adapters: id -> the resident adapter; token_lora: int [T], each flat token's adapter id
+        (0: the base, left as it is)."""
         self.groups: list[tuple[Adapter, torch.Tensor | slice]] = []
         for lid in np.unique(token_lora).tolist():
             if lid == 0:
@@ -197,7 +254,7 @@ class LoraBatch:
                 if where[-1] - where[0] + 1 == len(where)
                 else torch.from_numpy(where).to(device)
             )
-            self.groups.append((adapters[lid - 1], rows))
+            self.groups.append((adapters[lid], rows))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> torch.Tensor:
         """out [T, N] (the base projection of x [T, K], a fresh tensor) plus each group's delta, in place."""

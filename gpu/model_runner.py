@@ -26,7 +26,7 @@ from gpu.forward_batch import (
 )
 from gpu.kvcache.kv_cache import KVCache
 from gpu.kvcache.page_pool import PagePool
-from gpu.lora import Adapter, LoraBatch, load_adapters
+from gpu.lora import LoraBatch, LoraPool
 from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.llama import LlamaForCausalLM
 from gpu.models.model_config import ModelConfig
@@ -73,6 +73,7 @@ class ModelRunnerConfig:
     enable_lora: bool = False
     lora_paths: tuple[str, ...] = ()
     max_lora_rank: int | None = None
+    max_loras_per_batch: int = 8
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,11 @@ class ModelRunner:
         self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype)
         weights, rope_style = self._weights(path)
         self.model = LlamaForCausalLM(cfg, weights, progress, rope_style)
-        # LoRA adapters, all resident (id i + 1: adapters[i]), and each sampler row's adapter
-        self.adapters: list[Adapter] = (
-            load_adapters(config.lora_paths, cfg, config.max_lora_rank, self.dtype, self.device, rope_style)
+        # LoRA adapters (the scheduler registers them: runtime/scheduler/lora.py), and each row's adapter
+        self.loras: LoraPool | None = (
+            LoraPool(cfg, config.max_lora_rank, self.dtype, self.device, rope_style, config.max_loras_per_batch)
             if config.enable_lora
-            else []
+            else None
         )
         self.row_lora = np.zeros(config.max_running_requests, np.int64)
         num_pages = self._num_kv_pages()
@@ -292,26 +293,25 @@ class ModelRunner:
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """(Re)initialises row's sampler state; on resume, output_ids is what it generated so far."""
         self.sampler.set_request(row, params, prompt_ids, output_ids)
+        if params.lora_id and self.loras is not None:  # resident since the scheduler admitted it
+            self.loras.hold(params.lora_id)
         self.row_lora[row] = params.lora_id
 
     def clear_request(self, row: int) -> None:
         self.sampler.clear_request(row)
+        if self.row_lora[row] and self.loras is not None:
+            self.loras.release(int(self.row_lora[row]))
         self.row_lora[row] = 0
-
-    @property
-    def num_loras(self) -> int:
-        """The adapters served: a request's lora_id is in [0, num_loras]."""
-        return len(self.adapters)
 
     def _lora_batch(self, step: StepInput) -> LoraBatch | None:
         """The step's tokens by adapter, or None when every row runs the base model (the
         common case costs one gather of the rows' ids)."""
-        if not self.adapters:
+        if self.loras is None:
             return None
         seq_lora = self.row_lora[step.rows]
         if not seq_lora.any():
             return None
-        return LoraBatch(self.adapters, np.repeat(seq_lora, step.q_lens), self.device)
+        return LoraBatch(self.loras.resident, np.repeat(seq_lora, step.q_lens), self.device)
 
     @torch.inference_mode()
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:

@@ -47,12 +47,12 @@ def check_model(model: str | None, served: Collection[str], adapters: Mapping[st
     raise model_not_found(model)
 
 
-def check_adapter(name: str | None, adapters: Mapping[str, int]) -> int:
+def check_adapter(name: str | None, adapters: Mapping[str, int] | None) -> int:
     """/generate's lora_path: the adapter's id (None: the base model, 0); an unknown name is a
-    404 that names it, a server without adapters refuses the field."""
+    404 that names it, a server without LoRA (`adapters` None) refuses the field."""
     if name is None:
         return 0
-    if not adapters:
+    if adapters is None:
         raise bad_request("lora_path: this server serves no LoRA adapters (start it with --enable-lora)", "lora_path")
     lid = adapters.get(name)
     if lid is None:

@@ -1,6 +1,7 @@
-"""LoRA adapters by name: `--lora-paths name=path ...` read the same way by every process, so
-that the HTTP workers and the scheduler agree on each adapter's id (its place in the list, from
-1; 0 is the base model) without the name ever crossing a ring."""
+"""LoRA adapters by name: `--lora-paths name=path ...` as every process reads it, and the
+bounds of the names. The scheduler numbers the adapters (runtime/scheduler/lora.py: those of
+--lora-paths 1, 2, ... in order, run-time loads after them; 0 is the base model) and publishes
+name -> id for the HTTP workers (runtime/lora_registry.py): the name never crosses a ring."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections.abc import Sequence
 
 # a name clients send as `model` (alone, or as `base:name`) and as /generate's lora_path
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+MAX_ADAPTER_NAME = 128  # bytes: ADAPTER_NAME's longest (ASCII)
+MAX_LOADED_LORAS = 4096  # --max-loaded-loras at most: the published table's rows
+NAME_RULE = "letters, digits and ._/- (at most 128), starting with a letter or digit"
 
 
 def parse_lora_paths(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
@@ -24,15 +28,8 @@ def parse_lora_paths(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
         if not path:
             raise ValueError(f"--lora-paths {item!r}: no path")
         if not ADAPTER_NAME.fullmatch(name):
-            raise ValueError(
-                f"--lora-paths {item!r}: an adapter's name is letters, digits and ._/- (at most 128), not {name!r}"
-            )
+            raise ValueError(f"--lora-paths {item!r}: an adapter's name is {NAME_RULE}, not {name!r}")
         if any(name == seen for seen, _ in out):
             raise ValueError(f"--lora-paths: the adapter name {name!r} is given twice")
         out.append((name, path))
     return tuple(out)
-
-
-def adapter_ids(items: Sequence[str]) -> dict[str, int]:
-    """name -> the id requests for it carry (SamplingParams.lora_id)."""
-    return {name: i + 1 for i, (name, _) in enumerate(parse_lora_paths(items))}

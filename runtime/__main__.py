@@ -82,9 +82,11 @@ def check_model(args: ServerArgs) -> str | None:
         if args.enable_lora:  # every adapter read and checked against the model once, here
             import torch
 
-            from gpu.lora import load_adapters
+            from gpu.lora import load_adapter
+            from protocol.lora import parse_lora_paths
 
-            load_adapters(args.lora_paths, config, args.max_lora_rank, torch.float32, torch.device("cpu"))
+            for name, path in parse_lora_paths(args.lora_paths):
+                load_adapter(name, path, config, args.max_lora_rank, torch.float32, torch.device("cpu"))
         if args.chat_template is not None:
             read_chat_template(args.chat_template)
         if args.tokenizer_path is not None and not any(

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.lora import parse_lora_paths
+from protocol.lora import MAX_LOADED_LORAS, parse_lora_paths
 from runtime import settings
 from runtime.settings import flag, setting
 from structured.reasoning import REASONING_PARSERS
@@ -250,21 +250,29 @@ class ServerArgs:
     )
     lora_paths: tuple[str, ...] = setting(
         (),
-        "the adapters, PEFT directories as `name=path` (a bare path: named after its last part), loaded at start",
+        "the adapters, PEFT directories as `name=path` (a bare path: named after its last part), registered at "
+        "start; more with /load_lora_adapter",
         aliases=("lora_modules",),
         default_text="none",
         same_row=True,
     )
     max_loras_per_batch: int = setting(
         8,
-        "adapters in one batch; all are resident, so at most this many",
+        "adapters resident in memory, hence in one batch; the other registered ones are read again when a "
+        "request needs them, evicting the least recently used idle one",
         at_least=1,
         aliases=("max_loras",),
         same_row=True,
     )
+    max_loaded_loras: int = setting(
+        64,
+        "adapters registered at once (--lora-paths and run-time loads); a load past it is a 400",
+        at_least=1,
+        same_row=True,
+    )
     max_lora_rank: int | None = setting(
         None,
-        "an adapter of a higher rank is refused at start",
+        "an adapter of a higher rank is refused (at start, or its load is a 400)",
         same_row=True,
         default_text="any",
     )
@@ -374,11 +382,12 @@ class ServerArgs:
         if self.null_model or self.is_embedding:
             raise ValueError("--enable-lora serves generation on a model: not with --null-model or --is-embedding")
         adapters = parse_lora_paths(self.lora_paths)
-        if len(adapters) > self.max_loras_per_batch:
+        if len(adapters) > self.max_loaded_loras:
             raise ValueError(
-                f"--lora-paths names {len(adapters)} adapters; every adapter is resident, so at most "
-                f"--max-loras-per-batch ({self.max_loras_per_batch})"
+                f"--lora-paths names {len(adapters)} adapters; at most --max-loaded-loras ({self.max_loaded_loras})"
             )
+        if self.max_loaded_loras > MAX_LOADED_LORAS:
+            raise ValueError(f"--max-loaded-loras must be at most {MAX_LOADED_LORAS}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError("--max-lora-rank must be at least 1")
 

@@ -33,3 +33,39 @@ def save_tiny(path: Path, seed: int, family: str = "llama", **changes) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(resolve_model_dir(None) / name, path / name)
     return path
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_tiny_adapter(base: Path, path: Path, rank: int, seed: int, targets: list[str] = LORA_TARGETS) -> Path:
+    """A PEFT LoRA adapter of the model at `base` (lora_alpha 2 * rank), with random non-zero A
+    and B (PEFT starts B at zero, which would make every delta nothing), saved to `path`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    peft.save_pretrained(path)
+    return path
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens (EOS or not) after `prompt` of the model at `base` with the PEFT adapter
+    at `adapter` merged into it (None: the base alone)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+    out = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(prompt) :]

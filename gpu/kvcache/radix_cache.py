@@ -68,6 +68,12 @@ class RadixCache:
             root.lock_ref = 1
         return root
 
+    def forget_salt(self, salt: int) -> None:
+        """`salt` (an unloaded LoRA adapter's id) gets a fresh, empty root if it is used again;
+        its old pages are never matched again and leave by eviction, as any unlocked page."""
+        if salt:
+            self._roots.pop(salt, None)
+
     def match_prefix(self, ids: np.ndarray, salt: int = 0) -> tuple[np.ndarray, TreeNode]:
         """Pages of the longest cached page-aligned prefix of `ids` among `salt`'s, and the node
         where it ends (split so that the node ends exactly there: locking it locks just that prefix)."""

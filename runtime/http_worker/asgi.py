@@ -272,7 +272,7 @@ class App:
         model_card: Handler,
         prefixes: dict[str, dict[str, Handler]] | None = None,
     ) -> None:
-        """model_card: the route of GET /v1/models/<the served model's name>; prefixes: routes of
+        """model_card: the route of GET /v1/models/<the served model's name, or a LoRA adapter's>; prefixes: routes of
         the paths under a prefix (/v1/responses/<id>...), looked up when no path matches whole."""
         self.routes: dict[str, dict[str, Handler]] = {}
         for path, methods in routes.items():
@@ -320,6 +320,8 @@ class App:
                 except Exception:  # api_route answers errors; this is a bug in a route outside it
                     logger.exception("%s %s failed", scope["method"], scope["path"])
                     response = error_response(internal_error())
+            elif methods is None and scope["path"].startswith(MODEL_PATH) and scope["method"] in ("GET", "HEAD"):
+                response = await self.model_card(Request(scope, receive))  # a LoRA adapter's card, else a 404
             elif methods is None and scope["path"].startswith(MODEL_PATH):  # another model's card
                 response = error_response(model_not_found(scope["path"][len(MODEL_PATH) :]))
             elif methods is None:
@@ -360,7 +362,7 @@ class App:
                     logger.exception("the worker failed to start")
                     await send({"type": "lifespan.startup.failed", "message": f"ringserve: {e!r}"})
                     return
-                for name in (*self.worker.served_names, *self.worker.adapters):
+                for name in self.worker.served_names:  # LoRA adapters come and go: looked up when asked
                     self.add_route(MODEL_PATH + name, {"GET": self.model_card})
                 self.cors = Cors.of(self.worker.args)
                 self.root_path = self.worker.args.root_path or ""

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from protocol.lora import MAX_LOADED_LORAS
 from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.process_memory import resident_bytes
 from runtime.http_worker.req_state import ReqState
@@ -117,12 +118,30 @@ class WorkerMetrics:
             "Histogram of inter-token latency in seconds (per streamed delta, weighted by its tokens).",
             ITL_BUCKETS,
         )
+        lora = ["lora_name"]
+        self._lora_counters = (
+            Counter("ringserve_lora_requests", "Requests (choices) that ran with a LoRA adapter", lora),
+            Counter("ringserve_lora_generation_tokens", "Tokens generated with a LoRA adapter", lora),
+        )
+        self.lora_names: dict[int, str] = {}  # adapter id -> its name, as requests were submitted
+        self._pending_lora: dict[str, list[int]] = {}  # adapter name -> [choices, tokens] not flushed yet
         self.requests: dict[str, int] = {}  # endpoint -> requests not flushed yet
         self._pending_finished = dict.fromkeys(self._finished, 0)
         self._pending = dict.fromkeys(self._counters, 0)
 
     def count_request(self, endpoint: str) -> None:
         self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
+
+    def name_adapter(self, lid: int, name: str) -> None:
+        """A request was submitted with adapter `lid`, named `name` then: its tokens are counted
+        under that name when it ends, even if the adapter was unloaded meanwhile. The oldest
+        ids are forgotten past MAX_LOADED_LORAS (a request older than that many loads is not counted)."""
+        names = self.lora_names
+        if names.get(lid) != name:
+            names.pop(lid, None)
+            names[lid] = name
+            if len(names) > MAX_LOADED_LORAS:
+                del names[next(iter(names))]
 
     def observe_request(self, arrival_ns: int, end_ns: int, choices: list[ReqState]) -> None:
         """A request that ended, however (finished, aborted, failed): its choices' (ReqState)
@@ -140,6 +159,11 @@ class WorkerMetrics:
             reason = FINISH_REASONS[state.finish]
             finished[reason] += 1
             aborted += reason == "abort"
+            lid = state.params.lora_id
+            if lid and lid in self.lora_names:
+                counts = self._pending_lora.setdefault(self.lora_names[lid], [0, 0])
+                counts[0] += 1
+                counts[1] += state.completion_tokens
         pending["sglang:num_requests"] += len(choices)
         pending["sglang:num_aborted_requests"] += aborted
 
@@ -160,6 +184,11 @@ class WorkerMetrics:
                 if n:
                     counters[name].inc(n)
                     pending[name] = 0
+        for name, counts in self._pending_lora.items():
+            for counter, n in zip(self._lora_counters, counts):
+                if n:
+                    counter.labels(name).inc(n)
+        self._pending_lora = {}
         for h in (self.ttft, self.e2e, self.itl):
             h.flush()
 
@@ -191,8 +220,8 @@ class _Forward:
 
 
 class _EngineCollector:
-    """Gauges read at scrape time: the engine's published stats, this worker's rings, each
-    process's resident memory."""
+    """Gauges read at scrape time: the engine's published stats, this worker's rings, the
+    engine's LoRA adapter pool, each process's resident memory."""
 
     def __init__(self, model_name: str, engine: dict | None, worker: dict[str, Any]) -> None:
         self.model_name, self.engine, self.worker = model_name, engine, worker
@@ -210,6 +239,22 @@ class _EngineCollector:
         if e is not None:
             rings.add_metric(["token_out", ""], e["token_out_depth"])
         yield rings
+        lora = self.worker.get("lora")  # the engine's adapter pool (--enable-lora)
+        if lora is not None:
+            for name, doc, value in (
+                ("lora_adapters_registered", "LoRA adapters requests may name", lora["count"]),
+                ("lora_adapters_resident", "LoRA adapters whose weights are in memory", lora["resident"]),
+            ):
+                g = GaugeMetricFamily("ringserve_" + name, doc)
+                g.add_metric([], value)
+                yield g
+            for name, doc, value in (
+                ("lora_loads", "LoRA adapters read into memory (loads, and reads after an eviction)", lora["loads"]),
+                ("lora_evictions", "LoRA adapters evicted from memory for another", lora["evictions"]),
+            ):
+                c = CounterMetricFamily("ringserve_" + name, doc)
+                c.add_metric([], value)
+                yield c
         memory = GaugeMetricFamily(RESIDENT_MEMORY, "Resident memory size in bytes.", labels=["role", "pid"])
         for role, pid in self.worker["processes"]:
             rss = resident_bytes(pid)

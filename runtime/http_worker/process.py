@@ -17,7 +17,6 @@ from httpapi.info import served_model_names
 from httpapi.logprobs import LogprobVocab
 from httpapi.responses import now
 from httpapi.sampling import SamplingSpec
-from protocol.lora import adapter_ids
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
 from runtime.engine_stats import EngineStats
@@ -29,6 +28,7 @@ from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.request_dump import RequestDump
 from runtime.http_worker.request_log import RequestLog
 from runtime.http_worker.response_store import ResponseStore
+from runtime.lora_registry import LoraRegistry
 from runtime.supervise.files import ServerFiles
 from runtime.supervise.healer import EngineHealer
 from runtime.supervise.launcher import EngineLink
@@ -96,8 +96,7 @@ class HTTPWorkerProcess:
         self.args, self.files, self.outbox, self.tm = args, files, outbox, tm
         self.model = tm.model
         self.served_names = served_model_names(args.model_path, args.served_model_name)  # the first: tm.model's
-        # LoRA adapter name -> the id its requests carry (the scheduler numbers them alike)
-        self.adapters: dict[str, int] = adapter_ids(args.lora_paths) if args.enable_lora else {}
+        self.loras: LoraRegistry | None = None  # the engine's adapters, opened on first use: the scheduler creates it
         self.request_log = RequestLog() if args.log_requests else None
         self.dump = (
             RequestDump(args.dump_requests_folder, link.worker, args.dump_requests_max_bytes)
@@ -152,6 +151,8 @@ class HTTPWorkerProcess:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.stats is not None:
             self.stats.close()
+        if self.loras is not None:
+            self.loras.close()
         self.grammar_checks.close()
         for task in self.background:
             task.cancel()
@@ -219,6 +220,9 @@ class HTTPWorkerProcess:
         if self.stats is not None:  # the new scheduler publishes afresh
             self.stats.close()
             self.stats = None
+        if self.loras is not None:  # its adapters are --lora-paths' again
+            self.loras.close()
+            self.loras = None
 
     def attach(self, link: EngineLink) -> None:
         self.kv_tokens = link.meta.get("max_total_tokens")
@@ -249,6 +253,9 @@ class HTTPWorkerProcess:
         """n choices of each prompt, prompt-major. A seeded prompt's j-th choice samples with
         seed + j, as vLLM's: the n samples differ, and the request is still reproducible."""
         self.metrics.count_request(endpoint)
+        for p in params:
+            if p.lora_id and self.loras is not None:
+                self.metrics.name_adapter(p.lora_id, self.loras.name_of(p.lora_id))
         choice_params = [
             p if p.seed is None or j == 0 else dataclasses.replace(p, seed=_wrap_int64(p.seed + j))
             for p in params
@@ -274,6 +281,22 @@ class HTTPWorkerProcess:
     def observe_delta(self, state: ReqState, now_ns: int) -> None:
         """A streamed delta about to be sent."""
         self.metrics.observe_delta(state, now_ns)
+
+    @property
+    def adapters(self) -> dict[str, int] | None:
+        """LoRA adapter name -> the id its requests carry, as the scheduler published them now
+        (runtime/lora_registry.py); None without --enable-lora."""
+        if not self.args.enable_lora:
+            return None
+        if self.loras is None:
+            self.loras = LoraRegistry.open(self.files.stats, self.args.max_loaded_loras)
+            if self.loras is None:
+                return {}
+        return self.loras.names()
+
+    def lora_counters(self) -> dict[str, int] | None:
+        """The engine's adapter pool: registered, resident, loads, evictions (/metrics)."""
+        return None if self.adapters is None or self.loras is None else self.loras.counters()
 
     def engine_stats(self) -> dict[str, int | float] | None:
         if self.stats is None:

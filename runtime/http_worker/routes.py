@@ -16,7 +16,7 @@ from starlette.types import Message
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
 from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
-from httpapi.errors import APIError, bad_request, engine_unavailable
+from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found
 from httpapi.fields import load_object
 from httpapi.info import (
     adapter_card,
@@ -471,17 +471,24 @@ def response_id(prefix: str, client_id: str | None) -> str:
 @api_route
 async def models(worker, request: Request) -> Response:
     m = worker.model
-    return json_response(models_body(worker.served_names, worker.started, m.context_length, tuple(worker.adapters)))
+    adapters = tuple(worker.adapters or ())
+    return json_response(models_body(worker.served_names, worker.started, m.context_length, adapters))
 
 
 @api_route
 async def retrieve_model(worker, request: Request) -> Response:
-    """GET /v1/models/{id}: routed at start-up for each served name and LoRA adapter; another id is a 404."""
+    """GET /v1/models/{id}: routed at start-up for each served name; asked for any other id, the
+    card of the LoRA adapter of that name, else a 404."""
     m = worker.model
     name = request.url.path[len(MODEL_PATH) :]
     base = worker.served_names[0]
-    card = adapter_card if name in worker.adapters else model_card
-    return json_response(orjson_dumps(card(name, worker.started, m.context_length, base)))
+    if name in worker.served_names:
+        card = model_card(name, worker.started, m.context_length, base)
+    elif name in (worker.adapters or ()):
+        card = adapter_card(name, worker.started, m.context_length, base)
+    else:
+        raise model_not_found(name)
+    return json_response(orjson_dumps(card))
 
 
 # ---------------------------------------------------------------- SGLang native
@@ -658,6 +665,7 @@ async def metrics(worker, request: Request) -> Response:
             "index": worker.link.worker,
             "rings": worker.ring_depths(),
             "processes": server_processes(worker.files.server_pid, worker.link.procs),
+            "lora": worker.lora_counters(),
         },
     )
     return Response(body, media_type=content_type)

@@ -31,6 +31,8 @@ class SchedulerConfig:
     constrained_json_any_whitespace: bool = ServerArgs.constrained_json_any_whitespace
     grammar_compile_timeout: float = ServerArgs.grammar_compile_timeout
     tokenizer_path: str | None = ServerArgs.tokenizer_path
+    lora_paths: tuple[str, ...] = ServerArgs.lora_paths
+    max_loaded_loras: int = ServerArgs.max_loaded_loras
     speculative_algorithm: str = ServerArgs.speculative_algorithm
     speculative_num_draft_tokens: int = ServerArgs.speculative_num_draft_tokens
     speculative_ngram_min_match_window_size: int = ServerArgs.speculative_ngram_min_match_window_size

@@ -1,5 +1,6 @@
 """The engine calls the scheduler answers (a CONTROL record in, a REPLY out, both JSON):
-SGLang's pause and continue of generation, weights updated from disk, a weight read by name.
+SGLang's pause and continue of generation, weights updated from disk, a weight read by name,
+LoRA adapters loaded and unloaded.
 
 They run in the scheduler's loop, between steps, so no forward runs meanwhile. Pause modes
 (SGLang's): `abort` ends every request in flight (finish_reason "abort"), `retract` puts the
@@ -9,6 +10,10 @@ keeps them as they are; in every mode new requests are taken and wait in the que
 abort_all_requests), loads, flushes the prefix cache (its KV is the old weights') and goes on,
 unless the engine was paused before it or keep_pause asks it to stay paused. The running
 requests' tokens before the update are the old weights', those after it the new weights'.
+
+An unload waits for the requests that named the adapter before it (SGLang's choice): it is
+answered by a `Pending` that the scheduler's loop polls after each step, true once none of
+them is left (runtime/scheduler/lora.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -32,13 +38,20 @@ def reply(success: bool, message: str, param: str | None = None, **extra: Any) -
     return {"success": success, "message": message, "param": param, **extra}
 
 
+class Pending:
+    """An engine call answered later: `poll` gives the answer once it is ready, else None."""
+
+    def __init__(self, poll: Callable[[], dict[str, Any] | None]) -> None:
+        self.poll = poll
+
+
 class EngineControl:
     """The scheduler's side of the engine calls; `call` answers one."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def call(self, args: dict[str, Any]) -> dict[str, Any]:
+    def call(self, args: dict[str, Any]) -> dict[str, Any] | Pending:
         op = args.get("op")
         if op == "pause":
             return self.pause(str(args.get("mode", "abort")))
@@ -48,6 +61,10 @@ class EngineControl:
             return self.update_weights(args)
         if op == "get_weights":
             return self.get_weights(str(args.get("name", "")), int(args.get("truncate_size", 100)))
+        if op == "load_lora":
+            return self.load_lora(str(args["name"]), str(args["path"]))
+        if op == "unload_lora":
+            return self.unload_lora(str(args["name"]))
         return reply(False, f"unknown engine call {op!r}")
 
     def pause(self, mode: str) -> dict[str, Any]:
@@ -99,6 +116,45 @@ class EngineControl:
             freed,
         )
         return reply(True, "Succeeded to update model weights.", num_paused_requests=affected, pause_s=pause_s)
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        loras = self.scheduler.loras
+        if loras is None:
+            return reply(False, "LoRA adapters are not served: start the server with --enable-lora", "lora_name")
+        from runtime.scheduler.lora import LoraRefused
+
+        t0 = time.perf_counter()
+        try:
+            lid = loras.load(name, path)
+        except LoraRefused as e:
+            logger.warning("LoRA adapter %r not loaded: %s", name, e.message)
+            return reply(False, e.message, e.param)
+        logger.info("LoRA adapter %r (id %d) loaded from %s in %.3f s", name, lid, path, time.perf_counter() - t0)
+        return reply(True, f"Success: LoRA adapter '{name}' added successfully.", loaded_adapters=loras.paths())
+
+    def unload_lora(self, name: str) -> dict[str, Any] | Pending:
+        s, loras = self.scheduler, self.scheduler.loras
+        lid = None if loras is None else loras.unlist(name)
+        if loras is None or lid is None:
+            return reply(False, f"The lora adapter '{name}' cannot be found.", "lora_name", status=404)
+        waiting = s.lora_users(lid)
+        logger.info("LoRA adapter %r (id %d) unlisted; %d requests still use it", name, lid, waiting)
+
+        def done() -> dict[str, Any] | None:
+            if s.lora_users(lid):
+                return None
+            loras.forget(lid)
+            s.cache.forget_salt(lid)
+            logger.info("LoRA adapter %r (id %d) unloaded", name, lid)
+            return reply(
+                True,
+                f"Success: LoRA adapter '{name}' removed successfully.",
+                loaded_adapters=loras.paths(),
+                waited_requests=waiting,
+            )
+
+        answer = done()
+        return Pending(done) if answer is None else answer
 
     def get_weights(self, name: str, truncate_size: int) -> dict[str, Any]:
         weights_by_name = getattr(self.scheduler.runner, "weights_by_name", None)

@@ -29,6 +29,7 @@ from protocol.records import GRAMMAR_ERROR_PREFIX, NO_TOKEN, ErrorCode, Finish, 
 from protocol.sampling_params import InvalidParam, SamplingParams
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.grammar import MAX_TOKEN_CPU_S, GrammarError, XGrammarBackend, make_grammar_backend
+from runtime.scheduler.lora import SchedulerLoras
 from runtime.scheduler.policy import order_queue
 from runtime.scheduler.pooling import NO_CACHE_POOLINGS, Pooler
 from runtime.scheduler.prompt_logprobs import PromptLogprobs
@@ -59,7 +60,8 @@ class Scheduler:
         self.config = config
         self.page_size: int = self.pool.page_size
         self.vocab_size: int = runner.model_config.vocab_size
-        self.num_loras: int = getattr(runner, "num_loras", 0)  # adapters served (the null model: none)
+        pool = getattr(runner, "loras", None)  # the null model: no adapters
+        self.loras = SchedulerLoras(pool, config.lora_paths, config.max_loaded_loras) if pool is not None else None
         self.cache = RadixCache(self.pool, disabled=config.disable_radix_cache)
         self.table: ReqTable[Req] = ReqTable(config.max_running_requests, config.context_length, self.page_size)
         self.eos_ids = np.unique(np.asarray(runner.model_config.eos_token_ids, dtype=np.int32))[:MAX_STOP_IDS]
@@ -189,8 +191,9 @@ class Scheduler:
             return ErrorCode.PROMPT_TOO_LONG, f"the prompt has {n} tokens; the KV cache holds {kv}"
         if req.prompt.view(np.uint32).max() >= self.vocab_size:  # a negative id too, seen as uint32
             return ErrorCode.INVALID_REQUEST, f"prompt token ids must be in [0, {self.vocab_size})"
-        if req.params.lora_id > self.num_loras:
-            return ErrorCode.INVALID_REQUEST, f"lora_id: no LoRA adapter {req.params.lora_id} on this server"
+        lid = req.params.lora_id
+        if lid and (self.loras is None or lid not in self.loras.served):  # unloaded since its worker looked
+            return ErrorCode.INVALID_REQUEST, f"lora_id: no LoRA adapter {lid} on this server (unloaded?)"
         if req.params is not self._valid_params:  # requests that share settings share their object
             try:
                 req.params.validate(self.vocab_size)
@@ -280,6 +283,8 @@ class Scheduler:
         for req in order_queue(self.queue, cfg.schedule_policy, self.cache):
             if budget <= 0 or t.num_free_rows == 0:
                 break
+            if req.params.lora_id and not self._lora_resident(req):
+                continue  # its adapter waits for a slot of the pool: requests behind it may go
             n, expected = self._admit(req, budget, reserve)
             if not n:
                 break
@@ -289,6 +294,24 @@ class Scheduler:
             if self.chunked is req:
                 break
         return plan
+
+    def _lora_resident(self, req: Req) -> bool:
+        """Whether `req`'s adapter is resident, made so if a slot is free or idle; a request
+        whose adapter's directory cannot be read again ends with an error that says why."""
+        from gpu.lora import LoraLoadError
+
+        assert self.loras is not None  # _check refused a lora_id without adapters
+        try:
+            return self.loras.pool.make_resident(req.params.lora_id)
+        except LoraLoadError as e:
+            req.error_code, req.error = ErrorCode.INVALID_REQUEST, f"lora_id: {e}"
+            logger.warning("request (%d, %d, %d) failed: %s", req.worker, req.slot, req.generation, req.error)
+            self._end(req, Finish.ERROR)
+            return False
+
+    def lora_users(self, lid: int) -> int:
+        """Live requests (queued, compiling or running) that run with adapter `lid`."""
+        return sum(1 for r in self.requests.values() if r.params.lora_id == lid)
 
     def _reserved_tokens(self) -> float:
         """KV tokens the running requests are still expected to need: their prompts' tokens not

@@ -48,7 +48,7 @@ from protocol.request_records import call_args, unpack_request
 from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.connect import connect_scheduler as connect_scheduler
-from runtime.scheduler.control import EngineControl, parse_args, reply
+from runtime.scheduler.control import EngineControl, Pending, parse_args, reply
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.step_result import StepResult
 from runtime.scheduler.token_out import error_record, reply_record, step_records
@@ -111,6 +111,7 @@ class SchedulerProcess:
         config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
         self.scheduler = Scheduler(runner, config, heartbeat=self._publish)
         self.control = EngineControl(self.scheduler)
+        self._pending: list[tuple[Pending, int, int, int]] = []  # engine calls answered later, and their callers
         pool = runner.pool
         self.meta = {
             "pid": os.getpid(),
@@ -140,6 +141,12 @@ class SchedulerProcess:
             from runtime.engine_stats import EngineStats
 
             self.stats = EngineStats.create(self.stats_path)
+            loras = self.scheduler.loras
+            if loras is not None:  # every worker reads the adapters' names and ids from here
+                from runtime.lora_registry import LoraRegistry
+
+                loras.registry = LoraRegistry.create(self.stats_path, self.args.max_loaded_loras)
+                loras.publish()
         self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
         self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell
         self._max_push = getattr(self.token_out, "max_push_bytes", None) or math.inf  # zmq: no arena
@@ -162,6 +169,8 @@ class SchedulerProcess:
                     self._handle_requests(batch)
             if sched.has_work:
                 self._send(sched.step())
+            if self._pending:
+                self._answer_pending()
             self._publish(force=not sched.has_work)  # about to sleep: what /metrics shows is final
             if not sched.has_work:
                 waker.wait_readable(self._input_list, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
@@ -249,13 +258,31 @@ class SchedulerProcess:
         return ev, payload.blob()
 
     def _call(self, worker: int, slot: int, gen: int, raw: bytes) -> None:
-        """An engine call (control.py), answered at once with its REPLY; the stats published
-        then, so that /health shows a pause from every worker."""
+        """An engine call (control.py), answered with its REPLY at once, or once it is ready (an
+        unload waiting for its adapter's requests); the stats published then, so that /health
+        shows a pause from every worker."""
         try:
             answer = self.control.call(parse_args(raw))
         except Exception as e:  # a bug, or a malformed call: its caller gets the reason
             logger.exception("engine call from worker %d failed", worker)
             answer = reply(False, f"the engine call failed: {e!r}")
+        if isinstance(answer, Pending):
+            self._pending.append((answer, worker, slot, gen))
+            return
+        self._reply(worker, slot, gen, answer)
+
+    def _answer_pending(self) -> None:
+        """The engine calls whose answer became ready (an unload whose last request ended)."""
+        waiting = []
+        for pending, worker, slot, gen in self._pending:
+            answer = pending.poll()
+            if answer is None:
+                waiting.append((pending, worker, slot, gen))
+            else:
+                self._reply(worker, slot, gen, answer)
+        self._pending = waiting
+
+    def _reply(self, worker: int, slot: int, gen: int, answer: dict[str, Any]) -> None:
         payload = PayloadBuilder()
         rec = reply_record(worker, slot, gen, payload, orjson.dumps(answer))
         self.token_out.push_all(np.frombuffer(rec, TOKEN_OUT.dtype), payload.blob())
@@ -280,6 +307,8 @@ class SchedulerProcess:
             ch.beat()
         if self.stats is not None:
             self.stats.publish(self.scheduler, len(self.token_out) if self._has_depth else 0)
+        if self.scheduler.loras is not None:
+            self.scheduler.loras.count()
 
     # ---------------------------------------------------------------- workers attaching
     def _attach_new(self) -> None:
@@ -346,4 +375,7 @@ class SchedulerProcess:
             self.token_out.close()
         if self.stats is not None:
             self.stats.close()
+        loras = getattr(scheduler, "loras", None)
+        if loras is not None and loras.registry is not None:
+            loras.registry.close()
         self.waker.close()

@@ -3,7 +3,8 @@ every attention and MLP projection) of a tiny random-weight Llama. Each adapter'
 through the whole server equal PEFT's merged model's; a batch mixing the base and both adapters
 (same prompt, so the prefix cache would hand one's KV to another if it were not keyed by
 adapter) gives each request what it gets alone; unknown adapters are 404s naming them; bad
-adapters stop the start with a line naming the problem."""
+adapters stop the start with a line naming the problem, and their run-time loads are 400s
+that change nothing."""
 
 from __future__ import annotations
 
@@ -17,13 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from tiny_models import save_tiny
+from tiny_models import peft_greedy, save_tiny, save_tiny_adapter
 
 pytestmark = pytest.mark.torch_threads(2)
 
 KEY = "lora-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANKS = {"a4": 4, "a8": 8}
 PROMPT = [1, *range(300, 339)]  # 40 tokens: two full pages of 16 enter the prefix cache
 NEW = 8
@@ -33,45 +33,15 @@ def save_base(path: Path) -> Path:
     return save_tiny(path, 5)
 
 
-def save_adapter(base: Path, path: Path, rank: int, seed: int) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # PEFT starts B at zero: random A and B make every delta count
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    peft.save_pretrained(path)
-    return path
-
-
-def greedy(model, ids: list[int], n: int) -> list[int]:
-    """n greedy tokens, EOS or not (the server runs with ignore_eos)."""
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids) :]
-
-
 def reference(base: Path, adapter: Path | None) -> list[int]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
-    return greedy(model, PROMPT, NEW)
+    return peft_greedy(base, adapter, PROMPT, NEW)
 
 
 @pytest.fixture(scope="module")
 def lora_server(start_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = save_base(root / "m")
-    adapters = {name: save_adapter(base, root / name, r, seed) for seed, (name, r) in enumerate(RANKS.items())}
+    adapters = {name: save_tiny_adapter(base, root / name, r, seed) for seed, (name, r) in enumerate(RANKS.items())}
     want = {None: reference(base, None), **{name: reference(base, path) for name, path in adapters.items()}}
     assert len({tuple(v) for v in want.values()}) == 3, "the adapters must change the greedy tokens"
     server = start_server(
@@ -165,20 +135,83 @@ def test_bad_adapters_stop_the_start(lora_server, tmp_path):
     assert "rank 8 (down_proj) is above --max-lora-rank 4" in serve_error(
         *lora, f"a8={adapters['a8']}", "--max-lora-rank", "4"
     )
-    lacking = tmp_path / "lacking"
-    shutil.copytree(adapters["a4"], lacking)
-    conf = json.loads((lacking / "adapter_config.json").read_text())
-    (lacking / "adapter_config.json").write_text(json.dumps({**conf, "target_modules": ["q_proj", "c_attn"]}))
-    assert "target modules ['c_attn'] are not projections" in serve_error(*lora, f"x={lacking}")
-    # an adapter of another model's shapes
-    wide = tmp_path / "wide"
-    wide.mkdir()
-    shutil.copy(adapters["a4"] / "adapter_config.json", wide)
+    assert "target modules ['c_attn'] are not projections" in serve_error(
+        *lora, f"x={lacking_adapter(adapters['a4'], tmp_path / 'lacking')}"
+    )
+    assert "do not fit the model" in serve_error(*lora, f"x={wide_adapter(adapters['a4'], tmp_path / 'wide')}")
+
+
+def lacking_adapter(src: Path, path: Path) -> Path:
+    """`src` whose config targets a module the model lacks."""
+    shutil.copytree(src, path)
+    conf = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**conf, "target_modules": ["q_proj", "c_attn"]}))
+    return path
+
+
+def wide_adapter(src: Path, path: Path) -> Path:
+    """`src` with A twice as wide: an adapter of another model's shapes."""
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(adapters["a4"] / "adapter_model.safetensors"))
+    path.mkdir()
+    shutil.copy(src / "adapter_config.json", path)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
     save_file(
         {k: torch.cat([v, v], 1) if "lora_A" in k else v for k, v in tensors.items()},
-        str(wide / "adapter_model.safetensors"),
+        str(path / "adapter_model.safetensors"),
     )
-    assert "do not fit the model" in serve_error(*lora, f"x={wide}")
+    return path
+
+
+def load(server, body: dict, route: str = "/load_lora_adapter", headers: dict = AUTH) -> httpx.Response:
+    return httpx.post(server.url(route), json=body, headers=headers, timeout=300)
+
+
+def test_bad_loads_are_400s_that_change_nothing(lora_server, tmp_path):
+    server, base, adapters, want = lora_server
+    models = httpx.get(server.url("/v1/models"), headers=AUTH).json()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    r16 = save_tiny_adapter(base, tmp_path / "r16", 16, seed=9)
+    cases = [  # (body, the parameter named, words of the message)
+        ({"lora_path": str(adapters["a4"])}, "lora_name", "lora_name is required"),
+        ({"lora_name": "x"}, "lora_path", "Both 'lora_name' and 'lora_path' must be provided."),
+        ({"lora_name": "../x", "lora_path": str(adapters["a4"])}, "lora_name", "letters, digits"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "nope")}, "lora_path", "no such directory"),
+        ({"lora_name": "x", "lora_path": str(a_file)}, "lora_path", "not a directory"),
+        ({"lora_name": "x", "lora_path": "/" + "a" * 5000}, "lora_path", "characters"),
+        ({"lora_name": "x", "lora_path": str(empty)}, "lora_path", "no adapter_config.json"),
+        ({"lora_name": "x", "lora_path": str(r16)}, "lora_path", "is above --max-lora-rank 8"),
+        (
+            {"lora_name": "x", "lora_path": str(lacking_adapter(adapters["a4"], tmp_path / "lacking"))},
+            "lora_path",
+            "are not projections",
+        ),
+        (
+            {"lora_name": "x", "lora_path": str(wide_adapter(adapters["a4"], tmp_path / "wide"))},
+            "lora_path",
+            "do not fit the model",
+        ),
+        ({"lora_name": "a4", "lora_path": str(adapters["a8"])}, "lora_name", "has already been loaded"),
+        ({"lora_name": "m", "lora_path": str(adapters["a8"])}, "lora_name", "the served model's name"),
+        ({"lora_name": "x", "lora_path": str(adapters["a8"]), "pinned": True}, "pinned", "pinned"),
+    ]
+    for body, param, words in cases:
+        for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+            r = load(server, body, route)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], (body, err)
+            if route == "/load_lora_adapter":  # SGLang's fields beside the error
+                assert r.json()["success"] is False and words in r.json()["error_message"]
+    for route in ("/unload_lora_adapter", "/v1/unload_lora_adapter"):
+        r = load(server, {"lora_name": "nope"}, route)
+        assert r.status_code == 404 and "The lora adapter 'nope' cannot be found." in r.text, r.text
+        assert load(server, {"lora_name": "a4", "lora_id": "1"}, route).status_code == 400
+    body = {"lora_name": "x", "lora_path": str(adapters["a8"])}
+    assert load(server, body, headers={}).status_code == 401
+    assert load(server, body, "/v1/unload_lora_adapter", headers={}).status_code == 401
+    assert httpx.get(server.url("/v1/models"), headers=AUTH).json() == models
+    assert generate(server, "a4") == want["a4"]

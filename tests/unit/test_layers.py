@@ -26,6 +26,7 @@ LAYERS = [
         "runtime.config",
         "runtime.gc_tuning",
         "runtime.engine_stats",
+        "runtime.lora_registry",
         "runtime.ttft_trace",
         "runtime.tokenizer_load",
     ),

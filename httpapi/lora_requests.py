@@ -1,0 +1,76 @@
+"""The bodies of SGLang's /load_lora_adapter and /unload_lora_adapter and of vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter: `lora_name` and `lora_path`. Every other
+field either server defines is a 400 naming it unless it asks for nothing."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from httpapi.engine_requests import MAX_PATH_CHARS
+from httpapi.errors import bad_request
+from httpapi.fields import Fields, load_object
+from httpapi.request_fields import refuse_unserved
+from protocol.lora import ADAPTER_NAME, NAME_RULE
+
+_LOAD_REFUSED = {
+    "pinned": "pinned adapters are not served: any adapter no running request holds may be evicted",
+    "lora_id": "adapter ids are assigned by the server",
+    "load_inplace": "an adapter is not replaced in place: unload it, then load it",
+}
+_UNLOAD_REFUSED = {
+    "lora_id": "adapters are unloaded by lora_name",
+    "lora_int_id": "adapters are unloaded by lora_name",
+}
+
+
+@dataclass(frozen=True)
+class LoadLora:
+    name: str
+    path: str  # resolved: absolute, no symbolic link left, a readable directory
+
+
+def parse_load_lora(body: bytes, endpoint: str) -> LoadLora:
+    f = Fields(load_object(body))
+    name = _name(f)
+    raw = f.get_str("lora_path")
+    if not raw:
+        raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_path")
+    refuse_unserved(f, _LOAD_REFUSED)
+    f.warn_unknown(endpoint)
+    return LoadLora(name, resolve_adapter_dir(raw))
+
+
+def parse_unload_lora(body: bytes, endpoint: str) -> str:
+    """The adapter's name."""
+    f = Fields(load_object(body))
+    name = _name(f)
+    refuse_unserved(f, _UNLOAD_REFUSED)
+    f.warn_unknown(endpoint)
+    return name
+
+
+def _name(f: Fields) -> str:
+    name = f.get_str("lora_name")
+    if not name:
+        raise bad_request("lora_name is required: the name requests will give as `model`", "lora_name")
+    if not ADAPTER_NAME.fullmatch(name):
+        raise bad_request(f"lora_name must be {NAME_RULE}", "lora_name")
+    return name
+
+
+def resolve_adapter_dir(raw: str) -> str:
+    """`raw` as an existing, readable directory, absolute and with its links resolved (the
+    engine reads what was checked; it then checks the adapter's files); a 400 naming lora_path."""
+    if len(raw) > MAX_PATH_CHARS or any(ord(c) < 32 for c in raw):
+        raise bad_request(f"lora_path must be 1 to {MAX_PATH_CHARS} characters without control characters", "lora_path")
+    try:
+        path = Path(raw).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, unreadable, or a loop of links
+        raise bad_request(f"lora_path {raw!r}: no such directory", "lora_path") from None
+    if not path.is_dir():
+        raise bad_request(f"lora_path {raw!r}: not a directory (a PEFT adapter is a directory)", "lora_path")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise bad_request(f"lora_path {raw!r}: not readable by the server", "lora_path")
+    return str(path)
