@@ -132,7 +132,8 @@ class ServerArgs:
     )
     enable_force_include_usage: bool = setting(
         False,
-        "vLLM's: every stream ends with its usage, as if `stream_options.include_usage` were true",
+        "vLLM's: every stream carries usage, on each chunk and at its end, as if `stream_options` asked"
+        " `include_usage` and `continuous_usage_stats`",
         same_row=True,
     )
     null_model: bool = setting(False, "instant tokens: measures the server's own per-token cost")
@@ -379,8 +380,8 @@ class ServerArgs:
             if self.lora_paths:
                 raise ValueError("--lora-paths needs --enable-lora")
             return
-        if self.null_model or self.is_embedding:
-            raise ValueError("--enable-lora serves generation on a model: not with --null-model or --is-embedding")
+        if self.is_embedding:
+            raise ValueError("--enable-lora serves generation: not with --is-embedding")
         adapters = parse_lora_paths(self.lora_paths)
         if len(adapters) > self.max_loaded_loras:
             raise ValueError(

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import Message
 
 from httpapi.chat_output import ChatDeltas, ChatOutput
-from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
+from httpapi.chat_request import ChatCompletionRequest, parse_batch_chat_completion, parse_chat_completion
 from httpapi.errors import APIError, bad_request, engine_unavailable, model_not_found
 from httpapi.fields import load_object
 from httpapi.info import (
@@ -32,6 +32,7 @@ from httpapi.logprobs import LogprobVocab
 from httpapi.openapi import openapi_document
 from httpapi.openapi_page import docs_page
 from httpapi.requests import (
+    CompletionRequest,
     parse_abort,
     parse_completion,
     parse_detokenize,
@@ -63,6 +64,7 @@ from httpapi.sse import (
 )
 from protocol.records import PAUSE_MODES
 from protocol.sampling_params import SamplingParams
+from runtime.config import ServerArgs
 from runtime.engine_stats import used_kv_pages
 from runtime.http_worker.asgi import (
     MODEL_PATH,
@@ -135,8 +137,7 @@ async def chat_completions(worker, request: Request) -> Reply:
     vocab = logprob_vocab(worker, params.logprobs or params.prompt_logprobs >= 0, req.tokens_as_ids)
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
-        usage = req.include_usage or worker.args.enable_force_include_usage
-        extras = ChunkExtras(usage, req.continuous_usage, req.return_token_ids)
+        extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids)
         head = stream.start([usage_of(s) for s in group.states] if extras.continuous_usage else None)
         if req.return_token_ids:  # vLLM's: the prompt's ids on the stream's first write
             head = with_field(head, "prompt_token_ids", ids)
@@ -336,8 +337,7 @@ async def completions(worker, request: Request) -> Reply:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
         # vLLM's return_token_ids: each choice's prompt ids on its first chunk
         choice_prompts = [prompt_ids[i // n] for i in range(len(group.states))] if req.return_token_ids else None
-        usage = req.include_usage or worker.args.enable_force_include_usage
-        extras = ChunkExtras(usage, req.continuous_usage, req.return_token_ids, choice_prompts)
+        extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids, choice_prompts)
         if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
             stream.echo_logprobs = bool(echoes) and params[0].logprobs
             events = openai_events(worker, group, stream, n, extras, b"", echoes)
@@ -400,6 +400,14 @@ def openai_events(
         return None
 
     return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras.final_usage))
+
+
+def usage_asked(req: ChatCompletionRequest | CompletionRequest, args: ServerArgs) -> tuple[bool, bool]:
+    """(a usage chunk before DONE, usage on every chunk) for a stream: as the request's
+    stream_options ask, or both with vLLM's --enable-force-include-usage (vLLM's
+    should_include_usage)."""
+    forced = args.enable_force_include_usage
+    return req.include_usage or forced, req.continuous_usage or forced
 
 
 class ChunkExtras:

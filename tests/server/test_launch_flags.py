@@ -238,7 +238,8 @@ def test_aliases_reach_the_engine(server):
 
 def test_tokens_as_ids_and_forced_usage(server):
     """--return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" (a request may say
-    false); --enable-force-include-usage: a stream ends with usage unasked."""
+    false); --enable-force-include-usage: a stream carries usage unasked, on every chunk (each
+    choice's tokens so far, as vLLM's) and in a chunk of its own at the end."""
     client = server.openai_client()
     lp = client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=4, logprobs=2).choices[0].logprobs
     assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens) and len(lp.tokens) == 4
@@ -255,6 +256,12 @@ def test_tokens_as_ids_and_forced_usage(server):
     assert "".join(plain.choices[0].logprobs.tokens) == text == plain.choices[0].text
     chunks = list(client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=3, stream=True))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+    chat = client.chat.completions.create(
+        model=NAMES[0], messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+    )
+    used = [c.usage.completion_tokens for c in chat]
+    assert used == sorted(used) and used[-1] == 3
 
 
 def test_root_path_is_served_and_so_is_the_bare_path(server):
