@@ -203,18 +203,22 @@ def check_prompt(
     n = len(prompt_ids)
     if n == 0:
         raise bad_request(f"{param} is empty: the prompt must have at least one token", param)
+    # SGLang's words, which its clients look for: "is longer than the model's context length"
+    if n >= context_len:
+        raise bad_request(
+            f"The input ({n} tokens, {param}) is longer than the model's context length ({context_len} tokens) "
+            f"allows: no room is left to generate. Shorten the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
     # the KV cache may hold less than the context: the scheduler would reject such a prompt, after a stream began
-    for limit, holds in (
-        (context_len, "This model's maximum context length is"),
-        (kv_tokens, "This server's KV cache holds"),
-    ):
-        if limit is not None and n >= limit:
-            raise bad_request(
-                f"{holds} {limit} tokens, and the prompt ({param}) has {n} tokens, which leaves "
-                f"no room to generate. Shorten the prompt.",
-                param,
-                code="context_length_exceeded",
-            )
+    if kv_tokens is not None and n >= kv_tokens:
+        raise bad_request(
+            f"This server's KV cache holds {kv_tokens} tokens, and the prompt ({param}) has {n} tokens, which "
+            f"leaves no room to generate. Shorten the prompt.",
+            param,
+            code="context_length_exceeded",
+        )
     check_token_ids(prompt_ids, vocab_size, param)
 
 
@@ -289,11 +293,11 @@ def resolve_max_tokens(max_tokens: int | None, prompt_len: int, context_len: int
                 code="context_length_exceeded",
             )
         return room
-    if max_tokens > room:
+    if max_tokens > room:  # the words SGLang's clients look for
         raise bad_request(
-            f"This model's maximum context length is {context_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
-            f"the completion). Reduce the prompt or {param}.",
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens: "
+            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion). Reduce the prompt or {param}.",
             param,
             code="context_length_exceeded",
         )

@@ -220,3 +220,22 @@ def test_a_prompt_past_the_kv_cache_names_the_prompt(path, body, param):
     assert (err.status, err.param, err.code) == (400, param, "context_length_exceeded"), err.message
     assert "2048" in err.message
     sampling.resolve([1] * 2047, CONTEXT_LEN, VOCAB_SIZE, kv_tokens=2048)
+
+
+def test_context_overflows_say_what_sglangs_clients_look_for():
+    """SGLang's clients (its own suite among them) match these words: a prompt that fills the
+    context "is longer than the model's context length", a max_tokens past what is left is a
+    "Requested token count [that] exceeds the model's maximum context length"; both name
+    their field and carry OpenAI's code."""
+    req = parse_completion(completion(prompt=[1] * CONTEXT_LEN))
+    with pytest.raises(APIError) as caught:
+        req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE)
+    err = caught.value
+    assert (err.param, err.code) == ("prompt", "context_length_exceeded")
+    assert "is longer than the model's context length" in err.message and str(CONTEXT_LEN) in err.message
+    req = parse_completion(completion(prompt=[1] * 10, max_tokens=CONTEXT_LEN))
+    with pytest.raises(APIError) as caught:
+        req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE)
+    err = caught.value
+    assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
+    assert err.message.startswith("Requested token count exceeds the model's maximum context length")
