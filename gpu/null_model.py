@@ -3,16 +3,21 @@ measured. Tokens cycle through the real tokenizer's ids for an ordinary English 
 (never EOS: requests end by max_tokens or stop strings), by position, so a drafted token is
 verified as the model would (speculative decoding); the page pool is real. A
 constrained row (a grammar's mask) takes its cycle token if the grammar allows it, else the
-lowest id it allows, so its text is grammar-valid and the mask's cost is measured."""
+lowest id it allows, so its text is grammar-valid and the mask's cost is measured. With
+--enable-lora its adapters are registered, checked against the model's shapes and kept in the
+pool as the real model's are (gpu/lora.py), and its rows hold them, but no delta is computed:
+the server's cost of requests naming adapters is measured, not the adapters' arithmetic."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from gpu.forward_batch import POOL_LABELS, POOL_SUM, PoolAsk, PromptLogprobsAsk, SeqInput, StepInput, TokenMask
 from gpu.kvcache.page_pool import PagePool
+from gpu.lora import LoraPool
 from gpu.model_runner import ModelRunnerConfig, PromptLogprobsOut, StepOutput
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import resolve_model_dir
@@ -41,6 +46,17 @@ class NullModelRunner:
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
         self.num_logprobs = 0  # rows whose request asked for logprobs
+        self.loras: LoraPool | None = None
+        if config.enable_lora:  # the adapters' tensors are checked, never used: fp32 on the CPU
+            self.loras = LoraPool(
+                self.model_config,
+                config.max_lora_rank,
+                torch.float32,
+                torch.device("cpu"),
+                "halves",
+                config.max_loras_per_batch,
+            )
+        self.row_lora = np.zeros(R, np.int64)
 
     def set_request(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         self.clear_request(row)
@@ -48,10 +64,16 @@ class NullModelRunner:
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
         self.num_logprobs += params.logprobs
+        if params.lora_id and self.loras is not None:
+            self.loras.hold(params.lora_id)
+            self.row_lora[row] = params.lora_id
 
     def clear_request(self, row: int) -> None:
         self.num_logprobs -= int(self.logprobs[row])
         self.logprobs[row], self.top_logprobs[row] = False, 0
+        if self.row_lora[row] and self.loras is not None:
+            self.loras.release(int(self.row_lora[row]))
+            self.row_lora[row] = 0
 
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         step = StepInput.of(seqs)
