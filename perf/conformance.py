@@ -46,8 +46,9 @@ PYPI_SIMPLE = "https://pypi.org/simple"
 # What the peers' test files import besides the peers themselves: the client side and the
 # plugins their suites use. vLLM's wheel comes with its dependencies (its tests/utils.py,
 # which the shim keeps, imports most of them); SGLang's without (its test helpers need
-# little beyond what vLLM brought).
+# little beyond what vLLM brought: SGLANG_IMPORT_DEPS).
 CLIENT_PACKAGES = ["pytest", "pytest-asyncio", "pytest-timeout", "openai", "requests", "jsonschema", "regex", "httpx"]
+SGLANG_IMPORT_DEPS = ["ipython", "datasets"]
 TEST_TIMEOUT_S = 300  # one test; a hang is a failure with its cause, not a stuck run
 FILE_TIMEOUT_S = 1800  # one file, servers' start-ups included
 
@@ -64,9 +65,15 @@ INTERNALS = "the peer's internals (its engine, its Python classes, its env vars)
 # Hugging Face hub depends on that model's vocabulary or format; offline here, it fails at the
 # download, which is how it is recognised (the run sets HF_HUB_OFFLINE=1).
 HUB_FILES = "another model's files from the Hugging Face hub (its tokenizer or template: its vocabulary)"
-HUB_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "couldn't connect to 'https://huggingface.co'")
+HUB_ERRORS = (
+    "LocalEntryNotFoundError",
+    "OfflineModeIsEnabled",
+    "couldn't connect to 'https://huggingface.co'",
+    "Provide a valid Hugging Face repository ID",
+)
 NO_SERVER = INTERNALS + ": the test used no server (it runs the peer's own classes)"
 HARMONY = "gpt-oss's Harmony format (another model's output format)"
+REASONING = OTHER_MODEL + " (a reasoning model's <think> part; the embedded model does not think)"
 SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "correctness/test_lmeval.py", ""): OTHER_MODEL + " (GSM8K accuracy of Qwen2-1.5B)",
     ("vllm", "completion/test_tensorizer_entrypoint.py", ""): INTERNALS + " (tensorizer weights)",
@@ -74,9 +81,13 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "chat_completion/test_chat_completion_with_prompt_embeds.py", ""): MEDIA,
     ("vllm", "chat_completion/test_extra_content_fields.py", ""): MEDIA + " (translategemma's images)",
     ("vllm", "models/test_models.py", ""): LORA + " (listed in /v1/models)",
+    ("vllm", "chat_completion/test_include_reasoning.py", "test_include_reasoning_true"): REASONING,
+    ("vllm", "chat_completion/test_include_reasoning.py", "test_reasoning_tokens_in_usage"): REASONING,
+    ("vllm", "chat_completion/test_include_reasoning.py", "test_default_includes_reasoning"): REASONING,
     ("vllm", "responses/test_harmony.py", ""): HARMONY,
     ("vllm", "responses/test_mcp_tools.py", ""): HARMONY + " and MCP tool servers",
     ("vllm", "responses/test_parsable_context.py", ""): INTERNALS + " (VLLM_USE_EXPERIMENTAL_PARSER_CONTEXT)",
+    ("sglang", "validation/test_matched_stop.py", "test_finish_stop_eos"): OTHER_MODEL + " (Llama 3's <|eot_id|>)",
 }
 
 
@@ -165,21 +176,26 @@ def conformance_venv(cache: Path, venv: Path) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, *CLIENT_PACKAGES, str(peer_wheel(cache, python, "vllm", VLLM_VERSION))], check=True)
+    subprocess.run([*pip, *SGLANG_IMPORT_DEPS], check=True)
     subprocess.run([*pip, "--no-deps", str(peer_wheel(cache, python, "sglang", SGLANG_VERSION))], check=True)
     (venv / ".conformance-ready").touch()
     return python
 
 
-def starts_a_server(path: Path) -> bool:
-    """Whether a test file starts a server through the fixture the shim replaces."""
-    text = path.read_text()
-    return "RemoteOpenAIServer" in text or "popen_launch_server" in text
+def starts_a_server(path: Path, folder: Path) -> bool:
+    """Whether a test file may start a server through the fixture the shim replaces, itself or
+    through a conftest.py of its folders (vLLM's responses/conftest.py holds their server)."""
+    conftests = [d / "conftest.py" for d in path.parents if d.is_relative_to(folder)]
+    texts = [f.read_text() for f in (path, *conftests) if f.exists()]
+    return any("RemoteOpenAIServer" in t or "popen_launch_server" in t for t in texts)
 
 
 def set_aside_reason(suite: str, file: str, test: str) -> str | None:
     for (s, f, prefix), reason in SET_ASIDE.items():
         if s == suite and f == file and test.startswith(prefix):
             return reason
+    if "lora" in test.lower():  # vLLM's tests parametrized with an adapter's name ("zephyr-lora")
+        return LORA
     return None
 
 
@@ -220,7 +236,6 @@ def run_file(suite: str, suite_root: Path, folder: Path, path: Path, python: Pat
     }
     argv = [str(python), "-m", "pytest", "-p", "conformance_shim", str(path), f"--junitxml={xml}", "-q"]
     argv += ["-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", "--rootdir", str(suite_root)]
-    argv += ["-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=module"]
     if suite == "vllm":  # vLLM's top conftest.py sets up its engine; the suite's own stay
         argv += ["--confcutdir", str(suite_root / "tests" / "entrypoints")]
     with open(logs / (rel.replace("/", "__") + ".log"), "wb") as out:
@@ -266,7 +281,7 @@ def run_suite(suite: str, suite_root: Path, folder: Path, python: Path, logs: Pa
         if only and not any(rel.startswith(o) for o in only):
             continue
         whole = set_aside_reason(suite, rel, "")
-        if whole is None and not starts_a_server(path):
+        if whole is None and not starts_a_server(path, folder):
             whole = NO_SERVER
         if whole is not None:
             outcomes += [Outcome(suite, rel, name, "set aside", whole) for name in test_names(path)]

@@ -38,7 +38,11 @@ server_fixtures: set[str] = set()  # no fixture that did, tests the peer's own c
 SERVERS_BEFORE = pytest.StashKey[int]()
 
 # vLLM's or SGLang's spelling -> ringserve's, where the setting is the same but the name is not.
-RENAMED = {"--seed": "--random-seed", "--no-enable-prefix-caching": "--disable-radix-cache"}
+RENAMED = {
+    "--seed": "--random-seed",
+    "--no-enable-prefix-caching": "--disable-radix-cache",
+    "--structured-outputs-config.backend": "--grammar-backend",
+}
 
 # Flags that tune the peer's engine (memory, kernels, compilation, weights' format) or name
 # another model's files, and change nothing ringserve's API answers: dropped, value and all.
@@ -59,7 +63,13 @@ DROPPED_WITH_VALUE = {
     "--block-size": "the peer's KV page size",
     "--device": "the peer's device",
 }
+# LoRA is set aside (another model's adapters, from the hub): its flags are dropped, so that
+# the base model's tests of a module whose server also loads adapters still run, and the
+# fixtures that download the adapters give a path naming what was not downloaded.
+LORA_FLAGS_WITH_VALUE = ("--lora-modules", "--max-lora-rank", "--max-cpu-loras", "--max-loras", "--lora-paths")
+LORA_FIXTURE_SUFFIX = "_lora_files"
 DROPPED_FLAGS = {
+    "--enable-lora": "LoRA is set aside",
     "--enforce-eager": "CUDA graphs off",
     "--disable-cuda-graph": "CUDA graphs off",
     "--enable-chunked-prefill": "ringserve always chunks long prefills",
@@ -83,6 +93,11 @@ def translate_flags(args: list[str]) -> list[str]:
         takes_value = value is None and i + 1 < len(args) and not args[i + 1].startswith("--")
         if flag in DROPPED_FLAGS:
             i += 1
+            continue
+        if flag in LORA_FLAGS_WITH_VALUE:  # a list: --lora-modules a=x b=y
+            i += 1
+            while value is None and i < len(args) and not args[i].startswith("--"):
+                i += 1
             continue
         if flag in DROPPED_WITH_VALUE:
             i += 1 if value is not None else 2
@@ -117,24 +132,36 @@ def names_flag(model: str, flags: list[str]) -> list[str]:
     return [*flags[:i], model, *flags[i:]]
 
 
+def log_path(port: int) -> str:
+    return os.path.join(os.environ["CONFORMANCE_LOG_DIR"], f"server-{port}.log")
+
+
 def launch(model: str, flags: list[str], env_extra: dict[str, str] | None, port: int) -> subprocess.Popen[bytes]:
     """`python -m runtime serve` on `port` (granian: its pid is the server's)."""
     python = os.environ["CONFORMANCE_REPO_PYTHON"]
     argv = [python, "-m", "runtime", "serve", "--port", str(port), *names_flag(model, flags)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
     env.update(env_extra or {})
-    log = open(os.path.join(os.environ["CONFORMANCE_LOG_DIR"], f"server-{port}.log"), "wb")  # the child writes to it
+    if "VLLM_API_KEY" in env:  # vLLM's documented way to set its --api-key
+        env["RINGSERVE_API_KEY"] = env["VLLM_API_KEY"]
+    log = open(log_path(port), "wb")  # the child writes to it
     log.write((" ".join(argv) + "\n").encode())
     log.flush()
     repo = os.environ["CONFORMANCE_REPO"]
     return subprocess.Popen(argv, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, headers: dict[str, str]) -> None:
+def last_line(path: str) -> str:
+    with open(path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, headers: dict[str, str], log: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ringserve exited with status {proc.returncode} at start-up (see its log)")
+            raise RuntimeError(f"ringserve exited with status {proc.returncode} at start-up: {last_line(log)}")
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
                 if r.status == 200:
@@ -187,7 +214,7 @@ class RingserveOpenAIServer:
         servers_started += 1
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
-            wait_healthy(self.proc, self.url_for("health"), headers)
+            wait_healthy(self.proc, self.url_for("health"), headers, log_path(self.port))
         except Exception:
             stop(self.proc)
             raise
@@ -239,7 +266,7 @@ def popen_launch_server(
     global servers_started
     servers_started += 1
     try:
-        wait_healthy(proc, f"{base_url}/health", headers)
+        wait_healthy(proc, f"{base_url}/health", headers, log_path(port))
     except Exception:
         stop(proc)
         raise
@@ -264,6 +291,7 @@ def pytest_configure(config: Any) -> None:
     peers' modules are imported by name: they exist only in the conformance venv, and
     `tests.utils` here is vLLM's tests package (their sdist's), not this project's."""
     suite = os.environ["CONFORMANCE_SUITE"]
+    config.pluginmanager.register(LoraAdapterFixtures())
     sys.path.insert(0, os.environ["CONFORMANCE_SUITE_ROOT"])
     if suite == "vllm":
         vllm_test_utils = importlib.import_module("tests.utils")  # whole: tests use its other helpers
@@ -273,6 +301,20 @@ def pytest_configure(config: Any) -> None:
         sglang_test_utils.popen_launch_server = popen_launch_server
         sglang_test_utils.kill_process_tree = kill_process_tree
         importlib.import_module("sglang.srt.utils").kill_process_tree = kill_process_tree
+
+
+class LoraAdapterFixtures:
+    """The LoRA adapters' download fixtures (`zephyr_lora_files`, ...): not downloaded (LoRA is
+    set aside); the path they give names that, and no flag passes it to ringserve. A plugin of
+    its own: this module's pytest_fixture_setup is the server-noting wrapper."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Any:
+        if not fixturedef.argname.endswith(LORA_FIXTURE_SUFFIX):
+            return None
+        value = f"/nonexistent/{fixturedef.argname}: LoRA is set aside"
+        fixturedef.cached_result = (value, fixturedef.cache_key(request), None)
+        return value
 
 
 @pytest.hookimpl(hookwrapper=True)
