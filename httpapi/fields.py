@@ -23,6 +23,8 @@ from httpapi.errors import bad_request
 log = logging.getLogger("ringserve.httpapi")
 
 GZIP_MAGIC = b"\x1f\x8b"
+# Every integer field is 64-bit signed (orjson reads up to 2**64 - 1 as an int, past that a float)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def load_object(body: bytes) -> dict:
@@ -89,6 +91,8 @@ class Fields:
             if type(value) is float and abs(value) >= 2**63:  # orjson reads an integer past 64 bits as a float
                 raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
             raise bad_request(f"{self.param(key)} must be an integer, not {_json_type(value)}", self.param(key))
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             raise bad_request(f"{self.param(key)} must be {_range(minimum, maximum)}, not {value}", self.param(key))
         return value

@@ -24,8 +24,9 @@ import orjson
 from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
 from httpapi.engine_requests import parse_continue, parse_get_weights, parse_pause, parse_update_weights
 from httpapi.errors import APIError
-from httpapi.fields import FieldLog, FieldRead
+from httpapi.fields import INT64_MAX, INT64_MIN, FieldLog, FieldRead
 from httpapi.info import model_card, models_body
+from httpapi.lora_requests import parse_load_lora, parse_unload_lora
 from httpapi.pooling_requests import parse_embedding, parse_encode, parse_rerank, parse_score
 from httpapi.requests import parse_abort, parse_completion, parse_detokenize, parse_generate, parse_tokenize
 from httpapi.responses_request import parse_responses_create
@@ -43,13 +44,16 @@ class Operation:
 
     parse: the route's own body parser (None: the route reads no body); examples: bodies it
     takes, the first the smallest (the others reach nested objects, whose fields are read only
-    when present); answers: the 200's media types (none: an empty body, as /health's, whose
-    JSON while paused is left out: a client checks the status); streams: the 200 may be an SSE stream;
-    public: answered without the API key (probes, scrapes, this document)."""
+    when present); alternatives: each example is a form of its own, whose fields the parser
+    reads only in that form (/tokenize's prompt or messages): the body is any of them;
+    answers: the 200's media types (none: an empty body, as /health's, whose JSON while paused
+    is left out: a client checks the status); streams: the 200 may be an SSE stream; public:
+    answered without the API key (probes, scrapes, this document)."""
 
     summary: str
     parse: Callable[[bytes], object] | None = None
     examples: tuple[dict, ...] = ()
+    alternatives: bool = False
     answers: tuple[str, ...] = (JSON,)
     streams: bool = False
     public: bool = False
@@ -95,6 +99,7 @@ TOKENIZE = Operation(
     "Text (or a chat, through its template) to token ids",
     parse_tokenize,
     ({"prompt": "Say hi"}, {"messages": MESSAGE}),
+    alternatives=True,
     not_found=True,
 )
 DETOKENIZE = Operation("Token ids to text", parse_detokenize, ({"tokens": [1, 2]},), not_found=True)
@@ -110,6 +115,17 @@ RERANK = Operation(
     "vLLM's and Cohere's rerank: documents by relevance to the query",
     parse_rerank,
     ({"query": "hi", "documents": ["hello", "bye"]},),
+    not_found=True,
+)
+LOAD_LORA = Operation(
+    "Loads a LoRA adapter (the lora_path must exist on the server)",
+    lambda body: parse_load_lora(body, "/load_lora_adapter"),
+    ({"lora_name": "adapter1", "lora_path": "/adapters/adapter1"},),
+)
+UNLOAD_LORA = Operation(
+    "Unloads a LoRA adapter",
+    lambda body: parse_unload_lora(body, "/unload_lora_adapter"),
+    ({"lora_name": "adapter1"},),
     not_found=True,
 )
 RESPONSE = Operation("A stored response (OpenAI's Responses API)", not_found=True)
@@ -131,6 +147,7 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
             "SageMaker's: a chat (messages) or a completion (prompt), by the body's shape",
             lambda body: (parse_chat_completion if b'"messages"' in body else parse_completion)(body),
             CHAT.examples + COMPLETION.examples,
+            alternatives=True,
             streams=True,
             not_found=True,
         )
@@ -171,6 +188,7 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
             "SGLang's label-token scores, or vLLM's pair scores (text_1, text_2)",
             parse_score,
             ({"query": "hi", "items": ["a", "b"], "label_token_ids": [1, 2]}, {"text_1": "hi", "text_2": ["a"]}),
+            alternatives=True,
             not_found=True,
         )
     },
@@ -200,22 +218,19 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
         )
     },
     "/get_weights_by_name": {"GET": GET_WEIGHTS, "POST": GET_WEIGHTS},
+    "/load_lora_adapter": {"POST": LOAD_LORA},
+    "/v1/load_lora_adapter": {"POST": LOAD_LORA},
+    "/unload_lora_adapter": {"POST": UNLOAD_LORA},
+    "/v1/unload_lora_adapter": {"POST": UNLOAD_LORA},
     "/health": {"GET": Operation("Whether the engine is alive (while paused: a JSON status)", answers=(), public=True)},
     "/health_generate": {"GET": Operation("Whether one token goes through the whole engine", answers=(), public=True)},
     "/metrics": {"GET": Operation("Prometheus metrics", answers=("text/plain",), public=True)},
     "/openapi.json": {"GET": Operation("This document", public=True)},
     "/docs": {"GET": Operation("This document as a page (no external assets)", answers=("text/html",), public=True)},
 }
-# the paths under a prefix the App routes by prefix (prefix -> its paths here); a served model's
-# card routed whole, /v1/models/<name>, is documented as MODEL_CARD_PATH too
-PREFIXED = {
-    "/v1/responses/": (
-        "/v1/responses/{response_id}",
-        "/v1/responses/{response_id}/input_items",
-        "/v1/responses/{response_id}/cancel",
-    ),
-    "/v1/models/": (MODEL_CARD_PATH,),
-}
+# the name that follows each prefix the App routes by (/v1/responses/<id>/cancel: response_id);
+# a served model's card, routed whole as /v1/models/<name>, is documented as MODEL_CARD_PATH
+PREFIX_NAMES = {"/v1/responses/": "response_id", "/v1/models/": "model"}
 
 
 def documented_path(path: str) -> str:
@@ -223,27 +238,35 @@ def documented_path(path: str) -> str:
     return MODEL_CARD_PATH if path.startswith("/v1/models/") else path
 
 
+def documented_routes(
+    routes: Mapping[str, Collection[str]], prefixes: Mapping[str, Mapping[str, Collection[str]]]
+) -> dict[str, Collection[str]]:
+    """The App's routes (path -> methods) and its prefixes' (prefix -> what follows the name
+    -> methods) as the document's paths -> methods."""
+    out: dict[str, Collection[str]] = {documented_path(path): methods for path, methods in routes.items()}
+    for prefix, tails in prefixes.items():
+        for tail, methods in tails.items():
+            out[f"{prefix}{{{PREFIX_NAMES[prefix]}}}{tail}"] = methods
+    return out
+
+
 def openapi_document(
     routes: Mapping[str, Collection[str]],
-    prefixes: Collection[str],
+    prefixes: Mapping[str, Mapping[str, Collection[str]]],
     model_names: Collection[str],
     root_path: str = "",
     api_key: bool = False,
     version: str = "unknown",
 ) -> dict:
     """The document of the App's `routes` (path -> methods; HEAD is left out: it answers as GET)
-    and the paths under its `prefixes`. model_names: the names /v1/models/{model} answers;
-    root_path: --root-path, the document's server URL; api_key: whether routes need the key."""
+    and its `prefixes`' (prefix -> what follows the name -> methods). model_names: the names
+    /v1/models/{model} answers; root_path: --root-path, the document's server URL; api_key:
+    whether routes need the key."""
     paths: dict[str, dict[str, Any]] = {}
-    for path, methods in routes.items():
-        doc_path = documented_path(path)
+    for path, methods in documented_routes(routes, prefixes).items():
         for method in methods:
             if method != "HEAD":
-                paths.setdefault(doc_path, {})[method.lower()] = _operation(doc_path, method, api_key, model_names)
-    for prefix in prefixes:
-        for doc_path in PREFIXED[prefix]:
-            for method in OPERATIONS[doc_path]:
-                paths.setdefault(doc_path, {})[method.lower()] = _operation(doc_path, method, api_key, model_names)
+                paths.setdefault(path, {})[method.lower()] = _operation(path, method, api_key, model_names)
     document: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
         "info": {
@@ -261,13 +284,15 @@ def openapi_document(
     return document
 
 
-def undescribed(routes: Mapping[str, Collection[str]]) -> list[str]:
-    """The App's routes (path -> methods) that have no Operation: each is a test failure."""
+def undescribed(
+    routes: Mapping[str, Collection[str]], prefixes: Mapping[str, Mapping[str, Collection[str]]]
+) -> list[str]:
+    """The App's routes that have no Operation: each is a test failure."""
     return [
         f"{method} {path}"
-        for path, methods in routes.items()
+        for path, methods in documented_routes(routes, prefixes).items()
         for method in methods
-        if method != "HEAD" and method not in OPERATIONS.get(documented_path(path), {})
+        if method != "HEAD" and method not in OPERATIONS.get(path, {})
     ]
 
 
@@ -293,7 +318,9 @@ def _operation(path: str, method: str, api_key: bool, model_names: Collection[st
             "required": True,
             "content": {
                 JSON: {
-                    "schema": body_schema(op.parse, op.examples),
+                    "schema": {"anyOf": [body_schema(op.parse, (ex,)) for ex in op.examples]}
+                    if op.alternatives
+                    else body_schema(op.parse, op.examples),
                     "examples": {f"example{i}": {"value": ex} for i, ex in enumerate(op.examples)},
                 }
             },
@@ -431,9 +458,9 @@ def _field_schema(read: FieldRead) -> dict[str, Any]:
     if kind == "token_ids":
         return {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}}
     schema: dict[str, Any] = {"type": [kind, "null"]}
-    if kind == "integer":  # past 64 bits is out of range
-        schema["minimum"] = read.minimum if read.minimum is not None else -(2**63)
-        schema["maximum"] = read.maximum if read.maximum is not None else 2**63 - 1
+    if kind == "integer":
+        schema["minimum"] = read.minimum if read.minimum is not None else INT64_MIN
+        schema["maximum"] = read.maximum if read.maximum is not None else INT64_MAX
     if read.choices:
         schema["enum"] = [*read.choices, None]
     if read.default is not None and type(read.default) in (bool, int, float, str):

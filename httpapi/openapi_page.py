@@ -30,8 +30,9 @@ def docs_page(document: dict[str, Any], document_url: str) -> bytes:
         for method, op in methods.items():
             parts.append(f"<h2><code>{method.upper()} {_e(path)}</code></h2><p>{_e(op['summary'])}</p>")
             body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
-            if body is not None:
-                parts.append(_fields_table(body))
+            for i, form in enumerate(body.get("anyOf", [body]) if body is not None else []):
+                parts.append(f"<p>or, the body's form {i + 1}:</p>" if i else "")
+                parts.append(_fields_table(form))
             statuses = ", ".join(op["responses"])
             parts.append(f"<p>Answers: {statuses}.</p>")
     parts.append("</body></html>")

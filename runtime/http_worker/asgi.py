@@ -270,14 +270,18 @@ class App:
         self,
         routes: dict[str, dict[str, Handler]],
         model_card: Handler,
-        prefixes: dict[str, dict[str, Handler]] | None = None,
+        prefixes: dict[str, dict[str, dict[str, Handler]]] | None = None,
     ) -> None:
         """model_card: the route of GET /v1/models/<the served model's name, or a LoRA adapter's>; prefixes: routes of
-        the paths under a prefix (/v1/responses/<id>...), looked up when no path matches whole."""
+        the paths under a prefix, looked up when no path matches whole: prefix -> what follows the
+        name after it -> its routes (/v1/responses/ -> "/cancel" -> POST /v1/responses/<id>/cancel)."""
         self.routes: dict[str, dict[str, Handler]] = {}
         for path, methods in routes.items():
             self.add_route(path, methods)
-        self.prefixes = prefixes or {}
+        self.prefixes = {
+            prefix: {tail: _with_head(methods) for tail, methods in tails.items()}
+            for prefix, tails in (prefixes or {}).items()
+        }
         self.model_card = model_card
         self.worker: HTTPWorkerProcess | None = None
         self.body_reads = BodyReads()
@@ -285,8 +289,16 @@ class App:
         self.root_path = ""  # --root-path, at start-up
 
     def add_route(self, path: str, methods: dict[str, Handler]) -> None:
-        """Routes `path`; HEAD is answered where GET is."""
-        self.routes[path] = {**methods, **({"HEAD": methods["GET"]} if "GET" in methods else {})}
+        self.routes[path] = _with_head(methods)
+
+    def _prefixed(self, path: str) -> dict[str, Handler] | None:
+        """The routes of a path under a prefix: <prefix><name><tail>, the name not empty; so that
+        a method another tail takes is a 405 whose Allow lists only this path's methods."""
+        for prefix, tails in self.prefixes.items():
+            if path.startswith(prefix):
+                name, slash, tail = path[len(prefix) :].partition("/")
+                return tails.get(slash + tail) if name else None
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -304,7 +316,7 @@ class App:
                 scope["path"] = scope["path"][len(self.root_path) :]
             methods = self.routes.get(scope["path"])
             if methods is None and self.prefixes:
-                methods = next((m for p, m in self.prefixes.items() if scope["path"].startswith(p)), None)
+                methods = self._prefixed(scope["path"])
             handler = None if methods is None else methods.get(scope["method"])
             if request_id is not None:
                 request_id = self._request_id(scope, request_id)
@@ -373,6 +385,11 @@ class App:
                     await self.worker.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _with_head(methods: dict[str, Handler]) -> dict[str, Handler]:
+    """HEAD is answered where GET is."""
+    return {**methods, **({"HEAD": methods["GET"]} if "GET" in methods else {})}
 
 
 def _header(scope, name: bytes) -> bytes | None:

@@ -210,13 +210,9 @@ def not_found(response_id: str, param: str = "response_id") -> APIError:
     return APIError(404, f"Response with id '{response_id[:80]}' not found.", param)
 
 
-def _target(request: Request) -> tuple[str, str]:
-    """(the response id, what follows it: "", "cancel" or "input_items") of /v1/responses/<id>[/<what>]."""
-    rest = request.url.path[len(RESPONSES_PATH) + 1 :]
-    response_id, _, what = rest.partition("/")
-    if not response_id:
-        raise APIError(404, f"{request.method} {request.url.path}: Not Found")
-    return response_id, what
+def _target(request: Request) -> str:
+    """The response id of /v1/responses/<id>[/cancel | /input_items] (the App routed it: not empty)."""
+    return request.url.path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
 
 
 def _stored(worker, request: Request, response_id: str) -> StoredResponse:
@@ -228,15 +224,15 @@ def _stored(worker, request: Request, response_id: str) -> StoredResponse:
 
 @api_route
 async def get_response(worker, request: Request) -> Response:
-    response_id, what = _target(request)
-    if what == "":
-        query = parse_qs(request.url.query)
-        if query.get("stream", ["false"])[0] == "true":
-            raise bad_request("stream: resuming a response's stream is not supported; retrieve it whole", "stream")
-        return json_response(orjson.dumps(_stored(worker, request, response_id).response))
-    if what == "input_items":
-        return json_response(orjson.dumps(input_items(_stored(worker, request, response_id), request)))
-    raise APIError(404, f"GET {request.url.path}: Not Found")
+    query = parse_qs(request.url.query)
+    if query.get("stream", ["false"])[0] == "true":
+        raise bad_request("stream: resuming a response's stream is not supported; retrieve it whole", "stream")
+    return json_response(orjson.dumps(_stored(worker, request, _target(request)).response))
+
+
+@api_route
+async def list_input_items(worker, request: Request) -> Response:
+    return json_response(orjson.dumps(input_items(_stored(worker, request, _target(request)), request)))
 
 
 def input_items(stored: StoredResponse, request: Request) -> dict:
@@ -271,9 +267,7 @@ def input_items(stored: StoredResponse, request: Request) -> dict:
 
 @api_route
 async def delete_response(worker, request: Request) -> Response:
-    response_id, what = _target(request)
-    if what:
-        raise APIError(404, f"DELETE {request.url.path}: Not Found")
+    response_id = _target(request)
     stored = _stored(worker, request, response_id)
     if stored.status in RUNNING:
         worker.tm.abort_rid(response_id)
@@ -285,9 +279,7 @@ async def delete_response(worker, request: Request) -> Response:
 async def cancel_response(worker, request: Request) -> Response:
     """Cancels a background response that is still running (through whichever worker runs it:
     its rid is aborted server-wide); one that ended is returned as it is."""
-    response_id, what = _target(request)
-    if what != "cancel":
-        raise APIError(404, f"POST {request.url.path}: Not Found")
+    response_id = _target(request)
     stored = worker.responses.cancel(response_id, owner_of(request.headers.get("authorization")))
     if stored is None:
         raise not_found(response_id)
@@ -299,5 +291,9 @@ async def cancel_response(worker, request: Request) -> Response:
 
 
 RESPONSES_ROUTES: dict[str, dict[str, Handler]] = {RESPONSES_PATH: {"POST": create_response}}
-# /v1/responses/<id>[/cancel | /input_items]
-RESPONSE_ITEM_ROUTES: dict[str, Handler] = {"GET": get_response, "DELETE": delete_response, "POST": cancel_response}
+# /v1/responses/<id>[/cancel | /input_items]: what follows the id -> its routes
+RESPONSE_ITEM_ROUTES: dict[str, dict[str, Handler]] = {
+    "": {"GET": get_response, "DELETE": delete_response},
+    "/cancel": {"POST": cancel_response},
+    "/input_items": {"GET": list_input_items},
+}

@@ -698,15 +698,23 @@ def served_document(request: Request, worker) -> tuple[bytes, bytes]:
     """(/openapi.json, /docs) of the routes this worker's App answers, as it answers them."""
     app = request.app
     routes = tuple((path, tuple(methods)) for path, methods in app.routes.items())
-    return _document(routes, tuple(app.prefixes), worker.args.root_path or "", worker.args.api_key is not None)
+    prefixes = tuple(
+        (prefix, tuple((tail, tuple(methods)) for tail, methods in tails.items()))
+        for prefix, tails in app.prefixes.items()
+    )
+    return _document(routes, prefixes, worker.args.root_path or "", worker.args.api_key is not None)
+
+
+Routes = tuple[tuple[str, tuple[str, ...]], ...]  # path -> methods, hashable
 
 
 @functools.lru_cache(maxsize=1)  # the routes are fixed once the worker started: one build
 def _document(
-    routes: tuple[tuple[str, tuple[str, ...]], ...], prefixes: tuple[str, ...], root_path: str, api_key: bool
+    routes: Routes, prefixes: tuple[tuple[str, Routes], ...], root_path: str, api_key: bool
 ) -> tuple[bytes, bytes]:
     names = [path[len(MODEL_PATH) :] for path, _ in routes if path.startswith(MODEL_PATH)]
-    document = openapi_document(dict(routes), prefixes, names, root_path, api_key, server_version())
+    by_prefix = {prefix: dict(tails) for prefix, tails in prefixes}
+    document = openapi_document(dict(routes), by_prefix, names, root_path, api_key, server_version())
     return orjson_dumps(document), docs_page(document, root_path + "/openapi.json")
 
 

@@ -1,8 +1,10 @@
 """/openapi.json and /docs on a running server, and schemathesis fuzzing the server's routes
 against the document it serves: every documented example, then generated bodies, path
-parameters and the like for each operation (a bounded number, within a time bound); no answer
-may be a 5xx, and each must be a documented status with a documented media type and, where the
-document gives one, a body matching its schema (errors in OpenAI's format)."""
+parameters and the like for each operation (a bounded number, within a time bound), and bodies
+the document says are invalid; no answer may be a 5xx, each must be a documented status with a
+documented media type and, where the document gives one, a body matching its schema (errors in
+OpenAI's format), and an invalid body must be refused (the document is not looser than the
+parsers: a field it bounds or types, they check)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from openapi_spec_validator import validate
 from schemathesis.checks import not_a_server_error
+from schemathesis.generation.modes import GenerationMode
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    negative_data_rejection,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -27,6 +31,7 @@ FUZZ_BUDGET_S = 40.0  # all operations together; the server answers each case in
 # would turn the other operations' answers into waits, not find their bugs.
 NOT_FUZZED = {("POST", "/pause_generation")}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+INVALID_CHECKS = [*CHECKS, negative_data_rejection]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,11 @@ def test_the_document_and_page_are_served_under_the_root_path(server):
             assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
             assert "/api/openapi.json" in page.text and "<script" not in page.text
         assert "/v1/models/{model}" in doc.json()["paths"]
+        # found by the fuzzing: a 405's Allow lists the methods of this path, not of its neighbours
+        r = client.request("OPTIONS", "/v1/responses/resp_none/cancel")
+        assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+        assert client.get("/v1/responses/resp_none/cancel").status_code == 405
+        assert client.get("/v1/responses/resp_none/other").status_code == 404
 
 
 def test_every_documented_operation_is_answered(server):
@@ -68,8 +78,8 @@ def test_every_documented_operation_is_answered(server):
                 body = next(iter(examples.values()))["value"] if examples else None
                 r = client.request(method.upper(), url, json=body)
                 assert r.status_code != 405, (method, path)
-                if r.status_code == 404:  # a stored response that does not exist, named as such
-                    assert r.json()["error"]["param"] == "response_id", (method, path, r.text)
+                if r.status_code == 404:  # what the request names does not exist (a stored response, an adapter)
+                    assert r.json()["error"]["param"] is not None, (method, path, r.text)  # not the App's 404
 
 
 def test_fuzzing_finds_no_5xx_and_no_answer_off_the_document(server):
@@ -83,22 +93,31 @@ def test_fuzzing_finds_no_5xx_and_no_answer_off_the_document(server):
         if (op.method.upper(), op.path) in NOT_FUZZED:
             continue
         for strategy in schema.get_strategies_from_examples(op):
-            _run(strategy, 1, base_url, failures, sent, op)
-    per_op = FUZZ_BUDGET_S / len(operations)
+            _run(strategy, 1, base_url, failures, sent, op, CHECKS)
+    per_op = FUZZ_BUDGET_S / len(operations) / 2
     for op in operations:
         if (op.method.upper(), op.path) in NOT_FUZZED:
             continue
         if time.monotonic() > deadline:
             failures.append(f"the fuzzing took over {FUZZ_BUDGET_S:g} s; stopped before {op.method} {op.path}")
             break
-        _run(op.as_strategy(), EXAMPLES_PER_OPERATION, base_url, failures, sent, op, per_op)
+        _run(op.as_strategy(), EXAMPLES_PER_OPERATION, base_url, failures, sent, op, CHECKS, per_op)
+        invalid = op.as_strategy(generation_mode=GenerationMode.NEGATIVE)
+        _run(invalid, EXAMPLES_PER_OPERATION, base_url, failures, sent, op, INVALID_CHECKS, per_op)
     assert httpx.get(server.url("/health")).status_code == 200
     assert not failures, "\n\n".join(failures)
     assert len(sent) >= 4 * len(operations), len(sent)  # the fuzzing ran, not only its set-up
 
 
 def _run(
-    strategy, examples: int, base_url: str, failures: list[str], sent: list[int], op, budget_s: float | None = None
+    strategy,
+    examples: int,
+    base_url: str,
+    failures: list[str],
+    sent: list[int],
+    op,
+    checks: list,
+    budget_s: float | None = None,
 ) -> None:
     started = time.monotonic()
 
@@ -114,7 +133,7 @@ def _run(
     def check(case) -> None:
         if budget_s is not None and time.monotonic() - started > budget_s:
             return
-        sent.append(case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=30).status_code)
+        sent.append(case.call_and_validate(base_url=base_url, checks=checks, timeout=30).status_code)
 
     try:
         check()

@@ -16,17 +16,20 @@ from httpapi.fields import FieldLog, Fields, load_object
 from httpapi.openapi import (
     MODEL_CARD_PATH,
     OPERATIONS,
-    PREFIXED,
+    PREFIX_NAMES,
     body_schema,
     documented_path,
     openapi_document,
     undescribed,
 )
 from httpapi.openapi_page import docs_page
+from httpapi.pooling_requests import parse_rerank
 from runtime.app import app
 from runtime.http_worker.asgi import MODEL_PATH
 
 SERVED = ("SmolLM2-135M-Instruct", "alias")
+# routes whose example names a path that must exist on the server, which the parser checks
+NAMES_A_SERVER_PATH = ("/update_weights_from_disk", "/load_lora_adapter", "/v1/load_lora_adapter")
 
 
 def app_routes() -> dict[str, tuple[str, ...]]:
@@ -38,7 +41,7 @@ def app_routes() -> dict[str, tuple[str, ...]]:
 
 
 def document(**kwargs) -> dict:
-    return openapi_document(app_routes(), tuple(app.prefixes), SERVED, **kwargs)
+    return openapi_document(app_routes(), app.prefixes, SERVED, **kwargs)
 
 
 def body_of(doc: dict, path: str, method: str = "post") -> dict:
@@ -64,26 +67,36 @@ def test_every_route_the_app_answers_is_documented_and_nothing_else():
         for method in methods
         if method != "HEAD"  # answered wherever GET is, as GET
     }
-    for prefix, handlers in app.prefixes.items():
-        for path in PREFIXED[prefix]:
-            assert all(method in handlers for method in OPERATIONS[path]), path
-            answered |= {(path, method.lower()) for method in OPERATIONS[path]}
+    for prefix, tails in app.prefixes.items():  # /v1/responses/<id>/cancel ...
+        for tail, methods in tails.items():
+            path = f"{prefix}{{{PREFIX_NAMES[prefix]}}}{tail}"
+            answered |= {(path, method.lower()) for method in methods if method != "HEAD"}
     documented = {(path, method) for path, methods in doc["paths"].items() for method in methods}
     assert documented == answered
-    assert MODEL_CARD_PATH in doc["paths"]
-    assert set(OPERATIONS) <= {path for path, _ in answered}  # no description of a route nobody answers
+    assert {MODEL_CARD_PATH, "/v1/responses/{response_id}/cancel"} <= set(doc["paths"])
+    assert set(OPERATIONS) == {path for path, _ in answered}  # no description of a route nobody answers
+
+
+def test_a_prefixed_path_takes_only_its_own_methods():
+    """Found by the fuzzing: /v1/responses/<id>/cancel answered OPTIONS with a 405 whose Allow
+    listed GET and DELETE, the methods of /v1/responses/<id>, which the document does not give it."""
+    assert set(app._prefixed("/v1/responses/resp_1/cancel")) == {"POST"}
+    assert set(app._prefixed("/v1/responses/resp_1")) == {"GET", "HEAD", "DELETE"}
+    assert set(app._prefixed("/v1/responses/resp_1/input_items")) == {"GET", "HEAD"}
+    assert app._prefixed("/v1/responses/resp_1/other") is None  # a 404
+    assert app._prefixed("/v1/responses//cancel") is None  # no id: a 404
 
 
 def test_every_route_is_described():
     """A route added to the App without an Operation in httpapi/openapi.py: described here."""
-    assert undescribed(app_routes()) == []
+    assert undescribed(app_routes(), app.prefixes) == []
 
 
 def test_a_route_without_a_description_is_still_documented():
-    doc = openapi_document({**app_routes(), "/v1/new_route": ("POST",)}, (), SERVED)
+    doc = openapi_document({**app_routes(), "/v1/new_route": ("POST",)}, {}, SERVED)
     validate(doc)
     assert doc["paths"]["/v1/new_route"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {}
-    assert undescribed({"/v1/new_route": ("POST", "HEAD")}) == ["POST /v1/new_route"]
+    assert undescribed({"/v1/new_route": ("POST", "HEAD")}, {}) == ["POST /v1/new_route"]
 
 
 def test_a_field_a_parser_learns_appears_in_the_document(monkeypatch):
@@ -122,6 +135,9 @@ def test_fields_types_bounds_defaults_and_required_come_from_the_parsers():
     assert "required" not in body_of(doc, "/generate")  # text or input_ids: neither alone
     assert body_of(doc, "/v1/embeddings")["properties"]["encoding_format"]["enum"] == ["float", "base64", None]
     assert body_of(doc, "/v1/responses")["required"] == ["input"]
+    prompt_form, chat_form = body_of(doc, "/tokenize")["anyOf"]  # alternatives: each form reads its own fields
+    assert prompt_form["required"] == ["prompt"] and "reasoning_effort" not in prompt_form["properties"]
+    assert "reasoning_effort" in chat_form["properties"]
     assert "requestBody" not in doc["paths"]["/get_weights_by_name"]["get"]  # its fields are its query's
 
 
@@ -138,7 +154,7 @@ def test_errors_are_openai_shaped_on_every_operation():
 def test_every_example_is_a_body_its_parser_takes():
     for path, methods in OPERATIONS.items():
         for method, op in methods.items():
-            if op.parse is None or path == "/update_weights_from_disk":  # its model_path must exist on the server
+            if op.parse is None or path in NAMES_A_SERVER_PATH:
                 continue
             for example in op.examples:
                 try:
@@ -171,6 +187,18 @@ def test_bounds_and_choices_are_checked_as_the_document_says(read, message):
     with pytest.raises(APIError) as err:
         read(f)
     assert err.value.status == 400 and err.value.message == message and err.value.param in ("n", "mode")
+
+
+def test_integers_past_64_bits_are_refused_as_the_document_bounds_them():
+    """Found by the fuzzing: orjson reads 2**63 .. 2**64 - 1 as an int, which every integer field
+    took (top_n, max_tool_calls, top_logprobs_num, ...) where the document says 64-bit signed."""
+    for value in (2**63, 2**64 - 1, -(2**63) - 1):
+        with pytest.raises(APIError) as err:
+            parse_rerank(b'{"query": "q", "documents": ["d"], "top_n": %d}' % value)
+        assert err.value.param == "top_n" and "64-bit" in err.value.message
+    assert parse_rerank(orjson.dumps({"query": "q", "documents": ["d"], "top_n": 2**63 - 1})).top_n == 2**63 - 1
+    top_n = body_of(document(), "/v1/rerank")["properties"]["top_n"]
+    assert (top_n["minimum"], top_n["maximum"]) == (1, 2**63 - 1)
 
 
 def test_body_schema_of_a_parser():
