@@ -7,6 +7,7 @@ rebuilds and an unchanged one is only loaded."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -42,6 +43,20 @@ def build(
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    # one compile of a key at a time, machine-wide: the engine's processes and the threads that
+    # build ahead (gpu/model_runner.py) wait for the build under way instead of repeating it
+    lock = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            _compile(sources, flags, path, suffix)
+    finally:
+        os.close(lock)
+    return path
+
+
+def _compile(sources: Sequence[Path], flags: Sequence[str], path: Path, suffix: str) -> None:
+    """Compiles into a temporary file renamed to `path`: a reader never sees half a library."""
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=path.parent)
     os.close(fd)
     compiler = os.environ.get("CC", "cc")
@@ -55,7 +70,6 @@ def build(
         first = (done.stderr.strip() or "?").splitlines()[0]
         raise BuildError(f"building {sources[0].name} failed: {first}")
     os.replace(tmp, path)
-    return path
 
 
 def build_extension(qualname: str, source: Path, subdir: str) -> ModuleType:

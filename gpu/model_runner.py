@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +29,13 @@ from gpu.kvcache.kv_cache import KVCache
 from gpu.kvcache.page_pool import PagePool
 from gpu.lora import LoraBatch, LoraPool
 from gpu.models.cpu_decode import CpuDecoder
+from gpu.models.gguf_file import GGUFFile
 from gpu.models.llama import LlamaForCausalLM
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError, default_model_path, resolve_model_dir
 from gpu.models.weights import Weight, load_gguf_weights, load_weights
 from gpu.quant.blocks import repack_where_faster
+from gpu.quant.gguf_types import BLOCK_TYPES
 from gpu.quant.gguf_weight import GGUFWeight
 from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION
 from gpu.sampling.sampler import Sampler
@@ -149,6 +152,45 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attent
     return dtype
 
 
+def kernel_libraries(cfg: ModelConfig, quantization: str, attention_backend: str) -> list[tuple[str, ...]]:
+    """The C libraries (gpu.kernels.load's arguments) that loading `cfg` in float32 on a CPU
+    loads: the layer glue, the attention backend's, and for a GGUF run through its blocks the
+    block kernels of its tensors' types, the Q4_1 repack's and the C decode loop's."""
+    if not kernels.cpu_kernels_available():
+        return []
+    libraries: list[tuple[str, ...]] = [("layer_cpu",)]
+    if attention_backend == "cpu":
+        libraries.append(("attention_cpu",))
+    if cfg.gguf_path is None or quantization == "none":
+        return libraries
+    types = {t.type_name for t in GGUFFile(cfg.gguf_path).tensors.values()}
+    libraries += sorted({(BLOCK_TYPES[t].library,) for t in types if t in BLOCK_TYPES})
+    if ACTIVATIONS.get(quantization) == "q8" and "Q4_1" in types:
+        libraries.append(("ggml_cpu",))
+    if attention_backend == "cpu" and cfg.llama_like:
+        libraries.append(("decode_cpu", "layer_cpu", "attention_cpu"))
+    return libraries
+
+
+def build_kernels_ahead(config: ModelRunnerConfig, cfg: ModelConfig) -> ThreadPoolExecutor:
+    """Compiles the C libraries that loading the model `cfg` with `config` loads into the cache
+    at once, each in a thread of the pool returned (the compilers run side by side: a first
+    start's builds take the longest one's time, not their sum; found in the cache, each is a
+    hash of its sources). Their users' loads wait for the build under way (cbuild's lock) and
+    report a failure themselves: here it is dropped. Shut the pool down once loaded."""
+    device, path = resolve_device(config.device), cfg.gguf_path or cfg.model_dir
+    dtype = resolve_dtype(config.dtype, device)
+    libraries = []
+    if device.type == "cpu" and dtype == torch.float32:
+        quantization = resolve_quantization(config.quantization, path, device, dtype)
+        backend = config.attention_backend or default_backend(device, cfg.plain_attention)
+        libraries = kernel_libraries(cfg, quantization, backend)
+    pool = ThreadPoolExecutor(max(1, len(libraries)), thread_name_prefix="build-kernels")
+    for library in libraries:
+        pool.submit(kernels.build_library, *library)
+    return pool
+
+
 class ModelRunner:
     def __init__(self, config: ModelRunnerConfig, progress: Callable[[], None] | None = None) -> None:
         """`progress`: called after each layer of a forward run layer by layer in Python (every
@@ -164,6 +206,16 @@ class ModelRunner:
         cfg = self.model_config
         path = default_model_path() if config.model_path is None else Path(config.model_path)
         self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype)
+        self.attention_backend = config.attention_backend or default_backend(self.device, cfg.plain_attention)
+        builds = build_kernels_ahead(config, cfg)
+        try:
+            self._load(config, cfg, path, progress)
+        finally:
+            builds.shutdown(cancel_futures=True)
+
+    def _load(
+        self, config: ModelRunnerConfig, cfg: ModelConfig, path: Path, progress: Callable[[], None] | None
+    ) -> None:
         weights, rope_style = self._weights(path)
         self.model = LlamaForCausalLM(cfg, weights, progress, rope_style)
         # LoRA adapters (the scheduler registers them: runtime/scheduler/lora.py), and each row's adapter
@@ -189,7 +241,6 @@ class ModelRunner:
                 f"lower --max-total-tokens or --mem-fraction-static"
             ) from None
         self.pool = PagePool(num_pages, config.page_size)
-        self.attention_backend = config.attention_backend or default_backend(self.device, cfg.plain_attention)
         try:
             self.attn = self._attention(self.attention_backend)
         except ValueError as e:  # a backend this machine (or this model) cannot run
@@ -336,9 +387,8 @@ class ModelRunner:
                 )
             if step.pool is not None:
                 pooled = self._pool(step, batch, x, residual)
-        elif lora is None and self.decoder is not None and self.decoder.takes(batch.meta):
-            # the C decode loop has no LoRA deltas: a step with an adapter row runs the Python forward
-            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+        elif self.decoder is not None and self.decoder.takes(batch.meta):
+            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, lora)
         else:
             self.attn.plan(batch.meta)
             logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn, lora)

@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from runtime.config import ServerArgs
-from runtime.settings import ENV_PREFIX
+from runtime.config import ALIASES, ServerArgs
+from runtime.settings import ENV_PREFIX, env_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # one of them: a tokenizer
 
@@ -59,8 +59,11 @@ def granian_command(args: ServerArgs) -> list[str]:
 
 
 def server_env(args: ServerArgs) -> dict[str, str]:
-    """This environment without RINGSERVE_* settings, plus those of `args`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    """This environment without the RINGSERVE_* variables of settings (a setting's and its
+    aliases'), plus those of `args`. The others (RINGSERVE_CACHE_DIR, RINGSERVE_IPC_NATIVE,
+    ...) are no settings: they reach granian and the engine as they are."""
+    settings_env = {env_name(name) for name in (*(f.name for f in dataclasses.fields(ServerArgs)), *ALIASES)}
+    env = {k: v for k, v in os.environ.items() if k not in settings_env}
     env.update(args.to_env())
     return env
 
@@ -76,9 +79,14 @@ def check_model(args: ServerArgs) -> str | None:
     try:
         config = ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)
         if config.gguf_path is not None:
-            from gpu.models.weights import load_gguf_weights
+            from gpu.model_runner import build_kernels_ahead
+            from runtime.scheduler.runner import runner_config
 
-            load_gguf_weights(config, "f32")  # views of the mapping: the weights are not read
+            # a first start's C builds, side by side while the checks below run, done before the exec
+            with build_kernels_ahead(runner_config(args), config):
+                from gpu.models.weights import load_gguf_weights
+
+                load_gguf_weights(config, "f32")  # views of the mapping: the weights are not read
         if args.enable_lora:  # every adapter read and checked against the model once, here
             import torch
 

@@ -182,3 +182,32 @@ def test_a_cpu_backend_that_fails_to_build_falls_back_to_torch(tiny_dir, tmp_pat
     assert runner.attention_backend == "torch"
     assert "building attention_cpu.c failed" in caplog.text
     assert "building attention_cpu.c failed" in load_error(tiny_dir, attention_backend="cpu")
+
+
+def test_the_kernels_built_ahead_are_those_the_load_uses(monkeypatch):
+    """kernel_libraries (compiled side by side before the load) names every library loading the
+    embedded model loads, and nothing else: a first start builds no library it does not use."""
+    import gpu.kernels as kernels
+    from gpu.model_runner import kernel_libraries
+    from gpu.models.model_config import ModelConfig
+    from gpu.models.model_files import resolve_model_dir
+
+    if not kernels.cpu_kernels_available():
+        pytest.skip("no AVX2 or compiler here: nothing is built")
+    from gpu.quant import blocks, gguf_types
+
+    loaded = []
+    real_load = kernels.load
+    monkeypatch.setattr(kernels, "_loaded", {})
+    for cached in (gguf_types._library, gguf_types._kernels_of, blocks._kernels):  # loaded by earlier tests
+        cached.cache_clear()
+
+    def load(name, *linked):
+        loaded.append((name, *linked))
+        return real_load(name, *linked)
+
+    monkeypatch.setattr(kernels, "load", load)
+    runner = ModelRunner(ModelRunnerConfig(max_total_tokens=256, max_running_requests=2))
+    cfg = ModelConfig.from_dir(resolve_model_dir(None))
+    assert sorted(kernel_libraries(cfg, runner.quantization, runner.attention_backend)) == sorted(set(loaded))
+    assert kernel_libraries(cfg, "none", "torch") == [("layer_cpu",)]
