@@ -315,7 +315,7 @@ def _operation(path: str, method: str, api_key: bool, model_names: Collection[st
         out["requestBody"] = {"content": {JSON: {"schema": {}}}}
     if op.parse is not None and method != "GET":  # a GET's fields are in its query (get_weights_by_name)
         out["requestBody"] = {
-            "required": True,
+            "required": not _takes_no_body(op.parse),
             "content": {
                 JSON: {
                     "schema": {"anyOf": [body_schema(op.parse, (ex,)) for ex in op.examples]}
@@ -421,6 +421,15 @@ def _outcome(parse: Callable[[bytes], object], body: dict) -> tuple:
     except APIError as err:
         return (err.param, err.message)
     return ()
+
+
+def _takes_no_body(parse: Callable[[bytes], object]) -> bool:
+    """Whether the parser takes an empty body (/continue_generation's): the body is optional."""
+    try:
+        parse(b"")
+    except APIError:
+        return False
+    return True
 
 
 def _needs(parse: Callable[[bytes], object], example: dict, outcome: tuple, key: str) -> bool:
