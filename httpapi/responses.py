@@ -190,9 +190,10 @@ def chat_completion_body(
         "model": model,
         "choices": [_chat_choice(c, vocab, output) for c in choices],
         "usage": Usage.combine([c.usage for c in choices], n).as_dict(),
+        # vLLM's: the keys are always there, null unless asked (its clients read them unchecked)
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_token_ids,
     }
-    if prompt_token_ids is not None:
-        body["prompt_token_ids"] = prompt_token_ids
     if choices and choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs, need_vocab(vocab))
     return orjson.dumps(body)
@@ -260,9 +261,12 @@ def completion_choice(
         "logprobs": logprobs,
         "finish_reason": c.finish_reason,
         "matched_stop": c.matched_stop,  # SGLang's: the stop string or token id that ended the choice
+        # vLLM's: the keys are always there, null unless asked (return_token_ids, prompt_logprobs)
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_token_ids,
     }
-    if prompt_token_ids is not None:  # vLLM's return_token_ids
-        choice["prompt_token_ids"], choice["token_ids"] = prompt_token_ids, c.output_ids
+    if prompt_token_ids is not None:
+        choice["token_ids"] = c.output_ids
     if c.prompt_logprobs is not None:
         choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, need_vocab(vocab))
     return choice

@@ -261,3 +261,22 @@ def test_request_ids_are_distinct_across_pool_refills_and_forks():
     os.close(read), os.close(write)
     assert child != ids.next_hex() and child not in seen
     assert new_request_id("chatcmpl").startswith("chatcmpl-")
+
+
+def test_vllms_prompt_keys_are_null_unless_asked(vocab):
+    """vLLM's answers always hold `prompt_logprobs` and `prompt_token_ids` (the chat response's,
+    each completion choice's), null unless asked, and its clients read them without a check."""
+    chat = orjson.loads(
+        chat_completion_body("chatcmpl-4", now(), MODEL, [ChoiceResult(0, "Hi", "stop", Usage(3, 1))], 1)
+    )
+    assert chat["prompt_logprobs"] is None and chat["prompt_token_ids"] is None
+    assert ChatCompletion.model_validate(chat).prompt_logprobs is None  # an attribute, as vLLM's clients read it
+    asked = orjson.loads(
+        chat_completion_body(
+            "chatcmpl-5", now(), MODEL, [ChoiceResult(0, "Hi", "stop", Usage(3, 1))], 1, None, None, [7, 8]
+        )
+    )
+    assert asked["prompt_token_ids"] == [7, 8]
+    body = completion_body("cmpl-3", now(), MODEL, [ChoiceResult(0, "x", "stop", Usage(1, 1))], 1, vocab)
+    choice = orjson.loads(body)["choices"][0]
+    assert choice["prompt_logprobs"] is None and choice["prompt_token_ids"] is None and "token_ids" not in choice
