@@ -18,7 +18,7 @@ from typing import Any, overload
 
 import orjson
 
-from httpapi.errors import bad_request
+from httpapi.errors import APIError, bad_request
 
 log = logging.getLogger("ringserve.httpapi")
 
@@ -89,10 +89,10 @@ class Fields:
         self.read.add(key)
         if type(value) is not int:
             if type(value) is float and abs(value) >= 2**63:  # orjson reads an integer past 64 bits as a float
-                raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
+                raise past_int64(self.param(key), value)
             raise bad_request(f"{self.param(key)} must be an integer, not {_json_type(value)}", self.param(key))
         if not INT64_MIN <= value <= INT64_MAX:
-            raise bad_request(f"{self.param(key)} is out of range: integers are at most 64-bit", self.param(key))
+            raise past_int64(self.param(key), value)
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             raise bad_request(f"{self.param(key)} must be {_range(minimum, maximum)}, not {value}", self.param(key))
         return value
@@ -176,6 +176,17 @@ def shown(value: Any) -> str:
     """A client's value in a message, cut short."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def past_int64(param: str, value: float) -> APIError:
+    """An integer past 64 bits, in the words of vLLM's answer (pydantic's error type, which its
+    clients match: `less_than_equal` / `greater_than_equal`)."""
+    side, bound = ("less", INT64_MAX) if value > 0 else ("greater", INT64_MIN)
+    return bad_request(
+        f"{param} is out of range: integers are at most 64-bit (Input should be {side} than or equal to "
+        f"{bound} [type={side}_than_equal])",
+        param,
+    )
 
 
 def _range(minimum: int | None, maximum: int | None) -> str:

@@ -195,6 +195,15 @@ def test_an_integer_past_64_bits_is_called_out_of_range():
     assert caught.value.param == "max_tokens" and "64-bit" in caught.value.message
 
 
+@pytest.mark.parametrize("seed,kind", [(-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")])
+def test_a_seed_past_64_bits_names_pydantics_error_type(seed, kind):
+    """vLLM's clients (its suite's test_long_seed) match pydantic's error type in the message,
+    on either side of the 64-bit range (2**63 is an int to orjson, -2**63 - 1 a float)."""
+    with pytest.raises(APIError) as caught:
+        parse_chat_completion(chat().replace(b'"max_tokens":8', b'"max_tokens":8,"seed":' + str(seed).encode()))
+    assert caught.value.param == "seed" and f"[type={kind}]" in caught.value.message
+
+
 def test_a_gzip_body_is_named():
     """Content-Encoding is not decoded: the 400 says why, not that the bytes are bad UTF-8."""
     with pytest.raises(APIError) as caught:
