@@ -35,6 +35,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu.models.model_files import resolve_model_dir
 from perf import report
 from perf.conformance_shim import USES_RINGSERVE
 
@@ -99,6 +100,14 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "responses/test_parsable_context.py", ""): INTERNALS + " (VLLM_USE_EXPERIMENTAL_PARSER_CONTEXT)",
     ("sglang", "validation/test_matched_stop.py", "test_finish_stop_eos"): OTHER_MODEL + " (Llama 3's <|eot_id|>)",
 }
+
+
+@dataclass
+class FileRun:
+    suite: str
+    suite_root: Path  # where pytest runs (vLLM's: the sdist's root, whose tests/ is a package)
+    folder: Path  # the suite's test folder
+    path: Path
 
 
 @dataclass
@@ -244,6 +253,7 @@ def run_file(suite: str, suite_root: Path, folder: Path, path: Path, python: Pat
         "CONFORMANCE_REPO": str(ROOT),
         "CONFORMANCE_REPO_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
         "CONFORMANCE_LOG_DIR": str(logs),
+        "CONFORMANCE_TOKENIZER_DIR": str(resolve_model_dir(None)),
     }
     argv = [str(python), "-m", "pytest", "-p", "conformance_shim", str(path), f"--junitxml={xml}", "-q"]
     argv += ["-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", "--rootdir", str(suite_root)]
@@ -285,8 +295,10 @@ def collection_error(log: Path) -> str:
     return (errors[-1][2:].strip() if errors else "collection failed (see its log)")[:400]
 
 
-def run_suite(suite: str, suite_root: Path, folder: Path, python: Path, logs: Path, only: list[str]) -> list[Outcome]:
-    outcomes: list[Outcome] = []
+def plan_suite(suite: str, suite_root: Path, folder: Path, only: list[str]) -> tuple[list[Outcome], list[FileRun]]:
+    """A suite's files: those set aside whole (their tests' outcomes at once) and those to run."""
+    aside: list[Outcome] = []
+    runs: list[FileRun] = []
     for path in sorted(folder.rglob("test_*.py")):
         rel = path.relative_to(folder).as_posix()
         if only and not any(rel.startswith(o) for o in only):
@@ -295,11 +307,10 @@ def run_suite(suite: str, suite_root: Path, folder: Path, python: Path, logs: Pa
         if whole is None and not starts_a_server(path, folder):
             whole = NO_SERVER
         if whole is not None:
-            outcomes += [Outcome(suite, rel, name, "set aside", whole) for name in test_names(path)]
-            continue
-        print(f"{suite}: {rel}", file=sys.stderr, flush=True)
-        outcomes += run_file(suite, suite_root, folder, path, python, logs)
-    return outcomes
+            aside += [Outcome(suite, rel, name, "set aside", whole) for name in test_names(path)]
+        else:
+            runs.append(FileRun(suite, suite_root, folder, path))
+    return aside, runs
 
 
 def counts(outcomes: list[Outcome]) -> dict[str, int]:
@@ -342,16 +353,32 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
     outcomes: list[Outcome] = []
+    runs: list[FileRun] = []
     not_run: dict[str, str] = {}
-    if args.suite in ("vllm", "all"):
-        root = vllm_suite(cache)
-        outcomes += run_suite("vllm", root, root / "tests" / "entrypoints" / "openai", python, logs, args.only)
     if args.suite in ("sglang", "all"):
         folder = sglang_suite(cache, args.sglang_tests)
         if folder is None:
             not_run["sglang"] = "its tests could not be had (no --sglang-tests, GitHub unreachable)"
         else:
-            outcomes += run_suite("sglang", folder, folder, python, logs, args.only)
+            aside, todo = plan_suite("sglang", folder, folder, args.only)
+            outcomes, runs = outcomes + aside, runs + todo
+    if args.suite in ("vllm", "all"):
+        root = vllm_suite(cache)
+        aside, todo = plan_suite("vllm", root, root / "tests" / "entrypoints" / "openai", args.only)
+        outcomes, runs = outcomes + aside, runs + todo
+    write(outcomes, not_run, runs, args, started)
+    for k, run in enumerate(runs):  # the results are written after each file: a cut-short run says so
+        print(f"{run.suite}: {run.path.relative_to(run.folder)}", file=sys.stderr, flush=True)
+        outcomes += run_file(run.suite, run.suite_root, run.folder, run.path, python, logs)
+        write(outcomes, not_run, runs[k + 1 :], args, started)
+
+
+def write(
+    outcomes: list[Outcome], not_run: dict[str, str], pending: list[FileRun], args: argparse.Namespace, started: report.Started
+) -> None:
+    """The results so far; `pending`: the files not run yet (none once the run is whole)."""
+    if pending:
+        not_run = {**not_run, "files": "not yet run: " + ", ".join(f"{r.suite} {r.path.name}" for r in pending)}
     data = {
         "versions": {"vllm": VLLM_VERSION, "sglang": SGLANG_VERSION},
         "counts": {s: counts([o for o in outcomes if o.suite == s]) for s in sorted({o.suite for o in outcomes})},

@@ -29,7 +29,8 @@ import pytest
 
 # Set by perf/conformance.py: CONFORMANCE_REPO (the ringserve checkout under test),
 # CONFORMANCE_REPO_PYTHON (its .venv's python), CONFORMANCE_LOG_DIR (each server's output),
-# CONFORMANCE_SUITE ("vllm" or "sglang") and CONFORMANCE_SUITE_ROOT (the peer's tests' root).
+# CONFORMANCE_SUITE ("vllm" or "sglang"), CONFORMANCE_SUITE_ROOT (the peer's tests' root) and
+# CONFORMANCE_TOKENIZER_DIR (the served model's tokenizer).
 START_TIMEOUT_S = 300.0
 USES_RINGSERVE = "uses_ringserve"  # the JUnit property saying whether a test reached a ringserve
 
@@ -286,6 +287,20 @@ def kill_process_tree(pid: int, *_: Any, **__: Any) -> None:
         pass
 
 
+def serve_the_served_tokenizer(module: Any) -> None:
+    """The peer's own get_tokenizer, given the served model's tokenizer directory for whatever
+    model the test names: the server serves that name with that model, so counting a prompt's
+    tokens means counting them with its tokenizer (another model's vocabulary is never asked)."""
+    if "CONFORMANCE_TOKENIZER_DIR" not in os.environ:
+        return
+    original = module.get_tokenizer
+
+    def get_tokenizer(name: str, *args: Any, **kwargs: Any) -> Any:
+        return original(os.environ["CONFORMANCE_TOKENIZER_DIR"], *args, **kwargs)
+
+    module.get_tokenizer = get_tokenizer
+
+
 def pytest_configure(config: Any) -> None:
     """Put the shim in place of the peer's launcher before any test module imports it. The
     peers' modules are imported by name: they exist only in the conformance venv, and
@@ -296,7 +311,9 @@ def pytest_configure(config: Any) -> None:
     if suite == "vllm":
         vllm_test_utils = importlib.import_module("tests.utils")  # whole: tests use its other helpers
         vllm_test_utils.RemoteOpenAIServer = RingserveOpenAIServer
+        serve_the_served_tokenizer(importlib.import_module("vllm.tokenizers"))
     else:
+        serve_the_served_tokenizer(importlib.import_module("sglang.srt.utils.hf_transformers_utils"))
         sglang_test_utils = importlib.import_module("sglang.test.test_utils")
         sglang_test_utils.popen_launch_server = popen_launch_server
         sglang_test_utils.kill_process_tree = kill_process_tree
