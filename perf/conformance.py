@@ -374,7 +374,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write(
-    outcomes: list[Outcome], not_run: dict[str, str], pending: list[FileRun], args: argparse.Namespace, started: report.Started
+    outcomes: list[Outcome],
+    not_run: dict[str, str],
+    pending: list[FileRun],
+    args: argparse.Namespace,
+    started: report.Started,
 ) -> None:
     """The results so far; `pending`: the files not run yet (none once the run is whole)."""
     if pending:
