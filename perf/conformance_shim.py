@@ -56,7 +56,6 @@ DROPPED_WITH_VALUE = {
     "--hf-overrides": "the peer's model config overrides",
     "--tokenizer": "the peer model's tokenizer; ringserve serves its own model's",
     "--tokenizer-path": "the peer model's tokenizer; ringserve serves its own model's",
-    "--max-logprobs": "vLLM's bound on logprobs; ringserve's is 20, as vLLM's default",
     "--compilation-config": "torch.compile settings",
     "--cuda-graph-max-bs": "CUDA graphs",
     "--attention-backend": "the peer's kernels",
@@ -69,6 +68,7 @@ DROPPED_WITH_VALUE = {
 # fixtures that download the adapters give a path naming what was not downloaded.
 LORA_FLAGS_WITH_VALUE = ("--lora-modules", "--max-lora-rank", "--max-cpu-loras", "--max-loras", "--lora-paths")
 LORA_FIXTURE_SUFFIX = "_lora_files"
+MAX_LOGPROBS = 20  # ringserve's bound on top logprobs, vLLM's default --max-logprobs
 DROPPED_FLAGS = {
     "--enable-lora": "LoRA is set aside",
     "--enforce-eager": "CUDA graphs off",
@@ -99,6 +99,10 @@ def translate_flags(args: list[str]) -> list[str]:
             i += 1
             while value is None and i < len(args) and not args[i].startswith("--"):
                 i += 1
+            continue
+        bound = value if value is not None else (args[i + 1] if i + 1 < len(args) else "")
+        if flag == "--max-logprobs" and bound.lstrip("-").isdigit() and 0 <= int(bound) <= MAX_LOGPROBS:
+            i += 1 if value is not None else 2  # ringserve's bound, fixed: the same answers (a larger one is refused)
             continue
         if flag in DROPPED_WITH_VALUE:
             i += 1 if value is not None else 2
