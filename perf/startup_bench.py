@@ -12,8 +12,8 @@ Ringserve is started as users start it (README):
   serve    `python -m runtime serve [--model-path M]`
   granian  `granian --interface asgi runtime.app:app` with the flags as RINGSERVE_* variables
 and each of them twice a round:
-  first    with a new empty RINGSERVE_CACHE_DIR (no C build, no GGUF directory yet: a new
-           user's first start)
+  first    with a new empty cache directory, XDG_CACHE_HOME (no C build, no GGUF directory
+           yet: a new user's first start; every commit reads it, RINGSERVE_CACHE_DIR not)
   second   with the cache the round's first start filled (every later start)
 llama.cpp's server (`-np 32 -t 2 -c 16384`, as perf/peer_bench.py runs it) has no cache of
 its own; its starts are timed the same way. Rounds interleave every server and model, so
@@ -35,6 +35,7 @@ import http.client
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,31 +74,33 @@ class GranianServer(sb.Server):
 
 
 def ringserve_env(cache_dir: str) -> dict[str, str]:
-    """This environment without RINGSERVE_* settings, with the cache directory given."""
+    """This environment without RINGSERVE_* variables, with the cache directory given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
-    env["RINGSERVE_CACHE_DIR"] = cache_dir
+    env["XDG_CACHE_HOME"] = cache_dir
     return env
 
 
 class ServeServer(sb.Server):
     """`python -m runtime serve [--model-path M]` in the environment given."""
 
-    def __init__(self, model_path: str | None, env: dict[str, str], log: Path) -> None:
+    def __init__(self, model_path: str | None, env: dict[str, str], log: Path, cwd: Path | None = None) -> None:
         self.port = sb.free_port()
         self.extra_args = [] if model_path is None else ["--model-path", model_path]
         self.argv = [sys.executable, "-m", "runtime", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.argv += self.extra_args
-        self._launch(env, log, None)
+        self._launch(env, log, cwd)
 
 
-def launch(server: str, model_path: str | None, cache_dir: str, log: Path, llama_bin: str | None) -> sb.Server:
-    """One start of `server` ("llama.cpp", "ringserve serve", "ringserve granian")."""
+def launch(server: str, model_path: str | None, cache_dir: str, log: Path, args) -> sb.Server | LlamaServer:
+    """One start of `server`: "llama.cpp", "ringserve serve", "ringserve granian", or
+    "ringserve@<commit> serve" (the --baseline checkout's code)."""
     if server == "llama.cpp":
-        assert llama_bin is not None
         gguf = model_path or default_gguf()
-        return LlamaServer(llama_bin, gguf, ["-np", str(LLAMA_SLOTS), "-t", "2", "-c", str(LLAMA_CONTEXT)], log)
-    cls = GranianServer if server.split()[1] == "granian" else ServeServer
-    return cls(model_path, ringserve_env(cache_dir), log)
+        return LlamaServer(args.llama_bin, gguf, ["-np", str(LLAMA_SLOTS), "-t", "2", "-c", str(LLAMA_CONTEXT)], log)
+    env = ringserve_env(cache_dir)
+    if server.split()[1] == "granian":
+        return GranianServer(model_path, env, log)
+    return ServeServer(model_path, env, log, args.baseline if server.startswith("ringserve@") else None)
 
 
 def default_gguf() -> str:
@@ -153,7 +156,7 @@ def processes(server) -> list[dict]:
 def one_start(server_name: str, model: str, model_path: str | None, kind: str, cache_dir: str, args) -> dict:
     log = args.out.with_name(f"startup_{server_name.replace(' ', '_')}_{model}_{kind}.log")
     load = os.getloadavg()[0]
-    server = launch(server_name, model_path, cache_dir, log, args.llama_bin)
+    server = launch(server_name, model_path, cache_dir, log, args)
     row: dict = {"server": server_name, "model": model, "kind": kind, "load_1min": round(load, 2)}
     try:
         row["healthy_s"] = round(wait_healthy(server), 3)
@@ -178,23 +181,38 @@ def brief(row: dict) -> str:
     )
 
 
+def ringserve_configs(args) -> list[tuple[str, bool]]:
+    """(server name, whether its first start is timed) of each ringserve start a round makes."""
+    configs = [(f"ringserve {launcher}", launcher in args.first_launchers) for launcher in args.launchers]
+    if args.baseline is not None:
+        configs.append((args.baseline_name, "serve" in args.first_launchers))
+    return configs
+
+
 def run_round(r: int, args) -> list[dict]:
     rows = []
     for model, model_path in args.model_paths.items():
         if args.llama_bin is not None:
             rows.append({**one_start("llama.cpp", model, model_path, "second", "", args), "round": r})
-        for launcher in args.launchers:
-            name = f"ringserve {launcher}"
+        for name, first_too in ringserve_configs(args):
             cache = tempfile.mkdtemp(prefix="startup-cache-")
             try:
-                for kind in KINDS:
-                    if kind == "first" and launcher not in args.first_launchers:
-                        shutil.copytree(args.warm_cache, cache, dirs_exist_ok=True)  # a second start only
-                        continue
+                if not first_too:  # a second start only: the cache a start of the same code filled
+                    shutil.copytree(args.warm_caches[name == args.baseline_name], cache, dirs_exist_ok=True)
+                for kind in KINDS if first_too else KINDS[1:]:
                     rows.append({**one_start(name, model, model_path, kind, cache, args), "round": r})
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
     return rows
+
+
+def round_ratios(rows: list[dict], row: dict, peer: str, key: str) -> float | None:
+    """row[key] / the same round's, model's and kind's start of `peer` (llama.cpp: its one start)."""
+    for p in rows:
+        same_kind = peer == "llama.cpp" or p["kind"] == row["kind"]
+        if p["server"] == peer and p["model"] == row["model"] and p["round"] == row["round"] and same_kind:
+            return row[key] / p[key] if "error" not in p else None
+    return None
 
 
 def summarize(rows: list[dict], args) -> list[dict]:
@@ -207,16 +225,9 @@ def summarize(rows: list[dict], args) -> list[dict]:
         entry: dict = {"server": server, "model": model, "kind": kind, "starts": len(mine)}
         for key in ("healthy_s", "first_token_s", "rss_mb", "load_1min"):
             entry[key] = statistics.median(r[key] for r in mine) if mine else None
-        ratios = []
-        for r in mine:
-            peer = [
-                p
-                for p in rows
-                if p["server"] == "llama.cpp" and p["model"] == model and p["round"] == r["round"] and "error" not in p
-            ]
-            if peer and server != "llama.cpp":
-                ratios.append(r["healthy_s"] / peer[0]["healthy_s"])
-        entry["healthy_vs_llama"] = statistics.median(ratios) if ratios else None
+        for peer, label in (("llama.cpp", "healthy_vs_llama"), (args.baseline_name, "healthy_vs_baseline")):
+            ratios = [x for r in mine if (x := round_ratios(rows, r, peer, "healthy_s")) is not None]
+            entry[label] = statistics.median(ratios) if ratios and server != peer else None
         out.append(entry)
     return out
 
@@ -234,6 +245,7 @@ def markdown(result: dict) -> str:
                 "first token s",
                 "RSS MB at healthy",
                 "healthy ÷ llama.cpp",
+                "healthy ÷ baseline",
                 "load (1 min)",
             ],
             [
@@ -246,6 +258,7 @@ def markdown(result: dict) -> str:
                     report.fmt(s["first_token_s"], ".2f"),
                     report.fmt(s["rss_mb"], ".0f"),
                     report.fmt(s["healthy_vs_llama"], ".2f"),
+                    report.fmt(s["healthy_vs_baseline"], ".2f"),
                     report.fmt(s["load_1min"], ".2f"),
                 ]
                 for s in summary
@@ -277,7 +290,13 @@ def markdown(result: dict) -> str:
         "",
         f"llama.cpp: `{result['llama_cpp'].get('binary') or 'not run (no binary)'}` "
         f"({result['llama_cpp'].get('version', '')}), `-np {LLAMA_SLOTS} -t 2 -c {LLAMA_CONTEXT}`. "
-        "ringserve: its defaults. Models: "
+        "ringserve: its defaults"
+        + (
+            f"; baseline: `{result['baseline']}`, another checkout's code, started the same way"
+            if result["baseline"]
+            else ""
+        )
+        + ". Models: "
         + ", ".join(f"{m} `{p or 'embedded default'}`" for m, p in result["models"].items())
         + ".",
     ]
@@ -297,7 +316,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--llama-server", default=None, help=f"llama.cpp's server (default: $LLAMA_SERVER, {DEFAULT_LLAMA})"
     )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout (git worktree) of other code whose `serve` starts are timed beside, first and second",
+    )
     args = ap.parse_args(argv)
+    args.baseline_name = None
+    if args.baseline is not None:
+        commit = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"], capture_output=True)
+        if commit.returncode != 0:
+            ap.error(f"--baseline {args.baseline}: not a git checkout")
+        args.baseline_name = f"ringserve@{commit.stdout.decode().strip()} serve"
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     known = {"smollm2": None, "gemma3": args.gemma3}
@@ -319,18 +350,24 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {
         "models": args.model_paths,
+        "baseline": args.baseline_name,
         "llama_cpp": {"binary": args.llama_bin, "version": llama_version(args.llama_bin) if args.llama_bin else None},
         "starts": [],
     }
-    args.warm_cache = tempfile.mkdtemp(prefix="startup-warm-")
+    # a filled cache for the starts whose first start is not timed, by code (this tree's, the
+    # baseline's: their C sources may differ): one untimed start of each model
+    warm = {name == args.baseline_name for name, first_too in ringserve_configs(args) if not first_too}
+    args.warm_caches = {baseline: tempfile.mkdtemp(prefix="startup-warm-") for baseline in warm}
     try:
-        # a filled cache for the launchers whose first start is not timed: one start of each model
-        for model, model_path in args.model_paths.items():
-            one_start("ringserve serve", model, model_path, "warm-up", args.warm_cache, args)
+        for baseline, cache in args.warm_caches.items():
+            for model, model_path in args.model_paths.items():
+                name = args.baseline_name if baseline else "ringserve serve"
+                one_start(name, model, model_path, "warm-up", cache, args)
         for r in range(args.rounds):
             result["starts"] += run_round(r, args)
     finally:
-        shutil.rmtree(args.warm_cache, ignore_errors=True)
+        for cache in args.warm_caches.values():
+            shutil.rmtree(cache, ignore_errors=True)
     result["summary"] = summarize(result["starts"], args)
     json_path, md_path = report.write_results("startup", result, markdown(result), started, out=args.out)
     print(f"wrote {json_path} and {md_path}")

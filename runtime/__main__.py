@@ -1,7 +1,7 @@
 """`python -m runtime serve [flags]`: the one-command way to run the server.
 
-Checks the flags and the model (a bad one is one line on stderr and exit status 1),
-then becomes granian (exec, same pid) serving runtime.app:app with the flags passed
+Checks the flags and the model (a bad one is one line on stderr and exit status 1) while
+the engine's processes, started first, import what they load with; then lets them load and becomes granian (exec, same pid) serving runtime.app:app with the flags passed
 as RINGSERVE_* environment variables, exactly as `granian --interface asgi
 runtime.app:app` does with them set by hand. The exec leaves nothing of this
 process's imports behind in granian's main process, whose workers it forks.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from runtime.config import ALIASES, ServerArgs
 from runtime.settings import ENV_PREFIX, env_name
+from runtime.supervise.launcher import start_engine_early
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # one of them: a tokenizer
 
@@ -161,14 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ringserve: {e}", file=sys.stderr)
         return 2
+    raise_open_files_limit()  # before the engine starts: its processes inherit the limit
+    env = server_env(args)
+    engine = start_engine_early(args, env)  # its imports run beside the checks
     problem = check_model(args)
     if problem:
+        engine.cancel()
         print(f"ringserve: {problem}", file=sys.stderr)
         return 1
-    raise_open_files_limit()
+    engine.hand_over()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, granian_command(args), server_env(args))
+    os.execve(sys.executable, granian_command(args), env)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """One engine (Scheduler+Worker process, Detokenizer process) per server, started by
-whichever HTTP worker comes first and attached to by the others.
+`python -m runtime serve` before its exec into granian (start_engine_early: its imports run
+beside serve's checks of the model), else by whichever HTTP worker comes first, and attached
+to by the HTTP workers.
 
 The engine of a server is keyed by the pid of granian's main process (`os.getppid()`
 in a worker; `python -m runtime serve` is that process itself); its files are
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib
 import json
 import logging
 import os
@@ -84,11 +87,27 @@ def ensure_engine(
         sweep_stale_servers(files.root)
         for p in procs:  # half an engine: its survivor is on its way out; don't wait for its grace
             kill_and_wait(p)
-        procs = _spawn_engine(args, files)
-        _write_private(files.info, json.dumps([dataclasses.asdict(p) for p in procs]))
-        return procs
+        pending = _spawn_engine(args, files)
+        pending.hand_over()
+        return pending.procs
     finally:
         os.close(fd)  # releases the flock
+
+
+def start_engine_early(args: ServerArgs, env: dict[str, str]) -> PendingEngine:
+    """The engine of the server this process becomes (`python -m runtime serve`, before its
+    exec into granian: the same pid), started before serve's checks of the model, so that its
+    imports (torch, transformers: seconds) run beside them instead of after granian's start.
+    Its processes import and wait: PendingEngine.hand_over() lets them load, cancel() stops
+    them. The first HTTP worker finds it running and attaches."""
+    files = ServerFiles.of(os.getpid())
+    fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        sweep_stale_servers(files.root)
+        return _spawn_engine(args, files, env)
+    finally:
+        os.close(fd)
 
 
 class EngineGaveUp(EngineStartError):
@@ -158,20 +177,51 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
+@dataclass
+class PendingEngine:
+    """Engine processes started and listed, waiting for the pids to watch (their go)."""
+
+    files: ServerFiles
+    procs: list[EngineProcess]
+    pipes: dict[str, Any]  # role -> its stdin
+
+    def hand_over(self) -> None:
+        """The pids each process watches (the server's and its peer's), on its stdin: it loads."""
+        watch = {"server": self.files.server_pid, **{p.role: p.pid for p in self.procs}}
+        for role, pipe in self.pipes.items():
+            try:
+                pipe.write(json.dumps({k: v for k, v in watch.items() if k != role}).encode() + b"\n")
+                pipe.close()
+            except BrokenPipeError:
+                pass  # it died already; the wait for its socket reports it
+        logger.info("engine started: %s", ", ".join(f"{p.role} pid {p.pid}" for p in self.procs))
+
+    def cancel(self) -> None:
+        """Stops the processes (they loaded nothing, printed nothing) and removes the server's files."""
+        for p in self.procs:  # killed before their stdin closes: an EOF would make them say so
+            kill_and_wait(p)
+        for pipe in self.pipes.values():
+            pipe.close()
+        self.files.remove()
+
+
+def _spawn_engine(args: ServerArgs, files: ServerFiles, env: dict[str, str] | None = None) -> PendingEngine:
+    """Starts the engine's processes with their settings (`env`: their environment, else this
+    one) and lists them in the server's files; they import, then wait for hand_over()."""
     for role in ROLES:  # a socket left by a killed engine must not be mistaken for a live one
         files.socket(role).unlink(missing_ok=True)
     files.metrics_dir.mkdir(mode=0o700, exist_ok=True)
     spec = json.dumps(
         {"server_args": dataclasses.asdict(args), "server_pid": files.server_pid, "root": str(files.root)}
     )
-    popens, pipes = {}, {}
+    procs, pipes = [], {}
     for role in ROLES:
-        popens[role] = popen = subprocess.Popen(
+        popen = subprocess.Popen(
             [sys.executable, "-m", "runtime.supervise.launcher", role],
             stdin=subprocess.PIPE,
             start_new_session=True,
             close_fds=True,
+            env=env,
         )
         if popen.stdin is None:  # never, with stdin=PIPE
             raise EngineStartError(f"the {role} process got no stdin pipe")
@@ -181,21 +231,10 @@ def _spawn_engine(args: ServerArgs, files: ServerFiles) -> list[EngineProcess]:
             pipe.flush()
         except BrokenPipeError:
             pass  # it died already; the wait for its socket reports it
-    procs = []
-    for role, popen in popens.items():
         start = process_start_time(popen.pid)
         procs.append(EngineProcess(role, popen.pid, start if start is not None else -1))
-    watch = {"server": files.server_pid, **{p.role: p.pid for p in procs}}
-    for role, pipe in pipes.items():
-        try:
-            pipe.write(json.dumps({k: v for k, v in watch.items() if k != role}).encode() + b"\n")
-            pipe.close()
-        except BrokenPipeError:
-            pass  # it died already; the wait for its socket reports it
-    logger.info(
-        "engine started: scheduler pid %d, detokenizer pid %d", popens["scheduler"].pid, popens["detokenizer"].pid
-    )
-    return procs
+    _write_private(files.info, json.dumps([dataclasses.asdict(p) for p in procs]))
+    return PendingEngine(files, procs, pipes)
 
 
 def wait_for_sockets(
@@ -368,21 +407,26 @@ def engine_process_main(role: str) -> int:
     args = ServerArgs(**spec["server_args"])
     files = ServerFiles(spec["server_pid"], Path(spec["root"]))
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
+    # what loading needs is imported while the starter may still be checking the model (serve)
+    from gpu.models.model_files import ModelLoadError
+
+    if role == "scheduler":
+        from runtime.scheduler.main import run_scheduler
+
+        importlib.import_module("runtime.scheduler.runner")  # torch and the model's code
+    else:
+        from runtime.detokenizer.main import run_detokenizer
+
+        importlib.import_module("transformers.tokenization_utils_tokenizers")  # the tokenizers library
     line = sys.stdin.readline()
     if not line:
         logger.error("the worker starting the engine exited before handing over the pids to watch")
         return 1
     stop_when_any_exits(json.loads(line), grace_s=STOP_GRACE_S)
-    from gpu.models.model_files import ModelLoadError
-
     try:
         if role == "scheduler":
-            from runtime.scheduler.main import run_scheduler
-
             run_scheduler(args, str(files.socket("scheduler")), str(files.socket("detokenizer")), str(files.stats))
         else:
-            from runtime.detokenizer.main import run_detokenizer
-
             # the frozen-worker watch runs beside the detokenizer, the engine's lighter process
             WorkerWatch(files, args.worker_stall_timeout).start()
             run_detokenizer(args, str(files.socket("detokenizer")), str(files.socket("scheduler")))
