@@ -97,7 +97,11 @@ class Fields:
             raise bad_request(f"{self.param(key)} must be {_range(minimum, maximum)}, not {value}", self.param(key))
         return value
 
-    def get_float(self, key: str, default: float | None = None) -> float | None:
+    def get_float(
+        self, key: str, default: float | None = None, *, within: tuple[float, float] | None = None
+    ) -> float | None:
+        """A number; `within`: the inclusive range its consumer checks (SamplingParams.validate(),
+        with its own message), which the document shows; not checked here, so not twice."""
         value = self.obj.get(key)
         if value is None:
             return default
@@ -206,8 +210,8 @@ class FieldRead:
 
     kind: str
     default: Any = None
-    minimum: int | None = None
-    maximum: int | None = None
+    minimum: float | None = None
+    maximum: float | None = None
     choices: tuple[str, ...] = ()
 
 
@@ -264,8 +268,9 @@ class LoggedFields(Fields):
         self._log(key, "integer", default, minimum=minimum, maximum=maximum)
         return super().get_int(key, default, minimum=minimum, maximum=maximum)
 
-    def get_float(self, key, default=None):  # type: ignore[no-untyped-def]
-        self._log(key, "number", default)
+    def get_float(self, key, default=None, *, within=None):  # type: ignore[no-untyped-def]
+        minimum, maximum = within or (None, None)
+        self._log(key, "number", default, minimum=minimum, maximum=maximum)
         return super().get_float(key, default)
 
     def get_bool(self, key, default=None):  # type: ignore[no-untyped-def]

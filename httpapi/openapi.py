@@ -449,10 +449,9 @@ def _object_schema(fields: Mapping[str, FieldRead], prefix: str) -> dict[str, An
         if not param.startswith(prefix) or "." in name or "[" in name:
             continue
         schema = _field_schema(read)
-        if read.kind == "object":
-            nested = _object_schema(fields, param + ".")
-            if nested.get("properties"):
-                schema = {"anyOf": [nested, {"type": "null"}]}
+        nested = _object_schema(fields, param + ".") if read.kind in ("object", "any") else {}
+        if nested.get("properties"):  # read raw (/generate's sampling_params: an object or a list): not an object
+            schema = {"anyOf": [nested, {"type": "null"} if read.kind == "object" else {"not": {"type": "object"}}]}
         properties[name] = schema
     return {"type": "object", "properties": dict(sorted(properties.items()))}
 
@@ -470,6 +469,8 @@ def _field_schema(read: FieldRead) -> dict[str, Any]:
     if kind == "integer":
         schema["minimum"] = read.minimum if read.minimum is not None else INT64_MIN
         schema["maximum"] = read.maximum if read.maximum is not None else INT64_MAX
+    elif kind == "number" and read.minimum is not None:
+        schema["minimum"], schema["maximum"] = read.minimum, read.maximum
     if read.choices:
         schema["enum"] = [*read.choices, None]
     if read.default is not None and type(read.default) in (bool, int, float, str):

@@ -20,6 +20,7 @@ from protocol.memo import ByteLRU, string_bytes
 from protocol.records import MAX_OPEN_PAYLOAD_BYTES, MAX_REQUEST_PAYLOAD_BYTES
 from protocol.request_records import MEMO_BYTES, sampling_payload_bytes, stop_payload_bytes
 from protocol.sampling_params import (
+    FLOAT_RANGES,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,
@@ -42,7 +43,7 @@ def read_sampling(fields: Fields, *, seed: str, min_tokens: str, no_stop_trim: s
     SamplingParams' arguments but max_new_tokens (SamplingSpec.build's), not validated."""
     values = dict(given)
     for name in _FLOATS:
-        values[name] = fields.get_float(name, getattr(_DEFAULTS, name))
+        values[name] = fields.get_float(name, getattr(_DEFAULTS, name), within=FLOAT_RANGES.get(name))
     for name in _BOOLS:
         values[name] = fields.get_bool(name, getattr(_DEFAULTS, name))
     values["top_k"] = fields.get_int("top_k", _DEFAULTS.top_k)

@@ -21,6 +21,18 @@ MAX_STOP_TOKEN_IDS = 16
 # SGLang's epsilon); a penalty below MIN_REPETITION_PENALTY is refused.
 GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+MAX_TEMPERATURE = 2.0
+MAX_ABS_PENALTY = 2.0  # frequency_penalty and presence_penalty, OpenAI's range
+# validate()'s inclusive ranges of the float parameters (top_p's, (0, 1], is checked apart), which
+# the HTTP layer shows in its OpenAPI document (httpapi/sampling.py)
+FLOAT_RANGES = {
+    "temperature": (0.0, MAX_TEMPERATURE),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+    "frequency_penalty": (-MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+    "presence_penalty": (-MAX_ABS_PENALTY, MAX_ABS_PENALTY),
+}
 # A grammar travels with every choice through the REQUEST ring and is compiled once per text
 # (a tool-calling request's schema holds its tools': structured/tools.py MAX_TOOLS_BYTES).
 MAX_GRAMMAR_BYTES = 256 << 10
@@ -123,8 +135,8 @@ class SamplingParams:
             raise InvalidParam("max_tokens", "max_tokens must be at least 1")
         if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
             raise InvalidParam("min_tokens", "min_tokens must be between 0 and max_tokens")
-        if not (_finite(self.temperature) and 0.0 <= self.temperature <= 2.0):
-            raise InvalidParam("temperature", "temperature must be between 0 and 2")
+        if not (_finite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidParam("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}")
         if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidParam("top_p", "top_p must be in (0, 1]")
         if not (isinstance(self.top_k, int) and -1 <= self.top_k < 2**31):  # records hold it as int32
@@ -133,12 +145,22 @@ class SamplingParams:
             raise InvalidParam("min_p", "min_p must be in [0, 1]")
         if not (self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63)):
             raise InvalidParam("seed", "seed must be a 64-bit integer")
-        if not (_finite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0):
-            raise InvalidParam("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2]")
-        if not (_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0):
-            raise InvalidParam("frequency_penalty", "frequency_penalty must be between -2 and 2")
-        if not (_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0):
-            raise InvalidParam("presence_penalty", "presence_penalty must be between -2 and 2")
+        if not (
+            _finite(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise InvalidParam(
+                "repetition_penalty",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]",
+            )
+        if not (_finite(self.frequency_penalty) and -MAX_ABS_PENALTY <= self.frequency_penalty <= MAX_ABS_PENALTY):
+            raise InvalidParam(
+                "frequency_penalty", f"frequency_penalty must be between {-MAX_ABS_PENALTY:g} and {MAX_ABS_PENALTY:g}"
+            )
+        if not (_finite(self.presence_penalty) and -MAX_ABS_PENALTY <= self.presence_penalty <= MAX_ABS_PENALTY):
+            raise InvalidParam(
+                "presence_penalty", f"presence_penalty must be between {-MAX_ABS_PENALTY:g} and {MAX_ABS_PENALTY:g}"
+            )
         if not (len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in self.stop)):
             raise InvalidParam("stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         if self.stop and _stop_bytes(self.stop) > MAX_STOP_BYTES:

@@ -24,6 +24,7 @@ from httpapi.openapi import (
 )
 from httpapi.openapi_page import docs_page
 from httpapi.pooling_requests import parse_rerank
+from protocol.sampling_params import FLOAT_RANGES, InvalidParam, SamplingParams
 from runtime.app import app
 from runtime.http_worker.asgi import MODEL_PATH
 
@@ -142,6 +143,22 @@ def test_fields_types_bounds_defaults_and_required_come_from_the_parsers():
     # found by the fuzzing: /continue_generation takes no body, where the document required one
     assert doc["paths"]["/continue_generation"]["post"]["requestBody"]["required"] is False
     assert doc["paths"]["/v1/completions"]["post"]["requestBody"]["required"] is True
+
+
+def test_sampling_ranges_are_validates_own():
+    """The float ranges the document shows are the ones SamplingParams.validate() checks: each
+    edge is taken, a step past it refused, naming the parameter (/generate: renamed)."""
+    for name, (low, high) in FLOAT_RANGES.items():
+        for value in (low, high):
+            SamplingParams(**{name: value}).validate()
+        for value in (low - 1e-6, high + 1e-6):
+            with pytest.raises(InvalidParam) as err:
+                SamplingParams(**{name: value}).validate()
+            assert err.value.param == name
+    doc = document()
+    assert body_of(doc, "/v1/chat/completions")["properties"]["temperature"]["maximum"] == 2.0
+    sampling = body_of(doc, "/generate")["properties"]["sampling_params"]["anyOf"][0]["properties"]
+    assert (sampling["repetition_penalty"]["minimum"], sampling["repetition_penalty"]["maximum"]) == (0.01, 2.0)
 
 
 def test_errors_are_openai_shaped_on_every_operation():
