@@ -34,6 +34,7 @@ import argparse
 import http.client
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -227,7 +228,8 @@ def summarize(rows: list[dict], args) -> list[dict]:
             entry[key] = statistics.median(r[key] for r in mine) if mine else None
         for peer, label in (("llama.cpp", "healthy_vs_llama"), (args.baseline_name, "healthy_vs_baseline")):
             ratios = [x for r in mine if (x := round_ratios(rows, r, peer, "healthy_s")) is not None]
-            entry[label] = statistics.median(ratios) if ratios and server != peer else None
+            mine_vs_peer = server != peer and (peer == "llama.cpp" or server.startswith("ringserve "))
+            entry[label] = statistics.median(ratios) if ratios and mine_vs_peer else None
         out.append(entry)
     return out
 
@@ -344,6 +346,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a run started in the background inherits SIGINT ignored, and so would every server it
+    # starts (stopped with SIGINT, and by it when this process dies): Python's handler back
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = parse_args(argv)
     started = report.start(args, argv)
     args.llama_bin = find_llama_server(args.llama_server or (DEFAULT_LLAMA if Path(DEFAULT_LLAMA).is_file() else None))
