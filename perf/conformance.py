@@ -201,12 +201,30 @@ def conformance_venv(cache: Path, venv: Path) -> Path:
     return python
 
 
+LAUNCHERS = ("RemoteOpenAIServer", "popen_launch_server")  # what the shim replaces
+
+
 def starts_a_server(path: Path, folder: Path) -> bool:
-    """Whether a test file may start a server through the fixture the shim replaces, itself or
-    through a conftest.py of its folders (vLLM's responses/conftest.py holds their server)."""
-    conftests = [d / "conftest.py" for d in path.parents if d.is_relative_to(folder)]
-    texts = [f.read_text() for f in (path, *conftests) if f.exists()]
-    return any("RemoteOpenAIServer" in t or "popen_launch_server" in t for t in texts)
+    """Whether a test file may start a server through what the shim replaces: itself, or
+    through a fixture of a conftest.py of its folders that starts one (directly or through
+    another such fixture: vLLM's responses/conftest.py's `client` over `server_with_store`)."""
+    words = set(re.findall(r"\w+", path.read_text()))
+    if words & set(LAUNCHERS):
+        return True
+    serving: set[str] = set(LAUNCHERS)
+    for conftest in (d / "conftest.py" for d in path.parents if d.is_relative_to(folder)):
+        if not conftest.exists():
+            continue
+        source = conftest.read_text()
+        functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        grew = True
+        while grew:  # to a fixed point: fixtures over fixtures that start a server
+            found = {
+                f.name for f in functions if set(re.findall(r"\w+", ast.get_source_segment(source, f) or "")) & serving
+            }
+            grew = not found <= serving
+            serving |= found
+    return bool(words & serving)
 
 
 def set_aside_reason(suite: str, file: str, test: str) -> str | None:
@@ -320,7 +338,15 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
 def markdown(outcomes: list[Outcome], not_run: dict[str, str]) -> str:
     suites = sorted({o.suite for o in outcomes})
     by_suite = [[s, *counts([o for o in outcomes if o.suite == s]).values()] for s in suites]
-    parts = ["## Counts by suite", "", report.table(["suite", "passed", "failed", "set aside"], by_suite)]
+    parts = [
+        "A test is one pytest item (each parametrization); a file set aside whole is not collected,",
+        "so it counts its test functions. Causes are the failures' first lines; the logs of each",
+        "file and server are in the cache's logs/ folder.",
+        "",
+        "## Counts by suite",
+        "",
+        report.table(["suite", "passed", "failed", "set aside"], by_suite),
+    ]
     parts += [f"\n{suite}: not run: {why}" for suite, why in not_run.items()]
     files = sorted({(o.suite, o.file) for o in outcomes})
     rows = [[s, f"`{f}`", *counts([o for o in outcomes if (o.suite, o.file) == (s, f)]).values()] for s, f in files]
