@@ -50,7 +50,7 @@ PYPI_SIMPLE = "https://pypi.org/simple"
 # little beyond what vLLM brought: SGLANG_IMPORT_DEPS).
 CLIENT_PACKAGES = ["pytest", "pytest-asyncio", "pytest-timeout", "openai", "requests", "jsonschema", "regex", "httpx"]
 SGLANG_IMPORT_DEPS = ["ipython", "datasets"]
-TEST_TIMEOUT_S = 150  # one test; a hang is a failure with its cause, not a stuck run
+TEST_TIMEOUT_S = 120  # one test; a hang is a failure with its cause, not a stuck run
 FILE_TIMEOUT_S = 1800  # one file, servers' start-ups included
 
 # Tests set aside, by a reason each: (suite, path relative to the suite's folder, a test's name
