@@ -243,7 +243,8 @@ class LoraBatch:
     def __init__(self, adapters: Mapping[int, Adapter], token_lora: np.ndarray, device: torch.device) -> None:
         """adapters: id -> the resident adapter; token_lora: int [T], each flat token's adapter id
         (0: the base, left as it is)."""
-        self.groups: list[tuple[Adapter, torch.Tensor | slice]] = []
+        self.adapters, self.token_lora = adapters, token_lora  # what the C decode loop reads (cpu_decode.py)
+        self.groups: list[tuple[int, Adapter, torch.Tensor | slice]] = []  # (id, adapter, its tokens)
         for lid in np.unique(token_lora).tolist():
             if lid == 0:
                 continue
@@ -254,11 +255,11 @@ class LoraBatch:
                 if where[-1] - where[0] + 1 == len(where)
                 else torch.from_numpy(where).to(device)
             )
-            self.groups.append((adapters[lid], rows))
+            self.groups.append((lid, adapters[lid], rows))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> torch.Tensor:
         """out [T, N] (the base projection of x [T, K], a fresh tensor) plus each group's delta, in place."""
-        for adapter, rows in self.groups:
+        for _, adapter, rows in self.groups:
             pair = adapter.pairs.get((layer, fused))
             if pair is None:
                 continue

@@ -387,9 +387,8 @@ class ModelRunner:
                 )
             if step.pool is not None:
                 pooled = self._pool(step, batch, x, residual)
-        elif lora is None and self.decoder is not None and self.decoder.takes(batch.meta):
-            # the C decode loop has no LoRA deltas: a step with an adapter row runs the Python forward
-            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+        elif self.decoder is not None and self.decoder.takes(batch.meta):
+            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, lora)
         else:
             self.attn.plan(batch.meta)
             logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn, lora)

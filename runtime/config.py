@@ -246,7 +246,7 @@ class ServerArgs:
     enable_lora: bool = setting(
         False,
         "serve LoRA adapters (docs/lora.md): requests name one as `model` or `base:adapter`, /generate as "
-        "`lora_path`; batches mix adapters and the base (decode steps with an adapter run the Python forward)",
+        "`lora_path`; batches mix adapters and the base",
         same_row=True,
     )
     lora_paths: tuple[str, ...] = setting(

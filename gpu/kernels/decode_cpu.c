@@ -12,11 +12,16 @@
  * Decode only: every request has one new token, its K and V are stored at out_cache_loc (in
  * the cache's element type, rounded as torch rounds: kv_dtype.h) and it attends to kv_lens[b]
  * cached tokens (itself included).
+ *
+ * LoRA adapters (gpu/lora.py): a token of an adapter gets each adapted projection's delta
+ * (x @ A^T) @ B^T added to its output row, as the Python forward's LoraBatch adds it (the same
+ * values, summed in another order: equal to about 1e-6, not bit for bit).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kv_dtype.h"
+#include "simd_math.h"
 
 /* layer_cpu.c */
 void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_t H, float eps, float *out,
@@ -60,6 +65,46 @@ typedef struct {
     float eps, scale;
 } Dims;
 
+typedef struct {  /* an adapter's pair of one projection (gpu/lora.py stacks a fused one's parts) */
+    const float *a;   /* [r, k] */
+    const float *bt;  /* [r, n]: B transposed (its columns contiguous), the scaling folded in */
+    int64_t r;       /* 0: the adapter leaves the projection as it is */
+} LoraPair;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PROJECTIONS };  /* cpu_decode.py's LORA_PROJECTIONS */
+
+static float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Row t of y [T, n] += its adapter's delta for row t of x [T, k]: loras[t] is token t's
+ * adapter's pairs, [n_layers][LORA_PROJECTIONS], or NULL (the base model's token); tmp holds
+ * max_r floats a token. */
+static void lora_add(const LoraPair *const *loras, int64_t l, int which, const float *x, int64_t T, int64_t k,
+                     float *y, int64_t n, float *tmp, int64_t max_r, int threads) {
+    if (loras == NULL) return;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= 4)
+    for (int64_t t = 0; t < T; t++) {
+        if (loras[t] == NULL) continue;
+        const LoraPair *p = loras[t] + l * LORA_PROJECTIONS + which;
+        float *xa = tmp + t * max_r, *yt = y + t * n;
+        for (int64_t i = 0; i < p->r; i++) xa[i] = dot(p->a + i * k, x + t * k, k);
+        for (int64_t i = 0; i < p->r; i++) {  /* yt += xa[i] * B[:, i], a column at a time */
+            const float *col = p->bt + i * n;
+            const __m256 s = _mm256_set1_ps(xa[i]);
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8)
+                _mm256_storeu_ps(yt + j, _mm256_fmadd_ps(s, _mm256_loadu_ps(col + j), _mm256_loadu_ps(yt + j)));
+            for (; j < n; j++) yt[j] += xa[i] * col[j];
+        }
+    }
+}
+
 /* each part's product into its column slice of y [T, p->n] */
 static int project(const Projection *p, const float *x, int64_t T, float *y, int threads) {
     int64_t column = 0;
@@ -74,17 +119,19 @@ static int project(const Projection *p, const float *x, int64_t T, float *y, int
 /* x [T, H]: the embeddings in; out, the residual stream before the last layer's MLP output is
  * added, which is left in residual [T, H] (the Python forward's x and residual after its loop).
  * positions, out_cache_loc int64 [T]; page_table int32 [T, pt_stride]; kv_lens int32 [T].
- * Returns 0, or -1 when scratch memory could not be allocated. */
+ * loras: NULL (no adapter in the step), or each token's adapter's pairs (lora_add), none of
+ * rank above lora_max_r. Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64_t T, float *x, float *residual,
                   const int64_t *positions, const float *cos_table, const float *sin_table,
                   const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens,
-                  int threads) {
+                  const LoraPair *const *loras, int64_t lora_max_r, int threads) {
     const int64_t H = dims->hidden, I = dims->intermediate, Hq = dims->q_heads, Hkv = dims->kv_heads;
     const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
     const int kv_dtype = (int)dims->kv_dtype;
     const int64_t kv_row_bytes = kv_width * kv_elem_bytes(kv_dtype);
-    /* h [T, H], qkv [T, qkv_width], attn [T, Hq D], proj [T, H], gate_up [T, 2I], act [T, I] */
-    const int64_t need = T * (H + qkv_width + Hq * D + H + 3 * I);
+    /* h [T, H], qkv [T, qkv_width], attn [T, Hq D], proj [T, H], gate_up [T, 2I], act [T, I],
+     * xa [T, lora_max_r] */
+    const int64_t need = T * (H + qkv_width + Hq * D + H + 3 * I + lora_max_r);
     static __thread float *scratch_buf = NULL;  /* kept between calls, as attention_cpu.c's */
     static __thread int64_t scratch_cap = 0;
     if (need > scratch_cap) {
@@ -94,7 +141,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         scratch_cap = need;
     }
     float *h = scratch_buf, *qkv = h + T * H, *attn = qkv + T * qkv_width, *proj = attn + T * Hq * D;
-    float *gate_up = proj + T * H, *act = gate_up + T * 2 * I;
+    float *gate_up = proj + T * H, *act = gate_up + T * 2 * I, *xa = act + T * I;
     for (int64_t l = 0; l < n_layers; l++) {
         const Layer *L = layers + l;
         rms_norm(x, l == 0 ? NULL : residual, L->input_norm, T, H, dims->eps, h, threads);
@@ -102,6 +149,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         if (L->qkv_bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += L->qkv_bias[j];
+        lora_add(loras, l, LORA_QKV, h, T, H, qkv, qkv_width, xa, lora_max_r, threads);
         rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, (int)dims->rope_pairs, threads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_width;
@@ -112,10 +160,13 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
                                    Hq, Hkv, D, dims->page_size, dims->scale, attn, threads))
             return -1;
         if (project(&L->o, attn, T, proj, threads)) return -1;
+        lora_add(loras, l, LORA_O, attn, T, Hq * D, proj, H, xa, lora_max_r, threads);
         rms_norm(x, proj, L->post_norm, T, H, dims->eps, h, threads);
         if (project(&L->gate_up, h, T, gate_up, threads)) return -1;
+        lora_add(loras, l, LORA_GATE_UP, h, T, H, gate_up, 2 * I, xa, lora_max_r, threads);
         silu_mul(gate_up, T, I, act, threads);
         if (project(&L->down, act, T, residual, threads)) return -1;
+        lora_add(loras, l, LORA_DOWN, act, T, I, residual, H, xa, lora_max_r, threads);
     }
     return 0;
 }

@@ -3,12 +3,16 @@
 call a step instead of ~10 a layer. Used by the ModelRunner for steps where every request
 has one new token, when the model's projections are all GGUF blocks (GGUFWeights of block
 types), the per-layer glue is the C kernels (CpuLayerOps) and the attention backend is `cpu`;
-anything else takes the Python forward."""
+anything else takes the Python forward. Steps with LoRA adapters' tokens get their deltas in
+the loop too (decode_cpu.c's lora_add), from each resident adapter's table of pairs, made once
+while it stays resident."""
 
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gpu import kernels
@@ -18,7 +22,11 @@ from gpu.kvcache.kv_cache import KVCache
 from gpu.models.llama import CpuLayerOps, LlamaForCausalLM
 from gpu.quant.gguf_weight import GGUFWeight
 
+if TYPE_CHECKING:
+    from gpu.lora import Adapter, LoraBatch
+
 MAX_PARTS = 3  # decode_cpu.c's: q, k, v
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_cpu.c's order of an adapter's pairs in a layer
 
 
 class _Part(ctypes.Structure):
@@ -46,6 +54,32 @@ class _Layer(ctypes.Structure):
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
     ]
+
+
+class _LoraPair(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("r", ctypes.c_int64)]
+
+
+class _LoraTable:
+    """An adapter's pairs as decode_cpu.c reads them, [n_layers][LORA_PROJECTIONS] (rank 0 where
+    it adapts nothing): A as the adapter holds it (fp32, contiguous: gpu/lora.py), B transposed
+    once here (the loop adds B's columns), and the largest stacked rank."""
+
+    def __init__(self, adapter: Adapter, n_layers: int) -> None:
+        self.adapter = adapter  # held: its tensors, and its id() while this table is cached
+        self.bt: list[torch.Tensor] = []
+        pairs = []
+        for layer in range(n_layers):
+            for fused in LORA_PROJECTIONS:
+                pair = adapter.pairs.get((layer, fused))
+                if pair is None:
+                    pairs.append(_LoraPair())
+                    continue
+                a, b = pair
+                self.bt.append(b.t().contiguous())
+                pairs.append(_LoraPair(a.data_ptr(), self.bt[-1].data_ptr(), len(a)))
+        self.pairs = (_LoraPair * len(pairs))(*pairs)
+        self.max_r = max((p.r for p in pairs), default=0)
 
 
 class _Dims(ctypes.Structure):
@@ -84,8 +118,11 @@ class CpuDecoder:
         lib = kernels.load("decode_cpu", "layer_cpu", "attention_cpu")
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         # layers, n_layers, dims, T, x, residual, positions, cos, sin, out_cache_loc, page_table, pt_stride, kv_lens,
-        # threads
-        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+        # loras, lora_max_r, threads
+        lib.decode_layers.argtypes = [
+            *(ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr),
+            *(ptr, i64, ctypes.c_int),
+        ]
         lib.decode_layers.restype = ctypes.c_int
         self._decode = lib.decode_layers
         cfg, ops = model.cfg, model.ops
@@ -120,6 +157,7 @@ class CpuDecoder:
             cfg.head_dim**-0.5,
         )
         self._tables = (ops.cos, ops.sin)  # contiguous [P, D/2], held by the ops
+        self._lora_tables: dict[int, _LoraTable] = {}  # id(adapter) -> its table, while it is resident
 
     @staticmethod
     def applies(model: LlamaForCausalLM, attention_backend: str) -> bool:
@@ -136,8 +174,32 @@ class CpuDecoder:
         """A decode step."""
         return meta.is_decode
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
-        """input_ids: int64 [T] -> float32 logits [S, V], as LlamaForCausalLM.forward."""
+    def _lora_rows(self, lora: LoraBatch) -> tuple[np.ndarray, int]:
+        """Each token's adapter's table address (0: the base model's) and the step's largest rank;
+        the tables of adapters no longer resident are dropped."""
+        tables, resident = self._lora_tables, {id(a) for a in lora.adapters.values()}
+        for key in [k for k in tables if k not in resident]:
+            del tables[key]
+        addresses = np.zeros(len(lora.token_lora), np.uint64)
+        max_r = 0
+        for lid, adapter, _ in lora.groups:
+            table = tables.get(id(adapter))
+            if table is None:
+                table = tables[id(adapter)] = _LoraTable(adapter, len(self._layers))
+            addresses[lora.token_lora == lid] = ctypes.addressof(table.pairs)
+            max_r = max(max_r, table.max_r)
+        return addresses, max_r
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
+        """input_ids: int64 [T] -> float32 logits [S, V], as LlamaForCausalLM.forward (with the
+        deltas of `lora`'s adapters for their tokens)."""
+        loras, max_r = self._lora_rows(lora) if lora is not None else (None, 0)
         x = self.model.embedding(input_ids).contiguous()  # [T, H], the residual stream
         residual = torch.empty_like(x)
         page_table = meta.page_table if meta.page_table.is_contiguous() else meta.page_table.contiguous()
@@ -156,6 +218,8 @@ class CpuDecoder:
             page_table.data_ptr(),
             page_table.shape[1],
             meta.kv_lens.data_ptr(),
+            None if loras is None else loras.ctypes.data,
+            max_r,
             torch.get_num_threads(),
         ):
             raise MemoryError("decode_cpu: no memory for a step's activations")

@@ -1,7 +1,8 @@
 """A LoRA adapter's logits as ringserve computes them in one mixed batch (the base and three
 adapters of ranks 4, 8 and 16, random non-zero A and B on every attention and MLP projection)
 equal PEFT's, unmerged (its LoRA layers) and merged (merge_and_unload), at 1e-4 in the exact
-mode, for tiny random-weight models of two families (Llama; Qwen2, whose q/k/v have biases)."""
+mode, for tiny random-weight models of two families (Llama; Qwen2, whose q/k/v have biases);
+and the C decode loop adds the deltas as the Python forward does."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 from tiny_models import save_tiny, save_tiny_adapter
 
 from gpu.forward_batch import SeqInput, build_forward_batch
+from gpu.kernels import cpu_kernels_available
 from gpu.lora import LoraBatch
 from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.torch_threads(2)
 
@@ -73,3 +76,46 @@ def test_adapter_logits_equal_peft_merged_and_unmerged(family, tmp_path):
             torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
             merged = unmerged.merge_and_unload().eval()
             torch.testing.assert_close(got[i], merged(ids).logits[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
+@torch.inference_mode()
+def test_c_decode_loop_adds_the_deltas_as_the_python_forward(tmp_path):
+    """The embedded GGUF in `gguf` mode, whose decode steps run the C layer loop: a decode batch
+    of the base and two adapters (ranks 4 and 8) gives the Python forward's logits to 1e-4. (Not
+    in gguf-q8: the deltas' sums in another order move an activation across an int8 rounding
+    step now and then, which 30 layers amplify; both paths are right to the mode's own noise.)"""
+    from perf.lora_bench import write_random_adapter
+
+    runner = ModelRunner(
+        ModelRunnerConfig(
+            quantization="gguf",
+            max_total_tokens=1024,
+            max_running_requests=4,
+            enable_lora=True,
+            max_loras_per_batch=2,
+        )
+    )
+    assert runner.decoder is not None and runner.loras is not None
+    for lid in (1, 2):
+        path = write_random_adapter(tmp_path / f"a{lid}", None, 4 * lid, seed=lid)
+        runner.loras.register(lid, runner.loras.load(path.name, str(path)))
+    rows_lora = [0, 1, 2, 1]
+    rng = np.random.default_rng(0)
+    seqs = []
+    for row, (lid, n) in enumerate(zip(rows_lora, (5, 16, 17, 30))):
+        prompt = rng.integers(100, 40000, n).astype(np.int32)
+        pages = runner.pool.alloc(runner.pool.pages_for(n + 1))
+        runner.set_request(row, SamplingParams(temperature=0.0, lora_id=lid), prompt, np.zeros(0, np.int32))
+        token = runner.step([SeqInput(row, prompt, 0, pages, True)]).tokens[:1]  # its adapter's KV
+        seqs.append(SeqInput(row, token.astype(np.int32), n, pages, True))
+    batch = build_forward_batch(seqs, runner.config.page_size, runner.model_config.context_length, runner.device)
+    assert runner.decoder.takes(batch.meta)
+    lora = LoraBatch(runner.loras.resident, np.array(rows_lora), runner.device)
+    c_logits = runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, lora)
+    runner.attn.plan(batch.meta)
+    python = runner.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, runner.attn, lora)
+    torch.testing.assert_close(c_logits, python, rtol=1e-4, atol=1e-4)
+    base = runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+    assert torch.equal(c_logits[0], base[0])  # the base model's row is left as it is
+    assert all((c_logits[i] - base[i]).abs().max() > 1e-2 for i in (1, 2, 3)), "the deltas must count"
