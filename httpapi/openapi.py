@@ -29,6 +29,7 @@ from httpapi.info import model_card, models_body
 from httpapi.lora_requests import parse_load_lora, parse_unload_lora
 from httpapi.pooling_requests import parse_embedding, parse_encode, parse_rerank, parse_score
 from httpapi.requests import parse_abort, parse_completion, parse_detokenize, parse_generate, parse_tokenize
+from httpapi.responses import ChoiceResult, Usage, chat_completion_body, completion_body, generate_body
 from httpapi.responses_request import parse_responses_create
 
 OPENAPI_VERSION = "3.1.0"
@@ -355,18 +356,36 @@ def _responses(path: str, op: Operation, keyed: bool) -> dict[str, Any]:
     return responses
 
 
+def _answer_samples() -> dict[str, tuple[Any, ...]]:
+    """path -> the 200 answers (its forms) the routes' body functions of httpapi/ make of a plain
+    choice that ran (no logprobs, tools or finish yet: what every answer has)."""
+    choice = ChoiceResult(0, "hi", None, Usage(2, 1))
+    chat = chat_completion_body("chatcmpl-1", 0, "m", [choice], 1)
+    completion = completion_body("cmpl-1", 0, "m", [choice], 1)
+    ran = ChoiceResult(0, "hi", None, Usage(2, 1), output_ids=[1])  # /generate's choices carry their ids
+    generate = generate_body(["gen-1"], [ran], False), generate_body(["gen-1", "gen-2"], [ran, ran], True)
+    return {
+        "/v1/models": (models_body(("m",), 0, 1, ("adapter",)),),
+        MODEL_CARD_PATH: (orjson.dumps(model_card("m", 0, 1, "m")),),
+        "/v1/chat/completions": (chat,),
+        "/v1/chat/completions/batch": (chat,),
+        "/v1/completions": (completion,),
+        "/invocations": (chat, completion),
+        "/generate": generate,
+    }
+
+
 def _answer_schema(path: str) -> dict[str, Any]:
-    """A 200's JSON, where a body function of httpapi/ makes it from plain values (else any JSON)."""
-    if path == "/v1/models":
-        return schema_of(orjson.loads(models_body(("m",), 0, 1, ("adapter",))))
-    if path == MODEL_CARD_PATH:
-        return schema_of(model_card("m", 0, 1, "m"))
-    return {}
+    """A 200's JSON, where the route's body functions make it from plain values (else any JSON)."""
+    samples = _answer_samples().get(path, ())
+    schemas = [schema_of(orjson.loads(sample)) for sample in samples]
+    return {} if not schemas else schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
 def schema_of(value: Any) -> dict[str, Any]:
-    """The JSON schema of one sample answer: its objects' keys required, their values' types
-    (null: any, as the field may hold another type)."""
+    """The JSON schema of one sample answer: its objects' keys required, the shape of its lists,
+    its scalars' types (or null: a choice's content is null when it only calls tools); a null
+    is any JSON, as the field holds another type when asked (logprobs, matched_stop, ...)."""
     if isinstance(value, dict):
         return {
             "type": "object",
@@ -377,7 +396,7 @@ def schema_of(value: Any) -> dict[str, Any]:
         return {"type": "array", "items": schema_of(value[0]) if value else {}}
     if value is None:
         return {}
-    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)]}
+    return {"type": [{bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)], "null"]}
 
 
 def error_schema() -> dict[str, Any]:

@@ -6,6 +6,7 @@ take. tests/server/test_openapi_server.py fuzzes a running server against it."""
 
 from __future__ import annotations
 
+import jsonschema
 import orjson
 import pytest
 from openapi_spec_validator import validate
@@ -24,6 +25,7 @@ from httpapi.openapi import (
 )
 from httpapi.openapi_page import docs_page
 from httpapi.pooling_requests import parse_rerank
+from httpapi.responses import ChoiceResult, Usage, chat_completion_body
 from protocol.sampling_params import FLOAT_RANGES, InvalidParam, SamplingParams
 from runtime.app import app
 from runtime.http_worker.asgi import MODEL_PATH
@@ -159,6 +161,24 @@ def test_sampling_ranges_are_validates_own():
     assert body_of(doc, "/v1/chat/completions")["properties"]["temperature"]["maximum"] == 2.0
     sampling = body_of(doc, "/generate")["properties"]["sampling_params"]["anyOf"][0]["properties"]
     assert (sampling["repetition_penalty"]["minimum"], sampling["repetition_penalty"]["maximum"]) == (0.01, 2.0)
+
+
+def test_answers_are_described_by_the_routes_body_functions():
+    """A 200's schema is read from the body the route's function makes: an answer with more
+    (logprobs, token ids, a finish) matches it, one without a key every answer has does not."""
+    doc = document()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert {"id", "choices", "usage", "model"} <= set(chat["required"])
+    answer = orjson.loads(
+        chat_completion_body("chatcmpl-1", 5, "m", [ChoiceResult(0, "", "stop", Usage(3, 2), output_ids=[7])], 1)
+    )
+    answer["choices"][0]["message"]["content"] = None  # a choice that only called tools
+    jsonschema.validate(answer, chat)
+    del answer["usage"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(answer, chat)
+    generate = doc["paths"]["/generate"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert len(generate["anyOf"]) == 2  # one output, or a list of them (a batch, n > 1)
 
 
 def test_errors_are_openai_shaped_on_every_operation():
