@@ -30,19 +30,24 @@
  * to float in that order, so gguf_get_rows equals gguf.quants.dequantize exactly and _f32
  * differs from dequantize-then-matmul only in the order of the sums.
  *
- * _q8 is llama.cpp's arithmetic: x is quantized once per product to Q8_K (per 256: d =
- * max / -127 for the value of largest magnitude, q = round(x / d) to nearest even, at most
- * 127, and the 16 sums of q over each group of 16 in `bsums`), then per superblock the dot
- * product is integer: the weights' unsigned q (Q3_K's q + 4, Q6_K's q + 32) against x's int8 q
- * with maddubs (u8 x s8 -> pairs summed in int16, which never saturates here: at most
- * 2 * 127 * 127), times each group's integer scale with madd (-> int32); Q3_K's and Q6_K's
- * offsets are one more madd, of -4 or -32 times the group scales with bsums, so no per-value
- * subtraction. Then d_w * d_x times that sum in float, and for Q2_K/Q4_K/Q5_K minus
- * dmin_w * d_x times the mins' madd with bsums. IQ4_XS's values are signed: their magnitudes
- * go in maddubs' unsigned operand and their signs onto x. Rows go over the threads in chunks;
- * the tokens in tiles of TILE, each superblock's scales and quants unpacked once per tile.
- * Where the CPU has AVX512-VNNI and AVX512VL (chosen at run time), each madd and the add after
- * it are one vpdpwssd, the same integers, in tiles of TILE_VNNI.
+ * _q8 is llama.cpp's integer arithmetic with x rounded more finely than its Q8_K: x is
+ * quantized once per product to int8 with a scale per block of 32 (Q8_0's blocks: d = amax / 127,
+ * q = round(x * 127 / amax) to nearest even; all zeros give d 0, q 0) and the 16 sums of q over
+ * each group of 16 in `bsums` (Q8_K's). Q8_K's one scale per 256 rounds every value of a
+ * superblock by its largest: the MLP's down projection takes act(gate) * up, whose few huge
+ * values then round the rest of their 256 to a few levels, and on Gemma 3 that alone put the
+ * mode over the README's quality bound (perf/results/quality_types.md). Per block of 32 the
+ * dot product is integer: the weights' unsigned q (Q3_K's q + 4, Q6_K's q + 32) against x's
+ * int8 q with maddubs (u8 x s8 -> pairs summed in int16, which never saturates here: at most
+ * 2 * 127 * 127), times each group's integer scale with madd (-> int32), converted and scaled
+ * by x's d of the block in float; Q3_K's and Q6_K's offsets are one more madd, of -4 or -32
+ * times the group scales with bsums (lane i: block i, scaled by its d), so no per-value
+ * subtraction. Then d_w times that sum, and for Q2_K/Q4_K/Q5_K minus dmin_w times the mins'
+ * madd with bsums scaled likewise. IQ4_XS's values are signed: their magnitudes go in maddubs'
+ * unsigned operand and their signs onto x. Rows go over the threads in chunks; the tokens in
+ * tiles of TILE, each superblock's scales and quants unpacked once per tile. Where the CPU has
+ * AVX-512VL and BW (chosen at run time), the tiles are of TILE_AVX512 (its 32 vector registers
+ * hold their sums).
  */
 #include <immintrin.h>
 #include "simd_math.h"
@@ -53,7 +58,7 @@
 
 #define QK 256
 #define TILE 4        /* tokens a superblock is unpacked for: 4 int sums + 4 float sums + the quants fit 16 ymm */
-#define TILE_VNNI 8   /* the same in the VNNI path, which has AVX-512VL's 32 */
+#define TILE_AVX512 8 /* the same in the AVX-512VL path, which has 32 */
 #define ROW_CHUNK 16  /* rows a thread takes at a time: a tile of x is reused over them from L1 */
 #define DYNAMIC_TOKENS 8  /* from this many tokens, chunks are handed out one at a time (as ggml_cpu.c's q8 GEMMs) */
 #define INLINE static inline __attribute__((always_inline))
@@ -261,52 +266,41 @@ INLINE void dot_rows_f32(int tt, const float *wrow, const float *x, int64_t K, f
 
 /* ---- _q8 ---- */
 
-/* x quantized to Q8_K, [T, K] as three arrays: token t's superblock b is q[t K + 256 b ..],
- * d[t K/256 + b], bsums[t K/16 + 16 b ..] */
-struct q8k {
+#define QX 32  /* values of x that share a scale */
+
+/* x quantized, [T, K] as three arrays: token t's superblock b is q[t K + 256 b ..],
+ * d[t K/32 + 8 b ..] (its 8 blocks' scales), bsums[t K/16 + 16 b ..] */
+struct x_q8 {
     int8_t *q;
     float *d;
     int16_t *bsums;
 };
 
-/* llama.cpp's quantize_row_q8_K: max is the first value of the largest magnitude, iscale =
- * -127 / max, q = min(127, round-to-nearest-even(iscale * x)), d = 1 / iscale; all zeros give
- * d 0, q 0. */
-static void quantize_q8_k(const float *x, int64_t nsb, int8_t *q, float *d, int16_t *bsums) {
+/* K values of x (a multiple of 256) -> int8 q, a scale d per block of 32 (as llama.cpp's AVX2
+ * quantize_row_q8_0) and bsums per group of 16. */
+static void quantize_x(const float *x, int64_t K, int8_t *q, float *d, int16_t *bsums) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
-    for (int64_t b = 0; b < nsb; b++, x += QK, q += QK, bsums += 16) {
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < QK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < K / QX; b++, x += QX, q += QX) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+        }
         const float a = hmax(amax);
-        if (a == 0.0f) {
-            d[b] = 0.0f;
-            memset(q, 0, QK);
-            memset(bsums, 0, 16 * sizeof(int16_t));
-            continue;
-        }
-        float max = 0.0f;
-        for (int j = 0; j < QK; j++)
-            if (__builtin_fabsf(x[j]) == a) {
-                max = x[j];
-                break;
-            }
-        const float iscale = -127.0f / max;
-        const __m256 vs = _mm256_set1_ps(iscale);
-        const __m256i top = _mm256_set1_epi32(127);
-        for (int j = 0; j < QK; j += 32) {
-            __m256i iq[4];
-            for (int i = 0; i < 4; i++)
-                iq[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * i), vs)), top);
-            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
-            _mm256_storeu_si256((__m256i *)(q + j), _mm256_permutevar8x32_epi32(packed, order));
-        }
-        for (int g = 0; g < 16; g++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += q[16 * g + i];
-            bsums[g] = (int16_t)s;
-        }
-        d[b] = 1.0f / iscale;
+        const __m256 inverse = _mm256_set1_ps(a != 0.0f ? 127.0f / a : 0.0f);
+        __m256i iq[4];
+        for (int i = 0; i < 4; i++) iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3])), order);
+        _mm256_storeu_si256((__m256i *)q, packed);
+        d[b] = a / 127.0f;
+        /* the two groups' sums: pairs of q (int16, as the sign-extended halves) summed by madd */
+        const __m256i pairs = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed)), ones);
+        const __m256i pairs_hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(packed, 1)), ones);
+        bsums[2 * b] = (int16_t)hsum_epi32(pairs);
+        bsums[2 * b + 1] = (int16_t)hsum_epi32(pairs_hi);
     }
 }
 
@@ -319,34 +313,27 @@ static inline __m256i pick_scales(__m256i s, int lo, int hi) {
 
 static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* acc + madd(a, b): int16 pairs multiplied and summed into int32. With VNNI one instruction,
- * vpdpwssd, written as asm so that this file builds with the -mavx2 of every kernel and the
- * VNNI path is chosen at run time (gguf_kquants_vnni). */
-INLINE __m256i madd_acc(int vnni, __m256i acc, __m256i a, __m256i b) {
-    if (vnni) {
-        __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-        return acc;
-    }
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+/* acc + block * d: a block of 32's 8 int32 lane sums, scaled by x's d of the block */
+INLINE __m256 add_block(__m256 acc, __m256i block, float d) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), _mm256_set1_ps(d), acc);
 }
 
 /* Where token t's data for superblock b starts, the tile's first token at t = 0 */
 #define XQ(t) (xq + (t) * K)
 #define XBS(t) (xbs + (t) * (K / 16))
-#define XD(t) (xd[(t) * (K / QK)])
+#define XD(t) (xd + (t) * (K / QX))
 
 /* One superblock for tt tokens: acc[t] += its dot product with token t (8 lanes to sum).
- * xq, xbs, xd: token 0's Q8_K superblock (quants, bsums, d). */
-INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
-                          const float *xd, int64_t K, __m256 acc[TILE_VNNI]) {
+ * xq, xbs, xd: token 0's quantized superblock (quants, bsums, the 8 blocks' d). */
+INLINE void superblock_q8(enum kquant type, int tt, const uint8_t *blk, const int8_t *xq, const int16_t *xbs,
+                          const float *xd, int64_t K, __m256 acc[TILE_AVX512]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
-    /* VNNI at one token: two chains of vpdpwssd (every other chunk of 32), not one chain of 8
-     * dependent ones whose latency shows (measured); elsewhere the chains of several tokens or
-     * AVX2's adds (latency 1) overlap. */
-    const int chains = vnni && tt == 1 ? 2 : 1;
-    __m256i isums[2][TILE_VNNI];
-    for (int t = 0; t < tt; t++) isums[0][t] = isums[1][t] = _mm256_setzero_si256();
-#define ISUM(t, chunk) isums[(chunk) % chains][t]
+    /* one token: two chains of FMAs (every other block of 32), not one chain of 8 dependent
+     * ones whose latency would show; several tokens' chains overlap */
+    const int chains = tt == 1 ? 2 : 1;
+    __m256 sums[2][TILE_AVX512];  /* sum over blocks of x's d times the block's integer sum */
+    for (int t = 0; t < tt; t++) sums[0][t] = sums[1][t] = _mm256_setzero_ps();
+#define SUM(t, block) sums[(block) % chains][t]
     float d, dmin = 0.0f;
     __m256i mins = _mm256_setzero_si256();  /* int16, a group of 16's min (Q2_K, Q4_K, Q5_K) */
     switch (type) {
@@ -392,12 +379,15 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
                 }
                 const __m256i s = pick_scales(h ? sc_hi : sc_lo, 2 * g, 2 * g + 1);
                 for (int t = 0; t < tt; t++)
-                    ISUM(t, g) = madd_acc(vnni, ISUM(t, g), s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g)));
+                    SUM(t, g) = add_block(SUM(t, g), _mm256_madd_epi16(s, _mm256_maddubs_epi16(qv, load256(XQ(t) + 128 * h + 32 * g))),
+                                          XD(t)[4 * h + g]);
             }
         }
         if (type != Q2_K) {  /* the offset: sum sc (q + off) x - off sum sc bsums, off 4 or 32 (-off sc fits int16) */
             const __m256i offsets = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), type == Q3_K ? 2 : 5));
-            for (int t = 0; t < tt; t++) ISUM(t, 0) = madd_acc(vnni, ISUM(t, 0), offsets, load256(XBS(t)));
+            for (int t = 0; t < tt; t++)  /* lane i: groups 2 i, 2 i + 1, block i */
+                SUM(t, 0) = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(offsets, load256(XBS(t)))),
+                                            _mm256_loadu_ps(XD(t)), SUM(t, 0));
         }
         break;
     }
@@ -424,8 +414,8 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
             scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
-                ISUM(t, 0) = madd_acc(vnni, ISUM(t, 0), slo, _mm256_maddubs_epi16(lo, load256(x)));
-                ISUM(t, 1) = madd_acc(vnni, ISUM(t, 1), shi, _mm256_maddubs_epi16(hi, load256(x + 32)));
+                SUM(t, 0) = add_block(SUM(t, 0), _mm256_madd_epi16(slo, _mm256_maddubs_epi16(lo, load256(x))), XD(t)[2 * j]);
+                SUM(t, 1) = add_block(SUM(t, 1), _mm256_madd_epi16(shi, _mm256_maddubs_epi16(hi, load256(x + 32))), XD(t)[2 * j + 1]);
             }
         }
         break;
@@ -445,47 +435,51 @@ INLINE void superblock_q8(enum kquant type, int tt, int vnni, const uint8_t *blk
             scales = _mm256_srli_si256(scales, 4);
             for (int t = 0; t < tt; t++) {
                 const int8_t *x = XQ(t) + 64 * j;
-                ISUM(t, 0) = madd_acc(vnni, ISUM(t, 0), s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0)));
-                ISUM(t, 1) = madd_acc(vnni, ISUM(t, 1), s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1)));
+                SUM(t, 0) = add_block(SUM(t, 0), _mm256_madd_epi16(s0, _mm256_maddubs_epi16(a0, _mm256_sign_epi8(load256(x), v0))),
+                                      XD(t)[2 * j]);
+                SUM(t, 1) = add_block(SUM(t, 1), _mm256_madd_epi16(s1, _mm256_maddubs_epi16(a1, _mm256_sign_epi8(load256(x + 32), v1))),
+                                      XD(t)[2 * j + 1]);
             }
         }
         break;
     }
     }
-#undef ISUM
+#undef SUM
     for (int t = 0; t < tt; t++) {
-        const __m256i isum = chains == 2 ? _mm256_add_epi32(isums[0][t], isums[1][t]) : isums[0][t];
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * XD(t)), _mm256_cvtepi32_ps(isum), acc[t]);
-        if (type == Q2_K || type == Q4_K || type == Q5_K)
-            acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * XD(t)), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(XBS(t)))), acc[t]);
+        const __m256 sum = chains == 2 ? _mm256_add_ps(sums[0][t], sums[1][t]) : sums[0][t];
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d), sum, acc[t]);
+        if (type == Q2_K || type == Q4_K || type == Q5_K)  /* lane i: the mins of block i times its bsums */
+            acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin),
+                                      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(XBS(t)))), _mm256_loadu_ps(XD(t))),
+                                      acc[t]);
     }
 }
 
-/* y[t * ldy] for t < tt = one row's products with tt tokens (Q8_K x at token 0) */
-INLINE void row_q8(enum kquant type, int tt, int vnni, const uint8_t *row, int64_t block_bytes, int64_t K, const int8_t *xq,
+/* y[t * ldy] for t < tt = one row's products with tt tokens (quantized x at token 0) */
+INLINE void row_q8(enum kquant type, int tt, const uint8_t *row, int64_t block_bytes, int64_t K, const int8_t *xq,
                    const int16_t *xbs, const float *xd, float *y, int64_t ldy) {
-    __m256 acc[TILE_VNNI];
+    __m256 acc[TILE_AVX512];
     for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / QK; b++)
-        superblock_q8(type, tt, vnni, row + b * block_bytes, xq + b * QK, xbs + b * 16, xd + b, K, acc);
+        superblock_q8(type, tt, row + b * block_bytes, xq + b * QK, xbs + b * 16, xd + b * (QK / QX), K, acc);
     for (int t = 0; t < tt; t++) y[t * ldy] = hsum(acc[t]);
 }
 
 /* Rows n0 .. n1, all tokens, a tile at a time: the chunk's rows (a few KiB) stay in L1/L2 for
  * every tile, and a tile of x is read from L1 for every row. */
-INLINE void rows_q8(enum kquant type, int vnni, int64_t block_bytes, const struct q8k *xq, int64_t T, int64_t K,
+INLINE void rows_q8(enum kquant type, int avx512, int64_t block_bytes, const struct x_q8 *xq, int64_t T, int64_t K,
                     const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    const int64_t row_bytes = K / QK * block_bytes, tile = vnni ? TILE_VNNI : TILE;
+    const int64_t row_bytes = K / QK * block_bytes, tile = avx512 ? TILE_AVX512 : TILE;
     for (int64_t t0 = 0; t0 < T; t0 += tile) {
         const int8_t *q = xq->q + t0 * K;
         const int16_t *bs = xq->bsums + t0 * (K / 16);
-        const float *d = xq->d + t0 * (K / QK);
+        const float *d = xq->d + t0 * (K / QX);
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *row = w + n * row_bytes;
             float *yt = y + t0 * ldy + n;
 #define TOKENS(TT) \
-    case TT: row_q8(type, TT, vnni, row, block_bytes, K, q, bs, d, yt, ldy); break;
-            if (vnni)
+    case TT: row_q8(type, TT, row, block_bytes, K, q, bs, d, yt, ldy); break;
+            if (avx512)
                 switch (T - t0 < tile ? T - t0 : tile) { TOKENS(8) TOKENS(7) TOKENS(6) TOKENS(5) TOKENS(4) TOKENS(3) TOKENS(2) TOKENS(1) }
             else
                 switch (T - t0 < tile ? T - t0 : tile) { TOKENS(4) TOKENS(3) TOKENS(2) TOKENS(1) }
@@ -494,13 +488,13 @@ INLINE void rows_q8(enum kquant type, int vnni, int64_t block_bytes, const struc
     }
 }
 
-/* The Q8_K copy of x is kept between calls (one per calling thread): a fresh one per call
+/* The quantized copy of x is kept between calls (one per calling thread): a fresh one per call
  * would be mmap'ed and page-faulted in every time once past malloc's threshold. */
 static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_cap = 0;
 
-static int reserve_q8k(int64_t T, int64_t K, struct q8k *xq) {
-    const int64_t need = T * K + T * (K / 16) * (int64_t)sizeof(int16_t) + T * (K / QK) * (int64_t)sizeof(float);
+static int reserve_x_q8(int64_t T, int64_t K, struct x_q8 *xq) {
+    const int64_t need = T * K + T * (K / 16) * (int64_t)sizeof(int16_t) + T * (K / QX) * (int64_t)sizeof(float);
     if (need > q8_scratch_cap) {
         char *grown = realloc(q8_scratch, need);
         if (grown == NULL) return -1;
@@ -508,56 +502,56 @@ static int reserve_q8k(int64_t T, int64_t K, struct q8k *xq) {
         q8_scratch_cap = need;
     }
     xq->d = (float *)q8_scratch;
-    xq->bsums = (int16_t *)(xq->d + T * (K / QK));
+    xq->bsums = (int16_t *)(xq->d + T * (K / QX));
     xq->q = (int8_t *)(xq->bsums + T * (K / 16));
     return 0;
 }
 
-/* 1: the q8 products take vpdpwssd (AVX512-VNNI, with the AVX-512 subsets VNNI_TARGET
- * compiles for), 0: AVX2 alone. Set from the CPU when the library loads; a variable the tests
- * set to run both paths. */
-int gguf_kquants_vnni = 0;
+/* 1: the q8 products are compiled for AVX-512VL (the AVX512_TARGET subsets), 0: AVX2 alone.
+ * Set from the CPU when the library loads; a variable the tests set to run both paths. */
+int gguf_kquants_avx512 = 0;
 
-__attribute__((constructor)) static void choose_vnni(void) {
+__attribute__((constructor)) static void choose_avx512(void) {
     __builtin_cpu_init();
-    gguf_kquants_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    gguf_kquants_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512bw");
 }
 
-/* The VNNI path may also use AVX-512VL's 16 more vector registers: fewer spills at 4 tokens. */
-#define VNNI_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+/* The same 256-bit instructions, with AVX-512VL's 16 more vector registers: tiles of
+ * TILE_AVX512 tokens without spills. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512bw")))
 #define AVX2_TARGET
 
 /* One function a type and path, not run-time flags, so that each parallel region is compiled
  * for its own block. x is quantized in the same parallel region (tokens over the threads),
  * then row chunks go over the threads. */
-#define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, VNNI)                                                  \
+#define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, AVX512)                                                \
     PATH##_TARGET static void NAME##_q8_##PATH(const float *x, int64_t T, int64_t K, const uint8_t *w, \
                                                int64_t N, float *y, int64_t ldy, int threads,         \
-                                               const struct q8k *xq) {                                \
-        const int64_t nsb = K / QK, chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                        \
+                                               const struct x_q8 *xq) {                                \
+        const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t t = 0; t < T; t++)                                                          \
-                quantize_q8_k(x + t * K, nsb, xq->q + t * K, xq->d + t * nsb, xq->bsums + t * (K / 16)); \
+                quantize_x(x + t * K, K, xq->q + t * K, xq->d + t * (K / QX), xq->bsums + t * (K / 16)); \
             _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
             for (int64_t c = 0; c < chunks; c++)                                                     \
-                rows_q8(TYPE, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK,                       \
+                rows_q8(TYPE, AVX512, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK,                       \
                         (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N);                          \
         }                                                                                            \
     }
 
 #define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0)                                                         \
-    GEMM_Q8_PATH(NAME, TYPE, BYTES, VNNI, 1)                                                         \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1)                                                       \
     int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
                               float *y, int64_t ldy, int threads) {                                  \
         if (T <= 0 || N <= 0) return 0;                                                              \
-        struct q8k xq;                                                                               \
-        if (reserve_q8k(T, K, &xq)) return -1;                                                       \
-        (gguf_kquants_vnni ? NAME##_q8_VNNI : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq);  \
+        struct x_q8 xq;                                                                               \
+        if (reserve_x_q8(T, K, &xq)) return -1;                                                       \
+        (gguf_kquants_avx512 ? NAME##_q8_AVX512 : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq); \
         return 0;                                                                                    \
     }
 

@@ -1,6 +1,7 @@
 """gpu/kernels/gguf_kquants.c (the K-quants and IQ4_XS multiplied in the file's own blocks)
 against gguf-py: get_rows equals gguf.quants.dequantize exactly, gemm_f32 is
-dequantize-then-matmul, gemm_q8 is llama.cpp's Q8_K arithmetic computed here in numpy. The
+dequantize-then-matmul, gemm_q8 is llama.cpp's integer arithmetic with x in blocks of 32
+(Q8_0's scales, not Q8_K's one per 256) computed here in numpy. The
 weights are random superblocks (random bytes, moderate fp16 scales) in read-only pages, as a
 GGUF file's mapping, that end where an inaccessible page begins (so mostly unaligned)."""
 
@@ -19,6 +20,7 @@ from gpu import kernels
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
 
 QK = 256
+QX = 32  # values of x that share a scale in the q8 products
 # type -> byte offsets of its fp16 d and dmin (None: no mins) in a superblock
 SCALES = {
     "q2_k": (80, 82),
@@ -31,7 +33,7 @@ SCALES = {
 TYPES = tuple(SCALES)
 # (T, K, N, extra columns of y beyond N, threads): decode on a Gemma-3-270M product, one
 # superblock, odd N, y a column slice of a wider output, and token counts that leave every
-# tile size (1-4 in AVX2, 1-8 in VNNI) for the last tile
+# tile size (1-4 in AVX2, 1-8 in AVX-512VL) for the last tile
 SHAPES = (
     (1, 2048, 640, 0, 2),
     (20, 2048, 40, 0, 2),
@@ -67,20 +69,20 @@ def lib() -> ctypes.CDLL:
 
 
 @pytest.fixture(scope="module")
-def vnni_detected(lib: ctypes.CDLL) -> bool:
-    """Whether the library chose its VNNI path for this CPU when it loaded"""
-    return bool(ctypes.c_int.in_dll(lib, "gguf_kquants_vnni").value)
+def avx512_detected(lib: ctypes.CDLL) -> bool:
+    """Whether the library chose its AVX-512VL path for this CPU when it loaded"""
+    return bool(ctypes.c_int.in_dll(lib, "gguf_kquants_avx512").value)
 
 
-@pytest.fixture(params=("avx2", "vnni"))
-def q8_path(request: pytest.FixtureRequest, lib: ctypes.CDLL, vnni_detected: bool) -> Iterator[str]:
-    """Each q8 test on both paths (VNNI where the CPU has it); the CPU's choice restored after"""
-    if request.param == "vnni" and not vnni_detected:
-        pytest.skip("the CPU lacks AVX512-VNNI")
-    flag = ctypes.c_int.in_dll(lib, "gguf_kquants_vnni")
-    flag.value = request.param == "vnni"
+@pytest.fixture(params=("avx2", "avx512"))
+def q8_path(request: pytest.FixtureRequest, lib: ctypes.CDLL, avx512_detected: bool) -> Iterator[str]:
+    """Each q8 test on both paths (AVX-512VL where the CPU has it); the CPU's choice restored after"""
+    if request.param == "avx512" and not avx512_detected:
+        pytest.skip("the CPU lacks AVX-512VL")
+    flag = ctypes.c_int.in_dll(lib, "gguf_kquants_avx512")
+    flag.value = request.param == "avx512"
     yield request.param
-    flag.value = vnni_detected
+    flag.value = avx512_detected
 
 
 def random_blocks(name: str, N: int, K: int, seed: int) -> np.ndarray:
@@ -133,27 +135,28 @@ def read_only(blocks: np.ndarray) -> Iterator[int]:
         libc.munmap(base, data + page)
 
 
-def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's quantize_row_q8_K in float32: x [T, K] -> (q as float64 [T, K / 256, 256], d float32 [T, K / 256])"""
-    b = x.reshape(x.shape[0], -1, QK)
-    first_max = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)[..., 0]
-    iscale = np.divide(np.float32(-127), first_max, out=np.zeros_like(first_max), where=first_max != 0)
-    q = np.minimum(127, np.rint(b * iscale[..., None]))
-    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
-    return q.astype(np.float64), d
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's AVX2 quantize_row_q8_0 in float32: x [T, K] -> (q as float64 [T, K / 32, 32],
+    d float32 [T, K / 32]): d = amax / 127, q = x * (127 / amax) rounded to nearest even"""
+    b = x.reshape(x.shape[0], -1, QX)
+    amax = np.abs(b).max(-1)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+    q = np.rint(b * inverse[..., None])
+    return q.astype(np.float64), amax / np.float32(127)
 
 
 def gemm_q8_reference(x: np.ndarray, blocks: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(y [T, N], the sum of its products' magnitudes): per superblock (d_w d_x) * sum(sc q xq) +
-    (dmin_w d_x) * sum(-m xq), the integer sums exact in float64. sc * q and -m come from
+    """(y [T, N], the sum of its products' magnitudes): per block of 32 (d_w d_x) * sum(sc q xq)
+    + (dmin_w d_x) * sum(-m xq), the integer sums exact in float64. sc * q and -m come from
     gguf-py itself: its dequantization of the blocks with d = 1, dmin = 0 and d = 0, dmin = 1."""
     N = blocks.shape[0]
-    xq, xd = quantize_q8_k(x)
+    xq, xd = quantize_q8_0(x)
     y, magnitude = np.zeros((x.shape[0], N)), np.zeros((x.shape[0], N))
     for which, (d, dmin) in enumerate(((1.0, 0.0), (0.0, 1.0))):
-        ints = dequantize(with_scales(blocks, name, d, dmin), qtype(name)).reshape(N, -1, QK).astype(np.float64)
-        scale = fp16_field(blocks, name, which).T[:, None, :].astype(np.float64) * xd.T[:, :, None]
-        # [K / 256, T, N], exact
+        ints = dequantize(with_scales(blocks, name, d, dmin), qtype(name)).reshape(N, -1, QX).astype(np.float64)
+        w_scale = np.repeat(fp16_field(blocks, name, which), QK // QX, axis=1)  # [N, K / 32]
+        scale = w_scale.T[:, None, :].astype(np.float64) * xd.T[:, :, None]
+        # [K / 32, T, N], exact
         y += (scale * np.matmul(xq.transpose(1, 0, 2), ints.transpose(1, 2, 0))).sum(0)
         magnitude += (np.abs(scale) * np.matmul(np.abs(xq).transpose(1, 0, 2), np.abs(ints).transpose(1, 2, 0))).sum(0)
     return y, magnitude
@@ -172,7 +175,7 @@ def run_gemm(
 
 def tokens(T: int, K: int, seed: int) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((T, K)).astype(np.float32)
-    x[0, :QK] = 0  # a superblock of zeros: Q8_K's d = 0
+    x[0, :QK] = 0  # a superblock of zeros: x's d = 0
     return x
 
 
@@ -221,3 +224,24 @@ def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, name: str, q8_p
     W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
     want, magnitude = x.astype(np.float64) @ W.T, np.abs(x.astype(np.float64)) @ np.abs(W).T
     assert (np.abs(y - want) <= 0.01 * magnitude).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gemm_q8_outliers_round_only_their_block(lib: ctypes.CDLL, name: str, q8_path: str) -> None:
+    """A huge value alone in its block of 32 (as the down projection's act(gate) * up holds)
+    leaves the rest of its superblock rounded by their own scales: the product stays within 1%
+    of the rest's magnitude (Q8_K's one scale per 256 would round the rest to 0)"""
+    T, K, N = 5, 1024, 24
+    blocks, x = random_blocks(name, N, K, seed=8), tokens(T, K, seed=9)
+    blocks_of_x = x.reshape(T, K // QK, QK // QX, QX)
+    blocks_of_x[:, :, 1] = 0  # block 1 of every superblock: zeros and the outlier
+    blocks_of_x[:, :, 1, 7] = np.where(np.arange(K // QK) % 2, 1e4, -3e4)
+    with read_only(blocks) as w:
+        y = run_gemm(lib, name, "q8", x, w, N, 0, 2)
+    W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
+    outliers = np.zeros(K, bool)
+    outliers[39::256] = True
+    want = x.astype(np.float64) @ W.T
+    rest = np.abs(np.where(outliers, 0, x).astype(np.float64)) @ np.abs(W).T
+    float_sums = gemm_q8_reference(x, blocks, name)[1]  # the float sums' rounding: of the terms, scales and mins apart
+    assert (np.abs(y - want) <= 0.01 * rest + 1e-6 * float_sums).all()
