@@ -279,15 +279,17 @@ def popen_launch_server(
 
 
 def kill_process_tree(pid: int, *_: Any, **__: Any) -> None:
-    """SGLang's teardown: ringserve's server is granian, which stops its own tree on SIGTERM."""
+    """SGLang's teardown: ringserve's server is granian, which stops its own tree on SIGTERM;
+    reaped here (popen_launch_server's Popen is this process's child), killed after 30 s."""
     try:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            os.kill(pid, 0)
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
             time.sleep(0.2)
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, ChildProcessError):
         pass
 
 
