@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -108,6 +109,10 @@ class FileRun:
     suite_root: Path  # where pytest runs (vLLM's: the sdist's root, whose tests/ is a package)
     folder: Path  # the suite's test folder
     path: Path
+
+    @property
+    def rel(self) -> str:
+        return self.path.relative_to(self.folder).as_posix()
 
 
 @dataclass
@@ -370,14 +375,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sglang-tests", type=Path, default=None, help=f"a checkout's {SGLANG_TESTS_IN_REPO}")
     parser.add_argument("--suite", choices=("vllm", "sglang", "all"), default="all")
     parser.add_argument("--only", nargs="*", default=[], help="test files (path prefixes in their suite) to run")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the earlier results (--out) of the files this run does not run (with --only: rerun a few)",
+    )
     args = parser.parse_args(argv)
     started = report.start(args, argv)
     cache = args.cache_dir
     cache.mkdir(parents=True, exist_ok=True)
     python = conformance_venv(cache, args.venv or cache / "venv")
     logs = cache / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir()
+    if not args.update:
+        shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(exist_ok=True)
     outcomes: list[Outcome] = []
     runs: list[FileRun] = []
     not_run: dict[str, str] = {}
@@ -392,11 +403,20 @@ def main(argv: list[str] | None = None) -> None:
         root = vllm_suite(cache)
         aside, todo = plan_suite("vllm", root, root / "tests" / "entrypoints" / "openai", args.only)
         outcomes, runs = outcomes + aside, runs + todo
-    write(outcomes, not_run, runs, args, started)
+    earlier: dict = {}
+    if args.update:
+        earlier = json.loads(Path(args.out).read_text())
+        planned = {(o.suite, o.file) for o in outcomes} | {
+            (r.suite, r.path.relative_to(r.folder).as_posix()) for r in runs
+        }
+        kept = [Outcome(**o) for o in earlier["outcomes"] if (o["suite"], o["file"]) not in planned]
+        outcomes = kept + outcomes
+        earlier = {"earlier_run": earlier["run"]}  # whose results of the other files were kept
+    write(outcomes, not_run, runs, args, started, earlier)
     for k, run in enumerate(runs):  # the results are written after each file: a cut-short run says so
         print(f"{run.suite}: {run.path.relative_to(run.folder)}", file=sys.stderr, flush=True)
         outcomes += run_file(run.suite, run.suite_root, run.folder, run.path, python, logs)
-        write(outcomes, not_run, runs[k + 1 :], args, started)
+        write(outcomes, not_run, runs[k + 1 :], args, started, earlier)
 
 
 def write(
@@ -405,8 +425,10 @@ def write(
     pending: list[FileRun],
     args: argparse.Namespace,
     started: report.Started,
+    earlier: dict,
 ) -> None:
-    """The results so far; `pending`: the files not run yet (none once the run is whole)."""
+    """The results so far; `pending`: the files not run yet (none once the run is whole);
+    `earlier`: the run whose results of other files --update kept."""
     if pending:
         not_run = {**not_run, "files": "not yet run: " + ", ".join(f"{r.suite} {r.path.name}" for r in pending)}
     data = {
@@ -414,8 +436,16 @@ def write(
         "counts": {s: counts([o for o in outcomes if o.suite == s]) for s in sorted({o.suite for o in outcomes})},
         "not_run": not_run,
         "outcomes": [o.__dict__ for o in outcomes],
+        **earlier,
     }
-    report.write_results("conformance", data, markdown(outcomes, not_run), started, out=args.out)
+    text = markdown(outcomes, not_run)
+    if earlier:
+        run = earlier["earlier_run"]
+        text = (
+            f"The files this command did not run keep the results of the run at {run['commit']}, {run['date']}.\n\n"
+            + text
+        )
+    report.write_results("conformance", data, text, started, out=args.out)
 
 
 if __name__ == "__main__":
