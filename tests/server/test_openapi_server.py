@@ -9,6 +9,7 @@ parsers: a field it bounds or types, they check)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -27,6 +28,8 @@ from schemathesis.specs.openapi.checks import (
 
 EXAMPLES_PER_OPERATION = 8
 FUZZ_BUDGET_S = 40.0  # the generated cases of all operations together (the examples come first)
+POOLING_BUDGET_S = 10.0
+POOLING_PATHS = ("/v1/embeddings", "/encode", "/v1/score", "/v1/rerank", "/rerank")
 # A paused engine holds every generation that follows until /continue_generation: fuzzing it
 # would turn the other operations' answers into waits, not find their bugs.
 NOT_FUZZED = {("POST", "/pause_generation")}
@@ -83,20 +86,35 @@ def test_every_documented_operation_is_answered(server):
 
 
 def test_fuzzing_finds_no_5xx_and_no_answer_off_the_document(server):
+    _fuzz(server, lambda path: True, FUZZ_BUDGET_S)
+
+
+def test_fuzzing_the_pooling_routes_of_an_embedding_server(start_server):
+    """On a generation server the pooling routes answer vLLM's 400 before they read the body:
+    an --is-embedding server's parse, tokenize and pool what the fuzzer sends."""
+    embedding = start_server(
+        start_server.Server.granian, workers=1, null_model=True, is_embedding=True, log_level="error"
+    )
+    _fuzz(embedding, lambda path: path in POOLING_PATHS, POOLING_BUDGET_S)
+
+
+def _fuzz(server, fuzzed: Callable[[str], bool], budget_s: float) -> None:
+    """Each documented example, then generated valid and invalid cases of each operation whose
+    path is `fuzzed`, within `budget_s` for the generated ones."""
     schema = schemathesis.openapi.from_url(server.url("/openapi.json"))
     base_url = server.base  # the document's server is /api; the App takes its routes without it too
     failures: list[str] = []
     sent: list[int] = []  # one entry a case
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [
+        op
+        for op in (result.ok() for result in schema.get_all_operations())
+        if (op.method.upper(), op.path) not in NOT_FUZZED and fuzzed(op.path)
+    ]
     for op in operations:
-        if (op.method.upper(), op.path) in NOT_FUZZED:
-            continue
         for strategy in schema.get_strategies_from_examples(op):
             _run(strategy, 1, base_url, failures, sent, op, CHECKS)
-    per_op = FUZZ_BUDGET_S / len(operations) / 2  # each mode's share: a loaded machine sends fewer cases
+    per_op = budget_s / len(operations) / 2  # each mode's share: a loaded machine sends fewer cases
     for op in operations:
-        if (op.method.upper(), op.path) in NOT_FUZZED:
-            continue
         _run(op.as_strategy(), EXAMPLES_PER_OPERATION, base_url, failures, sent, op, CHECKS, per_op)
         invalid = op.as_strategy(generation_mode=GenerationMode.NEGATIVE)
         _run(invalid, EXAMPLES_PER_OPERATION, base_url, failures, sent, op, INVALID_CHECKS, per_op)
