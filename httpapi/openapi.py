@@ -231,7 +231,7 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
 }
 # the name that follows each prefix the App routes by (/v1/responses/<id>/cancel: response_id);
 # a served model's card, routed whole as /v1/models/<name>, is documented as MODEL_CARD_PATH
-PREFIX_NAMES = {"/v1/responses/": "response_id", "/v1/models/": "model"}
+PREFIX_NAMES = {"/v1/responses/": "response_id"}
 
 
 def documented_path(path: str) -> str:
