@@ -252,14 +252,24 @@ def test_names(path: Path) -> list[str]:
     ]
 
 
+SGLANG_RETRY = "retry() exceed maximum number of retries"  # CustomTestCase's wrapper of the real failure
+
+
 def cause_of(case: ET.Element) -> str:
-    """A failed test's cause: its failure's or error's message, first lines, trimmed."""
+    """A failed test's cause: its failure's or error's message, first lines, trimmed. Under
+    SGLang's retry wrapper, the first failure inside it, and the error body the server sent
+    if the test printed one."""
     for tag in ("failure", "error"):
         node = case.find(tag)
-        if node is not None:
-            message = (node.get("message") or node.text or "").strip()
-            lines = [line for line in message.splitlines() if line.strip()][:3]
-            return " / ".join(lines)[:400]
+        if node is None:
+            continue
+        message = (node.get("message") or node.text or "").strip()
+        if SGLANG_RETRY in message:
+            inner = [line[1:].strip() for line in (node.text or "").splitlines() if line.startswith("E ")]
+            said = [line for line in (case.findtext("system-out") or "").splitlines() if line.startswith('{"error"')]
+            message = "\n".join(inner[:1] + said[:1]) or message
+        lines = [line for line in message.splitlines() if line.strip()][:3]
+        return " / ".join(lines)[:400]
     return ""
 
 
@@ -280,6 +290,7 @@ def run_file(suite: str, suite_root: Path, folder: Path, path: Path, python: Pat
     }
     argv = [str(python), "-m", "pytest", "-p", "conformance_shim", str(path), f"--junitxml={xml}", "-q"]
     argv += ["-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", "--rootdir", str(suite_root)]
+    argv += ["-o", "junit_logging=system-out", "-o", "junit_log_passing_tests=false"]  # what a failed test printed
     if suite == "vllm":  # vLLM's top conftest.py sets up its engine; the suite's own stay
         argv += ["--confcutdir", str(suite_root / "tests" / "entrypoints")]
     with open(logs / (rel.replace("/", "__") + ".log"), "wb") as out:
