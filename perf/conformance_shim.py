@@ -9,13 +9,15 @@ The server is `python -m runtime serve` from the repository, on its embedded def
 (SmolLM2-135M-Instruct), with the test's model names as `--served-model-name` aliases. The
 peers' launch flags are translated: ringserve's own names and aliases pass unchanged, the few
 spelled differently are renamed, flags that tune another engine without changing what the API
-answers are dropped (listed below, with why), and anything else passes through so that
+answers are dropped (listed below, with why), a context longer than the served model's
+positions is cut to them (it was another model's), and anything else passes through so that
 ringserve refuses it and the test fails naming it: a real difference, not hidden here.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import signal
 import socket
@@ -68,6 +70,15 @@ DROPPED_WITH_VALUE = {
 # fixtures that download the adapters give a path naming what was not downloaded.
 LORA_FLAGS_WITH_VALUE = ("--lora-modules", "--max-lora-rank", "--max-cpu-loras", "--max-loras", "--lora-paths")
 LORA_FIXTURE_SUFFIX = "_lora_files"
+CONTEXT_FLAGS = ("--max-model-len", "--context-length")
+
+
+def served_positions() -> int:
+    """The served model's positions (its config.json's), which ringserve's --context-length may not pass."""
+    with open(os.path.join(os.environ["CONFORMANCE_TOKENIZER_DIR"], "config.json")) as f:
+        return int(json.load(f)["max_position_embeddings"])
+
+
 MAX_LOGPROBS = 20  # ringserve's bound on top logprobs, vLLM's default --max-logprobs
 DROPPED_FLAGS = {
     "--enable-lora": "LoRA is set aside",
@@ -94,6 +105,11 @@ def translate_flags(args: list[str]) -> list[str]:
         takes_value = value is None and i + 1 < len(args) and not args[i + 1].startswith("--")
         if flag in DROPPED_FLAGS:
             i += 1
+            continue
+        if flag in CONTEXT_FLAGS:  # another model's context: the served model's positions at most
+            given = value if value is not None else args[i + 1]
+            out += [flag, str(min(int(given), served_positions()))]
+            i += 1 if value is not None else 2
             continue
         if flag in LORA_FLAGS_WITH_VALUE:  # a list: --lora-modules a=x b=y
             i += 1
