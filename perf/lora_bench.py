@@ -26,6 +26,7 @@ from pathlib import Path
 import orjson
 import torch
 
+from gpu.models.model_config import ModelConfig
 from perf import report
 from perf import serving_bench as sb
 
@@ -35,15 +36,18 @@ BASE, ADAPTERS = "base", "adapters"
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(path: Path, model_path: str | None, rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) of `rank` on every
-    projection of the model at `model_path` (None: the embedded one), A and B random."""
-    from safetensors.torch import save_file
-
-    from gpu.models.model_config import ModelConfig
+def model_config(model_path: str | None) -> ModelConfig:
+    """The config of the model at `model_path` (None: the embedded one)."""
     from gpu.models.model_files import resolve_model_dir
 
-    cfg = ModelConfig.from_dir(resolve_model_dir(model_path), None)
+    return ModelConfig.from_dir(resolve_model_dir(model_path), None)
+
+
+def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
+    """A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) of `rank` on every
+    projection of a model of `cfg`, A and B random."""
+    from safetensors.torch import save_file
+
     q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
     shapes = {  # module -> (in, out)
@@ -79,7 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=64, help="per request, the model's part")
     ap.add_argument("--null-output-tokens", type=int, default=1024, help="per request, the null model's part")
-    ap.add_argument("--requests", type=int, default=64, help="per workload and round")
+    ap.add_argument("--requests", type=int, default=64, help="per workload and round, the model's part")
+    ap.add_argument("--null-requests", type=int, default=256, help="per workload and round, the null model's part")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--server-args", default="", help="more ringserve flags, one string")
     ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -91,6 +96,7 @@ def run_part(part: str, args: argparse.Namespace, adapter_flags: list[str], prom
     """Both workloads, `args.rounds` rounds each, on one server of `part` (null or model)."""
     null = part == "null"
     w = sb.Workload(args.prompt_tokens, args.null_output_tokens if null else args.output_tokens)
+    requests = args.null_requests if null else args.requests
     flags = [
         *(["--null-model"] if null else []),
         *(["--model-path", args.model_path] if args.model_path else []),
@@ -103,13 +109,13 @@ def run_part(part: str, args: argparse.Namespace, adapter_flags: list[str], prom
         *shlex.split(args.server_args),
     ]
     server = sb.Server(flags, args.out.with_name(f"lora_server_{part}.log"))
-    out: dict = {"server_args": flags, "rounds": []}
+    out: dict = {"server_args": flags, "requests": requests, "output_tokens": w.output_tokens, "rounds": []}
     try:
         out["startup_s"] = server.wait_healthy()
         base = server.model_name()
         names = {BASE: [base], ADAPTERS: [f"a{k}" for k in range(args.adapters)]}
         bodies = {
-            kind: [sb.request_body(models[j % len(models)], prompts[j], w) for j in range(args.requests)]
+            kind: [sb.request_body(models[j % len(models)], prompts[j % len(prompts)], w) for j in range(requests)]
             for kind, models in names.items()
         }
         warm = bodies[ADAPTERS][: args.adapters] + bodies[BASE][:4]  # every adapter resident once
@@ -154,8 +160,9 @@ def run_part(part: str, args: argparse.Namespace, adapter_flags: list[str], prom
 
 
 def markdown(data: dict) -> str:
-    rows = []
+    rows, sizes = [], []
     for part, res in data["parts"].items():
+        sizes.append(f"{part}: {res['requests']} requests of {res['output_tokens']} tokens")
         s = res["summary"]
         rows.append(
             (
@@ -187,7 +194,7 @@ def markdown(data: dict) -> str:
         f"{data['concurrency']} concurrent streams (chat completions, {data['prompt_tokens']}-token prompts, "
         f"ignore_eos): `base` all on the base model, `adapters` spread over {data['adapters']} adapters of rank "
         f"{data['rank']} (every attention and MLP projection), all resident (--max-loras-per-batch "
-        f"{data['adapters']}). {data['rounds']} rounds of {data['requests']} requests per workload, the two "
+        f"{data['adapters']}). {data['rounds']} rounds per workload ({'; '.join(sizes)}), the two "
         "alternating; a value is the median over rounds, a ratio the median of the rounds' ratios. "
         f"Targets: the model's tok/s ratio at least {TARGET_THROUGHPUT_RATIO}, the null model's CPU ratio at "
         f"most {TARGET_CPU_RATIO}.",
@@ -208,14 +215,12 @@ def main(argv: list[str] | None = None) -> None:
         "rank": args.rank,
         "concurrency": args.concurrency,
         "prompt_tokens": args.prompt_tokens,
-        "requests": args.requests,
         "rounds": args.rounds,
         "parts": {},
     }
+    cfg = model_config(args.model_path)
     with tempfile.TemporaryDirectory(prefix="lora_bench") as tmp:
-        paths = [
-            write_random_adapter(Path(tmp) / f"a{k}", args.model_path, args.rank, seed=k) for k in range(args.adapters)
-        ]
+        paths = [write_random_adapter(Path(tmp) / f"a{k}", cfg, args.rank, seed=k) for k in range(args.adapters)]
         adapter_flags = ["--lora-paths", *(f"a{k}={p}" for k, p in enumerate(paths))]
         for part in parts:
             data["parts"][part] = run_part(part, args, adapter_flags, prompts, loop)

@@ -98,7 +98,7 @@ def test_c_decode_loop_adds_the_deltas_as_the_python_forward(tmp_path):
     )
     assert runner.decoder is not None and runner.loras is not None
     for lid in (1, 2):
-        path = write_random_adapter(tmp_path / f"a{lid}", None, 4 * lid, seed=lid)
+        path = write_random_adapter(tmp_path / f"a{lid}", runner.model_config, 4 * lid, seed=lid)
         runner.loras.register(lid, runner.loras.load(path.name, str(path)))
     rows_lora = [0, 1, 2, 1]
     rng = np.random.default_rng(0)

@@ -1,0 +1,118 @@
+"""The LoRA bookkeeping without a model: the pool's residency (at most max_resident, the least
+recently used adapter no request holds evicted, reloaded from its directory when needed), the
+scheduler's ids (assigned in one place, never one still registered or draining, a load that
+fails changing nothing), and the table every HTTP worker reads (a worker sees a load or an
+unload with its next lookup; a new engine's table is never mistaken for the old one's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu.lora import LoraPool
+from gpu.models.model_config import ModelConfig
+from perf.lora_bench import write_random_adapter
+from runtime.lora_registry import LoraRegistry
+from runtime.scheduler.lora import LoraRefused, SchedulerLoras
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 128,
+    "vocab_size": 64,
+    "rms_norm_eps": 1e-5,
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    return d
+
+
+def pool_of(model_dir: Path, max_resident: int) -> LoraPool:
+    return LoraPool(ModelConfig.from_dir(model_dir), 8, torch.float32, torch.device("cpu"), "halves", max_resident)
+
+
+def adapter(model_dir: Path, name: str, rank: int = 4, seed: int = 0) -> Path:
+    return write_random_adapter(model_dir.parent / name, ModelConfig.from_dir(model_dir), rank, seed)
+
+
+def adapters(model_dir: Path, names: list[str], rank: int = 4) -> list[str]:
+    return [f"{n}={adapter(model_dir, n, rank, seed=i)}" for i, n in enumerate(names)]
+
+
+def test_pool_evicts_the_least_recently_used_idle_adapter(model_dir):
+    loras = SchedulerLoras(pool_of(model_dir, 2), adapters(model_dir, ["a", "b", "c"]), capacity=8)
+    pool = loras.pool
+    assert loras.ids == {"a": 1, "b": 2, "c": 3}
+    assert list(pool.resident) == [1, 2] and pool.loads == 3  # c checked, then left on disk
+    pool.hold(1)
+    assert pool.make_resident(3)  # b is the idle one: evicted, whatever its age
+    assert list(pool.resident) == [1, 3] and pool.evictions == 1 and pool.loads == 4
+    pool.hold(3)
+    assert not pool.make_resident(2)  # every slot held: b waits
+    pool.release(1)
+    assert pool.make_resident(2) and list(pool.resident) == [3, 2]
+    resident = pool.resident[2]
+    assert pool.make_resident(2) and pool.resident[2] is resident  # loaded once, not per request
+
+
+def test_ids_are_never_reused_while_registered_or_draining(model_dir, monkeypatch):
+    paths = dict(item.split("=") for item in adapters(model_dir, ["a", "b", "c"]))
+    loras = SchedulerLoras(pool_of(model_dir, 4), [f"a={paths['a']}"], capacity=3)
+    monkeypatch.setattr(loras, "_last_id", 65534)  # the next ids wrap past the u16 the record carries
+    assert loras.load("b", paths["b"]) == 65535
+    assert loras.unlist("b") == 65535 and "b" not in loras.ids and 65535 in loras.draining
+    assert loras.load("c", paths["c"]) == 2  # 1 is a's; 65535 still drains
+    loras.forget(65535)
+    assert set(loras.pool.paths) == {1, 2}
+    assert loras.unlist("nope") is None
+
+
+def test_a_refused_load_changes_nothing(model_dir, tmp_path):
+    paths = dict(item.split("=") for item in adapters(model_dir, ["a", "big"], rank=4))
+    big = adapter(model_dir, "r16", 16, seed=5)
+    loras = SchedulerLoras(pool_of(model_dir, 2), [f"a={paths['a']}"], capacity=2)
+    before = (dict(loras.ids), dict(loras.pool.paths), loras.pool.loads, loras._last_id)
+    for name, path, param, words in (
+        ("a", paths["big"], "lora_name", "has already been loaded"),
+        ("x", str(tmp_path), "lora_path", "no adapter_config.json"),
+        ("x", str(big), "lora_path", "above --max-lora-rank 8"),
+    ):
+        with pytest.raises(LoraRefused) as e:
+            loras.load(name, path)
+        assert e.value.param == param and words in e.value.message
+        assert (dict(loras.ids), dict(loras.pool.paths), loras.pool.loads, loras._last_id) == before
+    loras.load("big", paths["big"])
+    with pytest.raises(LoraRefused, match="--max-loaded-loras"):
+        loras.load("x", paths["big"])
+
+
+def test_workers_see_each_change_with_their_next_lookup(tmp_path):
+    stats = tmp_path / "engine-1.stats"
+    writer = LoraRegistry.create(stats, 4)
+    reader = LoraRegistry.open(stats, 4)
+    assert reader is not None and LoraRegistry.open(tmp_path / "engine-2.stats", 4) is None
+    writer.publish({"a": 1, "sql/v2": 7})
+    assert reader.names() == {"a": 1, "sql/v2": 7} and reader.name_of(7) == "sql/v2"
+    writer.publish({"a": 1})
+    assert reader.names() == {"a": 1}
+    writer.count(resident=1, loads=3, evictions=2)
+    assert reader.counters() == {"count": 1, "resident": 1, "loads": 3, "evictions": 2}
+    # a replaced engine writes the same file afresh: its first table is read, even if it looks alike
+    again = LoraRegistry.create(stats, 4)
+    again.publish({"b": 1})
+    assert reader.names() == {"b": 1}
+    assert LoraRegistry.open(stats, 8) is None  # a table shorter than the reader expects is not read
+    for r in (writer, reader, again):
+        r.close()
