@@ -1,9 +1,10 @@
 """`python -m runtime serve [flags]`: the one-command way to run the server.
 
 Checks the flags and the model (a bad one is one line on stderr and exit status 1) while
-the engine's processes, started first, import what they load with; then lets them load and becomes granian (exec, same pid) serving runtime.app:app with the flags passed
-as RINGSERVE_* environment variables, exactly as `granian --interface asgi
-runtime.app:app` does with them set by hand. The exec leaves nothing of this
+the engine's processes, started first, import what they load with; then lets them load and
+becomes granian (exec, same pid) serving runtime.app:app with the flags passed as
+RINGSERVE_* environment variables, exactly as `granian --interface asgi runtime.app:app`
+does with them set by hand. The exec leaves nothing of this
 process's imports behind in granian's main process, whose workers it forks.
 """
 
