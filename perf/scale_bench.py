@@ -1,7 +1,7 @@
 """How cost grows with the model, against llama.cpp's server: random-weight Llamas shaped like
 Llama-3.2-1B and -3B (perf/random_gguf.py), quantized to Q4_K_M by llama.cpp's own
 `llama-quantize`, each served by ringserve (defaults) and llama-server side by side through
-perf/peer_bench.py: output tok/s at c=1 and c=8 (~110-token prompts), TTFT of ~1,000-token
+perf/pb.py: output tok/s at c=1 and c=8 (~110-token prompts), TTFT of ~1,000-token
 prompts, RSS of every process and time to healthy. A table, and a plot (PNG) when matplotlib
 is installed.
 
@@ -19,7 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from perf import peer_bench, report
+from perf import peer_bench as pb
+from perf import report
 from perf.random_gguf import SHAPES, write_random_gguf
 
 QUANT = "Q4_K_M"
@@ -43,7 +44,7 @@ def model_file(shape: str, cache: Path, quantize: Path) -> Path:
 
 
 def peer_run(llama_server: str, gguf: Path, out: Path, rounds: int, flags: list[str]) -> dict:
-    """One perf/peer_bench.py run (llama.cpp and ringserve's defaults only); its JSON."""
+    """One perf/pb.py run (llama.cpp and ringserve's defaults only); its JSON."""
     argv = [
         "--llama-server",
         llama_server,
@@ -62,13 +63,13 @@ def peer_run(llama_server: str, gguf: Path, out: Path, rounds: int, flags: list[
         "--allow-dirty",  # the run's own results, named by commit in this benchmark's
         *flags,
     ]
-    peer_bench.main(argv)
+    pb.main(argv)
     return json.loads(out.read_text())
 
 
 def rows_of(shape: str, gguf: Path, decode: dict, prefill: dict) -> list[dict]:
     rows = []
-    for server in (peer_bench.LLAMA, peer_bench.RINGSERVE):
+    for server in (pb.LLAMA, pb.RINGSERVE):
         levels = {r["concurrency"]: r["servers"].get(server, {}) for r in decode["summary"]}
         first = prefill["summary"][0]["servers"].get(server, {})
         facts = decode["servers"].get(server, {})
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_arguments(ap, "scale")
     args = ap.parse_args(argv)
     started = report.start(args, argv)
-    llama_server = peer_bench.find_llama_server(args.llama_server)
+    llama_server = pb.find_llama_server(args.llama_server)
     if llama_server is None:
         raise SystemExit("no llama-server (--llama-server, $LLAMA_SERVER or PATH): nothing to compare with")
     quantize = Path(llama_server).with_name("llama-quantize")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if plot(rows, png):
         md += f"\n\n![tok/s and TTFT against parameters]({png.name})"
     md += (
-        "\n\nEach model: two perf/peer_bench.py runs (their JSON in scale_runs/), llama.cpp and ringserve's defaults "
+        "\n\nEach model: two perf/pb.py runs (their JSON in scale_runs/), llama.cpp and ringserve's defaults "
         f"up at once, {args.rounds} interleaved rounds: the random workload at c=1 (4 requests a round) and c=8 (16), "
         "~110-token prompts, 32 output tokens; then 3 prompts of ~1,000 tokens at c=1, 4 output tokens, for TTFT. "
         "llama.cpp: `-np 32 -t 2 -c 49152`. RSS: every process of the server after the decode run."

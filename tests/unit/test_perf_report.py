@@ -183,8 +183,9 @@ def test_default_path_and_reserved_keys(tmp_path, monkeypatch):
 
 
 # perf/headline.py measures nothing: it writes the README's headline from a result;
-# perf/conformance_shim.py is the pytest plugin perf/conformance.py loads into the peers' tests
-NOT_BENCHMARKS = ("report.py", "__init__.py", "headline.py", "conformance_shim.py")
+# perf/conformance_shim.py is the pytest plugin perf/conformance.py loads into the peers' tests;
+# perf/random_gguf.py writes the model files perf/scale_bench.py measures
+NOT_BENCHMARKS = ("report.py", "__init__.py", "headline.py", "conformance_shim.py", "random_gguf.py")
 SCRIPTS = sorted(p for p in PERF.glob("*.py") if p.name not in NOT_BENCHMARKS)
 
 
