@@ -93,6 +93,7 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     + " (whether a prompt token is the model's top-1)",
     ("vllm", "chat_completion/test_chat.py", "test_single_chat_session"): OTHER_MODEL + " (zephyr's token counts)",
     ("vllm", "chat_completion/test_completion_with_function_calling.py", ""): REASONING + " and tool calls",
+    ("vllm", "chat_completion/test_serving_chat.py", "test_gpt_oss_"): HARMONY,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_include_reasoning_true_"): REASONING,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_reasoning_tokens_in_usage"): REASONING,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_default_includes_reasoning"): REASONING,

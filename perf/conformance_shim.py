@@ -91,6 +91,7 @@ DROPPED_FLAGS = {
     "--trust-remote-code": "ringserve runs its own model code",
     "--skip-server-warmup": "SGLang's warm-up request",
     "--enable-prefix-caching": "ringserve caches prefixes by default",
+    "--enable-prompt-tokens-details": "ringserve's usage always carries prompt_tokens_details (cached tokens)",
 }
 
 
@@ -102,6 +103,7 @@ def translate_flags(args: list[str]) -> list[str]:
         flag, value = args[i], None
         if flag.startswith("--") and "=" in flag:
             flag, value = flag.split("=", 1)
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag  # vLLM's parser reads both spellings
         takes_value = value is None and i + 1 < len(args) and not args[i + 1].startswith("--")
         if flag in DROPPED_FLAGS:
             i += 1
