@@ -311,7 +311,7 @@ def run_file(suite: str, suite_root: Path, folder: Path, path: Path, python: Pat
             status, detail = "set aside", "skipped by the suite: " + (skipped.get("message") or "")[:200]
         elif reason is not None:
             status, detail = "set aside", reason
-        elif used is None or used.get("value") != "True":
+        elif (used is None or used.get("value") != "True") and "failed on setup" not in cause_of(case):
             status, detail = "set aside", NO_SERVER
         elif case.find("failure") is not None or case.find("error") is not None:
             status, detail = "failed", cause_of(case)

@@ -325,12 +325,14 @@ def serve_the_served_tokenizer(module: Any) -> None:
     module.get_tokenizer = get_tokenizer
 
 
-def pytest_configure(config: Any) -> None:
-    """Put the shim in place of the peer's launcher before any test module imports it. The
-    peers' modules are imported by name: they exist only in the conformance venv, and
-    `tests.utils` here is vLLM's tests package (their sdist's), not this project's."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: Any, parser: Any, args: Any) -> None:
+    """Put the shim in place of the peer's launcher before any conftest.py or test module
+    imports it (vLLM's responses/conftest.py does). The peers' modules are imported by name:
+    they exist only in the conformance venv, and `tests.utils` here is vLLM's tests package
+    (their sdist's), not this project's."""
     suite = os.environ["CONFORMANCE_SUITE"]
-    config.pluginmanager.register(LoraAdapterFixtures())
+    early_config.pluginmanager.register(LoraAdapterFixtures())
     sys.path.insert(0, os.environ["CONFORMANCE_SUITE_ROOT"])
     if suite == "vllm":
         vllm_test_utils = importlib.import_module("tests.utils")  # whole: tests use its other helpers
