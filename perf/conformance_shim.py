@@ -319,8 +319,9 @@ def serve_the_served_tokenizer(module: Any) -> None:
         return
     original = module.get_tokenizer
 
-    def get_tokenizer(name: str, *args: Any, **kwargs: Any) -> Any:
-        return original(os.environ["CONFORMANCE_TOKENIZER_DIR"], *args, **kwargs)
+    def get_tokenizer(*args: Any, **kwargs: Any) -> Any:  # the name, first or as tokenizer_name=, replaced
+        rest = args if kwargs.pop("tokenizer_name", None) is not None else args[1:]
+        return original(os.environ["CONFORMANCE_TOKENIZER_DIR"], *rest, **kwargs)
 
     module.get_tokenizer = get_tokenizer
 
