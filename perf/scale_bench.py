@@ -1,7 +1,7 @@
 """How cost grows with the model, against llama.cpp's server: random-weight Llamas shaped like
 Llama-3.2-1B and -3B (perf/random_gguf.py), quantized to Q4_K_M by llama.cpp's own
 `llama-quantize`, each served by ringserve (defaults) and llama-server side by side through
-perf/pb.py: output tok/s at c=1 and c=8 (~110-token prompts), TTFT of ~1,000-token
+perf/peer_bench.py: output tok/s at c=1 and c=8 (~110-token prompts), TTFT of ~1,000-token
 prompts, RSS of every process and time to healthy. A table, and a plot (PNG) when matplotlib
 is installed.
 
@@ -44,7 +44,7 @@ def model_file(shape: str, cache: Path, quantize: Path) -> Path:
 
 
 def peer_run(llama_server: str, gguf: Path, out: Path, rounds: int, flags: list[str]) -> dict:
-    """One perf/pb.py run (llama.cpp and ringserve's defaults only); its JSON."""
+    """One perf/peer_bench.py run (llama.cpp and ringserve's defaults only); its JSON."""
     argv = [
         "--llama-server",
         llama_server,
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if plot(rows, png):
         md += f"\n\n![tok/s and TTFT against parameters]({png.name})"
     md += (
-        "\n\nEach model: two perf/pb.py runs (their JSON in scale_runs/), llama.cpp and ringserve's defaults "
+        "\n\nEach model: two perf/peer_bench.py runs (their JSON in scale_runs/), llama.cpp and ringserve's defaults "
         f"up at once, {args.rounds} interleaved rounds: the random workload at c=1 (4 requests a round) and c=8 (16), "
         "~110-token prompts, 32 output tokens; then 3 prompts of ~1,000 tokens at c=1, 4 output tokens, for TTFT. "
         "llama.cpp: `-np 32 -t 2 -c 49152`. RSS: every process of the server after the decode run."
