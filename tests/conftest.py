@@ -142,9 +142,10 @@ class Server:
         """Learns the server's processes: granian's workers (again, after a respawn), the engine's."""
         from runtime.supervise.files import ServerFiles, process_start_time
 
-        self.workers = children(self.pid)
         info = ServerFiles.of(self.pid).info
         self.engine = {p["role"]: p["pid"] for p in json.loads(info.read_text())}
+        # serve starts the engine before it becomes granian: its processes are children too
+        self.workers = [c for c in children(self.pid) if c not in self.engine.values()]
         self.start_times.update({pid: process_start_time(pid) for pid in self.processes()})
 
     alive = staticmethod(alive)
