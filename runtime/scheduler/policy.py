@@ -13,5 +13,6 @@ def order_queue(queue: list[Req], policy: str, cache: RadixCache) -> list[Req]:
     """`queue` is in arrival order; returns a new list, the order to try admitting in."""
     if policy == "fcfs" or cache.disabled or len(queue) < 2 or len(queue) > LPM_MAX_QUEUE:
         return list(queue)
-    matched = {id(r): len(cache.match_prefix(r.fill_ids()[:-1])[0]) for r in queue}
+    # a request of a LoRA adapter can reuse only its adapter's pages (its salt)
+    matched = {id(r): len(cache.match_prefix(r.fill_ids()[:-1], r.params.lora_id)[0]) for r in queue}
     return sorted(queue, key=lambda r: -matched[id(r)])  # stable: ties stay in arrival order
