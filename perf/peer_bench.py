@@ -7,7 +7,8 @@ Servers:
   llama.cpp   `llama-server` (--llama-server PATH, else $LLAMA_SERVER, else `llama-server` on
               PATH; not a dependency: without one the ringserve servers run alone and the
               results say llama.cpp was skipped) on the same GGUF file as ringserve's
-              embedded model, `-np 32 -t 2 -c 32 x --llama-slot-context`
+              embedded model, `-np 32 -t 2 -c 32 x --llama-slot-context` (by default the least
+              that holds the workloads' requests)
   ringserve   `python -m runtime serve` with its defaults (no mode flags)
   ringserve + each --ringserve-args configuration (default: speculation off)
 
@@ -749,7 +750,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: $LLAMA_SERVER, then PATH)")
     ap.add_argument("--llama-args", default="", help="more llama-server flags, one string")
     ap.add_argument(
-        "--llama-slot-context", type=int, default=2048, help="context per llama.cpp slot (-c is 32 times it)"
+        "--llama-slot-context",
+        type=int,
+        default=None,
+        help="context per llama.cpp slot (-c is 32 times it; default: the smallest power of two from 512 "
+        "that holds the longest request of the workloads run: a larger -c slows llama.cpp's server)",
     )
     ap.add_argument(
         "--gguf", default=None, help="the GGUF file every server serves (default: ringserve's embedded model)"
@@ -803,9 +808,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.levels + counts) < 1:
         ap.error("--concurrency and --num-requests must be at least 1")
+    if args.llama_slot_context is None:
+        args.llama_slot_context = slot_context(args)
     extra = [OFF_ARGS] if args.ringserve_args is None else [a for a in args.ringserve_args if a.strip()]
     args.ringserve_configs = {RINGSERVE: [], **{f"{RINGSERVE} {a}": shlex.split(a) for a in extra}}
     return args
+
+
+def slot_context(args: argparse.Namespace) -> int:
+    """The smallest power of two from 512 that holds the longest request (prompt, template and
+    output tokens) of the workloads run, so that llama.cpp runs at its best: its server slows
+    with -c even where the requests use a fraction of it."""
+    longest = {
+        "random": args.prompt_tokens + args.output_tokens,
+        "shared_prefix": args.sp_system_tokens + args.sp_question_tokens + args.sp_output_tokens,
+        "multi_turn": args.mt_first_tokens
+        + (args.mt_turns - 1) * args.mt_next_tokens
+        + args.mt_turns * args.output_tokens,
+        # code tokenizes to fewer tokens than it has characters by half
+        "repetitive": max(len(p) for p in repetitive_prompts(1, args.seed)) // 2 + args.rep_output_tokens,
+    }
+    need = max(longest[w] for w in args.workload_list) * 5 // 4 + 64  # the chat template's tokens, words' drift
+    return max(512, 1 << (need - 1).bit_length())
 
 
 def start_servers(args, llama_bin: str | None, result: dict) -> dict[str, object]:
