@@ -45,6 +45,7 @@ class NullModelRunner:
         self.prompt_len = np.zeros(R, np.int64)  # a token's place in the cycle: its position past the prompt
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
+        self.lp_ids: dict[int, np.ndarray] = {}  # rows with logprob_token_ids: those ids
         self.num_logprobs = 0  # rows whose request asked for logprobs
         self.loras: LoraPool | None = None
         if config.enable_lora:  # the adapters' tensors are checked, never used: fp32 on the CPU
@@ -63,6 +64,8 @@ class NullModelRunner:
         self.prompt_len[row] = len(prompt_ids)
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
+        if params.logprob_token_ids:
+            self.lp_ids[row] = np.array(params.logprob_token_ids, np.int32)
         self.num_logprobs += params.logprobs
         if params.lora_id and self.loras is not None:
             self.loras.hold(params.lora_id)
@@ -71,6 +74,7 @@ class NullModelRunner:
     def clear_request(self, row: int) -> None:
         self.num_logprobs -= int(self.logprobs[row])
         self.logprobs[row], self.top_logprobs[row] = False, 0
+        self.lp_ids.pop(row, None)
         if self.row_lora[row] and self.loras is not None:
             self.loras.release(int(self.row_lora[row]))
             self.row_lora[row] = 0
@@ -97,6 +101,11 @@ class NullModelRunner:
         top_ids = self.cycle[(generated[:, None] + np.arange(K)) % len(self.cycle)]  # the chosen token first
         top_lp = np.full((len(rows), K), ALTERNATIVE_LOGPROB, np.float32)
         top_lp[:, 0] = 0.0
+        for i, row in enumerate(rows.tolist() if self.lp_ids else ()):  # pinned ids: certain if the token taken
+            ids = self.lp_ids.get(row)
+            if ids is not None:
+                top_ids[i, : len(ids)] = ids
+                top_lp[i, : len(ids)] = np.where(ids == tokens[i], 0.0, ALTERNATIVE_LOGPROB)
         return StepOutput(tokens, logprobs, top_ids, top_lp, prompt)
 
     def _pooled(self, ask: PoolAsk, step: StepInput) -> list[np.ndarray]:

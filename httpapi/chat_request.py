@@ -17,6 +17,7 @@ from httpapi.request_fields import (
     REFUSED_OPENAI,
     PromptTruncation,
     check_ignored,
+    read_logprobs_count,
     read_n,
     read_prompt_logprobs,
     read_request_id,
@@ -26,7 +27,7 @@ from httpapi.request_fields import (
     sglang_no_stop_trim,
     shown,
 )
-from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_sampling
+from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_logprob_token_ids, read_sampling
 from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
 REFUSED_CHAT = {k: why for k, why in REFUSED_OPENAI.items() if k != "thinking_token_budget"}  # served here
@@ -163,8 +164,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
         min_tokens="min_tokens",
         no_stop_trim="include_stop_str_in_output",
         return_ids=return_token_ids,
-        logprobs=f.get_bool("logprobs", False),
-        top_logprobs=f.get_int("top_logprobs", 0),
+        **read_logprob_token_ids(f, f.get_bool("logprobs", False), read_logprobs_count(f, "top_logprobs") or 0),
         allowed_token_ids=read_allowed_token_ids(f),
         prompt_logprobs=read_prompt_logprobs(f),
         **read_grammar(f, names, forced=forced_call_schema_of(tools, tool_choice, parallel_tool_calls)),

@@ -27,9 +27,14 @@ class TokenLogprobs:
     logprobs: np.ndarray  # [T] float
     top_ids: np.ndarray  # [T, K] int, best first; K is the top_logprobs asked for (may be 0)
     top_logprobs: np.ndarray  # [T, K] float
+    # the alternatives are the request's logprob_token_ids (vLLM's), to which each position's own
+    # token is added where it is not among them
+    pinned: bool = False
 
     @classmethod
-    def of(cls, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None) -> TokenLogprobs:
+    def of(
+        cls, token_ids: Any, logprobs: Any, top_ids: Any = None, top_logprobs: Any = None, pinned: bool = False
+    ) -> TokenLogprobs:
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         shape = (len(token_ids), 0)
         top_ids = np.zeros(shape, np.int64) if top_ids is None else np.asarray(top_ids, dtype=np.int64)
@@ -44,29 +49,31 @@ class TokenLogprobs:
                 f"TokenLogprobs: shapes disagree: ids {token_ids.shape}, logprobs {logprobs.shape}, "
                 f"top ids {top_ids.shape}, top logprobs {top_logprobs.shape}"
             )
-        return cls(token_ids, logprobs, top_ids, top_logprobs)
+        return cls(token_ids, logprobs, top_ids, top_logprobs, pinned)
 
     @classmethod
     def concat(cls, parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
         """One choice's logprobs from its streamed deltas."""
-        return cls(
-            *(
-                np.concatenate([getattr(p, name) for p in parts])
-                for name in ("token_ids", "logprobs", "top_ids", "top_logprobs")
-            )
+        ids, lps, top_ids, top_lps = (
+            np.concatenate([getattr(p, name) for p in parts])
+            for name in ("token_ids", "logprobs", "top_ids", "top_logprobs")
         )
+        return cls(ids, lps, top_ids, top_lps, parts[0].pinned)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def lists(self) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
-        """Python lists, with -inf raised to LOGPROB_FLOOR."""
-        return (
-            self.token_ids.tolist(),
-            np.maximum(self.logprobs, LOGPROB_FLOOR).tolist(),
-            self.top_ids.tolist(),
-            np.maximum(self.top_logprobs, LOGPROB_FLOOR).tolist(),
-        )
+        """Python lists, with -inf raised to LOGPROB_FLOOR (pinned: each position's own token
+        among its alternatives)."""
+        ids, lps = self.token_ids.tolist(), np.maximum(self.logprobs, LOGPROB_FLOOR).tolist()
+        top_ids, top_lps = self.top_ids.tolist(), np.maximum(self.top_logprobs, LOGPROB_FLOOR).tolist()
+        if self.pinned:
+            for t, x, alt_ids, alt_lps in zip(ids, lps, top_ids, top_lps):
+                if t not in alt_ids:
+                    alt_ids.append(t)
+                    alt_lps.append(x)
+        return ids, lps, top_ids, top_lps
 
 
 class LogprobVocab:

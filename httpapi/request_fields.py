@@ -10,6 +10,7 @@ from typing import Any, Literal, overload
 
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, shown
+from protocol.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 128  # n times the number of prompts in one request
 # Fields that change no output, in vLLM and SGLang either (tests/server/test_request_fields.py says why
@@ -23,7 +24,6 @@ IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam sear
 REFUSED_OPENAI = {
     "use_beam_search": "beam search is not supported",
     "bad_words": "bad_words is not supported",
-    "logprob_token_ids": "logprobs of chosen token ids are not supported; top_logprobs is",
     "logits_processors": "custom logits processors are not supported",
     "return_prompt_text": "return_prompt_text is not supported",
     "cache_salt": "cache_salt is not supported: this server's prefix cache is shared by all requests",
@@ -123,15 +123,26 @@ def read_n(f: Fields, prompts: int) -> int:
     return n
 
 
+def read_logprobs_count(f: Fields, key: str) -> int | None:
+    """A count of logprobs per position (top_logprobs, completions' logprobs, prompt_logprobs):
+    vLLM's -1, every token of the vocabulary, is a 400 naming `key` (the ranges are validate()'s)."""
+    k = f.get_int(key)
+    if k == -1:
+        raise bad_request(
+            f"{f.param(key)} -1 asks for every token of the vocabulary; this server returns at most "
+            f"{MAX_TOP_LOGPROBS} logprobs per position (its token records carry no more)",
+            f.param(key),
+        )
+    return k
+
+
 def read_prompt_logprobs(f: Fields) -> int:
     """vLLM's prompt_logprobs: each prompt token's logprob and this many alternatives; -1: none."""
-    k = f.get_int("prompt_logprobs")
+    k = read_logprobs_count(f, "prompt_logprobs")
     if k is None:
         return -1
     if k < 0:
-        raise bad_request(
-            "prompt_logprobs must be between 0 and 20 (-1, the whole vocabulary, is not supported)", "prompt_logprobs"
-        )
+        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "prompt_logprobs")
     return k
 
 

@@ -23,6 +23,7 @@ from httpapi.request_fields import (
     Prompt,
     PromptTruncation,
     check_ignored,
+    read_logprobs_count,
     read_n,
     read_prompt_logprobs,
     read_prompts,
@@ -32,7 +33,7 @@ from httpapi.request_fields import (
     refuse_unserved,
     sglang_no_stop_trim,
 )
-from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_sampling
+from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_logprob_token_ids, read_sampling
 from protocol.sampling_params import GrammarKind
 from structured.grammars import structural_tag_text
 
@@ -179,7 +180,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     n = read_n(f, prompts=len(prompts))
     max_tokens = f.get_int("max_tokens", COMPLETION_MAX_TOKENS)
     echo = f.get_bool("echo", False)
-    logprobs = f.get_int("logprobs")
+    logprobs = read_logprobs_count(f, "logprobs")
     if f.get_str("suffix"):
         raise bad_request("suffix is not supported", "suffix")
     prompt_logprobs = read_prompt_logprobs(f)
@@ -194,8 +195,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         min_tokens="min_tokens",
         no_stop_trim="include_stop_str_in_output",
         return_ids=return_token_ids,
-        logprobs=logprobs is not None,
-        top_logprobs=logprobs or 0,
+        **read_logprob_token_ids(f, logprobs is not None, logprobs or 0),
         allowed_token_ids=read_allowed_token_ids(f),
         prompt_logprobs=prompt_logprobs,
         **read_grammar(f, names),

@@ -26,6 +26,7 @@ from protocol.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
     InvalidParam,
     SamplingParams,
 )
@@ -93,6 +94,39 @@ def read_allowed_token_ids(fields: Fields) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
+def read_logprob_token_ids(fields: Fields, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
+    """vLLM's logprob_token_ids: the tokens whose logprobs each position reports instead of its
+    top_logprobs most likely ones (the sampled token's is added where it is not among them), in
+    the client's order without repeats. As SamplingParams arguments: the ids, and top_logprobs
+    (their count) and logprobs as given."""
+    raw = fields.raw("logprob_token_ids")
+    param = fields.param("logprob_token_ids")
+    if type(raw) is list and len(raw) > MAX_TOP_LOGPROBS:  # before a pass over what a client may make huge
+        raise bad_request(f"{param} may name at most {MAX_TOP_LOGPROBS} tokens", param)
+    ids = tuple(dict.fromkeys(fields.get_token_ids("logprob_token_ids")))
+    if not ids:
+        return {"logprobs": logprobs, "top_logprobs": top_logprobs}
+    if not logprobs:
+        raise bad_request(f"{param} needs logprobs: it names the tokens whose logprobs are returned", param)
+    return {"logprobs": True, "top_logprobs": len(ids), "logprob_token_ids": ids}
+
+
+def check_max_logprobs(params: SamplingParams, names: Mapping[str, str], max_logprobs: int) -> None:
+    """vLLM's --max-logprobs: a 400 naming the field that asks more logprobs per position than
+    `max_logprobs` (-1: no bound but SamplingParams' own)."""
+    if max_logprobs < 0:
+        return
+    for name, asked in (("top_logprobs", params.top_logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if asked > max_logprobs:
+            param = "logprob_token_ids" if name == "top_logprobs" and params.logprob_token_ids else name
+            param = names.get(param, param)
+            raise bad_request(
+                f"{param} asks for {asked} logprobs per position; this server returns at most {max_logprobs} "
+                f"(--max-logprobs)",
+                param,
+            )
+
+
 def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int | None = None) -> SamplingParams:
     try:
         return params.validate(vocab_size)
@@ -147,7 +181,9 @@ class SamplingSpec:
             self.max_tokens, len(prompt_ids), context_len, self.names.get("max_tokens", "max_tokens")
         )
         p = self.params
-        if max_new == p.max_new_tokens and not (p.stop_token_ids or p.logit_bias or p.allowed_token_ids):
+        if max_new == p.max_new_tokens and not (
+            p.stop_token_ids or p.logit_bias or p.allowed_token_ids or p.logprob_token_ids
+        ):
             return p  # validated in build(): only max_tokens and the vocabulary's checks are left
         params = dataclasses.replace(p, max_new_tokens=max_new)
         return validated(params, self.names, vocab_size)  # again: token ids need the vocabulary

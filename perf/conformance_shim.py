@@ -79,7 +79,6 @@ def served_positions() -> int:
         return int(json.load(f)["max_position_embeddings"])
 
 
-MAX_LOGPROBS = 20  # ringserve's bound on top logprobs, vLLM's default --max-logprobs
 DROPPED_FLAGS = {
     "--enable-lora": "LoRA is set aside",
     "--enforce-eager": "CUDA graphs off",
@@ -117,10 +116,6 @@ def translate_flags(args: list[str]) -> list[str]:
             i += 1
             while value is None and i < len(args) and not args[i].startswith("--"):
                 i += 1
-            continue
-        bound = value if value is not None else (args[i + 1] if i + 1 < len(args) else "")
-        if flag == "--max-logprobs" and bound.lstrip("-").isdigit() and 0 <= int(bound) <= MAX_LOGPROBS:
-            i += 1 if value is not None else 2  # ringserve's bound, fixed: the same answers (a larger one is refused)
             continue
         if flag in DROPPED_WITH_VALUE:
             i += 1 if value is not None else 2

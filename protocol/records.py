@@ -159,6 +159,8 @@ REQUEST = RecordLayout(
             ("allowed_len", np.uint32),
             ("think_off", np.uint32),  # the reasoning's markers: u32 count of start ids, the start ids, the end ids
             ("think_len", np.uint32),
+            ("lp_ids_off", np.uint32),  # logprob_token_ids: u32 token ids whose logprobs replace the top ones
+            ("lp_ids_len", np.uint32),
             # its sampling parameters, from has_seed to the end: requests that share them share these
             # bytes, so each side converts them once (request_records.py pack_request, unpack_request)
             ("has_seed", np.uint8),
@@ -197,6 +199,7 @@ REQUEST = RecordLayout(
         PayloadRef("bias_off", "bias_len", np.dtype(np.uint8)),
         PayloadRef("allowed_off", "allowed_len", np.dtype(np.uint8)),
         PayloadRef("think_off", "think_len", np.dtype(np.uint8)),
+        PayloadRef("lp_ids_off", "lp_ids_len", np.dtype(np.uint8)),
     ),
 )
 

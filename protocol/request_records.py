@@ -39,11 +39,12 @@ def pack_request(
     base: int = 0,
 ) -> tuple[np.ndarray, bytes]:
     """One NEW request record and its payload blob (the prompt's uint32 ids, then the stop
-    strings, the grammar, the logit bias, the allowed token ids and the reasoning's markers,
-    each 4-aligned), ready for `channel.push(record, blob)`. rid: rid_hash() of the request's
-    id, 0 for none. base: where the blob starts in the push's payload, when several requests go
-    in one push. The record is packed by struct (record_struct), the sampling part once per
-    SamplingParams object: set field by field, a numpy record costs a numpy call a field."""
+    strings, the grammar, the logit bias, the allowed token ids, the reasoning's markers and
+    the logprob token ids, each 4-aligned), ready for `channel.push(record, blob)`. rid:
+    rid_hash() of the request's id, 0 for none. base: where the blob starts in the push's
+    payload, when several requests go in one push. The record is packed by struct
+    (record_struct), the sampling part once per SamplingParams object: set field by field, a
+    numpy record costs a numpy call a field."""
     packed = _packed_sampling(params)
     prompt = (array.array("I", prompt_ids) if type(prompt_ids) is list else np.asarray(prompt_ids, np.uint32)).tobytes()
     at = base + len(prompt)  # the extras stay 4-aligned: the prompt is whole u32s
@@ -66,6 +67,8 @@ def pack_request(
         packed.allowed_len,
         at + packed.think_at,
         packed.think_len,
+        at + packed.lp_ids_at,
+        packed.lp_ids_len,
     )
     return np.frombuffer(bytearray(head + packed.sampling), REQUEST.dtype), prompt + packed.extras
 
@@ -88,8 +91,10 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
         allowed_len,
         think_off,
         think_len,
+        lp_ids_off,
+        lp_ids_len,
     ) = _REQUEST_HEAD.unpack_from(raw)[6:]
-    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len, allowed_len, think_len)
+    key = raw[SAMPLING_AT:] + _EXTRA_LENS.pack(stop_len, grammar_len, bias_len, allowed_len, think_len, lp_ids_len)
     key += payload[stop_off : stop_off + stop_len].tobytes()
     if grammar_len:
         key += payload[grammar_off : grammar_off + grammar_len].tobytes()
@@ -99,6 +104,8 @@ def unpack_request(record: np.void, payload: np.ndarray) -> tuple[SamplingParams
         key += payload[allowed_off : allowed_off + allowed_len].tobytes()
     if think_len:
         key += payload[think_off : think_off + think_len].tobytes()
+    if lp_ids_len:
+        key += payload[lp_ids_off : lp_ids_off + lp_ids_len].tobytes()
     params = _PARAMS.get(key)
     if params is None:  # a server sees a few distinct sampling settings: each converted once
         params = _params_of(key)
@@ -111,7 +118,9 @@ def _params_of(key: bytes) -> SamplingParams:
     lengths of its extras, then the stop strings, the grammar, the logit bias and the allowed ids."""
     values = _REQUEST_SAMPLING.unpack_from(key)
     r = dict(zip(_SAMPLING_NAMES, values))  # the scalars; then stop_token_ids' items
-    stop_len, grammar_len, bias_len, allowed_len, think_len = _EXTRA_LENS.unpack_from(key, _REQUEST_SAMPLING.size)
+    stop_len, grammar_len, bias_len, allowed_len, think_len, lp_ids_len = _EXTRA_LENS.unpack_from(
+        key, _REQUEST_SAMPLING.size
+    )
     at = _REQUEST_SAMPLING.size + _EXTRA_LENS.size
     grammar_at, bias_at = at + stop_len, at + stop_len + grammar_len
     allowed_at = bias_at + bias_len
@@ -120,6 +129,7 @@ def _params_of(key: bytes) -> SamplingParams:
     biases = np.frombuffer(key, np.float32, n_bias, bias_at + 4 * n_bias).tolist()
     allowed = tuple(np.frombuffer(key, np.uint32, allowed_len // 4, allowed_at).tolist())
     think = np.frombuffer(key, np.uint32, think_len // 4, allowed_at + allowed_len).tolist()
+    lp_ids = tuple(np.frombuffer(key, np.uint32, lp_ids_len // 4, allowed_at + allowed_len + think_len).tolist())
     n_start = think[0] if think else 0
     return SamplingParams(
         max_new_tokens=r["max_new_tokens"],
@@ -152,6 +162,7 @@ def _params_of(key: bytes) -> SamplingParams:
         thinking_budget=r["thinking_budget"],
         think_start_ids=tuple(think[1 : 1 + n_start]),
         think_end_ids=tuple(think[1 + n_start :]),
+        logprob_token_ids=lp_ids,
     )
 
 
@@ -168,6 +179,8 @@ class _PackedSampling(NamedTuple):
     allowed_len: int
     think_at: int
     think_len: int
+    lp_ids_at: int
+    lp_ids_len: int
 
 
 def _packed_sampling(params: SamplingParams) -> _PackedSampling:
@@ -223,7 +236,10 @@ def _packed_sampling(params: SamplingParams) -> _PackedSampling:
         think = np.array(markers, np.uint32).tobytes()
     allowed_at = bias_at + len(bias)  # whole u32s and f32s: still aligned
     think_at = allowed_at + len(allowed)
-    extras = stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias + allowed + think
+    lp_ids = np.array(params.logprob_token_ids, np.uint32).tobytes()
+    extras = (
+        stop.ljust(grammar_at, b"\0") + grammar.ljust(bias_at - grammar_at, b"\0") + bias + allowed + think + lp_ids
+    )
     packed = _PackedSampling(
         params,
         sampling,
@@ -237,6 +253,8 @@ def _packed_sampling(params: SamplingParams) -> _PackedSampling:
         len(allowed),
         think_at,
         len(think),
+        think_at + len(think),
+        len(lp_ids),
     )
     _PACKED.put(id(params), packed, len(sampling) + 2 * len(extras) + string_bytes(params.stop))
     return packed
@@ -258,7 +276,7 @@ def stop_payload_bytes(params: SamplingParams) -> int:
 
 _REQUEST_HEAD = record_struct(REQUEST.dtype, 0, SAMPLING_AT)
 _REQUEST_SAMPLING = record_struct(REQUEST.dtype, SAMPLING_AT)
-_EXTRA_LENS = struct.Struct("=5I")  # stop, grammar, bias, allowed, think lengths in unpack_request's key
+_EXTRA_LENS = struct.Struct("=6I")  # stop, grammar, bias, allowed, think, lp_ids lengths in unpack_request's key
 _SAMPLING_NAMES = [n for n, (_, at) in _REQUEST_FIELDS.items() if at >= SAMPLING_AT][:-1]  # scalars
 _PARAMS = ByteLRU(MEMO_BYTES)  # unpack_request's: sampling bytes and stop strings -> SamplingParams
 _PACKED = ByteLRU(MEMO_BYTES)  # pack_request's: id(params) -> _PackedSampling

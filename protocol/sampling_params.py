@@ -98,6 +98,9 @@ class SamplingParams:
     grammar: str = ""
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling)
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the only tokens it may sample (empty: any)
+    # vLLM's logprob_token_ids: these tokens' logprobs stand in for the top_logprobs ones (top_logprobs
+    # is their count), whatever their rank
+    logprob_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int = -1  # -1: none; else each prompt token's logprob and this many top alternatives
     prompt_logprobs_start: int = 0  # the first prompt position reported (SGLang's logprob_start_len)
     # vLLM's thinking_token_budget: at most this many reasoning tokens (-1: no bound), then the
@@ -182,6 +185,16 @@ class SamplingParams:
             raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if not (self.top_logprobs == 0 or self.logprobs):
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs to be true")
+        if self.logprob_token_ids and not (
+            len(self.logprob_token_ids) == self.top_logprobs
+            and all(
+                isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.logprob_token_ids
+            )
+        ):
+            raise InvalidParam(
+                "logprob_token_ids",
+                f"logprob_token_ids must be at most {MAX_TOP_LOGPROBS} token ids in the vocabulary",
+            )
         if self.grammar_kind != GrammarKind.NONE or self.grammar:
             self._validate_grammar()
         if self.logit_bias:

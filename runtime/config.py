@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.lora import MAX_LOADED_LORAS, parse_lora_paths
+from protocol.sampling_params import MAX_TOP_LOGPROBS
 from runtime import settings
 from runtime.settings import flag, setting
 from structured.reasoning import REASONING_PARSERS
@@ -129,6 +130,14 @@ class ServerArgs:
     return_tokens_as_token_ids: bool = setting(
         False,
         "vLLM's: logprobs show each token as `token_id:<id>` (a request's `return_tokens_as_token_ids` overrides it)",
+        same_row=True,
+    )
+    max_logprobs: int = setting(
+        MAX_TOP_LOGPROBS,
+        f"vLLM's: the most logprobs a request may ask per position (`top_logprobs`, `logprobs`, "
+        f"`prompt_logprobs`, `logprob_token_ids`); -1: no bound of its own. Past {MAX_TOP_LOGPROBS} it allows "
+        f"{MAX_TOP_LOGPROBS}, the most a token's records carry (`-1` in a request, the whole vocabulary, is a 400)",
+        at_least=-1,
         same_row=True,
     )
     enable_force_include_usage: bool = setting(

@@ -65,6 +65,9 @@ class Sampler:
         self.seeded = np.zeros(R, bool)
         self.logprobs = np.zeros(R, bool)
         self.top_logprobs = np.zeros(R, np.int64)
+        # logprob_token_ids: each pinned row's token ids (int64), reported instead of its top ones
+        self.pinned = np.zeros(R, bool)
+        self.lp_ids: list[torch.Tensor | None] = [None] * R
         # logit_bias: each biased row's entries, and its (token ids int64, values float32) on the device
         self.bias_len = np.zeros(R, np.int64)
         self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * R
@@ -108,6 +111,10 @@ class Sampler:
         self.seed[row] = params.seed or 0  # any int64: all 2**64 seeds sample apart
         self.logprobs[row] = params.logprobs
         self.top_logprobs[row] = params.top_logprobs if params.logprobs else 0
+        self.pinned[row] = bool(params.logprob_token_ids)
+        self.lp_ids[row] = None
+        if params.logprob_token_ids:
+            self.lp_ids[row] = torch.tensor(params.logprob_token_ids, dtype=torch.int64, device=self.device)
         self.bias_len[row] = len(params.logit_bias)
         self.bias[row] = None
         if params.logit_bias:
@@ -144,6 +151,7 @@ class Sampler:
     def clear_request(self, row: int) -> None:
         self.greedy[row], self.penalized[row], self.seeded[row] = True, False, False
         self.logprobs[row], self.top_logprobs[row], self.min_tokens[row] = False, 0, 0
+        self.pinned[row], self.lp_ids[row] = False, None
         self.bias_len[row], self.bias[row] = 0, None
         self.restricted[row], self.allowed[row] = False, None
         self.budgeted[row], self.thinking[row] = False, None
@@ -225,6 +233,14 @@ class Sampler:
         top_lp = torch.full((S, K), float("nan"), device=self.device)
         top_ids = torch.zeros((S, K), dtype=torch.int64, device=self.device)
         top_lp[lp_idx], top_ids[lp_idx] = raw_logprobs.topk(K, dim=-1)
+        pinned = self.pinned[rows]
+        if pinned.any():  # their own ids' logprobs, in the columns their count fills (rows of raw_logprobs: lp_idx's)
+            lp_rows = np.cumsum(want_lp) - 1
+            for i in np.flatnonzero(pinned).tolist():
+                ids = self.lp_ids[rows[i]]
+                assert ids is not None
+                top_ids[i, : len(ids)] = ids
+                top_lp[i, : len(ids)] = raw_logprobs[int(lp_rows[i])].gather(0, ids)
         return SampleResult(tokens, chosen, top_ids, top_lp)
 
     def add_bias(self, logits: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:

@@ -419,7 +419,8 @@ class TokenizerManager:
             k = r["n_top"]
             n_tokens = r["logprobs_len"] // (8 * (1 + k))
             part = payload[r["logprobs_off"] : r["logprobs_off"] + r["logprobs_len"]]
-            state.logprobs.append(TokenLogprobs.of(*unpack_logprobs(part, n_tokens, k)))
+            pinned = bool(state.params.logprob_token_ids)
+            state.logprobs.append(TokenLogprobs.of(*unpack_logprobs(part, n_tokens, k), pinned=pinned))
         finish = r["finish"]
         if finish == Finish.NONE:
             return False

@@ -16,7 +16,7 @@ from httpapi.errors import engine_unavailable
 from httpapi.info import served_model_names
 from httpapi.logprobs import LogprobVocab
 from httpapi.responses import now
-from httpapi.sampling import SamplingSpec
+from httpapi.sampling import SamplingSpec, check_max_logprobs
 from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
 from runtime.engine_stats import EngineStats
@@ -245,6 +245,7 @@ class HTTPWorkerProcess:
         `lora_id` (0: the base model); raises APIError(400)."""
         m = self.model
         params = spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
+        check_max_logprobs(params, spec.names, self.args.max_logprobs)
         return dataclasses.replace(params, lora_id=lora_id) if lora_id else params
 
     async def submit(

@@ -2,7 +2,7 @@
 flag and by environment variable; the refusals (tensor / data parallelism, an alias and its
 target given different values); list settings; then a real server (the null model) started
 with several served names, a copied --tokenizer-path, vLLM's aliases, --log-requests, --root-path,
---return-tokens-as-token-ids and --enable-force-include-usage, and
+--return-tokens-as-token-ids, --enable-force-include-usage and --max-logprobs, and
 `python -m runtime serve --tp 2` refused with the reason."""
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ def start(start_server, tokenizer_copy):
         return_tokens_as_token_ids=1,
         enable_force_include_usage=1,
         root_path="/api/llm",
+        max_logprobs=3,
     )
 
 
@@ -262,6 +263,34 @@ def test_tokens_as_ids_and_forced_usage(server):
     )
     used = [c.usage.completion_tokens for c in chat]
     assert used == sorted(used) and used[-1] == 3
+
+
+def test_max_logprobs_bounds_every_field_that_asks_for_logprobs(server):
+    """--max-logprobs (vLLM's): a request asking more per position is a 400 naming its field;
+    -1, the whole vocabulary, is one whatever the bound (no token's records carry it)."""
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = {"model": NAMES[0], "messages": hi, "max_tokens": 2, "logprobs": True}
+    completion = {"model": NAMES[0], "prompt": "Hi", "max_tokens": 2}
+    ok = httpx.post(server.url("/v1/chat/completions"), json={**chat, "top_logprobs": 3}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    for path, body, param in [
+        ("/v1/chat/completions", {**chat, "top_logprobs": 4}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprob_token_ids": [1, 2, 3, 4]}, "logprob_token_ids"),
+        ("/v1/completions", {**completion, "logprobs": 4}, "logprobs"),
+        ("/v1/completions", {**completion, "prompt_logprobs": 4}, "prompt_logprobs"),
+        ("/v1/completions", {**completion, "echo": True, "logprobs": 4}, "logprobs"),
+    ]:
+        r = httpx.post(server.url(path), json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert "--max-logprobs" in r.json()["error"]["message"]
+    for path, body, param in [
+        ("/v1/chat/completions", {**chat, "top_logprobs": -1}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/completions", {**completion, "logprobs": -1}, "logprobs"),
+    ]:
+        r = httpx.post(server.url(path), json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert "every token of the vocabulary" in r.json()["error"]["message"]
 
 
 def test_root_path_is_served_and_so_is_the_bare_path(server):

@@ -23,6 +23,9 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 OTHER = "def fibonacci(n):"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 START = 4  # logprob_start_len
+PINNED = [1000, 100, 5000]  # logprob_token_ids, none of them likely
+SAMPLED = 42  # the one token the pinned chat may take (allowed_token_ids)
+AS_IDS = {"return_tokens_as_token_ids": True}
 TOOL = {
     "type": "function",
     "function": {
@@ -81,6 +84,19 @@ def got(server, client):
                 stream=True,
                 extra_body={"prompt_logprobs": K},
                 **completion,
+            )
+        ),
+        # vLLM's logprob_token_ids: these ids' logprobs (and the sampled one's), not the likeliest
+        "pinned": lambda: client.chat.completions.create(
+            messages=CHAT,
+            logprobs=True,
+            top_logprobs=5,
+            extra_body={**AS_IDS, "logprob_token_ids": PINNED, "allowed_token_ids": [SAMPLED]},
+            **{**completion, "max_tokens": 1},
+        ),
+        "pinned_stream": lambda: list(
+            client.completions.create(
+                prompt=OTHER, logprobs=5, stream=True, extra_body={**AS_IDS, "logprob_token_ids": PINNED}, **completion
             )
         ),
         "generate": lambda: post(
@@ -205,6 +221,34 @@ def test_completions_echo_with_logprobs_streamed(got, reference, tokenizer):
         for a, b in zip(tops[1:], whole.logprobs.top_logprobs[1:]):
             assert a.keys() == b.keys()
             np.testing.assert_allclose(list(a.values()), [b[t] for t in a], atol=ATOL)
+
+
+def token_id(shown: str) -> int:
+    assert shown.startswith("token_id:"), shown
+    return int(shown.removeprefix("token_id:"))
+
+
+def test_logprob_token_ids_give_those_ids_and_the_sampled_ones_logprobs(got, reference):
+    content = got["pinned"].choices[0].logprobs.content
+    assert len(content) == 1 and token_id(content[0].token) == SAMPLED
+    top = {token_id(e.token): e.logprob for e in content[0].top_logprobs}
+    assert len(top) == len(content[0].top_logprobs), "no token twice"
+    assert list(top) == [*PINNED, SAMPLED]  # the client's order, then the sampled token
+    row = reference["chat"][1][-1]  # the prompt's last position predicts the answer's first token
+    np.testing.assert_allclose(list(top.values()), row[list(top)], atol=ATOL)
+    assert content[0].logprob == pytest.approx(float(row[SAMPLED]), abs=ATOL)
+
+
+def test_logprob_token_ids_streamed_on_completions(got, reference):
+    logprobs = [c.logprobs for chunk in got["pinned_stream"] for c in chunk.choices if c.logprobs]
+    positions = [top for lp in logprobs for top in lp.top_logprobs]
+    tokens = [token for lp in logprobs for token in lp.tokens]
+    assert len(positions) == len(tokens) == MAX_TOKENS
+    for token, top in zip(tokens, positions):  # a sampled token among the pinned ones is listed once
+        assert [token_id(t) for t in top] == list(dict.fromkeys([*PINNED, token_id(token)]))
+    row = reference["other"][1][-1]
+    first = {token_id(t): y for t, y in positions[0].items()}
+    np.testing.assert_allclose(list(first.values()), row[list(first)], atol=ATOL)
 
 
 # ---------------------------------------------------------------- vLLM's prompt_logprobs

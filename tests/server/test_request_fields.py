@@ -136,7 +136,6 @@ OPENAI_COMMON = [
         None,
     ),
     ("bad_words", "refused", ["x"], "not supported", None, None),
-    ("logprob_token_ids", "refused", [1], "not supported (top logprobs are)", None, None),
     ("watermarking", "refused", True, "not supported", None, None),
     # vLLM's extra parameters
     (
@@ -219,6 +218,14 @@ CHAT_ONLY = [
     ("messages", "served", HI, "rendered by the chat template", None, None),
     ("logprobs", "served", True, "SamplingParams.logprobs", p(logprobs=True), None),
     ("top_logprobs", "served", 2, "SamplingParams.top_logprobs", p(top_logprobs=2), {"logprobs": True}),
+    (
+        "logprob_token_ids",
+        "served",
+        [7, 1, 7],
+        "vLLM's: these tokens' logprobs (and the sampled one's) instead of the top_logprobs likeliest",
+        p(logprob_token_ids=(7, 1), top_logprobs=2),
+        {"logprobs": True, "top_logprobs": 5},
+    ),
     ("max_completion_tokens", "served", 3, "SamplingParams.max_new_tokens", p(max_new_tokens=3), None),
     ("tools", "served", [TOOL], "passed to the chat template; parsed for the response", None, None),
     ("tool_choice", "served", "required", "required / a function: a JSON_SCHEMA grammar of the call", None, None),
@@ -268,6 +275,14 @@ COMPLETIONS_ONLY = [
     ("thinking_token_budget", "refused", 100, "chat's only (-1, unlimited, is accepted)", None, None),
     ("prompt", "served", "Hi", "tokenized (or token ids as given)", None, None),
     ("logprobs", "served", 2, "SamplingParams.logprobs, top_logprobs", p(logprobs=True, top_logprobs=2), None),
+    (
+        "logprob_token_ids",
+        "served",
+        [7, 1, 7],
+        "vLLM's: these tokens' logprobs (and the sampled one's) instead of the `logprobs` likeliest",
+        p(logprob_token_ids=(7, 1), top_logprobs=2),
+        {"logprobs": 0},
+    ),
     ("echo", "served", True, "the prompt before the completion; with logprobs: prompt_logprobs", None, None),
     ("suffix", "refused", "x", "not supported (as in vLLM)", None, None),
     ("add_special_tokens", "served", False, "a text prompt without BOS and the like", None, None),

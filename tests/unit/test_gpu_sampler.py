@@ -264,6 +264,22 @@ def test_logprobs_are_the_raw_model_distribution():
     np.testing.assert_allclose(res.top_logprobs[0].numpy(), np.log(PROBS[:3]), atol=1e-5)
 
 
+def test_pinned_logprob_ids_replace_a_rows_top_ones_whatever_their_rank():
+    sampler = make()
+    pinned = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, logprob_token_ids=(6, 2))
+    sampler.set_request(0, SamplingParams(temperature=0.0), no_output(), no_output())  # asks no logprobs
+    sampler.set_request(1, pinned, no_output(), no_output())
+    sampler.set_request(2, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3), no_output(), no_output())
+    res = sampler.sample(logits_of(PROBS, 3), np.array([0, 1, 2]))
+    assert res.tokens.tolist() == [0, 0, 0]
+    assert res.top_ids[1, :2].tolist() == [6, 2]  # the unlikely 6 first: the client's order
+    np.testing.assert_allclose(res.top_logprobs[1, :2].numpy(), np.log([PROBS[6], PROBS[2]]), atol=1e-5)
+    assert res.top_ids[2].tolist() == [0, 1, 2]  # an unpinned row keeps its likeliest
+    sampler.clear_request(1)
+    sampler.set_request(1, SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2), no_output(), no_output())
+    assert sampler.sample(logits_of(PROBS, 2), np.array([1, 2])).top_ids[0, :2].tolist() == [0, 1]
+
+
 def test_rows_outside_the_table_are_refused():
     sampler = make(rows=4)
     with pytest.raises(ValueError, match="row 4 is outside"):

@@ -62,6 +62,7 @@ def test_every_sampling_param_crosses_the_request_channel(pair):
         spaces_between_special_tokens=False,
         logprobs=True,
         top_logprobs=20,
+        logprob_token_ids=(49151, *range(19)),
         grammar_kind=GrammarKind.JSON_SCHEMA,
         grammar='{"type": "object", "properties": {"é🙂": {"type": "string"}}}',
         logit_bias=((5, -100.0), (49151, 2.5), (0, 0.25)),  # biases that float32 holds exactly
@@ -110,6 +111,8 @@ def test_requests_sharing_sampling_share_its_params_and_nothing_else(pair):
         SamplingParams(max_new_tokens=9, stop=("x",), grammar_kind=GrammarKind.REGEX, grammar="y+"),
         SamplingParams(max_new_tokens=9, stop=("x",), logit_bias=((3, 1.0),)),
         SamplingParams(max_new_tokens=9, stop=("x",), logit_bias=((3, 2.0),)),
+        SamplingParams(max_new_tokens=9, stop=("x",), logprobs=True, top_logprobs=1, logprob_token_ids=(3,)),
+        SamplingParams(max_new_tokens=9, stop=("x",), logprobs=True, top_logprobs=1, logprob_token_ids=(4,)),
     ]
     prod, cons = pair(REQUEST)
     sent = [(base, 1), *((v, 2 + k) for k, v in enumerate(variants)), (base, 99)]
