@@ -165,6 +165,24 @@ def e2e_latency(state: ChoiceState) -> float:
     return (time.monotonic_ns() - state.group.arrival_ns) * 1e-9
 
 
+def per_request_metrics(received_ns: int, submitted_ns: int, first_ns: int, end_ns: int, tokens: int) -> dict:
+    """vLLM's per-request `metrics` (--enable-per-request-metrics) from the HTTP side's clock:
+    the request's arrival, its submission to the engine, its first token, its end. The queue is
+    the HTTP side's (parsing, the template, tokenizing); the scheduler's own wait falls in the
+    time to first token, as the prefill does. A field whose times are missing is left out, and
+    the mean inter-token latency needs two tokens (vLLM's)."""
+    ms = 1e-6
+    out = {"queue_time_ms": max(submitted_ns - received_ns, 0) * ms}
+    if first_ns:
+        out["time_to_first_token_ms"] = (first_ns - submitted_ns) * ms
+        out["generation_time_ms"] = (end_ns - first_ns) * ms
+        if tokens > 1:
+            out["mean_itl_ms"] = (end_ns - first_ns) * ms / (tokens - 1)
+    if end_ns > submitted_ns:
+        out["tokens_per_second"] = tokens / ((end_ns - submitted_ns) * 1e-9)
+    return out
+
+
 def usage_of(state: ChoiceState) -> Usage:
     return Usage(state.prompt_tokens, state.completion_tokens, state.cached_tokens)
 

@@ -146,6 +146,13 @@ class ServerArgs:
         " `include_usage` and `continuous_usage_stats`",
         same_row=True,
     )
+    enable_per_request_metrics: bool = setting(
+        False,
+        "vLLM's: a one-choice answer carries `metrics` (queue, time to first token, generation time, mean "
+        "inter-token latency, tokens per second; a stream's on its usage chunk), timed by the HTTP worker: its "
+        "queue is the parsing and tokenizing, the scheduler's wait falls in the time to first token",
+        same_row=True,
+    )
     null_model: bool = setting(False, "instant tokens: measures the server's own per-token cost")
     is_embedding: bool = setting(
         False,

@@ -8,8 +8,10 @@ import asyncio
 import dataclasses
 import functools
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
@@ -49,6 +51,7 @@ from httpapi.responses import (
     new_request_id,
     now,
     output_ids_of,
+    per_request_metrics,
     usage_of,
 )
 from httpapi.sampling import check_prompt_chars, check_request_size, check_token_ids, validated
@@ -112,6 +115,7 @@ def check_api(worker, api: str, pooling: bool = False) -> None:
 @api_route
 async def chat_completions(worker, request: Request) -> Reply:
     check_api(worker, "Chat Completions")
+    received_ns = time.monotonic_ns()
     req = parse_chat_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
@@ -137,7 +141,8 @@ async def chat_completions(worker, request: Request) -> Reply:
     vocab = logprob_vocab(worker, params.logprobs or params.prompt_logprobs >= 0, req.tokens_as_ids)
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
-        extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids)
+        timed = metrics_from(worker, received_ns, req.n)
+        extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids, metrics_from=timed)
         head = stream.start([usage_of(s) for s in group.states] if extras.continuous_usage else None)
         if req.return_token_ids:  # vLLM's: the prompt's ids on the stream's first write
             head = with_field(head, "prompt_token_ids", ids)
@@ -159,7 +164,7 @@ async def chat_completions(worker, request: Request) -> Reply:
         output,
         ids if req.return_token_ids else None,
     )
-    return json_response(body)
+    return json_response(with_metrics(worker, body, received_ns, group))
 
 
 def with_thinking_budget(worker, params: SamplingParams, budget: int) -> SamplingParams:
@@ -260,7 +265,7 @@ def chat_events(
         events[0] = stream.with_prompt_logprobs(events[0], plp)
         return events, finish
 
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras.final_usage))
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras))
 
 
 @api_route
@@ -316,6 +321,7 @@ async def invocations(worker, request: Request) -> Reply:
 @api_route
 async def completions(worker, request: Request) -> Reply:
     check_api(worker, "Completions")
+    received_ns = time.monotonic_ns()
     req = parse_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
@@ -337,7 +343,8 @@ async def completions(worker, request: Request) -> Reply:
         stream = CompletionStream(request_id, created, worker.model.served_name, len(group.states), vocab)
         # vLLM's return_token_ids: each choice's prompt ids on its first chunk
         choice_prompts = [prompt_ids[i // n] for i in range(len(group.states))] if req.return_token_ids else None
-        extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids, choice_prompts)
+        timed = metrics_from(worker, received_ns, len(group.states))
+        extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids, choice_prompts, timed)
         if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
             stream.echo_logprobs = bool(echoes) and params[0].logprobs
             events = openai_events(worker, group, stream, n, extras, b"", echoes)
@@ -359,7 +366,7 @@ async def completions(worker, request: Request) -> Reply:
         bool(echoes),
         prompt_ids if req.return_token_ids else None,
     )
-    return json_response(body)
+    return json_response(with_metrics(worker, body, received_ns, group))
 
 
 def logprob_vocab(worker, needed: bool, tokens_as_ids: bool | None) -> LogprobVocab | None:
@@ -399,7 +406,28 @@ def openai_events(
             return extras.on_each([event], state, finish)
         return None
 
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras.final_usage))
+    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras))
+
+
+def metrics_from(worker, received_ns: int, choices: int) -> int | None:
+    """The arrival time per-request metrics count from, when they are served
+    (--enable-per-request-metrics) and the request has one choice: vLLM's leave out a request
+    of several, whose times are no one choice's."""
+    return received_ns if worker.args.enable_per_request_metrics and choices == 1 else None
+
+
+def with_metrics(worker, body: bytes, received_ns: int, group: ReqGroup) -> bytes:
+    """A finished answer's body (a JSON object) with vLLM's per-request metrics, when it carries them."""
+    if metrics_from(worker, received_ns, len(group.states)) is None:
+        return body
+    return body[:-1] + b',"metrics":' + orjson.dumps(metrics_of(received_ns, group)) + b"}"
+
+
+def metrics_of(received_ns: int, group: ReqGroup) -> dict:
+    """The one choice's per-request metrics, ending now."""
+    state = group.states[0]
+    end_ns = time.monotonic_ns()
+    return per_request_metrics(received_ns, group.arrival_ns, state.first_ns, end_ns, state.completion_tokens)
 
 
 def usage_asked(req: ChatCompletionRequest | CompletionRequest, args: ServerArgs) -> tuple[bool, bool]:
@@ -415,7 +443,8 @@ class ChunkExtras:
     before DONE (stream_options.include_usage); `continuous_usage`, each chunk's own usage too
     (vLLM's continuous_usage_stats: its choice's completion tokens so far); `token_ids`, vLLM's
     return_token_ids: each choice's token ids not sent before on its next chunk, and
-    `choice_prompts`' prompt ids on a completion choice's first."""
+    `choice_prompts`' prompt ids on a completion choice's first; `metrics_from`, vLLM's
+    per-request metrics on the usage chunk, from that arrival time."""
 
     def __init__(
         self,
@@ -423,9 +452,11 @@ class ChunkExtras:
         continuous_usage: bool,
         token_ids: bool = False,
         choice_prompts: list[list[int]] | None = None,
+        metrics_from: int | None = None,
     ) -> None:
         self.final_usage, self.continuous_usage, self.token_ids = final_usage, continuous_usage, token_ids
         self.choice_prompts = choice_prompts
+        self.metrics_from = metrics_from  # the request's arrival, when the usage chunk carries vLLM's metrics
         self.sent: dict[int, int] = {}  # choice index -> its token ids sent
 
     def on_each(self, events: list[bytes], state: ReqState, finish: str | None) -> bytes | None:
@@ -449,14 +480,18 @@ class ChunkExtras:
 
 
 def usage_tail(
-    group: ReqGroup, stream: ChatStream | CompletionStream, n: int, include_usage: bool
+    group: ReqGroup, stream: ChatStream | CompletionStream, n: int, extras: ChunkExtras
 ) -> Callable[[], bytes]:
-    """An OpenAI stream's last write: the usage chunk (stream_options.include_usage), then [DONE]."""
+    """An OpenAI stream's last write: the usage chunk (stream_options.include_usage), with vLLM's
+    per-request metrics when `extras` asks, then [DONE]."""
 
     def tail() -> bytes:
-        if include_usage:
-            return stream.usage(Usage.combine([usage_of(s) for s in group.states], n)) + DONE
-        return DONE
+        if not extras.final_usage:
+            return DONE
+        chunk = stream.usage(Usage.combine([usage_of(s) for s in group.states], n))
+        if extras.metrics_from is not None:
+            chunk = with_field(chunk, "metrics", metrics_of(extras.metrics_from, group))
+        return chunk + DONE
 
     return tail
 

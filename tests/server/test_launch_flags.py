@@ -2,7 +2,8 @@
 flag and by environment variable; the refusals (tensor / data parallelism, an alias and its
 target given different values); list settings; then a real server (the null model) started
 with several served names, a copied --tokenizer-path, vLLM's aliases, --log-requests, --root-path,
---return-tokens-as-token-ids, --enable-force-include-usage and --max-logprobs, and
+--return-tokens-as-token-ids, --enable-force-include-usage, --max-logprobs and
+--enable-per-request-metrics, and
 `python -m runtime serve --tp 2` refused with the reason."""
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ def start(start_server, tokenizer_copy):
         enable_force_include_usage=1,
         root_path="/api/llm",
         max_logprobs=3,
+        enable_per_request_metrics=1,
     )
 
 
@@ -291,6 +293,32 @@ def test_max_logprobs_bounds_every_field_that_asks_for_logprobs(server):
         r = httpx.post(server.url(path), json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert "every token of the vocabulary" in r.json()["error"]["message"]
+
+
+TIMINGS = {"queue_time_ms", "time_to_first_token_ms", "generation_time_ms", "mean_itl_ms", "tokens_per_second"}
+
+
+def test_per_request_metrics_on_one_choice_answers(server):
+    """--enable-per-request-metrics (vLLM's): a one-choice answer's `metrics`, consistent with
+    each other; a stream's ride its usage chunk alone; answers of several choices carry none."""
+    client = server.openai_client()
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=NAMES[0], messages=hi, max_tokens=4, extra_body={"min_tokens": 4})
+    m = chat.model_extra["metrics"]
+    assert set(m) == TIMINGS and all(v >= 0 for v in m.values())
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 3)
+    seconds = (m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1000
+    assert m["tokens_per_second"] == pytest.approx(4 / seconds, rel=0.01)
+    completion = client.completions.create(model=NAMES[0], prompt="Hi", max_tokens=2)
+    assert set(completion.model_extra["metrics"]) == TIMINGS
+    chunks = list(client.chat.completions.create(model=NAMES[0], messages=hi, max_tokens=1, stream=True))
+    assert all("metrics" not in (c.model_extra or {}) for c in chunks[:-1])
+    assert chunks[-1].choices == [] and set(chunks[-1].model_extra["metrics"]) == TIMINGS - {"mean_itl_ms"}
+    several = [
+        client.chat.completions.create(model=NAMES[0], messages=hi, max_tokens=2, n=2),
+        client.completions.create(model=NAMES[0], prompt=["Hi", "Yo"], max_tokens=2),
+    ]
+    assert all("metrics" not in (a.model_extra or {}) for a in several)
 
 
 def test_root_path_is_served_and_so_is_the_bare_path(server):

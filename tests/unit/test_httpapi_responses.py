@@ -25,6 +25,7 @@ from httpapi.responses import (
     generate_body,
     new_request_id,
     now,
+    per_request_metrics,
 )
 from runtime.config import ServerArgs
 
@@ -280,3 +281,22 @@ def test_vllms_prompt_keys_are_null_unless_asked(vocab):
     body = completion_body("cmpl-3", now(), MODEL, [ChoiceResult(0, "x", "stop", Usage(1, 1))], 1, vocab)
     choice = orjson.loads(body)["choices"][0]
     assert choice["prompt_logprobs"] is None and choice["prompt_token_ids"] is None and "token_ids" not in choice
+
+
+def test_per_request_metrics_split_the_request_at_its_submission_and_first_token():
+    s = 1_000_000_000  # ns
+    # arrived at 10 s, submitted at 10.25 s, first token at 11 s, 5 tokens by 13 s
+    m = per_request_metrics(10 * s, 10 * s + s // 4, 11 * s, 13 * s, 5)
+    assert m == pytest.approx(
+        {
+            "queue_time_ms": 250.0,
+            "time_to_first_token_ms": 750.0,
+            "generation_time_ms": 2000.0,
+            "mean_itl_ms": 500.0,  # 4 gaps between 5 tokens
+            "tokens_per_second": 5 / 2.75,  # from the submission: the prefill counts
+        }
+    )
+    one = per_request_metrics(10 * s, 10 * s, 11 * s, 11 * s, 1)
+    assert "mean_itl_ms" not in one and one["generation_time_ms"] == 0.0
+    none_yet = per_request_metrics(10 * s, 10 * s, 0, 12 * s, 0)  # ended before a token (an abort)
+    assert set(none_yet) == {"queue_time_ms", "tokens_per_second"} and none_yet["tokens_per_second"] == 0.0
