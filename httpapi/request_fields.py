@@ -4,7 +4,6 @@ server refuses or ignores, and the client's name for its request."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -61,7 +60,17 @@ NOTHING_ASKED: dict[str, tuple] = {
     "stream_reasoning": (True,),  # SGLang's default, which sglang-router sends with every chat
     "modalities": (["text"],),
 }
-OPENAI_IGNORED = {"str": IGNORED_STRS, "bool": IGNORED_BOOLS, "number": IGNORED_NUMBERS, "object": IGNORED_OBJECTS}
+
+
+def ignored_fields(table: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """A table of fields that change no output, {kind: names} -> {name: kind} for check_ignored.
+    Kinds: str, bool, int, number, object."""
+    return {key: kind for kind, keys in table.items() for key in keys}
+
+
+OPENAI_IGNORED = ignored_fields(
+    {"str": IGNORED_STRS, "bool": IGNORED_BOOLS, "number": IGNORED_NUMBERS, "object": IGNORED_OBJECTS}
+)
 MAX_REQUEST_ID_CHARS = 256
 # a client's name for its request: visible ASCII only (it is echoed in a header, and logged)
 _REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
@@ -149,29 +158,28 @@ def read_prompt_logprobs(f: Fields) -> int:
 def refuse_unserved(f: Fields, refused: dict[str, str]) -> None:
     """A field this server does not serve is a 400 naming it, unless its value asks for nothing
     (null, or its NOTHING_ASKED values, else false, 0, "", [] or {}): then it changes nothing."""
-    for key, why in refused.items():
+    for key in f.present(refused):
         value = f.obj.get(key)
         if value is None:
             continue
         f.read.add(key)
         if not any(type(value) is type(v) and value == v for v in NOTHING_ASKED.get(key, ASK_NOTHING)):
-            raise bad_request(f"{f.param(key)}: {why}", f.param(key))
+            raise bad_request(f"{f.param(key)}: {refused[key]}", f.param(key))
 
 
-def check_ignored(f: Fields, table: dict[str, tuple[str, ...]] = OPENAI_IGNORED) -> None:
-    """Fields that change no output get their types checked, as vLLM and SGLang check them."""
-    read: dict[str, Callable[[str], object]] = {
-        "str": f.get_str,
-        "bool": lambda k: f.get_bool(k, False),
-        "int": f.get_int,
-        "number": f.get_float,
-    }
-    for kind, keys in table.items():
-        for key in keys:
-            if kind == "object":
-                f.get_object(key)
-            else:
-                read[kind](key)
+def check_ignored(f: Fields, kinds: dict[str, str] | None = None) -> None:
+    """Fields that change no output get their types checked, as vLLM and SGLang check them.
+    kinds: ignored_fields()' table (default: OpenAI's)."""
+    kinds = OPENAI_IGNORED if kinds is None else kinds
+    for key in f.present(kinds):
+        kind = kinds[key]
+        if kind == "bool":
+            f.get_bool(key, False)
+        else:
+            getattr(f, _GETTERS[kind])(key)
+
+
+_GETTERS = {"str": "get_str", "int": "get_int", "number": "get_float", "object": "get_object"}
 
 
 def sglang_no_stop_trim(f: Fields, values: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from httpapi.request_fields import (
     Prompt,
     PromptTruncation,
     check_ignored,
+    ignored_fields,
     read_logprobs_count,
     read_n,
     read_prompt_logprobs,
@@ -107,13 +108,15 @@ REFUSED_SAMPLING_PARAMS = {
     "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
 }
 # /generate's fields that change no output (routing, tracing, metrics): type-checked, unused
-GENERATE_IGNORED = {
-    "str": ("conversation_id", "routing_key"),
-    "bool": ("log_metrics", "no_logs"),
-    "int": ("routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank", "routed_experts_start_len"),
-    "number": ("received_time",),
-    "object": ("custom_labels", "external_trace_header"),
-}
+GENERATE_IGNORED = ignored_fields(
+    {
+        "str": ("conversation_id", "routing_key"),
+        "bool": ("log_metrics", "no_logs"),
+        "int": ("routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank", "routed_experts_start_len"),
+        "number": ("received_time",),
+        "object": ("custom_labels", "external_trace_header"),
+    }
+)
 
 
 @dataclass(frozen=True)

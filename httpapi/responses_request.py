@@ -29,7 +29,7 @@ from httpapi.chat_request import (
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
 from httpapi.grammar_fields import json_schema_format, one_grammar, structured_outputs
-from httpapi.request_fields import check_ignored, read_request_id, refuse_unserved, shown
+from httpapi.request_fields import check_ignored, ignored_fields, read_request_id, refuse_unserved, shown
 from httpapi.responses import new_request_id
 from httpapi.sampling import SamplingSpec, read_sampling
 from protocol.sampling_params import GrammarKind
@@ -60,9 +60,7 @@ REFUSED_RESPONSES = {
     "previous_input_messages": "previous_input_messages (Harmony messages) is not supported: "
     "continue with previous_response_id, or send the conversation as input",
 }
-IGNORED_RESPONSES: dict[str, tuple[str, ...]] = {
-    "str": ("user", "service_tier", "prompt_cache_key", "safety_identifier"),
-}
+IGNORED_RESPONSES = ignored_fields({"str": ("user", "service_tier", "prompt_cache_key", "safety_identifier")})
 
 
 @dataclass(frozen=True)
