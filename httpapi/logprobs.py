@@ -240,10 +240,10 @@ def vllm_prompt_logprobs(plp: PromptLogprobs, vocab: LogprobVocab) -> list[dict 
     return out
 
 
-def prompt_completion_logprobs(plp: PromptLogprobs, vocab: LogprobVocab, with_top: bool) -> tuple[dict, int]:
+def prompt_completion_logprobs(plp: PromptLogprobs, vocab: LogprobVocab) -> tuple[dict, int]:
     """OpenAI completions' logprobs of an echoed prompt (its first token's logprob and top_logprobs
-    null), and where the completion's first token's text starts. `with_top`: the request's
-    logprobs was above 0 (else top_logprobs is null, as for the completion's tokens)."""
+    null), and where the completion's first token's text starts. A position's top_logprobs are
+    its alternatives and its own token (with logprobs 0, its own token alone), as vLLM's."""
     ids = plp.token_ids.tolist()
     text, chars = vocab.text, vocab.chars
     offsets, offset = [], 0
@@ -251,26 +251,22 @@ def prompt_completion_logprobs(plp: PromptLogprobs, vocab: LogprobVocab, with_to
         offsets.append(offset)
         offset += chars[t]
     lps: list[float | None] = _floor(plp.logprobs)
-    top: list[dict | None] | None = None
-    if with_top:
-        top = [
-            {text[a]: y for a, y in zip(alt_ids, alt_lps)}
-            for alt_ids, alt_lps in zip(plp.top_ids.tolist(), _floor(plp.top_logprobs))
-        ]
+    top: list[dict | None] = []
+    for t, x, alt_ids, alt_lps in zip(ids, lps, plp.top_ids.tolist(), _floor(plp.top_logprobs)):
+        alternatives = {text[a]: y for a, y in zip(alt_ids, alt_lps)}
+        alternatives.setdefault(text[t], x)
+        top.append(alternatives)
     if plp.first == 0 and ids:  # no token predicts the prompt's first
         lps[0] = None
-        if top is not None:
-            top[0] = None
+        top[0] = None
     body = {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
     return body, offset
 
 
-def echoed_logprobs(
-    plp: PromptLogprobs, logprobs: TokenLogprobs | None, vocab: LogprobVocab, with_top: bool
-) -> tuple[dict, int]:
+def echoed_logprobs(plp: PromptLogprobs, logprobs: TokenLogprobs | None, vocab: LogprobVocab) -> tuple[dict, int]:
     """Completions' logprobs of an echoed prompt and then (when any) of the completion's first
     tokens, their text offsets continuing; and where the next token's text starts."""
-    body, offset = prompt_completion_logprobs(plp, vocab, with_top)
+    body, offset = prompt_completion_logprobs(plp, vocab)
     if logprobs is None:
         return body, offset
     rest, offset = completion_logprobs(logprobs, vocab, offset)

@@ -268,9 +268,7 @@ def completion_choice(
     logprobs = None
     if c.logprobs is not None:
         if echo and c.prompt_logprobs is not None:
-            logprobs = echoed_logprobs(
-                c.prompt_logprobs, c.logprobs, need_vocab(vocab), c.logprobs.top_ids.shape[1] > 0
-            )[0]
+            logprobs = echoed_logprobs(c.prompt_logprobs, c.logprobs, need_vocab(vocab))[0]
         else:
             logprobs = completion_logprobs(c.logprobs, need_vocab(vocab), 0)[0]
     choice = {

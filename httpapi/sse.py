@@ -200,9 +200,8 @@ class CompletionStream(_OpenAIStream):
         if finish_reason is not None:
             choice["matched_stop"] = matched_stop
         if echo is not None and self.echo_logprobs and prompt_logprobs is not None:
-            with_top = logprobs is not None and logprobs.top_ids.shape[1] > 0
             choice["logprobs"], self._text_offset[index] = echoed_logprobs(
-                prompt_logprobs, logprobs, need_vocab(self._vocab), with_top
+                prompt_logprobs, logprobs, need_vocab(self._vocab)
             )
         elif logprobs is not None:
             choice["logprobs"], self._text_offset[index] = completion_logprobs(

@@ -64,6 +64,7 @@ def got(server, client):
     completion = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0)
     calls = {
         "echo": lambda: client.completions.create(prompt=[PROMPT, OTHER], echo=True, logprobs=K, **completion),
+        "echo0": lambda: client.completions.create(prompt=PROMPT, echo=True, logprobs=0, **completion),
         "echo_stream": lambda: list(
             client.completions.create(prompt=[PROMPT, OTHER], echo=True, logprobs=K, stream=True, **completion)
         ),
@@ -180,7 +181,10 @@ def check_echo(choice, reference, tokenizer) -> None:
     text_id = {tokenizer.convert_tokens_to_string([t]): i for i, t in enumerate(vocab)}
     for j in range(1, P):
         assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1][ids[j]]), abs=ATOL), j
-        check_top({text_id[t]: y for t, y in lp.top_logprobs[j].items()}, ref[j - 1])
+        top = {text_id[t]: y for t, y in lp.top_logprobs[j].items()}
+        assert ids[j] in top and len(top) in (K, K + 1), "the K likeliest and the prompt's own token"
+        np.testing.assert_allclose(ref[j - 1][list(top)], list(top.values()), atol=ATOL)
+        check_top(dict(sorted(top.items(), key=lambda kv: -kv[1])[:K]), ref[j - 1])
     # the completion's first token is predicted by the prompt's last position
     first = text_id[lp.tokens[P]]
     assert lp.token_logprobs[P] == pytest.approx(float(ref[P - 1][first]), abs=ATOL)
@@ -196,6 +200,17 @@ def test_completions_echo_with_logprobs(got, reference, tokenizer):
     assert [c.index for c in choices] == [0, 1]
     for choice in choices:
         check_echo(choice, reference, tokenizer)
+
+
+def test_completions_echo_with_logprobs_0_gives_each_tokens_own(got, reference, tokenizer):
+    """logprobs 0 (vLLM's answer): each position's top_logprobs holds its own token alone."""
+    ids, ref = reference["prompt"]
+    lp = got["echo0"].choices[0].logprobs
+    assert len(lp.top_logprobs) == len(ids) + MAX_TOKENS and lp.top_logprobs[0] is None
+    for j, (token, x, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        if j:
+            assert top == {token: x}, j
+    assert lp.token_logprobs[1] == pytest.approx(float(ref[0][ids[1]]), abs=ATOL)
 
 
 def test_completions_echo_with_logprobs_streamed(got, reference, tokenizer):
