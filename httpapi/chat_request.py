@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import regex
 
 from httpapi.errors import APIError, bad_request
 from httpapi.fields import Fields, load_object
@@ -21,6 +22,7 @@ from httpapi.request_fields import (
     read_n,
     read_prompt_logprobs,
     read_request_id,
+    read_stop_regex,
     read_stream,
     read_truncation,
     refuse_unserved,
@@ -110,6 +112,7 @@ class ChatCompletionRequest:
     echo: str = ""  # vLLM's echo: the final message's content, which each choice's text then starts with
     tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
     thinking_budget: int = -1  # vLLM's thinking_token_budget: reasoning tokens at most (-1: no bound)
+    stop_regex: tuple[regex.Pattern, ...] = ()  # SGLang's: a choice stops where one matches its text
 
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
@@ -129,6 +132,8 @@ def parse_batch_chat_completion(body: bytes) -> list[ChatCompletionRequest]:
     for key, served in (("stream", (None, False)), ("tools", (None, [])), ("n", (None, 1))):
         if obj.get(key) not in served:
             raise bad_request(f"{key} is not served on /v1/chat/completions/batch (as vLLM's)", key)
+    if obj.get("stop_regex") is not None:  # the batch's route does not watch its choices' text
+        raise bad_request("stop_regex is not served on /v1/chat/completions/batch", "stop_regex")
     requests = []
     for i, conversation in enumerate(conversations):
         try:
@@ -176,6 +181,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     include_reasoning = f.get_bool("include_reasoning", True)
     separate_reasoning = f.get_bool("separate_reasoning", True)
     thinking_budget = read_thinking_budget(f, names)
+    stop_regex = read_stop_regex(f)
     refuse_unserved(f, REFUSED_CHAT)
     check_ignored(f)
     f.warn_unknown("/v1/chat/completions")
@@ -200,6 +206,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
         echo,
         tokens_as_ids,
         thinking_budget,
+        stop_regex,
     )
 
 

@@ -7,10 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
+import regex
+
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, shown
-from protocol.sampling_params import MAX_TOP_LOGPROBS
+from protocol.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
+MAX_STOP_REGEX_CHARS = 1024  # SGLang's stop_regex: each pattern's length
 MAX_CHOICES = 128  # n times the number of prompts in one request
 # Fields that change no output, in vLLM and SGLang either (tests/server/test_request_fields.py says why
 # for each): type-checked, then unused.
@@ -31,7 +34,6 @@ REFUSED_OPENAI = {
     "vllm_xargs": "vllm_xargs (custom extensions) is not supported",
     "repetition_detection": "repetition_detection is not supported",
     "thinking_token_budget": "thinking_token_budget is not supported",
-    "stop_regex": "stop_regex is not supported; stop strings are",
     "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
     "priority": "priority scheduling is not supported",
     "mm_processor_kwargs": "this server runs a text-only model",
@@ -106,6 +108,27 @@ def read_prompts(
     if not empty_allowed and not all(prompts):
         raise bad_request(f"{param} must not be empty", param)
     return prompts, batch
+
+
+def read_stop_regex(f: Fields) -> tuple[regex.Pattern, ...]:
+    """SGLang's stop_regex: a pattern or a list of them; a choice stops where one matches its
+    text (runtime/http_worker/stop_regex.py). Each compiled here: a 400 naming the field for a
+    bad one, too many, or one too long."""
+    patterns = f.get_strs("stop_regex")
+    param = f.param("stop_regex")
+    if len(patterns) > MAX_STOP_STRINGS or not all(0 < len(p) <= MAX_STOP_REGEX_CHARS for p in patterns):
+        raise bad_request(
+            f"{param} must be at most {MAX_STOP_STRINGS} non-empty patterns of at most {MAX_STOP_REGEX_CHARS} "
+            f"characters each",
+            param,
+        )
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(regex.compile(pattern))
+        except (regex.error, OverflowError, RecursionError) as e:
+            raise bad_request(f"{param} {shown(pattern)} is not a valid regular expression: {e}", param) from None
+    return tuple(compiled)
 
 
 def read_stream(f: Fields) -> tuple[bool, bool, bool]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from httpapi.chat_request import ChatTemplateArgs, read_messages, read_template_args, read_tools
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, load_object
@@ -29,6 +31,7 @@ from httpapi.request_fields import (
     read_prompt_logprobs,
     read_prompts,
     read_request_id,
+    read_stop_regex,
     read_stream,
     read_truncation,
     refuse_unserved,
@@ -103,7 +106,7 @@ REFUSED_GENERATE = {
     "multi_item_delimiter_indices": "multi-item scoring is not supported",
 }
 REFUSED_SAMPLING_PARAMS = {
-    "stop_regex": REFUSED_OPENAI["stop_regex"],
+    "stop_regex": "stop_regex is served on /v1/completions and /v1/chat/completions, not on /generate",
     "custom_params": "custom_params (for custom logit processors) is not supported",
     "stream_interval": "a per-request stream_interval is not supported; the server's --stream-interval applies",
 }
@@ -134,6 +137,7 @@ class CompletionRequest:
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
     return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids in the answer
     tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
+    stop_regex: tuple[regex.Pattern, ...] = ()  # SGLang's: a choice stops where one matches its text
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     add_special_tokens = f.get_bool("add_special_tokens", True)
     request_id = read_request_id(f)
     truncation = read_truncation(f)
+    stop_regex = read_stop_regex(f)
     refuse_unserved(f, REFUSED_OPENAI)
     check_ignored(f)
     f.warn_unknown("/v1/completions")
@@ -225,6 +230,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         truncation,
         return_token_ids,
         tokens_as_ids,
+        stop_regex,
     )
 
 

@@ -47,6 +47,7 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 # OpenAI's Responses fields this server does not serve: field -> why (refuse_unserved's table)
 REFUSED_RESPONSES = {
     **REFUSED_CHAT,
+    "stop_regex": "stop_regex is served on /v1/completions and /v1/chat/completions, not on /v1/responses",
     "conversation": "conversations are not supported: continue a stored response with previous_response_id",
     "prompt": "prompt templates are not supported: send input (and instructions)",
     "context_management": "context management (compaction) is not supported",

@@ -242,6 +242,22 @@ class TokenizerManager:
         frees their KV pages), slots freed; its waiters get ClientGone."""
         self._fail(group, ClientGone(), abort=True)
 
+    def stop_choice(self, state: ReqState, matched: str) -> None:
+        """Ends a choice as stopped by `matched`, a stop_regex pattern its coroutine found in its
+        text (which it takes next: the choice is not posted again): finish "stop", and an ABORT
+        record so that the scheduler stops generating it, unless it had ended already."""
+        finished = state.finished
+        state.finish, state.stop_pattern = Finish.STOP, matched
+        if finished:
+            return
+        if self.dead is None:
+            self._send(pack_control(RequestKind.ABORT, self.worker, state.slot, state.gen), None)
+        self._release(state)
+        group = state.group
+        group.unfinished -= 1
+        if group.unfinished == 0:
+            self._forget(group)
+
     def abort_rid(self, rid: str | None) -> int:
         """/abort_request: the request named `rid`, or every request of the server for None.
         This worker's are ended here (returns how many); another worker's through the

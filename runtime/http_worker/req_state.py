@@ -35,6 +35,7 @@ class ReqState:
         "finish",
         "stop_token",
         "stop_index",
+        "stop_pattern",
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
@@ -61,6 +62,7 @@ class ReqState:
         self.finish = Finish.NONE
         self.stop_token = -1
         self.stop_index = -1
+        self.stop_pattern: str | None = None  # the stop_regex pattern that ended it (stop_regex.py)
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, 0, 0
         self.first_ns = 0  # when its first delta arrived (TTFT)
         self.error: APIError | None = None
@@ -96,7 +98,9 @@ class ReqState:
 
     @property
     def matched_stop(self) -> int | str | None:
-        """The stop token id or stop string that ended the request."""
+        """The stop token id, stop string or stop_regex pattern that ended the request."""
+        if self.stop_pattern is not None:
+            return self.stop_pattern
         if self.stop_index >= 0:
             return self.params.stop[self.stop_index]
         return self.stop_token if self.stop_token >= 0 else None

@@ -83,6 +83,7 @@ from runtime.http_worker.asgi import (
 )
 from runtime.http_worker.process_memory import server_processes
 from runtime.http_worker.req_state import ReqGroup, ReqState
+from runtime.http_worker.stop_regex import RegexStops
 from runtime.http_worker.streaming import EventStream, sse_events
 from structured.reasoning import THINK_END, THINK_START
 from structured.tool_parsers import PARSERS, make_parser
@@ -91,11 +92,15 @@ from structured.tools import HERMES_TEMPLATE, Tool, ToolChoice
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-async def finished(worker, request: Request, group: ReqGroup) -> list[ReqState]:
+async def finished(worker, request: Request, group: ReqGroup, stops: RegexStops | None = None) -> list[ReqState]:
     """A non-streamed request's choices, all finished; aborted if the client leaves first.
+    `stops`: its choices' text is checked as it comes (the group was submitted as a stream's).
     The request is observed (metrics) once it ended, whichever way."""
     watch = worker.watches.watch(request.receive, lambda: worker.tm.abort(group))
     try:
+        while stops is not None and group.unfinished:
+            for state in await group.next_news():
+                stops.check(state)
         return await group.finished()
     finally:
         watch.close()
@@ -136,8 +141,9 @@ async def chat_completions(worker, request: Request) -> Reply:
         req.include_reasoning,
         req.separate_reasoning,
     )
-    group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream)
+    group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream or bool(req.stop_regex))
     group.grammar_param = req.sampling.grammar_param
+    stops = RegexStops(req.stop_regex, worker.tm, len(group.states)) if req.stop_regex else None
     vocab = logprob_vocab(worker, params.logprobs or params.prompt_logprobs >= 0, req.tokens_as_ids)
     if req.stream:
         stream = ChatStream(request_id, created, worker.model.served_name, req.n, vocab)
@@ -149,11 +155,11 @@ async def chat_completions(worker, request: Request) -> Reply:
         if output.plain:
             if req.echo:
                 head += b"".join(stream.delta(i, req.echo) for i in range(len(group.states)))
-            events = openai_events(worker, group, stream, req.n, extras, head)
+            events = openai_events(worker, group, stream, req.n, extras, head, stops=stops)
         else:
-            events = chat_events(worker, group, stream, req.n, extras, head, output, req.echo)
+            events = chat_events(worker, group, stream, req.n, extras, head, output, req.echo, stops)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
-    states = await finished(worker, request, group)
+    states = await finished(worker, request, group, stops)
     body = chat_completion_body(
         request_id,
         created,
@@ -233,9 +239,11 @@ def chat_events(
     head: bytes,
     output: ChatOutput,
     echo: str = "",
+    stops: RegexStops | None = None,
 ) -> AsyncIterator[bytes]:
     """A chat stream whose text is parsed (reasoning, tool calls) into delta objects as it comes;
-    `echo` (vLLM's) starts each choice's text, parsed as the whole answer parses it."""
+    `echo` (vLLM's) starts each choice's text, parsed as the whole answer parses it; `stops`
+    checks each choice's new text first (SGLang's stop_regex)."""
     parsers = [ChatDeltas(output) for _ in group.states]
     if echo:
         head += b"".join(stream.event(i, d) for i, parser in enumerate(parsers) for d in parser.feed(echo))
@@ -265,7 +273,8 @@ def chat_events(
         events[0] = stream.with_prompt_logprobs(events[0], plp)
         return events, finish
 
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras))
+    checked = render if stops is None else stops.around(render)
+    return sse_events(worker, group, checked, head, usage_tail(group, stream, n, extras))
 
 
 @api_route
@@ -332,8 +341,9 @@ async def completions(worker, request: Request) -> Reply:
     n = req.n
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
     request_id, created = response_id("cmpl", client_request_id(request, req.request_id)), now()
-    group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream)
+    group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream or bool(req.stop_regex))
     group.grammar_param = req.sampling.grammar_param
+    stops = RegexStops(req.stop_regex, worker.tm, len(group.states)) if req.stop_regex else None
     echoes = None
     if req.echo:
         echoes = [p if isinstance(p, str) else await worker.tm.decode(p) for p in req.prompts for _ in range(n)]
@@ -347,15 +357,15 @@ async def completions(worker, request: Request) -> Reply:
         extras = ChunkExtras(*usage_asked(req, worker.args), req.return_token_ids, choice_prompts, timed)
         if with_prompt:  # each choice's echo waits for its prompt's logprobs: its first delta carries both
             stream.echo_logprobs = bool(echoes) and params[0].logprobs
-            events = openai_events(worker, group, stream, n, extras, b"", echoes)
+            events = openai_events(worker, group, stream, n, extras, b"", echoes, stops)
         else:
             first = b"".join(
                 extras.on_each([stream.delta(i, text)], state, None) or b""
                 for i, (text, state) in enumerate(zip(echoes or [], group.states))
             )
-            events = openai_events(worker, group, stream, n, extras, first)
+            events = openai_events(worker, group, stream, n, extras, first, stops=stops)
         return EventStream(events, lambda: worker.tm.abort(group), worker.watches)
-    states = await finished(worker, request, group)
+    states = await finished(worker, request, group, stops)
     body = completion_body(
         request_id,
         created,
@@ -386,8 +396,10 @@ def openai_events(
     extras: ChunkExtras,
     head: bytes,
     echoes: list[str] | None = None,
+    stops: RegexStops | None = None,
 ) -> AsyncIterator[bytes]:
-    """`echoes`: each choice's prompt text, sent with its first delta (with its prompt logprobs)."""
+    """`echoes`: each choice's prompt text, sent with its first delta (with its prompt logprobs);
+    `stops` checks each choice's new text first (SGLang's stop_regex)."""
     texts = echoes or []
     unechoed = set(range(len(texts)))
 
@@ -406,7 +418,8 @@ def openai_events(
             return extras.on_each([event], state, finish)
         return None
 
-    return sse_events(worker, group, render, head, usage_tail(group, stream, n, extras))
+    checked = render if stops is None else stops.around(render)
+    return sse_events(worker, group, checked, head, usage_tail(group, stream, n, extras))
 
 
 def metrics_from(worker, received_ns: int, choices: int) -> int | None:

@@ -202,7 +202,14 @@ OPENAI_COMMON = [
         grammar(GrammarKind.JSON_SCHEMA),
         None,
     ),
-    ("stop_regex", "refused", "a+", "not supported (stop strings are)", None, None),
+    (
+        "stop_regex",
+        "served",
+        "a+",
+        "SGLang's: a choice stops where a pattern matches its text (the HTTP worker watches it)",
+        lambda r: [p.pattern for p in r[0].stop_regex] == ["a+"],
+        None,
+    ),
     ("return_hidden_states", "refused", True, "not returned", None, None),
 ]
 CHAT_ONLY = [
@@ -354,7 +361,7 @@ SAMPLING_PARAMS = [
     ("max_new_tokens", "served", 3, "SamplingParams.max_new_tokens", p(max_new_tokens=3), None),
     ("stop", "served", ["zzz"], "SamplingParams.stop", p(stop=("zzz",)), None),
     ("stop_token_ids", "served", [42], "SamplingParams.stop_token_ids", p(stop_token_ids=(42,)), None),
-    ("stop_regex", "refused", "a+", "not supported (stop strings are)", None, None),
+    ("stop_regex", "refused", "a+", "served on the OpenAI routes, not on /generate", None, None),
     ("temperature", "served", 0.0, "SamplingParams.temperature", p(temperature=0.0), None),
     ("top_p", "served", 0.5, "SamplingParams.top_p", p(top_p=0.5), None),
     ("top_k", "served", 5, "SamplingParams.top_k", p(top_k=5), None),
@@ -430,6 +437,7 @@ RESPONSES_FIELDS = [  # OpenAI's ResponseCreateParams and vLLM's ResponsesReques
     ),
     ("structured_outputs", "served", {"regex": "[a-z]+"}, "vLLM's: a grammar", grammar(GrammarKind.REGEX), None),
     ("include", "served", ["message.output_text.logprobs"], "the output text's logprobs", p(logprobs=True), None),
+    ("stop_regex", "refused", "a+", "SGLang's: served on chat and completions, not here", None, None),
     (
         "top_logprobs",
         "served",
