@@ -24,7 +24,10 @@ IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam sear
 # vLLM's and OpenAI's fields this server does not serve: field -> why. A value is refused unless
 # it asks for nothing (null, false, 0, an empty list or object, or the value in NOTHING_ASKED).
 REFUSED_OPENAI = {
-    "use_beam_search": "beam search is not supported",
+    "use_beam_search": (
+        "beam search is not supported: the scheduler samples each choice on its own and keeps no beams "
+        "to score and prune across them; use n (and logprobs) to rank samples"
+    ),
     "bad_words": "bad_words is not supported",
     "logits_processors": "custom logits processors are not supported",
     "return_prompt_text": "return_prompt_text is not supported",

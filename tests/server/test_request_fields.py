@@ -115,7 +115,14 @@ OPENAI_COMMON = [
         None,
     ),
     ("prompt_logprobs", "served", 2, "SamplingParams.prompt_logprobs, from position 0", p(prompt_logprobs=2), None),
-    ("use_beam_search", "refused", True, "beam search is not supported", None, None),
+    (
+        "use_beam_search",
+        "refused",
+        True,
+        "beam search: the scheduler samples each choice on its own, keeping no beams to score and prune",
+        None,
+        None,
+    ),
     ("best_of", "refused", 3, "best_of > 1 is not supported (n is)", None, None),
     ("length_penalty", "ignored", 0.5, "only beam search reads it (vLLM's), which is refused", None, None),
     (
