@@ -4,9 +4,9 @@ it (the reader and the detokenizer do no work for it); at a match the text is cu
 end, the choice ends with finish_reason "stop" and the pattern as its matched_stop, and the
 scheduler is told to stop generating it (TokenizerManager.stop_choice).
 
-A pattern is searched in the choice's last TAIL_CHARS characters and what just arrived, as SGLang
-searches a tail of the text after each token; a match that ends in the new text counts. "$" marks
-the end of the text seen so far, which arrives a delta (one or a few tokens) at a time."""
+A pattern is searched in the choice's last TAIL_CHARS characters and each delta that arrived, as
+SGLang searches a tail of the text after each token; a match that ends in the new delta counts.
+"$" marks the end of the text seen so far, a delta (one record's tokens) at a time."""
 
 from __future__ import annotations
 
@@ -36,24 +36,25 @@ class RegexStops:
         self.checked = [0] * choices  # parts of a choice's state.parts already searched
 
     def check(self, state: ReqState) -> None:
-        """Searches the choice's parts that arrived since the last check; at a match, cuts them at
-        the match's end and ends the choice."""
+        """Searches the choice's parts that arrived since the last check, one at a time (a part is
+        one record's delta: "$" is checked at each); at a match, cuts them at the match's end and
+        ends the choice."""
         i = state.index
-        new = state.parts[self.checked[i] :]
-        if not new or state.error is not None or state.finish == Finish.ABORT:
+        if state.error is not None or state.finish == Finish.ABORT:
             return
-        text = b"".join(new).decode(errors="replace")
-        tail = self.tails[i]
-        seen = tail + text
-        end = self._match_end(seen, len(tail))
-        if end is None:
+        for k in range(self.checked[i], len(state.parts)):
+            text = state.parts[k].decode(errors="replace")
+            tail = self.tails[i]
+            seen = tail + text
+            end = self._match_end(seen, len(tail))
+            if end is not None:
+                del state.parts[k:]
+                state.parts.append(text[: end[0] - len(tail)].encode())
+                self.checked[i] = len(state.parts)
+                self.stopper.stop_choice(state, end[1])
+                return
             self.tails[i] = seen[-TAIL_CHARS:]
-            self.checked[i] = len(state.parts)
-            return
-        del state.parts[self.checked[i] :]
-        state.parts.append(text[: end[0] - len(tail)].encode())
         self.checked[i] = len(state.parts)
-        self.stopper.stop_choice(state, end[1])
 
     def _match_end(self, seen: str, after: int) -> tuple[int, str] | None:
         """(where the earliest-ending match ends, its pattern) among matches ending past `after`."""
