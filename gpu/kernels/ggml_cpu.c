@@ -38,24 +38,10 @@ static inline int32_t load_i32(const int8_t *p) {  /* 4 bytes of x as one int32,
 
 /* x: [T, K] -> q: int8 [T, K], d, s: [T, K/32] */
 static void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *d, float *s) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
     for (int64_t i = 0; i < T * (K / 32); i++) {  /* [T, K] row-major: block i is x[32 i, 32 i + 32) */
-        const float *xb = x + 32 * i;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(xb + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-        }
-        const float a = hmax(amax);
-        const __m256 id = _mm256_set1_ps(a != 0.0f ? 127.0f / a : 0.0f);
-        __m256i iq[4];
-        for (int j = 0; j < 4; j++) iq[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-        d[i] = a / 127.0f;
-        s[i] = d[i] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]),
-                                                         _mm256_add_epi32(iq[2], iq[3])));
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
-        _mm256_storeu_si256((__m256i *)(q + 32 * i), _mm256_permutevar8x32_epi32(packed, order));
+        int32_t sum;
+        _mm256_storeu_si256((__m256i *)(q + 32 * i), quantize_block_q8(x + 32 * i, d + i, &sum));
+        s[i] = d[i] * (float)sum;
     }
 }
 

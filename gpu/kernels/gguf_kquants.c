@@ -47,7 +47,10 @@
  * unsigned operand and their signs onto x. Rows go over the threads in chunks; the tokens in
  * tiles of TILE, each superblock's scales and quants unpacked once per tile. Where the CPU has
  * AVX-512VL and BW (chosen at run time), the tiles are of TILE_AVX512 (its 32 vector registers
- * hold their sums).
+ * hold their sums). From TILED_TOKENS tokens (but for IQ4_XS) the tiled products (rows_tiled)
+ * take the same integers with the superblock's 8 blocks across the lanes, x and each row's
+ * superblock transposed to match: a block's whole sum in one lane, the float work once a
+ * superblock, vpdpbusd where the CPU has AVX512-VNNI.
  */
 #include <immintrin.h>
 #include "simd_math.h"
@@ -268,39 +271,79 @@ INLINE void dot_rows_f32(int tt, const float *wrow, const float *x, int64_t K, f
 
 #define QX 32  /* values of x that share a scale */
 
-/* x quantized, [T, K] as three arrays: token t's superblock b is q[t K + 256 b ..],
- * d[t K/32 + 8 b ..] (its 8 blocks' scales), bsums[t K/16 + 16 b ..] */
+/* x quantized, [T, K]: token t's superblock b is q[t K + 256 b ..], d[t K/32 + 8 b ..] (its 8
+ * blocks' scales), bsums[t K/16 + 16 b ..]; for the tiled products (from TILED_TOKENS tokens) q
+ * transposed (transpose_8x8) and, per superblock, s[t K/16 + 16 b ..] and c (the same
+ * indices): the sums of its groups of 16 as those products take them (quantize_x) */
 struct x_q8 {
     int8_t *q;
     float *d;
     int16_t *bsums;
+    float *s;
+    int32_t *c;
 };
 
-/* K values of x (a multiple of 256) -> int8 q, a scale d per block of 32 (as llama.cpp's AVX2
- * quantize_row_q8_0) and bsums per group of 16. */
-static void quantize_x(const float *x, int64_t K, int8_t *q, float *d, int16_t *bsums) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
+#define TILED_TOKENS 4  /* from this many tokens the tiled products (measured against one row at a time) */
+
+/* K-quants whose groups have 16 values (a scale each), not 32 */
+INLINE int groups_of_16(enum kquant type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
+INLINE int has_mins(enum kquant type) { return type == Q2_K || type == Q4_K || type == Q5_K; }
+/* what the codes the tiled products take exceed the values by (Q3_K's q + 4, Q6_K's q + 32) */
+INLINE int code_offset(enum kquant type) { return type == Q3_K ? 4 : type == Q6_K ? 32 : 0; }
+/* IQ4_XS's signed values go through signs (superblock_q8), at any number of tokens */
+INLINE int tiled(enum kquant type, int64_t T) { return type != IQ4_XS && T >= TILED_TOKENS; }
+
+/* 8 vectors of 8 dwords: v[k] lane b <- v[b] lane k */
+INLINE void transpose_8x8(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {  /* u[4 i + k] lane j < 4: v[4 i + j] lane k, lane 4 + j: lane 4 + k */
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* K values of x (a multiple of 256) -> int8 q, a scale d per block of 32 (quantize_block_q8)
+ * and bsums per group of 16; tiled: q transposed, and per superblock 16 sums of its groups in
+ * the tiled products' lanes (lane b: block b, first 8 its first group, then its second), as the
+ * type takes them: c = -offset * sum (Q3_K, Q6_K: their codes' offset), s = d * sum (Q2_K; Q4_K
+ * and Q5_K, whose mins are per block of 32: its whole sum in the first 8) */
+static void quantize_x(enum kquant type, int tiled, const float *x, int64_t K, int8_t *q, float *d, int16_t *bsums,
+                       float *s, int32_t *c) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < K / QX; b++, x += QX, q += QX) {
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    for (int64_t sb = 0; sb < K / QK; sb++) {
+        __m256i packed[8];
+        for (int b = 0; b < 8; b++) {
+            const int64_t i = 8 * sb + b;  /* block of 32 */
+            int32_t sum;
+            packed[b] = quantize_block_q8(x + QX * i, d + i, &sum);
+            /* the two groups' sums: pairs of q (int16, as the sign-extended halves) summed by madd */
+            const int32_t first = hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed[b])), ones));
+            bsums[2 * i] = (int16_t)first;
+            bsums[2 * i + 1] = (int16_t)(sum - first);
+            if (tiled) {
+                if (code_offset(type)) {
+                    c[16 * sb + b] = -code_offset(type) * first;
+                    c[16 * sb + 8 + b] = -code_offset(type) * (sum - first);
+                } else if (groups_of_16(type)) {
+                    s[16 * sb + b] = d[i] * (float)first;
+                    s[16 * sb + 8 + b] = d[i] * (float)(sum - first);
+                } else {
+                    s[16 * sb + b] = d[i] * (float)sum;
+                }
+            }
         }
-        const float a = hmax(amax);
-        const __m256 inverse = _mm256_set1_ps(a != 0.0f ? 127.0f / a : 0.0f);
-        __m256i iq[4];
-        for (int i = 0; i < 4; i++) iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-        const __m256i packed = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3])), order);
-        _mm256_storeu_si256((__m256i *)q, packed);
-        d[b] = a / 127.0f;
-        /* the two groups' sums: pairs of q (int16, as the sign-extended halves) summed by madd */
-        const __m256i pairs = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed)), ones);
-        const __m256i pairs_hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(packed, 1)), ones);
-        bsums[2 * b] = (int16_t)hsum_epi32(pairs);
-        bsums[2 * b + 1] = (int16_t)hsum_epi32(pairs_hi);
+        if (tiled) transpose_8x8(packed);
+        for (int b = 0; b < 8; b++) _mm256_storeu_si256((__m256i *)(q + QK * sb + 32 * b), packed[b]);
     }
 }
 
@@ -488,13 +531,166 @@ INLINE void rows_q8(enum kquant type, int avx512, int64_t block_bytes, const str
     }
 }
 
+/* ---- _q8 of a tile of tokens, a superblock's 8 blocks across the vector lanes ----
+ * With x transposed (quantize_x), a row's superblock unpacked likewise once for the tile
+ * (unpack_tiled: its codes as 8 vectors, vector k's lane b bytes 4 k .. of block b) and a token
+ * takes 8 u8 x s8 products whose int32 lane b sums all of block b (groups of 16: vectors 0-3
+ * its first group, 4-7 its second, two sums): then one convert and FMA a superblock (or two),
+ * by the lanes' d sc times x's d, and the mins' one FNMADD with x's s, where one row at a time
+ * (superblock_q8) takes a convert and an FMA for each block of 32. */
+
+#define TILE_TILED 4          /* tokens a tile: 8 codes + 4 sums + scales fit 16 ymm */
+#define TILE_TILED_AVX512 8   /* the same in 32 */
+
+/* one row's superblock as the tiled products take it */
+struct tiled_block {
+    __m256i w[8];  /* codes, transposed */
+    __m256 sc[2];  /* lane b: d times block b's scale; groups of 16: of its first group, then its second */
+    __m256 m[2];   /* the same of dmin and the mins (types with mins) */
+};
+
+/* 16 int8 of groups 0-15 -> f times them, lane b: group 2 b (out[0]) and 2 b + 1 (out[1]) */
+INLINE void group_floats(__m128i g, float f, __m256 out[2]) {
+    const __m256i v = _mm256_cvtepi8_epi16(g);  /* int32 lane b: group 2 b's int16, 2 b + 1's above */
+    out[0] = _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16)));
+    out[1] = _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)));
+}
+
+INLINE void unpack_tiled(enum kquant type, const uint8_t *blk, struct tiled_block *u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
+    __m256i *v = u->w;  /* first block b's 32 codes in order, in v[b] */
+    switch (type) {
+    case Q2_K:
+    case Q3_K:
+    case Q6_K: {  /* block 4 h + g: quarter g of half h */
+        if (type == Q2_K) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+            group_floats(_mm_and_si128(raw, _mm_set1_epi8(0x0F)), f16(blk + 80), u->sc);
+            group_floats(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)), f16(blk + 82), u->m);
+        } else if (type == Q3_K) {
+            group_floats(unpack_scales_q3(blk + 96), f16(blk + 108), u->sc);
+        } else {
+            group_floats(_mm_loadu_si128((const __m128i *)(blk + 192)), f16(blk + 208), u->sc);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i lo2 = _mm256_setzero_si256(), hi = lo2, ql0 = lo2, ql1 = lo2;
+            if (type == Q6_K) {
+                ql0 = load256(blk + 64 * h), ql1 = load256(blk + 64 * h + 32), hi = load256(blk + 128 + 32 * h);
+            } else {
+                lo2 = load256(blk + (type == Q2_K ? 16 : 32) + 32 * h);
+                if (type == Q3_K) hi = load256(blk);
+            }
+            for (int g = 0; g < 4; g++) {  /* as superblock_q8's */
+                if (type == Q6_K) {
+                    const __m256i low = g & 2 ? _mm256_and_si256(_mm256_srli_epi16(g & 1 ? ql1 : ql0, 4), m4)
+                                              : _mm256_and_si256(g & 1 ? ql1 : ql0, m4);
+                    v[4 * h + g] = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), m2), 4));
+                } else {
+                    v[4 * h + g] = _mm256_and_si256(_mm256_srli_epi16(lo2, 2 * g), m2);
+                    if (type == Q3_K)
+                        v[4 * h + g] = _mm256_or_si256(
+                            v[4 * h + g], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4 * h + g), m1), 2));
+                }
+            }
+        }
+        break;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const __m128i sm = unpack_scales_k4(blk + 4);
+        u->sc[0] = _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+        u->m[0] = _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+        const uint8_t *qs = blk + (type == Q4_K ? 16 : 48);
+        const __m256i qh = type == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = load256(qs + 32 * j);
+            v[2 * j] = _mm256_and_si256(raw, m4);
+            v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (type == Q5_K) {
+                v[2 * j] = _mm256_or_si256(v[2 * j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), m1), 4));
+                v[2 * j + 1] =
+                    _mm256_or_si256(v[2 * j + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), m1), 4));
+            }
+        }
+        break;
+    }
+    case IQ4_XS:
+        break;  /* not tiled */
+    }
+    transpose_8x8(v);
+}
+
+/* acc + the sums of 4 u8 x s8 products in each int32 lane: vpdpbusd, or maddubs + madd (the
+ * codes are at most 63: a pair's sum fits int16) */
+INLINE __m256i dot4(int vnni, __m256i acc, __m256i u, __m256i s) {
+    if (vnni) return dpbusd(acc, u, s);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* acc[t] += one superblock's products with tt tokens (token 0's quantized superblock at xq, its
+ * d, s, c at xd, xs, xc; token t K values later, in each) */
+INLINE void superblock_tiled(enum kquant type, int vnni, int tt, const struct tiled_block *u, const int8_t *xq,
+                             const float *xd, const float *xs, const int32_t *xc, int64_t K, __m256 acc[]) {
+    /* unrolled: the sums stay in registers, and the tokens' chains of products overlap */
+    _Pragma("GCC unroll 16")
+    for (int t = 0; t < tt; t++) {
+        const int8_t *x = xq + t * K;
+        /* the sums start at the codes' offset times the groups' sums of x */
+        __m256i sum[2];
+        for (int h = 0; h < 2; h++)
+            sum[h] = code_offset(type) ? load256(xc + t * (K / 16) + 8 * h) : _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) sum[groups_of_16(type) && k >= 4] = dot4(vnni, sum[groups_of_16(type) && k >= 4], u->w[k], load256(x + 32 * k));
+        const __m256 d = _mm256_loadu_ps(xd + t * (K / QX));
+        for (int h = 0; h < 1 + groups_of_16(type); h++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[h]), _mm256_mul_ps(u->sc[h], d), acc[t]);
+            if (has_mins(type)) acc[t] = _mm256_fnmadd_ps(u->m[h], _mm256_loadu_ps(xs + t * (K / 16) + 8 * h), acc[t]);
+        }
+    }
+}
+
+/* y[t * ldy] for t < tt = one row's products with tt tokens (x's tile at token 0) */
+INLINE void row_tiled(enum kquant type, int vnni, int tt, const uint8_t *row, int64_t block_bytes, int64_t K,
+                      const struct x_q8 *xq, float *y, int64_t ldy) {
+    __m256 acc[TILE_TILED_AVX512];
+    for (int t = 0; t < tt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / QK; b++) {
+        struct tiled_block u;
+        unpack_tiled(type, row + b * block_bytes, &u);
+        superblock_tiled(type, vnni, tt, &u, xq->q + b * QK, xq->d + b * (QK / QX), xq->s + b * 16, xq->c + b * 16, K, acc);
+    }
+    for (int t = 0; t < tt; t++) y[t * ldy] = hsum(acc[t]);
+}
+
+/* rows_q8's tiled form: tiles of a power of two tokens, the largest that fits what is left */
+INLINE void rows_tiled(enum kquant type, int avx512, int vnni, int64_t block_bytes, const struct x_q8 *xq, int64_t T,
+                       int64_t K, const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = K / QK * block_bytes;
+    for (int64_t t0 = 0, tt; t0 < T; t0 += tt) {
+        for (tt = avx512 ? TILE_TILED_AVX512 : TILE_TILED; tt > T - t0; tt /= 2) {}
+        const struct x_q8 at = {xq->q + t0 * K, xq->d + t0 * (K / QX), NULL, xq->s + t0 * (K / 16), xq->c + t0 * (K / 16)};
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            float *yt = y + t0 * ldy + n;
+#define TOKENS(TT) \
+    case TT: row_tiled(type, vnni, TT, row, block_bytes, K, &at, yt, ldy); break;
+            if (avx512)
+                switch (tt) { TOKENS(8) TOKENS(4) TOKENS(2) TOKENS(1) }
+            else
+                switch (tt) { TOKENS(4) TOKENS(2) TOKENS(1) }
+#undef TOKENS
+        }
+    }
+}
+
 /* The quantized copy of x is kept between calls (one per calling thread): a fresh one per call
  * would be mmap'ed and page-faulted in every time once past malloc's threshold. */
 static __thread char *q8_scratch = NULL;
 static __thread int64_t q8_scratch_cap = 0;
 
 static int reserve_x_q8(int64_t T, int64_t K, struct x_q8 *xq) {
-    const int64_t need = T * K + T * (K / 16) * (int64_t)sizeof(int16_t) + T * (K / QX) * (int64_t)sizeof(float);
+    const int64_t groups = T * (K / 16);
+    const int64_t need = T * K + groups * (int64_t)(sizeof(int16_t) + sizeof(float) + sizeof(int32_t)) +
+                         T * (K / QX) * (int64_t)sizeof(float);
     if (need > q8_scratch_cap) {
         char *grown = realloc(q8_scratch, need);
         if (grown == NULL) return -1;
@@ -502,56 +698,69 @@ static int reserve_x_q8(int64_t T, int64_t K, struct x_q8 *xq) {
         q8_scratch_cap = need;
     }
     xq->d = (float *)q8_scratch;
-    xq->bsums = (int16_t *)(xq->d + T * (K / QX));
-    xq->q = (int8_t *)(xq->bsums + T * (K / 16));
+    xq->s = xq->d + T * (K / QX);
+    xq->c = (int32_t *)(xq->s + groups);
+    xq->bsums = (int16_t *)(xq->c + groups);
+    xq->q = (int8_t *)(xq->bsums + groups);
     return 0;
 }
 
-/* 1: the q8 products are compiled for AVX-512VL (the AVX512_TARGET subsets), 0: AVX2 alone.
- * Set from the CPU when the library loads; a variable the tests set to run both paths. */
+/* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
+ * same and AVX512-VNNI's vpdpbusd in the tiled products. Set from the CPU when the library
+ * loads; a variable the tests set to run each path the CPU has. */
 int gguf_kquants_avx512 = 0;
 
 __attribute__((constructor)) static void choose_avx512(void) {
     __builtin_cpu_init();
-    gguf_kquants_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bw");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+        gguf_kquants_avx512 = 1 + !!__builtin_cpu_supports("avx512vnni");
 }
 
 /* The same 256-bit instructions, with AVX-512VL's 16 more vector registers: tiles of
- * TILE_AVX512 tokens without spills. */
+ * TILE_AVX512 (TILE_TILED_AVX512) tokens without spills. */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512bw")))
+#define AVX512VNNI_TARGET AVX512_TARGET
 #define AVX2_TARGET
 
 /* One function a type and path, not run-time flags, so that each parallel region is compiled
  * for its own block. x is quantized in the same parallel region (tokens over the threads),
  * then row chunks go over the threads. */
-#define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, AVX512)                                                \
+#define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, AVX512, VNNI)                                          \
     PATH##_TARGET static void NAME##_q8_##PATH(const float *x, int64_t T, int64_t K, const uint8_t *w, \
                                                int64_t N, float *y, int64_t ldy, int threads,         \
                                                const struct x_q8 *xq) {                                \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
+        const int by_tiles = tiled(TYPE, T);                                                          \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t t = 0; t < T; t++)                                                          \
-                quantize_x(x + t * K, K, xq->q + t * K, xq->d + t * (K / QX), xq->bsums + t * (K / 16)); \
+                quantize_x(TYPE, by_tiles, x + t * K, K, xq->q + t * K, xq->d + t * (K / QX),          \
+                           xq->bsums + t * (K / 16), xq->s + t * (K / 16), xq->c + t * (K / 16));       \
             _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
-            for (int64_t c = 0; c < chunks; c++)                                                     \
-                rows_q8(TYPE, AVX512, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK,                       \
-                        (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N);                          \
+            for (int64_t c = 0; c < chunks; c++) {                                                   \
+                const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
+                if (by_tiles)                                                                        \
+                    rows_tiled(TYPE, AVX512, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);      \
+                else                                                                                 \
+                    rows_q8(TYPE, AVX512, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);              \
+            }                                                                                        \
         }                                                                                            \
     }
 
 #define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
-    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0)                                                         \
-    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1)                                                       \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0, 0)                                                      \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1, 0)                                                    \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512VNNI, 1, 1)                                                \
     int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
                               float *y, int64_t ldy, int threads) {                                  \
         if (T <= 0 || N <= 0) return 0;                                                              \
         struct x_q8 xq;                                                                               \
         if (reserve_x_q8(T, K, &xq)) return -1;                                                       \
-        (gguf_kquants_avx512 ? NAME##_q8_AVX512 : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq); \
+        (gguf_kquants_avx512 == 2   ? NAME##_q8_AVX512VNNI                                            \
+         : gguf_kquants_avx512 == 1 ? NAME##_q8_AVX512                                                \
+                                    : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq);           \
         return 0;                                                                                    \
     }
 

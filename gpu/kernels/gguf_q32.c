@@ -232,22 +232,11 @@ static inline __attribute__((always_inline)) int corrected_offset(int type, int 
 static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, struct q8_activations a, int offset,
                            enum x_layout layout) {
     const int64_t nb = K / QK;
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undoes the packs' lane interleave */
+    static const float zeros[QK];
     for (int64_t b = 0; b < nb; b++) {
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = t < T ? _mm256_loadu_ps(x + t * K + b * QK + 8 * j) : _mm256_setzero_ps();
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-        }
-        const float m = hmax(amax);
-        const __m256 inverse = _mm256_set1_ps(m != 0.0f ? 127.0f / m : 0.0f);
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
-        const float d = m / 127.0f;
-        const int32_t sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-        const __m256i packed = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        float d;
+        int32_t sum;
+        const __m256i packed = quantize_block_q8(t < T ? x + t * K + b * QK : zeros, &d, &sum);
         const __m256i group_sums =
             _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8((char)offset), packed), _mm256_set1_epi16(1));
         if (layout == TILES) {
@@ -273,13 +262,6 @@ static void quantize_token(const float *x, int64_t T, int64_t K, int64_t t, stru
             _mm256_storeu_si256((__m256i *)(a.c + 8 * b), _mm256_sub_epi32(_mm256_setzero_si256(), group_sums));
         }
     }
-}
-
-/* AVX512-VNNI's u8 x s8 product of 4 bytes into each int32 lane of acc, in asm: an intrinsic
- * would need the file built for AVX-512, and the AVX2 path must run without it */
-static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-    __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-    return acc;
 }
 
 /* one block's integer product: sum_j v_j xq_j in 8 int32 lanes (lane i: bytes 4 i .. 4 i + 3)

@@ -26,6 +26,35 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* One block of 32 values of x rounded to int8, the CPU kernels' activations (llama.cpp's AVX2
+ * quantize_row_q8_0): d = amax / 127, q = x * (127 / amax) rounded to nearest even by cvtps
+ * (a block of zeros: d 0, every q 0). Returns the 32 q in order; *d, and *sum = sum(q). */
+static inline __m256i quantize_block_q8(const float *x, float *d, int32_t *sum) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+    }
+    const float a = hmax(amax);
+    const __m256 inverse = _mm256_set1_ps(a != 0.0f ? 127.0f / a : 0.0f);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    *d = a / 127.0f;
+    *sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    /* the packs interleave 128-bit lanes: dwords 0 4 1 5 2 6 3 7 put them back in order */
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* AVX512-VNNI's u8 x s8 product of 4 bytes into each int32 lane of acc (vpdpbusd), in asm: an
+ * intrinsic would need the file built for AVX-512, and the AVX2 paths must run without it. Only
+ * for a caller that checked the CPU has AVX512-VNNI and VL. */
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+    __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+
 /* e^x, relative error ~2e-7 over [-87, 88] (clamped outside, where e^x under- or overflows a
  * normal float anyway): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial,
  * 2^n through the exponent bits. */

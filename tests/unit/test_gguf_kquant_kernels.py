@@ -42,6 +42,7 @@ SHAPES = (
     (14, 768, 9, 2, 2),
     (11, 1024, 24, 7, 2),
     (2, 512, 16, 0, 2),
+    (37, 512, 19, 3, 2),  # tiles of 16, 4 and 1 tokens
 )
 
 
@@ -68,21 +69,25 @@ def lib() -> ctypes.CDLL:
     return lib
 
 
+PATHS = ("avx2", "avx512", "avx512-vnni")  # the values of gguf_kquants_avx512, in order
+
+
 @pytest.fixture(scope="module")
-def avx512_detected(lib: ctypes.CDLL) -> bool:
-    """Whether the library chose its AVX-512VL path for this CPU when it loaded"""
-    return bool(ctypes.c_int.in_dll(lib, "gguf_kquants_avx512").value)
+def path_detected(lib: ctypes.CDLL) -> int:
+    """The q8 products' instructions the library chose for this CPU when it loaded (an index of PATHS)"""
+    return ctypes.c_int.in_dll(lib, "gguf_kquants_avx512").value
 
 
-@pytest.fixture(params=("avx2", "avx512"))
-def q8_path(request: pytest.FixtureRequest, lib: ctypes.CDLL, avx512_detected: bool) -> Iterator[str]:
-    """Each q8 test on both paths (AVX-512VL where the CPU has it); the CPU's choice restored after"""
-    if request.param == "avx512" and not avx512_detected:
-        pytest.skip("the CPU lacks AVX-512VL")
+@pytest.fixture(params=PATHS)
+def q8_path(request: pytest.FixtureRequest, lib: ctypes.CDLL, path_detected: int) -> Iterator[str]:
+    """Each q8 test on every path the CPU has (AVX-512VL, AVX512-VNNI); the CPU's choice restored after"""
+    level = PATHS.index(request.param)
+    if level > path_detected:
+        pytest.skip(f"the CPU lacks {request.param}")
     flag = ctypes.c_int.in_dll(lib, "gguf_kquants_avx512")
-    flag.value = request.param == "avx512"
+    flag.value = level
     yield request.param
-    flag.value = avx512_detected
+    flag.value = path_detected
 
 
 def random_blocks(name: str, N: int, K: int, seed: int) -> np.ndarray:
