@@ -234,8 +234,9 @@ def test_a_prompt_past_the_kv_cache_names_the_prompt(path, body, param):
 def test_context_overflows_say_what_sglangs_clients_look_for():
     """SGLang's clients (its own suite among them) match these words: a prompt that fills the
     context "is longer than the model's context length", a max_tokens past what is left is a
-    "Requested token count [that] exceeds the model's maximum context length"; both name
-    their field and carry OpenAI's code."""
+    "Requested token count [that] exceeds the model's maximum context length", and one past the
+    context itself "max_completion_tokens is too large"; all name their field and carry OpenAI's
+    code."""
     req = parse_completion(completion(prompt=[1] * CONTEXT_LEN))
     with pytest.raises(APIError) as caught:
         req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE)
@@ -248,3 +249,9 @@ def test_context_overflows_say_what_sglangs_clients_look_for():
     err = caught.value
     assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
     assert err.message.startswith("Requested token count exceeds the model's maximum context length")
+    req = parse_completion(completion(prompt=[1], max_tokens=CONTEXT_LEN + 1))  # more than any context holds
+    with pytest.raises(APIError) as caught:
+        req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE)
+    err = caught.value
+    assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
+    assert err.message.startswith("max_completion_tokens is too large")
