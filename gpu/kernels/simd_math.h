@@ -51,7 +51,7 @@ static inline __m256i quantize_block_q8(const float *x, float *d, int32_t *sum) 
  * intrinsic would need the file built for AVX-512, and the AVX2 paths must run without it. Only
  * for a caller that checked the CPU has AVX512-VNNI and VL. */
 static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-    __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "vm"(s));
     return acc;
 }
 
