@@ -3,11 +3,13 @@ and applied to the Llama-family forward, many adapters in one batch.
 
 The forward fuses q/k/v into one `qkv` projection and gate/up into `gate_up`; an adapter's
 modules of one fused projection are stacked into one pair (A: [sum r, K], B: [N, sum r], block
-diagonal, the scaling folded in), so each fused projection costs one pair of small GEMMs per
-adapter present in the step. A step's tokens are grouped by adapter (LoraBatch): for each
-group, (x[group] @ A^T) @ B^T is added to the base projection's rows of that group, the
-segmented-gather idea of S-LoRA / Punica as batched small GEMMs. Rows of the base model are
-not touched, and a step with no adapter row never builds a LoraBatch.
+diagonal, the scaling folded in; kept as B^T [sum r, N], contiguous), so each fused projection
+costs one pair of small products per adapter present in the step. A step's tokens are grouped
+by adapter (LoraBatch) and each token gets (x @ A^T) @ B^T of its own adapter added to its
+row of the base projection: on an AVX2 CPU in C (decode_cpu.c's lora_apply, one call a
+projection for the whole step whatever the adapters, from each adapter's table of pairs),
+else as two small GEMMs per adapter group, the segmented-gather idea of S-LoRA / Punica. Rows
+of the base model are not touched, and a step with no adapter row never builds a LoraBatch.
 
 LoraPool holds the adapters registered with the engine and keeps at most
 --max-loras-per-batch of them in memory, evicting the least recently used one no running
@@ -15,12 +17,15 @@ request holds when another is needed (its directory is read again when a request
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import re
+import threading
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +49,15 @@ MODULES = {
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_cpu.c's order of an adapter's pairs in a layer
+
+
 class LoraLoadError(ModelLoadError):
     """An adapter that cannot be served: the message names the adapter and what is wrong."""
+
+
+class _LoraPair(ctypes.Structure):  # decode_cpu.c's LoraPair
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("r", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
@@ -53,8 +65,27 @@ class Adapter:
     name: str
     path: str
     rank: int  # the largest of its modules'
-    # (layer, fused projection) -> (A [sum r, K], B [N, sum r] scaled): the modules it adapts
+    n_layers: int  # the model's
+    # (layer, fused projection) -> (A [sum r, K], B^T [sum r, N] scaled): the modules it adapts
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @cached_property
+    def table(self) -> ctypes.Array:
+        """Its pairs as decode_cpu.c reads them, [n_layers][LORA_PROJECTIONS] (rank 0 where it
+        adapts nothing), pointing into its fp32 tensors: made once, when a step first needs it."""
+        pairs = []
+        for layer in range(self.n_layers):
+            for fused in LORA_PROJECTIONS:
+                pair = self.pairs.get((layer, fused))
+                pairs.append(
+                    _LoraPair() if pair is None else _LoraPair(pair[0].data_ptr(), pair[1].data_ptr(), len(pair[0]))
+                )
+        return (_LoraPair * len(pairs))(*pairs)
+
+    @cached_property
+    def stacked_rank(self) -> int:
+        """The largest stacked rank of a fused projection: the C products' scratch a token."""
+        return max((len(a) for a, _ in self.pairs.values()), default=0)
 
 
 def _parts(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
@@ -165,8 +196,8 @@ def load_adapter(
         for part, a, b in items:  # block diagonal: each part's rows read only its own A's ranks
             b_cat[int(starts[part]) : int(starts[part + 1]), col : col + a.shape[0]] = b
             col += a.shape[0]
-        pairs[(layer, fused)] = (a_cat.to(device, dtype).contiguous(), b_cat.to(device, dtype).contiguous())
-    return Adapter(name, path, top, pairs)
+        pairs[(layer, fused)] = (a_cat.to(device, dtype).contiguous(), b_cat.t().to(device, dtype).contiguous())
+    return Adapter(name, path, top, cfg.num_layers, pairs)
 
 
 class LoraPool:
@@ -237,13 +268,40 @@ class LoraPool:
             del self.holds[lid]
 
 
+_apply: Callable[..., int] | None = None
+_apply_tried = False
+_apply_lock = threading.Lock()
+
+
+def _c_apply() -> Callable[..., int] | None:
+    """decode_cpu.c's lora_apply, or None where the C kernels cannot be built (then torch's GEMMs)."""
+    global _apply, _apply_tried
+    if _apply_tried:
+        return _apply
+    with _apply_lock:
+        if not _apply_tried:
+            _apply_tried = True
+            from gpu import kernels
+
+            try:
+                lib = kernels.load("decode_cpu", "layer_cpu", "attention_cpu")
+            except kernels.KernelBuildError:
+                return None
+            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+            # loras, layer, which, x, T, k, y, n, max_r, threads
+            lib.lora_apply.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ctypes.c_int]
+            lib.lora_apply.restype = ctypes.c_int
+            _apply = lib.lora_apply
+    return _apply
+
+
 class LoraBatch:
     """One step's tokens grouped by adapter: what the forward adds to each projection."""
 
     def __init__(self, adapters: Mapping[int, Adapter], token_lora: np.ndarray, device: torch.device) -> None:
         """adapters: id -> the resident adapter; token_lora: int [T], each flat token's adapter id
         (0: the base, left as it is)."""
-        self.adapters, self.token_lora = adapters, token_lora  # what the C decode loop reads (cpu_decode.py)
+        self.adapters, self.token_lora = adapters, token_lora
         self.groups: list[tuple[int, Adapter, torch.Tensor | slice]] = []  # (id, adapter, its tokens)
         for lid in np.unique(token_lora).tolist():
             if lid == 0:
@@ -257,15 +315,44 @@ class LoraBatch:
             )
             self.groups.append((lid, adapters[lid], rows))
 
+    @cached_property
+    def tables(self) -> tuple[np.ndarray, int]:
+        """Each token's adapter's table address (0: the base model's) and the step's largest
+        stacked rank: what decode_cpu.c reads (its decode loop, lora_apply)."""
+        addresses = np.zeros(len(self.token_lora), np.uint64)
+        for lid, adapter, _ in self.groups:
+            addresses[self.token_lora == lid] = ctypes.addressof(adapter.table)
+        return addresses, max((a.stacked_rank for _, a, _ in self.groups), default=0)
+
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> torch.Tensor:
         """out [T, N] (the base projection of x [T, K], a fresh tensor) plus each group's delta, in place."""
+        apply = _c_apply() if out.device.type == "cpu" and out.dtype == x.dtype == torch.float32 else None
+        if apply is not None and out.is_contiguous():
+            x = x.contiguous()
+            addresses, max_r = self.tables
+            which = LORA_PROJECTIONS.index(fused)
+            T, K = x.shape
+            if apply(
+                addresses.ctypes.data,
+                layer,
+                which,
+                x.data_ptr(),
+                T,
+                K,
+                out.data_ptr(),
+                out.shape[1],
+                max_r,
+                torch.get_num_threads(),
+            ):
+                raise MemoryError("lora_apply: no memory for a step's scratch")
+            return out
         for _, adapter, rows in self.groups:
             pair = adapter.pairs.get((layer, fused))
             if pair is None:
                 continue
-            a, b = pair
+            a, bt = pair
             if isinstance(rows, slice):
-                out[rows] += (x[rows] @ a.t()) @ b.t()
+                out[rows] += (x[rows] @ a.t()) @ bt
             else:
-                out.index_add_(0, rows, (x[rows] @ a.t()) @ b.t())
+                out.index_add_(0, rows, (x[rows] @ a.t()) @ bt)
         return out

@@ -73,36 +73,91 @@ typedef struct {  /* an adapter's pair of one projection (gpu/lora.py stacks a f
 
 enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PROJECTIONS };  /* cpu_decode.py's LORA_PROJECTIONS */
 
-static float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+#define LORA_TILE 4  /* consecutive tokens of one adapter that share each load of its A and B */
+
+/* y rows [M] += (x rows [M] @ A^T) @ B^T for M consecutive tokens of one adapter's pair p,
+ * xa [M, r] scratch: each row of A and each block of B^T is loaded once for the M tokens (a
+ * prefill chunk or a verify's tokens), and a lone decode token (M = 1) does no wasted rows.
+ * Always inlined with M a constant: its loops over the tokens unroll into registers. */
+static inline __attribute__((always_inline)) void lora_tile(const LoraPair *p, const float *x, int64_t k, float *y,
+                                                            int64_t n, float *xa, const int M) {
+    const int64_t r = p->r;
+    for (int64_t i = 0; i < r; i++) {
+        const float *ai = p->a + i * k;
+        __m256 acc[LORA_TILE];
+        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 8 <= k; c += 8) {
+            const __m256 av = _mm256_loadu_ps(ai + c);
+            for (int j = 0; j < M; j++) acc[j] = _mm256_fmadd_ps(av, _mm256_loadu_ps(x + j * k + c), acc[j]);
+        }
+        for (int j = 0; j < M; j++) {
+            float s = hsum(acc[j]);
+            for (int64_t cc = c; cc < k; cc++) s += ai[cc] * x[j * k + cc];
+            xa[j * r + i] = s;
+        }
+    }
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {  /* the delta of 8 columns in registers, then added to y */
+        __m256 acc[LORA_TILE];
+        for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < r; i++) {
+            const __m256 b = _mm256_loadu_ps(p->bt + i * n + c);
+            for (int j = 0; j < M; j++) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xa + j * r + i), b, acc[j]);
+        }
+        for (int j = 0; j < M; j++) _mm256_storeu_ps(y + j * n + c, _mm256_add_ps(_mm256_loadu_ps(y + j * n + c), acc[j]));
+    }
+    for (; c < n; c++)
+        for (int j = 0; j < M; j++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < r; i++) s += xa[j * r + i] * p->bt[i * n + c];
+            y[j * n + c] += s;
+        }
 }
 
 /* Row t of y [T, n] += its adapter's delta for row t of x [T, k]: loras[t] is token t's
  * adapter's pairs, [n_layers][LORA_PROJECTIONS], or NULL (the base model's token); tmp holds
- * max_r floats a token. */
-static void lora_add(const LoraPair *const *loras, int64_t l, int which, const float *x, int64_t T, int64_t k,
-                     float *y, int64_t n, float *tmp, int64_t max_r, int threads) {
-    if (loras == NULL) return;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= 4)
-    for (int64_t t = 0; t < T; t++) {
+ * max_r floats a token. The tokens go in pieces: runs of one adapter (a sequence's tokens are
+ * consecutive), cut every LORA_TILE tokens. Returns 0, or -1 without memory for the pieces. */
+static int lora_add(const LoraPair *const *loras, int64_t l, int which, const float *x, int64_t T, int64_t k,
+                    float *y, int64_t n, float *tmp, int64_t max_r, int threads) {
+    if (loras == NULL) return 0;
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(T + 1)), pieces = 0;
+    if (start == NULL) return -1;
+    for (int64_t t = 0, run = 0; t < T; t++) {
+        if (t == 0 || loras[t] != loras[t - 1]) run = t;
+        if ((t - run) % LORA_TILE == 0) start[pieces++] = t;
+    }
+    start[pieces] = T;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (pieces >= 2)
+    for (int64_t i = 0; i < pieces; i++) {
+        const int64_t t = start[i], m = start[i + 1] - t;
         if (loras[t] == NULL) continue;
         const LoraPair *p = loras[t] + l * LORA_PROJECTIONS + which;
-        float *xa = tmp + t * max_r, *yt = y + t * n;
-        for (int64_t i = 0; i < p->r; i++) xa[i] = dot(p->a + i * k, x + t * k, k);
-        for (int64_t i = 0; i < p->r; i++) {  /* yt += xa[i] * B[:, i], a column at a time */
-            const float *col = p->bt + i * n;
-            const __m256 s = _mm256_set1_ps(xa[i]);
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8)
-                _mm256_storeu_ps(yt + j, _mm256_fmadd_ps(s, _mm256_loadu_ps(col + j), _mm256_loadu_ps(yt + j)));
-            for (; j < n; j++) yt[j] += xa[i] * col[j];
+        if (p->r == 0) continue;
+        const float *xt = x + t * k;
+        float *yt = y + t * n, *xa = tmp + t * max_r;  /* m rows of xa: the piece's own tokens' */
+        switch (m) {
+            case 1: lora_tile(p, xt, k, yt, n, xa, 1); break;
+            case 2: lora_tile(p, xt, k, yt, n, xa, 2); break;
+            case 3: lora_tile(p, xt, k, yt, n, xa, 3); break;
+            default: lora_tile(p, xt, k, yt, n, xa, 4); break;
         }
     }
+    free(start);
+    return 0;
+}
+
+/* lora_add for a step of the Python forward (prefill chunks, speculative verifies: any number
+ * of tokens a sequence), one projection of one layer at a time: y [T, n] += each token's delta.
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int lora_apply(const LoraPair *const *loras, int64_t l, int which, const float *x, int64_t T, int64_t k, float *y,
+               int64_t n, int64_t max_r, int threads) {
+    float *xa = malloc(sizeof(float) * (size_t)(T * max_r + 1));
+    if (xa == NULL) return -1;
+    const int failed = lora_add(loras, l, which, x, T, k, y, n, xa, max_r, threads);
+    free(xa);
+    return failed;
 }
 
 /* each part's product into its column slice of y [T, p->n] */
@@ -149,7 +204,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         if (L->qkv_bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += L->qkv_bias[j];
-        lora_add(loras, l, LORA_QKV, h, T, H, qkv, qkv_width, xa, lora_max_r, threads);
+        if (lora_add(loras, l, LORA_QKV, h, T, H, qkv, qkv_width, xa, lora_max_r, threads)) return -1;
         rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, (int)dims->rope_pairs, threads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_width;
@@ -160,13 +215,13 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
                                    Hq, Hkv, D, dims->page_size, dims->scale, attn, threads))
             return -1;
         if (project(&L->o, attn, T, proj, threads)) return -1;
-        lora_add(loras, l, LORA_O, attn, T, Hq * D, proj, H, xa, lora_max_r, threads);
+        if (lora_add(loras, l, LORA_O, attn, T, Hq * D, proj, H, xa, lora_max_r, threads)) return -1;
         rms_norm(x, proj, L->post_norm, T, H, dims->eps, h, threads);
         if (project(&L->gate_up, h, T, gate_up, threads)) return -1;
-        lora_add(loras, l, LORA_GATE_UP, h, T, H, gate_up, 2 * I, xa, lora_max_r, threads);
+        if (lora_add(loras, l, LORA_GATE_UP, h, T, H, gate_up, 2 * I, xa, lora_max_r, threads)) return -1;
         silu_mul(gate_up, T, I, act, threads);
         if (project(&L->down, act, T, residual, threads)) return -1;
-        lora_add(loras, l, LORA_DOWN, act, T, I, residual, H, xa, lora_max_r, threads);
+        if (lora_add(loras, l, LORA_DOWN, act, T, I, residual, H, xa, lora_max_r, threads)) return -1;
     }
     return 0;
 }

@@ -4,15 +4,14 @@ call a step instead of ~10 a layer. Used by the ModelRunner for steps where ever
 has one new token, when the model's projections are all GGUF blocks (GGUFWeights of block
 types), the per-layer glue is the C kernels (CpuLayerOps) and the attention backend is `cpu`;
 anything else takes the Python forward. Steps with LoRA adapters' tokens get their deltas in
-the loop too (decode_cpu.c's lora_add), from each resident adapter's table of pairs, made once
-while it stays resident."""
+the loop too (decode_cpu.c's lora_add), from each resident adapter's table of pairs
+(gpu/lora.py's Adapter.table)."""
 
 from __future__ import annotations
 
 import ctypes
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from gpu import kernels
@@ -23,10 +22,9 @@ from gpu.models.llama import CpuLayerOps, LlamaForCausalLM
 from gpu.quant.gguf_weight import GGUFWeight
 
 if TYPE_CHECKING:
-    from gpu.lora import Adapter, LoraBatch
+    from gpu.lora import LoraBatch
 
 MAX_PARTS = 3  # decode_cpu.c's: q, k, v
-LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decode_cpu.c's order of an adapter's pairs in a layer
 
 
 class _Part(ctypes.Structure):
@@ -54,32 +52,6 @@ class _Layer(ctypes.Structure):
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
     ]
-
-
-class _LoraPair(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("r", ctypes.c_int64)]
-
-
-class _LoraTable:
-    """An adapter's pairs as decode_cpu.c reads them, [n_layers][LORA_PROJECTIONS] (rank 0 where
-    it adapts nothing): A as the adapter holds it (fp32, contiguous: gpu/lora.py), B transposed
-    once here (the loop adds B's columns), and the largest stacked rank."""
-
-    def __init__(self, adapter: Adapter, n_layers: int) -> None:
-        self.adapter = adapter  # held: its tensors, and its id() while this table is cached
-        self.bt: list[torch.Tensor] = []
-        pairs = []
-        for layer in range(n_layers):
-            for fused in LORA_PROJECTIONS:
-                pair = adapter.pairs.get((layer, fused))
-                if pair is None:
-                    pairs.append(_LoraPair())
-                    continue
-                a, b = pair
-                self.bt.append(b.t().contiguous())
-                pairs.append(_LoraPair(a.data_ptr(), self.bt[-1].data_ptr(), len(a)))
-        self.pairs = (_LoraPair * len(pairs))(*pairs)
-        self.max_r = max((p.r for p in pairs), default=0)
 
 
 class _Dims(ctypes.Structure):
@@ -157,7 +129,6 @@ class CpuDecoder:
             cfg.head_dim**-0.5,
         )
         self._tables = (ops.cos, ops.sin)  # contiguous [P, D/2], held by the ops
-        self._lora_tables: dict[int, _LoraTable] = {}  # id(adapter) -> its table, while it is resident
 
     @staticmethod
     def applies(model: LlamaForCausalLM, attention_backend: str) -> bool:
@@ -174,22 +145,6 @@ class CpuDecoder:
         """A decode step."""
         return meta.is_decode
 
-    def _lora_rows(self, lora: LoraBatch) -> tuple[np.ndarray, int]:
-        """Each token's adapter's table address (0: the base model's) and the step's largest rank;
-        the tables of adapters no longer resident are dropped."""
-        tables, resident = self._lora_tables, {id(a) for a in lora.adapters.values()}
-        for key in [k for k in tables if k not in resident]:
-            del tables[key]
-        addresses = np.zeros(len(lora.token_lora), np.uint64)
-        max_r = 0
-        for lid, adapter, _ in lora.groups:
-            table = tables.get(id(adapter))
-            if table is None:
-                table = tables[id(adapter)] = _LoraTable(adapter, len(self._layers))
-            addresses[lora.token_lora == lid] = ctypes.addressof(table.pairs)
-            max_r = max(max_r, table.max_r)
-        return addresses, max_r
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -199,7 +154,7 @@ class CpuDecoder:
     ) -> torch.Tensor:
         """input_ids: int64 [T] -> float32 logits [S, V], as LlamaForCausalLM.forward (with the
         deltas of `lora`'s adapters for their tokens)."""
-        loras, max_r = self._lora_rows(lora) if lora is not None else (None, 0)
+        loras, max_r = lora.tables if lora is not None else (None, 0)
         x = self.model.embedding(input_ids).contiguous()  # [T, H], the residual stream
         residual = torch.empty_like(x)
         page_table = meta.page_table if meta.page_table.is_contiguous() else meta.page_table.contiguous()

@@ -1,8 +1,10 @@
-"""A LoRA adapter's logits as ringserve computes them in one mixed batch (the base and three
-adapters of ranks 4, 8 and 16, random non-zero A and B on every attention and MLP projection)
-equal PEFT's, unmerged (its LoRA layers) and merged (merge_and_unload), at 1e-4 in the exact
-mode, for tiny random-weight models of two families (Llama; Qwen2, whose q/k/v have biases);
-and the C decode loop adds the deltas as the Python forward does."""
+"""A LoRA adapter's logits as ringserve computes them in mixed batches (the base and three
+adapters of ranks 4, 8 and 16, random non-zero A and B on every attention and MLP projection;
+a prefill chunk, then a few tokens on its KV as a speculative verify runs them: the deltas of
+decode_cpu.c's lora_apply) equal PEFT's, unmerged (its LoRA layers) and merged
+(merge_and_unload), at 1e-4 in the exact mode, for tiny random-weight models of two families
+(Llama; Qwen2, whose q/k/v have biases); and the C decode loop adds the deltas as the Python
+forward does."""
 
 from __future__ import annotations
 
@@ -55,15 +57,19 @@ def test_adapter_logits_equal_peft_merged_and_unmerged(family, tmp_path):
         runner.loras.register(lid, runner.loras.load(path.name, str(path)))
 
     prompt = np.random.default_rng(0).integers(0, 2000, 21).astype(np.int32)
-    seqs = [SeqInput(row, prompt, 0, runner.pool.alloc(runner.pool.pages_for(len(prompt))), True) for row in range(4)]
-    batch = build_forward_batch(seqs, PAGE, runner.model_config.context_length, runner.device)
-    runner.attn.plan(batch.meta)
-    token_lora = np.repeat(np.arange(4), len(prompt))  # row 0 the base, row i adapter i
-    lora = LoraBatch(runner.loras.resident, token_lora, runner.device)
-    with torch.inference_mode():
-        every = torch.arange(batch.meta.num_tokens)
-        got = runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn, lora).cpu()
-    got = got.reshape(4, len(prompt), -1)
+    pages = [runner.pool.alloc(runner.pool.pages_for(len(prompt))) for _ in range(4)]
+    chunks = []
+    for lo, hi in ((0, 16), (16, 21)):  # a prefill chunk, then 5 tokens on its KV (a verify's shape)
+        seqs = [SeqInput(row, prompt[lo:hi], lo, pages[row], True) for row in range(4)]
+        batch = build_forward_batch(seqs, PAGE, runner.model_config.context_length, runner.device)
+        runner.attn.plan(batch.meta)
+        token_lora = np.repeat(np.arange(4), hi - lo)  # row 0 the base, row i adapter i
+        lora = LoraBatch(runner.loras.resident, token_lora, runner.device)
+        with torch.inference_mode():
+            every = torch.arange(batch.meta.num_tokens)
+            logits = runner.model.forward(batch.input_ids, batch.meta.positions, every, runner.attn, lora).cpu()
+        chunks.append(logits.reshape(4, hi - lo, -1))
+    got = torch.cat(chunks, 1)
 
     ids = torch.from_numpy(prompt.astype(np.int64))[None]
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
