@@ -33,9 +33,9 @@ import torch
 
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError
+from protocol.lora import ADAPTER_FILES
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE = ADAPTER_FILES
 # PEFT's module name -> (the fused projection of the forward, its part in it)
 MODULES = {
     "q_proj": ("qkv", 0),

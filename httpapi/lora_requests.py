@@ -5,6 +5,7 @@ field either server defines is a 400 naming it unless it asks for nothing."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from httpapi.engine_requests import MAX_PATH_CHARS
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
 from httpapi.request_fields import refuse_unserved
-from protocol.lora import ADAPTER_NAME, NAME_RULE
+from protocol.lora import ADAPTER_FILES, ADAPTER_NAME, NAME_RULE
 
 _LOAD_REFUSED = {
     "pinned": "pinned adapters are not served: any adapter no running request holds may be evicted",
@@ -31,7 +32,8 @@ class LoadLora:
     path: str  # resolved: absolute, no symbolic link left, a readable directory
 
 
-def parse_load_lora(body: bytes, endpoint: str) -> LoadLora:
+def parse_load_lora(body: bytes, endpoint: str, allowed_dirs: Sequence[str] = ()) -> LoadLora:
+    """allowed_dirs: --lora-allowed-dirs (empty: any directory the server can read)."""
     f = Fields(load_object(body))
     name = _name(f)
     raw = f.get_str("lora_path")
@@ -39,7 +41,7 @@ def parse_load_lora(body: bytes, endpoint: str) -> LoadLora:
         raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_path")
     refuse_unserved(f, _LOAD_REFUSED)
     f.warn_unknown(endpoint)
-    return LoadLora(name, resolve_adapter_dir(raw))
+    return LoadLora(name, resolve_adapter_dir(raw, allowed_dirs))
 
 
 def parse_unload_lora(body: bytes, endpoint: str) -> str:
@@ -60,11 +62,15 @@ def _name(f: Fields) -> str:
     return name
 
 
-def resolve_adapter_dir(raw: str) -> str:
+def resolve_adapter_dir(raw: str, allowed_dirs: Sequence[str] = ()) -> str:
     """`raw` as an existing, readable directory, absolute and with its links resolved (the
-    engine reads what was checked; it then checks the adapter's files); a 400 naming lora_path."""
+    engine reads what was checked; it then checks the adapter's files), inside one of
+    `allowed_dirs` (theirs resolved too) when any are given; a 400 naming lora_path. Whether a
+    path outside them exists is not told."""
     if len(raw) > MAX_PATH_CHARS or any(ord(c) < 32 for c in raw):
         raise bad_request(f"lora_path must be 1 to {MAX_PATH_CHARS} characters without control characters", "lora_path")
+    roots = [os.path.realpath(d) for d in allowed_dirs]
+    _inside(raw, raw, roots)  # before any look at it: whether a path outside exists is not told
     try:
         path = Path(raw).resolve(strict=True)
     except (OSError, RuntimeError):  # missing, unreadable, or a loop of links
@@ -73,4 +79,16 @@ def resolve_adapter_dir(raw: str) -> str:
         raise bad_request(f"lora_path {raw!r}: not a directory (a PEFT adapter is a directory)", "lora_path")
     if not os.access(path, os.R_OK | os.X_OK):
         raise bad_request(f"lora_path {raw!r}: not readable by the server", "lora_path")
+    for where in (path, *(path / f for f in ADAPTER_FILES)):  # the files the engine reads: no link out either
+        _inside(raw, str(where), roots)
     return str(path)
+
+
+def _inside(raw: str, where: str, roots: list[str]) -> None:
+    """A 400 unless `where`, every link of it that exists followed, lies in one of `roots` (none: anywhere)."""
+    real = os.path.realpath(where)
+    if roots and not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise bad_request(
+            f"lora_path {raw!r} is outside the directories this server loads adapters from (--lora-allowed-dirs)",
+            "lora_path",
+        )

@@ -13,6 +13,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 MAX_ADAPTER_NAME = 128  # bytes: ADAPTER_NAME's longest (ASCII)
 MAX_LOADED_LORAS = 4096  # --max-loaded-loras at most: the published table's rows
 NAME_RULE = "letters, digits and ._/- (at most 128), starting with a letter or digit"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter directory's, read by the engine
 
 
 def parse_lora_paths(items: Sequence[str]) -> tuple[tuple[str, str], ...]:

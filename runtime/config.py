@@ -294,6 +294,13 @@ class ServerArgs:
         same_row=True,
         default_text="any",
     )
+    lora_allowed_dirs: tuple[str, ...] = setting(
+        (),
+        "/load_lora_adapter's `lora_path` must lie inside one of these directories, links resolved (a path "
+        "outside is a 400)",
+        default_text="any readable directory",
+        same_row=True,
+    )
     speculative_algorithm: str = setting(
         "NGRAM",
         "`NGRAM`: n-gram (prompt lookup) speculative decoding: a greedy request's next tokens drafted from its "
@@ -394,8 +401,8 @@ class ServerArgs:
 
     def _check_lora(self) -> None:
         if not self.enable_lora:
-            if self.lora_paths:
-                raise ValueError("--lora-paths needs --enable-lora")
+            if self.lora_paths or self.lora_allowed_dirs:
+                raise ValueError("--lora-paths and --lora-allowed-dirs need --enable-lora")
             return
         if self.is_embedding:
             raise ValueError("--enable-lora serves generation: not with --is-embedding")
@@ -408,6 +415,9 @@ class ServerArgs:
             raise ValueError(f"--max-loaded-loras must be at most {MAX_LOADED_LORAS}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError("--max-lora-rank must be at least 1")
+        for d in self.lora_allowed_dirs:
+            if not os.path.isdir(d):
+                raise ValueError(f"--lora-allowed-dirs: {d!r} is not a directory")
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None) -> ServerArgs:

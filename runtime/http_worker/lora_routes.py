@@ -20,7 +20,7 @@ from runtime.http_worker.asgi import Handler, api_route, json_response, orjson_d
 
 async def _load(worker, request: Request, endpoint: str) -> dict:
     """The scheduler's answer to a load; APIError for a request refused before it."""
-    req = parse_load_lora(await read_body(request), endpoint)
+    req = parse_load_lora(await read_body(request), endpoint, worker.args.lora_allowed_dirs)
     if req.name in worker.served_names:
         raise bad_request(f"lora_name {req.name!r} is the served model's name", "lora_name")
     return await worker.tm.call({"op": "load_lora", "name": req.name, "path": req.path}, worker.args.request_timeout)

@@ -3,11 +3,13 @@ pool of two resident adapters: an adapter loaded through one worker serves throu
 PEFT's tokens; unloaded, it is a 404 everywhere, and its name can be loaded again with other
 weights; an unload waits for the requests that use the adapter; more adapters than resident
 give each request what it gets alone; loads and unloads under load fail no request that did not
-name the unloaded adapter; /metrics counts requests and tokens per adapter and the pool's work."""
+name the unloaded adapter; /metrics counts requests and tokens per adapter and the pool's work;
+a load from outside --lora-allowed-dirs is a 400."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +47,7 @@ def runtime_server(start_server, tmp_path_factory):
         max_loras_per_batch=2,
         max_loaded_loras=4,
         max_lora_rank=16,
+        lora_allowed_dirs=str(root),
         max_total_tokens=4096,
         max_running_requests=16,
     )
@@ -218,3 +221,14 @@ def test_loads_and_unloads_under_load_fail_only_the_unloaded(runtime_server):
             t.join(300)
     assert not failures, failures[:5]
     assert 200 in b8_outcomes
+
+
+def test_a_path_outside_the_allowed_dirs_is_a_400(runtime_server, tmp_path):
+    server, paths, _ = runtime_server
+    outside = shutil.copytree(paths["b8"], tmp_path / "b8")
+    for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+        r = call(server, route, {"lora_name": "b8", "lora_path": str(outside)})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "lora_path" and "--lora-allowed-dirs" in err["message"], err
+    assert call(server, "/generate", {"text": "Hi", "lora_path": "b8"}).status_code == 404  # nothing loaded
