@@ -81,14 +81,9 @@ def check_model(args: ServerArgs) -> str | None:
     try:
         config = ModelConfig.from_dir(resolve_model_dir(args.model_path), args.context_length)
         if config.gguf_path is not None:
-            from gpu.model_runner import build_kernels_ahead
-            from runtime.scheduler.runner import runner_config
+            from gpu.models.gguf_layout import gguf_layout
 
-            # a first start's C builds, side by side while the checks below run, done before the exec
-            with build_kernels_ahead(runner_config(args), config):
-                from gpu.models.weights import load_gguf_weights
-
-                load_gguf_weights(config, "f32")  # views of the mapping: the weights are not read
+            gguf_layout(config)  # without torch: the scheduler, started beside, imports it
         if args.enable_lora:  # every adapter read and checked against the model once, here
             import torch
 

@@ -12,16 +12,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gpu.models.gguf_file import GGUFFile, GGUFTensor
+from gpu.models.gguf_layout import gguf_layout
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError
 from gpu.quant.gguf_weight import GGUFWeight, mapped_tensor
 
 Weight = torch.Tensor | GGUFWeight
-
-# llama.cpp's converter interleaves the two rotary halves of each q/k head's rows for these
-# architectures (LlamaModel.permute): their rope then rotates adjacent pairs (its NORM rope)
-PAIRED_ROPE_ARCHITECTURES = ("llama", "smollm3")
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -118,71 +114,10 @@ def load_gguf_weights(cfg: ModelConfig, activations: str) -> tuple[dict[str, Wei
     embedding and the LM head are GGUFWeights multiplied with `activations` ("f32" | "q8");
     norms (Gemma's already 1 + w, as llama.cpp's converter stores them) and biases float32.
     ModelLoadError names a missing tensor, a shape config.json does not imply, or a type no
-    kernel takes."""
-    if cfg.gguf_path is None:
-        raise ModelLoadError(f"{cfg.model_dir}: not a GGUF model (no gguf.json)")
-    file = GGUFFile(cfg.gguf_path)
-    tensors = dict(file.tensors)
-    D, Hq, Hkv, H, I = cfg.head_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.intermediate_size
-
-    def tensor(name: str, shape: tuple[int, ...]) -> GGUFTensor:
-        t = tensors.pop(name, None)
-        if t is None:
-            raise ModelLoadError(f"{file.path}: tensor {name} is missing")
-        if tuple(t.shape) != shape:
-            raise ModelLoadError(f"{file.path}: tensor {name} has shape {tuple(t.shape)}, the config implies {shape}")
-        return t
-
-    def matrix(*parts: tuple[str, int], width: int = H) -> GGUFWeight:
-        """The rows of the tensors named, [rows, width] each, one after another."""
-        return GGUFWeight([tensor(name + ".weight", (rows, width)) for name, rows in parts], activations)
-
-    def vector(name: str, size: int) -> torch.Tensor:
-        t = tensor(name, (size,))
-        if t.type_name not in ("F32", "F16", "BF16"):
-            raise ModelLoadError(f"{file.path}: tensor {name} is {t.type_name}; a norm or bias is F32, F16 or BF16")
-        return mapped_tensor(t.values()).float()  # F32: the mapping itself
-
-    out: dict[str, Weight] = {
-        "embed": matrix(("token_embd", cfg.vocab_size)),
-        "norm": vector("output_norm.weight", H),
-    }
-    if "output.weight" in tensors:  # llama.cpp's converter leaves it out when it equals the embedding
-        out["lm_head"] = matrix(("output", cfg.vocab_size))
-    elif not cfg.tie_word_embeddings:
-        raise ModelLoadError(f"{file.path}: tensor output.weight is missing (the config does not tie it)")
-    for i in range(cfg.num_layers):
-        p = f"blk.{i}."
-        out[f"layers.{i}.input_norm"] = vector(p + "attn_norm.weight", H)
-        if cfg.gemma_norms:
-            out[f"layers.{i}.attn_out_norm"] = vector(p + "post_attention_norm.weight", H)
-            out[f"layers.{i}.post_norm"] = vector(p + "ffn_norm.weight", H)
-            out[f"layers.{i}.mlp_out_norm"] = vector(p + "post_ffw_norm.weight", H)
-        else:
-            out[f"layers.{i}.post_norm"] = vector(p + "ffn_norm.weight", H)
-        if cfg.qk_norm:
-            out[f"layers.{i}.q_norm"] = vector(p + "attn_q_norm.weight", D)
-            out[f"layers.{i}.k_norm"] = vector(p + "attn_k_norm.weight", D)
-        if p + "attn_qkv.weight" in tensors:  # Phi-3's fused projection
-            out[f"layers.{i}.qkv"] = matrix((p + "attn_qkv", (Hq + 2 * Hkv) * D))
-        else:
-            out[f"layers.{i}.qkv"] = matrix((p + "attn_q", Hq * D), (p + "attn_k", Hkv * D), (p + "attn_v", Hkv * D))
-        if cfg.qkv_bias:
-            out[f"layers.{i}.qkv_bias"] = torch.cat(
-                [
-                    vector(p + "attn_q.bias", Hq * D),
-                    vector(p + "attn_k.bias", Hkv * D),
-                    vector(p + "attn_v.bias", Hkv * D),
-                ]
-            )
-        out[f"layers.{i}.o"] = matrix((p + "attn_output", H), width=Hq * D)
-        if p + "ffn_gate.weight" in tensors:
-            out[f"layers.{i}.gate_up"] = matrix((p + "ffn_gate", I), (p + "ffn_up", I))
-        else:  # Phi-3's ffn_up holds the gate rows, then the up rows
-            out[f"layers.{i}.gate_up"] = matrix((p + "ffn_up", 2 * I))
-        out[f"layers.{i}.down"] = matrix((p + "ffn_down", H), width=I)
-    # rope_freqs / rope_factors_* are llama.cpp's precomputed rope scaling, which the config holds
-    leftover = [n for n in tensors if not n.startswith("rope_")]
-    if leftover:
-        raise ModelLoadError(f"{file.path}: unexpected tensors for {cfg.architecture}, e.g. {leftover[0]}")
-    return out, "pairs" if file.architecture in PAIRED_ROPE_ARCHITECTURES else "halves"
+    kernel takes (gpu/models/gguf_layout.py)."""
+    layout = gguf_layout(cfg)
+    out: dict[str, Weight] = {name: GGUFWeight(list(parts), activations) for name, parts in layout.matrices.items()}
+    for name, parts in layout.vectors.items():
+        values = [mapped_tensor(t.values()).float() for t in parts]  # F32: the mapping itself
+        out[name] = values[0] if len(values) == 1 else torch.cat(values)
+    return out, layout.rope_style

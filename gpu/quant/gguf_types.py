@@ -10,7 +10,6 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpu import kernels
 from gpu.models.model_files import ModelLoadError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -54,6 +53,8 @@ class TypeKernels:
 
 @functools.cache
 def _library(stem: str) -> ctypes.CDLL:
+    from gpu import kernels  # torch: imported by a load, not by a check of a file's types (block_type)
+
     try:
         return kernels.load(stem)
     except kernels.KernelBuildError as e:
@@ -63,18 +64,25 @@ def _library(stem: str) -> ctypes.CDLL:
 def type_kernels(tensor_name: str, type_name: str) -> TypeKernels:
     """The kernels for a tensor of `type_name`; ModelLoadError naming the tensor and the type
     when no kernel takes it (never a silent fp32 fallback)."""
-    block = BLOCK_TYPES.get(type_name)
-    if block is None:
-        raise ModelLoadError(
-            f"GGUF tensor {tensor_name} is {type_name}: no kernel takes it "
-            f"(these do: {', '.join((*FLOAT_TYPES, *BLOCK_TYPES))})"
-        )
+    block = block_type(tensor_name, type_name)
     found = _kernels_of(type_name)
     if found is None:
         raise ModelLoadError(
             f"GGUF tensor {tensor_name} is {type_name}: gpu/kernels/{block.library}.c has no kernels for it"
         )
     return found
+
+
+def block_type(tensor_name: str, type_name: str) -> BlockType:
+    """The block layout of `type_name`; ModelLoadError naming the tensor and the type when no
+    kernel takes it."""
+    block = BLOCK_TYPES.get(type_name)
+    if block is None:
+        raise ModelLoadError(
+            f"GGUF tensor {tensor_name} is {type_name}: no kernel takes it "
+            f"(these do: {', '.join((*FLOAT_TYPES, *BLOCK_TYPES))})"
+        )
+    return block
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """A bad GGUF at start: `python -m runtime serve --model-path bad.gguf` prints one line that
-names the file and what is wrong, and exits 1, before any server process starts."""
+names the file and what is wrong, and exits 1, before any server process starts; serve's
+check of a good one imports no torch (the scheduler, started beside it, does)."""
 
 import os
 import struct
@@ -7,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_gpu_model_families_gguf import tiny_model, write_gguf
+from test_gpu_model_families_gguf import tiny_model, typed_model, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,28 @@ def test_tensor_info_that_lies_about_its_shape(good, tmp_path):
     path = tmp_path / "long_tensor.gguf"
     path.write_bytes(patched(good, after(good, "blk.0.attn_q.weight") + 4 + 8, "<Q", 1000))
     assert "overlaps" in serve_error(path, tmp_path)
+
+
+def test_a_type_no_kernel_takes(tmp_path):
+    path = tmp_path / "tq.gguf"
+    write_gguf("qwen3", typed_model("qwen3"), path, "TQ2_0")
+    assert "tensor token_embd.weight is TQ2_0: no kernel takes it" in serve_error(path, tmp_path)
+
+
+def test_serve_checks_a_good_file_without_torch(good, tmp_path):
+    """A second start's check (the first makes the model directory: transformers' GGUF
+    tokenizer conversion)."""
+    path = tmp_path / "good.gguf"
+    path.write_bytes(good)
+    code = f"""
+import sys
+from runtime.__main__ import check_model
+from runtime.config import ServerArgs
+print(check_model(ServerArgs(model_path={str(path)!r})), "torch" in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSERVE_")}
+    env["RINGSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "False"]
