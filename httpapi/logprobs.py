@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,19 +79,32 @@ class TokenLogprobs:
 class LogprobVocab:
     """Each token id's own bytes, display text and character count, for logprobs. A token
     can hold part of a UTF-8 character: its text then shows the bytes escaped ("\\xe2"), as
-    OpenAI does, and `bytes` carries them exactly."""
+    OpenAI does, and `bytes` carries them exactly. Made from a tokenizer, the tables are built
+    when first used (the first request that asks for logprobs: Gemma 3's 262k tokens take
+    about half a CPU second), not at every start."""
 
     def __init__(self, token_bytes: Sequence[bytes]) -> None:
-        self.bytes = list(token_bytes)
-        self.text = [b.decode("utf-8", "backslashreplace") for b in self.bytes]
-        # characters that start in the token: bytes that are not UTF-8 continuation bytes
-        self.chars = [sum((c & 0xC0) != 0x80 for c in b) for b in self.bytes]
+        self._pieces: Callable[[], list[bytes]] = functools.partial(list, token_bytes)
+
+    @functools.cached_property
+    def bytes(self) -> list[bytes]:
+        return self._pieces()
+
+    @functools.cached_property
+    def text(self) -> list[str]:
+        return [b.decode("utf-8", "backslashreplace") for b in self.bytes]
+
+    @functools.cached_property
+    def chars(self) -> list[int]:
+        """Characters that start in each token: its bytes that are not UTF-8 continuation bytes."""
+        return [sum((c & 0xC0) != 0x80 for c in b) for b in self.bytes]
 
     @functools.cached_property
     def as_token_ids(self) -> LogprobVocab:
         """vLLM's return_tokens_as_token_ids: each token shown as "token_id:<id>", which names it
         even where its text does not (a part of a UTF-8 character, a token two ids share); its
-        bytes and character count stay its own."""
+        bytes and character count stay its own (built here, so that the copy shares them)."""
+        self.chars  # noqa: B018
         shown = copy.copy(self)
         shown.text = [f"token_id:{i}" for i in range(len(self.bytes))]
         return shown
@@ -101,13 +114,19 @@ class LogprobVocab:
         """From a Hugging Face tokenizer: the detokenizer's exact byte vocab for byte-level
         BPE (GPT-2, Llama 3, Qwen, SmolLM), else SentencePiece pieces ("\u2581" for a space,
         <0xNN> byte fallback). Ids past the tokenizer (a padded embedding) get no bytes."""
-        added = AddedTokens.of(tokenizer)
-        try:
-            pieces = list(build_token_table(tokenizer, added).pieces[:-1])
-        except NotByteExact:
-            pieces = _sentencepiece_bytes(tokenizer, added)
-        size = len(pieces) if vocab_size is None else vocab_size
-        return cls(pieces[:size] + [b""] * (size - len(pieces)))
+        vocab = cls([])
+        vocab._pieces = functools.partial(_tokenizer_bytes, tokenizer, vocab_size)
+        return vocab
+
+
+def _tokenizer_bytes(tokenizer: Any, vocab_size: int | None) -> list[bytes]:
+    added = AddedTokens.of(tokenizer)
+    try:
+        pieces = list(build_token_table(tokenizer, added).pieces[:-1])
+    except NotByteExact:
+        pieces = _sentencepiece_bytes(tokenizer, added)
+    size = len(pieces) if vocab_size is None else vocab_size
+    return pieces[:size] + [b""] * (size - len(pieces))
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

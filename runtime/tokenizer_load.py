@@ -3,14 +3,29 @@ detokenizer need a tokenizer, not the model, yet AutoTokenizer's module imports 
 transformers' model configs (a few hundred MB in each process). The tokenizer classes
 themselves do not: load_tokenizer picks the class AutoTokenizer would pick for a local model
 directory of the families ringserve serves and loads it directly, so its tokens, decoded text
-and chat template are AutoTokenizer's (tests/unit/test_tokenizer_load.py compares the two)."""
+and chat template are AutoTokenizer's (tests/unit/test_tokenizer_load.py compares the two).
+
+Building the tokenizer is the costly part of a start for a large vocabulary: transformers
+json-loads tokenizer.json and rebuilds the BPE from its vocab and merges in Python (Gemma 3's
+262k tokens: 2-3 CPU s, in the HTTP worker and the detokenizer at once). The object built is
+pickled under the cache directory, keyed by the bytes of the directory's tokenizer files and
+the versions that built it; a later start unpickles it, about half the work (the Rust
+tokenizer is rebuilt from its own serialization). The cache directory is trusted as the C
+kernels built there are: what it holds is loaded and run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import pickle
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # AutoTokenizer's registered class of each model type ringserve serves (transformers'
 # TOKENIZER_MAPPING_NAMES), and those whose tokenizer_config.json's class it overrides
@@ -30,9 +45,66 @@ HUB_CLASS_OVERRIDDEN = frozenset({"phi3", "qwen2"})
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast"})
 
 
+# files of a model directory that are not the tokenizer's (weights): left out of the cache key
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx"})
+CACHE_FORMAT = b"ringserve tokenizer pickle 1"
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
-    """The tokenizer of the model directory `path` (or of a tokenizer directory: --tokenizer-path)."""
-    return tokenizer_class(Path(path)).from_pretrained(str(path))
+    """The tokenizer of the model directory `path` (or of a tokenizer directory: --tokenizer-path),
+    from the cache when a start before made it from the same files."""
+    path = Path(path)
+    cls = tokenizer_class(path)
+    cached = _cache_file(path, cls)
+    try:
+        with cached.open("rb") as f:
+            tokenizer = pickle.load(f)
+        if type(tokenizer) is cls:
+            return tokenizer
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # a damaged or foreign file: built again, and replaced
+        logger.warning("cached tokenizer %s unreadable (%s: %s): building it again", cached, type(e).__name__, e)
+    tokenizer = cls.from_pretrained(str(path))
+    _store(tokenizer, cached)
+    return tokenizer
+
+
+def _cache_file(path: Path, cls: type[Any]) -> Path:
+    """Where the tokenizer of `path` built by `cls` is cached: named by the hash of every
+    file of the directory but its weights (the tokenizer's files, config.json, the chat
+    template), the directory, and the versions of Python, transformers and tokenizers."""
+    import tokenizers
+    import transformers
+
+    from cbuild import cache_root
+
+    h = hashlib.sha256(CACHE_FORMAT)
+    versions = (sys.version, transformers.__version__, tokenizers.__version__, cls.__module__, cls.__qualname__)
+    h.update("\0".join((*versions, str(path.resolve()))).encode())
+    for file in sorted(path.iterdir()):
+        if file.suffix in WEIGHT_SUFFIXES or not file.is_file():
+            continue
+        h.update(f"\0{file.name}\0".encode())
+        h.update(hashlib.sha256(file.read_bytes()).digest())
+    return cache_root() / "tokenizers" / f"{h.hexdigest()[:32]}.pickle"
+
+
+def _store(tokenizer: Any, target: Path) -> None:
+    """Writes the pickle whole or not at all (concurrent starts each write their own and
+    rename it); a cache that cannot be written only costs the next start the build."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tokenizer-", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+        logger.warning("tokenizer not cached in %s: %s", target.parent, e)
 
 
 def tokenizer_class(path: Path) -> type[Any]:

