@@ -89,7 +89,7 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "chat_completion/test_chat.py", "test_response_format_json_"): OTHER_MODEL + ' ({"result": 2})',
     ("vllm", "chat_completion/test_chat.py", "test_complex_message_content"): OTHER_MODEL + ' ("2", exactly)',
     ("vllm", "chat_completion/test_chat.py", "test_custom_role"): NO_LIMIT,
-    ("vllm", "chat_completion/test_chat.py", "test_more_than_one_prompt_logprobs"): OTHER_MODEL
+    ("vllm", "chat_completion/test_chat.py", "test_more_than_one_prompt_logprobs_chat"): OTHER_MODEL
     + " (whether a prompt token is the model's top-1)",
     ("vllm", "chat_completion/test_chat.py", "test_single_chat_session"): OTHER_MODEL + " (zephyr's token counts)",
     ("vllm", "chat_completion/test_completion_with_function_calling.py", ""): REASONING + " and tool calls",
