@@ -31,7 +31,7 @@ allocator's arenas and lazy imports have grown by then) and at the end, by role 
 engine's processes and a replaced worker are new).
 
     python -m perf.soak --duration 1800                              # 30 minutes, every fault
-    python -m perf.soak --duration 60 --streams 8 --calm 2           # about CI's minute
+    python -m perf.soak --duration 60 --streams 8 --calm 2 --whole-rotation   # about CI's minute
     python -m perf.soak --faults scheduler-kill,detokenizer-kill     # the engine kills only
 Writes perf/results/soak.json and soak.md (perf/report.py), the server's log beside them.
 """
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import secrets
@@ -191,7 +192,7 @@ class Soak:
         self.rss_warm: dict[str, int] = {}  # rss_by_role a quarter of the way in
         self.faults: list[dict] = []
         self.examples: dict[str, str] = {}  # a failure's first answer, by outcome
-        self.started = self.deadline = 0.0
+        self.started = self.deadline = self.ended = 0.0
 
     # ---------------------------------------------------------------- the load
 
@@ -417,6 +418,13 @@ class Soak:
         return None if ok is None else time.monotonic() - t0
 
     async def fault_loop(self) -> None:
+        try:
+            await self._faults()
+        finally:  # the load's end is finite again, whatever ended the rotation
+            if self.deadline == math.inf:
+                self.deadline = max(self.started + self.args.duration, time.monotonic())
+
+    async def _faults(self) -> None:
         kinds = self.args.faults
         turn = 0
         while True:
@@ -425,6 +433,8 @@ class Soak:
                 return
             kind = kinds[turn % len(kinds)]
             turn += 1
+            if self.args.whole_rotation and turn == len(kinds):  # the last fault of the rotation
+                self.deadline = max(self.started + self.args.duration, time.monotonic() + 2 * self.args.calm)
             rss_before = rss_by_role(self.server)
             at = time.monotonic()
             fault: dict = {"kind": kind, "at_s": at - self.started}
@@ -445,7 +455,10 @@ class Soak:
 
     async def run(self) -> None:
         self.started = time.monotonic()
-        self.deadline = self.started + self.args.duration
+        # --whole-rotation: the load goes on past --duration until the rotation's last fault
+        # has begun (on a loaded machine heals take longer and fewer faults fit the duration)
+        whole = self.args.whole_rotation and len(self.args.faults) > 0
+        self.deadline = math.inf if whole else self.started + self.args.duration
         limits = httpx.Limits(max_connections=self.args.streams + 8)
         timeout = httpx.Timeout(self.args.request_timeout)
         async with httpx.AsyncClient(base_url=self.base, limits=limits, timeout=timeout) as client:
@@ -455,6 +468,7 @@ class Soak:
             warm.cancel()
             if faults is not None:
                 await faults  # a fault under way ends (its recovery, its clean-up) before the server stops
+        self.ended = time.monotonic()
 
     async def read_warm_rss(self) -> None:
         await asyncio.sleep(self.args.duration / 4)
@@ -488,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=32, help="concurrent streams")
     ap.add_argument(
         "--faults", default=",".join(FAULTS), help=f"the rotation, comma-separated, of: {', '.join(FAULTS)}"
+    )
+    ap.add_argument(
+        "--whole-rotation",
+        action="store_true",
+        help="go on past --duration until every fault of the rotation has had its turn",
     )
     ap.add_argument("--calm", type=float, default=30.0, help="seconds between a fault's recovery and the next fault")
     ap.add_argument("--disconnect-rate", type=float, default=0.1, help="share of clients that leave mid-stream")
@@ -541,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     lost_outside = sum(failures.get("outside", Counter()).values())
     all_recovered = all(f.get("recovered_s") is not None for f in soak.faults)
     data = {
-        "duration_s": args.duration,
+        "duration_s": soak.ended - soak.started,
         "streams": args.streams,
         "model": args.model,
         "faults_rotation": args.faults,
@@ -568,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         by_kind.setdefault(f["kind"], []).append(f)
     md = "\n\n".join(
         [
-            f"{args.streams} streams for {args.duration:.0f} s, {args.model} model, {len(soak.faults)} faults "
+            f"{args.streams} streams for {data['duration_s']:.0f} s, {args.model} model, {len(soak.faults)} faults "
             f"({', '.join(args.faults)} in turn, {args.calm:g} s of calm between); {len(soak.requests)} requests, "
             f"{lost_outside} failed outside the fault windows; tokens streamed {soak.tokens_streamed}, "
             f"lost {soak.tokens_lost}; every fault recovered: {all_recovered}; healthy at the end: {healthy_at_end}.",

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_minute_of_load_through_every_fault(tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "perf.soak", "--duration", "75", "--streams", "8", "--calm", "1.5"]
+    cmd = [sys.executable, "-m", "perf.soak", "--duration", "75", "--streams", "8", "--calm", "1.5", "--whole-rotation"]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
