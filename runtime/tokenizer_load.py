@@ -50,12 +50,15 @@ WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h
 CACHE_FORMAT = b"ringserve tokenizer pickle 1"
 
 
-def load_tokenizer(path: str | os.PathLike) -> Any:
+def load_tokenizer(path: str | os.PathLike, decode_only: bool = False) -> Any:
     """The tokenizer of the model directory `path` (or of a tokenizer directory: --tokenizer-path),
-    from the cache when a start before made it from the same files."""
+    from the cache when a start before made it from the same files. `decode_only` (the
+    detokenizer): the same tokenizer without a BPE's merges, which only encoding uses (its
+    decode is the whole tokenizer's; its encode is wrong): Gemma 3's 515k merges are ~250 MB
+    of each process that holds them and most of the load's CPU."""
     path = Path(path)
     cls = tokenizer_class(path)
-    cached = _cache_file(path, cls)
+    cached = _cache_file(path, cls, decode_only)
     try:
         with cached.open("rb") as f:
             tokenizer = pickle.load(f)
@@ -65,12 +68,28 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         pass
     except Exception as e:  # a damaged or foreign file: built again, and replaced
         logger.warning("cached tokenizer %s unreadable (%s: %s): building it again", cached, type(e).__name__, e)
-    tokenizer = cls.from_pretrained(str(path))
+    if decode_only:
+        tokenizer = load_tokenizer(path)
+        tokenizer._tokenizer = _without_merges(tokenizer.backend_tokenizer)
+    else:
+        tokenizer = cls.from_pretrained(str(path))
     _store(tokenizer, cached)
     return tokenizer
 
 
-def _cache_file(path: Path, cls: type[Any]) -> Path:
+def _without_merges(backend: Any) -> Any:
+    """A copy of the Rust tokenizer whose BPE model has no merges: ids map to the same tokens,
+    through the same decoder and added tokens."""
+    from tokenizers import Tokenizer
+
+    state = json.loads(backend.to_str())
+    if state["model"].get("type") != "BPE":
+        return backend
+    state["model"]["merges"] = []
+    return Tokenizer.from_str(json.dumps(state))
+
+
+def _cache_file(path: Path, cls: type[Any], decode_only: bool) -> Path:
     """Where the tokenizer of `path` built by `cls` is cached: named by the hash of every
     file of the directory but its weights (the tokenizer's files, config.json, the chat
     template), the directory, and the versions of Python, transformers and tokenizers."""
@@ -81,6 +100,7 @@ def _cache_file(path: Path, cls: type[Any]) -> Path:
 
     h = hashlib.sha256(CACHE_FORMAT)
     versions = (sys.version, transformers.__version__, tokenizers.__version__, cls.__module__, cls.__qualname__)
+    h.update(b"decode only\0" if decode_only else b"whole\0")
     h.update("\0".join((*versions, str(path.resolve()))).encode())
     for file in sorted(path.iterdir()):
         if file.suffix in WEIGHT_SUFFIXES or not file.is_file():

@@ -148,7 +148,8 @@ class DetokenizerProcess:
 
         model_dir = resolve_model_dir(self.args.model_path)
         t0 = time.perf_counter()
-        tokenizer = load_tokenizer(self.args.tokenizer_path or model_dir)  # --tokenizer-path
+        # --tokenizer-path; decoding is all this process does with it
+        tokenizer = load_tokenizer(self.args.tokenizer_path or model_dir, decode_only=True)
         self.detokenizer = Detokenizer(tokenizer, max_open=max_open)
         core = self.detokenizer.incremental
         how = "numpy byte table" if core.table is not None else f"window decode ({core.fallback_reason})"

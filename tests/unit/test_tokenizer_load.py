@@ -98,6 +98,26 @@ def same_as(ours, tokenizer) -> None:
     )
 
 
+def same_decode(ours, tokenizer) -> None:
+    """The detokenizer's tokenizer (decode_only): every decode as the whole tokenizer's."""
+    import numpy as np
+
+    from protocol.vocab import AddedTokens
+
+    assert type(ours) is type(tokenizer) and len(ours) == len(tokenizer)
+    assert AddedTokens.of(ours) == AddedTokens.of(tokenizer)
+    rng = np.random.default_rng(0)
+    texts = ["Hello, world!  Ünïcödé 12345 <start_of_turn> <|im_start|>\n\t 🦙 ▁x", " leading space", "日本語"]
+    batches = [tokenizer.encode(t) for t in texts] + [rng.integers(0, len(tokenizer), 40).tolist() for _ in range(20)]
+    for skip in (False, True):
+        assert ours.batch_decode(batches, skip_special_tokens=skip) == tokenizer.batch_decode(
+            batches, skip_special_tokens=skip
+        )
+        assert [ours.decode(ids, skip_special_tokens=skip) for ids in batches] == [
+            tokenizer.decode(ids, skip_special_tokens=skip) for ids in batches
+        ]
+
+
 def model_dirs() -> list:
     """The default model, and the Gemma 3 GGUF (262k tokens, SentencePiece style) when installed."""
     dirs = [pytest.param(None, id="default")]
@@ -112,7 +132,8 @@ def model_dirs() -> list:
 @pytest.mark.parametrize("model", model_dirs())
 def test_tokenizer_is_autotokenizers_built_and_cached(model, tmp_path, monkeypatch):
     """The first load builds it (and caches it), the second unpickles it: both AutoTokenizer's.
-    A damaged cache file is built again and replaced."""
+    A damaged cache file is built again and replaced. The detokenizer's decode-only one
+    decodes as AutoTokenizer's, built or unpickled."""
     from transformers import AutoTokenizer
 
     from gpu.models.model_files import resolve_model_dir
@@ -127,6 +148,9 @@ def test_tokenizer_is_autotokenizers_built_and_cached(model, tmp_path, monkeypat
     cached.write_bytes(cached.read_bytes()[:1000])
     same_as(load_tokenizer(path), tokenizer)
     assert cached.stat().st_size > 1000
+    same_decode(load_tokenizer(path, decode_only=True), tokenizer)
+    same_decode(load_tokenizer(path, decode_only=True), tokenizer)  # from its own cache file
+    assert len(list(cached.parent.iterdir())) == 2
 
 
 def test_cache_key_follows_the_files(tmp_path, monkeypatch):
