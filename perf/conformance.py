@@ -93,6 +93,11 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     + " (whether a prompt token is the model's top-1)",
     ("vllm", "chat_completion/test_chat.py", "test_single_chat_session"): OTHER_MODEL + " (zephyr's token counts)",
     ("vllm", "chat_completion/test_completion_with_function_calling.py", ""): REASONING + " and tool calls",
+    ("vllm", "completion/test_completion.py", "test_completion_streaming"): OTHER_MODEL
+    + " (an answer that runs past 5 tokens: finish_reason length)",
+    ("vllm", "responses/test_basic.py", "test_simple_input"): OTHER_MODEL + " (13 * 24 = 312: a model's arithmetic)",
+    ("vllm", "responses/test_basic.py", "test_instructions"): OTHER_MODEL + " (13 * 24 = 312: a model's arithmetic)",
+    ("vllm", "responses/test_basic.py", "test_chat"): OTHER_MODEL + " (a model's answer: 30)",
     ("vllm", "chat_completion/test_serving_chat.py", "test_gpt_oss_"): HARMONY,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_include_reasoning_true_"): REASONING,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_reasoning_tokens_in_usage"): REASONING,
