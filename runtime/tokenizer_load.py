@@ -9,7 +9,8 @@ Building the tokenizer is the costly part of a start for a large vocabulary: tra
 json-loads tokenizer.json and rebuilds the BPE from its vocab and merges in Python (Gemma 3's
 262k tokens: 2-3 CPU s, in the HTTP worker and the detokenizer at once). The object built is
 pickled under the cache directory, keyed by the bytes of the directory's tokenizer files and
-the versions that built it; a later start unpickles it, about half the work (the Rust
+the versions that built it (without the Python copies of the vocabulary and merges its class
+built the Rust tokenizer from); a later start unpickles it, about half the work (the Rust
 tokenizer is rebuilt from its own serialization). The cache directory is trusted as the C
 kernels built there are: what it holds is loaded and run."""
 
@@ -47,7 +48,8 @@ GENERIC_CLASSES = frozenset({"TokenizersBackend", "PythonBackend", "PreTrainedTo
 
 # files of a model directory that are not the tokenizer's (weights): left out of the cache key
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx"})
-CACHE_FORMAT = b"ringserve tokenizer pickle 1"
+CACHE_FORMAT = b"ringserve tokenizer pickle 2"
+BUILD_INPUTS = ("_vocab", "_merges")  # transformers' classes read them in __init__ alone
 
 
 def load_tokenizer(path: str | os.PathLike, decode_only: bool = False) -> Any:
@@ -63,6 +65,7 @@ def load_tokenizer(path: str | os.PathLike, decode_only: bool = False) -> Any:
         with cached.open("rb") as f:
             tokenizer = pickle.load(f)
         if type(tokenizer) is cls:
+            tokenizer.name_or_path = str(path)  # the key is the files' bytes, not where they are
             return tokenizer
     except FileNotFoundError:
         pass
@@ -73,6 +76,10 @@ def load_tokenizer(path: str | os.PathLike, decode_only: bool = False) -> Any:
         tokenizer._tokenizer = _without_merges(tokenizer.backend_tokenizer)
     else:
         tokenizer = cls.from_pretrained(str(path))
+        # what the class's __init__ built the Rust tokenizer from, as Python objects kept on the
+        # instance and never read again (Gemma 3's: ~150 MB, and most of the pickle)
+        for name in BUILD_INPUTS:
+            tokenizer.__dict__.pop(name, None)
     _store(tokenizer, cached)
     return tokenizer
 
@@ -92,7 +99,8 @@ def _without_merges(backend: Any) -> Any:
 def _cache_file(path: Path, cls: type[Any], decode_only: bool) -> Path:
     """Where the tokenizer of `path` built by `cls` is cached: named by the hash of every
     file of the directory but its weights (the tokenizer's files, config.json, the chat
-    template), the directory, and the versions of Python, transformers and tokenizers."""
+    template) and the versions of Python, transformers and tokenizers (not by the directory:
+    a test's temporary copies of one tokenizer share its entry)."""
     import tokenizers
     import transformers
 
@@ -101,7 +109,7 @@ def _cache_file(path: Path, cls: type[Any], decode_only: bool) -> Path:
     h = hashlib.sha256(CACHE_FORMAT)
     versions = (sys.version, transformers.__version__, tokenizers.__version__, cls.__module__, cls.__qualname__)
     h.update(b"decode only\0" if decode_only else b"whole\0")
-    h.update("\0".join((*versions, str(path.resolve()))).encode())
+    h.update("\0".join(versions).encode())
     for file in sorted(path.iterdir()):
         if file.suffix in WEIGHT_SUFFIXES or not file.is_file():
             continue
