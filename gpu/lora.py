@@ -204,9 +204,10 @@ class LoraPool:
     """The adapters registered with the engine, by id, and the at most `max_resident` of them
     whose weights are in memory (`resident`, least recently used first). A registered adapter
     not resident is read again from its directory when a request needs it, evicting the least
-    recently used resident adapter that no request holds; one that every slot's adapter is held
-    against waits (`make_resident` says False). Weights are loaded once per residency and shared
-    by every request of the adapter, never copied per request."""
+    recently used resident adapter that no request holds and that is not pinned; one that every
+    slot's adapter is held (or pinned) against waits (`make_resident` says False). Weights are
+    loaded once per residency and shared by every request of the adapter, never copied per
+    request."""
 
     def __init__(
         self,
@@ -222,6 +223,7 @@ class LoraPool:
         self.paths: dict[int, tuple[str, str]] = {}  # id -> (name, path): every registered adapter
         self.resident: OrderedDict[int, Adapter] = OrderedDict()
         self.holds: Counter[int] = Counter()  # id -> the running requests (rows) using it
+        self.pinned: set[int] = set()  # never evicted once resident (SGLang's `pinned`)
         self.loads = 0  # adapters read into memory (registrations included)
         self.evictions = 0
 
@@ -229,11 +231,19 @@ class LoraPool:
         """The adapter at `path`, read and checked against the model; LoraLoadError if it does not fit."""
         return load_adapter(name, path, *self._load_args)
 
-    def register(self, lid: int, adapter: Adapter) -> None:
+    def register(self, lid: int, adapter: Adapter, pinned: bool = False) -> None:
         """Serves `adapter` (just loaded) as `lid`: kept resident if a slot is free, else its
-        weights are dropped until a request needs them."""
+        weights are dropped until a request needs them. A pinned adapter takes the slot of the
+        least recently used idle unpinned one if none is free (else it waits for its first
+        request, as any adapter) and, once resident, stays."""
         self.paths[lid] = (adapter.name, adapter.path)
         self.loads += 1
+        if pinned:
+            self.pinned.add(lid)
+            victim = self._victim() if len(self.resident) >= self.max_resident else None
+            if victim is not None:
+                del self.resident[victim]
+                self.evictions += 1
         if len(self.resident) < self.max_resident:
             self.resident[lid] = adapter
 
@@ -241,6 +251,11 @@ class LoraPool:
         """Forgets `lid`; no request may hold it."""
         del self.paths[lid]
         self.resident.pop(lid, None)
+        self.pinned.discard(lid)
+
+    def _victim(self) -> int | None:
+        """The least recently used resident adapter neither held nor pinned."""
+        return next((v for v in self.resident if not self.holds[v] and v not in self.pinned), None)
 
     def make_resident(self, lid: int) -> bool:
         """Makes `lid` resident (the most recently used), evicting the least recently used
@@ -250,7 +265,7 @@ class LoraPool:
             self.resident.move_to_end(lid)
             return True
         if len(self.resident) >= self.max_resident:
-            victim = next((v for v in self.resident if not self.holds[v]), None)
+            victim = self._victim()
             if victim is None:
                 return False
             del self.resident[victim]

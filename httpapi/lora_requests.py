@@ -16,7 +16,6 @@ from httpapi.request_fields import refuse_unserved
 from protocol.lora import ADAPTER_FILES, ADAPTER_NAME, NAME_RULE
 
 _LOAD_REFUSED = {
-    "pinned": "pinned adapters are not served: any adapter no running request holds may be evicted",
     "lora_id": "adapter ids are assigned by the server",
     "load_inplace": "an adapter is not replaced in place: unload it, then load it",
 }
@@ -30,6 +29,7 @@ _UNLOAD_REFUSED = {
 class LoadLora:
     name: str
     path: str  # resolved: absolute, no symbolic link left, a readable directory
+    pinned: bool = False  # SGLang's: never evicted from the resident adapters once there
 
 
 def parse_load_lora(body: bytes, endpoint: str, allowed_dirs: Sequence[str] = ()) -> LoadLora:
@@ -39,9 +39,10 @@ def parse_load_lora(body: bytes, endpoint: str, allowed_dirs: Sequence[str] = ()
     raw = f.get_str("lora_path")
     if not raw:
         raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_path")
+    pinned = f.get_bool("pinned", False)
     refuse_unserved(f, _LOAD_REFUSED)
     f.warn_unknown(endpoint)
-    return LoadLora(name, resolve_adapter_dir(raw, allowed_dirs))
+    return LoadLora(name, resolve_adapter_dir(raw, allowed_dirs), pinned)
 
 
 def parse_unload_lora(body: bytes, endpoint: str) -> str:

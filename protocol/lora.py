@@ -5,6 +5,7 @@ name -> id for the HTTP workers (runtime/lora_registry.py): the name never cross
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
@@ -17,20 +18,38 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT a
 
 
 def parse_lora_paths(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """`name=path` (SGLang's and vLLM's form) or a bare `path` (named after its last part) ->
-    ((name, path), ...), in order: adapter i + 1 is entry i. ValueError naming the entry for a
-    bad name or a name given twice."""
-    out: list[tuple[str, str]] = []
+    """((name, path), ...) of parse_lora_entries."""
+    return tuple((name, path) for name, path, _ in parse_lora_entries(items))
+
+
+def parse_lora_entries(items: Sequence[str]) -> tuple[tuple[str, str, bool], ...]:
+    """`name=path` (SGLang's and vLLM's form), a bare `path` (named after its last part) or
+    SGLang's JSON `{"lora_name", "lora_path", "pinned"}` -> ((name, path, pinned), ...), in
+    order: adapter i + 1 is entry i. ValueError naming the entry for a bad entry or name or a
+    name given twice."""
+    out: list[tuple[str, str, bool]] = []
     for item in items:
-        name, sep, path = item.partition("=")
-        if not sep:
-            path = item
-            name = item.rstrip("/").rsplit("/", 1)[-1]
+        pinned = False
+        if item.lstrip().startswith("{"):
+            try:
+                entry = json.loads(item)
+            except ValueError:
+                entry = None
+            if not isinstance(entry, dict) or set(entry) - {"lora_name", "lora_path", "pinned"}:
+                raise ValueError(f'--lora-paths {item!r}: a JSON entry is {{"lora_name", "lora_path", "pinned"}}')
+            name, path, pinned = entry.get("lora_name"), entry.get("lora_path"), entry.get("pinned", False)
+            if not isinstance(name, str) or not isinstance(path, str) or not isinstance(pinned, bool):
+                raise ValueError(f"--lora-paths {item!r}: lora_name and lora_path are strings, pinned a boolean")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep:
+                path = item
+                name = item.rstrip("/").rsplit("/", 1)[-1]
         if not path:
             raise ValueError(f"--lora-paths {item!r}: no path")
         if not ADAPTER_NAME.fullmatch(name):
             raise ValueError(f"--lora-paths {item!r}: an adapter's name is {NAME_RULE}, not {name!r}")
-        if any(name == seen for seen, _ in out):
+        if any(name == seen for seen, _, _ in out):
             raise ValueError(f"--lora-paths: the adapter name {name!r} is given twice")
-        out.append((name, path))
+        out.append((name, path, pinned))
     return tuple(out)

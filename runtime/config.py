@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.lora import MAX_LOADED_LORAS, parse_lora_paths
+from protocol.lora import MAX_LOADED_LORAS, parse_lora_entries
 from protocol.sampling_params import MAX_TOP_LOGPROBS
 from runtime import settings
 from runtime.settings import flag, setting
@@ -406,7 +406,13 @@ class ServerArgs:
             return
         if self.is_embedding:
             raise ValueError("--enable-lora serves generation: not with --is-embedding")
-        adapters = parse_lora_paths(self.lora_paths)
+        adapters = parse_lora_entries(self.lora_paths)
+        pinned = sum(1 for _, _, pin in adapters if pin)
+        if pinned and pinned >= self.max_loras_per_batch:
+            raise ValueError(
+                f"--lora-paths pins {pinned} adapters; at most --max-loras-per-batch - 1 "
+                f"({self.max_loras_per_batch - 1}): one slot stays for the others"
+            )
         if len(adapters) > self.max_loaded_loras:
             raise ValueError(
                 f"--lora-paths names {len(adapters)} adapters; at most --max-loaded-loras ({self.max_loaded_loras})"

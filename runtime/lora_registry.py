@@ -40,6 +40,12 @@ def registry_path(stats_path: str | Path) -> Path:
     return Path(stats_path).with_suffix(".loras")
 
 
+def loads_path(stats_path: str | Path) -> Path:
+    """The adapters loaded at run time, kept for an engine that replaces this one
+    (runtime/scheduler/lora.py): engine-<pid>.stats -> engine-<pid>.lora-loads."""
+    return Path(stats_path).with_suffix(".lora-loads")
+
+
 class LoraRegistry:
     """The published table: `create` (the scheduler, writer) or `open` (a worker, reader)."""
 

@@ -23,7 +23,8 @@ async def _load(worker, request: Request, endpoint: str) -> dict:
     req = parse_load_lora(await read_body(request), endpoint, worker.args.lora_allowed_dirs)
     if req.name in worker.served_names:
         raise bad_request(f"lora_name {req.name!r} is the served model's name", "lora_name")
-    return await worker.tm.call({"op": "load_lora", "name": req.name, "path": req.path}, worker.args.request_timeout)
+    call = {"op": "load_lora", "name": req.name, "path": req.path, "pinned": req.pinned}
+    return await worker.tm.call(call, worker.args.request_timeout)
 
 
 async def _unload(worker, request: Request, endpoint: str) -> dict:

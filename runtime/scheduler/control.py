@@ -62,7 +62,7 @@ class EngineControl:
         if op == "get_weights":
             return self.get_weights(str(args.get("name", "")), int(args.get("truncate_size", 100)))
         if op == "load_lora":
-            return self.load_lora(str(args["name"]), str(args["path"]))
+            return self.load_lora(str(args["name"]), str(args["path"]), bool(args.get("pinned", False)))
         if op == "unload_lora":
             return self.unload_lora(str(args["name"]))
         return reply(False, f"unknown engine call {op!r}")
@@ -117,7 +117,7 @@ class EngineControl:
         )
         return reply(True, "Succeeded to update model weights.", num_paused_requests=affected, pause_s=pause_s)
 
-    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
         loras = self.scheduler.loras
         if loras is None:
             return reply(False, "LoRA adapters are not served: start the server with --enable-lora", "lora_name")
@@ -125,11 +125,18 @@ class EngineControl:
 
         t0 = time.perf_counter()
         try:
-            lid = loras.load(name, path)
+            lid = loras.load(name, path, pinned)
         except LoraRefused as e:
             logger.warning("LoRA adapter %r not loaded: %s", name, e.message)
             return reply(False, e.message, e.param)
-        logger.info("LoRA adapter %r (id %d) loaded from %s in %.3f s", name, lid, path, time.perf_counter() - t0)
+        logger.info(
+            "LoRA adapter %r (id %d%s) loaded from %s in %.3f s",
+            name,
+            lid,
+            ", pinned" if pinned else "",
+            path,
+            time.perf_counter() - t0,
+        )
         return reply(True, f"Success: LoRA adapter '{name}' added successfully.", loaded_adapters=loras.paths())
 
     def unload_lora(self, name: str) -> dict[str, Any] | Pending:

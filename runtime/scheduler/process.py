@@ -143,9 +143,10 @@ class SchedulerProcess:
             self.stats = EngineStats.create(self.stats_path)
             loras = self.scheduler.loras
             if loras is not None:  # every worker reads the adapters' names and ids from here
-                from runtime.lora_registry import LoraRegistry
+                from runtime.lora_registry import LoraRegistry, loads_path
 
                 loras.registry = LoraRegistry.create(self.stats_path, self.args.max_loaded_loras)
+                loras.restore(loads_path(self.stats_path))  # a replaced engine's run-time loads
                 loras.publish()
         self.token_out = connect_detokenizer(self.detokenizer_socket, self.waker)
         self._has_depth = hasattr(self.token_out, "__len__")  # the zmq baseline cannot tell

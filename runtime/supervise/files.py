@@ -7,6 +7,8 @@ keyed by the pid of granian's main process:
     engine-<pid>.scheduler       the scheduler's unix socket (REQUEST channels)
     engine-<pid>.detokenizer     the detokenizer's unix socket (TEXT_OUT channels)
     engine-<pid>.stats           the scheduler's published stats (runtime/engine_stats.py)
+    engine-<pid>.loras           the LoRA adapters' names and ids (runtime/lora_registry.py)
+    engine-<pid>.lora-loads      the adapters loaded at run time, for a replacing engine (runtime/scheduler/lora.py)
     engine-<pid>.worker-<k>      flock held by HTTP worker k for its whole life
     engine-<pid>.metrics/        prometheus_client's multiprocess files
     engine-<pid>.responses       the Responses API's stored responses (SQLite; runtime/http_worker/response_store.py)

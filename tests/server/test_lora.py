@@ -196,7 +196,7 @@ def test_bad_loads_are_400s_that_change_nothing(lora_server, tmp_path):
         ),
         ({"lora_name": "a4", "lora_path": str(adapters["a8"])}, "lora_name", "has already been loaded"),
         ({"lora_name": "m", "lora_path": str(adapters["a8"])}, "lora_name", "the served model's name"),
-        ({"lora_name": "x", "lora_path": str(adapters["a8"]), "pinned": True}, "pinned", "pinned"),
+        ({"lora_name": "x", "lora_path": str(adapters["a8"]), "pinned": "yes"}, "pinned", "pinned"),
     ]
     for body, param, words in cases:
         for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
@@ -215,3 +215,13 @@ def test_bad_loads_are_400s_that_change_nothing(lora_server, tmp_path):
     assert load(server, body, "/v1/unload_lora_adapter", headers={}).status_code == 401
     assert httpx.get(server.url("/v1/models"), headers=AUTH).json() == models
     assert generate(server, "a4") == want["a4"]
+
+
+def test_a_pinned_load_serves(lora_server):
+    server, _, adapters, want = lora_server
+    r = load(server, {"lora_name": "p8", "lora_path": str(adapters["a8"]), "pinned": True})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    try:
+        assert generate(server, "p8") == want["a8"]
+    finally:
+        assert load(server, {"lora_name": "p8"}, "/unload_lora_adapter").status_code == 200

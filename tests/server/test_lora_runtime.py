@@ -4,12 +4,14 @@ PEFT's tokens; unloaded, it is a 404 everywhere, and its name can be loaded agai
 weights; an unload waits for the requests that use the adapter; more adapters than resident
 give each request what it gets alone; loads and unloads under load fail no request that did not
 name the unloaded adapter; /metrics counts requests and tokens per adapter and the pool's work;
-a load from outside --lora-allowed-dirs is a 400."""
+a load from outside --lora-allowed-dirs is a 400; run-time loads outlive an engine restart."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -232,3 +234,34 @@ def test_a_path_outside_the_allowed_dirs_is_a_400(runtime_server, tmp_path):
         err = r.json()["error"]
         assert err["param"] == "lora_path" and "--lora-allowed-dirs" in err["message"], err
     assert call(server, "/generate", {"text": "Hi", "lora_path": "b8"}).status_code == 404  # nothing loaded
+
+
+def heal(server) -> None:
+    """kill -9 of the engine's scheduler; back once the replaced engine answers."""
+    server.refresh()
+    scheduler = server.engine["scheduler"]
+    os.kill(scheduler, signal.SIGKILL)
+
+    def healed() -> bool:
+        server.refresh()
+        if server.engine.get("scheduler") in (None, scheduler):
+            return False
+        try:
+            return httpx.get(server.url("/health"), timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert server.wait_until(healed, 120, 0.25), "the engine was not replaced"
+
+
+def test_run_time_loads_outlive_an_engine_restart(runtime_server):
+    server, paths, want = runtime_server
+    load(server, "d4", paths["d4"])
+    heal(server)
+    assert tokens(server, "d4") == want["d4"]  # registered again by the new engine
+    assert tokens(server, "a4") == want["a4"]  # --lora-paths' as ever
+    assert "d4" in {c["id"] for c in httpx.get(server.url("/v1/models"), headers=AUTH).json()["data"]}
+    assert unload(server, "d4").status_code == 200
+    heal(server)
+    assert generate(server, "d4").status_code == 404  # unloaded stays unloaded
+    assert tokens(server, "a4") == want["a4"]

@@ -116,3 +116,54 @@ def test_workers_see_each_change_with_their_next_lookup(tmp_path):
     assert LoraRegistry.open(stats, 8) is None  # a table shorter than the reader expects is not read
     for r in (writer, reader, again):
         r.close()
+
+
+def test_a_pinned_adapter_is_never_evicted(model_dir):
+    loras = SchedulerLoras(pool_of(model_dir, 3), adapters(model_dir, ["a", "b", "c"]), capacity=8)
+    pool, paths = loras.pool, dict(item.split("=") for item in adapters(model_dir, ["p", "q", "r"]))
+    assert list(pool.resident) == [1, 2, 3]
+    p = loras.load("p", paths["p"], pinned=True)  # a full pool: the least recently used idle one makes room
+    assert list(pool.resident) == [2, 3, p] and pool.pinned == {p} and pool.evictions == 1
+    for lid in (1, 2, 3, 1, 2, 3):  # each in turn evicts the least recently used: never p
+        assert pool.make_resident(lid) and p in pool.resident
+    q = loras.load("q", paths["q"], pinned=True)
+    with pytest.raises(LoraRefused) as e:  # a third pin would leave no slot for the others
+        loras.load("r", paths["r"], pinned=True)
+    assert e.value.param == "pinned" and "--max-loras-per-batch" in e.value.message
+    assert "r" not in loras.ids and pool.pinned == {p, q}
+    assert pool.make_resident(1) and set(pool.resident) == {p, q, 1}
+    pool.hold(1)
+    assert not pool.make_resident(2)  # the one unpinned slot is held: wait, evicting no pin
+    loras.unlist("p")
+    loras.forget(p)
+    assert pool.pinned == {q} and pool.make_resident(2)
+
+
+def test_lora_paths_take_sglangs_json_entries(model_dir):
+    from protocol.lora import parse_lora_entries
+
+    path = adapter(model_dir, "a")
+    entries = [f"x={path}", json.dumps({"lora_name": "p", "lora_path": str(path), "pinned": True}), str(path)]
+    assert parse_lora_entries(entries) == (("x", str(path), False), ("p", str(path), True), ("a", str(path), False))
+    for bad in ('{"lora_name": "p"}', '{"lora_name": "p", "lora_path": "/x", "pinned": "yes"}', '{"x": 1}', "{"):
+        with pytest.raises(ValueError, match="--lora-paths"):
+            parse_lora_entries([bad])
+    loras = SchedulerLoras(pool_of(model_dir, 2), entries[:2], capacity=8)
+    assert loras.pool.pinned == {loras.ids["p"]}
+
+
+def test_run_time_loads_are_kept_for_a_replacing_engine(model_dir, tmp_path):
+    paths = dict(item.split("=") for item in adapters(model_dir, ["a", "b", "c"]))
+    kept = tmp_path / "engine-1.lora-loads"
+    first = SchedulerLoras(pool_of(model_dir, 4), [f"a={paths['a']}"], capacity=8)
+    first.restore(kept)  # a server's first engine: nothing kept yet
+    first.load("b", paths["b"], pinned=True)
+    first.load("c", paths["c"])
+    first.unlist("c")
+    second = SchedulerLoras(pool_of(model_dir, 4), [f"a={paths['a']}"], capacity=8)
+    second.restore(kept)
+    assert set(second.ids) == {"a", "b"} and second.pool.pinned == {second.ids["b"]}
+    Path(paths["b"], "adapter_config.json").unlink()  # gone since: left out, the rest served
+    third = SchedulerLoras(pool_of(model_dir, 4), [f"a={paths['a']}"], capacity=8)
+    third.restore(kept)
+    assert set(third.ids) == {"a"} and json.loads(kept.read_text()) == []
