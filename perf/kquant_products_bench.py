@@ -3,7 +3,7 @@ shapes of Llama-3.2-1B and -3B, at decode and prefill token counts: this tree's 
 the kernel of an earlier commit (--base, built from its sources into the cache) and, given
 --ggml-lib, llama.cpp's own (its libggml's MUL_MAT on the CPU backend, the weight in the
 buffer type llama.cpp's loader puts it in: Q4_K repacked to its 8x8 interleaved layout, Q6_K
-as in the file, as llama.cpp does on an AVX2 CPU).
+in the plain CPU buffer, as llama.cpp does on an AVX2 CPU).
 
     python -m perf.kquant_products_bench [--ggml-lib LLAMA_CPP/build/bin] [--tokens 1,8,32,512]
 
@@ -198,8 +198,9 @@ def main() -> None:
         "the kernels interleaved in each round. new: this tree's gguf_gemm_TYPE_q8 (x rounded to int8 per 32 "
         f"values), base: the same file at {args.base}. "
         + (
-            "llama.cpp: libggml's MUL_MAT (x rounded per 256 values, Q8_K), Q4_K in its repacked 8x8 layout, "
-            f"Q6_K as in the file ({args.ggml_lib.name} of the build given). "
+            "llama.cpp: libggml's MUL_MAT (x rounded per 256 values, Q8_K), Q4_K in its repacked 8x8 layout "
+            "(ggml_gemm_q4_K_8x8_q8_K), Q6_K in the plain CPU buffer (which ggml-cpu's tiled VNNI kernels take "
+            f"from 32 tokens where the CPU has AVX512-VNNI), the build in {args.ggml_lib}. "
             if ggml is not None
             else ""
         )
