@@ -165,21 +165,27 @@ def chat_logprobs(lp: TokenLogprobs, vocab: LogprobVocab) -> dict:
 def completion_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, text_offset: int) -> tuple[dict, int]:
     """OpenAI completions' choice.logprobs, and where the next token's text starts: each
     token's offset is `text_offset` plus the characters of the tokens before it (by the
-    tokens' own texts, whatever text the stream has released so far). With logprobs 0 a
-    position's top_logprobs holds its own token alone, as vLLM answers."""
+    tokens' own texts, whatever text the stream has released so far). A position's
+    top_logprobs are its own token and then its alternatives (own_token_first)."""
     ids, lps, top_ids, top_lps = lp.lists()
     text, chars = vocab.text, vocab.chars
     offsets = []
     for t in ids:
         offsets.append(text_offset)
         text_offset += chars[t]
-    top = (
-        [{text[a]: y for a, y in zip(alt_ids, alt_lps)} for alt_ids, alt_lps in zip(top_ids, top_lps)]
-        if lp.top_ids.shape[1]
-        else [{text[t]: x} for t, x in zip(ids, lps)]
-    )
+    top = [own_token_first(text, t, x, alt_ids, alt_lps) for t, x, alt_ids, alt_lps in zip(ids, lps, top_ids, top_lps)]
     body = {"tokens": [text[t] for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
     return body, text_offset
+
+
+def own_token_first(text: list[str], token: int, logprob: float, alt_ids: list[int], alt_lps: list[float]) -> dict:
+    """A completions position's top_logprobs: its own token first, then its alternatives best
+    first (its own once): OpenAI returns the chosen token's logprob always, so up to logprobs + 1
+    entries, and vLLM puts it first, where a client reading the first key finds it."""
+    top = {text[token]: logprob}
+    for a, y in zip(alt_ids, alt_lps):
+        top.setdefault(text[a], y)
+    return top
 
 
 def sglang_logprobs(lp: TokenLogprobs, vocab: LogprobVocab, with_text: bool) -> tuple[list, list]:
@@ -262,19 +268,19 @@ def vllm_prompt_logprobs(plp: PromptLogprobs, vocab: LogprobVocab) -> list[dict 
 def prompt_completion_logprobs(plp: PromptLogprobs, vocab: LogprobVocab) -> tuple[dict, int]:
     """OpenAI completions' logprobs of an echoed prompt (its first token's logprob and top_logprobs
     null), and where the completion's first token's text starts. A position's top_logprobs are
-    its alternatives and its own token (with logprobs 0, its own token alone), as vLLM's."""
+    its own token and then its alternatives (own_token_first)."""
     ids = plp.token_ids.tolist()
     text, chars = vocab.text, vocab.chars
     offsets, offset = [], 0
     for t in ids:
         offsets.append(offset)
         offset += chars[t]
-    lps: list[float | None] = _floor(plp.logprobs)
-    top: list[dict | None] = []
-    for t, x, alt_ids, alt_lps in zip(ids, lps, plp.top_ids.tolist(), _floor(plp.top_logprobs)):
-        alternatives = {text[a]: y for a, y in zip(alt_ids, alt_lps)}
-        alternatives.setdefault(text[t], x)
-        top.append(alternatives)
+    floored: list[float] = _floor(plp.logprobs)
+    lps: list[float | None] = list(floored)
+    top: list[dict | None] = [
+        own_token_first(text, t, x, alt_ids, alt_lps)
+        for t, x, alt_ids, alt_lps in zip(ids, floored, plp.top_ids.tolist(), _floor(plp.top_logprobs))
+    ]
     if plp.first == 0 and ids:  # no token predicts the prompt's first
         lps[0] = None
         top[0] = None

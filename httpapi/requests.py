@@ -182,6 +182,8 @@ class AbortRequest:
 def parse_completion(body: bytes) -> CompletionRequest:
     f = Fields(load_object(body))
     model = f.get_str("model")
+    if f.raw("prompt") in (None, ""):  # vLLM's words, which its clients may match
+        raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     prompts, _ = read_prompts(f.raw("prompt"), "prompt", token_ids_allowed=True)
     stream, include_usage, continuous_usage = read_stream(f)
     n = read_n(f, prompts=len(prompts))

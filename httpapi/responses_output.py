@@ -49,6 +49,14 @@ class ResponseHead:
     model: str
     echo: dict[str, Any]
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # a namespace's function as the model calls it ("<namespace>__<name>") -> (namespace, name)
+    call_names: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def call_item(self, index: int, call_id: str, called: str, arguments: str, status: str) -> dict:
+        """A function_call item for the model's call of `called` (a namespace's: its name and
+        namespace apart, as vLLM and OpenAI answer)."""
+        namespace, name = self.call_names.get(called, (None, called))
+        return function_call_item(self.item_id("fc", index), call_id, name, arguments, status, namespace)
 
     def item_id(self, kind: str, index: int = 0) -> str:
         """ "msg_<the response's hex>", "rs_...", "fc_..._<index>"."""
@@ -62,7 +70,9 @@ class ResponseHead:
         usage: ResponseUsage | None = None,
         incomplete_reason: str | None = None,
         error: APIError | None = None,
+        raw: dict | None = None,
     ) -> dict:
+        """`raw`: vLLM's input_messages and output_messages (raw_messages), when asked."""
         return {
             "id": self.id,
             "object": "response",
@@ -78,7 +88,21 @@ class ResponseHead:
             "top_p": self.echo.get("top_p"),
             "max_output_tokens": self.echo.get("max_output_tokens"),
             **{k: v for k, v in self.echo.items() if k not in ("temperature", "top_p", "max_output_tokens")},
+            **(raw or {}),
         }
+
+
+def raw_messages(prompt: str, prompt_ids: list[int], output: str, output_ids: list[int]) -> dict:
+    """vLLM's enable_response_messages: the prompt as the model read it (the chat template's
+    text and its token ids) and the raw output (its text before any parser, and its ids)."""
+
+    def message(text: str, ids: list[int]) -> dict:
+        return {"type": "raw_message_tokens", "message": text, "tokens": ids}
+
+    return {
+        "input_messages": [message(prompt, prompt_ids)],
+        "output_messages": [message(output, output_ids)] if output or output_ids else [],
+    }
 
 
 def status_of(finish_reason: str | None) -> tuple[str, str | None]:
@@ -109,7 +133,7 @@ def output_items(
         items.append(message_item(head.item_id("msg"), content or "", logprobs, status))
     for i, call in enumerate(message.get("tool_calls") or ()):
         fn = call["function"]
-        items.append(function_call_item(head.item_id("fc", i), call["id"], fn["name"], fn["arguments"], status))
+        items.append(head.call_item(i, call["id"], fn["name"], fn["arguments"], status))
     return items, reasoning
 
 
@@ -141,12 +165,15 @@ def message_item(item_id: str, text: str, logprobs: list[dict] | None, status: s
     }
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+def function_call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str, namespace: str | None = None
+) -> dict:
     return {
         "type": "function_call",
         "id": item_id,
         "call_id": call_id,
         "name": name,
+        **({"namespace": namespace} if namespace is not None else {}),
         "arguments": arguments,
         "status": status,
     }
@@ -211,9 +238,10 @@ class ResponseEvents:
         return b"".join(events)
 
     def finish(
-        self, finish_reason: str | None, usage: ResponseUsage, error: APIError | None = None
+        self, finish_reason: str | None, usage: ResponseUsage, error: APIError | None = None, raw: dict | None = None
     ) -> tuple[bytes, dict]:
-        """The closing events and the final response object (what is stored)."""
+        """The closing events and the final response object (what is stored); `raw`: its
+        raw_messages, when asked."""
         status, reason = status_of(finish_reason)
         item_status = "incomplete" if reason else "completed"
         events = [] if self.output or self.open is not None else self._open_text("message")  # an empty answer
@@ -223,7 +251,7 @@ class ResponseEvents:
         events += self._close(item_status)
         if error is not None:
             status = "failed"
-        response = self.head.response(status, self.output, usage, reason, error)
+        response = self.head.response(status, self.output, usage, reason, error, raw)
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(status, "response.incomplete")
         return b"".join(events) + self.event(kind, response=response), response
 
@@ -259,7 +287,7 @@ class ResponseEvents:
 
     def _open_call(self, index: int, call_id: str, name: str) -> list[bytes]:
         events = self._close("completed")
-        self.open = function_call_item(self.head.item_id("fc", index), call_id, name, "", "in_progress")
+        self.open = self.head.call_item(index, call_id, name, "", "in_progress")
         self.open_call = index
         return [*events, self.event("response.output_item.added", output_index=len(self.output), item=self.open)]
 

@@ -11,7 +11,8 @@ continued (previous_response_id) and listed (/input_items)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -57,7 +58,6 @@ REFUSED_RESPONSES = {
     "access_programs": "access_programs are not supported",
     "prompt_cache_options": "prompt_cache_options are not supported: the prefix cache is automatic",
     "prompt_cache_retention": "prompt_cache_retention is not supported: the prefix cache is automatic",
-    "enable_response_messages": "enable_response_messages (raw prompt and output messages) is not supported",
     "previous_input_messages": "previous_input_messages (Harmony messages) is not supported: "
     "continue with previous_response_id, or send the conversation as input",
 }
@@ -85,6 +85,9 @@ class ResponsesRequest:
     request_id: str | None = None  # the client's (vLLM's): the response's id is resp_<request_id>
     truncation: str = "disabled"  # "auto": the oldest turns are dropped until the input fits
     thinking_budget: int = -1  # vLLM's thinking_token_budget, as chat's
+    # a namespace's function as the model calls it ("<namespace>__<name>") -> (namespace, name)
+    call_names: dict[str, tuple[str, str]] = field(default_factory=dict)
+    raw_messages: bool = False  # vLLM's enable_response_messages: the raw prompt and output, with ids
 
     # what ChatOutput reads of a chat request (routes.chat_output)
     include_reasoning: bool = True
@@ -113,10 +116,11 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         options.get_bool("include_obfuscation", False)  # no obfuscation padding is sent: nothing to leave out
         options.warn_unknown("stream_options")
     previous = f.get_str("previous_response_id")
-    tools, tool_choice = read_response_tools(f)
+    tools, tool_choice, call_names = read_response_tools(f)
     parallel = f.get_bool("parallel_tool_calls", True)
     max_tool_calls = f.get_int("max_tool_calls", minimum=1)
     include_logprobs = read_include(f)
+    raw_messages = f.get_bool("enable_response_messages", False)
     top_logprobs = f.get_int("top_logprobs", 0, minimum=0, maximum=MAX_TOP_LOGPROBS)
     kwargs = template_kwargs(f)
     reasoning = read_reasoning(f)
@@ -140,6 +144,7 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         logprobs=include_logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=-1,
+        return_ids=raw_messages,
         **grammar,
     )
     truncation = f.get_str("truncation", "disabled", choices=("disabled", "auto"))
@@ -190,6 +195,8 @@ def parse_responses_create(body: bytes) -> ResponsesRequest:
         request_id,
         truncation,
         thinking_budget,
+        call_names,
+        raw_messages,
     )
 
 
@@ -241,37 +248,97 @@ def read_metadata(f: Fields) -> dict[str, str] | None:
     return dict(m.obj)
 
 
-def read_response_tools(f: Fields) -> tuple[tuple[Tool, ...], ToolChoice]:
+# vLLM's name for a namespace's function as the model sees it: "<namespace>__<name>"
+NAMESPACE_SEPARATOR = "__"
+
+
+def read_response_tools(f: Fields) -> tuple[tuple[Tool, ...], ToolChoice, dict[str, tuple[str, str]]]:
     """Responses' flat function tools ({"type": "function", "name", "description", "parameters",
-    "strict"}) and tool_choice ("none", "auto", "required" or {"type": "function", "name"}),
-    checked as chat's are; a hosted tool (web search, file search, MCP, ...) is a 400."""
+    "strict"}), namespaces of them ({"type": "namespace", "name", "tools": [...]}) and
+    tool_choice ("none", "auto", "required" or {"type": "function", "name"}), checked as chat's
+    are; a hosted tool (web search, file search, MCP, ...) is a 400. A namespace's functions are
+    shown to the model as "<namespace>__<name>", as vLLM does; the map returned gives each such
+    name its (namespace, name), which the output's calls carry apart."""
     raw = f.raw("tools")
     if raw is not None and type(raw) is not list:
         raise bad_request("tools must be a list of tools", "tools")
-    chat_tools = []
+    chat_tools: list[dict] = []
+    places: list[str] = []  # each chat tool's place in the request, for its errors
+    call_names: dict[str, tuple[str, str]] = {}
     for i, tool in enumerate(raw or []):
-        if type(tool) is not dict or tool.get("type") != "function":
-            kind = tool.get("type") if type(tool) is dict else None
+        kind = tool.get("type") if type(tool) is dict else None
+        if kind == "namespace":
+            chat_tools += _namespace_tools(tool, f"tools[{i}]", places, call_names)
+            continue
+        if kind != "function":
             raise bad_request(
-                f"tools[{i}]: only function tools are served, not {shown(kind)} (hosted tools run at OpenAI)",
+                f"tools[{i}]: only function tools (and namespaces of them) are served, not {shown(kind)} "
+                "(hosted tools run at OpenAI)",
                 f"tools[{i}].type",
             )
-        function = {k: v for k, v in tool.items() if k != "type"}
-        chat_tools.append({"type": "function", "function": function})
-    choice = f.raw("tool_choice")
-    if type(choice) is dict:
-        if choice.get("type") != "function" or type(choice.get("name")) is not str:
-            raise bad_request(
-                f"tool_choice {shown(choice)} is not served: use 'none', 'auto', 'required' or "
-                '{"type": "function", "name": ...}',
-                "tool_choice",
-            )
-        choice = {"type": "function", "function": {"name": choice["name"]}}
+        chat_tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+        places.append(f"tools[{i}]")
     try:
         tools = parse_tools(chat_tools or None)
-        return tools, parse_tool_choice(choice, tools)
+        choice = parse_tool_choice(_chat_tool_choice(f.raw("tool_choice"), tools, call_names), tools)
     except InvalidTool as e:
-        raise bad_request(str(e), e.param.replace(".function.", ".")) from None
+        raise bad_request(str(e), _request_place(e.param, places)) from None
+    return tools, choice, call_names
+
+
+def _namespace_tools(tool: dict, where: str, places: list[str], call_names: dict[str, tuple[str, str]]) -> list[dict]:
+    """A namespace's function tools as chat tools named "<namespace>__<name>"."""
+    namespace, members = tool.get("name"), tool.get("tools")
+    if type(namespace) is not str or not namespace:
+        raise bad_request(f"{where}.name must be the namespace's name, a non-empty string", f"{where}.name")
+    if type(members) is not list or not members:
+        raise bad_request(f"{where}.tools must be a non-empty list of function tools", f"{where}.tools")
+    out = []
+    for j, member in enumerate(members):
+        kind = member.get("type") if type(member) is dict else None
+        if kind != "function":
+            raise bad_request(
+                f"{where}.tools[{j}]: a namespace's tools must be function tools, not {shown(kind)}",
+                f"{where}.tools[{j}].type",
+            )
+        name = member.get("name")
+        if type(name) is not str:
+            raise bad_request(f"{where}.tools[{j}].name must be a string", f"{where}.tools[{j}].name")
+        flat = namespace + NAMESPACE_SEPARATOR + name
+        call_names[flat] = (namespace, name)
+        out.append({"type": "function", "function": {**{k: v for k, v in member.items() if k != "type"}, "name": flat}})
+        places.append(f"{where}.tools[{j}]")
+    return out
+
+
+def _chat_tool_choice(choice: Any, tools: tuple[Tool, ...], call_names: dict[str, tuple[str, str]]) -> Any:
+    """tool_choice in chat's form; a named function may be a namespace's by its own name where
+    only one namespace has it (vLLM's rule), else by "<namespace>__<name>"."""
+    if type(choice) is not dict:
+        return choice
+    name = choice.get("name")
+    if choice.get("type") != "function" or type(name) is not str:
+        raise bad_request(
+            f"tool_choice {shown(choice)} is not served: use 'none', 'auto', 'required' or "
+            '{"type": "function", "name": ...}',
+            "tool_choice",
+        )
+    if not any(tool.name == name for tool in tools):
+        flat = [full for full, (_, own) in call_names.items() if own == name]
+        if len(flat) > 1:
+            raise bad_request(
+                f"tool_choice names {name!r}, which more than one namespace defines: name it as "
+                f"'<namespace>{NAMESPACE_SEPARATOR}<name>' ({', '.join(flat)})",
+                "tool_choice",
+            )
+        name = flat[0] if flat else name
+    return {"type": "function", "function": {"name": name}}
+
+
+def _request_place(param: str, places: list[str]) -> str:
+    """A chat tool's error's param ("tools[k].function.name") as the place it has in this request."""
+    found = re.fullmatch(r"tools\[(\d+)\](?:\.function)?(.*)", param)
+    return places[int(found.group(1))] + found.group(2) if found else param
 
 
 def _forced(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> list[tuple[str, GrammarKind, Any]]:
@@ -335,11 +402,13 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         if type(parsed) is not dict:
             raise bad_request(f"{where}.arguments must be the JSON text of an object", f"{where}.arguments")
         call_id = _str(item, "call_id", where)
+        namespace = _opt_str(item, "namespace", where)
         return {
             "type": "function_call",
             "id": item_id or new_request_id("fc"),
             "call_id": call_id,
             "name": name,
+            **({"namespace": namespace} if namespace else {}),
             "arguments": arguments,
             "status": "completed",
         }
@@ -398,8 +467,9 @@ def _opt_str(item: dict, key: str, where: str) -> str | None:
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
     """The conversation as the chat template reads it (httpapi/chat_request.py's messages):
     instructions first as a system message, function calls as the tool_calls of an assistant
-    message (consecutive calls, and an assistant message just before them, merge into one),
-    their outputs as tool messages. Reasoning items are left out: chat templates drop earlier
+    message (consecutive calls, and an assistant message just before them, merge into one; a
+    namespace's function by "<namespace>__<name>", as the model was shown it), their outputs as
+    tool messages. Reasoning items are left out: chat templates drop earlier
     turns' reasoning. Also whether any message calls or answers a tool (then the chat renders
     through apply_chat_template)."""
     messages: list[dict[str, Any]] = []
@@ -412,10 +482,11 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> tupl
             messages.append({"role": item["role"], "content": "\n".join(p["text"] for p in item["content"])})
         elif kind == "function_call":
             rich = True
+            name = item["name"] if "namespace" not in item else item["namespace"] + NAMESPACE_SEPARATOR + item["name"]
             call = {
                 "type": "function",
                 "id": item["call_id"],
-                "function": {"name": item["name"], "arguments": orjson.loads(item["arguments"])},
+                "function": {"name": name, "arguments": orjson.loads(item["arguments"])},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":

@@ -26,6 +26,7 @@ from httpapi.responses_output import (
     ResponseHead,
     ResponseUsage,
     output_items,
+    raw_messages,
     response_logprobs,
     status_of,
 )
@@ -44,11 +45,28 @@ MAX_LISTED_ITEMS = 100  # input_items' limit, as OpenAI's
 
 
 class Prepared:
-    """A response about to run: its head (id, echoed fields), the conversation it answers and
-    how its text is read."""
+    """A response about to run: its head (id, echoed fields), the conversation it answers, how
+    its text is read and, for enable_response_messages, its prompt's token ids."""
 
-    def __init__(self, head: ResponseHead, history: list[dict], output: ChatOutput, vocab, owner: bytes) -> None:
+    def __init__(
+        self,
+        head: ResponseHead,
+        history: list[dict],
+        output: ChatOutput,
+        vocab,
+        owner: bytes,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
         self.head, self.history, self.output, self.vocab, self.owner = head, history, output, vocab, owner
+        self.prompt_ids = prompt_ids
+
+    def raw(self, worker, text: str, state: ReqState) -> dict | None:
+        """vLLM's input_messages and output_messages, when asked: the prompt's text is its ids
+        decoded as the model read them (special tokens and all)."""
+        if self.prompt_ids is None:
+            return None
+        prompt = worker.tm.tokenizer.decode(self.prompt_ids, skip_special_tokens=False)
+        return raw_messages(prompt, self.prompt_ids, text, state.output_ids)
 
 
 @api_route
@@ -73,10 +91,11 @@ async def create_response(worker, request: Request) -> Reply:
     response_id = "resp_" + (client_request_id(request, req.request_id) or new_request_id("x")[2:])
     echo = {**req.echo, "temperature": params.temperature, "top_p": params.top_p}
     echo["max_output_tokens"] = req.sampling.max_tokens
-    head = ResponseHead(response_id, worker.model.served_name, echo)
+    head = ResponseHead(response_id, worker.model.served_name, echo, call_names=req.call_names)
     max_calls = 1 if not req.parallel_tool_calls else req.max_tool_calls
     output = chat_output(worker, response_id, req.tools, req.tool_choice, max_calls)
-    run = Prepared(head, history, output, worker.vocab if req.include_logprobs else None, owner)
+    vocab = worker.vocab if req.include_logprobs else None
+    run = Prepared(head, history, output, vocab, owner, ids if req.raw_messages else None)
     group = await worker.submit("responses", [ids], [params], 1, [response_id], req.stream)
     group.grammar_param = req.sampling.grammar_param
     if req.background:
@@ -142,7 +161,8 @@ def whole_response(worker, state: ReqState, run: Prepared) -> dict:
     text, lp, finish = state.take()
     items, reasoning = output_items(run.head, text, finish, run.output, response_logprobs(lp, run.vocab))
     status, reason = status_of(finish)
-    return run.head.response(status, items, response_usage(worker, state, reasoning), reason)
+    usage = response_usage(worker, state, reasoning)
+    return run.head.response(status, items, usage, reason, raw=run.raw(worker, text, state))
 
 
 def response_usage(worker, state: ReqState, reasoning: str) -> ResponseUsage:
@@ -162,10 +182,13 @@ def response_events(worker, group: ReqGroup, run: Prepared, events: ResponseEven
     then response.completed (or .incomplete, .failed) with the whole response, which is stored."""
     deltas = ChatDeltas(run.output)
     finish_reason: str | None = None
+    texts: list[str] = []  # the raw output, for enable_response_messages
 
     def render(state: ReqState) -> bytes | None:
         nonlocal finish_reason
         text, lp, finish = state.take()
+        if run.prompt_ids is not None:
+            texts.append(text)
         out = deltas.feed(text) if text else []
         if finish is not None:
             tail, _ = deltas.finish(finish)
@@ -175,7 +198,8 @@ def response_events(worker, group: ReqGroup, run: Prepared, events: ResponseEven
 
     def tail() -> bytes:
         state = group.states[0]
-        last, response = events.finish(finish_reason, response_usage(worker, state, events.reasoning))
+        usage = response_usage(worker, state, events.reasoning)
+        last, response = events.finish(finish_reason, usage, raw=run.raw(worker, "".join(texts), state))
         if store:
             worker.responses.put(response, run.history, False, run.owner)
         return last

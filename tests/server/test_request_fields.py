@@ -532,7 +532,14 @@ RESPONSES_FIELDS = [  # OpenAI's ResponseCreateParams and vLLM's ResponsesReques
     ("access_programs", "refused", ["p"], "not served", None, None),
     ("prompt_cache_options", "refused", {"a": 1}, "the prefix cache is automatic", None, None),
     ("prompt_cache_retention", "refused", "24h", "the prefix cache is automatic", None, None),
-    ("enable_response_messages", "refused", True, "vLLM's raw messages: not served", None, None),
+    (
+        "enable_response_messages",
+        "served",
+        True,
+        "vLLM's: input_messages and output_messages, the raw prompt and output with their token ids",
+        lambda r: r[0].raw_messages and r[1].return_ids,
+        None,
+    ),
     ("previous_input_messages", "refused", [HI[0]], "vLLM's Harmony messages: not served", None, None),
     ("media_io_kwargs", "refused", {"image": {}}, "text only", None, None),
     ("mm_processor_kwargs", "refused", {"a": 1}, "text only", None, None),
@@ -595,6 +602,10 @@ ANSWERS: dict[tuple[str, str], Callable[[dict], bool]] = {
     (RESPONSES, "background"): lambda b: b["status"] in ("queued", "in_progress"),
     (RESPONSES, "previous_response_id"): lambda b: b["previous_response_id"] == WALKED_RESPONSE,
     (RESPONSES, "metadata"): lambda b: b["metadata"] == {"k": "v"},
+    (RESPONSES, "enable_response_messages"): lambda b: (
+        len(b["input_messages"][0]["tokens"]) == b["usage"]["input_tokens"]
+        and len(b["output_messages"][0]["tokens"]) == b["usage"]["output_tokens"]
+    ),
 }
 # served fields the walk's server answers with a 400 naming them: it runs without what they need
 NEEDS_MORE = {

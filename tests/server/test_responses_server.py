@@ -7,7 +7,8 @@ incomplete response; logprobs come one per output token; a stored response is fo
 either worker (and previous_response_id through it continues the conversation exactly as the
 explicit conversation would); store false keeps nothing; delete, cancel and input_items do what
 OpenAI's do; forced tool calls and text.format answer valid JSON, and a call's output sent back
-continues the conversation; bad requests are 4xx naming their field."""
+continues the conversation (a namespace's calls too, named apart); raw messages show the prompt
+and output as the model saw them; bad requests are 4xx naming their field."""
 
 from __future__ import annotations
 
@@ -211,6 +212,33 @@ def test_forced_calls_stream_and_their_outputs_continue_the_conversation(client)
     cut = create(client, input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=6)
     assert cut.incomplete_details.reason == "max_output_tokens"  # no call is complete in 6 tokens: none is
     assert all(item.type != "function_call" for item in cut.output) and not cut.output_text
+
+
+def test_a_namespaces_calls_name_it_and_raw_messages_show_what_the_model_read(client):
+    """vLLM's namespace tools: the model is shown "<namespace>__<name>", the call items carry the
+    two apart (whole and streamed) and a call sent back continues the conversation; vLLM's
+    enable_response_messages: the prompt's text and ids as the model read them, and the raw
+    output's (its forced JSON, which no item shows as text)."""
+    weather = {"type": "namespace", "name": "weather", "description": "Weather tools", "tools": [WEATHER]}
+    ask, raw = "What is the weather like in Paris today?", {"enable_response_messages": True}
+    fields = {"input": ask, "tools": [weather], "max_output_tokens": 64, "extra_body": raw}
+    whole = create(client, tool_choice={"type": "function", "name": "get_weather"}, **fields)
+    (call,) = whole.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "get_weather", "weather")
+    (shown,) = whole.input_messages
+    assert shown["type"] == "raw_message_tokens" and '"name": "weather__get_weather"' in shown["message"]
+    assert len(shown["tokens"]) == whole.usage.input_tokens
+    (said,) = whole.output_messages
+    assert json.loads(said["message"]) == json.loads(call.arguments)
+    assert len(said["tokens"]) == whole.usage.output_tokens
+    events = list(create(client, tool_choice="required", stream=True, **fields))
+    calls = [e.item for e in events if e.type.startswith("response.output_item.") and e.item.type == "function_call"]
+    assert calls and all((c.name, c.namespace) == ("get_weather", "weather") for c in calls)
+    (streamed_said,) = events[-1].response.output_messages
+    assert streamed_said["message"].startswith('[{"name": "weather__get_weather"')
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    answer = create(client, previous_response_id=whole.id, tools=[weather], input=[output])
+    assert answer.output[0].type == "message" and answer.output_text
 
 
 def test_text_format_json_schema_validates(client):

@@ -160,6 +160,16 @@ def test_completion_prompt_forms(prompt, prompts, batch):
     assert parse_generate(body(text=prompt) if isinstance(prompts[0], str) else body(input_ids=prompt)).batch == batch
 
 
+@pytest.mark.parametrize("prompt", [None, ""])
+def test_a_missing_or_empty_prompt_is_refused_in_vllms_words(prompt):
+    with pytest.raises(APIError) as caught:
+        parse_completion(body(prompt=prompt, prompt_embeds=[]))
+    assert (caught.value.param, caught.value.message) == (
+        "prompt",
+        "Either prompt or prompt_embeds must be provided and non-empty.",
+    )
+
+
 def test_completion_defaults_and_logprobs():
     req = parse_completion(body(prompt="x"))
     assert req.sampling.resolve([1], 8192, 49152).max_new_tokens == 16 and not req.echo

@@ -110,7 +110,9 @@ def test_completion_parses_with_openai_types(tokenizer, vocab):
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
     starts = [" a b ünï".find(t.strip()) for t in logprobs.tokens if "\\x" not in t]
     assert all(s >= 0 for s in starts)
-    assert len(logprobs.top_logprobs) == len(lp) and all(len(d) <= 2 for d in logprobs.top_logprobs)
+    # OpenAI's: the chosen token always, so logprobs + 1 entries at most; vLLM's order: it first
+    assert len(logprobs.top_logprobs) == len(lp) and all(len(d) <= 3 for d in logprobs.top_logprobs)
+    assert [next(iter(d)) for d in logprobs.top_logprobs] == logprobs.tokens
     assert resp.usage.total_tokens == 5 + len(lp)
 
 

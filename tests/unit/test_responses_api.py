@@ -126,6 +126,44 @@ def test_fields_map_onto_chats():
     assert req.sampling.names["grammar"] == "text.format.schema" and req.echo["text"] == text
 
 
+def namespace(name: str, *functions: dict) -> dict:
+    return {"type": "namespace", "name": name, "description": "tools of " + name, "tools": list(functions)}
+
+
+def test_a_namespace_names_its_functions_for_the_model_and_apart_in_the_calls():
+    """vLLM's: the model sees "<namespace>__<name>"; a call's item carries the two apart; a named
+    tool_choice may use a function's own name where one namespace has it."""
+    req = parse(input="x", tools=[namespace("crm", WEATHER)], tool_choice={"type": "function", "name": "get_weather"})
+    assert [t.name for t in req.tools] == ["crm__get_weather"] and req.tool_choice.name == "crm__get_weather"
+    assert req.call_names == {"crm__get_weather": ("crm", "get_weather")}
+    head = ResponseHead("resp_1", "m", {}, call_names=req.call_names)
+    out = ChatOutput("resp_1", tools=req.tools, forced=req.tool_choice)
+    items, _ = output_items(head, '{"city": "Oslo"}', "stop", out, None)
+    assert [(i["name"], i["namespace"]) for i in items] == [("get_weather", "crm")]
+    # sent back, the call is the model's flat name again
+    messages, _ = chat_messages(None, parse(input=[{"role": "user", "content": "x"}, *items]).items)
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "crm__get_weather"
+    plain, _ = output_items(ResponseHead("resp_2", "m", {}), '{"city": "Oslo"}', "stop", out, None)
+    assert "namespace" not in plain[0]  # OpenAI's shape for a function of no namespace
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        ([namespace("a", WEATHER), namespace("b", WEATHER)], "get_weather", "tool_choice"),  # ambiguous
+        ([namespace("a", {"type": "web_search"})], None, "tools[0].tools[0].type"),
+        ([{"type": "namespace", "name": "a", "tools": []}], None, "tools[0].tools"),
+        ([namespace("a" * 60, WEATHER)], None, "tools[0].tools[0].name"),  # its flat name is over 64
+        ([namespace("a", {**WEATHER, "parameters": "x"})], None, "tools[0].tools[0].parameters"),
+    ],
+)
+def test_bad_namespaces_are_400s_naming_the_place(tools, choice, param):
+    fields = {"input": "x", "tools": tools}
+    if choice is not None:
+        fields["tool_choice"] = {"type": "function", "name": choice}
+    assert refused(**fields).param == param
+
+
 # ---------------------------------------------------------------- items -> chat messages
 
 
