@@ -55,10 +55,10 @@ TEST_TIMEOUT_S = 120  # one test; a hang is a failure with its cause, not a stuc
 FILE_TIMEOUT_S = 1800  # one file, servers' start-ups included
 
 # Tests set aside, by a reason each: (suite, path relative to the suite's folder, a test's name
-# without its parameters, a prefix ending in "_", or "" for the whole file) -> reason. Only
-# tests that depend on another model's exact output or vocabulary, LoRA, images or audio, a
-# GPU, or the peer's own internals belong here; anything else that fails is counted as
-# failed, with its cause.
+# without its parameters, a prefix ending in "_", a name and its first parameters ending in "-",
+# or "" for the whole file) -> reason. Only tests that depend on another model's exact output or
+# vocabulary, LoRA, images or audio, a GPU, or the peer's own internals belong here; anything
+# else that fails is counted as failed, with its cause.
 OTHER_MODEL = "depends on another model's exact output or vocabulary"
 LORA = "LoRA adapters of another model"
 MEDIA = "images, audio or prompt embeddings"
@@ -78,6 +78,9 @@ NO_SERVER = INTERNALS + ": the test used no server (it runs the peer's own class
 HARMONY = "gpt-oss's Harmony format (another model's output format)"
 NO_LIMIT = OTHER_MODEL + ": no max_tokens, and it relies on its model ending the answer soon"
 REASONING = OTHER_MODEL + " (a reasoning model's <think> part; the embedded model does not think)"
+# tool_choice auto leaves the call to the model, and these tests set no max_output_tokens: the
+# embedded model may answer in text, at temperature 1 up to the context's end (minutes on a CPU)
+AUTO_CALL = NO_LIMIT + ": the model choosing to call the tool (tool_choice auto)"
 SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "correctness/test_lmeval.py", ""): OTHER_MODEL + " (GSM8K accuracy of Qwen2-1.5B)",
     ("vllm", "completion/test_tensorizer_entrypoint.py", ""): INTERNALS + " (tensorizer weights)",
@@ -94,10 +97,33 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "chat_completion/test_chat.py", "test_single_chat_session"): OTHER_MODEL + " (zephyr's token counts)",
     ("vllm", "chat_completion/test_completion_with_function_calling.py", ""): REASONING + " and tool calls",
     ("vllm", "completion/test_completion.py", "test_completion_streaming"): OTHER_MODEL
-    + " (an answer that runs past 5 tokens: finish_reason length)",
+    + " (an answer that runs past 5 tokens: finish_reason length; the embedded model's greedy first token"
+    + " after 'What is an LLM?' is its end of turn)",
     ("vllm", "responses/test_basic.py", "test_simple_input"): OTHER_MODEL + " (13 * 24 = 312: a model's arithmetic)",
     ("vllm", "responses/test_basic.py", "test_instructions"): OTHER_MODEL + " (13 * 24 = 312: a model's arithmetic)",
     ("vllm", "responses/test_basic.py", "test_chat"): OTHER_MODEL + " (a model's answer: 30)",
+    ("vllm", "responses/test_function_call.py", "test_function_tool_use"): REASONING
+    + ": a reasoning item beside the call",
+    ("vllm", "responses/test_function_call.py", "test_named_tool_use"): NO_LIMIT
+    + " (its second answer, unforced, at temperature 1)",
+    ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_expected_arguments"): OTHER_MODEL
+    + " (the model choosing to call both tools, tool_choice auto)",
+    ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_types[True-auto-"): AUTO_CALL,
+    ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_types[False-auto-"): AUTO_CALL,
+    ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_forced_tool_choice[auto-"): (
+        AUTO_CALL
+    ),
+    ("vllm", "responses/test_stateful.py", "test_previous_response_id"): OTHER_MODEL
+    + " (a model recalling a name from the earlier turns)",
+    ("vllm", "responses/test_stateful.py", "test_two_responses_with_same_prev_id"): OTHER_MODEL
+    + " (a model recalling a name from the earlier turns)",
+    ("vllm", "responses/test_structured_output.py", ""): OTHER_MODEL
+    + " (a model's extraction inside the schema: 'science fair', 'Friday')",
+    ("vllm", "responses/test_simple.py", "test_reasoning_item"): REASONING,
+    ("vllm", "responses/test_simple.py", "test_streaming_reasoning_tokens_e2e"): REASONING,
+    ("vllm", "responses/test_simple.py", "test_non_streaming_reasoning_tokens_e2e"): REASONING,
+    ("vllm", "test_return_token_ids.py", "test_chat_completion_with_tool_use"): OTHER_MODEL
+    + " (whether the model calls the tool unforced, in Qwen2.5's <tool_call> text)",
     ("vllm", "chat_completion/test_serving_chat.py", "test_gpt_oss_"): HARMONY,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_include_reasoning_true_"): REASONING,
     ("vllm", "chat_completion/test_include_reasoning.py", "test_reasoning_tokens_in_usage"): REASONING,
@@ -240,7 +266,7 @@ def starts_a_server(path: Path, folder: Path) -> bool:
 
 def set_aside_reason(suite: str, file: str, test: str) -> str | None:
     for (s, f, name), reason in SET_ASIDE.items():
-        named = test.split("[")[0] == name or (name.endswith("_") or not name) and test.startswith(name)
+        named = test.split("[")[0] == name or (name.endswith(("_", "-")) or not name) and test.startswith(name)
         if s == suite and f == file and named:
             return reason
     if "lora" in test.lower():  # vLLM's tests parametrized with an adapter's name ("zephyr-lora")
