@@ -1,5 +1,6 @@
-"""LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), loaded once
-and applied to the Llama-family forward, many adapters in one batch.
+"""LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) or llama.cpp's
+GGUF one (gpu/lora_gguf.py, for a GGUF base), loaded once and applied to the Llama-family
+forward, many adapters in one batch.
 
 The forward fuses q/k/v into one `qkv` projection and gate/up into `gate_up`; an adapter's
 modules of one fused projection are stacked into one pair (A: [sum r, K], B: [N, sum r], block
@@ -31,9 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu.lora_gguf import read_gguf_adapter
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import ModelLoadError
-from protocol.lora import ADAPTER_FILES
+from protocol.lora import ADAPTER_FILES, is_gguf_adapter
 
 CONFIG_FILE, WEIGHTS_FILE = ADAPTER_FILES
 # PEFT's module name -> (the fused projection of the forward, its part in it)
@@ -95,30 +97,18 @@ def _parts(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
     return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
 
 
-def _pairs_rows(b: torch.Tensor, heads: int, rope_style: str) -> torch.Tensor:
-    """B's rows of a q or k projection in the order the served weights hold them: a Llama GGUF's
-    q/k rows were permuted by its converter so that each rotary pair is adjacent (llama.cpp's
-    permute); the adapter's output rows must follow the same permutation."""
-    if rope_style != "pairs":
-        return b
+def _pairs_rows(b: torch.Tensor, heads: int) -> torch.Tensor:
+    """A PEFT B's rows of a q or k projection in the order the served weights hold them: a Llama
+    GGUF's q/k rows were permuted by its converter so that each rotary pair is adjacent
+    (llama.cpp's permute); the adapter's output rows must follow the same permutation."""
     n = b.shape[0]
     return b.reshape(heads, 2, n // heads // 2, -1).swapaxes(1, 2).reshape(b.shape)
 
 
-def load_adapter(
-    name: str,
-    path: str,
-    cfg: ModelConfig,
-    max_rank: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    rope_style: str = "halves",
-) -> Adapter:
-    """The PEFT adapter at `path` for the model of `cfg`; LoraLoadError naming what does not fit."""
+def _read_peft(where: str, d: Path) -> tuple[dict[tuple[int, str], dict[str, torch.Tensor]], Callable[[int], float]]:
+    """A PEFT adapter directory's ({(layer, module): {"A", "B"}}, the scaling of a rank)."""
     from safetensors.torch import load_file
 
-    where = f"LoRA adapter {name!r} ({path})"
-    d = Path(path)
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not (d / f).is_file():
             raise LoraLoadError(
@@ -157,19 +147,49 @@ def load_adapter(
         m = _KEY.search(key)
         if m is None or m.group(2) not in MODULES:
             raise LoraLoadError(f"{where}: tensor {key!r} is not a LoRA A or B of {', '.join(MODULES)}")
-        layer = int(m.group(1))
-        if layer >= cfg.num_layers:
-            raise LoraLoadError(f"{where}: tensor {key!r} is for layer {layer}; the model has {cfg.num_layers}")
-        ab.setdefault((layer, m.group(2)), {})[m.group(3)] = t
+        ab.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t.float()
+
+    def scaling(r: int) -> float:
+        return alpha / (math.sqrt(r) if rslora else r)
+
+    return ab, scaling
+
+
+def load_adapter(
+    name: str,
+    path: str,
+    cfg: ModelConfig,
+    max_rank: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    rope_style: str = "halves",
+) -> Adapter:
+    """The adapter at `path` (a PEFT directory, or llama.cpp's GGUF LoRA file: gpu/lora_gguf.py)
+    for the model of `cfg`; LoraLoadError naming what does not fit."""
+    where = f"LoRA adapter {name!r} ({path})"
+    scaling: Callable[[int], float]
+    if is_gguf_adapter(path):
+        try:
+            ab, alpha = read_gguf_adapter(where, path, cfg.gguf_path)
+        except ModelLoadError as e:
+            raise LoraLoadError(str(e)) from None
+        scaling = (lambda r: alpha / r) if alpha else (lambda r: 1.0)  # llama.cpp's: no alpha, no scaling
+        permute_qk = False  # its converter already permuted B's rows as the base's
+    else:
+        ab, scaling = _read_peft(where, Path(path))
+        permute_qk = rope_style == "pairs"
     if not ab:
-        raise LoraLoadError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+        raise LoraLoadError(f"{where}: it holds no LoRA weights")
+    for layer, module in ab:
+        if layer >= cfg.num_layers:
+            raise LoraLoadError(f"{where}: its {module} of layer {layer} is past the model's {cfg.num_layers} layers")
 
     parts, top = _parts(cfg), 0
     stacked: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), pair in sorted(ab.items()):
         if set(pair) != {"A", "B"}:
             raise LoraLoadError(f"{where}: layer {layer} {module} has lora_{next(iter(pair))} without its pair")
-        a, b = pair["A"].float(), pair["B"].float()
+        a, b = pair["A"], pair["B"]
         fused, part = MODULES[module]
         k, outs = parts[fused]
         r = a.shape[0]
@@ -181,10 +201,9 @@ def load_adapter(
         if max_rank is not None and r > max_rank:
             raise LoraLoadError(f"{where}: rank {r} ({module}) is above --max-lora-rank {max_rank}")
         top = max(top, r)
-        scale = alpha / (math.sqrt(r) if rslora else r)
-        if fused == "qkv" and part < 2:
-            b = _pairs_rows(b, cfg.num_q_heads if part == 0 else cfg.num_kv_heads, rope_style)
-        stacked.setdefault((layer, fused), []).append((part, a, b * scale))
+        if fused == "qkv" and part < 2 and permute_qk:
+            b = _pairs_rows(b, cfg.num_q_heads if part == 0 else cfg.num_kv_heads)
+        stacked.setdefault((layer, fused), []).append((part, a, b * scaling(r)))
 
     pairs = {}
     for (layer, fused), items in stacked.items():

@@ -13,7 +13,7 @@ from httpapi.engine_requests import MAX_PATH_CHARS
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
 from httpapi.request_fields import refuse_unserved
-from protocol.lora import ADAPTER_FILES, ADAPTER_NAME, NAME_RULE
+from protocol.lora import ADAPTER_FILES, ADAPTER_NAME, NAME_RULE, is_gguf_adapter
 
 _LOAD_REFUSED = {
     "lora_id": "adapter ids are assigned by the server",
@@ -28,7 +28,7 @@ _UNLOAD_REFUSED = {
 @dataclass(frozen=True)
 class LoadLora:
     name: str
-    path: str  # resolved: absolute, no symbolic link left, a readable directory
+    path: str  # resolved: absolute, no symbolic link left, a readable directory or .gguf file
     pinned: bool = False  # SGLang's: never evicted from the resident adapters once there
 
 
@@ -42,7 +42,7 @@ def parse_load_lora(body: bytes, endpoint: str, allowed_dirs: Sequence[str] = ()
     pinned = f.get_bool("pinned", False)
     refuse_unserved(f, _LOAD_REFUSED)
     f.warn_unknown(endpoint)
-    return LoadLora(name, resolve_adapter_dir(raw, allowed_dirs), pinned)
+    return LoadLora(name, resolve_adapter_path(raw, allowed_dirs), pinned)
 
 
 def parse_unload_lora(body: bytes, endpoint: str) -> str:
@@ -63,11 +63,11 @@ def _name(f: Fields) -> str:
     return name
 
 
-def resolve_adapter_dir(raw: str, allowed_dirs: Sequence[str] = ()) -> str:
-    """`raw` as an existing, readable directory, absolute and with its links resolved (the
-    engine reads what was checked; it then checks the adapter's files), inside one of
-    `allowed_dirs` (theirs resolved too) when any are given; a 400 naming lora_path. Whether a
-    path outside them exists is not told."""
+def resolve_adapter_path(raw: str, allowed_dirs: Sequence[str] = ()) -> str:
+    """`raw` as an existing, readable PEFT adapter directory or GGUF adapter file (`.gguf`),
+    absolute and with its links resolved (the engine reads what was checked; it then checks the
+    adapter's contents), inside one of `allowed_dirs` (theirs resolved too) when any are given;
+    a 400 naming lora_path. Whether a path outside them exists is not told."""
     if len(raw) > MAX_PATH_CHARS or any(ord(c) < 32 for c in raw):
         raise bad_request(f"lora_path must be 1 to {MAX_PATH_CHARS} characters without control characters", "lora_path")
     roots = [os.path.realpath(d) for d in allowed_dirs]
@@ -75,9 +75,15 @@ def resolve_adapter_dir(raw: str, allowed_dirs: Sequence[str] = ()) -> str:
     try:
         path = Path(raw).resolve(strict=True)
     except (OSError, RuntimeError):  # missing, unreadable, or a loop of links
-        raise bad_request(f"lora_path {raw!r}: no such directory", "lora_path") from None
+        raise bad_request(f"lora_path {raw!r}: no such directory or file", "lora_path") from None
+    if is_gguf_adapter(str(path)) and path.is_file():
+        if not os.access(path, os.R_OK):
+            raise bad_request(f"lora_path {raw!r}: not readable by the server", "lora_path")
+        return str(path)  # resolved: the file itself lies where it was checked to
     if not path.is_dir():
-        raise bad_request(f"lora_path {raw!r}: not a directory (a PEFT adapter is a directory)", "lora_path")
+        raise bad_request(
+            f"lora_path {raw!r}: neither a directory (a PEFT adapter) nor a .gguf file (llama.cpp's)", "lora_path"
+        )
     if not os.access(path, os.R_OK | os.X_OK):
         raise bad_request(f"lora_path {raw!r}: not readable by the server", "lora_path")
     for where in (path, *(path / f for f in ADAPTER_FILES)):  # the files the engine reads: no link out either

@@ -17,6 +17,12 @@ NAME_RULE = "letters, digits and ._/- (at most 128), starting with a letter or d
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter directory's, read by the engine
 
 
+def is_gguf_adapter(path: str) -> bool:
+    """Whether `path` names llama.cpp's GGUF LoRA file (gpu/lora_gguf.py) rather than a PEFT
+    adapter directory."""
+    return path.endswith(".gguf")
+
+
 def parse_lora_paths(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
     """((name, path), ...) of parse_lora_entries."""
     return tuple((name, path) for name, path, _ in parse_lora_entries(items))

@@ -268,8 +268,8 @@ class ServerArgs:
     )
     lora_paths: tuple[str, ...] = setting(
         (),
-        "the adapters, PEFT directories as `name=path` (a bare path: named after its last part), registered at "
-        "start; more with /load_lora_adapter",
+        "the adapters as `name=path` (a bare path: named after its last part), PEFT directories or llama.cpp's "
+        "`.gguf` LoRA files (a GGUF base), registered at start; more with /load_lora_adapter",
         aliases=("lora_modules",),
         default_text="none",
         same_row=True,

@@ -1,7 +1,8 @@
 """/load_lora_adapter's `lora_path` under --lora-allowed-dirs: a directory inside one of them
 (its links resolved) loads; anything else is a 400 naming lora_path: a path outside, `..` out, a
 link inside that leads out (the directory, or one of the files the engine reads), and a path
-outside that does not exist (the same answer: whether it exists is not told)."""
+outside that does not exist (the same answer: whether it exists is not told); a GGUF adapter
+file alike."""
 
 from __future__ import annotations
 
@@ -63,3 +64,20 @@ def test_links_out_of_the_allowed_directories_are_refused(tmp_path):
     inner = adapter_dir(root / "inner")
     assert load(tmp_path / "via" / "inner", [root]) == str(inner.resolve())
     assert load(inner, [tmp_path / "via"]) == str(inner.resolve())
+
+
+def test_gguf_adapter_files_are_checked_as_directories_are(tmp_path):
+    """llama.cpp's adapter is one .gguf file: inside loads, a link to one outside does not,
+    another kind of file is refused."""
+    root, other = tmp_path / "adapters", tmp_path / "other"
+    root.mkdir()
+    other.mkdir()
+    (root / "sql.gguf").write_bytes(b"GGUF")
+    (other / "chat.gguf").write_bytes(b"GGUF")
+    assert load(root / "sql.gguf", [root]) == str((root / "sql.gguf").resolve())
+    assert "outside the directories" in refused(other / "chat.gguf", [root])
+    (root / "link.gguf").symlink_to(other / "chat.gguf")
+    assert "outside the directories" in refused(root / "link.gguf", [root])
+    (root / "weights.bin").write_bytes(b"")
+    assert "nor a .gguf file" in refused(root / "weights.bin", [root])
+    assert "no such directory or file" in refused(root / "nope.gguf", [root])
