@@ -828,7 +828,13 @@ def slot_context(args: argparse.Namespace) -> int:
         # code tokenizes to fewer tokens than it has characters by half
         "repetitive": max(len(p) for p in repetitive_prompts(1, args.seed)) // 2 + args.rep_output_tokens,
     }
-    need = max(longest[w] for w in args.workload_list) * 5 // 4 + 64  # the chat template's tokens, words' drift
+    return slot_context_for(max(longest[w] for w in args.workload_list))
+
+
+def slot_context_for(longest: int) -> int:
+    """The smallest power of two from 512 that holds a request of `longest` prompt and output
+    tokens with room for the chat template's tokens and words' drift."""
+    need = longest * 5 // 4 + 64
     return max(512, 1 << (need - 1).bit_length())
 
 

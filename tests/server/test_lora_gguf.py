@@ -1,13 +1,14 @@
 """llama.cpp's GGUF LoRA adapters on a GGUF base: a PEFT adapter (random non-zero A and B,
 every attention and MLP projection) of a tiny random-weight Llama and Qwen2 written as
-convert_lora_to_gguf.py writes it (general.type "adapter", adapter.type "lora",
-adapter.lora.alpha; `blk.N.<projection>.weight.lora_a` / `.lora_b` named by gguf's own tensor
-map, a Llama's q/k B rows permuted as the base's weights), with the base model written as
-convert_hf_to_gguf.py writes it. Its logits in the exact mode equal the PEFT adapter's on the
-same GGUF base and PEFT's own at 1e-4; F16, BF16 and Q8_0 files give what their values are;
-files llama.cpp would refuse, or that ringserve does not serve, are refused naming the
-problem; through the whole server the GGUF adapter's greedy tokens equal PEFT's merged
-model's, and a bad file's run-time load is a 400 naming lora_path."""
+convert_lora_to_gguf.py writes it (perf/lora_bench.py's write_gguf_adapter: general.type
+"adapter", adapter.type "lora", adapter.lora.alpha; `blk.N.<projection>.weight.lora_a` /
+`.lora_b` named by gguf's own tensor map, a Llama's q/k B rows permuted as the base's
+weights), with the base model written as convert_hf_to_gguf.py writes it. Its logits in the
+exact mode equal the PEFT adapter's on the same GGUF base and PEFT's own at 1e-4; F16, BF16
+and Q8_0 files give what their values are; files llama.cpp would refuse, or that ringserve
+does not serve, are refused naming the problem; through the whole server the GGUF adapter's
+greedy tokens equal PEFT's merged model's, and a bad file's run-time load is a 400 naming
+lora_path."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from tiny_models import LORA_TARGETS, peft_greedy, save_tiny_adapter
 import gpu.models.model_files
 from gpu.forward_batch import SeqInput, build_forward_batch
 from gpu.lora import LoraBatch, LoraLoadError
+from gpu.models.model_config import ModelConfig
+from perf import lora_bench
 
 pytestmark = pytest.mark.torch_threads(2)
 
@@ -42,7 +45,6 @@ SHAPE = dict(
     max_position_embeddings=320,
     tie_word_embeddings=True,
 )
-ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 
 
 def tiny_base(family: str, root: Path) -> tuple[Path, Path]:
@@ -63,47 +65,12 @@ def tiny_base(family: str, root: Path) -> tuple[Path, Path]:
     return root / "hf", root / f"tiny-{family}.gguf"
 
 
-def write_gguf_adapter(
-    peft_dir: Path,
-    path: Path,
-    family: str = "llama",
-    type_name: str = "F32",
-    arch: str | None = None,
-    general_type: str = "adapter",
-    extra: dict[str, np.ndarray] | None = None,
-) -> Path:
-    """The PEFT adapter at `peft_dir` as convert_lora_to_gguf.py writes it for a base of
-    SHAPE in `family` (its matrices in `type_name`), with `arch` / `general_type` / `extra`
-    tensors in place of what the converter writes, for the refusals."""
-    conf = json.loads((peft_dir / "adapter_config.json").read_text())
-    names = gguf.get_tensor_name_map(ARCH[family], SHAPE["num_hidden_layers"])
-    w = gguf.GGUFWriter(str(path), arch or gguf.MODEL_ARCH_NAMES[ARCH[family]])
-    w.add_string(gguf.Keys.General.TYPE, general_type)
-    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(conf["lora_alpha"]))
-    for key, t in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
-        base_name = key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
-        base_name = base_name.replace(".lora_B.weight", ".weight")
-        gguf_name = names.get_name(base_name, try_suffixes=(".weight",))
-        assert gguf_name is not None, key
-        data = t.numpy()
-        if family == "llama" and ".lora_B." in key and base_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = SHAPE["num_attention_heads"] if "q_proj" in base_name else SHAPE["num_key_value_heads"]
-            # LlamaModel.permute, run by the converter on the LoRA tensor: B's rows
-            data = data.reshape(heads, 2, -1, data.shape[1]).swapaxes(1, 2).reshape(data.shape)
-        add_matrix(w, f"{gguf_name}.lora_{'a' if '.lora_A.' in key else 'b'}", data, type_name)
-    for name, data in (extra or {}).items():
-        add_matrix(w, name, data, type_name)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def add_matrix(w: gguf.GGUFWriter, name: str, data: np.ndarray, type_name: str) -> None:
-    qtype = gguf.GGMLQuantizationType[type_name]
-    w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+def write_gguf_adapter(peft_dir: Path, path: Path, family: str = "llama", arch: str | None = None, **kw) -> Path:
+    """The PEFT adapter at `peft_dir` (of the model tiny_base saved beside it) as
+    convert_lora_to_gguf.py writes it for a `family` base, or an `arch` one (perf/lora_bench.py's
+    writer: the benchmark gives llama.cpp the same files)."""
+    cfg = ModelConfig.from_dir(peft_dir.parent / "hf")
+    return lora_bench.write_gguf_adapter(peft_dir, path, cfg, arch or family, **kw)
 
 
 def rounded(data: np.ndarray, type_name: str) -> np.ndarray:
