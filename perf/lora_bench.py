@@ -7,6 +7,9 @@ two workloads alternating round by round (the order rotating), the ratios taken 
   token, adapters ÷ base (target: at most 1.2);
 - the model (`--model-path`, default the embedded SmolLM2-135M-Instruct GGUF, served in its
   default mode): output tokens/s, adapters ÷ base (target: at least 0.7);
+- the C decode loop apart (`step`): one 32-row decode step of the model (its default mode)
+  with every row on an adapter (4 rows each of the 8) against the same step on the base, one
+  torch thread, CPU time, the two alternating (no server);
 - beside the model's server, llama.cpp's `llama-server` (--llama-server PATH, else
   $LLAMA_SERVER, else PATH; skipped without one) on the same GGUF with one of the adapters
   (`--lora`, the adapter converted to llama.cpp's GGUF LoRA form), `-np 32 -t 2` and a context
@@ -135,7 +138,7 @@ def write_gguf_adapter(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="null,model", help="which servers: null, model (comma-separated)")
+    ap.add_argument("--parts", default="null,model,step", help="which parts: null, model, step (comma-separated)")
     ap.add_argument("--model-path", default=None, help="the model (default: the embedded SmolLM2-135M GGUF)")
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=8)
@@ -310,9 +313,68 @@ def run_part(
     return out
 
 
+def run_step(args: argparse.Namespace, paths: list[Path], trials: int = 7, steps: int = 20) -> dict:
+    """A decode step of `args.concurrency` rows through the C decode loop (CpuDecoder) with each
+    row on an adapter (row i on adapter i mod n) against the same step on the base: CPU seconds
+    per step, one torch thread, `trials` alternating batches of `steps` steps each."""
+    import time
+
+    from gpu.forward_batch import SeqInput, build_forward_batch
+    from gpu.lora import LoraBatch
+    from gpu.model_runner import ModelRunner, ModelRunnerConfig
+    from protocol.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    rows = args.concurrency
+    runner = ModelRunner(
+        ModelRunnerConfig(
+            model_path=args.model_path,
+            max_total_tokens=rows * (args.prompt_tokens + 16),
+            max_running_requests=rows,
+            enable_lora=True,
+            max_loras_per_batch=len(paths),
+        )
+    )
+    if runner.decoder is None or runner.loras is None:
+        return {"skipped": f"no C decode loop for this model in mode {runner.quantization}"}
+    for lid, path in enumerate(paths, 1):
+        runner.loras.register(lid, runner.loras.load(path.name, str(path)))
+    rows_lora = np.arange(rows) % len(paths) + 1
+    rng = np.random.default_rng(0)
+    seqs = []
+    with torch.inference_mode():
+        for row, lid in enumerate(rows_lora.tolist()):
+            prompt = rng.integers(100, 40000, args.prompt_tokens).astype(np.int32)
+            pages = runner.pool.alloc(runner.pool.pages_for(args.prompt_tokens + 1))
+            runner.set_request(row, SamplingParams(temperature=0.0, lora_id=lid), prompt, np.zeros(0, np.int32))
+            token = runner.step([SeqInput(row, prompt, 0, pages, True)]).tokens[:1]
+            seqs.append(SeqInput(row, token.astype(np.int32), args.prompt_tokens, pages, True))
+        batch = build_forward_batch(seqs, runner.config.page_size, runner.model_config.context_length, runner.device)
+        if not runner.decoder.takes(batch.meta):
+            return {"skipped": "the C decode loop does not take this batch"}
+        kinds = {BASE: None, ADAPTERS: LoraBatch(runner.loras.resident, rows_lora, runner.device)}
+        cpu: dict[str, list[float]] = {BASE: [], ADAPTERS: []}
+        for t in range(trials):
+            for kind in kinds if t % 2 == 0 else reversed(list(kinds)):
+                t0 = time.process_time()
+                for _ in range(steps):
+                    runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, kinds[kind])
+                cpu[kind].append((time.process_time() - t0) / steps)
+    return {
+        "rows": rows,
+        "mode": runner.quantization,
+        "trials": trials,
+        "steps_per_trial": steps,
+        "cpu_ms_per_step": {k: round(statistics.median(v) * 1e3, 3) for k, v in cpu.items()},
+        "ratio": statistics.median(a / b for a, b in zip(cpu[ADAPTERS], cpu[BASE])),
+    }
+
+
 def markdown(data: dict) -> str:
     rows, sizes = [], []
     for part, res in data["parts"].items():
+        if part == "step":
+            continue
         sizes.append(f"{part}: {res['requests']} requests of {res['output_tokens']} tokens")
         s = res["summary"]
         rows.append(
@@ -327,29 +389,46 @@ def markdown(data: dict) -> str:
                 s[BASE]["failed"] + s[ADAPTERS]["failed"],
             )
         )
-    lines = [
-        report.table(
-            [
-                "server",
-                "base tok/s",
-                "adapters tok/s",
-                "tok/s ratio",
-                "base server CPU µs/token",
-                "adapters server CPU µs/token",
-                "CPU ratio",
-                "failed",
-            ],
-            rows,
-        ),
-        "",
-        f"{data['concurrency']} concurrent streams (chat completions, {data['prompt_tokens']}-token prompts, "
-        f"ignore_eos): `base` all on the base model, `adapters` spread over {data['adapters']} adapters of rank "
-        f"{data['rank']} (every attention and MLP projection), all resident (--max-loras-per-batch "
-        f"{data['adapters']}). {data['rounds']} rounds per workload ({'; '.join(sizes)}), the workloads "
-        "alternating; a value is the median over rounds, a ratio the median of the rounds' ratios. "
-        f"Targets: the model's tok/s ratio at least {TARGET_THROUGHPUT_RATIO}, the null model's CPU ratio at "
-        f"most {TARGET_CPU_RATIO}.",
-    ]
+    lines = (
+        []
+        if not rows
+        else [
+            report.table(
+                [
+                    "server",
+                    "base tok/s",
+                    "adapters tok/s",
+                    "tok/s ratio",
+                    "base server CPU µs/token",
+                    "adapters server CPU µs/token",
+                    "CPU ratio",
+                    "failed",
+                ],
+                rows,
+            ),
+            "",
+            f"{data['concurrency']} concurrent streams (chat completions, {data['prompt_tokens']}-token prompts, "
+            f"ignore_eos): `base` all on the base model, `adapters` spread over {data['adapters']} adapters of rank "
+            f"{data['rank']} (every attention and MLP projection), all resident (--max-loras-per-batch "
+            f"{data['adapters']}). {data['rounds']} rounds per workload ({'; '.join(sizes)}), the workloads "
+            "alternating; a value is the median over rounds, a ratio the median of the rounds' ratios. "
+            f"Targets: the model's tok/s ratio at least {TARGET_THROUGHPUT_RATIO}, the null model's CPU ratio at "
+            f"most {TARGET_CPU_RATIO}.",
+        ]
+    )
+    step = data["parts"].get("step")
+    if step is not None:
+        lines += [""] + (
+            [f"Decode step apart: {step['skipped']}."]
+            if "skipped" in step
+            else [
+                f"The C decode loop apart (`step`): one {step['rows']}-row decode step of the model "
+                f"({step['mode']}), every row on an adapter, costs **{step['ratio']:.2f}x** the base's step "
+                f"({step['cpu_ms_per_step'][ADAPTERS]} ms against {step['cpu_ms_per_step'][BASE]} ms of CPU; one "
+                f"torch thread, {step['trials']} alternating trials of {step['steps_per_trial']} steps, the "
+                "median of their ratios)."
+            ]
+        )
     model = data["parts"].get("model", {})
     if LLAMA in model:
         s, llama = model["summary"], model[LLAMA]
@@ -428,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
             arch = GGUFFile(cfg.gguf_path).architecture
             llama = (llama_bin, write_gguf_adapter(paths[0], Path(tmp) / "a0.gguf", cfg, arch))
         for part in parts:
+            if part == "step":
+                data["parts"][part] = run_step(args, paths)
+                continue
             data["parts"][part] = run_part(part, args, adapter_flags, prompts, loop, llama if part == "model" else None)
     loop.close()
     md = markdown(data)
