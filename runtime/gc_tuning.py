@@ -15,8 +15,9 @@ freezing the start-up heap removes most of it, the larger first generation most 
 
 from __future__ import annotations
 
-import ctypes
 import gc
+
+from runtime.heap_trim import return_freed_memory
 
 YOUNG_THRESHOLD = 20_000  # allocations (net) between first-generation collections; CPython's default is 700
 
@@ -28,14 +29,4 @@ def settle_heap() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
-    _return_freed_memory()
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps what loading freed (a tokenizer's parse leaves tens of MB) for mallocs
-    that never come; malloc_trim gives it back to the system. Other C libraries: nothing."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    return_freed_memory()  # what loading freed

@@ -46,6 +46,7 @@ from protocol.payloads import PayloadBuilder
 from protocol.records import REQUEST, REQUEST_ARENA_BYTES, TOKEN_OUT, ErrorCode, RequestKind
 from protocol.request_records import call_args, unpack_request
 from runtime.config import ServerArgs
+from runtime.heap_trim import IdleTrim
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.connect import connect_scheduler as connect_scheduler
 from runtime.scheduler.control import EngineControl, Pending, parse_args, reply
@@ -63,6 +64,7 @@ ABORTS_SPEC = ChannelSpec(REQUEST, capacity=4096)  # detokenizer -> scheduler: A
 DETOKENIZER_INPUT = -1  # the key of the detokenizer's channel among the inputs (workers are 0, 1, ...)
 SPIN_US = 50.0  # spin this long on empty rings before sleeping on the eventfd
 IDLE_WAKE_S = 0.1  # an idle loop still wakes this often: new channels, stop flag, heartbeat
+TRIM_AFTER_IDLE_S = 1.0  # idle this long after a burst, the heap is trimmed (runtime/heap_trim.py)
 GRAMMAR_POLL_S = 0.002  # with only grammar compiles pending, the loop looks for a finished one this often
 PUBLISH_EVERY_NS = 1_000_000  # heartbeats and stats while busy (watchdogs allow seconds)
 _NEW, _ABORT, _FLUSH, _ABORT_RID, _ABORT_ALL, _CONTROL = map(
@@ -100,6 +102,7 @@ class SchedulerProcess:
         self.meta: dict = {}
         self.peers: PeerServer
         self._stopping = False
+        self._trim = IdleTrim(TRIM_AFTER_IDLE_S)
 
     def start(self) -> None:
         from runtime.detokenizer.process import connect_detokenizer
@@ -170,10 +173,12 @@ class SchedulerProcess:
                     self._handle_requests(batch)
             if sched.has_work:
                 self._send(sched.step())
+                self._trim.worked()
             if self._pending:
                 self._answer_pending()
             self._publish(force=not sched.has_work)  # about to sleep: what /metrics shows is final
             if not sched.has_work:
+                self._trim.idle()
                 waker.wait_readable(self._input_list, spin_us=SPIN_US, timeout=IDLE_WAKE_S)
             elif sched.only_compiling:
                 # Nothing runs until a compile (in the grammar pool) finishes: sleep on the
