@@ -24,6 +24,7 @@ LAYERS = [
     (
         "runtime.settings",
         "runtime.config",
+        "runtime.heap_trim",
         "runtime.gc_tuning",
         "runtime.engine_stats",
         "runtime.lora_registry",
