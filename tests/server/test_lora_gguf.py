@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_gpu_model_families import PAGE
+from test_gpu_model_families import PAGE, SMALL
 from test_gpu_model_families_gguf import write_gguf
 from test_gpu_model_families_more import make_runner
 from tiny_models import LORA_TARGETS, peft_greedy, save_tiny_adapter
@@ -35,16 +35,7 @@ from perf import lora_bench
 
 pytestmark = pytest.mark.torch_threads(2)
 
-SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=320,
-    tie_word_embeddings=True,
-)
+SHAPE = dict(SMALL, tie_word_embeddings=True)
 
 
 def tiny_base(family: str, root: Path) -> tuple[Path, Path]:
