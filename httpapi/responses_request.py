@@ -35,7 +35,7 @@ from httpapi.responses import new_request_id
 from httpapi.sampling import SamplingSpec, read_sampling
 from protocol.sampling_params import GrammarKind
 from structured.grammars import JSON_OBJECT_SCHEMA, json_schema_text
-from structured.tools import InvalidTool, Tool, ToolChoice, parse_tool_choice, parse_tools
+from structured.tools import MAX_TOOLS, InvalidTool, Tool, ToolChoice, parse_tool_choice, parse_tools
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -293,6 +293,8 @@ def _namespace_tools(tool: dict, where: str, places: list[str], call_names: dict
         raise bad_request(f"{where}.name must be the namespace's name, a non-empty string", f"{where}.name")
     if type(members) is not list or not members:
         raise bad_request(f"{where}.tools must be a non-empty list of function tools", f"{where}.tools")
+    if len(members) > MAX_TOOLS:  # before a pass over what a client may make huge
+        raise bad_request(f"{where}.tools: at most {MAX_TOOLS} tools, got {len(members)}", f"{where}.tools")
     out = []
     for j, member in enumerate(members):
         kind = member.get("type") if type(member) is dict else None

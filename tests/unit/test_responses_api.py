@@ -21,7 +21,7 @@ from httpapi.responses_request import chat_messages, parse_responses_create
 from runtime.http_worker.response_store import ResponseStore, owner_of
 from structured.reasoning import make_reasoning_parser
 from structured.tool_parsers import make_parser
-from structured.tools import parse_tool_choice, parse_tools
+from structured.tools import MAX_TOOLS, parse_tool_choice, parse_tools
 
 WEATHER = {
     "type": "function",
@@ -155,6 +155,7 @@ def test_a_namespace_names_its_functions_for_the_model_and_apart_in_the_calls():
         ([{"type": "namespace", "name": "a", "tools": []}], None, "tools[0].tools"),
         ([namespace("a" * 60, WEATHER)], None, "tools[0].tools[0].name"),  # its flat name is over 64
         ([namespace("a", {**WEATHER, "parameters": "x"})], None, "tools[0].tools[0].parameters"),
+        ([namespace("a", *[{**WEATHER, "name": f"f{i}"} for i in range(MAX_TOOLS + 1)])], None, "tools[0].tools"),
     ],
 )
 def test_bad_namespaces_are_400s_naming_the_place(tools, choice, param):
