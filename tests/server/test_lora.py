@@ -180,7 +180,7 @@ def test_bad_loads_are_400s_that_change_nothing(lora_server, tmp_path):
         ({"lora_name": "x"}, "lora_path", "Both 'lora_name' and 'lora_path' must be provided."),
         ({"lora_name": "../x", "lora_path": str(adapters["a4"])}, "lora_name", "letters, digits"),
         ({"lora_name": "x", "lora_path": str(tmp_path / "nope")}, "lora_path", "no such directory"),
-        ({"lora_name": "x", "lora_path": str(a_file)}, "lora_path", "not a directory"),
+        ({"lora_name": "x", "lora_path": str(a_file)}, "lora_path", "neither a directory"),
         ({"lora_name": "x", "lora_path": "/" + "a" * 5000}, "lora_path", "characters"),
         ({"lora_name": "x", "lora_path": str(empty)}, "lora_path", "no adapter_config.json"),
         ({"lora_name": "x", "lora_path": str(r16)}, "lora_path", "is above --max-lora-rank 8"),

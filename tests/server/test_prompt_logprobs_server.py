@@ -259,8 +259,8 @@ def test_logprob_token_ids_streamed_on_completions(got, reference):
     positions = [top for lp in logprobs for top in lp.top_logprobs]
     tokens = [token for lp in logprobs for token in lp.tokens]
     assert len(positions) == len(tokens) == MAX_TOKENS
-    for token, top in zip(tokens, positions):  # a sampled token among the pinned ones is listed once
-        assert [token_id(t) for t in top] == list(dict.fromkeys([*PINNED, token_id(token)]))
+    for token, top in zip(tokens, positions):  # its own token first (vLLM's order), listed once
+        assert [token_id(t) for t in top] == list(dict.fromkeys([token_id(token), *PINNED]))
     row = reference["other"][1][-1]
     first = {token_id(t): y for t, y in positions[0].items()}
     np.testing.assert_allclose(list(first.values()), row[list(first)], atol=ATOL)
