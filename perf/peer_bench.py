@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -88,6 +89,9 @@ TARGET_BATCH_LEVELS = (8, 32)
 TARGET_SHARED_TOKENS_RATIO = 5.0
 TARGET_SHARED_TTFT_RATIO = 0.3
 TARGET_SPEC_ITL_RATIO = 0.5
+TARGET_OFF_C1_TOKENS_RATIO = 1.0  # speculation off must still match llama.cpp at c=1
+TARGET_RSS_RATIO = 1.5  # all processes' RSS at the end, same slots and context
+TARGET_STARTUP_RATIO = 2.0  # time to healthy
 
 # the repetitive workload's file: the prompt asks for it again with one identifier renamed
 CODE = '''import time
@@ -313,6 +317,23 @@ def llama_version(binary: str) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"unknown ({e})"
     return " ".join((proc.stdout + proc.stderr).split())[:200]
+
+
+def llama_build(binary: str) -> str:
+    """The CMake options llama.cpp was built with (the GGML_* switches that pick its CPU
+    kernels, and the build type), read from the CMakeCache.txt of the build folder the binary
+    sits in: a peer is compared at a configuration the reader can repeat."""
+    for folder in Path(binary).resolve().parents:
+        cache = folder / "CMakeCache.txt"
+        if cache.is_file():
+            break
+    else:
+        return "unknown (no CMakeCache.txt above the binary)"
+    entry = re.compile(r"^(GGML_[A-Z0-9_]+|CMAKE_BUILD_TYPE):[A-Z]+=(.*)$")
+    values = dict(m.groups() for line in cache.read_text().splitlines() if (m := entry.match(line)))
+    # Which switches are on says which kernels it has; GGML_NATIVE off says the list is the whole story.
+    shown = {k: v for k, v in values.items() if v == "ON" or k in ("GGML_NATIVE", "CMAKE_BUILD_TYPE")}
+    return " ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "unknown (no GGML_ options)"
 
 
 def log_tail(path: Path, lines: int = 3) -> str:
@@ -563,6 +584,15 @@ def check_targets(rows: list[dict], servers: list[str], off_configs: list[str]) 
             add("random c=1: output tok/s / llama.cpp's >= 1.5", vs["output_throughput"], TARGET_C1_TOKENS_RATIO, True)
             add("random c=1: ITL p50 / llama.cpp's <= 0.7", vs["itl_p50"], TARGET_C1_ITL_RATIO, False)
             add("random c=1: TTFT p50 / llama.cpp's <= 1.0", vs["ttft_p50"], TARGET_C1_TTFT_RATIO, False)
+            for name in off_configs:
+                off_vs = row["servers"].get(name, {}).get(f"vs_{LLAMA}")
+                if off_vs is not None:
+                    add(
+                        f"random c=1, `{name}`: output tok/s / llama.cpp's >= 1.0",
+                        off_vs["output_throughput"],
+                        TARGET_OFF_C1_TOKENS_RATIO,
+                        True,
+                    )
         if vs is not None and wl == "random" and c in TARGET_BATCH_LEVELS:
             add(
                 f"random c={c}: output tok/s / llama.cpp's >= 4, no failed request",
@@ -594,6 +624,25 @@ def check_targets(rows: list[dict], servers: list[str], off_configs: list[str]) 
     return out
 
 
+def check_server_targets(servers: dict[str, dict]) -> list[dict]:
+    """Memory and start-up of ringserve's defaults against llama.cpp's (issue 28's bounds)."""
+    ours, peer = servers.get(RINGSERVE, {}), servers.get(LLAMA, {})
+    pairs = [
+        ("RSS of all processes / llama.cpp's <= 1.5", "rss_mb", "rss", TARGET_RSS_RATIO),
+        ("time to healthy / llama.cpp's <= 2", "startup_s", None, TARGET_STARTUP_RATIO),
+    ]
+    out = []
+    for name, key, sub, bound in pairs:
+        a, b = ours.get(key), peer.get(key)
+        if a is None or b is None:
+            continue
+        a, b = (a[sub], b[sub]) if sub else (a, b)
+        value = a / b if b else None
+        met = value is not None and value <= bound
+        out.append({"target": name, "value": value, "bound": bound, "failed": 0, "met": met})
+    return out
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -619,6 +668,9 @@ def markdown(result: dict) -> str:
         ),
         "",
     ]
+    llama = result["servers"].get(LLAMA)
+    if llama is not None:
+        lines += [f"llama.cpp: {llama['version']}; built with {llama.get('build', 'unknown')}", ""]
     rows = []
     for row in result["summary"]:
         for name in servers:
@@ -853,7 +905,11 @@ def start_servers(args, llama_bin: str | None, result: dict) -> dict[str, object
             *shlex.split(args.llama_args),
         ]
         started[LLAMA] = LlamaServer(llama_bin, gguf, llama_args, args.out.with_name("peer_server_llama.log"))
-        result["servers"][LLAMA] = {"argv": started[LLAMA].argv, "version": llama_version(llama_bin)}
+        result["servers"][LLAMA] = {
+            "argv": started[LLAMA].argv,
+            "version": llama_version(llama_bin),
+            "build": llama_build(llama_bin),
+        }
     for i, (name, extra) in enumerate(args.ringserve_configs.items()):
         model = ["--model-path", args.gguf] if args.gguf and not args.null_model else []
         flags = [*(["--null-model"] if args.null_model else []), *model, *extra]
@@ -945,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
         names = list(servers)
         off = [n for n in names if OFF_ARGS in n]
         result["summary"] = summarize_rounds(result["rounds"], names)
-        result["targets"] = check_targets(result["summary"], names, off)
+        result["targets"] = check_targets(result["summary"], names, off) + check_server_targets(result["servers"])
         report.write_results("peer", result, markdown(result), started_at, out=args.out)
     print_summary(result)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")

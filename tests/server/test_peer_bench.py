@@ -147,6 +147,33 @@ def test_medians_ratios_and_targets():
     (spec_target,) = [t for k, t in targets.items() if k.startswith("repetitive")]
     assert spec_target["value"] == pytest.approx(1 / off_ratio) and not spec_target["met"]  # a text differed
     assert "random c=32" not in " ".join(targets)  # not measured: not checked
+    off_c1 = targets[f"random c=1, `{spec}`: output tok/s / llama.cpp's >= 1.0"]
+    assert off_c1["value"] == pytest.approx(1.5) and off_c1["met"]
+
+
+def test_memory_and_startup_against_llama_cpp():
+    servers = {
+        pb.LLAMA: {"rss_mb": {"rss": 1000.0, "peak": 1100.0}, "startup_s": 3.0},
+        pb.RINGSERVE: {"rss_mb": {"rss": 1600.0, "peak": 2000.0}, "startup_s": 5.0},
+    }
+    targets = {t["target"]: t for t in pb.check_server_targets(servers)}
+    rss = targets["RSS of all processes / llama.cpp's <= 1.5"]
+    assert rss["value"] == pytest.approx(1.6) and not rss["met"]
+    start = targets["time to healthy / llama.cpp's <= 2"]
+    assert start["value"] == pytest.approx(5 / 3) and start["met"]
+    assert pb.check_server_targets({pb.RINGSERVE: servers[pb.RINGSERVE]}) == []  # no peer: nothing to check
+
+
+def test_llama_build_reads_the_cmake_cache_of_the_binarys_build(tmp_path):
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.touch()
+    (tmp_path / "build" / "CMakeCache.txt").write_text(
+        "GGML_AVX2:BOOL=ON\nGGML_AMX_INT8:BOOL=OFF\nGGML_NATIVE:BOOL=OFF\n"
+        "CMAKE_BUILD_TYPE:STRING=Release\nOTHER:BOOL=ON\n"
+    )
+    assert pb.llama_build(str(binary)) == "CMAKE_BUILD_TYPE=Release GGML_AVX2=ON GGML_NATIVE=OFF"
+    assert pb.llama_build(str(tmp_path / "elsewhere")).startswith("unknown")
 
 
 def test_null_model_run_without_llama_cpp(tmp_path):
