@@ -330,17 +330,16 @@ def resolve_max_tokens(max_tokens: int | None, prompt_len: int, context_len: int
                 code="context_length_exceeded",
             )
         return room
-    if max_tokens > context_len:  # SGLang's chat words for a max_tokens no prompt leaves room for
-        raise bad_request(
+    if max_tokens > room:  # the words SGLang's clients look for (its releases have used both)
+        too_large = (
             f"max_completion_tokens is too large: {max_tokens} ({param}). This model supports at most "
-            f"{context_len} completion tokens.",
-            param,
-            code="context_length_exceeded",
+            f"{context_len} completion tokens. "
+            if max_tokens > context_len
+            else ""
         )
-    if max_tokens > room:  # the words SGLang's clients look for
         raise bad_request(
-            f"Requested token count exceeds the model's maximum context length of {context_len} tokens: "
-            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{too_large}Requested token count exceeds the model's maximum context length of {context_len} "
+            f"tokens: you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} for the completion). Reduce the prompt or {param}.",
             param,
             code="context_length_exceeded",

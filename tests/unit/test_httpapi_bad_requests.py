@@ -235,8 +235,8 @@ def test_context_overflows_say_what_sglangs_clients_look_for():
     """SGLang's clients (its own suite among them) match these words: a prompt that fills the
     context "is longer than the model's context length", a max_tokens past what is left is a
     "Requested token count [that] exceeds the model's maximum context length", and one past the
-    context itself "max_completion_tokens is too large"; all name their field and carry OpenAI's
-    code."""
+    context itself "max_completion_tokens is too large" as well (SGLang's releases have matched
+    either); all name their field and carry OpenAI's code."""
     req = parse_completion(completion(prompt=[1] * CONTEXT_LEN))
     with pytest.raises(APIError) as caught:
         req.sampling.resolve(req.prompts[0], CONTEXT_LEN, VOCAB_SIZE)
@@ -255,3 +255,4 @@ def test_context_overflows_say_what_sglangs_clients_look_for():
     err = caught.value
     assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
     assert err.message.startswith("max_completion_tokens is too large")
+    assert "Requested token count exceeds the model's maximum context length" in err.message
