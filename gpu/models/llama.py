@@ -62,9 +62,10 @@ def linear(
     return F.linear(x, w, bias)
 
 
-# Prompt-logprob positions per lm_head pass: bounds the float32 logits held at once ([rows, V]:
-# 200 MiB for a 49k vocabulary, 500 MiB for a 128k one).
-PROMPT_LOGITS_ROWS = 1024
+# Bytes of float32 logits ([rows, V]) one lm_head pass over prompt-logprob positions makes:
+# the positions per pass follow the vocabulary (682 for a 49k one, 128 for Gemma 3's 262k),
+# so a large vocabulary's passes do not hold gigabytes at once.
+PROMPT_LOGITS_BYTES = 128 << 20
 
 
 # How a head's rotary pairs lie: "halves", dims (j, j + D/2) (transformers' rotate-half,
@@ -428,11 +429,12 @@ class LlamaForCausalLM:
         `index` [N], gathered at `targets` [N] (the token each predicts): (logprobs [N] float32,
         ranks [N] int64: 1 + the tokens likelier than the target, top ids [N, top_k] int64,
         top logprobs [N, top_k] float32). A long prompt's positions go through lm_head
-        PROMPT_LOGITS_ROWS at a time, so its [N, V] logits are never held at once."""
+        PROMPT_LOGITS_BYTES of logits at a time, so its [N, V] logits are never held at once."""
         parts = []
-        for a in range(0, len(index), PROMPT_LOGITS_ROWS):
-            logprobs = torch.log_softmax(self.logits(x, residual, index[a : a + PROMPT_LOGITS_ROWS]), dim=-1)
-            target = targets[a : a + PROMPT_LOGITS_ROWS, None]
+        rows = max(1, PROMPT_LOGITS_BYTES // (4 * self.cfg.vocab_size))
+        for a in range(0, len(index), rows):
+            logprobs = torch.log_softmax(self.logits(x, residual, index[a : a + rows]), dim=-1)
+            target = targets[a : a + rows, None]
             chosen = logprobs.gather(1, target)
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top_lps, top_ids = logprobs.topk(top_k, dim=1) if top_k else (logprobs[:, :0], target[:, :0])

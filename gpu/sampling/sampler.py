@@ -78,10 +78,11 @@ class Sampler:
         self.budgeted = np.zeros(R, bool)
         self.thinking: list[ThinkingBudget | None] = [None] * R
         self._dirty = np.zeros(R, bool)
+        # penalties: each penalized row's tokens (a table of [R, V] counts would hold rows x
+        # vocabulary bytes whether or not any row is penalized: 335 MB for Gemma 3's at 256 rows)
+        self.history: list[TokenHistory | None] = [None] * R
         # device state
         self.params_t = torch.zeros(R, 7, dtype=torch.float32, device=device)
-        self.output_counts = torch.zeros(R, vocab_size, dtype=torch.int32, device=device)  # [R, V]
-        self.prompt_seen = torch.zeros(R, vocab_size, dtype=torch.bool, device=device)  # [R, V]
         # ids masked until min_tokens, padded with V (a dummy column past the vocabulary)
         self.stop_ids = torch.full(
             (R, MAX_STOP_TOKEN_IDS + len(eos_token_ids)), vocab_size, dtype=torch.int64, device=device
@@ -136,13 +137,7 @@ class Sampler:
                 params.thinking_budget, params.think_start_ids, params.think_end_ids, output_ids.tolist()
             )
         self._dirty[row] = True
-        self.output_counts[row].zero_()
-        if len(output_ids):
-            out_ids = torch.from_numpy(np.asarray(output_ids, np.int64)).to(self.device)
-            self.output_counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
-        self.prompt_seen[row].zero_()
-        if self.penalized[row] and len(prompt_ids):
-            self.prompt_seen[row, torch.from_numpy(np.asarray(prompt_ids, np.int64)).to(self.device)] = True
+        self.history[row] = TokenHistory(prompt_ids, output_ids, self.device) if params.penalized else None
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         self.stop_ids[row].fill_(self.V)
         if stops:
@@ -155,6 +150,7 @@ class Sampler:
         self.bias_len[row], self.bias[row] = 0, None
         self.restricted[row], self.allowed[row] = False, None
         self.budgeted[row], self.thinking[row] = False, None
+        self.history[row] = None
 
     def sample(self, logits: torch.Tensor, rows: np.ndarray, mask: TokenMask | None = None) -> SampleResult:
         """logits: float32 [S, V] of the rows `rows` (int64 [S]), modified in place; records the
@@ -188,10 +184,10 @@ class Sampler:
             idx = self._t(pos)
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
-        penalized = self.penalized[rows]
-        if penalized.any():
-            idx = self._t(np.flatnonzero(penalized))
-            logits[idx] = self.apply_penalties(logits[idx], rows_t[idx])
+        penalized = np.flatnonzero(self.penalized[rows])
+        if len(penalized):
+            idx = self._t(penalized)
+            logits[idx] = self.apply_penalties(logits[idx], rows[penalized])
 
         if mask is not None:
             apply_token_mask(logits, mask)
@@ -214,10 +210,10 @@ class Sampler:
             idx = self._t(np.flatnonzero(~greedy))
             tokens[idx] = self._sample_random(_take(logits, ~greedy, idx), rows[~greedy], rows_t[idx])
 
-        self.output_counts.index_put_(
-            (rows_t, tokens), torch.ones(S, dtype=torch.int32, device=self.device), accumulate=True
-        )
         self.num_generated[rows] += 1
+        if len(penalized):
+            for i, token in zip(penalized.tolist(), tokens[self._t(penalized)].tolist()):
+                self.history[rows[i]].append(token)  # type: ignore[union-attr]
         if len(budgeted):
             chosen_ids = tokens[self._t(budgeted)].tolist()
             for i, token in zip(budgeted.tolist(), chosen_ids):
@@ -252,13 +248,24 @@ class Sampler:
         values = torch.cat([b[1] for b in biases]).to(logits.dtype)
         logits.index_put_((at, ids), values, accumulate=True)  # a token named twice gets both
 
-    def apply_penalties(self, logits: torch.Tensor, rows_t: torch.Tensor) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """OpenAI/vLLM: repetition divides positive / multiplies negative logits of tokens seen in
-        prompt or output; frequency subtracts penalty * output count, presence penalty * (count > 0)."""
-        p = self.params_t[rows_t]  # [P, 7]
-        counts = self.output_counts[rows_t]  # [P, V]
+        prompt or output; frequency subtracts penalty * output count, presence penalty * (count > 0).
+        logits: [P, V] of the penalized sampler rows `rows` (int64 [P])."""
+        histories: list[TokenHistory] = [self.history[r] for r in rows.tolist()]  # type: ignore[misc]
+        P = len(rows)
+        # the counts and the prompt's tokens of this step's rows only, scattered from their histories
+        counts = torch.zeros(P, self.V, dtype=torch.int32, device=self.device)
+        outputs = [h.output_ids for h in histories]
+        at = self._t(np.repeat(np.arange(P), [len(o) for o in outputs]))
+        counts.index_put_(
+            (at, self._t(np.concatenate(outputs))), torch.ones(len(at), dtype=torch.int32, device=self.device), True
+        )
         in_output = counts > 0
-        seen = in_output | self.prompt_seen[rows_t]
+        seen = in_output.clone()
+        at = self._t(np.repeat(np.arange(P), [len(h.prompt_ids) for h in histories]))
+        seen[at, torch.cat([h.prompt_ids for h in histories])] = True
+        p = self.params_t[self._t(rows)]  # [P, 7]
         rep = p[:, _REP, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - p[:, _FREQ, None] * counts - p[:, _PRES, None] * in_output
@@ -330,6 +337,27 @@ class Sampler:
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device)
+
+
+class TokenHistory:
+    """A penalized request's tokens: its prompt's distinct ids (on the device) and the ids it
+    generated so far (on the host, appended each step), from which a step counts them."""
+
+    def __init__(self, prompt_ids: np.ndarray, output_ids: np.ndarray, device: torch.device) -> None:
+        self.prompt_ids = torch.from_numpy(np.unique(np.asarray(prompt_ids, np.int64))).to(device)
+        self._output = np.zeros(max(16, 2 * len(output_ids)), np.int64)
+        self._output[: len(output_ids)] = output_ids
+        self._n = len(output_ids)
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self._output[: self._n]
+
+    def append(self, token: int) -> None:
+        if self._n == len(self._output):  # doubling: amortised O(1) a token
+            self._output = np.concatenate([self._output, np.zeros_like(self._output)])
+        self._output[self._n] = token
+        self._n += 1
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:

@@ -84,6 +84,18 @@ def test_chunked_prompt_matches_transformers(engine, reference):
     check(out, reference(out.prompt_token_ids), 0, TOP_K)
 
 
+def test_lm_head_passes_smaller_than_a_chunk_change_nothing(engine, reference, monkeypatch):
+    """A vocabulary large enough that one lm_head pass takes fewer positions than a chunk
+    holds (Gemma 3's 262k: 128): a chunk's positions over several passes give the same values."""
+    import gpu.models.llama
+
+    vocab = engine.scheduler.vocab_size
+    monkeypatch.setattr(gpu.models.llama, "PROMPT_LOGITS_BYTES", 5 * 4 * vocab)  # 5 positions a pass
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=TOP_K)
+    (out,) = engine.generate(LONG, params)
+    check(out, reference(out.prompt_token_ids), 0, TOP_K)
+
+
 def test_cached_prefix_is_recomputed(engine, reference):
     engine.flush_cache()
     plain = SamplingParams(temperature=0.0, max_new_tokens=1)

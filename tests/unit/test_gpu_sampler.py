@@ -168,7 +168,7 @@ def test_penalties_follow_openai_vllm_semantics():
     )
     sampler.sample(torch.zeros(1, V), np.array([5]))  # sync parameters via an unrelated row
     logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, -1.0, 0.5, 0.0, 0.0]])
-    got = sampler.apply_penalties(logits.clone(), torch.tensor([0]))[0]
+    got = sampler.apply_penalties(logits.clone(), np.array([0]))[0]
     want = logits[0].clone()
     want[1] = 2.0 / 2  # prompt token, positive: divided
     want[2] = -2.0 * 2 - 0.5 * 1 - 0.25  # prompt + output once, negative: multiplied, then freq + presence
@@ -395,3 +395,31 @@ def test_token_mask_applies_to_its_rows_only_after_bias_and_penalties():
         assert got[0, 2] == logits[0, 2] and got[0, 35] == logits[0, 35]
     # the bias (+100 on 33) cannot take a token the grammar forbids
     assert sampler.sample(logits[:1].clone(), np.array([0]), TokenMask(bitmask, np.array([0]))).tokens.item() in (2, 35)
+
+
+def held_bytes(sampler: Sampler) -> int:
+    """The bytes of every array the sampler holds, in its attributes and their lists."""
+    total = 0
+    for value in vars(sampler).values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, np.ndarray):
+                total += item.nbytes
+            elif isinstance(item, torch.Tensor):
+                total += item.untyped_storage().nbytes()
+    return total
+
+
+def test_state_does_not_scale_with_rows_times_vocabulary():
+    """256 rows of Gemma 3's 262k vocabulary held 335 MB of penalty counts whether or not any
+    row was penalized: the sampler's state is the same bytes for a 262k vocabulary as for 8,
+    penalized rows included (they hold their tokens, not a row of the vocabulary)."""
+    prompt, output = np.arange(100, dtype=np.int32) % V, np.array([3, 5, 5], np.int32)
+    sizes = []
+    for vocab in (V, 262_144):
+        sampler = Sampler(256, vocab, (EOS,), CPU)
+        for row in range(0, 256, 2):
+            sampler.set_request(row, SamplingParams(presence_penalty=0.5), prompt, output)
+        sampler.sample(torch.zeros(128, vocab), np.arange(0, 256, 2))
+        sizes.append(held_bytes(sampler))
+    assert sizes[0] == sizes[1]
+    assert sizes[1] < 1 << 20
