@@ -11,7 +11,7 @@ import orjson
 import regex
 
 from httpapi.errors import APIError, bad_request
-from httpapi.fields import Fields, load_object
+from httpapi.fields import Fields, ParseMemo, load_object
 from httpapi.grammar_fields import read_grammar
 from httpapi.request_fields import (
     MAX_CHOICES,
@@ -30,6 +30,7 @@ from httpapi.request_fields import (
     shown,
 )
 from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_logprob_token_ids, read_sampling
+from protocol.request_records import MEMO_BYTES
 from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
 REFUSED_CHAT = {k: why for k, why in REFUSED_OPENAI.items() if k != "thinking_token_budget"}  # served here
@@ -114,6 +115,16 @@ class ChatCompletionRequest:
     thinking_budget: int = -1  # vLLM's thinking_token_budget: reasoning tokens at most (-1: no bound)
     stop_regex: tuple[regex.Pattern, ...] = ()  # SGLang's: a choice stops where one matches its text
 
+    def with_messages(
+        self, messages: list[dict[str, Any]], template: ChatTemplateArgs | None, echo: str
+    ) -> ChatCompletionRequest:
+        """This request with a request's own messages and what they decide: a copy of its
+        __dict__, which dataclasses.replace() would make through the frozen __init__, one
+        object.__setattr__ call for each of its ~20 fields, on every request."""
+        request = object.__new__(ChatCompletionRequest)
+        request.__dict__.update(self.__dict__, messages=messages, template=template, echo=echo)
+        return request
+
 
 def parse_chat_completion(body: bytes) -> ChatCompletionRequest:
     return chat_request_of(load_object(body))
@@ -148,8 +159,26 @@ def parse_batch_chat_completion(body: bytes) -> list[ChatCompletionRequest]:
 
 def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     f = Fields(obj)
-    model = f.get_str("model")
     messages, rich = read_messages(f.raw("messages"))
+    settings = _CHAT_SETTINGS({k: v for k, v in obj.items() if k != "messages"})
+    template = template_for_messages(settings.request.template, messages, rich)
+    echo = echoed_text(settings.echo, messages, template)
+    return settings.request.with_messages(messages, template, echo)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What a chat request asks besides its messages: a function of its other fields alone,
+    so requests that send the same settings share one (_CHAT_SETTINGS keeps them)."""
+
+    request: ChatCompletionRequest  # no messages; the template its fields ask (None: plain); no echo
+    echo: bool  # vLLM's echo asked (its text is the final message's)
+
+
+def chat_settings(obj: dict[str, Any]) -> ChatSettings:
+    """The settings of a chat request's fields but `messages` (which `obj` does not hold)."""
+    f = Fields(obj)
+    model = f.get_str("model")
     stream, include_usage, continuous_usage = read_stream(f)
     n = read_n(f, prompts=1)
     max_completion_tokens = f.get_int("max_completion_tokens")  # OpenAI's newer name wins
@@ -158,7 +187,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     if max_completion_tokens is not None:
         max_tokens = max_completion_tokens
     tools, tool_choice = read_tools(f)
-    template = read_template_args(f, messages, tools, rich)
+    template = read_template_args(f, tools)
     names = {"max_tokens": max_tokens_param}
     parallel_tool_calls = f.get_bool("parallel_tool_calls", True)
     return_token_ids = f.get_bool("return_token_ids", False)
@@ -177,7 +206,7 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     sglang_no_stop_trim(f, values)
     request_id = read_request_id(f)
     truncation = read_truncation(f)
-    echo = echoed_text(f.get_bool("echo", False), messages, template)
+    echo = f.get_bool("echo", False)
     include_reasoning = f.get_bool("include_reasoning", True)
     separate_reasoning = f.get_bool("separate_reasoning", True)
     thinking_budget = read_thinking_budget(f, names)
@@ -186,9 +215,9 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
     check_ignored(f)
     f.warn_unknown("/v1/chat/completions")
     sampling = SamplingSpec.build(values, max_tokens, names, "messages")
-    return ChatCompletionRequest(
+    request = ChatCompletionRequest(
         model,
-        messages,
+        [],
         template,
         n,
         stream,
@@ -203,11 +232,15 @@ def chat_request_of(obj: dict[str, Any]) -> ChatCompletionRequest:
         separate_reasoning,
         truncation,
         return_token_ids,
-        echo,
+        "",
         tokens_as_ids,
         thinking_budget,
         stop_regex,
     )
+    return ChatSettings(request, echo)
+
+
+_CHAT_SETTINGS = ParseMemo(chat_settings, MEMO_BYTES)
 
 
 def read_thinking_budget(f: Fields, names: dict[str, str]) -> int:
@@ -362,18 +395,13 @@ def forced_call_schema_of(tools: tuple[Tool, ...], choice: ToolChoice, parallel:
         raise bad_request(str(e), e.param) from None
 
 
-def read_template_args(
-    f: Fields, messages: list[dict[str, Any]], tools: tuple[Tool, ...], rich: bool
-) -> ChatTemplateArgs | None:
+def read_template_args(f: Fields, tools: tuple[Tool, ...]) -> ChatTemplateArgs | None:
+    """The chat template's arguments the fields ask for (None: none, the plain render unless the
+    messages need the template: template_for_messages decides)."""
     continue_final_message = f.get_bool("continue_final_message", False)
     # SGLang's: continuing the final message prefills the assistant's reply, whatever
     # add_generation_prompt says (its default is true; vLLM refuses the two together)
     add_generation_prompt = f.get_bool("add_generation_prompt", True) and not continue_final_message
-    if continue_final_message and messages[-1]["role"] != "assistant":
-        raise bad_request(
-            "continue_final_message needs the last message to be the assistant's, which it continues",
-            "continue_final_message",
-        )
     add_special_tokens = f.get_bool("add_special_tokens", False)
     documents = f.raw("documents")
     if documents is not None and not (
@@ -388,7 +416,7 @@ def read_template_args(
         kwargs.setdefault("reasoning_effort", effort)  # templates of reasoning models read it
     if documents and len(orjson.dumps(documents)) > MAX_TEMPLATE_KWARGS_BYTES:
         raise bad_request(f"documents must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON", "documents")
-    if not (rich or tools or documents or kwargs or not add_generation_prompt or add_special_tokens):
+    if not (tools or documents or kwargs or not add_generation_prompt or add_special_tokens):
         return None  # continue_final_message needs add_generation_prompt false: covered
     return ChatTemplateArgs(
         add_generation_prompt,
@@ -398,6 +426,21 @@ def read_template_args(
         kwargs,
         add_special_tokens,
     )
+
+
+def template_for_messages(
+    args: ChatTemplateArgs | None, messages: list[dict[str, Any]], rich: bool
+) -> ChatTemplateArgs | None:
+    """The template's arguments for these messages: read_template_args' `args`, or the defaults
+    where the messages need the template (`rich`: tool calls or answers); None: the plain render."""
+    if args is None:
+        return ChatTemplateArgs() if rich else None
+    if args.continue_final_message and messages[-1]["role"] != "assistant":
+        raise bad_request(
+            "continue_final_message needs the last message to be the assistant's, which it continues",
+            "continue_final_message",
+        )
+    return args
 
 
 def template_tools(tools: tuple[Tool, ...]) -> list[dict] | None:

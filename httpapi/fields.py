@@ -12,14 +12,15 @@ the OpenAPI document describes each body from that record."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Generic, TypeVar, overload
 
 import orjson
 
 from httpapi.errors import APIError, bad_request
+from protocol.memo import ByteLRU
 
 log = logging.getLogger("ringserve.httpapi")
 
@@ -179,7 +180,59 @@ class Fields:
         """Unknown fields are ignored, with a warning, as vLLM does (a null one: silently)."""
         unknown = [k for k, v in self.obj.items() if k not in self.read and v is not None]
         if unknown:
-            log.warning("%s: ignoring unknown fields %s", endpoint, [self.param(k) for k in unknown])
+            params = [self.param(k) for k in unknown]
+            held = _WARNINGS.get()
+            if held is not None:
+                held.append((endpoint, params))
+            _warn_unknown(endpoint, params)
+
+
+def _warn_unknown(endpoint: str, params: list[str]) -> None:
+    log.warning("%s: ignoring unknown fields %s", endpoint, params)
+
+
+T = TypeVar("T")
+# the warnings of the parse a ParseMemo runs: (endpoint, unknown params) per warn_unknown
+_WARNINGS: ContextVar[list[tuple[str, list[str]]] | None] = ContextVar("ringserve_parse_warnings", default=None)
+# a memo entry's cost per byte of its key: what a parse keeps (parsed tools, compiled stop_regex
+# patterns, grammar text) is a few times the JSON it came from
+PARSE_MEMO_COST_PER_KEY_BYTE = 8
+
+
+class ParseMemo(Generic[T]):
+    """`parse` (a JSON object -> what a request asks) kept by the object's JSON text: a parse
+    is a function of the fields it reads, and clients send a few distinct settings, so requests
+    that send the same are parsed once instead of in ~40 field reads each. What is kept must not
+    be changed by its users (they share it). The warnings of a parse (unknown fields) are kept
+    with it and logged again on every request that hits it, as a parse would; a parse that fails
+    keeps nothing (the next request parses again). Under a FieldLog (the OpenAPI document)
+    every call parses, so that its reads are recorded."""
+
+    def __init__(self, parse: Callable[[dict], T], max_bytes: int) -> None:
+        self.parse = parse
+        self._kept = ByteLRU(max_bytes)
+
+    def __call__(self, obj: dict) -> T:
+        if _FIELD_LOG.get() is not None:
+            return self.parse(obj)
+        try:
+            key = orjson.dumps(obj)
+        except orjson.JSONEncodeError:  # nested past orjson's depth for writing: parsed, not kept
+            return self.parse(obj)
+        hit = self._kept.get(key)
+        if hit is not None:
+            kept, kept_warnings = hit
+            for endpoint, params in kept_warnings:
+                _warn_unknown(endpoint, params)
+            return kept
+        warnings: list[tuple[str, list[str]]] = []
+        token = _WARNINGS.set(warnings)
+        try:
+            value = self.parse(obj)
+        finally:
+            _WARNINGS.reset(token)
+        self._kept.put(key, (value, warnings), PARSE_MEMO_COST_PER_KEY_BYTE * len(key))
+        return value
 
 
 def shown(value: Any) -> str:

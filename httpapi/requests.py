@@ -16,7 +16,13 @@ from typing import Any
 
 import regex
 
-from httpapi.chat_request import ChatTemplateArgs, read_messages, read_template_args, read_tools
+from httpapi.chat_request import (
+    ChatTemplateArgs,
+    read_messages,
+    read_template_args,
+    read_tools,
+    template_for_messages,
+)
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, load_object
 from httpapi.grammar_fields import SGLANG_GRAMMARS, one_grammar, read_grammar
@@ -346,7 +352,7 @@ def parse_tokenize(body: bytes) -> TokenizeRequest:
     if f.raw("messages") is not None:  # vLLM's chat fields of /tokenize: a chat completion's
         messages, rich = read_messages(f.raw("messages"))
         tools, _ = read_tools(f)
-        template = read_template_args(f, messages, tools, rich)
+        template = template_for_messages(read_template_args(f, tools), messages, rich)
         add_special_tokens = template.add_special_tokens if template is not None else False
     else:
         prompts, batch = read_prompts(f.raw("prompt"), "prompt", token_ids_allowed=False, empty_allowed=True)
