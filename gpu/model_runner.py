@@ -42,9 +42,10 @@ from gpu.sampling.sampler import Sampler
 from protocol.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = {
+KV_CACHE_DTYPES = {  # besides auto
+    "float32": torch.float32,
     "float16": torch.float16,
-    "bfloat16": torch.bfloat16,  # besides auto: the model's
+    "bfloat16": torch.bfloat16,
     "fp8_e5m2": torch.float8_e5m2,
 }
 # share of the device's memory that weights + KV cache may take when no size is given

@@ -93,10 +93,10 @@ class ServerArgs:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "the paged KV cache's element type: `float16` / `bfloat16`: half the bytes per token of fp32, so twice "
-        "the tokens in the same memory (K and V rounded to nearest even); `fp8_e5m2`: a quarter (lossy). "
+        "the paged KV cache's element type: `float32`; `float16` / `bfloat16`: half the bytes per token of fp32, "
+        "so twice the tokens in the same memory (K and V rounded to nearest even); `fp8_e5m2`: a quarter (lossy). "
         "CPU backends; on CUDA only the model's dtype",
-        choices=("auto", "float16", "bfloat16", "fp8_e5m2"),
+        choices=("auto", "float32", "float16", "bfloat16", "fp8_e5m2"),
         default_text="`auto`: the model's dtype",
     )
     grammar_backend: str = setting(
