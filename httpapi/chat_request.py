@@ -33,7 +33,9 @@ from httpapi.sampling import SamplingSpec, read_allowed_token_ids, read_logprob_
 from protocol.request_records import MEMO_BYTES
 from structured.tools import InvalidTool, Tool, ToolChoice, forced_call_schema, parse_tool_choice, parse_tools
 
-REFUSED_CHAT = {k: why for k, why in REFUSED_OPENAI.items() if k != "thinking_token_budget"}  # served here
+REFUSED_CHAT = {  # served here
+    k: why for k, why in REFUSED_OPENAI.items() if k not in ("thinking_token_budget", "kv_transfer_params")
+}
 # OpenAI's roles; vLLM passes any other role to the chat template, which renders it or refuses
 # it (a 400). Bounded to a name, so that a role cannot carry the template's own markup.
 CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
@@ -110,6 +112,9 @@ class ChatCompletionRequest:
     separate_reasoning: bool = True
     truncation: PromptTruncation | None = None  # vLLM's truncate_prompt_tokens
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
+    # vLLM's pre-tokenized prompt (prompt_token_ids, or kv_transfer_params'): used in place of the
+    # rendered messages
+    prompt_ids: tuple[int, ...] | None = None
     echo: str = ""  # vLLM's echo: the final message's content, which each choice's text then starts with
     tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
     thinking_budget: int = -1  # vLLM's thinking_token_budget: reasoning tokens at most (-1: no bound)
@@ -154,6 +159,8 @@ def parse_batch_chat_completion(body: bytes) -> list[ChatCompletionRequest]:
                 err.param = f"messages[{i}]" + err.param.removeprefix("messages")
                 err.message = f"messages[{i}]" + err.message.removeprefix("messages")
             raise
+    if requests[0].prompt_ids is not None:  # one prompt for every conversation would answer none of them
+        raise bad_request("prompt_token_ids is not served on /v1/chat/completions/batch", "prompt_token_ids")
     return requests
 
 
@@ -211,10 +218,11 @@ def chat_settings(obj: dict[str, Any]) -> ChatSettings:
     separate_reasoning = f.get_bool("separate_reasoning", True)
     thinking_budget = read_thinking_budget(f, names)
     stop_regex = read_stop_regex(f)
+    prompt_ids, prompt_param = read_pretokenized(f)
     refuse_unserved(f, REFUSED_CHAT)
     check_ignored(f)
     f.warn_unknown("/v1/chat/completions")
-    sampling = SamplingSpec.build(values, max_tokens, names, "messages")
+    sampling = SamplingSpec.build(values, max_tokens, names, prompt_param)
     request = ChatCompletionRequest(
         model,
         [],
@@ -232,6 +240,7 @@ def chat_settings(obj: dict[str, Any]) -> ChatSettings:
         separate_reasoning,
         truncation,
         return_token_ids,
+        prompt_ids,
         "",
         tokens_as_ids,
         thinking_budget,
@@ -241,6 +250,35 @@ def chat_settings(obj: dict[str, Any]) -> ChatSettings:
 
 
 _CHAT_SETTINGS = ParseMemo(chat_settings, MEMO_BYTES)
+
+
+def read_pretokenized(f: Fields) -> tuple[tuple[int, ...] | None, str]:
+    """vLLM's pre-tokenized chat prompt and the field that named it ("messages" when there is
+    none): a router, or disaggregated serving's decode stage, sends the ids it already has in
+    `prompt_token_ids`, or in the older `kv_transfer_params: {"prompt_token_ids"}`; the ids
+    are then the prompt, verbatim. kv_transfer_params' other keys ask for a KV transfer between
+    servers, which this one does not do."""
+    param, given = f.param("prompt_token_ids"), f.obj.get("prompt_token_ids") is not None
+    ids = f.get_token_ids("prompt_token_ids")
+    transfer = f.get_object("kv_transfer_params")
+    if transfer is not None:
+        for key in transfer.present(transfer.obj.keys() - {"prompt_token_ids"}):
+            if transfer.obj[key] is not None:
+                raise bad_request(
+                    f"{transfer.param(key)}: disaggregated serving (a KV transfer) is not supported; of "
+                    "kv_transfer_params only prompt_token_ids is served",
+                    f.param("kv_transfer_params"),
+                )
+        if transfer.obj.get("prompt_token_ids") is not None:
+            if given:
+                raise bad_request(f"give the prompt's ids once: {param} or kv_transfer_params", param)
+            param, given = transfer.param("prompt_token_ids"), True
+            ids = transfer.get_token_ids("prompt_token_ids")
+    if not given:
+        return None, "messages"
+    if not ids:
+        raise bad_request(f"{param} must not be empty", param)
+    return ids, param
 
 
 def read_thinking_budget(f: Fields, names: dict[str, str]) -> int:

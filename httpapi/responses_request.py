@@ -30,7 +30,14 @@ from httpapi.chat_request import (
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, load_object
 from httpapi.grammar_fields import json_schema_format, one_grammar, structured_outputs
-from httpapi.request_fields import check_ignored, ignored_fields, read_request_id, refuse_unserved, shown
+from httpapi.request_fields import (
+    REFUSED_OPENAI,
+    check_ignored,
+    ignored_fields,
+    read_request_id,
+    refuse_unserved,
+    shown,
+)
 from httpapi.responses import new_request_id
 from httpapi.sampling import SamplingSpec, read_sampling
 from protocol.sampling_params import GrammarKind
@@ -48,6 +55,7 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 # OpenAI's Responses fields this server does not serve: field -> why (refuse_unserved's table)
 REFUSED_RESPONSES = {
     **REFUSED_CHAT,
+    "kv_transfer_params": REFUSED_OPENAI["kv_transfer_params"],  # chat's pre-tokenized prompt has no twin here
     "stop_regex": "stop_regex is served on /v1/completions and /v1/chat/completions, not on /v1/responses",
     "conversation": "conversations are not supported: continue a stored response with previous_response_id",
     "prompt": "prompt templates are not supported: send input (and instructions)",

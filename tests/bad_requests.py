@@ -346,6 +346,32 @@ BAD_REQUESTS: list[BadRequest] = [
     _row("parallel_tool_calls is a string", CHAT, chat(parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
     _row("metadata is a list", COMPLETIONS, completion(metadata=["a"]), 400, "metadata"),
     # completions prompts
+    # vLLM's pre-tokenized chat prompt, in its two spellings
+    _row("prompt_token_ids empty", CHAT, chat(prompt_token_ids=[]), 400, "prompt_token_ids"),
+    _row("prompt_token_ids not ids", CHAT, chat(prompt_token_ids=[1, "a"]), 400, "prompt_token_ids"),
+    _row("prompt_token_ids past the vocabulary", CHAT, chat(prompt_token_ids=[1, 60000]), 400, "prompt_token_ids"),
+    _row("prompt_token_ids fill the context", CHAT, chat(prompt_token_ids=[1] * CONTEXT_LEN), 400, "prompt_token_ids"),
+    _row(
+        "prompt ids in both spellings",
+        CHAT,
+        chat(prompt_token_ids=[1], kv_transfer_params={"prompt_token_ids": [1]}),
+        400,
+        "prompt_token_ids",
+    ),
+    _row(
+        "kv_transfer_params asks for a transfer",
+        CHAT,
+        chat(kv_transfer_params={"do_remote_prefill": True, "prompt_token_ids": [1]}),
+        400,
+        "kv_transfer_params",
+    ),
+    _row(
+        "kv_transfer_params' ids past the vocabulary",
+        CHAT,
+        chat(kv_transfer_params={"prompt_token_ids": [60000]}),
+        400,
+        "kv_transfer_params.prompt_token_ids",
+    ),
     _row("prompt missing", COMPLETIONS, completion(prompt=None), 400, "prompt"),
     _row("prompt empty", COMPLETIONS, completion(prompt=""), 400, "prompt"),
     _row("prompt empty list", COMPLETIONS, completion(prompt=[]), 400, "prompt"),

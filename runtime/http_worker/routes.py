@@ -124,7 +124,7 @@ async def chat_completions(worker, request: Request) -> Reply:
     req = parse_chat_completion(await read_body(request))
     lora = check_model(req.model, worker.served_names, worker.adapters)
     await worker.grammar_checks.check([req.sampling])
-    ids = await worker.tm.chat_ids(req.messages, req.template)
+    ids = list(req.prompt_ids) if req.prompt_ids is not None else await worker.tm.chat_ids(req.messages, req.template)
     if req.truncation is not None:
         ids = req.truncation.apply(ids, worker.model.context_length)
     params = worker.sampling_params(req.sampling, ids, lora)

@@ -230,6 +230,14 @@ CHAT_ONLY = [
         None,
     ),
     ("messages", "served", HI, "rendered by the chat template", None, None),
+    (
+        "prompt_token_ids",
+        "served",
+        [1, 2, 3],
+        "vLLM's pre-tokenized prompt: the ids, verbatim, in place of the rendered messages",
+        lambda r: r[0].prompt_ids == (1, 2, 3),
+        None,
+    ),
     ("logprobs", "served", True, "SamplingParams.logprobs", p(logprobs=True), None),
     ("top_logprobs", "served", 2, "SamplingParams.top_logprobs", p(top_logprobs=2), {"logprobs": True}),
     (

@@ -67,6 +67,19 @@ def stop_word(want) -> str:
     return want["completions"][0].text.split()[1]  # the second word: it ends the text early
 
 
+def pretokenized_chats(client, chat: dict) -> list[tuple[list[int], object, list]]:
+    """vLLM's pre-tokenized chat: the chat's prompt ids sent with other messages, in vLLM's two
+    spellings, whole and streamed."""
+    ids = client.chat.completions.create(extra_body={"return_token_ids": True}, **chat).model_extra["prompt_token_ids"]
+    other = {**chat, "messages": [{"role": "user", "content": "unrelated text"}]}
+    answers = []
+    for spelling in ({"prompt_token_ids": ids}, {"kv_transfer_params": {"prompt_token_ids": ids}}):
+        extra = {**spelling, "return_token_ids": True}
+        whole = client.chat.completions.create(extra_body=extra, **other)
+        answers.append((ids, whole, list(client.chat.completions.create(stream=True, extra_body=extra, **other))))
+    return answers
+
+
 @pytest.fixture(scope="module")
 def got(server, client, want):
     """Every output test's requests, sent at once so that the scheduler runs them as one batch."""
@@ -105,6 +118,7 @@ def got(server, client, want):
         "chat_token_ids_stream": lambda: list(
             client.chat.completions.create(stream=True, extra_body={"return_token_ids": True}, **chat)
         ),
+        "chat_pretokenized": lambda: pretokenized_chats(client, chat),
         "chat_echo": lambda: [
             (list if stream else lambda r: r)(
                 client.chat.completions.create(
@@ -255,6 +269,16 @@ def test_return_token_ids(got, want, tokenizer):
     assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
     ids = [t for c in stream if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
     assert ids == want["chat"].token_ids
+
+
+def test_pretokenized_chat_uses_the_ids_not_the_messages(got, want):
+    """vLLM's prompt_token_ids (and kv_transfer_params' older spelling): the ids are the prompt,
+    verbatim; the request's own messages are not rendered."""
+    for ids, whole, stream in got["chat_pretokenized"]:
+        assert whole.model_extra["prompt_token_ids"] == ids and whole.usage.prompt_tokens == len(ids)
+        assert whole.choices[0].message.content == want["chat"].text
+        assert stream[0].model_extra["prompt_token_ids"] == ids
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want["chat"].text
 
 
 def test_chat_echo(got):

@@ -28,7 +28,9 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
         check_model(req.model, (MODEL,))
         req.sampling.check_grammar("xgrammar", False)
         template = req.template.call_kwargs() if req.template is not None else {"add_generation_prompt": True}
-        ids = tokenizer.apply_chat_template(req.messages, tokenize=True, return_dict=False, **template)
+        ids = req.prompt_ids  # vLLM's pre-tokenized prompt, else the rendered messages
+        if ids is None:
+            ids = tokenizer.apply_chat_template(req.messages, tokenize=True, return_dict=False, **template)
         req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
     elif path in ("/v1/completions", "/generate"):
         req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
