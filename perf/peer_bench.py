@@ -11,6 +11,8 @@ Servers:
               that holds the workloads' requests)
   ringserve   `python -m runtime serve` with its defaults (no mode flags)
   ringserve + each --ringserve-args configuration (default: speculation off)
+  ringserve @ each --ringserve-tree: the defaults of another code tree (a git worktree of an
+              earlier commit: what a change of the code did, measured beside it)
 
 Every request is a streamed /v1/completions with `ignore_eos`, temperature 0, `logprobs: 1`
 and `stream_options.include_usage`, on both servers. Workloads:
@@ -38,6 +40,10 @@ A token whose text ends inside a UTF-8 character gets no chunk of its own on lla
 logprobs are lost from the stream): such tokens are reported as `uncounted_tokens`, and the
 gap they spanned counts as one token's.
 
+Memory: the resident MB (VmRSS) of each process of every server, by role, at three times:
+healthy (before any request), end (after the last round) and idle (--idle-s later, the
+servers idle: after the scheduler's trim of its heap), and each tree's peak (VmHWM).
+
 Per workload and server: medians over the rounds; ratios ringserve / llama.cpp (and each
 extra configuration / the defaults) are medians of the rounds' ratios; the targets (TARGET_*)
 are checked for ringserve's defaults (n-gram speculation on), the speculation target against
@@ -46,6 +52,9 @@ each configuration with `--speculative-algorithm none`.
     python -m perf.peer_bench --llama-server /path/to/llama-server      # default sizes: ~29 min, quiet
     python -m perf.peer_bench --rounds 3 --ringserve-args "--stream-interval 4"   # another extra configuration
     python -m perf.peer_bench --null-model --workloads random --concurrency 1 --num-requests 4   # smoke
+    git worktree add /tmp/before HEAD~2
+    python -m perf.peer_bench --ringserve-tree /tmp/before --ringserve-args "--kv-cache-dtype float32" \
+        --workloads random --concurrency 1,32                       # memory and speed: this tree vs before
 Writes perf/results/peer.json and peer.md (perf/report.py), each server's log beside them
 (not committed).
 """
@@ -296,6 +305,23 @@ class LlamaServer:
         }
 
 
+def process_role(server, pid: int) -> str:
+    """What the process `pid` of `server`'s tree is: llama-server, or ringserve's role."""
+    if isinstance(server, LlamaServer):
+        return "llama-server"
+    return sb.role_of(sb.proc_title(pid), pid, server.proc.pid)
+
+
+def rss_by_role(server) -> dict[str, float]:
+    """Resident MB (VmRSS) of each live process of `server`'s tree, by role, and their total."""
+    out: dict[str, float] = {}
+    for pid in server.cpu_ticks():
+        role = process_role(server, pid)
+        out[role] = round(out.get(role, 0.0) + tree_rss_mb({pid: 0})["rss"], 1)
+    out["total"] = round(sum(out.values()), 1)
+    return out
+
+
 def tree_rss_mb(pids: dict[int, int]) -> dict[str, float]:
     """Resident and peak-resident MB (VmRSS, VmHWM) of a server's processes, summed: what the
     server holds after the rounds, every process counted (shared pages once per process)."""
@@ -319,6 +345,11 @@ def llama_version(binary: str) -> str:
     return " ".join((proc.stdout + proc.stderr).split())[:200]
 
 
+OTHER_BACKENDS = re.compile(
+    r"GGML_(CUDA|HIP|OPENCL|SYCL|WEBGPU|VULKAN|METAL|MUSA|CANN|RPC|RV|LASX|LSX|ACCELERATE|CCACHE)"
+)
+
+
 def llama_build(binary: str) -> str:
     """The CMake options llama.cpp was built with (the GGML_* switches that pick its CPU
     kernels, and the build type), read from the CMakeCache.txt of the build folder the binary
@@ -331,8 +362,13 @@ def llama_build(binary: str) -> str:
         return "unknown (no CMakeCache.txt above the binary)"
     entry = re.compile(r"^(GGML_[A-Z0-9_]+|CMAKE_BUILD_TYPE):[A-Z]+=(.*)$")
     values = dict(m.groups() for line in cache.read_text().splitlines() if (m := entry.match(line)))
-    # Which switches are on says which kernels it has; GGML_NATIVE off says the list is the whole story.
-    shown = {k: v for k, v in values.items() if v == "ON" or k in ("GGML_NATIVE", "CMAKE_BUILD_TYPE")}
+    # Which CPU switches are on says which kernels it has (GGML_NATIVE off: the list is the whole
+    # story); other backends' and architectures' switches change nothing on this CPU.
+    shown = {
+        k: v
+        for k, v in values.items()
+        if (v == "ON" and not OTHER_BACKENDS.match(k)) or k in ("GGML_NATIVE", "CMAKE_BUILD_TYPE") or "_AMX" in k
+    }
     return " ".join(f"{k}={v}" for k, v in sorted(shown.items())) or "unknown (no GGML_ options)"
 
 
@@ -668,6 +704,9 @@ def markdown(result: dict) -> str:
         ),
         "",
     ]
+    memory = rss_table(result["servers"])
+    if memory:
+        lines += ["Resident MB by process (VmRSS): healthy, after the rounds (end), idle after them:", "", memory, ""]
     llama = result["servers"].get(LLAMA)
     if llama is not None:
         lines += [f"llama.cpp: {llama['version']}; built with {llama.get('build', 'unknown')}", ""]
@@ -780,6 +819,19 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def rss_table(servers: dict[str, dict]) -> str:
+    """Each server's resident MB by role at each time it was read, a row a server and time."""
+    phases = {name: s["rss_by_role_mb"] for name, s in servers.items() if "rss_by_role_mb" in s}
+    roles = list(dict.fromkeys(role for by in phases.values() for roles in by.values() for role in roles))
+    roles = [r for r in roles if r != "total"] + ["total"]
+    rows = [
+        (name, phase, *(report.fmt(by_role.get(role), ".0f") for role in roles))
+        for name, by in phases.items()
+        for phase, by_role in by.items()
+    ]
+    return report.table(("server", "time", *roles), rows) if rows else ""
+
+
 def print_summary(result: dict) -> None:
     for row in result["summary"]:
         for name, s in row["servers"].items():
@@ -818,6 +870,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"one more ringserve configuration (serve flags, one string; repeatable; default {OFF_ARGS!r}; "
         f"'' for none)",
     )
+    ap.add_argument(
+        "--ringserve-tree",
+        action="append",
+        default=[],
+        type=Path,
+        help="one more ringserve server, with its defaults, run from this code tree (repeatable)",
+    )
+    ap.add_argument("--idle-s", type=float, default=5.0, help="seconds idle after the rounds before the last RSS read")
     ap.add_argument("--null-model", action="store_true", help="ringserve servers on the null model (a smoke run)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     ap.add_argument("--rounds", type=int, default=2)
@@ -863,8 +923,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.llama_slot_context is None:
         args.llama_slot_context = slot_context(args)
     extra = [OFF_ARGS] if args.ringserve_args is None else [a for a in args.ringserve_args if a.strip()]
-    args.ringserve_configs = {RINGSERVE: [], **{f"{RINGSERVE} {a}": shlex.split(a) for a in extra}}
+    # name -> (serve flags, code tree: None for this one)
+    args.ringserve_configs = {
+        RINGSERVE: ([], None),
+        **{f"{RINGSERVE} {a}": (shlex.split(a), None) for a in extra},
+        **{f"{RINGSERVE} @{tree_name(t)}": ([], t) for t in args.ringserve_tree},
+    }
     return args
+
+
+def tree_name(tree: Path) -> str:
+    """A code tree's commit (short hash), else its path."""
+    proc = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else str(tree)
 
 
 def slot_context(args: argparse.Namespace) -> int:
@@ -910,11 +981,13 @@ def start_servers(args, llama_bin: str | None, result: dict) -> dict[str, object
             "version": llama_version(llama_bin),
             "build": llama_build(llama_bin),
         }
-    for i, (name, extra) in enumerate(args.ringserve_configs.items()):
+    for i, (name, (extra, tree)) in enumerate(args.ringserve_configs.items()):
         model = ["--model-path", args.gguf] if args.gguf and not args.null_model else []
         flags = [*(["--null-model"] if args.null_model else []), *model, *extra]
-        started[name] = sb.Server(flags, args.out.with_name(f"peer_server_ringserve{i}.log"))
+        started[name] = sb.Server(flags, args.out.with_name(f"peer_server_ringserve{i}.log"), tree)
         result["servers"][name] = {"argv": ["python", *started[name].argv[1:]]}
+        if tree is not None:
+            result["servers"][name]["tree"] = str(tree)
     up = {}
     try:
         for name, server in started.items():
@@ -975,6 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["llama_cpp"]["binary"] = llama_bin
     servers = start_servers(args, llama_bin, result)
+    for name, server in servers.items():
+        result["servers"][name]["rss_by_role_mb"] = {"healthy": rss_by_role(server)}
     bench = None
     try:
         tokenizer = sb.load_tokenizer(None if args.null_model else args.gguf)
@@ -997,6 +1072,12 @@ def main(argv: list[str] | None = None) -> int:
             bench.loop.close()
         for name, server in servers.items():
             result["servers"][name]["rss_mb"] = tree_rss_mb(server.cpu_ticks())
+            result["servers"][name]["rss_by_role_mb"]["end"] = rss_by_role(server)
+        if result["complete"] and args.idle_s > 0:
+            time.sleep(args.idle_s)
+            for name, server in servers.items():
+                result["servers"][name]["rss_by_role_mb"]["idle"] = rss_by_role(server)
+        for name, server in servers.items():
             result["leftovers"][name] = server.stop()
         names = list(servers)
         off = [n for n in names if OFF_ARGS in n]

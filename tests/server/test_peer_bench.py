@@ -169,10 +169,11 @@ def test_llama_build_reads_the_cmake_cache_of_the_binarys_build(tmp_path):
     binary.parent.mkdir(parents=True)
     binary.touch()
     (tmp_path / "build" / "CMakeCache.txt").write_text(
-        "GGML_AVX2:BOOL=ON\nGGML_AMX_INT8:BOOL=OFF\nGGML_NATIVE:BOOL=OFF\n"
-        "CMAKE_BUILD_TYPE:STRING=Release\nOTHER:BOOL=ON\n"
+        "GGML_AVX2:BOOL=ON\nGGML_AMX_INT8:BOOL=OFF\nGGML_NATIVE:BOOL=OFF\nGGML_F16C:BOOL=OFF\n"
+        "GGML_CUDA_GRAPHS:BOOL=ON\nCMAKE_BUILD_TYPE:STRING=Release\nOTHER:BOOL=ON\n"
     )
-    assert pb.llama_build(str(binary)) == "CMAKE_BUILD_TYPE=Release GGML_AVX2=ON GGML_NATIVE=OFF"
+    want = "CMAKE_BUILD_TYPE=Release GGML_AMX_INT8=OFF GGML_AVX2=ON GGML_NATIVE=OFF"  # no other backend's
+    assert pb.llama_build(str(binary)) == want
     assert pb.llama_build(str(tmp_path / "elsewhere")).startswith("unknown")
 
 
@@ -189,6 +190,10 @@ def test_null_model_run_without_llama_cpp(tmp_path):
             str(absent),
             "--ringserve-args",
             "",
+            "--ringserve-tree",
+            str(ROOT),
+            "--idle-s",
+            "1",
             "--rounds",
             "2",
             "--concurrency",
@@ -236,7 +241,15 @@ def test_null_model_run_without_llama_cpp(tmp_path):
     result = json.loads(out.read_text())
     assert result["complete"] and result["rounds_run"] == 2
     assert result["llama_cpp"]["skipped"].startswith("no llama-server at")
-    assert list(result["servers"]) == [pb.RINGSERVE] and "--null-model" in result["servers"][pb.RINGSERVE]["argv"]
+    tree = f"{pb.RINGSERVE} @{pb.tree_name(ROOT)}"
+    assert list(result["servers"]) == [pb.RINGSERVE, tree] and result["servers"][tree]["tree"] == str(ROOT)
+    assert all("--null-model" in s["argv"] for s in result["servers"].values())
+    for s in result["servers"].values():  # each process's RSS, at each time
+        by_time = s["rss_by_role_mb"]
+        assert list(by_time) == ["healthy", "end", "idle"]
+        for by_role in by_time.values():
+            assert {"granian main", "http worker", "ringserve::scheduler", "ringserve::detokenizer"} <= set(by_role)
+            assert by_role["total"] == pytest.approx(sum(v for k, v in by_role.items() if k != "total"), abs=0.5)
     expected = {("random", 1): 6, ("random", 4): 12, ("shared_prefix", 3): 12, ("multi_turn", 2): 12}
     expected[("repetitive", 1)] = 4
     assert {(r["workload"], r["concurrency"]): r["servers"][pb.RINGSERVE]["requests"] for r in result["summary"]} == (
@@ -254,4 +267,5 @@ def test_null_model_run_without_llama_cpp(tmp_path):
     left = result["leftovers"][pb.RINGSERVE]
     assert left["stopped_by_sigint"] and left["processes"] == left["shm_segments"] == left["engine_files"] == []
     md = out.with_suffix(".md").read_text()
+    assert f"| {tree} | idle |" in md
     assert "**llama.cpp skipped**" in md and "| shared_prefix | 3 | ringserve |" in md
