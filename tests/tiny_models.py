@@ -35,6 +35,18 @@ def save_tiny(path: Path, seed: int, family: str = "llama", **changes) -> Path:
     return path
 
 
+def perturb_norms_and_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, its norms' weights moved off one and its biases off zero, in place: at their
+    initial values a kernel that skipped them would still match."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

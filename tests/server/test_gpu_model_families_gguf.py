@@ -22,6 +22,7 @@ from test_gpu_model_families_more import (
     make_runner,
     tiny_config,
 )
+from tiny_models import perturb_norms_and_biases
 
 import gpu.models.model_files
 from gpu.models.model_files import ModelLoadError
@@ -170,14 +171,7 @@ def typed_model(family: str) -> torch.nn.Module:
         cfg = gguf_config(family)
     cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
-    return model
+    return perturb_norms_and_biases(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
 
 
 def dequantized(model: torch.nn.Module, type_name: str) -> torch.nn.Module:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from test_gpu_model_families import PAGE, SMALL
 from test_gpu_model_families_gguf import write_gguf
 from test_gpu_model_families_more import make_runner
-from tiny_models import LORA_TARGETS, peft_greedy, save_tiny_adapter
+from tiny_models import LORA_TARGETS, peft_greedy, perturb_norms_and_biases, save_tiny_adapter
 
 import gpu.models.model_files
 from gpu.forward_batch import SeqInput, build_forward_batch
@@ -44,13 +44,7 @@ def tiny_base(family: str, root: Path) -> tuple[Path, Path]:
 
     torch.manual_seed(0)
     cfg = (LlamaConfig if family == "llama" else Qwen2Config)(**SHAPE)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.1)
+    model = perturb_norms_and_biases(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
     model.save_pretrained(root / "hf")
     write_gguf(family, model, root / f"tiny-{family}.gguf")
     return root / "hf", root / f"tiny-{family}.gguf"
