@@ -16,7 +16,6 @@ whitespace and punctuation, with and without add_special_tokens).
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections.abc import Callable, MutableMapping
@@ -115,25 +114,26 @@ class PromptEncoder:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _setup(self, backend: Any) -> bool:
-        spec = json.loads(backend.to_str())
-        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+        # The parts are read as objects: the tokenizer's JSON (to_str) would spell out its whole
+        # vocabulary and merges (a second of a start for Gemma 3's 262k tokens) to be thrown away.
+        model, pre = backend.model, backend.pre_tokenizer
         if (
-            spec.get("normalizer") is not None
-            or model.get("type") != "BPE"
-            or model.get("dropout")
-            or model.get("byte_fallback")
-            or model.get("continuing_subword_prefix")
-            or model.get("end_of_word_suffix")
-            or pre.get("type") != "ByteLevel"
-            or not pre.get("use_regex", True)
-            or pre.get("add_prefix_space")
+            backend.normalizer is not None
+            or type(model).__name__ != "BPE"
+            or model.dropout
+            or model.byte_fallback
+            or model.continuing_subword_prefix
+            or model.end_of_word_suffix
+            or type(pre).__name__ != "ByteLevel"
+            or not pre.use_regex
+            or pre.add_prefix_space
         ):
             return False
-        added = spec.get("added_tokens") or []
-        if any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added):
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        if any(a.lstrip or a.rstrip or a.single_word for a in added.values()):
             return False
         # added tokens are cut out of the text first, longest match first, as the tokenizer does
-        self._added = {a["content"]: a["id"] for a in added}
+        self._added = {a.content: i for i, a in added.items()}
         contents = sorted(self._added, key=len, reverse=True)
         self._added_split = re.compile("|".join(map(re.escape, contents))) if contents else None
         chars = byte_level_char_map()  # character -> byte; ASCII bytes are their own characters' keys
