@@ -160,12 +160,14 @@ def load_adapter(
     path: str,
     cfg: ModelConfig,
     max_rank: int | None,
+    target_modules: frozenset[str],
     dtype: torch.dtype,
     device: torch.device,
     rope_style: str = "halves",
 ) -> Adapter:
     """The adapter at `path` (a PEFT directory, or llama.cpp's GGUF LoRA file: gpu/lora_gguf.py)
-    for the model of `cfg`; LoraLoadError naming what does not fit."""
+    for the model of `cfg`, targeting only `target_modules` (--lora-target-modules) at ranks up
+    to `max_rank`; LoraLoadError naming what does not fit."""
     where = f"LoRA adapter {name!r} ({path})"
     scaling: Callable[[int], float]
     if is_gguf_adapter(path):
@@ -181,6 +183,10 @@ def load_adapter(
     if not ab:
         raise LoraLoadError(f"{where}: it holds no LoRA weights")
     for layer, module in ab:
+        if module not in target_modules:
+            raise LoraLoadError(
+                f"{where}: it targets {module}, not among --lora-target-modules ({', '.join(sorted(target_modules))})"
+            )
         if layer >= cfg.num_layers:
             raise LoraLoadError(f"{where}: its {module} of layer {layer} is past the model's {cfg.num_layers} layers")
 
@@ -232,12 +238,13 @@ class LoraPool:
         self,
         cfg: ModelConfig,
         max_rank: int | None,
+        target_modules: frozenset[str],
         dtype: torch.dtype,
         device: torch.device,
         rope_style: str,
         max_resident: int,
     ) -> None:
-        self._load_args = (cfg, max_rank, dtype, device, rope_style)
+        self._load_args = (cfg, max_rank, target_modules, dtype, device, rope_style)
         self.max_resident = max_resident
         self.paths: dict[int, tuple[str, str]] = {}  # id -> (name, path): every registered adapter
         self.resident: OrderedDict[int, Adapter] = OrderedDict()

@@ -39,6 +39,7 @@ from gpu.quant.gguf_types import BLOCK_TYPES
 from gpu.quant.gguf_weight import GGUFWeight
 from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION
 from gpu.sampling.sampler import Sampler
+from protocol.lora import lora_target_set
 from protocol.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +78,7 @@ class ModelRunnerConfig:
     enable_lora: bool = False
     lora_paths: tuple[str, ...] = ()
     max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
     max_loras_per_batch: int = 8
 
 
@@ -221,7 +223,15 @@ class ModelRunner:
         self.model = LlamaForCausalLM(cfg, weights, progress, rope_style)
         # LoRA adapters (the scheduler registers them: runtime/scheduler/lora.py), and each row's adapter
         self.loras: LoraPool | None = (
-            LoraPool(cfg, config.max_lora_rank, self.dtype, self.device, rope_style, config.max_loras_per_batch)
+            LoraPool(
+                cfg,
+                config.max_lora_rank,
+                lora_target_set(config.lora_target_modules),
+                self.dtype,
+                self.device,
+                rope_style,
+                config.max_loras_per_batch,
+            )
             if config.enable_lora
             else None
         )

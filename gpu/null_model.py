@@ -21,6 +21,7 @@ from gpu.lora import LoraPool
 from gpu.model_runner import ModelRunnerConfig, PromptLogprobsOut, StepOutput
 from gpu.models.model_config import ModelConfig
 from gpu.models.model_files import resolve_model_dir
+from protocol.lora import lora_target_set
 from protocol.sampling_params import SamplingParams
 
 SENTENCE = (
@@ -52,6 +53,7 @@ class NullModelRunner:
             self.loras = LoraPool(
                 self.model_config,
                 config.max_lora_rank,
+                lora_target_set(config.lora_target_modules),
                 torch.float32,
                 torch.device("cpu"),
                 "halves",

@@ -17,6 +17,25 @@ NAME_RULE = "letters, digits and ._/- (at most 128), starting with a letter or d
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter directory's, read by the engine
 
 
+# the projections an adapter may target, and SGLang's names for groups of them (--lora-target-modules)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODULE_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def lora_target_set(names: Sequence[str]) -> frozenset[str]:
+    """--lora-target-modules -> the projections adapters may target (none named, or `all`:
+    every one). ValueError naming an unknown module."""
+    if not names or "all" in names:
+        return frozenset(LORA_MODULES)
+    out: set[str] = set()
+    for name in names:
+        if name not in LORA_MODULES and name not in LORA_MODULE_GROUPS:
+            known = ", ".join((*LORA_MODULES, *LORA_MODULE_GROUPS, "all"))
+            raise ValueError(f"--lora-target-modules: {name!r} is not a module adapters target ({known})")
+        out.update(LORA_MODULE_GROUPS.get(name, (name,)))
+    return frozenset(out)
+
+
 def is_gguf_adapter(path: str) -> bool:
     """Whether `path` names llama.cpp's GGUF LoRA file (gpu/lora_gguf.py) rather than a PEFT
     adapter directory."""

@@ -88,10 +88,11 @@ def check_model(args: ServerArgs) -> str | None:
             import torch
 
             from gpu.lora import load_adapter
-            from protocol.lora import parse_lora_paths
+            from protocol.lora import lora_target_set, parse_lora_paths
 
+            targets = lora_target_set(args.lora_target_modules)
             for name, path in parse_lora_paths(args.lora_paths):
-                load_adapter(name, path, config, args.max_lora_rank, torch.float32, torch.device("cpu"))
+                load_adapter(name, path, config, args.max_lora_rank, targets, torch.float32, torch.device("cpu"))
         if args.chat_template is not None:
             read_chat_template(args.chat_template)
         if args.tokenizer_path is not None and not any(

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.lora import MAX_LOADED_LORAS, parse_lora_entries
+from protocol.lora import MAX_LOADED_LORAS, lora_target_set, parse_lora_entries
 from protocol.sampling_params import MAX_TOP_LOGPROBS
 from runtime import settings
 from runtime.settings import flag, setting
@@ -294,6 +294,14 @@ class ServerArgs:
         same_row=True,
         default_text="any",
     )
+    lora_target_modules: tuple[str, ...] = setting(
+        (),
+        "the projections adapters may target (SGLang's): of q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, qkv_proj, gate_up_proj, all; an adapter with another is refused (at start, or its load is "
+        "a 400)",
+        same_row=True,
+        default_text="all",
+    )
     lora_allowed_dirs: tuple[str, ...] = setting(
         (),
         "/load_lora_adapter's `lora_path` must lie inside one of these directories, links resolved (a path "
@@ -401,9 +409,10 @@ class ServerArgs:
 
     def _check_lora(self) -> None:
         if not self.enable_lora:
-            if self.lora_paths or self.lora_allowed_dirs:
-                raise ValueError("--lora-paths and --lora-allowed-dirs need --enable-lora")
+            if self.lora_paths or self.lora_allowed_dirs or self.lora_target_modules:
+                raise ValueError("--lora-paths, --lora-target-modules and --lora-allowed-dirs need --enable-lora")
             return
+        lora_target_set(self.lora_target_modules)
         if self.is_embedding:
             raise ValueError("--enable-lora serves generation: not with --is-embedding")
         adapters = parse_lora_entries(self.lora_paths)

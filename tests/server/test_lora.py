@@ -139,6 +139,9 @@ def test_bad_adapters_stop_the_start(lora_server, tmp_path):
         *lora, f"x={lacking_adapter(adapters['a4'], tmp_path / 'lacking')}"
     )
     assert "do not fit the model" in serve_error(*lora, f"x={wide_adapter(adapters['a4'], tmp_path / 'wide')}")
+    assert "not among --lora-target-modules (k_proj, o_proj, q_proj, v_proj)" in serve_error(
+        *lora, f"a8={adapters['a8']}", "--lora-target-modules", "qkv_proj", "o_proj"
+    )
 
 
 def lacking_adapter(src: Path, path: Path) -> Path:

@@ -39,6 +39,8 @@ def test_cli_and_env_agree():
         ({"RINGSERVE_SCHEDULE_POLICY": "random"}, "schedule-policy"),
         ({"RINGSERVE_WORKERS": "0"}, "workers"),
         ({"RINGSERVE_CHAT_TEMPLATE": "no-such-file.jinja"}, "chat-template"),
+        ({"RINGSERVE_LORA_TARGET_MODULES": "q_proj"}, "lora-target-modules and .* need --enable-lora"),
+        ({"RINGSERVE_ENABLE_LORA": "1", "RINGSERVE_LORA_TARGET_MODULES": "q_proj,mlp"}, "'mlp' is not a module"),
     ],
 )
 def test_bad_env_names_the_setting(env, match):

@@ -15,6 +15,7 @@ import torch
 from gpu.lora import LoraPool
 from gpu.models.model_config import ModelConfig
 from perf.lora_bench import write_random_adapter
+from protocol.lora import LORA_MODULES, lora_target_set
 from runtime.lora_registry import LoraRegistry
 from runtime.scheduler.lora import LoraRefused, SchedulerLoras
 
@@ -39,8 +40,9 @@ def model_dir(tmp_path: Path) -> Path:
     return d
 
 
-def pool_of(model_dir: Path, max_resident: int) -> LoraPool:
-    return LoraPool(ModelConfig.from_dir(model_dir), 8, torch.float32, torch.device("cpu"), "halves", max_resident)
+def pool_of(model_dir: Path, max_resident: int, targets: tuple[str, ...] = ()) -> LoraPool:
+    cfg = ModelConfig.from_dir(model_dir)
+    return LoraPool(cfg, 8, lora_target_set(targets), torch.float32, torch.device("cpu"), "halves", max_resident)
 
 
 def adapter(model_dir: Path, name: str, rank: int = 4, seed: int = 0) -> Path:
@@ -96,6 +98,22 @@ def test_a_refused_load_changes_nothing(model_dir, tmp_path):
     loras.load("big", paths["big"])
     with pytest.raises(LoraRefused, match="--max-loaded-loras"):
         loras.load("x", paths["big"])
+
+
+def test_target_modules_bound_what_adapters_may_target(model_dir):
+    """SGLang's --lora-target-modules: its group names and `all` expand; an adapter that targets
+    a projection outside them is refused naming it (adapter() targets all seven)."""
+    assert lora_target_set(()) == lora_target_set(("all",)) == frozenset(LORA_MODULES)
+    assert lora_target_set(("qkv_proj", "down_proj")) == {"q_proj", "k_proj", "v_proj", "down_proj"}
+    with pytest.raises(ValueError, match="'mlp' is not a module"):
+        lora_target_set(("mlp",))
+    path = str(adapter(model_dir, "a"))
+    loras = SchedulerLoras(pool_of(model_dir, 2, ("qkv_proj", "o_proj")), [], capacity=2)
+    with pytest.raises(LoraRefused) as e:
+        loras.load("a", path)
+    assert e.value.param == "lora_path" and "targets down_proj, not among --lora-target-modules" in e.value.message
+    everything = SchedulerLoras(pool_of(model_dir, 2, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")), [], 2)
+    assert everything.load("a", path) == 1
 
 
 def test_workers_see_each_change_with_their_next_lookup(tmp_path):
