@@ -1,4 +1,4 @@
-/* The per-layer glue of a CPU decode step (rms_norm, rope, silu * up) as one call each, on an
+/* The per-layer glue of a CPU decode step (rms_norm, rope, silu or gelu_tanh * up) as one call each, on an
  * x86-64 CPU with AVX2 + FMA (gpu/models/llama.py builds and loads this file).
  *
  * In torch each is 1-8 small ops, ~20 of them per layer, each paying a dispatch and an
@@ -91,5 +91,32 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int thread
             _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(u + j)));
         }
         for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+
+/* out[t] = gelu_tanh(gate_up[t, :I]) * gate_up[t, I:] (Gemma's gelu_pytorch_tanh), as
+ * g / (1 + e^-2z), z = sqrt(2/pi) (g + 0.044715 g^3): the same value as 0.5 g (1 + tanh(z)),
+ * without its cancellation where tanh(z) nears -1; gate_up [T, 2I], out [T, I]. */
+void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads) {
+    const float c = 0.7978845608028654f, k = 0.044715f;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I;
+        const float *u = g + I;
+        float *o = out + t * I;
+        int64_t j = 0;
+        for (; j + 8 <= I; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+            const __m256 z = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_add_ps(gv, _mm256_mul_ps(_mm256_set1_ps(k), cube)));
+            const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), z));
+            const __m256 gelu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < I; j++) {
+            const float z = c * (g[j] + k * g[j] * g[j] * g[j]);
+            o[j] = g[j] / (1.0f + expf(-2.0f * z)) * u[j];
+        }
     }
 }

@@ -110,6 +110,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> gelu_tanh(gate) * up [T, I] (Gemma's gelu_pytorch_tanh)"""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class CpuLayerOps:
     """The same glue by gpu/kernels/layer_cpu.c, one call per op: fp32 on an AVX2 CPU. x is
@@ -121,8 +126,8 @@ class CpuLayerOps:
         lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]  # x, residual, w, T, H, eps, out
         # x, row stride, T, heads, D, pos, cos, sin, pairs
         lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32]
-        lib.silu_mul.argtypes = [ptr, i64, i64, ptr, i32]  # gate_up, T, I, out
-        for fn in (lib.rms_norm, lib.rope, lib.silu_mul):
+        lib.silu_mul.argtypes = lib.gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]  # gate_up, T, I, out
+        for fn in (lib.rms_norm, lib.rope, lib.silu_mul, lib.gelu_tanh_mul):
             fn.restype = None
         self.lib, self.cos, self.sin = lib, cos.contiguous(), sin.contiguous()
         self.rope_style = rope_style
@@ -170,10 +175,17 @@ class CpuLayerOps:
         return rope
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act_mul(self.lib.silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act_mul(self.lib.gelu_tanh_mul, gate_up)
+
+    @staticmethod
+    def _act_mul(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         T, I = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(T, I, dtype=gate_up.dtype)
-        self.lib.silu_mul(gate_up.data_ptr(), T, I, out.data_ptr(), torch.get_num_threads())
+        kernel(gate_up.data_ptr(), T, I, out.data_ptr(), torch.get_num_threads())
         return out
 
 
@@ -419,8 +431,7 @@ class LlamaForCausalLM:
         """gate_up: [T, 2I] -> act(gate) * up [T, I]"""
         if self.cfg.hidden_act == "silu":
             return self.ops.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.ops.gelu_tanh_mul(gate_up)
 
     def prompt_logprobs(
         self, x: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, top_k: int

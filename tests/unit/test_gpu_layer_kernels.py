@@ -75,3 +75,16 @@ def test_silu_mul(T: int, I: int) -> None:
     gate_up = torch.randn(T, 2 * I) * 6
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-30])  # e^-g over- and underflowing, zeros
     assert_close(c.silu_mul(gate_up), t.silu_mul(gate_up), 1e-6)
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("I", (1536, 13))
+def test_gelu_tanh_mul(T: int, I: int) -> None:
+    """Against the op in float64: torch's fp32 0.5 g (1 + tanh(z)) loses the tail where tanh(z)
+    nears -1 (g below about -3) to cancellation, which the kernel's g / (1 + e^-2z) does not."""
+    c, t = ops()
+    gate_up = torch.randn(T, 2 * I) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-30])  # e^-2z over- and underflowing, zeros
+    want = t.gelu_tanh_mul(gate_up.double()).float()
+    assert_close(c.gelu_tanh_mul(gate_up), want, 2e-6)  # a few fp32 roundings more than silu's
+    torch.testing.assert_close(c.gelu_tanh_mul(gate_up), t.gelu_tanh_mul(gate_up), rtol=1e-5, atol=1e-5)
