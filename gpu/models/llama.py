@@ -98,6 +98,10 @@ class TorchLayerOps:
         x = x if residual is None else x + residual
         return x, rms_norm(x, weight, eps)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [..., H] -> rms_norm(x) over its last dimension (Gemma's extra norms, q/k per head)"""
+        return rms_norm(x, weight, eps)
+
     def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """positions: int64 [T] -> a function of one layer's q and k heads [T, Hq + Hkv, D] that
         returns them rotated."""
@@ -150,6 +154,10 @@ class CpuLayerOps:
             torch.get_num_threads(),
         )
         return x, out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # a copy where x is a view of wider rows (q or k of the qkv)
+        return self.add_rms_norm(rows, None, weight, eps)[1].view(x.shape)
 
     def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         positions = positions.to(torch.int64).contiguous()  # read as int64_t by the kernel
@@ -392,7 +400,7 @@ class LlamaForCausalLM:
             qk = qkv[:, :qk_width].view(T, Hq + Hkv, D)
             q_norm, k_norm = self.q_norm[i], self.k_norm[i]
             if q_norm is not None and k_norm is not None:  # per head, before rope
-                qk = torch.cat([rms_norm(qk[:, :Hq], q_norm, eps), rms_norm(qk[:, Hq:], k_norm, eps)], 1)
+                qk = torch.cat([ops.rms_norm(qk[:, :Hq], q_norm, eps), ops.rms_norm(qk[:, Hq:], k_norm, eps)], 1)
             if self.layer_rope[i] is not None:
                 qk = ropes[id(self.layer_rope[i])](qk)
             v = qkv[:, qk_width:].view(T, Hkv, D)
@@ -403,7 +411,7 @@ class LlamaForCausalLM:
                 o = lora.add(o, o_in, i, "o")
             attn_out_norm = self.attn_out_norm[i]
             if attn_out_norm is not None:
-                o = rms_norm(o, attn_out_norm, eps)
+                o = ops.rms_norm(o, attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, o, self.post_norm[i], eps)
             gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
             if lora is not None:
@@ -414,7 +422,7 @@ class LlamaForCausalLM:
                 residual = lora.add(residual, act, i, "down")
             mlp_out_norm = self.mlp_out_norm[i]
             if mlp_out_norm is not None:
-                residual = rms_norm(residual, mlp_out_norm, eps)
+                residual = ops.rms_norm(residual, mlp_out_norm, eps)
             if self.progress is not None:
                 self.progress()
         if residual is None:

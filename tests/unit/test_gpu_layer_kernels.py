@@ -47,6 +47,18 @@ def test_add_rms_norm_adds_the_residual_in_place(T: int, H: int) -> None:
     assert_close(got, want, 1e-6)
 
 
+@pytest.mark.parametrize("T", TOKENS)
+def test_rms_norm_per_head_of_a_view(T: int) -> None:
+    """Gemma's q/k norms: each head of q (a view of the fused qkv's wider rows) normed alone."""
+    c, t = ops()
+    Hq, Hkv, D = 4, 1, 256
+    qkv, w = torch.randn(T, (Hq + 2 * Hkv) * D) * 3, torch.randn(D)
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    got = c.rms_norm(q, w, 1e-6)
+    assert got.shape == (T, Hq, D)
+    assert_close(got, t.rms_norm(q, w, 1e-6), 1e-6)
+
+
 def test_rms_norm_of_zeros_is_zero() -> None:
     c, _ = ops()
     _, out = c.add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-5)
