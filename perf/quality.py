@@ -11,6 +11,8 @@ model.hidden / model.logits, the path of ModelRunner.step's prompt logprobs. Wri
 perf/results/quality.json and quality.md.
 
     python -m perf.quality [--window 512] [--chunk 128] [--modes none,gguf-q8,...] [--rounds 3]
+    python -m perf.quality --gguf gemma-3-270m-q4_k_m.gguf --reference gguf-q8 --modes gguf-q8+kv-f16 \
+        --windows 4 --window 256 --rounds 0     # another GGUF; what fp16 KV changes in the default mode
 """
 
 from __future__ import annotations
@@ -31,19 +33,21 @@ from perf import report
 from protocol.sampling_params import SamplingParams
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality_corpus"
-EXACT = {"quantization": "none", "dtype": "float32", "kv_cache_dtype": "auto"}
-KV_NAMES = {"auto": "", "float16": "+kv-f16", "bfloat16": "+kv-bf16"}
+KV_NAMES = {"float32": "", "float16": "+kv-f16", "bfloat16": "+kv-bf16"}
 
 
-def modes(hf_dir: str) -> dict[str, dict]:
-    """Every mode measured, by name: ModelRunnerConfig fields over the defaults (the embedded
-    model's GGUF on the CPU). bf16: the converted HF directory (the GGUF's values in bf16)."""
+def modes(hf_dir: str, gguf: str | None = None) -> dict[str, dict]:
+    """Every mode measured, by name: ModelRunnerConfig fields over the defaults (on the CPU,
+    the GGUF `gguf`, else the embedded model's). bf16, the embedded model's only: its converted
+    HF directory (the GGUF's values in bf16). `none` is the exact computation."""
+    model = {} if gguf is None else {"model_path": gguf}
     out = {
-        q + KV_NAMES[kv]: {"quantization": q, "dtype": "float32", "kv_cache_dtype": kv}
+        q + KV_NAMES[kv]: {"quantization": q, "dtype": "float32", "kv_cache_dtype": kv, **model}
         for q in ("none", "gguf", "gguf-q8")
         for kv in KV_NAMES
     }
-    out["bf16"] = {"quantization": "none", "dtype": "bfloat16", "kv_cache_dtype": "auto", "model_path": hf_dir}
+    if gguf is None:
+        out["bf16"] = {"quantization": "none", "dtype": "bfloat16", "kv_cache_dtype": "auto", "model_path": hf_dir}
     return out
 
 
@@ -54,6 +58,13 @@ def corpus_windows(tokenizer, window: int, corpus: Path = CORPUS) -> list[np.nda
         ids = np.asarray(tokenizer.encode(doc.read_text()), dtype=np.int32)
         out += [ids[a : a + window] for a in range(0, len(ids) - 1, window) if len(ids) - a >= 2]
     return out
+
+
+def pick(windows: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """n windows evenly spaced over the corpus, so that every document has its say (0: all)."""
+    if n <= 0 or n >= len(windows):
+        return windows
+    return [windows[int(i)] for i in np.linspace(0, len(windows) - 1, n).round()]
 
 
 def runner_for(config: Mapping, max_tokens: int, rows: int = 1) -> ModelRunner:
@@ -87,7 +98,7 @@ def measure(
     configs: Mapping[str, Mapping],
     windows: Sequence[np.ndarray],
     chunk: int,
-    reference: Mapping = EXACT,
+    reference: Mapping,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
     """For each config (ModelRunnerConfig fields), teacher-forced over `windows`: perplexity,
@@ -202,22 +213,33 @@ def markdown(quality: dict[str, dict], speed: dict[str, dict], args: argparse.Na
             ]
         )
     tokens = next(iter(quality.values()))["tokens"]
+    reference = (
+        "the exact mode (`none`: fp32 weights dequantized from the GGUF, fp32 KV cache)"
+        if args.reference == "none"
+        else f"`{args.reference}`"
+    )
     return "\n\n".join(
         [
-            f"Teacher-forced over tests/data/quality_corpus/ ({tokens} predicted tokens in {windows} windows of at "
-            f"most {args.window} tokens, run in chunks of {args.chunk}); reference: the exact mode (`none`: fp32 "
-            f"weights dequantized from the GGUF, fp32 KV cache). KL(exact || mode) per token; top-1: the mode's "
-            f"likeliest token is exact's. Speed: {torch.get_num_threads()} torch threads, best of {args.rounds} "
-            f"interleaved rounds, decode at a context of {args.context} tokens per row, ms per step (load: header).",
+            f"{args.gguf or 'The embedded SmolLM2-135M-Instruct Q4_1 GGUF'}, teacher-forced over "
+            f"tests/data/quality_corpus/ ({tokens} predicted tokens in {windows} windows of at most {args.window} "
+            f"tokens, run in chunks of {args.chunk}); reference: {reference}. KL(reference || mode) per token; "
+            f"top-1: the mode's likeliest token is the reference's. Speed: {torch.get_num_threads()} torch threads, "
+            f"best of {args.rounds} interleaved rounds, decode at a context of {args.context} tokens per row, ms "
+            "per step (load: header).",
             report.table(columns, rows),
         ]
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    hf_dir = str(resolve_model_dir(None))
-    all_modes = modes(hf_dir)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model = argparse.ArgumentParser(add_help=False)  # the modes' names and configs follow the model
+    model.add_argument("--gguf", default=None, help="the GGUF the modes run (default: the embedded SmolLM2)")
+    gguf = model.parse_known_args(argv)[0].gguf
+    hf_dir = str(resolve_model_dir(gguf))
+    all_modes = modes(hf_dir, gguf)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[model])
+    ap.add_argument("--reference", default="none", choices=all_modes, help="the mode the others are measured against")
+    ap.add_argument("--windows", type=int, default=0, help="windows measured, evenly spaced (0: all)")
     ap.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
     ap.add_argument("--chunk", type=int, default=128, help="tokens per forward (chunked prefill)")
     ap.add_argument("--modes", default=",".join(all_modes), help=f"comma-separated, of {', '.join(all_modes)}")
@@ -233,8 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    windows = corpus_windows(AutoTokenizer.from_pretrained(hf_dir), args.window)
-    quality = measure(chosen, windows, args.chunk, progress=print)
+    windows = pick(corpus_windows(AutoTokenizer.from_pretrained(hf_dir), args.window), args.windows)
+    quality = measure(chosen, windows, args.chunk, all_modes[args.reference], progress=print)
     speed = {}
     if args.rounds:
         flat = np.concatenate(windows)
@@ -243,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = markdown(quality, speed, args, len(windows))
     print(text)
     data = {
+        "gguf": args.gguf,
+        "reference": args.reference,
         "window": args.window,
         "chunk": args.chunk,
         "windows": len(windows),

@@ -36,14 +36,14 @@ import numpy as np
 from gpu.models.model_files import default_model_path, resolve_model_dir
 from gpu.quant.gguf_quantize import TYPES, block_elements, quantize
 from perf import report
-from perf.quality import corpus_windows, measure
+from perf.quality import corpus_windows, measure, pick
 
 BOUND = 0.01  # mean KL(gguf || gguf-q8) nats/token the default mode must stay within (README)
 
 
 def mode(quantization: str, path: Path) -> dict:
     """ModelRunnerConfig fields of one mode on the GGUF at `path`."""
-    return {"quantization": quantization, "dtype": "float32", "kv_cache_dtype": "auto", "model_path": str(path)}
+    return {"quantization": quantization, "dtype": "float32", "kv_cache_dtype": "float32", "model_path": str(path)}
 
 
 def copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
@@ -91,13 +91,6 @@ def file_types(path: Path) -> dict[str, int]:
     for tensor in gguf.GGUFReader(path).tensors:
         params[tensor.tensor_type.name] += int(tensor.n_elements)
     return dict(params)
-
-
-def pick(windows: list[np.ndarray], n: int) -> list[np.ndarray]:
-    """n windows evenly spaced over the corpus, so that every document has its say (0: all)."""
-    if n <= 0 or n >= len(windows):
-        return windows
-    return [windows[int(i)] for i in np.linspace(0, len(windows) - 1, n).round()]
 
 
 def quality_of(path: Path, windows: Sequence[np.ndarray], chunk: int) -> dict:

