@@ -16,8 +16,10 @@ from httpapi.grammar_fields import read_grammar
 from httpapi.request_fields import (
     MAX_CHOICES,
     REFUSED_OPENAI,
+    BeamSearch,
     PromptTruncation,
     check_ignored,
+    read_beam_search,
     read_logprobs_count,
     read_n,
     read_prompt_logprobs,
@@ -119,6 +121,7 @@ class ChatCompletionRequest:
     tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
     thinking_budget: int = -1  # vLLM's thinking_token_budget: reasoning tokens at most (-1: no bound)
     stop_regex: tuple[regex.Pattern, ...] = ()  # SGLang's: a choice stops where one matches its text
+    beam: BeamSearch | None = None  # vLLM's use_beam_search: n beams instead of n samples
 
     def with_messages(
         self, messages: list[dict[str, Any]], template: ChatTemplateArgs | None, echo: str
@@ -218,6 +221,7 @@ def chat_settings(obj: dict[str, Any]) -> ChatSettings:
     separate_reasoning = f.get_bool("separate_reasoning", True)
     thinking_budget = read_thinking_budget(f, names)
     stop_regex = read_stop_regex(f)
+    beam = read_beam_search(f, n, stream)
     prompt_ids, prompt_param = read_pretokenized(f)
     refuse_unserved(f, REFUSED_CHAT)
     check_ignored(f)
@@ -245,6 +249,7 @@ def chat_settings(obj: dict[str, Any]) -> ChatSettings:
         tokens_as_ids,
         thinking_budget,
         stop_regex,
+        beam,
     )
     return ChatSettings(request, echo)
 

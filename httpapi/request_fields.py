@@ -3,7 +3,9 @@ server refuses or ignores, and the client's name for its request."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -11,7 +13,7 @@ import regex
 
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, shown
-from protocol.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from protocol.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_REGEX_CHARS = 1024  # SGLang's stop_regex: each pattern's length
 MAX_CHOICES = 128  # n times the number of prompts in one request
@@ -20,14 +22,10 @@ MAX_CHOICES = 128  # n times the number of prompts in one request
 IGNORED_STRS = ("user", "service_tier", "session_id", "prompt_cache_key", "safety_identifier", "verbosity")
 IGNORED_BOOLS = ("store", "return_token_offsets")
 IGNORED_OBJECTS = ("metadata", "prediction")
-IGNORED_NUMBERS = ("length_penalty", "routed_experts_prompt_start")  # beam search's; MoE routing data's
+IGNORED_NUMBERS = ("routed_experts_prompt_start",)  # MoE routing data's
 # vLLM's and OpenAI's fields this server does not serve: field -> why. A value is refused unless
 # it asks for nothing (null, false, 0, an empty list or object, or the value in NOTHING_ASKED).
 REFUSED_OPENAI = {
-    "use_beam_search": (
-        "beam search is not supported: the scheduler samples each choice on its own and keeps no beams "
-        "to score and prune across them; use n (and logprobs) to rank samples"
-    ),
     "bad_words": "bad_words is not supported",
     "logits_processors": "custom logits processors are not supported",
     "return_prompt_text": "return_prompt_text is not supported",
@@ -65,6 +63,65 @@ NOTHING_ASKED: dict[str, tuple] = {
     "stream_reasoning": (True,),  # SGLang's default, which sglang-router sends with every chat
     "modalities": (["text"],),
 }
+
+
+# vLLM's beam search ranks 2 * n candidates a beam each step, from a token's top logprobs
+MAX_BEAM_WIDTH = MAX_TOP_LOGPROBS // 2
+# what a beam search's answer is decided by besides its beams (runtime/http_worker/beam_search.py):
+# every other sampling parameter must keep its default
+BEAM_SEARCH_PARAMS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",  # vLLM's beams rank raw logprobs, which no temperature changes
+        "seed",
+        "ignore_eos",
+        "no_stop_trim",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "return_ids",
+        "lora_id",
+        "extra",
+    }
+)
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    """vLLM's use_beam_search: `width` (the request's n) beams, the best returned first."""
+
+    width: int
+    length_penalty: float = 1.0  # a beam's score: its cumulative logprob / its length ** length_penalty
+
+
+def read_beam_search(f: Fields, n: int, stream: bool) -> BeamSearch | None:
+    """vLLM's use_beam_search and its length_penalty (type-checked, and unused, without it).
+    Its beams are ranked at the end, so it does not stream."""
+    length_penalty = f.get_float("length_penalty")
+    if not f.get_bool("use_beam_search", False):
+        return None
+    if n > MAX_BEAM_WIDTH:
+        raise bad_request(
+            f"n is at most {MAX_BEAM_WIDTH} with use_beam_search: each step ranks 2n candidates a beam, from a "
+            f"token's top logprobs, of which this server returns at most {MAX_TOP_LOGPROBS}",
+            "n",
+        )
+    if stream:
+        raise bad_request("stream is not served with use_beam_search: its beams are ranked only at the end", "stream")
+    return BeamSearch(n, 1.0 if length_penalty is None else length_penalty)
+
+
+def check_beam_search(params: SamplingParams, names: Mapping[str, str], *, echo: bool, stop_regex: bool) -> None:
+    """A beam search's other sampling parameters must keep their defaults, and echo and
+    stop_regex be unasked: a 400 naming the first that is not (vLLM's beam search ignores them;
+    this server refuses what it would ignore)."""
+    for asked, param in ((echo, "echo"), (stop_regex, "stop_regex")):
+        if asked:
+            raise bad_request(f"{param} is not served with use_beam_search", param)
+    default = SamplingParams()
+    for field in dataclasses.fields(SamplingParams):
+        if field.name not in BEAM_SEARCH_PARAMS and getattr(params, field.name) != getattr(default, field.name):
+            param = names.get(field.name, field.name)
+            raise bad_request(f"{param} is not served with use_beam_search", param)
 
 
 def ignored_fields(table: dict[str, tuple[str, ...]]) -> dict[str, str]:

@@ -28,10 +28,12 @@ from httpapi.fields import Fields, is_token_ids, load_object
 from httpapi.grammar_fields import SGLANG_GRAMMARS, one_grammar, read_grammar
 from httpapi.request_fields import (
     REFUSED_OPENAI,
+    BeamSearch,
     Prompt,
     PromptTruncation,
     check_ignored,
     ignored_fields,
+    read_beam_search,
     read_logprobs_count,
     read_n,
     read_prompt_logprobs,
@@ -144,6 +146,7 @@ class CompletionRequest:
     return_token_ids: bool = False  # vLLM's: each choice's prompt_token_ids and token_ids in the answer
     tokens_as_ids: bool | None = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
     stop_regex: tuple[regex.Pattern, ...] = ()  # SGLang's: a choice stops where one matches its text
+    beam: BeamSearch | None = None  # vLLM's use_beam_search: n beams instead of n samples
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     request_id = read_request_id(f)
     truncation = read_truncation(f)
     stop_regex = read_stop_regex(f)
+    beam = read_beam_search(f, n, stream)
     refuse_unserved(f, REFUSED_OPENAI)
     check_ignored(f)
     f.warn_unknown("/v1/completions")
@@ -239,6 +243,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         return_token_ids,
         tokens_as_ids,
         stop_regex,
+        beam,
     )
 
 

@@ -56,6 +56,7 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 REFUSED_RESPONSES = {
     **REFUSED_CHAT,
     "kv_transfer_params": REFUSED_OPENAI["kv_transfer_params"],  # chat's pre-tokenized prompt has no twin here
+    "use_beam_search": "beam search is served on /v1/completions and /v1/chat/completions, not on /v1/responses",
     "stop_regex": "stop_regex is served on /v1/completions and /v1/chat/completions, not on /v1/responses",
     "conversation": "conversations are not supported: continue a stored response with previous_response_id",
     "prompt": "prompt templates are not supported: send input (and instructions)",

@@ -204,7 +204,15 @@ BAD_REQUESTS: list[BadRequest] = [
         "stream_options.include_usage",
     ),
     # features this server does not have
-    _row("use_beam_search", CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    _row("use_beam_search streamed", CHAT, chat(use_beam_search=True, stream=True), 400, "stream"),
+    _row("use_beam_search of 11 beams", COMPLETIONS, completion(use_beam_search=True, n=11), 400, "n"),
+    _row(
+        "length_penalty a string",
+        COMPLETIONS,
+        completion(use_beam_search=True, length_penalty="x"),
+        400,
+        "length_penalty",
+    ),
     _row("per-request chat_template", CHAT, chat(chat_template="{{ messages }}"), 400, "chat_template"),
     _row("priority", COMPLETIONS, completion(priority=5), 400, "priority"),
     _row("functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),

@@ -72,6 +72,7 @@ class ModelInfo:
     architecture: str
     context_length: int
     vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()  # what ends a beam (beam_search.py); the scheduler stops at them itself
 
 
 def prompt_of(choice: int, n_choices: int, n_prompts: int) -> int:

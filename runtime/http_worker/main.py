@@ -96,5 +96,6 @@ def _load_tokenizer(args: ServerArgs) -> tuple[Any, ModelInfo, LogprobVocab]:
         cfg.architecture,
         cfg.context_length,
         cfg.vocab_size,
+        cfg.eos_token_ids,
     )
     return tokenizer, model, LogprobVocab.from_tokenizer(tokenizer, cfg.vocab_size)

@@ -33,6 +33,7 @@ from httpapi.info import (
 from httpapi.logprobs import LogprobVocab
 from httpapi.openapi import openapi_document
 from httpapi.openapi_page import docs_page
+from httpapi.request_fields import check_beam_search
 from httpapi.requests import (
     CompletionRequest,
     parse_abort,
@@ -42,6 +43,7 @@ from httpapi.requests import (
     parse_tokenize,
 )
 from httpapi.responses import (
+    ChoiceResult,
     Usage,
     chat_completion_body,
     choice_results,
@@ -81,6 +83,7 @@ from runtime.http_worker.asgi import (
     probe_route,
     read_body,
 )
+from runtime.http_worker.beam_search import beam_choices, beam_search
 from runtime.http_worker.process_memory import server_processes
 from runtime.http_worker.req_state import ReqGroup, ReqState
 from runtime.http_worker.stop_regex import RegexStops
@@ -141,6 +144,14 @@ async def chat_completions(worker, request: Request) -> Reply:
         req.include_reasoning,
         req.separate_reasoning,
     )
+    if req.beam is not None:
+        check_beam_search(params, req.sampling.names, echo=bool(req.echo), stop_regex=bool(req.stop_regex))
+        wait = functools.partial(finished, worker, request)
+        beams = await beam_search(worker, ids, params, req.beam, request_id, wait)
+        choices = await beam_choices(worker, beams, params, len(ids), 0)
+        token_ids = ids if req.return_token_ids else None
+        name = worker.model.served_name
+        return json_response(chat_completion_body(request_id, created, name, choices, req.n, None, output, token_ids))
     group = await worker.submit("chat", [ids], [params], req.n, [request_id], req.stream or bool(req.stop_regex))
     group.grammar_param = req.sampling.grammar_param
     stops = RegexStops(req.stop_regex, worker.tm, len(group.states)) if req.stop_regex else None
@@ -341,6 +352,19 @@ async def completions(worker, request: Request) -> Reply:
     n = req.n
     check_request_size([len(ids) for ids in prompt_ids], params, n, "prompt", max_tokens=worker.kv_tokens)
     request_id, created = response_id("cmpl", client_request_id(request, req.request_id)), now()
+    if req.beam is not None:
+        check_beam_search(params[0], req.sampling.names, echo=req.echo, stop_regex=bool(req.stop_regex))
+        wait = functools.partial(finished, worker, request)
+        searches = [  # each prompt's at once, under an id of its own (two groups in flight never share one)
+            beam_search(worker, ids, p, req.beam, f"{request_id}-{i}", wait)
+            for i, (ids, p) in enumerate(zip(prompt_ids, params))
+        ]
+        choices: list[ChoiceResult] = []
+        for ids, p, beams in zip(prompt_ids, params, await asyncio.gather(*searches)):
+            choices += await beam_choices(worker, beams, p, len(ids), len(choices))
+        token_ids = prompt_ids if req.return_token_ids else None
+        name = worker.model.served_name
+        return json_response(completion_body(request_id, created, name, choices, n, None, False, token_ids))
     group = await worker.submit("completions", prompt_ids, params, n, [request_id], req.stream or bool(req.stop_regex))
     group.grammar_param = req.sampling.grammar_param
     stops = RegexStops(req.stop_regex, worker.tm, len(group.states)) if req.stop_regex else None

@@ -31,6 +31,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_PROMPT = "Here is a long shared preamble about the history of the city of Paris. " * 6  # > 2 KV pages
 AUTH = {"authorization": f"Bearer {API_KEY}"}
+BEAM = {"max_tokens": 4}  # a beam search's step is a request per beam
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,22 @@ def got(server, client, want):
             client.chat.completions.create(stream=True, extra_body={"return_token_ids": True}, **chat)
         ),
         "chat_pretokenized": lambda: pretokenized_chats(client, chat),
+        "beam_one": lambda: client.completions.create(
+            prompt=PROMPTS[0], extra_body={"use_beam_search": True}, **completion
+        ),
+        "beam_two": lambda: client.completions.create(
+            prompt=PROMPTS, n=2, extra_body={"use_beam_search": True, "length_penalty": 0.5}, **(completion | BEAM)
+        ),
+        "beam_chat": lambda: client.chat.completions.create(n=2, extra_body={"use_beam_search": True}, **(chat | BEAM)),
+        "beam_refused": lambda: [
+            httpx.post(server.url(path), headers=AUTH, timeout=60, json={**body, "use_beam_search": True, "n": 2})
+            for path, body in (
+                ("/v1/completions", {**completion, "prompt": PROMPTS[0], "logprobs": 1}),
+                ("/v1/completions", {**completion, "prompt": PROMPTS[0], "echo": True}),
+                ("/v1/chat/completions", {**chat, "top_p": 0.5}),
+                ("/v1/chat/completions", {**chat, "stop": ["x"]}),
+            )
+        ],
         "chat_echo": lambda: [
             (list if stream else lambda r: r)(
                 client.chat.completions.create(
@@ -279,6 +296,20 @@ def test_pretokenized_chat_uses_the_ids_not_the_messages(got, want):
         assert whole.choices[0].message.content == want["chat"].text
         assert stream[0].model_extra["prompt_token_ids"] == ids
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want["chat"].text
+
+
+def test_beam_search(got, want):
+    """vLLM's use_beam_search: one beam is greedy decoding; n beams are n different answers a
+    prompt, best first; what beam search would ignore is a 400 naming it."""
+    assert got["beam_one"].choices[0].text == want["completions"][0].text
+    two = got["beam_two"].choices
+    assert [c.index for c in two] == [0, 1, 2, 3] and all(c.finish_reason in ("stop", "length") for c in two)
+    assert two[0].text != two[1].text and two[2].text != two[3].text
+    assert got["beam_two"].usage.completion_tokens <= 4 * BEAM["max_tokens"]
+    chat = got["beam_chat"].choices
+    assert len(chat) == 2 and chat[0].message.content != chat[1].message.content
+    refused = [(r.status_code, r.json()["error"]["param"]) for r in got["beam_refused"]]
+    assert refused == [(400, "logprobs"), (400, "echo"), (400, "top_p"), (400, "stop")]
 
 
 def test_chat_echo(got):
