@@ -16,8 +16,6 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from httpapi.request_fields import BeamSearch
 from httpapi.responses import ChoiceResult, Usage
 from protocol.sampling_params import SamplingParams
@@ -61,9 +59,8 @@ async def beam_search(
         states = await finished(group)
         extended: list[Beam] = []
         for b, state in zip(live, states):
-            top_ids = np.concatenate([lp.top_ids for lp in state.logprobs])[0].tolist()
-            top_logprobs = np.concatenate([lp.top_logprobs for lp in state.logprobs])[0].tolist()
-            for token, logprob in zip(top_ids, top_logprobs):
+            (lp,) = state.logprobs  # its one token's
+            for token, logprob in zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist()):
                 grown = Beam((*b.tokens, token), b.cum_logprob + logprob, token in eos)
                 (done if grown.ended else extended).append(grown)
         live = sorted(extended, key=score, reverse=True)[:width]
