@@ -13,7 +13,7 @@ import regex
 
 from httpapi.errors import bad_request
 from httpapi.fields import Fields, is_token_ids, shown
-from protocol.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from protocol.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, WHOLE_VOCABULARY, SamplingParams
 
 MAX_STOP_REGEX_CHARS = 1024  # SGLang's stop_regex: each pattern's length
 MAX_CHOICES = 128  # n times the number of prompts in one request
@@ -217,15 +217,10 @@ def read_n(f: Fields, prompts: int) -> int:
 
 def read_logprobs_count(f: Fields, key: str) -> int | None:
     """A count of logprobs per position (top_logprobs, completions' logprobs, prompt_logprobs):
-    vLLM's -1, every token of the vocabulary, is a 400 naming `key` (the ranges are validate()'s)."""
+    vLLM's -1, every token of the vocabulary, is WHOLE_VOCABULARY until the vocabulary is known
+    (--max-logprobs decides whether it is served; the ranges are validate()'s)."""
     k = f.get_int(key)
-    if k == -1:
-        raise bad_request(
-            f"{f.param(key)} -1 asks for every token of the vocabulary; this server returns at most "
-            f"{MAX_TOP_LOGPROBS} logprobs per position (its token records carry no more)",
-            f.param(key),
-        )
-    return k
+    return WHOLE_VOCABULARY if k == -1 else k
 
 
 def read_prompt_logprobs(f: Fields) -> int:
@@ -234,7 +229,9 @@ def read_prompt_logprobs(f: Fields) -> int:
     if k is None:
         return -1
     if k < 0:
-        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "prompt_logprobs")
+        raise bad_request(
+            "prompt_logprobs must be at least 0, or -1 for every token of the vocabulary", "prompt_logprobs"
+        )
     return k
 
 

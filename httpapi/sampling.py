@@ -24,9 +24,11 @@ from protocol.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROB_ENTRIES,
     MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    WHOLE_VOCABULARY,
     InvalidParam,
     SamplingParams,
 )
@@ -111,20 +113,42 @@ def read_logprob_token_ids(fields: Fields, logprobs: bool, top_logprobs: int) ->
     return {"logprobs": True, "top_logprobs": len(ids), "logprob_token_ids": ids}
 
 
-def check_max_logprobs(params: SamplingParams, names: Mapping[str, str], max_logprobs: int) -> None:
+def check_max_logprobs(params: SamplingParams, names: Mapping[str, str], max_logprobs: int, prompt_len: int) -> None:
     """vLLM's --max-logprobs: a 400 naming the field that asks more logprobs per position than
-    `max_logprobs` (-1: no bound but SamplingParams' own)."""
-    if max_logprobs < 0:
-        return
-    for name, asked in (("top_logprobs", params.top_logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-        if asked > max_logprobs:
-            param = "logprob_token_ids" if name == "top_logprobs" and params.logprob_token_ids else name
-            param = names.get(param, param)
+    `max_logprobs` (-1: the whole vocabulary); and one naming the field that asks the most when
+    the choice's alternatives in all are more than MAX_LOGPROB_ENTRIES."""
+    asks = {"top_logprobs": params.top_logprobs, "prompt_logprobs": params.prompt_logprobs}
+    for name, asked in asks.items():
+        if max_logprobs >= 0 and asked > max_logprobs:
+            param = _logprobs_param(params, names, name)
             raise bad_request(
                 f"{param} asks for {asked} logprobs per position; this server returns at most {max_logprobs} "
                 f"(--max-logprobs)",
                 param,
             )
+    entries = logprob_entries(params, prompt_len)
+    if sum(entries.values()) > MAX_LOGPROB_ENTRIES:
+        name = max(entries, key=entries.__getitem__)
+        param = _logprobs_param(params, names, name)
+        raise bad_request(
+            f"{param}: {asks[name]} logprobs at each of {entries[name] // asks[name]} positions are "
+            f"{sum(entries.values())} in all with the others asked; a request may ask at most "
+            f"{MAX_LOGPROB_ENTRIES} (fewer per position, or fewer positions: max_tokens)",
+            param,
+        )
+
+
+def logprob_entries(params: SamplingParams, prompt_len: int) -> dict[str, int]:
+    """The logprobs alternatives one choice asks for, by the field that asks them."""
+    return {
+        "top_logprobs": params.top_logprobs * params.max_new_tokens,
+        "prompt_logprobs": max(params.prompt_logprobs, 0) * (prompt_len - params.prompt_logprobs_start),
+    }
+
+
+def _logprobs_param(params: SamplingParams, names: Mapping[str, str], name: str) -> str:
+    param = "logprob_token_ids" if name == "top_logprobs" and params.logprob_token_ids else name
+    return names.get(param, param)
 
 
 def validated(params: SamplingParams, names: Mapping[str, str], vocab_size: int | None = None) -> SamplingParams:
@@ -181,11 +205,18 @@ class SamplingSpec:
             self.max_tokens, len(prompt_ids), context_len, self.names.get("max_tokens", "max_tokens")
         )
         p = self.params
+        whole = max(p.top_logprobs, p.prompt_logprobs) > MAX_TOP_LOGPROBS  # counts the vocabulary bounds
         if max_new == p.max_new_tokens and not (
-            p.stop_token_ids or p.logit_bias or p.allowed_token_ids or p.logprob_token_ids
+            p.stop_token_ids or p.logit_bias or p.allowed_token_ids or p.logprob_token_ids or whole
         ):
             return p  # validated in build(): only max_tokens and the vocabulary's checks are left
         params = dataclasses.replace(p, max_new_tokens=max_new)
+        if whole:
+            params = dataclasses.replace(
+                params,
+                top_logprobs=vocab_size if p.top_logprobs == WHOLE_VOCABULARY else p.top_logprobs,
+                prompt_logprobs=vocab_size if p.prompt_logprobs == WHOLE_VOCABULARY else p.prompt_logprobs,
+            )
         return validated(params, self.names, vocab_size)  # again: token ids need the vocabulary
 
     @property

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.sampling_params import MAX_TOP_LOGPROBS
-
 
 class PayloadBuilder:
     """Collects the payloads of one push into one blob; each part starts 4-byte aligned."""
@@ -61,8 +59,8 @@ def pack_top_logprobs(ids: np.ndarray, logprobs: np.ndarray) -> tuple[bytes, np.
 
     Record i's part is [N x u32 ids][N x f32 logprobs]; returns (blob, offsets [B])."""
     ids = np.asarray(ids)
-    if ids.ndim != 2 or ids.shape != np.shape(logprobs) or ids.shape[1] > MAX_TOP_LOGPROBS:
-        raise ValueError(f"top logprobs must be two [B, N<={MAX_TOP_LOGPROBS}] arrays of one shape")
+    if ids.ndim != 2 or ids.shape != np.shape(logprobs):
+        raise ValueError("top logprobs must be two [B, N] arrays of one shape")
     b, n = ids.shape
     rows = np.concatenate([ids.astype(np.uint32), np.asarray(logprobs, np.float32).view(np.uint32)], axis=1)
     return rows.tobytes(), np.arange(b, dtype=np.uint32) * np.uint32(8 * n)

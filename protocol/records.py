@@ -167,7 +167,6 @@ REQUEST = RecordLayout(
             ("n_stop_token_ids", np.uint8),
             ("ignore_eos", np.uint8),
             ("logprobs", np.uint8),
-            ("top_logprobs", np.uint8),
             ("skip_special_tokens", np.uint8),
             ("spaces_between_special_tokens", np.uint8),
             ("no_stop_trim", np.uint8),
@@ -175,7 +174,8 @@ REQUEST = RecordLayout(
             ("grammar_kind", np.uint8),  # GrammarKind
             ("pooling", np.uint8),  # Pooling: NONE generates, the others answer with a POOLED record
             ("lora_id", np.uint16),  # 0: the base model; i: the i-th LoRA adapter (--lora-paths)
-            ("prompt_logprobs", np.int8),  # -1: none, else top alternatives per prompt position
+            ("top_logprobs", np.uint32),  # alternatives per position: up to the vocabulary
+            ("prompt_logprobs", np.int32),  # -1: none, else top alternatives per prompt position
             ("prompt_logprobs_start", np.uint32),
             ("max_new_tokens", np.uint32),
             ("min_new_tokens", np.uint32),
@@ -220,7 +220,7 @@ TOKEN_OUT = RecordLayout(
             # TOKEN: top-N alternatives (pack_top_logprobs) when asked; ERROR: UTF-8 message
             ("payload_off", np.uint32),
             ("payload_len", np.uint32),
-            ("n_top", np.uint8),  # alternatives in the payload
+            ("n_top", np.uint32),  # alternatives in the payload
             ("flags", np.uint8),  # unused by TOKEN and ERROR: OPEN_RECORD's `flags`
             ("error", np.uint16),  # ErrorCode
         ],
@@ -277,7 +277,7 @@ TEXT_OUT = RecordLayout(
             ("stop_token", np.int32),  # the stop token id that finished the request, else -1
             ("stop_index", np.int16),  # index of the matched stop string, else -1
             ("error", np.uint16),  # ErrorCode
-            ("n_top", np.uint8),  # alternatives per token in the logprobs payload
+            ("n_top", np.uint32),  # alternatives per token in the logprobs payload
         ],
         align=True,
     ),

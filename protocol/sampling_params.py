@@ -7,7 +7,14 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs, and the most logprob_token_ids names
+# A logprobs count of -1 (vLLM's: every token of the vocabulary) as parsed before the vocabulary
+# is known: a count no vocabulary reaches, which resolve() turns into the vocabulary's size.
+WHOLE_VOCABULARY = 1 << 30
+# The most alternatives one request may ask for in all (positions times count per position,
+# over its choices), whatever --max-logprobs allows: each becomes a JSON object of the answer,
+# built in the HTTP worker's memory (a vocabulary's worth of a 40-token prompt fits).
+MAX_LOGPROB_ENTRIES = 1 << 21
 MAX_STOP_STRINGS = 16
 # Stop strings travel with every choice of a request (n of them) through the REQUEST and
 # TOKEN_OUT rings, and every decoded token is matched against them: bounded in UTF-8 bytes,
@@ -181,8 +188,10 @@ class SamplingParams:
             raise InvalidParam(
                 "stop_token_ids", f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids in the vocabulary"
             )
-        if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        most = WHOLE_VOCABULARY if vocab_size is None else vocab_size  # per position: the vocabulary
+        vocab = "the vocabulary's size" if vocab_size is None else f"{vocab_size}, the vocabulary's size"
+        if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= most):
+            raise InvalidParam("top_logprobs", f"top_logprobs must be between 0 and {vocab}")
         if not (self.top_logprobs == 0 or self.logprobs):
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs to be true")
         if self.logprob_token_ids and not (
@@ -209,8 +218,8 @@ class SamplingParams:
                 "allowed_token_ids",
                 f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids in the vocabulary",
             )
-        if not (isinstance(self.prompt_logprobs, int) and -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if not (isinstance(self.prompt_logprobs, int) and -1 <= self.prompt_logprobs <= most):
+            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be between 0 and {vocab}")
         if not (isinstance(self.prompt_logprobs_start, int) and 0 <= self.prompt_logprobs_start < 2**31):
             raise InvalidParam("prompt_logprobs_start", "the prompt logprobs' start must be a position in the prompt")
         if self.thinking_budget != -1:

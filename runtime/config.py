@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.lora import MAX_LOADED_LORAS, lora_target_set, parse_lora_entries
-from protocol.sampling_params import MAX_TOP_LOGPROBS
+from protocol.sampling_params import MAX_LOGPROB_ENTRIES, MAX_TOP_LOGPROBS
 from runtime import settings
 from runtime.settings import flag, setting
 from structured.reasoning import REASONING_PARSERS
@@ -135,8 +135,8 @@ class ServerArgs:
     max_logprobs: int = setting(
         MAX_TOP_LOGPROBS,
         f"vLLM's: the most logprobs a request may ask per position (`top_logprobs`, `logprobs`, "
-        f"`prompt_logprobs`, `logprob_token_ids`); -1: no bound of its own. Past {MAX_TOP_LOGPROBS} it allows "
-        f"{MAX_TOP_LOGPROBS}, the most a token's records carry (`-1` in a request, the whole vocabulary, is a 400)",
+        f"`prompt_logprobs`, `logprob_token_ids`); -1: the whole vocabulary, which a request asks with -1. "
+        f"Whatever it allows, a request asks at most {MAX_LOGPROB_ENTRIES:,} in all (positions times count)",
         at_least=-1,
         same_row=True,
     )

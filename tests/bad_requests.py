@@ -333,7 +333,9 @@ BAD_REQUESTS: list[BadRequest] = [
     ),
     _row("truncation_side neither", CHAT, chat(truncation_side="middle"), 400, "truncation_side"),
     # prompt logprobs
-    _row("prompt_logprobs negative", COMPLETIONS, completion(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    _row("prompt_logprobs negative", COMPLETIONS, completion(prompt_logprobs=-2), 400, "prompt_logprobs"),
+    _row("prompt_logprobs -1 past --max-logprobs", COMPLETIONS, completion(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    _row("top_logprobs -1 past --max-logprobs", CHAT, chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
     _row("prompt_logprobs above 20", CHAT, chat(prompt_logprobs=21), 400, "prompt_logprobs"),
     _row(
         "logprob_start_len below -1",

@@ -73,7 +73,7 @@ class Detokenizer:
         self._addr = np.zeros((max_open, 3), np.int64)  # per core index: worker, slot, gen
         self._logprobs = np.zeros(max_open, bool)
         self._ids = np.zeros(max_open, bool)  # return_ids: its tokens' ids go with its text
-        self._n_top = np.zeros(max_open, np.uint8)
+        self._n_top = np.zeros(max_open, np.uint32)
         self._unsent = np.zeros(max_open, np.int64)  # tokens since the request's last record
         self._usage = np.zeros((max_open, 3), np.uint32)  # prompt, completion, cached tokens
         self._finish = np.zeros(max_open, np.uint8)  # the scheduler's finish, once it came

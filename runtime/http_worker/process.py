@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from httpapi.errors import engine_unavailable
+from httpapi.errors import bad_request, engine_unavailable
 from httpapi.info import served_model_names
 from httpapi.logprobs import LogprobVocab
 from httpapi.responses import now
-from httpapi.sampling import SamplingSpec, check_max_logprobs
-from protocol.sampling_params import SamplingParams
+from httpapi.sampling import SamplingSpec, check_max_logprobs, logprob_entries
+from protocol.sampling_params import MAX_LOGPROB_ENTRIES, SamplingParams
 from runtime.config import ServerArgs
 from runtime.engine_stats import EngineStats
 from runtime.http_worker.core import TokenizerManager
@@ -245,7 +245,7 @@ class HTTPWorkerProcess:
         `lora_id` (0: the base model); raises APIError(400)."""
         m = self.model
         params = spec.resolve(prompt_ids, m.context_length, m.vocab_size, self.kv_tokens)
-        check_max_logprobs(params, spec.names, self.args.max_logprobs)
+        check_max_logprobs(params, spec.names, self.args.max_logprobs, len(prompt_ids))
         return dataclasses.replace(params, lora_id=lora_id) if lora_id else params
 
     async def submit(
@@ -253,6 +253,8 @@ class HTTPWorkerProcess:
     ) -> ReqGroup:
         """n choices of each prompt, prompt-major. A seeded prompt's j-th choice samples with
         seed + j, as vLLM's: the n samples differ, and the request is still reproducible."""
+        if any(p.logprobs or p.prompt_logprobs >= 0 for p in params):
+            self._check_logprob_entries(prompts, params, n)
         self.metrics.count_request(endpoint)
         for p in params:
             if p.lora_id and self.loras is not None:
@@ -268,6 +270,18 @@ class HTTPWorkerProcess:
         if self.dump is not None:
             self.dump.submitted(group, endpoint, prompts, params, n)
         return group
+
+    @staticmethod
+    def _check_logprob_entries(prompts: list, params: list[SamplingParams], n: int) -> None:
+        """A 400 naming n when the choices' logprobs alternatives in all are more than
+        MAX_LOGPROB_ENTRIES (each choice's were bounded on its own: check_max_logprobs)."""
+        entries = n * sum(sum(logprob_entries(p, len(ids)).values()) for p, ids in zip(params, prompts))
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise bad_request(
+                f"n: {n} choices of {len(prompts)} prompts ask for {entries} logprobs in all; a request may ask "
+                f"for at most {MAX_LOGPROB_ENTRIES}",
+                "n",
+            )
 
     def observe(self, group: ReqGroup) -> None:
         """A request that ended, whichever way: ran to its end, aborted (/abort_request, its

@@ -13,9 +13,10 @@ from protocol.record_bytes import concat_records
 from protocol.records import TOKEN_OUT, TokenKind
 from runtime.scheduler.req import Req
 
-# Prompt positions per PROMPT_LOGPROBS record: with 20 alternatives each, 350 KB of payload, so
-# that however large a prefill chunk is, each record fits one TOKEN_OUT push (half its arena).
-PROMPT_LOGPROBS_PER_RECORD = 2048
+# A PROMPT_LOGPROBS record's payload, in bytes, past which its positions go in several: however
+# large a prefill chunk is, each record fits one TOKEN_OUT push (half its arena). A position of a
+# whole vocabulary's alternatives (8 bytes each) goes in one record of its own.
+PROMPT_LOGPROBS_RECORD_BYTES = 512 << 10
 
 
 class PromptLogprobs:
@@ -75,8 +76,9 @@ class PromptLogprobs:
                 top_ids[skip:] = got.top_ids[at : at + c, :k]
                 top_lps[skip:] = got.top_logprobs[at : at + c, :k]
                 at += c
-            for a in range(0, m, PROMPT_LOGPROBS_PER_RECORD):
-                b = min(a + PROMPT_LOGPROBS_PER_RECORD, m)
+            per_record = max(1, PROMPT_LOGPROBS_RECORD_BYTES // (12 + 8 * k))  # id, logprob, rank; k alternatives
+            for a in range(0, m, per_record):
+                b = min(a + per_record, m)
                 ids = req.prompt[owed + a : owed + b]
                 payloads.append(pack_prompt_logprobs(ids, lps[a:b], ranks[a:b], top_ids[a:b], top_lps[a:b]))
                 rec = np.zeros(1, TOKEN_OUT.dtype)

@@ -25,7 +25,7 @@ import numpy as np
 
 from gpu.kvcache.req_table import ReqTable
 from protocol.record_bytes import concat_records
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 # decodes in a step above which none is drafted for
 MAX_BATCH = 4
@@ -61,6 +61,9 @@ class NgramSpeculator:
             and not params.min_new_tokens
             and not params.penalized
             and params.thinking_budget < 0  # its forced tokens are the sampler's, step by step
+            # a step's tokens of a request share one text record: a vocabulary's alternatives for
+            # each of a draft's tokens would outgrow it
+            and params.top_logprobs <= MAX_TOP_LOGPROBS
         )
         self.draft_len[row], self.misses[row], self.wait[row] = self.max_draft, 0, 0
 

@@ -190,7 +190,8 @@ def test_choices_agree_with_the_layer_that_acts_on_them():
         ({"stop": ("",)}, "stop"),
         ({"stop_token_ids": (50000,)}, "stop_token_ids"),
         ({"top_logprobs": 3}, "top_logprobs"),
-        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 49153}, "top_logprobs"),  # past the vocabulary
+        ({"prompt_logprobs": 49153}, "prompt_logprobs"),
     ],
 )
 def test_sampling_params_name_the_bad_param(kwargs, param):

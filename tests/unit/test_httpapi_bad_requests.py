@@ -17,7 +17,8 @@ from httpapi.requests import (
     parse_generate,
     parse_tokenize,
 )
-from httpapi.sampling import check_token_ids
+from httpapi.sampling import check_max_logprobs, check_token_ids
+from protocol.sampling_params import MAX_TOP_LOGPROBS
 
 
 def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None:
@@ -31,7 +32,8 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
         ids = req.prompt_ids  # vLLM's pre-tokenized prompt, else the rendered messages
         if ids is None:
             ids = tokenizer.apply_chat_template(req.messages, tokenize=True, return_dict=False, **template)
-        req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+        params = req.sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+        check_max_logprobs(params, req.sampling.names, MAX_TOP_LOGPROBS, len(ids))  # the server's default
     elif path in ("/v1/completions", "/generate"):
         req = parse_completion(body) if path == "/v1/completions" else parse_generate(body)
         check_model(getattr(req, "model", None), (MODEL,))
@@ -40,7 +42,8 @@ def handle(path: str, body: bytes, authorization: str | None, tokenizer) -> None
             sampling.check_grammar("xgrammar", False)
         for prompt, sampling in zip(req.prompts, samplings):
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+            params = sampling.resolve(ids, CONTEXT_LEN, VOCAB_SIZE)
+            check_max_logprobs(params, sampling.names, MAX_TOP_LOGPROBS, len(ids))  # the server's default
     elif path == "/tokenize":
         check_model(parse_tokenize(body).model, (MODEL,))
     elif path == "/detokenize":
