@@ -12,15 +12,6 @@ import orjson
 from httpapi.errors import APIError, bad_request, model_not_found
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# The peers' routes this server does not serve: path -> why, which its 404 says
-UNSERVED_ROUTES = {
-    "/v1/decisions": (
-        "vLLM's Decisions API is not served: it reads each question's answer probabilities through "
-        "prompts and label tokens vLLM tunes per model family, which this server does not have. A "
-        "question's label probabilities can be read with /v1/score (label_token_ids) or with "
-        "logprob_token_ids on /v1/chat/completions"
-    ),
-}
 
 
 def served_model_name(model_path: str | None, name: str | Sequence[str] | None = None) -> str:

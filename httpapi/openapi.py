@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from httpapi.chat_request import parse_batch_chat_completion, parse_chat_completion
+from httpapi.decisions import parse_decisions
 from httpapi.engine_requests import parse_continue, parse_get_weights, parse_pause, parse_update_weights
 from httpapi.errors import APIError
 from httpapi.fields import INT64_MAX, INT64_MIN, FieldLog, FieldRead
@@ -190,6 +191,31 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
             parse_score,
             ({"query": "hi", "items": ["a", "b"], "label_token_ids": [1, 2]}, {"text_1": "hi", "text_2": ["a"]}),
             alternatives=True,
+            not_found=True,
+        )
+    },
+    "/v1/decisions": {
+        "POST": Operation(
+            "vLLM's Decisions API: each question's answer probabilities, from its label tokens",
+            parse_decisions,
+            (
+                {"input": "The screen is broken.", "questions": [{"type": "predicate", "instructions": "Broken?"}]},
+                {
+                    "model": "any",
+                    "input": [{"role": "user", "content": [{"type": "input_text", "text": "The screen is broken."}]}],
+                    "questions": [
+                        {"type": "choice", "instructions": "Who?", "choices": [{"value": "returns"}, {"value": True}]},
+                        {
+                            "type": "score",
+                            "name": "damage",
+                            "instructions": "How bad?",
+                            "levels": [{"label": "a"}, {"label": "b"}],
+                        },
+                    ],
+                    "safety_identifier": "user-1",
+                    "joint": False,
+                },
+            ),
             not_found=True,
         )
     },

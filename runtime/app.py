@@ -8,6 +8,7 @@ sets them from its flags).
 """
 
 from runtime.http_worker.asgi import App
+from runtime.http_worker.decisions_routes import DECISIONS_ROUTES
 from runtime.http_worker.engine_routes import ENGINE_ROUTES
 from runtime.http_worker.lora_routes import LORA_ROUTES
 from runtime.http_worker.pooling_routes import POOLING_ROUTES
@@ -15,7 +16,7 @@ from runtime.http_worker.responses_routes import RESPONSE_ITEM_ROUTES, RESPONSES
 from runtime.http_worker.routes import ROUTES, retrieve_model
 
 app = App(
-    {**ROUTES, **RESPONSES_ROUTES, **ENGINE_ROUTES, **LORA_ROUTES, **POOLING_ROUTES},
+    {**ROUTES, **RESPONSES_ROUTES, **ENGINE_ROUTES, **LORA_ROUTES, **POOLING_ROUTES, **DECISIONS_ROUTES},
     model_card=retrieve_model,
     prefixes={RESPONSES_PATH + "/": RESPONSE_ITEM_ROUTES},
 )

@@ -18,7 +18,6 @@ from starlette.responses import Response
 from gpu.models.model_files import ModelLoadError
 from httpapi.auth import check_api_key
 from httpapi.errors import APIError, bad_request, body_timeout, body_too_large, internal_error, model_not_found
-from httpapi.info import UNSERVED_ROUTES
 from httpapi.request_fields import check_request_id
 from runtime.config import ServerArgs
 from runtime.http_worker.disconnect import take_due
@@ -338,9 +337,7 @@ class App:
             elif methods is None and scope["path"].startswith(MODEL_PATH):  # another model's card
                 response = error_response(model_not_found(scope["path"][len(MODEL_PATH) :]))
             elif methods is None:
-                why = UNSERVED_ROUTES.get(scope["path"])
-                message = f"{scope['method']} {scope['path']}: Not Found" + (f": {why}" if why else "")
-                response = error_response(APIError(404, message))
+                response = error_response(APIError(404, f"{scope['method']} {scope['path']}: Not Found"))
             else:
                 response = error_response(APIError(405, f"{scope['method']} {scope['path']}: Method Not Allowed"))
                 response.headers["allow"] = ", ".join(methods)

@@ -85,7 +85,7 @@ def _json(path: Path) -> object:
         return None
 
 
-async def _prompt_ids(worker, prompt: Prompt, param: str, add_special_tokens: bool = True) -> list[int]:
+async def prompt_ids(worker, prompt: Prompt, param: str, add_special_tokens: bool = True) -> list[int]:
     """A pooled input's ids: it must fit the context (all of it: nothing is generated)."""
     m = worker.model
     if isinstance(prompt, str):
@@ -107,12 +107,12 @@ async def _prompt_ids(worker, prompt: Prompt, param: str, add_special_tokens: bo
 
 
 async def _run(
-    worker, request: Request, endpoint: str, prompts: list[list[int]], params: SamplingParams, param: str
+    worker, request: Request, endpoint: str, prompts: list[list[int]], params: list[SamplingParams], param: str
 ) -> list[ReqState]:
-    """The pooled requests, one per prompt, all finished."""
-    check_request_size([len(p) for p in prompts], [params] * len(prompts), 1, param, max_tokens=worker.kv_tokens)
+    """The pooled requests, one per prompt and its params, all finished."""
+    check_request_size([len(p) for p in prompts], params, 1, param, max_tokens=worker.kv_tokens)
     worker.metrics.count_request(endpoint)
-    group = await worker.tm.submit(prompts, [params] * len(prompts))
+    group = await worker.tm.submit(prompts, params)
     return await finished(worker, request, group)
 
 
@@ -139,13 +139,12 @@ async def _embed(
         )
     ids = []
     for p in inputs:
-        got = await _prompt_ids(worker, p, param, add_special)
+        got = await prompt_ids(worker, p, param, add_special)
         if truncate is not None:
             got = got[-(worker.model.context_length if truncate == -1 else truncate) :]
         ids.append(got)
-    states = await _run(
-        worker, request, endpoint, ids, SamplingParams(max_new_tokens=1, temperature=0.0, pooling=cfg.pooling), param
-    )
+    pooled = SamplingParams(max_new_tokens=1, temperature=0.0, pooling=cfg.pooling)
+    states = await _run(worker, request, endpoint, ids, [pooled] * len(ids), param)
     vectors = []
     for state in states:
         v = _values(state)
@@ -207,18 +206,21 @@ async def encode(worker, request: Request) -> Response:
     )
 
 
-async def _label_logprobs(
-    worker, request: Request, endpoint: str, prompts: list[list[int]], labels: tuple[int, ...], param: str
-) -> tuple[np.ndarray, list[ReqState]]:
-    """Each prompt's next-token log-probabilities at `labels` [items, labels]. The first prompt
-    runs alone first, so that the others find the prefix they share with it (the query) in the
-    radix cache: N items compute the query once."""
-    check_token_ids(labels, worker.model.vocab_size, "label_token_ids")
-    params = SamplingParams(max_new_tokens=1, temperature=0.0, pooling=Pooling.LABELS, allowed_token_ids=labels)
-    states = await _run(worker, request, endpoint, prompts[:1], params, param)
+async def label_logprobs(
+    worker, request: Request, endpoint: str, prompts: list[list[int]], labels: list[tuple[int, ...]], param: str
+) -> tuple[list[np.ndarray], list[ReqState]]:
+    """Each prompt's next-token log-probabilities (over the whole vocabulary) at its labels'
+    token ids, in their order. The first prompt runs alone first, so that the others find the
+    prefix they share with it (a score's query, a decision's input) in the radix cache: N
+    prompts compute it once."""
+    params = [
+        SamplingParams(max_new_tokens=1, temperature=0.0, pooling=Pooling.LABELS, allowed_token_ids=ids)
+        for ids in labels
+    ]
+    states = await _run(worker, request, endpoint, prompts[:1], params[:1], param)
     if len(prompts) > 1:
-        states += await _run(worker, request, endpoint, prompts[1:], params, param)
-    return np.stack([_values(s) for s in states]).astype(np.float64), states
+        states += await _run(worker, request, endpoint, prompts[1:], params[1:], param)
+    return [_values(s).astype(np.float64) for s in states], states
 
 
 @api_route
@@ -236,8 +238,12 @@ async def score(worker, request: Request) -> Response:
             "label_token_ids",
             "BadRequestError",
         )
+    check_token_ids(req.label_token_ids, worker.model.vocab_size, "label_token_ids")
     prompts = await _score_prompts(worker, req)
-    lps, states = await _label_logprobs(worker, request, "score", prompts, req.label_token_ids, "items")
+    read, states = await label_logprobs(
+        worker, request, "score", prompts, [req.label_token_ids] * len(prompts), "items"
+    )
+    lps = np.stack(read)
     if req.apply_softmax:
         probs = np.exp(lps - lps.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
@@ -252,12 +258,12 @@ async def _score_prompts(worker, req: ScoreRequest) -> list[list[int]]:
     """SGLang's: query and item joined as texts (item first if asked), then tokenized; token ids joined as lists."""
     if isinstance(req.query, str):
         texts = [f"{item}{req.query}" if req.item_first else f"{req.query}{item}" for item in req.items]
-        return [await _prompt_ids(worker, t, "items") for t in texts]
+        return [await prompt_ids(worker, t, "items") for t in texts]
     query = list(req.query)
     joined: list[list[int]] = [
         [*item, *query] if req.item_first else [*query, *item] for item in req.items if isinstance(item, list)
     ]
-    return [await _prompt_ids(worker, ids, "items") for ids in joined]
+    return [await prompt_ids(worker, ids, "items") for ids in joined]
 
 
 async def _pair_scores(worker, request: Request, req: PairRequest) -> tuple[list[float], int]:
@@ -282,10 +288,11 @@ async def _pair_scores(worker, request: Request, req: PairRequest) -> tuple[list
                 "BadRequestError",
             )
         labels.append(ids[0])
-    prompts = [await _prompt_ids(worker, req.query + doc, "documents") for doc in req.documents]
-    lps, states = await _label_logprobs(
-        worker, request, "rerank" if req.rerank else "score", prompts, tuple(labels), "documents"
+    prompts = [await prompt_ids(worker, req.query + doc, "documents") for doc in req.documents]
+    read, states = await label_logprobs(
+        worker, request, "rerank" if req.rerank else "score", prompts, [tuple(labels)] * len(prompts), "documents"
     )
+    lps = np.stack(read)
     yes_no = np.exp(lps - lps.max(axis=1, keepdims=True))
     return (yes_no[:, 0] / yes_no.sum(axis=1)).tolist(), sum(s.prompt_tokens for s in states)
 

@@ -321,15 +321,6 @@ def test_per_request_metrics_on_one_choice_answers(server):
     assert all("metrics" not in (a.model_extra or {}) for a in several)
 
 
-def test_a_peers_route_not_served_says_why(server):
-    """vLLM's /v1/decisions: a 404 whose message says why it is not served (under --root-path too)."""
-    for path in ("/v1/decisions", "/api/llm/v1/decisions"):
-        r = httpx.post(server.url(path), json={"model": NAMES[0], "input": "x", "questions": []}, timeout=30)
-        assert r.status_code == 404 and "Decisions API is not served" in r.json()["error"]["message"], r.text
-    other = httpx.post(server.url("/v1/nothing"), json={}, timeout=30).json()["error"]["message"]
-    assert other == "POST /v1/nothing: Not Found"
-
-
 def test_root_path_is_served_and_so_is_the_bare_path(server):
     """--root-path (vLLM's): a proxy that keeps the prefix and one that strips it both work."""
     assert httpx.get(server.url("/api/llm/v1/models"), timeout=30).json()["data"][0]["id"] == NAMES[0]
