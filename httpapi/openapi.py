@@ -60,6 +60,7 @@ class Operation:
     streams: bool = False
     public: bool = False
     not_found: bool = False  # may answer 404 for what the path or body names (a model, a stored response)
+    closed: bool = False  # a field the parser does not read is a 400 (vLLM's Decisions schema forbids extras)
 
 
 CHAT = Operation(
@@ -217,6 +218,7 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
                 },
             ),
             not_found=True,
+            closed=True,
         )
     },
     "/v1/rerank": {"POST": RERANK},
@@ -347,7 +349,7 @@ def _operation(path: str, method: str, api_key: bool, model_names: Collection[st
                 JSON: {
                     "schema": {"anyOf": [body_schema(op.parse, (ex,)) for ex in op.examples]}
                     if op.alternatives
-                    else body_schema(op.parse, op.examples),
+                    else body_schema(op.parse, op.examples, op.closed),
                     "examples": {f"example{i}": {"value": ex} for i, ex in enumerate(op.examples)},
                 }
             },
@@ -441,10 +443,10 @@ def error_schema() -> dict[str, Any]:
 # ---------------------------------------------------------------- request bodies from their parsers
 
 
-def body_schema(parse: Callable[[bytes], object], examples: tuple[dict, ...]) -> dict[str, Any]:
+def body_schema(parse: Callable[[bytes], object], examples: tuple[dict, ...], closed: bool = False) -> dict[str, Any]:
     """The schema of the body `parse` reads: every field it reads on `examples` (nested ones
     where an example has their object), and as required the fields every example has that the
-    parser refuses an example without, naming them."""
+    parser refuses an example without, naming them. `closed`: no other top-level field."""
     log = FieldLog()
     with log:
         outcomes = [_outcome(parse, example) for example in examples]
@@ -456,6 +458,8 @@ def body_schema(parse: Callable[[bytes], object], examples: tuple[dict, ...]) ->
     schema = _object_schema(log.fields, "")
     if required:
         schema["required"] = required
+    if closed:
+        schema["additionalProperties"] = False
     return schema
 
 

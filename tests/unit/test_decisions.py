@@ -20,6 +20,7 @@ from httpapi.decisions import (
     question_prompt,
 )
 from httpapi.errors import APIError
+from httpapi.openapi import OPERATIONS, body_schema
 from runtime.http_worker.decisions_routes import _reply_label_ids
 
 PREDICATE = {"type": "predicate", "instructions": "Is it broken?"}
@@ -216,3 +217,11 @@ def test_each_label_is_one_token_after_the_generation_prompt(tokenizer):
     # ending in a space, the prompt's last token is the space, and " A" one token with it: no label
     spaced = tokenizer.encode(chat + "Answer: ", add_special_tokens=False)
     assert asyncio.run(_reply_label_ids(tm, spaced, known)) == [None] * len(LABELS)
+
+
+def test_the_openapi_document_closes_the_body():
+    """The document says what the parser takes: input and questions required, no other field."""
+    op = OPERATIONS["/v1/decisions"]["POST"]
+    schema = body_schema(op.parse, op.examples, op.closed)
+    assert schema["required"] == ["input", "questions"] and schema["additionalProperties"] is False
+    assert set(schema["properties"]) == {"model", "input", "questions", "safety_identifier", "joint", "cache_salt"}
