@@ -179,7 +179,7 @@ def _content(value: Any, param: str) -> str:
 
 def _question(value: Any, param: str) -> Question:
     kind = value.get("type") if type(value) is dict else None
-    if kind not in _QUESTION_FIELDS:
+    if type(kind) is not str or kind not in _QUESTION_FIELDS:
         raise bad_request(f"{param}.type must be one of {list(_QUESTION_FIELDS)}", f"{param}.type")
     q = _object(value, param, _QUESTION_FIELDS[kind])
     instructions = _short(q, "instructions")

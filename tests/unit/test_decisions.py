@@ -130,6 +130,7 @@ REFUSED = [
     ("over the reads' bound", {"questions": [PREDICATE] * (MAX_READ_QUESTIONS + 1)}, "questions"),
     ("question a string", {"questions": ["x"]}, "questions[0].type"),
     ("unknown type", {"questions": [{**PREDICATE, "type": "noul"}]}, "questions[0].type"),
+    ("type a list", {"questions": [{**PREDICATE, "type": []}]}, "questions[0].type"),
     ("no instructions", {"questions": [{"type": "predicate"}]}, "questions[0].instructions"),
     ("instructions a list", {"questions": [{**PREDICATE, "instructions": ["x"]}]}, "questions[0].instructions"),
     ("name null", {"questions": [{**PREDICATE, "name": None}]}, "questions[0].name"),
