@@ -36,6 +36,24 @@ import pytest
 START_TIMEOUT_S = 300.0
 USES_RINGSERVE = "uses_ringserve"  # the JUnit property saying whether a test reached a ringserve
 
+# CONFORMANCE_SET_ASIDE: JSON, the names (set_aside_match's) of the file's tests the runner sets
+# aside: they are skipped, not run (many would run to their timeout).
+SET_ASIDE_SKIP = "set aside by the conformance runner"
+
+
+def set_aside_match(name: str, test: str) -> bool:
+    """Whether `test` (a pytest item's name) is what a SET_ASIDE entry's `name` names: a test
+    function without its parameters, a prefix ending in "_" or "-", or "" (the whole file)."""
+    return test.split("[")[0] == name or (name.endswith(("_", "-")) or not name) and test.startswith(name)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    names = json.loads(os.environ.get("CONFORMANCE_SET_ASIDE", "[]"))
+    for item in items:
+        if any(set_aside_match(name, item.name) for name in names):
+            item.add_marker(pytest.mark.skip(reason=SET_ASIDE_SKIP))
+
+
 servers_started = 0  # ringserve servers this process started: a test that starts none, and uses
 server_fixtures: set[str] = set()  # no fixture that did, tests the peer's own code, not ringserve
 SERVERS_BEFORE = pytest.StashKey[int]()
