@@ -137,9 +137,16 @@ def resolve_quantization(quantization: str, model_path: Path, device: torch.devi
     return AUTO_QUANTIZATION if runs else "none"
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, attention_backend: str, quantization: str
+) -> torch.dtype:
+    """--kv-cache-dtype auto: float16 where the weights run with int8 activations (the fast
+    path, lossy already: half the cache's bytes within its quality bound), else the model's
+    dtype (the exact modes stay exact)."""
     if kv_cache_dtype == "auto":
-        return model_dtype
+        if ACTIVATIONS.get(quantization) != "q8" or attention_backend not in ("cpu", "torch"):
+            return model_dtype
+        kv_cache_dtype = "float16"
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ModelLoadError(
             f"--kv-cache-dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}"
@@ -202,14 +209,14 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(
-            config.kv_cache_dtype, self.dtype, config.attention_backend or default_backend(self.device)
-        )
         self.model_config = ModelConfig.from_dir(resolve_model_dir(config.model_path), config.context_length)
         cfg = self.model_config
         path = default_model_path() if config.model_path is None else Path(config.model_path)
         self.quantization = resolve_quantization(config.quantization, path, self.device, self.dtype)
         self.attention_backend = config.attention_backend or default_backend(self.device, cfg.plain_attention)
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.attention_backend, self.quantization
+        )
         builds = build_kernels_ahead(config, cfg)
         try:
             self._load(config, cfg, path, progress)

@@ -97,7 +97,8 @@ class ServerArgs:
         "so twice the tokens in the same memory (K and V rounded to nearest even); `fp8_e5m2`: a quarter (lossy). "
         "CPU backends; on CUDA only the model's dtype",
         choices=("auto", "float32", "float16", "bfloat16", "fp8_e5m2"),
-        default_text="`auto`: the model's dtype",
+        default_text="`auto`: `float16` where the weights run with int8 activations (`gguf-q8`, a GGUF's CPU "
+        "default; mean KL from fp32 K and V: perf/results/kv_fp16_quality_*.md), else the model's dtype",
     )
     grammar_backend: str = setting(
         "xgrammar",

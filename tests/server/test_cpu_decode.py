@@ -25,7 +25,8 @@ LENGTHS = [1, 15, 16, 17, 33, 70]  # the page size is 16
     scope="module",
     params=[
         ("gguf", "auto"),
-        ("gguf-q8", "auto"),
+        ("gguf-q8", "auto"),  # float16 K and V
+        ("gguf-q8", "float32"),
         ("gguf-q8", "float16"),
         ("gguf-q8", "bfloat16"),
         ("gguf", "float16"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gpu.models.model_files as model_files
-from gpu.model_runner import ModelRunner, ModelRunnerConfig
+from gpu.model_runner import ModelRunner, ModelRunnerConfig, resolve_kv_cache_dtype
 from gpu.models.model_files import ModelLoadError
 
 
@@ -211,3 +211,18 @@ def test_the_kernels_built_ahead_are_those_the_load_uses(monkeypatch):
     cfg = ModelConfig.from_dir(resolve_model_dir(None))
     assert sorted(kernel_libraries(cfg, runner.quantization, runner.attention_backend)) == sorted(set(loaded))
     assert kernel_libraries(cfg, "none", "torch") == [("layer_cpu",)]
+
+
+@pytest.mark.parametrize(
+    "quantization, backend, want",
+    [
+        ("gguf-q8", "cpu", torch.float16),  # the fast path: half the cache
+        ("gguf-q8", "torch", torch.float16),
+        ("gguf", "cpu", torch.float32),  # the exact modes stay exact
+        ("none", "cpu", torch.float32),
+        ("gguf-q8", "triton", torch.float32),  # its kernels read the queries' dtype only
+    ],
+)
+def test_kv_cache_dtype_auto(quantization, backend, want):
+    assert resolve_kv_cache_dtype("auto", torch.float32, backend, quantization) == want
+    assert resolve_kv_cache_dtype("float32", torch.float32, backend, quantization) == torch.float32
