@@ -118,7 +118,14 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
     ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_types[False-required-"): (
         FORCED_CALLS
     ),
+    ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_forced_tool_choice[required-"): (
+        FORCED_CALLS
+    ),
     ("vllm", "responses/test_namespace_tool_separator.py", ""): AUTO_CALL,
+    ("vllm", "responses/test_simple.py", "test_enable_response_messages"): OTHER_MODEL
+    + " (an answer to 'Hello?' longer than 10 characters, at temperature 1; the embedded model may say 'Hello.')",
+    ("vllm", "test_return_token_ids.py", "test_comparison_with_prompt_logprobs_and_logprobs"): OTHER_MODEL
+    + " (an answer that runs past 20 tokens: one that ends on its end-of-turn token decodes with it, the text without)",
     ("vllm", "responses/test_function_call.py", "test_function_calling_with_streaming_forced_tool_choice[auto-"): (
         AUTO_CALL
     ),
