@@ -122,6 +122,8 @@ SET_ASIDE: dict[tuple[str, str, str], str] = {
         FORCED_CALLS
     ),
     ("vllm", "responses/test_namespace_tool_separator.py", ""): AUTO_CALL,
+    ("vllm", "chat_completion/test_batched_chat_completions.py", "test_batched_chat_completions"): NO_LIMIT
+    + " ('Reply with exactly the word: alpha' at temperature 1, in its client's 60 s)",
     ("vllm", "responses/test_simple.py", "test_enable_response_messages"): OTHER_MODEL
     + " (an answer to 'Hello?' longer than 10 characters, at temperature 1; the embedded model may say 'Hello.')",
     ("vllm", "test_return_token_ids.py", "test_comparison_with_prompt_logprobs_and_logprobs"): OTHER_MODEL
