@@ -23,7 +23,7 @@ from bad_requests import MODEL
 
 TOKENS = 16
 CONTEXT = 2048  # small: truncation's over-long input prefills in seconds on a CPU
-QUESTION = "Name three colors."
+QUESTION = "Name ten colors."  # an answer longer than TOKENS: the responses are incomplete
 WEATHER = {
     "type": "function",
     "name": "get_weather",
