@@ -38,7 +38,8 @@
  * few rows together (ROW_TILE or half) and x in one of three layouts by the number of tokens
  * (x quantized into it): one token (decode), x's block loaded once for the rows
  * (rows_one_token); up to 2 * MAX_PAIRS tokens in pairs, a pair in the two 128-bit halves
- * (rows_pairs); more in tiles of X_TILE tokens, one token a vector lane (rows_tile). The
+ * (rows_pairs); more in tiles of X_TILE tokens, one token a vector lane (rows_tile), or, on
+ * AVX-512, with ROW_CHUNK rows repacked side by side, one row a lane (rows_packed). The
  * more tokens, the more of them share a block's unpacking and each float scale-and-add.
  * The _f32 products take tokens TILE at a time, each block dequantized once per tile.
  */
@@ -454,6 +455,121 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
     }
 }
 
+/* Many tokens on AVX-512 (VNNI, 512-bit vectors): a thread's ROW_CHUNK rows are repacked
+ * (PACK_ROWS, one int32 lane each), so that one vector holds a block's 4-byte group g of all 16
+ * rows, and each token's same group, broadcast from x's tiled layout (a broadcast load: no
+ * shuffle), meets them in one vpdpbusd. A block of a row is
+ * unpacked once for all the tokens instead of once a tile of X_TILE, the 16 rows' scales come
+ * in one vector, and eight tokens' sums are eight independent chains (from PACKED_FROM
+ * tokens). Sums in the same order as
+ * rows_tile (each block's integer sum, times d xd, added in block order), so the results are
+ * bit for bit the same. Built for AVX-512 by its target attribute alone (the file is not: see
+ * add_fifth_bits), and called only where vnni_available(). */
+#define PACK_ROWS 16   /* rows a packed vector holds: one a 32-bit lane */
+#define PACK_TOKENS 8  /* tokens a packed product takes together: 8 sums and 8 accumulators */
+/* more tokens than this are packed: repacking costs about one tile's products (measured), so a
+ * single tile stays with rows_tile */
+#define PACKED_FROM X_TILE
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+_Static_assert(PACK_ROWS == ROW_CHUNK, "a thread's chunk of rows is one packed set");
+
+struct packed_rows {
+    uint8_t *q;  /* [nb, 8, PACK_ROWS, 4]: block b's group g of each row (codes u, as unpack_q8 takes them) */
+    float *d, *m;  /* [nb, PACK_ROWS]: each row's block scale, and min (Q4_1, Q5_1) */
+};
+
+/* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros */
+static inline __attribute__((always_inline)) void pack_rows(int type, const uint8_t *w, int64_t nb, int64_t row_bytes,
+                                                           int64_t rows, struct packed_rows p) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < PACK_ROWS; r++) {
+            uint32_t groups[QK / 4] = {0};
+            float d = 0.0f, m = 0.0f;
+            if (r < rows) {
+                const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
+                _mm256_storeu_si256((__m256i *)groups, codes(type, 0, blk)); /* codes(.., 1)'s values by AVX2 */
+                uint16_t h;
+                memcpy(&h, blk, sizeof h);
+                d = _cvtsh_ss(h);
+                if (has_min(type)) {
+                    memcpy(&h, blk + 2, sizeof h);
+                    m = _cvtsh_ss(h);
+                }
+            }
+            for (int g = 0; g < QK / 4; g++) memcpy(p.q + ((b * (QK / 4) + g) * PACK_ROWS + r) * 4, groups + g, 4);
+            p.d[b * PACK_ROWS + r] = d;
+            if (has_min(type)) p.m[b * PACK_ROWS + r] = m;
+        }
+}
+
+/* y[t, n + r] for the first `tokens` (<= PACK_TOKENS) of a tile's tokens at `lane`, r < rows:
+ * x in the tiled layout (a: the tile's first token) */
+static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_tokens(
+    int type, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y, int64_t ldy,
+    int64_t tokens, int64_t rows) {
+    __m512 acc[PACK_TOKENS];
+    for (int t = 0; t < PACK_TOKENS; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t at = b * X_TILE + lane;  /* the first token's scale, sum and correction */
+        const int32_t *xg = (const int32_t *)(a.q + b * X_TILE * QK) + lane;  /* its group 0 */
+        __m512i sum[PACK_TOKENS];
+        for (int t = 0; t < PACK_TOKENS; t++)
+            sum[t] = corrected_offset(type, 1) ? _mm512_set1_epi32(a.c[at + t]) : _mm512_setzero_si512();
+        for (int g = 0; g < QK / 4; g++) {
+            const __m512i u = _mm512_loadu_si512(p.q + (b * (QK / 4) + g) * PACK_ROWS * 4);
+            for (int t = 0; t < PACK_TOKENS; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * X_TILE + t]));
+        }
+        const __m512 d = _mm512_loadu_ps(p.d + b * PACK_ROWS);
+        for (int t = 0; t < PACK_TOKENS; t++) {
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(d, _mm512_set1_ps(a.d[at + t])), acc[t]);
+            if (has_min(type))
+                acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(p.m + b * PACK_ROWS), _mm512_set1_ps(a.s[at + t]), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        if (rows == PACK_ROWS) {
+            _mm512_storeu_ps(y + t * ldy, acc[t]);
+        } else {
+            float row_values[PACK_ROWS];
+            _mm512_storeu_ps(row_values, acc[t]);
+            for (int r = 0; r < rows; r++) y[t * ldy + r] = row_values[r];
+        }
+    }
+}
+
+/* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the tiled layout */
+static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_packed(
+    int type, struct q8_activations a, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy, int64_t n0,
+    int64_t n1, struct packed_rows p) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type), rows = n1 - n0;
+    pack_rows(type, w + n0 * row_bytes, nb, row_bytes, rows, p);
+    for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS) {
+        const int64_t tile = t0 / X_TILE;
+        const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
+                                          a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
+        const int64_t tokens = T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS;
+        packed_tokens(type, p, at, nb, (int)(t0 % X_TILE), y + t0 * ldy + n0, ldy, tokens, rows);
+    }
+}
+
+/* The packed rows are kept between calls (one per OpenMP thread), as the quantized x is */
+static __thread char *pack_scratch = NULL;
+static __thread int64_t pack_scratch_bytes = 0;
+
+static int packed_rows_for(int64_t K, struct packed_rows *p) {
+    const int64_t nb = K / QK, need = nb * (QK / 4) * PACK_ROWS * 4 + 2 * nb * PACK_ROWS * (int64_t)sizeof(float);
+    if (need > pack_scratch_bytes) {
+        char *grown = realloc(pack_scratch, need);
+        if (grown == NULL) return -1;
+        pack_scratch = grown;
+        pack_scratch_bytes = need;
+    }
+    p->d = (float *)pack_scratch;
+    p->m = p->d + nb * PACK_ROWS;
+    p->q = (uint8_t *)(p->m + nb * PACK_ROWS);
+    return 0;
+}
+
 /* rows [n0, n1), all tokens, TILE at a time, x as it is */
 static inline __attribute__((always_inline)) void rows_f32(int type, const float *x, int64_t T, int64_t K,
                                                            const uint8_t *w, float *y, int64_t ldy, int64_t n0,
@@ -515,6 +631,11 @@ static int vnni_available(void) {
 #define CHUNK_END(c, N) ((c) * ROW_CHUNK + ROW_CHUNK < (N) ? (c) * ROW_CHUNK + ROW_CHUNK : (N))
 
 #define GGUF_KERNELS(NAME, TYPE)                                                                               \
+    static __attribute__((target(AVX512_TARGET), noinline)) void packed_##NAME(                               \
+        struct q8_activations a, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy, int64_t n0,    \
+        int64_t n1, struct packed_rows p) {                                                                    \
+        rows_packed(TYPE, a, T, K, w, y, ldy, n0, n1, p);                                                      \
+    }                                                                                                          \
     void gguf_get_rows_##NAME(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) {    \
         get_rows(TYPE, w, K, ids, n_ids, out);                                                                 \
     }                                                                                                          \
@@ -536,11 +657,15 @@ static int vnni_available(void) {
         const int vnni = vnni_available(), offset = corrected_offset(TYPE, vnni);                              \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
+            struct packed_rows packed;                                                                         \
+            const int pack = vnni && T > PACKED_FROM && packed_rows_for(K, &packed) == 0;                  \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, layout);              \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
-                if (vnni)                                                                                      \
+                if (pack)                                                                                      \
+                    packed_##NAME(a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N), packed);                 \
+                else if (vnni)                                                                                 \
                     rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 1}, T, K, w, y, ldy,             \
                             c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
                 else                                                                                           \

@@ -58,13 +58,17 @@ def lib() -> ctypes.CDLL:
     return with_argtypes(kernels.load("gguf_q32"))
 
 
-@pytest.fixture(scope="module", params=("as loaded", "AVX2 only"))
-def q8_lib(request: pytest.FixtureRequest, lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Both paths of the q8 products, whichever the CPU would pick."""
-    if request.param == "as loaded":
-        return lib
+@pytest.fixture(scope="module")
+def avx2_lib() -> ctypes.CDLL:
+    """The q8 products without AVX-512, whatever the CPU has."""
     source = Path(kernels.__file__).parent / "gguf_q32.c"
     return with_argtypes(ctypes.CDLL(str(build("gguf_q32_avx2", [source], (*kernels.CFLAGS, "-DGGUF_Q32_AVX2_ONLY")))))
+
+
+@pytest.fixture(scope="module", params=("as loaded", "AVX2 only"))
+def q8_lib(request: pytest.FixtureRequest, lib: ctypes.CDLL, avx2_lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Both paths of the q8 products, whichever the CPU would pick."""
+    return lib if request.param == "as loaded" else avx2_lib
 
 
 def qtype(name: str) -> GGMLQuantizationType:
@@ -193,3 +197,21 @@ def test_gemm_q8_is_llama_cpp_integer_arithmetic(
     want = terms.sum(-1) + min_terms.sum(-1)
     got = gemm(q8_lib, name, "q8", x, w, N, N + pad)
     assert_within(got, want, np.abs(terms).sum(-1) + np.abs(min_terms).sum(-1), 1e-5)
+
+
+def cpu_has_avx512_vnni() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return all(f in flags for f in ("avx512_vnni", "avx512vl", "avx512bw"))
+
+
+@pytest.mark.skipif(not cpu_has_avx512_vnni(), reason="the packed product runs on AVX512-VNNI CPUs only")
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("T, K, N, pad", ((29, 576, 67, 3), (17, 64, 9, 1), (40, 640, 48, 0), (64, 96, 16, 0)))
+def test_gemm_q8_packed_rows_are_the_tiles_bit_for_bit(
+    lib: ctypes.CDLL, avx2_lib: ctypes.CDLL, name: str, T: int, K: int, N: int, pad: int
+) -> None:
+    """Past one tile of tokens the AVX-512 build repacks the rows (rows_packed); the AVX2 one
+    takes x in tiles (rows_tile): the same integer sums and float steps in the same order."""
+    rng = np.random.default_rng(5)
+    w, x = random_bytes_weight(name, N, K, rng), rng.standard_normal((T, K)).astype(np.float32)
+    np.testing.assert_array_equal(gemm(lib, name, "q8", x, w, N, N + pad), gemm(avx2_lib, name, "q8", x, w, N, N + pad))
