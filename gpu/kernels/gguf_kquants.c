@@ -714,6 +714,130 @@ static int reserve_x_q8(int64_t T, int64_t K, struct x_q8 *xq) {
     return 0;
 }
 
+/* Many tokens on AVX512-VNNI (512-bit vectors), as gguf_q32.c's rows_packed: a thread's
+ * ROW_CHUNK rows are unpacked once (unpack_superblock) into PACK_ROWS lanes, a vector holding a
+ * block of 32's 4-byte group g of all 16 rows as unsigned codes (the value plus packed_offset),
+ * beside each row's group scales dl and mins ml as floats. Each token's group, a broadcast
+ * load from x's plain layout, meets them in one vpdpbusd, eight tokens at a time; a group of
+ * 16's integer sum starts at -offset * its bsum and is scaled by dl xd, a min taken off as
+ * ml * xd * bsum. The same integer sums as the other paths; the float steps in another order. */
+#define PACK_ROWS 16   /* rows a packed vector holds: one a 32-bit lane */
+#define PACK_TOKENS 8  /* tokens a packed product takes together */
+#define PACKED_FROM 48 /* more tokens than this are packed: unpacking a superblock costs ~50 tokens' gain */
+#define PACKED_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+_Static_assert(PACK_ROWS == ROW_CHUNK, "a thread's chunk of rows is one packed set");
+
+/* what a value is raised by to be an unsigned code (Q3_K's and Q6_K's as the tiled products;
+ * IQ4_XS's signed values by 128) */
+INLINE int packed_offset(enum kquant type) { return type == IQ4_XS ? 128 : code_offset(type); }
+
+struct packed_rows {
+    uint8_t *q;      /* [K / 32, 8, PACK_ROWS, 4] */
+    float *dl, *ml;  /* [K / 16, PACK_ROWS] */
+};
+
+static __thread char *pack_scratch = NULL;
+static __thread int64_t pack_scratch_cap = 0;
+
+static int packed_rows_for(int64_t K, struct packed_rows *p) {
+    const int64_t need = K / QX * 8 * PACK_ROWS * 4 + 2 * (K / 16) * PACK_ROWS * (int64_t)sizeof(float);
+    if (need > pack_scratch_cap) {
+        char *grown = realloc(pack_scratch, need);
+        if (grown == NULL) return -1;
+        pack_scratch = grown;
+        pack_scratch_cap = need;
+    }
+    p->dl = (float *)pack_scratch;
+    p->ml = p->dl + K / 16 * PACK_ROWS;
+    p->q = (uint8_t *)(p->ml + K / 16 * PACK_ROWS);
+    return 0;
+}
+
+/* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them have scales and mins 0 */
+INLINE void pack_rows(enum kquant type, int bytes, const uint8_t *w, int64_t K, int64_t rows, struct packed_rows p) {
+    const int64_t nsb = K / QK;
+    for (int64_t sb = 0; sb < nsb; sb++)
+        for (int r = 0; r < PACK_ROWS; r++) {
+            int8_t q[QK];
+            float dl[16] = {0}, ml[16] = {0};
+            if (r < rows)
+                unpack_superblock(type, w + (r * nsb + sb) * bytes, q, dl, ml);
+            else
+                memset(q, 0, sizeof q);
+            for (int i = 0; i < QK; i += 32)
+                _mm256_storeu_si256((__m256i *)(q + i), _mm256_add_epi8(load256(q + i), _mm256_set1_epi8((char)packed_offset(type))));
+            for (int g = 0; g < QK / 4; g++) /* group g of the superblock: group g % 8 of its block g / 8 */
+                memcpy(p.q + ((sb * QK / 4 + g) * PACK_ROWS + r) * 4, q + 4 * g, 4);
+            for (int g = 0; g < 16; g++) {
+                p.dl[(16 * sb + g) * PACK_ROWS + r] = dl[g];
+                p.ml[(16 * sb + g) * PACK_ROWS + r] = ml[g];
+            }
+        }
+}
+
+/* y[t, r] for tokens [t0, t0 + tokens) (tokens <= PACK_TOKENS: the lanes past them take the
+ * last token again, their sums unused) */
+INLINE PACKED_TARGET void packed_tokens(enum kquant type, struct packed_rows p, const struct x_q8 *xq, int64_t K,
+                                        int64_t t0, int64_t tokens, float *y, int64_t ldy, int64_t rows) {
+    __m512 acc[PACK_TOKENS];
+    __m512i sum[PACK_TOKENS];
+    int64_t tok[PACK_TOKENS];  /* the token whose x each lane set reads: past T, the last one again */
+    for (int t = 0; t < PACK_TOKENS; t++) {
+        acc[t] = _mm512_setzero_ps();
+        tok[t] = t0 + (t < tokens ? t : tokens - 1);
+    }
+    const int o = packed_offset(type);
+    for (int64_t i = 0; i < K / QX; i++) {
+        const int16_t *bs[PACK_TOKENS];
+        float xd[PACK_TOKENS];
+        for (int t = 0; t < PACK_TOKENS; t++) {
+            bs[t] = xq->bsums + tok[t] * G_STRIDE(K) + 2 * i;
+            xd[t] = xq->d[tok[t] * D_STRIDE(K) + i];
+        }
+        for (int half = 0; half < (groups_of_16(type) ? 2 : 1); half++) {
+            const int n = groups_of_16(type) ? 4 : 8, g0 = n * half;
+            for (int t = 0; t < PACK_TOKENS; t++) {
+                const int32_t bsum = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
+                sum[t] = o ? _mm512_set1_epi32(-o * bsum) : _mm512_setzero_si512();
+            }
+            for (int g = g0; g < g0 + n; g++) {
+                const __m512i u = _mm512_loadu_si512(p.q + (i * 8 + g) * PACK_ROWS * 4);
+                for (int t = 0; t < PACK_TOKENS; t++)
+                    sum[t] = _mm512_dpbusd_epi32(
+                        sum[t], u, _mm512_set1_epi32(((const int32_t *)(xq->q + tok[t] * Q_STRIDE(K) + QX * i))[g]));
+            }
+            const __m512 dl = _mm512_loadu_ps(p.dl + (2 * i + half) * PACK_ROWS);
+            for (int t = 0; t < PACK_TOKENS; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dl, _mm512_set1_ps(xd[t])), acc[t]);
+            if (has_mins(type)) {
+                const __m512 ml = _mm512_loadu_ps(p.ml + (2 * i + half) * PACK_ROWS);
+                for (int t = 0; t < PACK_TOKENS; t++) {
+                    const int32_t bsum = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
+                    acc[t] = _mm512_fnmadd_ps(ml, _mm512_set1_ps(xd[t] * (float)bsum), acc[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        if (rows == PACK_ROWS) {
+            _mm512_storeu_ps(y + t * ldy, acc[t]);
+        } else {
+            float row_values[PACK_ROWS];
+            _mm512_storeu_ps(row_values, acc[t]);
+            for (int r = 0; r < rows; r++) y[t * ldy + r] = row_values[r];
+        }
+    }
+}
+
+/* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the plain layout */
+INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, const struct x_q8 *xq, int64_t T, int64_t K,
+                                      const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1,
+                                      struct packed_rows p) {
+    pack_rows(type, bytes, w + n0 * (K / QK) * bytes, K, n1 - n0, p);
+    for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)
+        packed_tokens(type, p, xq, K, t0, T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy + n0, ldy, n1 - n0);
+}
+
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
  * same and AVX512-VNNI's vpdpbusd in the tiled products. Set from the CPU when the library
  * loads; a variable the tests set to run each path the CPU has. */
@@ -740,9 +864,11 @@ __attribute__((constructor)) static void choose_avx512(void) {
                                                const struct x_q8 *xq) {                                \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
-        const int by_tiles = tiled(TYPE, T);                                                          \
+        const int packed = VNNI && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
+            struct packed_rows rows_p;                                                               \
+            const int pack = packed && packed_rows_for(K, &rows_p) == 0;                             \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t t = 0; t < T; t++)                                                          \
                 quantize_x(TYPE, by_tiles, x + t * K, K, xq->q + t * Q_STRIDE(K), xq->d + t * D_STRIDE(K), \
@@ -750,7 +876,9 @@ __attribute__((constructor)) static void choose_avx512(void) {
             _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
-                if (by_tiles)                                                                        \
+                if (pack)                                                                            \
+                    NAME##_q8_packed(xq, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p);                    \
+                else if (by_tiles)                                                                   \
                     rows_tiled(TYPE, AVX512, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);      \
                 else                                                                                 \
                     rows_q8(TYPE, AVX512, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);              \
@@ -759,6 +887,11 @@ __attribute__((constructor)) static void choose_avx512(void) {
     }
 
 #define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
+    PACKED_TARGET __attribute__((noinline)) static void NAME##_q8_packed(                            \
+        const struct x_q8 *xq, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy,        \
+        int64_t n0, int64_t n1, struct packed_rows p) {                                              \
+        rows_packed(TYPE, BYTES, xq, T, K, w, y, ldy, n0, n1, p);                                    \
+    }                                                                                                \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0, 0)                                                      \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1, 0)                                                    \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512VNNI, 1, 1)                                                \

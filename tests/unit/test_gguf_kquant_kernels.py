@@ -43,6 +43,7 @@ SHAPES = (
     (11, 1024, 24, 7, 2),
     (2, 512, 16, 0, 2),
     (37, 512, 19, 3, 2),  # tiles of 16, 4 and 1 tokens
+    (53, 512, 21, 2, 2),  # AVX512-VNNI's packed rows: 6 groups of 8 tokens and 5, 16 rows and 5
 )
 
 
