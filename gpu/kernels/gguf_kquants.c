@@ -756,8 +756,8 @@ static int packed_rows_for(int64_t K, struct packed_rows *p) {
 /* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them have scales and mins 0 */
 INLINE void pack_rows(enum kquant type, int bytes, const uint8_t *w, int64_t K, int64_t rows, struct packed_rows p) {
     const int64_t nsb = K / QK;
-    for (int64_t sb = 0; sb < nsb; sb++)
-        for (int r = 0; r < PACK_ROWS; r++) {
+    for (int r = 0; r < PACK_ROWS; r++)  /* row by row: the chunk's rows are one run of memory, read in order */
+        for (int64_t sb = 0; sb < nsb; sb++) {
             int8_t q[QK];
             float dl[16] = {0}, ml[16] = {0};
             if (r < rows)

@@ -481,8 +481,8 @@ struct packed_rows {
 /* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros */
 static inline __attribute__((always_inline)) void pack_rows(int type, const uint8_t *w, int64_t nb, int64_t row_bytes,
                                                            int64_t rows, struct packed_rows p) {
-    for (int64_t b = 0; b < nb; b++)
-        for (int r = 0; r < PACK_ROWS; r++) {
+    for (int r = 0; r < PACK_ROWS; r++)  /* row by row: the chunk's rows are one run of memory, read in order */
+        for (int64_t b = 0; b < nb; b++) {
             uint32_t groups[QK / 4] = {0};
             float d = 0.0f, m = 0.0f;
             if (r < rows) {
