@@ -301,25 +301,6 @@ INLINE int code_offset(enum kquant type) { return type == Q3_K ? 4 : type == Q6_
 /* IQ4_XS's signed values go through signs (superblock_q8), at any number of tokens */
 INLINE int tiled(enum kquant type, int64_t T) { return type != IQ4_XS && T >= TILED_TOKENS; }
 
-/* 8 vectors of 8 dwords: v[k] lane b <- v[b] lane k */
-INLINE void transpose_8x8(__m256i v[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++) {  /* u[4 i + k] lane j < 4: v[4 i + j] lane k, lane 4 + j: lane 4 + k */
-        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {
-        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
-        v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
-    }
-}
-
 /* K values of x (a multiple of 256) -> int8 q, a scale d per block of 32 (quantize_block_q8)
  * and bsums per group of 16; tiled: q transposed, and per superblock 16 sums of its groups in
  * the tiled products' lanes (lane b: block b, first 8 its first group, then its second), as the

@@ -415,19 +415,20 @@ static inline __attribute__((always_inline)) void rows_pairs(int type, int R, in
         }
 }
 
-/* rows [n0, n1), all tokens, in x's layout for T (q8_layout): ROW_TILE rows at a time, or half
- * as many where the sums of more tokens take the registers (3-4 pairs, both halves of a tile) */
-static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, int64_t T, int64_t K,
-                                                          const uint8_t *w, float *y, int64_t ldy, int64_t n0,
-                                                          int64_t n1) {
+/* rows [n0, n1), all tokens, in x's layout (q8_layout's for T, or tiles where the packed
+ * products were chosen): ROW_TILE rows at a time, or half as many where the sums of more
+ * tokens take the registers (3-4 pairs, both halves of a tile) */
+static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_activations a, enum x_layout layout,
+                                                          int64_t T, int64_t K, const uint8_t *w, float *y,
+                                                          int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
-    if (q8_layout(T) == ONE_TOKEN) {
+    if (layout == ONE_TOKEN) {
         int64_t n = n0;
         for (; n + ROW_TILE <= n1; n += ROW_TILE) rows_one_token(type, ROW_TILE, a, K, w + n * row_bytes, row_bytes, y + n);
         for (; n < n1; n++) rows_one_token(type, 1, a, K, w + n * row_bytes, row_bytes, y + n);
         return;
     }
-    if (q8_layout(T) == PAIRS) {
+    if (layout == PAIRS) {
         int64_t n = n0;
 #define PAIRS_CASE(PAIRS, R)                                                                                        \
     case PAIRS:                                                                                                    \
@@ -460,16 +461,16 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
  * rows, and each token's same group, broadcast from x's tiled layout (a broadcast load: no
  * shuffle), meets them in one vpdpbusd. A block of a row is
  * unpacked once for all the tokens instead of once a tile of X_TILE, the 16 rows' scales come
- * in one vector, and eight tokens' sums are eight independent chains (from PACKED_FROM
- * tokens). Sums in the same order as
+ * in one vector, and eight tokens' sums are eight independent chains (past PACKED_FROM
+ * tokens, x then quantized in the tiled layout whatever T). Sums in the same order as
  * rows_tile (each block's integer sum, times d xd, added in block order), so the results are
  * bit for bit the same. Built for AVX-512 by its target attribute alone (the file is not: see
  * add_fifth_bits), and called only where vnni_available(). */
 #define PACK_ROWS 16   /* rows a packed vector holds: one a 32-bit lane */
 #define PACK_TOKENS 8  /* tokens a packed product takes together: 8 sums and 8 accumulators */
-/* more tokens than this are packed: repacking costs about one tile's products (measured), so a
- * single tile stays with rows_tile */
-#define PACKED_FROM X_TILE
+/* more tokens than this are packed: below 8 a weight held in the caches costs more to repack
+ * than the packed product saves (measured; from 6 a weight read from memory gains) */
+#define PACKED_FROM 7
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 _Static_assert(PACK_ROWS == ROW_CHUNK, "a thread's chunk of rows is one packed set");
 
@@ -478,16 +479,44 @@ struct packed_rows {
     float *d, *m;  /* [nb, PACK_ROWS]: each row's block scale, and min (Q4_1, Q5_1) */
 };
 
-/* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros */
+/* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros. The chunk's
+ * rows are one run of memory: it is read once in order (into the caches; a block of each row
+ * in turn would be 16 streams the prefetcher does not follow), then a whole chunk goes a block
+ * at a time, its 16 rows' codes transposed 8 x 8 dwords by shuffles, a partial one row by row. */
 static inline __attribute__((always_inline)) void pack_rows(int type, const uint8_t *w, int64_t nb, int64_t row_bytes,
                                                            int64_t rows, struct packed_rows p) {
-    for (int r = 0; r < PACK_ROWS; r++)  /* row by row: the chunk's rows are one run of memory, read in order */
+    uint32_t touched = 0;
+    for (int64_t at = 0; at < rows * row_bytes; at += 64) touched += w[at];
+    __asm__ volatile("" ::"r"(touched));
+    if (rows == PACK_ROWS) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i half[2][8];
+            for (int r = 0; r < PACK_ROWS; r++) {
+                const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
+                half[r / 8][r % 8] = codes(type, 0, blk); /* codes(.., 1)'s values by AVX2 */
+                uint16_t h;
+                memcpy(&h, blk, sizeof h);
+                p.d[b * PACK_ROWS + r] = _cvtsh_ss(h);
+                if (has_min(type)) {
+                    memcpy(&h, blk + 2, sizeof h);
+                    p.m[b * PACK_ROWS + r] = _cvtsh_ss(h);
+                }
+            }
+            transpose_8x8(half[0]); /* half[h][g] lane r: group g of row 8 h + r */
+            transpose_8x8(half[1]);
+            for (int g = 0; g < QK / 4; g++)
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_si256((__m256i *)(p.q + ((b * (QK / 4) + g) * PACK_ROWS + 8 * h) * 4), half[h][g]);
+        }
+        return;
+    }
+    for (int r = 0; r < PACK_ROWS; r++)
         for (int64_t b = 0; b < nb; b++) {
             uint32_t groups[QK / 4] = {0};
             float d = 0.0f, m = 0.0f;
             if (r < rows) {
                 const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
-                _mm256_storeu_si256((__m256i *)groups, codes(type, 0, blk)); /* codes(.., 1)'s values by AVX2 */
+                _mm256_storeu_si256((__m256i *)groups, codes(type, 0, blk));
                 uint16_t h;
                 memcpy(&h, blk, sizeof h);
                 d = _cvtsh_ss(h);
@@ -650,15 +679,16 @@ static int vnni_available(void) {
                               int64_t ldy, int threads) {                                                      \
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
-        const enum x_layout layout = q8_layout(T);                                                             \
+        const int vnni = vnni_available(), packs = vnni && T > PACKED_FROM;                                    \
+        const enum x_layout layout = packs ? TILES : q8_layout(T);                                             \
         const int64_t padded = layout == ONE_TOKEN ? 1 : layout == PAIRS ? (T + 1) / 2 * 2                     \
                                                                          : (T + X_TILE - 1) / X_TILE * X_TILE; \
         if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
-        const int vnni = vnni_available(), offset = corrected_offset(TYPE, vnni);                              \
+        const int offset = corrected_offset(TYPE, vnni);                                                       \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             struct packed_rows packed;                                                                         \
-            const int pack = vnni && T > PACKED_FROM && packed_rows_for(K, &packed) == 0;                  \
+            const int pack = packs && packed_rows_for(K, &packed) == 0; /* else tiles: x's layout */       \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, layout);              \
             _Pragma("omp for schedule(static)")                                                                \
@@ -666,10 +696,10 @@ static int vnni_available(void) {
                 if (pack)                                                                                      \
                     packed_##NAME(a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N), packed);                 \
                 else if (vnni)                                                                                 \
-                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 1}, T, K, w, y, ldy,             \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 1}, layout, T, K, w, y, ldy,     \
                             c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
                 else                                                                                           \
-                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 0}, T, K, w, y, ldy,             \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 0}, layout, T, K, w, y, ldy,     \
                             c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
             }                                                                                                  \
         }                                                                                                      \

@@ -47,6 +47,25 @@ static inline __m256i quantize_block_q8(const float *x, float *d, int32_t *sum) 
                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* 8 vectors of 8 dwords: v[k] lane b <- v[b] lane k */
+static inline __attribute__((always_inline)) void transpose_8x8(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {  /* u[4 i + k] lane j < 4: v[4 i + j] lane k, lane 4 + j: lane 4 + k */
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+        v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
 /* AVX512-VNNI's u8 x s8 product of 4 bytes into each int32 lane of acc (vpdpbusd), in asm: an
  * intrinsic would need the file built for AVX-512, and the AVX2 paths must run without it. Only
  * for a caller that checked the CPU has AVX512-VNNI and VL. */

@@ -25,7 +25,7 @@ QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # gguf.quants.quantize m
 # (T, K, N, ldy - N): a Gemma 3 270M product at decode, a long row, then odd ones: one block, N not a
 # multiple of the kernel's 4 rows or 16-row chunks, y a column slice of a wider output; the q8
 # products' token layouts: one token, pairs (3, 5, 7: the last one padded), tiles of 16 (29 =
-# 16 + 13, 17 = 16 + 1)
+# 16 + 13, 17 = 16 + 1); on AVX512-VNNI from 8 tokens the packed rows
 SHAPES = (
     (1, 640, 2048, 0),
     (7, 2048, 96, 0),
@@ -34,6 +34,7 @@ SHAPES = (
     (29, 576, 67, 3),
     (17, 64, 9, 1),
     (1, 64, 1, 2),
+    (8, 96, 21, 2),  # AVX512-VNNI's packed rows from 8 tokens: 16 rows and 5
 )
 THREADS = 2
 
@@ -206,12 +207,14 @@ def cpu_has_avx512_vnni() -> bool:
 
 @pytest.mark.skipif(not cpu_has_avx512_vnni(), reason="the packed product runs on AVX512-VNNI CPUs only")
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("T, K, N, pad", ((29, 576, 67, 3), (17, 64, 9, 1), (40, 640, 48, 0), (64, 96, 16, 0)))
+@pytest.mark.parametrize(
+    "T, K, N, pad", ((29, 576, 67, 3), (17, 64, 9, 1), (40, 640, 48, 0), (64, 96, 16, 0), (12, 640, 40, 0))
+)
 def test_gemm_q8_packed_rows_are_the_tiles_bit_for_bit(
     lib: ctypes.CDLL, avx2_lib: ctypes.CDLL, name: str, T: int, K: int, N: int, pad: int
 ) -> None:
-    """Past one tile of tokens the AVX-512 build repacks the rows (rows_packed); the AVX2 one
-    takes x in tiles (rows_tile): the same integer sums and float steps in the same order."""
+    """Past 8 tokens (where the AVX2 build takes x in tiles: rows_tile) the AVX-512 build repacks
+    the rows (rows_packed): the same integer sums and float steps in the same order."""
     rng = np.random.default_rng(5)
     w, x = random_bytes_weight(name, N, K, rng), rng.standard_normal((T, K)).astype(np.float32)
     np.testing.assert_array_equal(gemm(lib, name, "q8", x, w, N, N + pad), gemm(avx2_lib, name, "q8", x, w, N, N + pad))
