@@ -734,26 +734,40 @@ static int packed_rows_for(int64_t K, struct packed_rows *p) {
     return 0;
 }
 
-/* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them have scales and mins 0 */
+/* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them have scales and mins 0.
+ * The chunk's rows are one run of memory, read once in order first (into the caches: a
+ * superblock of each row in turn would be 16 streams the prefetcher does not follow); then a
+ * superblock at a time, its 16 rows unpacked and each block of 32's codes transposed 8 x 8
+ * dwords by shuffles. */
 INLINE void pack_rows(enum kquant type, int bytes, const uint8_t *w, int64_t K, int64_t rows, struct packed_rows p) {
     const int64_t nsb = K / QK;
-    for (int r = 0; r < PACK_ROWS; r++)  /* row by row: the chunk's rows are one run of memory, read in order */
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            int8_t q[QK];
+    uint32_t touched = 0;
+    for (int64_t at = 0; at < rows * nsb * bytes; at += 64) touched += w[at];
+    __asm__ volatile("" ::"r"(touched));
+    const __m256i offset = _mm256_set1_epi8((char)packed_offset(type));
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        int8_t q[PACK_ROWS][QK];
+        for (int r = 0; r < PACK_ROWS; r++) {
             float dl[16] = {0}, ml[16] = {0};
             if (r < rows)
-                unpack_superblock(type, w + (r * nsb + sb) * bytes, q, dl, ml);
+                unpack_superblock(type, w + (r * nsb + sb) * bytes, q[r], dl, ml);
             else
-                memset(q, 0, sizeof q);
-            for (int i = 0; i < QK; i += 32)
-                _mm256_storeu_si256((__m256i *)(q + i), _mm256_add_epi8(load256(q + i), _mm256_set1_epi8((char)packed_offset(type))));
-            for (int g = 0; g < QK / 4; g++) /* group g of the superblock: group g % 8 of its block g / 8 */
-                memcpy(p.q + ((sb * QK / 4 + g) * PACK_ROWS + r) * 4, q + 4 * g, 4);
+                memset(q[r], 0, QK);
             for (int g = 0; g < 16; g++) {
                 p.dl[(16 * sb + g) * PACK_ROWS + r] = dl[g];
                 p.ml[(16 * sb + g) * PACK_ROWS + r] = ml[g];
             }
         }
+        for (int b = 0; b < QK / QX; b++) {
+            __m256i half[2][8];
+            for (int r = 0; r < PACK_ROWS; r++) half[r / 8][r % 8] = _mm256_add_epi8(load256(q[r] + QX * b), offset);
+            transpose_8x8(half[0]); /* half[h][g] lane r: group g of row 8 h + r */
+            transpose_8x8(half[1]);
+            for (int g = 0; g < 8; g++)
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_si256((__m256i *)(p.q + (((sb * 8 + b) * 8 + g) * PACK_ROWS + 8 * h) * 4), half[h][g]);
+        }
+    }
 }
 
 /* y[t, r] for tokens [t0, t0 + tokens) (tokens <= PACK_TOKENS: the lanes past them take the
