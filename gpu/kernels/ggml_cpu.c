@@ -216,12 +216,7 @@ int gemm_q4_1_repacked_q8(const float *x, int64_t T, int64_t K, const uint8_t *w
     const uint8_t *qs = w;
     const float *d = (const float *)(w + N * K / 2), *m = d + N * nb;
     if (T == 0) return 0;
-    if (need > q8_scratch_cap) {
-        char *grown = realloc(q8_scratch, need);
-        if (grown == NULL) return -1;
-        q8_scratch = grown;
-        q8_scratch_cap = need;
-    }
+    if (grown_scratch(&q8_scratch, &q8_scratch_cap, need) == NULL) return -1;
     float *const xd = (float *)q8_scratch, *const xs = xd + T * nb;
     int8_t *const xq = (int8_t *)(xs + T * nb);
     const int64_t iters = (groups + CHUNK - 1) / CHUNK, share = (iters + threads - 1) / threads;

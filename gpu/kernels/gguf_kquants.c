@@ -681,12 +681,7 @@ static int reserve_x_q8(int64_t T, int64_t K, struct x_q8 *xq) {
     const int64_t groups = T * G_STRIDE(K);
     const int64_t need = T * Q_STRIDE(K) + groups * (int64_t)(sizeof(int16_t) + sizeof(float) + sizeof(int32_t)) +
                          T * D_STRIDE(K) * (int64_t)sizeof(float);
-    if (need > q8_scratch_cap) {
-        char *grown = realloc(q8_scratch, need);
-        if (grown == NULL) return -1;
-        q8_scratch = grown;
-        q8_scratch_cap = need;
-    }
+    if (grown_scratch(&q8_scratch, &q8_scratch_cap, need) == NULL) return -1;
     xq->d = (float *)q8_scratch;
     xq->s = xq->d + T * D_STRIDE(K);
     xq->c = (int32_t *)(xq->s + groups);
@@ -722,12 +717,7 @@ static __thread int64_t pack_scratch_cap = 0;
 
 static int packed_rows_for(int64_t K, struct packed_rows *p) {
     const int64_t need = K / QX * 8 * PACK_ROWS * 4 + 2 * (K / 16) * PACK_ROWS * (int64_t)sizeof(float);
-    if (need > pack_scratch_cap) {
-        char *grown = realloc(pack_scratch, need);
-        if (grown == NULL) return -1;
-        pack_scratch = grown;
-        pack_scratch_cap = need;
-    }
+    if (grown_scratch(&pack_scratch, &pack_scratch_cap, need) == NULL) return -1;
     p->dl = (float *)pack_scratch;
     p->ml = p->dl + K / 16 * PACK_ROWS;
     p->q = (uint8_t *)(p->ml + K / 16 * PACK_ROWS);
@@ -813,15 +803,7 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, struct packed_rows p, 
             }
         }
     }
-    for (int t = 0; t < tokens; t++) {
-        if (rows == PACK_ROWS) {
-            _mm512_storeu_ps(y + t * ldy, acc[t]);
-        } else {
-            float row_values[PACK_ROWS];
-            _mm512_storeu_ps(row_values, acc[t]);
-            for (int r = 0; r < rows; r++) y[t * ldy + r] = row_values[r];
-        }
-    }
+    store_packed_rows(acc, tokens, rows, y, ldy);
 }
 
 /* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the plain layout */

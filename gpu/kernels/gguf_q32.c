@@ -555,15 +555,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
                 acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(p.m + b * PACK_ROWS), _mm512_set1_ps(a.s[at + t]), acc[t]);
         }
     }
-    for (int t = 0; t < tokens; t++) {
-        if (rows == PACK_ROWS) {
-            _mm512_storeu_ps(y + t * ldy, acc[t]);
-        } else {
-            float row_values[PACK_ROWS];
-            _mm512_storeu_ps(row_values, acc[t]);
-            for (int r = 0; r < rows; r++) y[t * ldy + r] = row_values[r];
-        }
-    }
+    store_packed_rows(acc, tokens, rows, y, ldy);
 }
 
 /* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the tiled layout */
@@ -587,12 +579,7 @@ static __thread int64_t pack_scratch_bytes = 0;
 
 static int packed_rows_for(int64_t K, struct packed_rows *p) {
     const int64_t nb = K / QK, need = nb * (QK / 4) * PACK_ROWS * 4 + 2 * nb * PACK_ROWS * (int64_t)sizeof(float);
-    if (need > pack_scratch_bytes) {
-        char *grown = realloc(pack_scratch, need);
-        if (grown == NULL) return -1;
-        pack_scratch = grown;
-        pack_scratch_bytes = need;
-    }
+    if (grown_scratch(&pack_scratch, &pack_scratch_bytes, need) == NULL) return -1;
     p->d = (float *)pack_scratch;
     p->m = p->d + nb * PACK_ROWS;
     p->q = (uint8_t *)(p->m + nb * PACK_ROWS);
@@ -627,12 +614,7 @@ static __thread int64_t q8_scratch_bytes = 0;
 /* for T tokens (padded as the layout needs) */
 static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
     const int64_t blocks = T * (K / QK), need = blocks * (int64_t)(8 * sizeof(float) + 8 * sizeof(int32_t)) + T * K;
-    if (need > q8_scratch_bytes) {
-        char *grown = realloc(q8_scratch, need);
-        if (grown == NULL) return -1;
-        q8_scratch = grown;
-        q8_scratch_bytes = need;
-    }
+    if (grown_scratch(&q8_scratch, &q8_scratch_bytes, need) == NULL) return -1;
     a->d = (float *)q8_scratch;
     a->s = a->d + 4 * blocks;
     a->c = (int32_t *)(a->s + 4 * blocks);

@@ -3,6 +3,21 @@
 #define RINGSERVE_SIMD_MATH_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+/* *buf grown (realloc) to hold at least `need` bytes, *cap its size: a kernel's scratch kept
+ * between calls, one per thread (__thread), since a fresh one per call would be mmap'ed and
+ * page-faulted in every time once past malloc's threshold. NULL when it cannot grow (*buf as
+ * it was). */
+static inline char *grown_scratch(char **buf, int64_t *cap, int64_t need) {
+    if (need > *cap) {
+        char *grown = realloc(*buf, need);
+        if (grown == NULL) return NULL;
+        *buf = grown;
+        *cap = need;
+    }
+    return *buf;
+}
 
 /* horizontal sum and max of the 8 lanes, and the sum of 8 int32 lanes */
 static inline float hsum(__m256 v) {
@@ -63,6 +78,21 @@ static inline __attribute__((always_inline)) void transpose_8x8(__m256i v[8]) {
     for (int k = 0; k < 4; k++) {
         v[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
         v[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+    }
+}
+
+/* The packed products' results (gguf_q32.c, gguf_kquants.c): token t's 16 rows in acc[t], of
+ * which the first `rows` go to y + t * ldy. Only for callers built for AVX-512 (a target). */
+__attribute__((target("avx512f"))) static inline void store_packed_rows(const __m512 *acc, int64_t tokens,
+                                                                       int64_t rows, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < tokens; t++) {
+        if (rows == 16) {
+            _mm512_storeu_ps(y + t * ldy, acc[t]);
+        } else {
+            float row_values[16];
+            _mm512_storeu_ps(row_values, acc[t]);
+            for (int64_t r = 0; r < rows; r++) y[t * ldy + r] = row_values[r];
+        }
     }
 }
 
