@@ -141,9 +141,9 @@ def test_medians_ratios_and_targets():
     assert (rows[2]["servers"][spec]["text_mismatches"], rows[2]["servers"][spec]["text_compared"]) == (1, 8)
     targets = {t["target"]: t for t in pb.check_targets(rows, [pb.LLAMA, pb.RINGSERVE, spec], [spec])}
     assert targets["random c=1: output tok/s / llama.cpp's >= 1.5"]["met"]
-    assert targets["random c=1: ITL p50 / llama.cpp's <= 0.7"]["met"]
-    assert targets["random c=1: TTFT p50 / llama.cpp's <= 1.0"]["met"]
-    assert not targets["random c=8: output tok/s / llama.cpp's >= 4, no failed request"]["met"]  # 3.5x
+    assert targets["random c=1: ITL p50 / llama.cpp's <= 0.8"]["met"]
+    assert targets["random c=1: TTFT p50 / llama.cpp's <= 1"]["met"]
+    assert targets["random c=8: output tok/s / llama.cpp's >= 3, no failed request"]["met"]  # 3.5x
     (spec_target,) = [t for k, t in targets.items() if k.startswith("repetitive")]
     assert spec_target["value"] == pytest.approx(1 / off_ratio) and not spec_target["met"]  # a text differed
     assert "random c=32" not in " ".join(targets)  # not measured: not checked
