@@ -128,9 +128,7 @@ static int wide_products = 0;  /* the CPU has AVX512-VNNI (BW, VL): set when the
 
 __attribute__((constructor)) static void choose_wide(void) {
 #ifndef GGML_CPU_AVX2_ONLY /* a build with it defined never takes them: the tests' way to compare */
-    __builtin_cpu_init();
-    wide_products = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl");
+    wide_products = cpu_has_avx512_vnni();
 #endif
 }
 

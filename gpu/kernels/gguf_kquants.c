@@ -731,9 +731,7 @@ static int packed_rows_for(int64_t K, struct packed_rows *p) {
  * dwords by shuffles. */
 INLINE void pack_rows(enum kquant type, int bytes, const uint8_t *w, int64_t K, int64_t rows, struct packed_rows p) {
     const int64_t nsb = K / QK;
-    uint32_t touched = 0;
-    for (int64_t at = 0; at < rows * nsb * bytes; at += 64) touched += w[at];
-    __asm__ volatile("" ::"r"(touched));
+    read_in_order(w, rows * nsb * bytes);
     const __m256i offset = _mm256_set1_epi8((char)packed_offset(type));
     for (int64_t sb = 0; sb < nsb; sb++) {
         int8_t q[PACK_ROWS][QK];
@@ -781,9 +779,10 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, struct packed_rows p, 
         }
         for (int half = 0; half < (groups_of_16(type) ? 2 : 1); half++) {
             const int n = groups_of_16(type) ? 4 : 8, g0 = n * half;
+            int32_t bsum[PACK_TOKENS];  /* the sum of x's q over the groups this half takes */
             for (int t = 0; t < PACK_TOKENS; t++) {
-                const int32_t bsum = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
-                sum[t] = o ? _mm512_set1_epi32(-o * bsum) : _mm512_setzero_si512();
+                bsum[t] = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
+                sum[t] = o ? _mm512_set1_epi32(-o * bsum[t]) : _mm512_setzero_si512();
             }
             for (int g = g0; g < g0 + n; g++) {
                 const __m512i u = _mm512_loadu_si512(p.q + (i * 8 + g) * PACK_ROWS * 4);
@@ -796,10 +795,8 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, struct packed_rows p, 
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dl, _mm512_set1_ps(xd[t])), acc[t]);
             if (has_mins(type)) {
                 const __m512 ml = _mm512_loadu_ps(p.ml + (2 * i + half) * PACK_ROWS);
-                for (int t = 0; t < PACK_TOKENS; t++) {
-                    const int32_t bsum = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
-                    acc[t] = _mm512_fnmadd_ps(ml, _mm512_set1_ps(xd[t] * (float)bsum), acc[t]);
-                }
+                for (int t = 0; t < PACK_TOKENS; t++)
+                    acc[t] = _mm512_fnmadd_ps(ml, _mm512_set1_ps(xd[t] * (float)bsum[t]), acc[t]);
             }
         }
     }

@@ -459,9 +459,8 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
 /* Many tokens on AVX-512 (VNNI, 512-bit vectors): a thread's ROW_CHUNK rows are repacked
  * (PACK_ROWS, one int32 lane each), so that one vector holds a block's 4-byte group g of all 16
  * rows, and each token's same group, broadcast from x's tiled layout (a broadcast load: no
- * shuffle), meets them in one vpdpbusd. A block of a row is
- * unpacked once for all the tokens instead of once a tile of X_TILE, the 16 rows' scales come
- * in one vector, and eight tokens' sums are eight independent chains (past PACKED_FROM
+ * shuffle), meets them in one vpdpbusd. A block of a row is unpacked once for all the tokens
+ * instead of once a tile of X_TILE, the 16 rows' scales come in one vector, and eight tokens' sums are eight independent chains (past PACKED_FROM
  * tokens, x then quantized in the tiled layout whatever T). Sums in the same order as
  * rows_tile (each block's integer sum, times d xd, added in block order), so the results are
  * bit for bit the same. Built for AVX-512 by its target attribute alone (the file is not: see
@@ -480,43 +479,19 @@ struct packed_rows {
 };
 
 /* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros. The chunk's
- * rows are one run of memory: it is read once in order (into the caches; a block of each row
- * in turn would be 16 streams the prefetcher does not follow), then a whole chunk goes a block
- * at a time, its 16 rows' codes transposed 8 x 8 dwords by shuffles, a partial one row by row. */
+ * rows are one run of memory, read once in order first (read_in_order); then a block at a
+ * time, its 16 rows' codes transposed 8 x 8 dwords by shuffles. */
 static inline __attribute__((always_inline)) void pack_rows(int type, const uint8_t *w, int64_t nb, int64_t row_bytes,
                                                            int64_t rows, struct packed_rows p) {
-    uint32_t touched = 0;
-    for (int64_t at = 0; at < rows * row_bytes; at += 64) touched += w[at];
-    __asm__ volatile("" ::"r"(touched));
-    if (rows == PACK_ROWS) {
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i half[2][8];
-            for (int r = 0; r < PACK_ROWS; r++) {
-                const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
-                half[r / 8][r % 8] = codes(type, 0, blk); /* codes(.., 1)'s values by AVX2 */
-                uint16_t h;
-                memcpy(&h, blk, sizeof h);
-                p.d[b * PACK_ROWS + r] = _cvtsh_ss(h);
-                if (has_min(type)) {
-                    memcpy(&h, blk + 2, sizeof h);
-                    p.m[b * PACK_ROWS + r] = _cvtsh_ss(h);
-                }
-            }
-            transpose_8x8(half[0]); /* half[h][g] lane r: group g of row 8 h + r */
-            transpose_8x8(half[1]);
-            for (int g = 0; g < QK / 4; g++)
-                for (int h = 0; h < 2; h++)
-                    _mm256_storeu_si256((__m256i *)(p.q + ((b * (QK / 4) + g) * PACK_ROWS + 8 * h) * 4), half[h][g]);
-        }
-        return;
-    }
-    for (int r = 0; r < PACK_ROWS; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint32_t groups[QK / 4] = {0};
+    read_in_order(w, rows * row_bytes);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i half[2][8];
+        for (int r = 0; r < PACK_ROWS; r++) {
             float d = 0.0f, m = 0.0f;
+            half[r / 8][r % 8] = _mm256_setzero_si256();
             if (r < rows) {
                 const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
-                _mm256_storeu_si256((__m256i *)groups, codes(type, 0, blk));
+                half[r / 8][r % 8] = codes(type, 0, blk); /* codes(.., 1)'s values by AVX2 */
                 uint16_t h;
                 memcpy(&h, blk, sizeof h);
                 d = _cvtsh_ss(h);
@@ -525,10 +500,15 @@ static inline __attribute__((always_inline)) void pack_rows(int type, const uint
                     m = _cvtsh_ss(h);
                 }
             }
-            for (int g = 0; g < QK / 4; g++) memcpy(p.q + ((b * (QK / 4) + g) * PACK_ROWS + r) * 4, groups + g, 4);
             p.d[b * PACK_ROWS + r] = d;
             if (has_min(type)) p.m[b * PACK_ROWS + r] = m;
         }
+        transpose_8x8(half[0]); /* half[h][g] lane r: group g of row 8 h + r */
+        transpose_8x8(half[1]);
+        for (int g = 0; g < QK / 4; g++)
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_si256((__m256i *)(p.q + ((b * (QK / 4) + g) * PACK_ROWS + 8 * h) * 4), half[h][g]);
+    }
 }
 
 /* y[t, n + r] for the first `tokens` (<= PACK_TOKENS) of a tile's tokens at `lane`, r < rows:
@@ -548,11 +528,10 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
             const __m512i u = _mm512_loadu_si512(p.q + (b * (QK / 4) + g) * PACK_ROWS * 4);
             for (int t = 0; t < PACK_TOKENS; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * X_TILE + t]));
         }
-        const __m512 d = _mm512_loadu_ps(p.d + b * PACK_ROWS);
+        const __m512 d = _mm512_loadu_ps(p.d + b * PACK_ROWS), m = _mm512_loadu_ps(p.m + b * PACK_ROWS);
         for (int t = 0; t < PACK_TOKENS; t++) {
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(d, _mm512_set1_ps(a.d[at + t])), acc[t]);
-            if (has_min(type))
-                acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(p.m + b * PACK_ROWS), _mm512_set1_ps(a.s[at + t]), acc[t]);
+            if (has_min(type)) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[at + t]), acc[t]);
         }
     }
     store_packed_rows(acc, tokens, rows, y, ldy);
@@ -628,9 +607,7 @@ static int vnni_available(void) {
 #ifdef GGUF_Q32_AVX2_ONLY
     return 0;
 #else
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw");
+    return cpu_has_avx512_vnni();
 #endif
 }
 

@@ -19,6 +19,21 @@ static inline char *grown_scratch(char **buf, int64_t *cap, int64_t need) {
     return *buf;
 }
 
+/* Whether the CPU has AVX512-VNNI with BW and VL, the products' 512-bit and VNNI paths */
+static inline int cpu_has_avx512_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw");
+}
+
+/* Reads `bytes` at p in order, a byte a cache line, so that they are in the caches for reads
+ * in another order (a strided walk over rows is several streams the prefetcher does not follow) */
+static inline void read_in_order(const uint8_t *p, int64_t bytes) {
+    uint32_t touched = 0;
+    for (int64_t at = 0; at < bytes; at += 64) touched += p[at];
+    __asm__ volatile("" ::"r"(touched));
+}
+
 /* horizontal sum and max of the 8 lanes, and the sum of 8 int32 lanes */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
