@@ -177,7 +177,7 @@ def kernel_libraries(cfg: ModelConfig, quantization: str, attention_backend: str
     libraries += sorted({(BLOCK_TYPES[t].library,) for t in types if t in BLOCK_TYPES})
     if ACTIVATIONS.get(quantization) == "q8" and "Q4_1" in types:
         libraries.append(("ggml_cpu",))
-    if attention_backend == "cpu" and cfg.llama_like:
+    if attention_backend == "cpu":
         libraries.append(("decode_cpu", "layer_cpu", "attention_cpu"))
     return libraries
 

@@ -282,15 +282,6 @@ int paged_decode_attention_windowed(const float *q, int64_t q_stride, const void
     return 0;
 }
 
-/* every key, uncapped (gpu/kernels/decode_cpu.c's Llama layers) */
-int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
-                           const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
-                           int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads) {
-    return paged_decode_attention_windowed(q, q_stride, k, v, kv_dtype, page_table, pt_stride, kv_lens, B, Hq, Hkv, D,
-                                           page_size, scale, 0, 0.0f, out, threads);
-}
-
-
 /* Extend: request b's q_lens[b] new tokens are the last of its kv_lens[b] positions; query i
  * sits at position kv_lens[b] - q_lens[b] + i and sees keys 0 .. that position (causal, aligned
  * bottom-right, so a cached prefix or earlier chunks are simply more keys).

@@ -9,6 +9,11 @@
  * on the same values, so the result is bit for bit the Python forward's
  * (tests/server/test_cpu_decode.py).
  *
+ * The Llama layer and the variations of gpu/models/llama.py's forward: q/k norms per head (Qwen3,
+ * Gemma 3), Gemma's norms of the attention and MLP outputs, GELU-tanh, per-layer rope tables or
+ * none (Gemma 3's sliding layers, SmolLM3's NoPE layers), per-layer sliding windows and
+ * soft-capped scores (attention_cpu.c).
+ *
  * Decode only: every request has one new token, its K and V are stored at out_cache_loc (in
  * the cache's element type, rounded as torch rounds: kv_dtype.h) and it attends to kv_lens[b]
  * cached tokens (itself included).
@@ -29,10 +34,12 @@ void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_
 void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
           const float *cos_table, const float *sin_table, int pairs, int threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
+void gelu_tanh_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
 /* attention_cpu.c */
-int paged_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
-                           const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B, int64_t Hq,
-                           int64_t Hkv, int64_t D, int64_t page_size, float scale, float *out, int threads);
+int paged_decode_attention_windowed(const float *q, int64_t q_stride, const void *k, const void *v, int kv_dtype,
+                                    const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens, int64_t B,
+                                    int64_t Hq, int64_t Hkv, int64_t D, int64_t page_size, float scale, int64_t window,
+                                    float softcap, float *out, int threads);
 
 /* a GGUF kernel, gguf_gemm_TYPE_{f32,q8}: y[t, :N] (row t at y + t * ldy) = x[t] @ W^T; 0 or -1 (no memory) */
 typedef int (*Gemm)(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
@@ -54,6 +61,10 @@ typedef struct {  /* y [T, n] = x [T, k] @ W^T, W the parts' rows one after anot
 typedef struct {
     const float *input_norm, *post_norm;
     const float *qkv_bias;  /* [(Hq + 2 Hkv) D] or NULL */
+    const float *q_norm, *k_norm;  /* [D], each q and k head's, before rope; or NULL */
+    const float *attn_out_norm, *mlp_out_norm;  /* [H] (Gemma: of the attention's and the MLP's outputs) or NULL */
+    const float *cos_table, *sin_table;  /* this layer's rope [P, D/2], or NULL: no rope */
+    int64_t window;  /* a query at position p sees keys p - window + 1 .. p; 0: every key */
     Projection qkv, o, gate_up, down;
     void *k_cache, *v_cache;  /* this layer's pages: [num_pages, page_size, Hkv, D] in Dims.kv_dtype */
 } Layer;
@@ -62,7 +73,9 @@ typedef struct {
     int64_t hidden, intermediate, q_heads, kv_heads, head_dim, page_size;
     int64_t kv_dtype;  /* KV_F32 | KV_F16 | KV_BF16 | KV_F8E5M2 */
     int64_t rope_pairs;  /* rope's pairs are dims (2j, 2j + 1), not (j, j + D/2): layer_cpu.c rope */
+    int64_t gelu;  /* the MLP's activation: GELU-tanh (Gemma), else SiLU */
     float eps, scale;
+    float softcap;  /* scores -> softcap tanh(scores / softcap) (Gemma 2); 0: none */
 } Dims;
 
 typedef struct {  /* an adapter's pair of one projection (gpu/lora.py stacks a fused one's parts) */
@@ -171,14 +184,20 @@ static int project(const Projection *p, const float *x, int64_t T, float *y, int
     return 0;
 }
 
+/* rms_norm of each of the n heads [D] at the start of every row of x (rows row_stride apart), in place */
+static void norm_heads(float *x, int64_t row_stride, int64_t T, int64_t n, int64_t D, const float *w, float eps,
+                       int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * n >= 64)
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * row_stride, NULL, w, n, D, eps, x + t * row_stride, 1);
+}
+
 /* x [T, H]: the embeddings in; out, the residual stream before the last layer's MLP output is
  * added, which is left in residual [T, H] (the Python forward's x and residual after its loop).
  * positions, out_cache_loc int64 [T]; page_table int32 [T, pt_stride]; kv_lens int32 [T].
  * loras: NULL (no adapter in the step), or each token's adapter's pairs (lora_add), none of
  * rank above lora_max_r. Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64_t T, float *x, float *residual,
-                  const int64_t *positions, const float *cos_table, const float *sin_table,
-                  const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens,
+                  const int64_t *positions, const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens,
                   const LoraPair *const *loras, int64_t lora_max_r, int threads) {
     const int64_t H = dims->hidden, I = dims->intermediate, Hq = dims->q_heads, Hkv = dims->kv_heads;
     const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
@@ -205,23 +224,29 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += L->qkv_bias[j];
         if (lora_add(loras, l, LORA_QKV, h, T, H, qkv, qkv_width, xa, lora_max_r, threads)) return -1;
-        rope(qkv, qkv_width, T, Hq + Hkv, D, positions, cos_table, sin_table, (int)dims->rope_pairs, threads);
+        if (L->q_norm) norm_heads(qkv, qkv_width, T, Hq, D, L->q_norm, dims->eps, threads);
+        if (L->k_norm) norm_heads(qkv + Hq * D, qkv_width, T, Hkv, D, L->k_norm, dims->eps, threads);
+        if (L->cos_table)
+            rope(qkv, qkv_width, T, Hq + Hkv, D, positions, L->cos_table, L->sin_table, (int)dims->rope_pairs, threads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_width;
             kv_store_row((char *)L->k_cache + out_cache_loc[t] * kv_row_bytes, row + Hq * D, kv_width, kv_dtype);
             kv_store_row((char *)L->v_cache + out_cache_loc[t] * kv_row_bytes, row + (Hq + Hkv) * D, kv_width, kv_dtype);
         }
-        if (paged_decode_attention(qkv, qkv_width, L->k_cache, L->v_cache, kv_dtype, page_table, pt_stride, kv_lens, T,
-                                   Hq, Hkv, D, dims->page_size, dims->scale, attn, threads))
+        if (paged_decode_attention_windowed(qkv, qkv_width, L->k_cache, L->v_cache, kv_dtype, page_table, pt_stride,
+                                            kv_lens, T, Hq, Hkv, D, dims->page_size, dims->scale, L->window,
+                                            dims->softcap, attn, threads))
             return -1;
         if (project(&L->o, attn, T, proj, threads)) return -1;
         if (lora_add(loras, l, LORA_O, attn, T, Hq * D, proj, H, xa, lora_max_r, threads)) return -1;
+        if (L->attn_out_norm) rms_norm(proj, NULL, L->attn_out_norm, T, H, dims->eps, proj, threads);
         rms_norm(x, proj, L->post_norm, T, H, dims->eps, h, threads);
         if (project(&L->gate_up, h, T, gate_up, threads)) return -1;
         if (lora_add(loras, l, LORA_GATE_UP, h, T, H, gate_up, 2 * I, xa, lora_max_r, threads)) return -1;
-        silu_mul(gate_up, T, I, act, threads);
+        (dims->gelu ? gelu_tanh_mul : silu_mul)(gate_up, T, I, act, threads);
         if (project(&L->down, act, T, residual, threads)) return -1;
         if (lora_add(loras, l, LORA_DOWN, act, T, I, residual, H, xa, lora_max_r, threads)) return -1;
+        if (L->mlp_out_norm) rms_norm(residual, NULL, L->mlp_out_norm, T, H, dims->eps, residual, threads);
     }
     return 0;
 }

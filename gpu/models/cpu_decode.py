@@ -1,11 +1,12 @@
 """Decode steps of a GGUF-quantized model on the CPU with its layer loop in C
 (gpu/kernels/decode_cpu.c): the same kernels as the Python forward, in the same order, one
-call a step instead of ~10 a layer. Used by the ModelRunner for steps where every request
-has one new token, when the model's projections are all GGUF blocks (GGUFWeights of block
-types), the per-layer glue is the C kernels (CpuLayerOps) and the attention backend is `cpu`;
-anything else takes the Python forward. Steps with LoRA adapters' tokens get their deltas in
-the loop too (decode_cpu.c's lora_add), from each resident adapter's table of pairs
-(gpu/lora.py's Adapter.table)."""
+call a step instead of ~10 a layer, for every variation the forward runs (q/k norms, Gemma's
+norms and GELU, per-layer rope tables, sliding windows, soft-capped scores). Used by the
+ModelRunner for steps where every request has one new token, when the model's projections are
+all GGUF blocks (GGUFWeights of block types), the per-layer glue is the C kernels (CpuLayerOps)
+and the attention backend is `cpu`; anything else takes the Python forward. Steps with LoRA
+adapters' tokens get their deltas in the loop too (decode_cpu.c's lora_add), from each resident
+adapter's table of pairs (gpu/lora.py's Adapter.table)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ class _Layer(ctypes.Structure):
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
         ("qkv_bias", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("attn_out_norm", ctypes.c_void_p),
+        ("mlp_out_norm", ctypes.c_void_p),
+        ("cos_table", ctypes.c_void_p),
+        ("sin_table", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
         ("qkv", _Projection),
         ("o", _Projection),
         ("gate_up", _Projection),
@@ -64,9 +72,15 @@ class _Dims(ctypes.Structure):
         ("page_size", ctypes.c_int64),
         ("kv_dtype", ctypes.c_int64),
         ("rope_pairs", ctypes.c_int64),
+        ("gelu", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
     ]
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _in_blocks(w: torch.Tensor | GGUFWeight) -> bool:
@@ -89,22 +103,30 @@ class CpuDecoder:
         """Raises KernelBuildError when the library cannot be built here."""
         lib = kernels.load("decode_cpu", "layer_cpu", "attention_cpu")
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        # layers, n_layers, dims, T, x, residual, positions, cos, sin, out_cache_loc, page_table, pt_stride, kv_lens,
+        # layers, n_layers, dims, T, x, residual, positions, out_cache_loc, page_table, pt_stride, kv_lens,
         # loras, lora_max_r, threads
         lib.decode_layers.argtypes = [
-            *(ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr),
+            *(ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr),
             *(ptr, i64, ctypes.c_int),
         ]
         lib.decode_layers.restype = ctypes.c_int
         self._decode = lib.decode_layers
         cfg, ops = model.cfg, model.ops
         self.model = model
+        windows = cfg.sliding_windows or (None,) * cfg.num_layers
         self._layers = (_Layer * cfg.num_layers)(
             *(
                 _Layer(
                     model.input_norm[i].data_ptr(),
                     model.post_norm[i].data_ptr(),
-                    None if (bias := model.qkv_bias[i]) is None else bias.data_ptr(),
+                    _address(model.qkv_bias[i]),
+                    _address(model.q_norm[i]),
+                    _address(model.k_norm[i]),
+                    _address(model.attn_out_norm[i]),
+                    _address(model.mlp_out_norm[i]),
+                    None if (rope := model.layer_rope[i]) is None else rope.cos.data_ptr(),
+                    None if rope is None else rope.sin.data_ptr(),
+                    windows[i] or 0,
                     _projection(model.qkv[i]),
                     _projection(model.o[i]),
                     _projection(model.gate_up[i]),
@@ -125,10 +147,11 @@ class CpuDecoder:
             kv_cache.page_size,
             KV_DTYPE_CODES[kv_cache.dtype],
             int(ops.rope_style == "pairs"),
+            int(cfg.hidden_act != "silu"),
             cfg.rms_norm_eps,
-            cfg.head_dim**-0.5,
+            cfg.attn_scale,
+            cfg.attn_logit_softcapping or 0.0,
         )
-        self._tables = (ops.cos, ops.sin)  # contiguous [P, D/2], held by the ops
 
     @staticmethod
     def applies(model: LlamaForCausalLM, attention_backend: str) -> bool:
@@ -136,8 +159,7 @@ class CpuDecoder:
         projections = (*model.qkv, *model.o, *model.gate_up, *model.down)
         return (
             attention_backend == "cpu"
-            and model.cfg.llama_like  # the C loop is the plain Llama layer: no Qwen3/Gemma/SmolLM3 variations
-            and isinstance(model.ops, CpuLayerOps)
+            and all(isinstance(ops, CpuLayerOps) for ops in (model.ops, *model.layer_rope) if ops is not None)
             and all(_in_blocks(w) for w in projections)
         )
 
@@ -155,10 +177,9 @@ class CpuDecoder:
         """input_ids: int64 [T] -> float32 logits [S, V], as LlamaForCausalLM.forward (with the
         deltas of `lora`'s adapters for their tokens)."""
         loras, max_r = lora.tables if lora is not None else (None, 0)
-        x = self.model.embedding(input_ids).contiguous()  # [T, H], the residual stream
+        x = self.model.scaled_embedding(input_ids).contiguous()  # [T, H], the residual stream
         residual = torch.empty_like(x)
         page_table = meta.page_table if meta.page_table.is_contiguous() else meta.page_table.contiguous()
-        cos, sin = self._tables
         if self._decode(
             ctypes.addressof(self._layers),
             len(self._layers),
@@ -167,8 +188,6 @@ class CpuDecoder:
             x.data_ptr(),
             residual.data_ptr(),
             meta.positions.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
             meta.out_cache_loc.data_ptr(),
             page_table.data_ptr(),
             page_table.shape[1],

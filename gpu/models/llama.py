@@ -389,9 +389,7 @@ class LlamaForCausalLM:
         qk_width, eps = (Hq + Hkv) * D, cfg.rms_norm_eps
         ops = self.ops
         ropes = {id(o): o.rope_at(positions) for o in self.layer_rope if o is not None}  # one gather per table
-        x, residual = self.embedding(input_ids), None  # [T, H]; residual: the last layer's MLP output
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        x, residual = self.scaled_embedding(input_ids), None  # [T, H]; residual: the last layer's MLP output
         for i in range(cfg.num_layers):
             x, h = ops.add_rms_norm(x, residual, self.input_norm[i], eps)
             qkv = linear(h, self.qkv[i], self.qkv_bias[i])  # [T, (Hq + 2Hkv) D]
@@ -434,6 +432,11 @@ class LlamaForCausalLM:
         if isinstance(self.embed, GGUFWeight):
             return self.embed.rows(input_ids)
         return F.embedding(input_ids, self.embed)
+
+    def scaled_embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: int64 [T] -> the first layer's input [T, H] (Gemma's scaled by sqrt(H))."""
+        x = self.embedding(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2I] -> act(gate) * up [T, I]"""

@@ -91,22 +91,6 @@ class ModelConfig:
         """Causal attention over all keys with no soft-cap: what every attention backend does."""
         return self.attn_logit_softcapping is None and not any(w is not None for w in self.sliding_windows)
 
-    @property
-    def llama_like(self) -> bool:
-        """The plain Llama decoder layer, as gpu/kernels/decode_cpu.c runs it."""
-        return (
-            self.plain_attention
-            and self.hidden_act == "silu"
-            and not self.qk_norm
-            and not self.gemma_norms
-            and self.embed_scale is None
-            and self.query_pre_attn_scalar is None
-            and self.final_logit_softcapping is None
-            and all(self.rope_layers)
-            and self.local_rope is None
-            and self.rope.attention_factor == 1.0
-        )
-
     @classmethod
     def from_dir(cls, model_dir: Path, context_length: int | None = None) -> ModelConfig:
         try:

@@ -1,8 +1,10 @@
 """Decode steps with the layer loop in C (gpu/models/cpu_decode.py) give bit for bit the Python
 forward's logits: same kernels, same order, same values, on a batch of requests whose
 lengths sit around page boundaries, with and without a qkv bias, with a fp32, fp16 or bf16
-KV cache (the C store rounds as torch's .to() does); and the decoder is used only where it
-reproduces the model (GGUF blocks, C glue, the cpu attention backend)."""
+KV cache (the C store rounds as torch's .to() does), for every family's variations (tiny
+GGUFs: q/k norms, Gemma's norms, GELU and soft-caps, sliding windows, per-layer and absent
+rope); and the decoder is used only where it reproduces the model (GGUF blocks, C glue, the
+cpu attention backend)."""
 
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ def decode_batch(runner: ModelRunner):
     """Every request prefilled, then one decode step's batch of all of them."""
     rng = np.random.default_rng(0)
     seqs = []
+    vocab = runner.model_config.vocab_size
     for row, n in enumerate(LENGTHS):
-        prompt = rng.integers(100, 40000, n).astype(np.int32)
+        prompt = rng.integers(min(100, vocab // 2), min(40000, vocab), n).astype(np.int32)
         pages = runner.pool.alloc(runner.pool.pages_for(n + 1))
         runner.set_request(row, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))
         token = runner.step([SeqInput(row, prompt, 0, pages, True)]).tokens[:1]
@@ -113,3 +116,44 @@ def test_prefill_takes_the_python_forward(runner):
         runner.device,
     )
     assert not decoder.takes(prefill.meta)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.inference_mode()
+def test_every_family_decodes_as_the_python_forward(family, tmp_path, monkeypatch):
+    """Tiny Q8_0 GGUFs of each family (tests/server/test_gpu_model_families_gguf.py), windows of 16
+    tokens under requests of up to 70: the C loop's logits and stored K/V bit for bit the
+    Python forward's."""
+    from test_gpu_model_families_gguf import typed_model, write_gguf
+
+    import gpu.models.model_files
+
+    monkeypatch.setattr(gpu.models.model_files, "cache_root", lambda: tmp_path / "cache")
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(family, typed_model(family), path, "Q8_0")
+    runner = ModelRunner(
+        ModelRunnerConfig(
+            model_path=str(path),
+            quantization="gguf-q8",
+            max_total_tokens=1024,
+            max_running_requests=len(LENGTHS),
+        )
+    )
+    assert runner.decoder is not None
+    test_decode_logits_equal_the_python_forward(runner)
+
+
+@torch.inference_mode()
+def test_layers_without_rope_are_left_unrotated(runner, monkeypatch):
+    """SmolLM3's NoPE layers: a layer whose rope is None in the model is None in the C loop too."""
+    model = runner.model
+    monkeypatch.setattr(model, "layer_rope", [None if i % 2 else r for i, r in enumerate(model.layer_rope)])
+    decoder = CpuDecoder(model, runner.kv_cache)
+    batch = decode_batch(runner)
+    without = decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+    assert torch.equal(without, python_forward(runner, batch))
+    monkeypatch.undo()
+    assert not torch.equal(without, runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index))
