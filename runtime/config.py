@@ -314,8 +314,9 @@ class ServerArgs:
     speculative_algorithm: str = setting(
         "NGRAM",
         "`NGRAM`: n-gram (prompt lookup) speculative decoding: a greedy request's next tokens drafted from its "
-        "own earlier ones, verified in one forward; the same text as `none` (off); sampled requests and large "
-        "batches are never drafted for (docs/architecture.md, perf/results/peer.md); acceptance in `/metrics`",
+        "own earlier ones, verified in one forward; the same text as `none` (off); sampled requests are never "
+        "drafted for, and a step drafts where the steps' measured costs say accepted drafts pay "
+        "(docs/architecture.md, perf/results/peer.md); acceptance in `/metrics`",
         choices=("NGRAM", "none"),
     )
     speculative_num_draft_tokens: int = setting(

@@ -225,6 +225,7 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> StepResult:
+        start = time.perf_counter()
         if self.paused:
             return self._result(np.zeros(0, TOKEN_EVENT), None, None)
         if self.compiling:
@@ -239,7 +240,10 @@ class Scheduler:
         if self.heartbeat is not None:
             self.heartbeat()
         step = self._step_input(decode_rows, prefill, drafts)
-        return self._process(step, prefill, drafts, self.runner.step(step))
+        result = self._process(step, prefill, drafts, self.runner.step(step))
+        if not prefill:  # what drafting decides by: a step's tokens and its whole time
+            self.speculator.timed(len(step.rows), time.perf_counter() - start)
+        return result
 
     def _schedule_decode(self) -> np.ndarray:
         """Every running decode, each with a page for its next token: evicts cached pages,

@@ -6,11 +6,14 @@ The scheduler keeps the longest prefix of the draft the model itself chose plus 
 next token, so a greedy request's text is the same with speculation off.
 
 Drafting costs a lookup on the host, and a drafted row runs 1 + k tokens through the model
-instead of 1 (on a CPU, through the Python forward instead of the C decode loop): worth it
-only where drafts are accepted. So each request adapts its draft length to what it has been
-accepting, stops drafting for a while after drafts it rejected whole (longer each time), and
-nothing is drafted in steps with more decodes than MAX_BATCH, where a forward is compute
-bound and rejected tokens cost as much as accepted ones.
+instead of 1: worth it only where drafts are accepted and where the step's extra tokens cost
+less than they yield. So each request adapts its draft length to what it has been accepting
+and stops drafting for a while after drafts it rejected whole (longer each time); and each
+step drafts the tokens likeliest to be accepted (a request's j-th drafted token is accepted
+with its running acceptance rate to the j-th power), as many as raise the step's expected
+tokens a second the most by what the steps already run cost (StepCosts): at a few decodes a
+step's time is the weights' reading and drafts are nearly free, in a large batch the forward
+is compute bound and only well-accepted drafts pay.
 
 Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar, no
 thinking budget): their choice at each drafted position does not depend on the tokens sampled
@@ -27,8 +30,15 @@ from gpu.kvcache.req_table import ReqTable
 from protocol.record_bytes import concat_records
 from protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
-# decodes in a step above which none is drafted for
-MAX_BATCH = 4
+# a request's acceptance rate (the chance a drafted token is accepted, its earlier ones
+# being accepted) before its first verify: PRIOR_HITS of PRIOR_TRIALS
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
+# what the earlier verifies' counts weigh beside the newest's in the rate
+RATE_DECAY = 0.7
+# weight of a step's seconds in its bucket's running average
+COST_WEIGHT = 0.2
+# consecutive buckets of StepCosts' token counts are this far apart at most
+BUCKET_RATIO = 1.25
 # steps a request waits before drafting again after its m-th draft in a row rejected whole:
 # min(2**m, MAX_BACKOFF)
 MAX_BACKOFF = 64
@@ -41,6 +51,35 @@ class SpeculationStats:
     accepted_tokens: int = 0  # of those, the tokens the model chose too
 
 
+class StepCosts:
+    """Seconds a decode step takes by its number of tokens, learned from the steps run: a
+    running average a bucket of token counts (BUCKET_RATIO apart), linear between buckets.
+    Past the largest count measured a step is estimated at that count's cost, so a larger one
+    is tried once and is then known; before any is measured every count costs the same."""
+
+    def __init__(self, max_tokens: int) -> None:
+        edges = [1]
+        while edges[-1] < max_tokens:
+            edges.append(max(edges[-1] + 1, int(edges[-1] * BUCKET_RATIO)))
+        self.edges = np.array(edges, np.int64)  # bucket i: counts edges[i] .. edges[i + 1] - 1
+        self.tokens = np.zeros(len(edges))  # the bucket's running average count and seconds
+        self.seconds = np.zeros(len(edges))
+        self.seen = np.zeros(len(edges), bool)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        i = int(np.searchsorted(self.edges, tokens, "right")) - 1
+        w = COST_WEIGHT if self.seen[i] else 1.0
+        self.tokens[i] += w * (tokens - self.tokens[i])
+        self.seconds[i] += w * (seconds - self.seconds[i])
+        self.seen[i] = True
+
+    def estimate(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens: int64 [N] -> the seconds of a step of each count [N]."""
+        if not self.seen.any():
+            return np.ones(len(tokens))
+        return np.interp(tokens, self.tokens[self.seen], self.seconds[self.seen])
+
+
 class NgramSpeculator:
     """Which running rows draft this step, and how many tokens each (see the module's doc)."""
 
@@ -50,8 +89,13 @@ class NgramSpeculator:
         self.max_window = max_window
         self.eligible = np.zeros(num_rows, bool)
         self.draft_len = np.zeros(num_rows, np.int64)  # the most this row drafts next
+        # drafted tokens it accepted and tokens its verifies tried (accepted ones and the first
+        # rejected one), decayed: its acceptance rate is their ratio
+        self.hits = np.zeros(num_rows)
+        self.trials = np.ones(num_rows)
         self.misses = np.zeros(num_rows, np.int64)  # its drafts rejected whole, in a row
         self.wait = np.zeros(num_rows, np.int64)  # steps before it drafts again
+        self.costs = StepCosts(num_rows * (1 + max_draft))
         self.stats = SpeculationStats()
 
     def admit(self, row: int, params: SamplingParams, constrained: bool) -> None:
@@ -66,6 +110,7 @@ class NgramSpeculator:
             and params.top_logprobs <= MAX_TOP_LOGPROBS
         )
         self.draft_len[row], self.misses[row], self.wait[row] = self.max_draft, 0, 0
+        self.hits[row], self.trials[row] = PRIOR_HITS, PRIOR_TRIALS
 
     def release(self, row: int) -> None:
         self.eligible[row] = False
@@ -73,19 +118,40 @@ class NgramSpeculator:
     def propose(self, table: ReqTable, rows: np.ndarray) -> dict[int, np.ndarray]:
         """Drafts for some of this step's decode `rows` (int64): row -> its drafted tokens, no
         more than the request may still generate after the token the step samples anyway."""
-        if len(rows) > MAX_BATCH:
-            return {}
+        eligible = rows[self.eligible[rows]]
+        waiting = self.wait[eligible] > 0
+        self.wait[eligible[waiting]] -= 1
+        ready = eligible[~waiting]
+        room = np.minimum(self.draft_len[ready], table.max_len[ready] - table.length[ready] - 1)
         drafts = {}
-        for row in rows[self.eligible[rows]].tolist():
-            if self.wait[row]:
-                self.wait[row] -= 1
-                continue
-            length = int(table.length[row])
-            k = min(int(self.draft_len[row]), int(table.max_len[row]) - length - 1)
+        for row, k in zip(*self._worth_drafting(len(rows), ready[room > 0], room[room > 0])):
             draft = table.draft(row, k, self.min_window, self.max_window)
             if len(draft):
                 drafts[row] = draft
         return drafts
+
+    def accept_rate(self, rows: np.ndarray) -> np.ndarray:
+        """The chance each of `rows` accepts a drafted token whose earlier ones it accepted."""
+        return self.hits[rows] / self.trials[rows]
+
+    def _worth_drafting(self, decodes: int, rows: np.ndarray, room: np.ndarray) -> tuple[list[int], list[int]]:
+        """Of the candidate `rows`' drafted tokens (up to `room` each) in a step of `decodes`, the
+        likeliest to be accepted, as many as raise the step's expected tokens a second the most:
+        (the rows that draft, how many tokens each)."""
+        if not len(rows):
+            return [], []
+        owner = np.repeat(np.arange(len(rows)), room)  # a candidate token: its row's index,
+        depth = np.arange(len(owner)) - np.repeat(np.cumsum(room) - room, room) + 1  # its place in the draft
+        chance = self.accept_rate(rows)[owner] ** depth  # accepted only with every token before it
+        order = np.lexsort((depth, -chance))  # likeliest first; a row's tokens in draft order
+        expected = decodes + np.concatenate([[0.0], np.cumsum(chance[order])])  # with the first n of order
+        n = int(np.argmax(expected / self.costs.estimate(decodes + np.arange(len(order) + 1))))
+        lengths = np.bincount(owner[order[:n]], minlength=len(rows))
+        return rows[lengths > 0].tolist(), lengths[lengths > 0].tolist()
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A step of decodes only ran `tokens` tokens (drafts included) in `seconds`."""
+        self.costs.record(tokens, seconds)
 
     def verified(self, row: int, drafted: int, accepted: int) -> None:
         """Adapts `row`'s next draft to this one: `accepted` of its `drafted` tokens were right."""
@@ -95,6 +161,8 @@ class NgramSpeculator:
             s.draft_tokens + drafted,
             s.accepted_tokens + accepted,
         )
+        self.hits[row] = RATE_DECAY * self.hits[row] + accepted
+        self.trials[row] = RATE_DECAY * self.trials[row] + accepted + (accepted < drafted)
         if accepted == drafted:
             self.draft_len[row] = min(2 * drafted, self.max_draft)
             self.misses[row] = 0
@@ -160,6 +228,9 @@ class NoSpeculation:
 
     def verified(self, row: int, drafted: int, accepted: int) -> None:
         raise AssertionError("nothing was drafted")
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        pass
 
 
 def make_speculator(

@@ -1,8 +1,9 @@
 """N-gram speculative decoding (runtime/scheduler/speculative.py): the prompt-lookup drafter
 (gpu/kvcache/ngram.py, and the request table's C form of it) against a brute-force reference,
-the adaptive policy, the scheduler's verify bookkeeping on the
-null model (tokens, finish reasons and counts equal to speculation off, pages accounted, KV
-lengths, retraction) and on the real model (greedy tokens and logprobs equal to speculation off)."""
+the adaptive policy (draft lengths, back-off, drafting where the measured step costs pay),
+the scheduler's verify bookkeeping on the null model (tokens, finish reasons and counts equal
+to speculation off, pages accounted, KV lengths, retraction) and on the real model (greedy
+tokens and logprobs equal to speculation off)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ from protocol.sampling_params import SamplingParams
 from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
-from runtime.scheduler.speculative import MAX_BATCH, NgramSpeculator, NoSpeculation, make_speculator
+from runtime.scheduler.speculative import (
+    PRIOR_HITS,
+    PRIOR_TRIALS,
+    RATE_DECAY,
+    NgramSpeculator,
+    NoSpeculation,
+    StepCosts,
+    make_speculator,
+)
 
 PS = 16
 
@@ -114,14 +123,57 @@ def test_only_plain_greedy_requests_draft(params):
     assert spec.propose(cycling_table(2, 3), np.array([0, 1])) == {}
 
 
-def test_nothing_is_drafted_in_a_large_batch():
-    rows = MAX_BATCH + 1
+def test_step_costs_interpolate_what_was_measured():
+    costs = StepCosts(512)
+    assert costs.estimate(np.array([1, 100])).tolist() == [1.0, 1.0]  # nothing measured: all alike
+    costs.record(8, 0.010)
+    costs.record(64, 0.040)
+    est = costs.estimate(np.array([1, 8, 36, 64, 400]))
+    # below the smallest and past the largest: their costs (a larger step is tried once)
+    np.testing.assert_allclose(est, [0.010, 0.010, 0.025, 0.040, 0.040])
+    costs.record(64, 0.050)  # a running average
+    assert costs.estimate(np.array([64]))[0] == pytest.approx(0.042)
+
+
+def greedy_speculator(rows: int) -> NgramSpeculator:
     spec = NgramSpeculator(rows, 4, 1, 4)
     for r in range(rows):
         spec.admit(r, SamplingParams(temperature=0), constrained=False)
-    table = cycling_table(rows, 3)
-    assert spec.propose(table, np.arange(rows)) == {}
-    assert len(spec.propose(table, np.arange(MAX_BATCH))) == MAX_BATCH
+    return spec
+
+
+def test_drafts_go_where_the_measured_costs_say_they_pay():
+    rows, table = 8, cycling_table(8, 3)
+    flat, proportional = greedy_speculator(rows), greedy_speculator(rows)
+    for tokens in (8, 16, 24, 40):
+        flat.timed(tokens, 0.030)  # reading the weights: a token more costs nothing
+        proportional.timed(tokens, 0.001 * tokens)  # compute bound: each token costs the same
+    assert {row: len(d) for row, d in flat.propose(table, np.arange(rows)).items()} == dict.fromkeys(range(rows), 3)
+    assert proportional.propose(table, np.arange(rows)) == {}  # half of a draft is rejected: no gain
+    proportional.hits[:] = 0.0
+    proportional.hits[[2, 5]] = proportional.trials[[2, 5]]  # these two accept every draft
+    proportional.timed(14, 0.0125)  # 14 tokens a little dearer than 8 (16: as dear a token): 3 drafts each pay
+    assert {row: len(d) for row, d in proportional.propose(table, np.arange(rows)).items()} == {2: 3, 5: 3}
+
+
+def test_a_draft_is_cut_where_its_tokens_stop_paying():
+    """A rate of 1/2: the j-th token is worth 2**-j tokens; costs that grow with the step keep
+    the first ones only."""
+    spec, table = greedy_speculator(1), cycling_table(1, 5)
+    for tokens, seconds in ((1, 0.010), (2, 0.011), (3, 0.014), (5, 0.030)):
+        spec.timed(tokens, seconds)
+    # expected 1 token in 10 ms; 1.5 in 11 ms; 1.75 in 14 ms; 1.94 in 30 ms: one token is drafted
+    assert len(spec.propose(table, np.array([0]))[0]) == 1
+
+
+def test_the_acceptance_rate_follows_the_verifies():
+    spec = greedy_speculator(1)
+    assert spec.accept_rate(np.array([0]))[0] == PRIOR_HITS / PRIOR_TRIALS
+    spec.verified(0, 4, 4)  # four tried, four accepted
+    hits, trials = RATE_DECAY * PRIOR_HITS + 4, RATE_DECAY * PRIOR_TRIALS + 4
+    assert spec.accept_rate(np.array([0]))[0] == pytest.approx(hits / trials)
+    spec.verified(0, 4, 1)  # the second rejected: two tried
+    assert spec.accept_rate(np.array([0]))[0] == pytest.approx((RATE_DECAY * hits + 1) / (RATE_DECAY * trials + 2))
 
 
 def test_speculation_flags():
