@@ -12,8 +12,11 @@ and stops drafting for a while after drafts it rejected whole (longer each time)
 step drafts the tokens likeliest to be accepted (a request's j-th drafted token is accepted
 with its running acceptance rate to the j-th power), as many as raise the step's expected
 tokens a second the most by what the steps already run cost (StepCosts): at a few decodes a
-step's time is the weights' reading and drafts are nearly free, in a large batch the forward
-is compute bound and only well-accepted drafts pay.
+step's time is the weights' reading and drafts are nearly free, in a larger batch the forward
+is compute bound and only well-accepted drafts pay. Nothing is drafted in steps of more than
+MAX_BATCH decodes: there the host's work a drafted token (lookups, acceptance, more and
+smaller stream events) outweighs what the forward saves, which the step's time alone does not
+show (the null model at 256 streams: drafting doubled the server's CPU a token).
 
 Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar, no
 thinking budget): their choice at each drafted position does not depend on the tokens sampled
@@ -30,6 +33,8 @@ from gpu.kvcache.req_table import ReqTable
 from protocol.record_bytes import concat_records
 from protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
+# decodes in a step above which none is drafted for
+MAX_BATCH = 16
 # a request's acceptance rate (the chance a drafted token is accepted, its earlier ones
 # being accepted) before its first verify: PRIOR_HITS of PRIOR_TRIALS
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
@@ -118,6 +123,8 @@ class NgramSpeculator:
     def propose(self, table: ReqTable, rows: np.ndarray) -> dict[int, np.ndarray]:
         """Drafts for some of this step's decode `rows` (int64): row -> its drafted tokens, no
         more than the request may still generate after the token the step samples anyway."""
+        if len(rows) > MAX_BATCH:
+            return {}
         eligible = rows[self.eligible[rows]]
         waiting = self.wait[eligible] > 0
         self.wait[eligible[waiting]] -= 1

@@ -20,6 +20,7 @@ from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.speculative import (
+    MAX_BATCH,
     PRIOR_HITS,
     PRIOR_TRIALS,
     RATE_DECAY,
@@ -154,6 +155,14 @@ def test_drafts_go_where_the_measured_costs_say_they_pay():
     proportional.hits[[2, 5]] = proportional.trials[[2, 5]]  # these two accept every draft
     proportional.timed(14, 0.0125)  # 14 tokens a little dearer than 8 (16: as dear a token): 3 drafts each pay
     assert {row: len(d) for row, d in proportional.propose(table, np.arange(rows)).items()} == {2: 3, 5: 3}
+
+
+def test_nothing_is_drafted_in_a_large_batch():
+    rows = MAX_BATCH + 1
+    spec = greedy_speculator(rows)
+    table = cycling_table(rows, 3)
+    assert spec.propose(table, np.arange(rows)) == {}
+    assert len(spec.propose(table, np.arange(MAX_BATCH))) == MAX_BATCH
 
 
 def test_a_draft_is_cut_where_its_tokens_stop_paying():
