@@ -321,7 +321,7 @@ class ServerArgs:
     )
     speculative_num_draft_tokens: int = setting(
         8,
-        f"NGRAM: the most tokens a request drafts a step (adapted to acceptance; at most {MAX_DRAFT_TOKENS})",
+        f"NGRAM: the most tokens a request drafts a step (adapted to acceptance, costs; at most {MAX_DRAFT_TOKENS})",
         at_least=1,
         same_row=True,
     )

@@ -8,15 +8,18 @@ next token, so a greedy request's text is the same with speculation off.
 Drafting costs a lookup on the host, and a drafted row runs 1 + k tokens through the model
 instead of 1: worth it only where drafts are accepted and where the step's extra tokens cost
 less than they yield. So each request adapts its draft length to what it has been accepting
-and stops drafting for a while after drafts it rejected whole (longer each time); and each
-step drafts the tokens likeliest to be accepted (a request's j-th drafted token is accepted
-with its running acceptance rate to the j-th power), as many as raise the step's expected
-tokens a second the most by what the steps already run cost (StepCosts): at a few decodes a
-step's time is the weights' reading and drafts are nearly free, in a larger batch the forward
-is compute bound and only well-accepted drafts pay. Nothing is drafted in steps of more than
-MAX_BATCH decodes: there the host's work a drafted token (lookups, acceptance, more and
-smaller stream events) outweighs what the forward saves, which the step's time alone does not
-show (the null model at 256 streams: drafting doubled the server's CPU a token).
+(doubled while whole drafts are accepted, else the accepted length + 1), keeps a running
+acceptance rate and stops drafting for a while after drafts it rejected whole (longer each
+time). In a step of up to FREE_BATCH
+decodes every ready request drafts all it finds: the step's time is the weights' reading,
+drafts ride on it. In a larger one the step drafts the tokens likeliest to be accepted (a
+request's j-th drafted token is accepted with its rate to the j-th power), as many as raise
+the step's expected tokens a second the most by what the steps already run cost (StepCosts):
+as the batch grows the forward turns compute bound and only well-accepted drafts pay.
+Nothing is drafted in steps of more than MAX_BATCH decodes: there the host's work a drafted
+token (lookups, acceptance, more and smaller stream events) outweighs what the forward saves,
+which the step's time alone does not show (the null model at 256 streams: drafting doubled
+the server's CPU a token).
 
 Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar, no
 thinking budget): their choice at each drafted position does not depend on the tokens sampled
@@ -33,15 +36,24 @@ from gpu.kvcache.req_table import ReqTable
 from protocol.record_bytes import concat_records
 from protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
+# decodes in a step up to which every ready request drafts what it finds
+FREE_BATCH = 4
 # decodes in a step above which none is drafted for
 MAX_BATCH = 16
 # a request's acceptance rate (the chance a drafted token is accepted, its earlier ones
-# being accepted) before its first verify: PRIOR_HITS of PRIOR_TRIALS
-PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0
-# what the earlier verifies' counts weigh beside the newest's in the rate
-RATE_DECAY = 0.7
+# being accepted) before its first verify: PRIOR_HITS of PRIOR_TRIALS. Hopeful: greedy text
+# that repeats itself is n-gram drafting's case, and a rate too low to draft at is never
+# corrected by a verify, only by aging back to this
+PRIOR_HITS, PRIOR_TRIALS = 3.0, 4.0
+# each step a request's counts keep this share of their distance from the prior's: old
+# verifies fade, and a request that stopped drafting tries again once they have
+AGE = 0.9
 # weight of a step's seconds in its bucket's running average
 COST_WEIGHT = 0.2
+# each decode step every bucket's seconds keep this share of their excess over the cheapest
+# bucket's: a count measured dear (a first run's allocations, a burst of other work) is tried
+# again some hundred steps later rather than never
+COST_AGE = 0.98
 # consecutive buckets of StepCosts' token counts are this far apart at most
 BUCKET_RATIO = 1.25
 # steps a request waits before drafting again after its m-th draft in a row rejected whole:
@@ -58,9 +70,10 @@ class SpeculationStats:
 
 class StepCosts:
     """Seconds a decode step takes by its number of tokens, learned from the steps run: a
-    running average a bucket of token counts (BUCKET_RATIO apart), linear between buckets.
-    Past the largest count measured a step is estimated at that count's cost, so a larger one
-    is tried once and is then known; before any is measured every count costs the same."""
+    running average a bucket of token counts (BUCKET_RATIO apart), linear between buckets,
+    aged toward the cheapest (COST_AGE). Past the largest count measured a step is estimated
+    at that count's cost, so a larger one is tried once and is then known; before any is
+    measured every count costs the same."""
 
     def __init__(self, max_tokens: int) -> None:
         edges = [1]
@@ -72,6 +85,9 @@ class StepCosts:
         self.seen = np.zeros(len(edges), bool)
 
     def record(self, tokens: int, seconds: float) -> None:
+        if self.seen.any():
+            cheapest = self.seconds[self.seen].min()
+            self.seconds[self.seen] = cheapest + COST_AGE * (self.seconds[self.seen] - cheapest)
         i = int(np.searchsorted(self.edges, tokens, "right")) - 1
         w = COST_WEIGHT if self.seen[i] else 1.0
         self.tokens[i] += w * (tokens - self.tokens[i])
@@ -93,11 +109,11 @@ class NgramSpeculator:
         self.min_window = min_window
         self.max_window = max_window
         self.eligible = np.zeros(num_rows, bool)
-        self.draft_len = np.zeros(num_rows, np.int64)  # the most this row drafts next
         # drafted tokens it accepted and tokens its verifies tried (accepted ones and the first
-        # rejected one), decayed: its acceptance rate is their ratio
+        # rejected one), aged (AGE): its acceptance rate is their ratio
         self.hits = np.zeros(num_rows)
         self.trials = np.ones(num_rows)
+        self.draft_len = np.zeros(num_rows, np.int64)  # the most this row drafts next
         self.misses = np.zeros(num_rows, np.int64)  # its drafts rejected whole, in a row
         self.wait = np.zeros(num_rows, np.int64)  # steps before it drafts again
         self.costs = StepCosts(num_rows * (1 + max_draft))
@@ -126,6 +142,8 @@ class NgramSpeculator:
         if len(rows) > MAX_BATCH:
             return {}
         eligible = rows[self.eligible[rows]]
+        self.hits[eligible] = PRIOR_HITS + AGE * (self.hits[eligible] - PRIOR_HITS)
+        self.trials[eligible] = PRIOR_TRIALS + AGE * (self.trials[eligible] - PRIOR_TRIALS)
         waiting = self.wait[eligible] > 0
         self.wait[eligible[waiting]] -= 1
         ready = eligible[~waiting]
@@ -143,10 +161,12 @@ class NgramSpeculator:
 
     def _worth_drafting(self, decodes: int, rows: np.ndarray, room: np.ndarray) -> tuple[list[int], list[int]]:
         """Of the candidate `rows`' drafted tokens (up to `room` each) in a step of `decodes`, the
-        likeliest to be accepted, as many as raise the step's expected tokens a second the most:
-        (the rows that draft, how many tokens each)."""
+        likeliest to be accepted, as many as raise the step's expected tokens a second the most
+        (all of them up to FREE_BATCH decodes): (the rows that draft, how many tokens each)."""
         if not len(rows):
             return [], []
+        if decodes <= FREE_BATCH:
+            return rows.tolist(), room.tolist()
         owner = np.repeat(np.arange(len(rows)), room)  # a candidate token: its row's index,
         depth = np.arange(len(owner)) - np.repeat(np.cumsum(room) - room, room) + 1  # its place in the draft
         chance = self.accept_rate(rows)[owner] ** depth  # accepted only with every token before it
@@ -161,15 +181,16 @@ class NgramSpeculator:
         self.costs.record(tokens, seconds)
 
     def verified(self, row: int, drafted: int, accepted: int) -> None:
-        """Adapts `row`'s next draft to this one: `accepted` of its `drafted` tokens were right."""
+        """Adapts `row`'s next draft and its rate to this one: `accepted` of its `drafted` tokens
+        were right; a draft rejected whole makes it wait before drafting again."""
         s = self.stats
         s.verifies, s.draft_tokens, s.accepted_tokens = (
             s.verifies + 1,
             s.draft_tokens + drafted,
             s.accepted_tokens + accepted,
         )
-        self.hits[row] = RATE_DECAY * self.hits[row] + accepted
-        self.trials[row] = RATE_DECAY * self.trials[row] + accepted + (accepted < drafted)
+        self.hits[row] += accepted
+        self.trials[row] += accepted + (accepted < drafted)
         if accepted == drafted:
             self.draft_len[row] = min(2 * drafted, self.max_draft)
             self.misses[row] = 0

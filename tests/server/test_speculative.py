@@ -20,10 +20,12 @@ from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.speculative import (
+    COST_AGE,
+    COST_WEIGHT,
+    FREE_BATCH,
     MAX_BATCH,
     PRIOR_HITS,
     PRIOR_TRIALS,
-    RATE_DECAY,
     NgramSpeculator,
     NoSpeculation,
     StepCosts,
@@ -132,8 +134,12 @@ def test_step_costs_interpolate_what_was_measured():
     est = costs.estimate(np.array([1, 8, 36, 64, 400]))
     # below the smallest and past the largest: their costs (a larger step is tried once)
     np.testing.assert_allclose(est, [0.010, 0.010, 0.025, 0.040, 0.040])
-    costs.record(64, 0.050)  # a running average
-    assert costs.estimate(np.array([64]))[0] == pytest.approx(0.042)
+    costs.record(64, 0.050)  # a running average, after one step's aging toward the cheapest
+    dear = 0.010 + COST_AGE * 0.030
+    assert costs.estimate(np.array([64]))[0] == pytest.approx(dear + COST_WEIGHT * (0.050 - dear))
+    for _ in range(300):  # a count measured dear and never run again is tried again in time
+        costs.record(8, 0.010)
+    assert costs.estimate(np.array([64]))[0] == pytest.approx(0.010, abs=1e-4)
 
 
 def greedy_speculator(rows: int) -> NgramSpeculator:
@@ -165,24 +171,46 @@ def test_nothing_is_drafted_in_a_large_batch():
     assert len(spec.propose(table, np.arange(MAX_BATCH))) == MAX_BATCH
 
 
+def test_a_small_batch_drafts_what_it_finds():
+    spec = greedy_speculator(FREE_BATCH)
+    for tokens in (FREE_BATCH, 2 * FREE_BATCH, 9 * FREE_BATCH):
+        spec.timed(tokens, 0.001 * tokens)  # even where each token costs the same
+    drafts = spec.propose(cycling_table(FREE_BATCH, 5), np.arange(FREE_BATCH))
+    assert {row: len(d) for row, d in drafts.items()} == dict.fromkeys(range(FREE_BATCH), 4)
+
+
+def one_drafting_row(decodes: int) -> NgramSpeculator:
+    """A speculator of `decodes` rows of which only row 0 may draft."""
+    spec = greedy_speculator(decodes)
+    for row in range(1, decodes):
+        spec.release(row)
+    return spec
+
+
 def test_a_draft_is_cut_where_its_tokens_stop_paying():
     """A rate of 1/2: the j-th token is worth 2**-j tokens; costs that grow with the step keep
     the first ones only."""
-    spec, table = greedy_speculator(1), cycling_table(1, 5)
-    for tokens, seconds in ((1, 0.010), (2, 0.011), (3, 0.014), (5, 0.030)):
+    spec, table = one_drafting_row(5), cycling_table(5, 5)
+    spec.hits[0], spec.trials[0] = 500, 1000
+    for tokens, seconds in ((5, 0.0100), (6, 0.0105), (7, 0.0125), (9, 0.0300)):
         spec.timed(tokens, seconds)
-    # expected 1 token in 10 ms; 1.5 in 11 ms; 1.75 in 14 ms; 1.94 in 30 ms: one token is drafted
-    assert len(spec.propose(table, np.array([0]))[0]) == 1
+    # expected 5 tokens in 10 ms; 5.5 in 10.5 ms; 5.75 in 12.5 ms; 5.875 in ~21 ms: one is drafted
+    assert len(spec.propose(table, np.arange(5))[0]) == 1
 
 
-def test_the_acceptance_rate_follows_the_verifies():
-    spec = greedy_speculator(1)
-    assert spec.accept_rate(np.array([0]))[0] == PRIOR_HITS / PRIOR_TRIALS
-    spec.verified(0, 4, 4)  # four tried, four accepted
-    hits, trials = RATE_DECAY * PRIOR_HITS + 4, RATE_DECAY * PRIOR_TRIALS + 4
-    assert spec.accept_rate(np.array([0]))[0] == pytest.approx(hits / trials)
-    spec.verified(0, 4, 1)  # the second rejected: two tried
-    assert spec.accept_rate(np.array([0]))[0] == pytest.approx((RATE_DECAY * hits + 1) / (RATE_DECAY * trials + 2))
+def test_the_acceptance_rate_follows_the_verifies_and_ages_back():
+    spec, table = one_drafting_row(5), cycling_table(5, 5)
+    rate = lambda: spec.accept_rate(np.array([0]))[0]
+    assert rate() == PRIOR_HITS / PRIOR_TRIALS
+    spec.verified(0, 4, 1)  # the second token rejected: two tried, one accepted
+    assert rate() == pytest.approx((PRIOR_HITS + 1) / (PRIOR_TRIALS + 2))
+    for tokens in (5, 10):
+        spec.timed(tokens, 0.010 * tokens)  # compute bound: a draft would pay only at a rate of 1
+    assert spec.propose(table, np.arange(5)) == {}
+    low = rate()
+    for _ in range(30):  # steps without a verify: the evidence fades, the rate goes back to the prior
+        spec.propose(table, np.arange(5))
+    assert low < rate() == pytest.approx(PRIOR_HITS / PRIOR_TRIALS, abs=0.01)
 
 
 def test_speculation_flags():
