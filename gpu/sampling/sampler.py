@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gpu.forward_batch import TokenMask
-from gpu.sampling.argmax import argmax_rows
+from gpu.sampling.reductions import argmax_rows, log_softmax_parts
 from gpu.sampling.thinking_budget import ThinkingBudget
 from protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -165,7 +165,17 @@ class Sampler:
         rows_t = self._t(rows)
         want_lp = self.logprobs[rows]
         lp_idx = self._t(np.flatnonzero(want_lp))
-        raw_logprobs = torch.log_softmax(_take(logits, want_lp, lp_idx), dim=-1) if want_lp.any() else None
+        K, pinned = int(self.top_logprobs[rows].max()), self.pinned[rows]
+        raw_logprobs = parts = None
+        if want_lp.any():
+            lp_rows = rows[want_lp]
+            # greedy rows whose chosen token's logit nothing below changes (the masks only take
+            # other tokens away): its logprob is that logit less its row's normaliser
+            plain = ~(self.penalized[lp_rows] | self.budgeted[lp_rows] | (self.bias_len[lp_rows] > 0))
+            if K <= 1 and not pinned.any() and (plain & self.greedy[lp_rows]).all():
+                parts = log_softmax_parts(_take(logits, want_lp, lp_idx))
+            else:
+                raw_logprobs = torch.log_softmax(_take(logits, want_lp, lp_idx), dim=-1)
 
         masked = self.num_generated[rows] < self.min_tokens[rows]
         if masked.any():
@@ -220,11 +230,12 @@ class Sampler:
             for i, token in zip(budgeted.tolist(), chosen_ids):
                 self.thinking[rows[i]].advance(token)  # type: ignore[union-attr]
 
+        if parts is not None:
+            return self._plain_logprobs(logits, tokens, lp_idx, K, *parts)
         if raw_logprobs is None:
             return SampleResult(tokens, None, None, None)
         chosen = torch.full((S,), float("nan"), device=self.device)
         chosen[lp_idx] = raw_logprobs.gather(1, tokens[lp_idx, None]).squeeze(1)
-        K = int(self.top_logprobs[rows].max())
         if K == 0:
             return SampleResult(tokens, chosen, None, None)
         top_lp = torch.full((S, K), float("nan"), device=self.device)
@@ -234,7 +245,6 @@ class Sampler:
             top_lp[lp_idx], top_ids[lp_idx] = raw_logprobs.gather(1, best), best
         else:
             top_lp[lp_idx], top_ids[lp_idx] = raw_logprobs.topk(K, dim=-1)
-        pinned = self.pinned[rows]
         if pinned.any():  # their own ids' logprobs, in the columns their count fills (rows of raw_logprobs: lp_idx's)
             lp_rows = np.cumsum(want_lp) - 1
             for i in np.flatnonzero(pinned).tolist():
@@ -242,6 +252,29 @@ class Sampler:
                 assert ids is not None
                 top_ids[i, : len(ids)] = ids
                 top_lp[i, : len(ids)] = raw_logprobs[int(lp_rows[i])].gather(0, ids)
+        return SampleResult(tokens, chosen, top_ids, top_lp)
+
+    def _plain_logprobs(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        lp_idx: torch.Tensor,
+        K: int,
+        argmax: torch.Tensor,
+        top: torch.Tensor,
+        log_sum: torch.Tensor,
+    ) -> SampleResult:
+        """The logprobs of greedy rows' tokens (and K <= 1 alternative) from their rows'
+        log_softmax_parts, taken before sampling changed any logit, in log_softmax's order of
+        operations: (x - top) - log_sum."""
+        S = len(tokens)
+        chosen = torch.full((S,), float("nan"), device=self.device)
+        chosen[lp_idx] = (logits[lp_idx, tokens[lp_idx]] - top) - log_sum
+        if K == 0:
+            return SampleResult(tokens, chosen, None, None)
+        top_lp = torch.full((S, 1), float("nan"), device=self.device)
+        top_ids = torch.zeros((S, 1), dtype=torch.int64, device=self.device)
+        top_lp[lp_idx, 0], top_ids[lp_idx, 0] = (top - top) - log_sum, argmax
         return SampleResult(tokens, chosen, top_ids, top_lp)
 
     def add_bias(self, logits: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
