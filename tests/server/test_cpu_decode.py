@@ -80,18 +80,24 @@ def test_decode_logits_equal_the_python_forward(runner):
     assert torch.equal(c_stored.view(torch.uint8), stored().view(torch.uint8))
 
 
+def check_variation(runner: ModelRunner, monkeypatch, name: str, value) -> None:
+    """With the model's `name` set to `value`, a decoder made then gives the Python forward's
+    logits, which differ from the unchanged model's."""
+    monkeypatch.setattr(runner.model, name, value)
+    decoder = CpuDecoder(runner.model, runner.kv_cache)
+    batch = decode_batch(runner)
+    changed = decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+    assert torch.equal(changed, python_forward(runner, batch))
+    monkeypatch.undo()
+    assert not torch.equal(changed, runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index))
+
+
 @torch.inference_mode()
 def test_qkv_bias_is_added(runner, monkeypatch):
-    model = runner.model
-    width = model.qkv[0].shape[0]
-    biases = [torch.randn(width, generator=torch.Generator().manual_seed(i)) * 0.1 for i in range(len(model.qkv))]
-    monkeypatch.setattr(model, "qkv_bias", biases)
-    decoder = CpuDecoder(model, runner.kv_cache)
-    batch = decode_batch(runner)
-    with_bias = decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
-    assert torch.equal(with_bias, python_forward(runner, batch))
-    monkeypatch.undo()
-    assert not torch.equal(with_bias, runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index))
+    width = runner.model.qkv[0].shape[0]
+    layers = len(runner.model.qkv)
+    biases = [torch.randn(width, generator=torch.Generator().manual_seed(i)) * 0.1 for i in range(layers)]
+    check_variation(runner, monkeypatch, "qkv_bias", biases)
 
 
 def test_only_where_it_reproduces_the_model():
@@ -149,11 +155,5 @@ def test_every_family_decodes_as_the_python_forward(family, tmp_path, monkeypatc
 @torch.inference_mode()
 def test_layers_without_rope_are_left_unrotated(runner, monkeypatch):
     """SmolLM3's NoPE layers: a layer whose rope is None in the model is None in the C loop too."""
-    model = runner.model
-    monkeypatch.setattr(model, "layer_rope", [None if i % 2 else r for i, r in enumerate(model.layer_rope)])
-    decoder = CpuDecoder(model, runner.kv_cache)
-    batch = decode_batch(runner)
-    without = decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
-    assert torch.equal(without, python_forward(runner, batch))
-    monkeypatch.undo()
-    assert not torch.equal(without, runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index))
+    ropes = [None if i % 2 else r for i, r in enumerate(runner.model.layer_rope)]
+    check_variation(runner, monkeypatch, "layer_rope", ropes)
