@@ -197,7 +197,8 @@ static void norm_heads(float *x, int64_t row_stride, int64_t T, int64_t n, int64
  * loras: NULL (no adapter in the step), or each token's adapter's pairs (lora_add), none of
  * rank above lora_max_r. Returns 0, or -1 when scratch memory could not be allocated. */
 int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64_t T, float *x, float *residual,
-                  const int64_t *positions, const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride, const int32_t *kv_lens,
+                  const int64_t *positions, const int64_t *out_cache_loc, const int32_t *page_table, int64_t pt_stride,
+                  const int32_t *kv_lens,
                   const LoraPair *const *loras, int64_t lora_max_r, int threads) {
     const int64_t H = dims->hidden, I = dims->intermediate, Hq = dims->q_heads, Hkv = dims->kv_heads;
     const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
@@ -227,7 +228,8 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         if (L->q_norm) norm_heads(qkv, qkv_width, T, Hq, D, L->q_norm, dims->eps, threads);
         if (L->k_norm) norm_heads(qkv + Hq * D, qkv_width, T, Hkv, D, L->k_norm, dims->eps, threads);
         if (L->cos_table)
-            rope(qkv, qkv_width, T, Hq + Hkv, D, positions, L->cos_table, L->sin_table, (int)dims->rope_pairs, threads);
+            rope(qkv, qkv_width, T, Hq + Hkv, D, positions, L->cos_table, L->sin_table, (int)dims->rope_pairs,
+                 threads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_width;
             kv_store_row((char *)L->k_cache + out_cache_loc[t] * kv_row_bytes, row + Hq * D, kv_width, kv_dtype);

@@ -73,9 +73,11 @@ class StepCosts:
     running average a bucket of token counts (BUCKET_RATIO apart), linear between buckets,
     aged toward the cheapest (COST_AGE). Past the largest count measured a step is estimated
     at that count's cost, so a larger one is tried once and is then known; before any is
-    measured every count costs the same."""
+    measured every count costs the same. Counts past `max_tokens` (what a drafting step can
+    run) are not kept: a large batch's steps pay no bookkeeping for it."""
 
     def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
         edges = [1]
         while edges[-1] < max_tokens:
             edges.append(max(edges[-1] + 1, int(edges[-1] * BUCKET_RATIO)))
@@ -85,6 +87,8 @@ class StepCosts:
         self.seen = np.zeros(len(edges), bool)
 
     def record(self, tokens: int, seconds: float) -> None:
+        if tokens > self.max_tokens:
+            return
         if self.seen.any():
             cheapest = self.seconds[self.seen].min()
             self.seconds[self.seen] = cheapest + COST_AGE * (self.seconds[self.seen] - cheapest)
@@ -116,7 +120,7 @@ class NgramSpeculator:
         self.draft_len = np.zeros(num_rows, np.int64)  # the most this row drafts next
         self.misses = np.zeros(num_rows, np.int64)  # its drafts rejected whole, in a row
         self.wait = np.zeros(num_rows, np.int64)  # steps before it drafts again
-        self.costs = StepCosts(num_rows * (1 + max_draft))
+        self.costs = StepCosts(min(num_rows, MAX_BATCH) * (1 + max_draft))
         self.stats = SpeculationStats()
 
     def admit(self, row: int, params: SamplingParams, constrained: bool) -> None:

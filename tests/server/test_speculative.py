@@ -129,6 +129,8 @@ def test_only_plain_greedy_requests_draft(params):
 def test_step_costs_interpolate_what_was_measured():
     costs = StepCosts(512)
     assert costs.estimate(np.array([1, 100])).tolist() == [1.0, 1.0]  # nothing measured: all alike
+    costs.record(513, 0.001)  # past what a drafting step runs: not kept
+    assert not costs.seen.any()
     costs.record(8, 0.010)
     costs.record(64, 0.040)
     est = costs.estimate(np.array([1, 8, 36, 64, 400]))
