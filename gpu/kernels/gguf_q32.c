@@ -515,10 +515,13 @@ static inline __attribute__((always_inline)) void pack_rows(int type, const uint
  * x in the tiled layout (a: the tile's first token) */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_tokens(
     int type, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y, int64_t ldy,
-    int64_t tokens, int64_t rows) {
+    int64_t tokens, int64_t rows, const uint8_t *next, int64_t next_bytes) {
     __m512 acc[PACK_TOKENS];
     for (int t = 0; t < PACK_TOKENS; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t share = (next_bytes / nb + 63) / 64 * 64;  /* of `next`, prefetched at each block */
     for (int64_t b = 0; b < nb; b++) {
+        for (int64_t line = b * share; line < (b + 1) * share && line < next_bytes; line += 64)
+            _mm_prefetch((const char *)next + line, _MM_HINT_T0);
         const int64_t at = b * X_TILE + lane;  /* the first token's scale, sum and correction */
         const int32_t *xg = (const int32_t *)(a.q + b * X_TILE * QK) + lane;  /* its group 0 */
         __m512i sum[PACK_TOKENS];
@@ -544,11 +547,15 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_pa
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type), rows = n1 - n0;
     pack_rows(type, w + n0 * row_bytes, nb, row_bytes, rows, p);
     for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS) {
+        /* the next chunk's rows (schedule(static): most often this thread's), read while the
+         * first tokens' products run */
+        const int64_t next_bytes = t0 == 0 ? PACK_ROWS * row_bytes : 0;
         const int64_t tile = t0 / X_TILE;
         const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
                                           a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
         const int64_t tokens = T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS;
-        packed_tokens(type, p, at, nb, (int)(t0 % X_TILE), y + t0 * ldy + n0, ldy, tokens, rows);
+        packed_tokens(type, p, at, nb, (int)(t0 % X_TILE), y + t0 * ldy + n0, ldy, tokens, rows, w + n1 * row_bytes,
+                      next_bytes);
     }
 }
 
@@ -643,13 +650,16 @@ static int vnni_available(void) {
         const int64_t padded = layout == ONE_TOKEN ? 1 : layout == PAIRS ? (T + 1) / 2 * 2                     \
                                                                          : (T + X_TILE - 1) / X_TILE * X_TILE; \
         if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
+        /* the packed products read tokens in eights: the rest of a tile is not quantized (a fallback to the  \
+         * tiles would read those lanes only into sums that go nowhere) */                                    \
+        const int64_t quantized = packs ? (T + PACK_TOKENS - 1) / PACK_TOKENS * PACK_TOKENS : padded;        \
         const int offset = corrected_offset(TYPE, vnni);                                                       \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             struct packed_rows packed;                                                                         \
             const int pack = packs && packed_rows_for(K, &packed) == 0; /* else tiles: x's layout */       \
             _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t t = 0; t < padded; t++) quantize_token(x, T, K, t, a, offset, layout);              \
+            for (int64_t t = 0; t < quantized; t++) quantize_token(x, T, K, t, a, offset, layout);           \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
                 if (pack)                                                                                      \
