@@ -475,7 +475,7 @@ _Static_assert(PACK_ROWS == ROW_CHUNK, "a thread's chunk of rows is one packed s
 
 struct packed_rows {
     uint8_t *q;  /* [nb, 8, PACK_ROWS, 4]: block b's group g of each row (codes u, as unpack_q8 takes them) */
-    float *d, *m;  /* [nb, PACK_ROWS]: each row's block scale, and min (Q4_1, Q5_1) */
+    uint16_t *d, *m;  /* [nb, PACK_ROWS]: each row's block scale, and min (Q4_1, Q5_1), fp16 as in the block */
 };
 
 /* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros. The chunk's
@@ -487,18 +487,13 @@ static inline __attribute__((always_inline)) void pack_rows(int type, const uint
     for (int64_t b = 0; b < nb; b++) {
         __m256i half[2][8];
         for (int r = 0; r < PACK_ROWS; r++) {
-            float d = 0.0f, m = 0.0f;
+            uint16_t d = 0, m = 0;
             half[r / 8][r % 8] = _mm256_setzero_si256();
             if (r < rows) {
                 const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
                 half[r / 8][r % 8] = codes(type, 0, blk); /* codes(.., 1)'s values by AVX2 */
-                uint16_t h;
-                memcpy(&h, blk, sizeof h);
-                d = _cvtsh_ss(h);
-                if (has_min(type)) {
-                    memcpy(&h, blk + 2, sizeof h);
-                    m = _cvtsh_ss(h);
-                }
+                memcpy(&d, blk, sizeof d);
+                if (has_min(type)) memcpy(&m, blk + 2, sizeof m);
             }
             p.d[b * PACK_ROWS + r] = d;
             if (has_min(type)) p.m[b * PACK_ROWS + r] = m;
@@ -511,64 +506,90 @@ static inline __attribute__((always_inline)) void pack_rows(int type, const uint
     }
 }
 
-/* y[t, n + r] for the first `tokens` (<= PACK_TOKENS) of a tile's tokens at `lane`, r < rows:
- * x in the tiled layout (a: the tile's first token) */
+/* y[t, r] for the TT (a constant at each call: <= PACK_TOKENS) tokens of a tile's lanes from
+ * `lane`, r < rows: x in the tiled layout (a: the tile's first token). `next_bytes` of `next`
+ * (the following chunk's rows: nothing else asks for them while these products run) are
+ * prefetched, a share at each block. */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_tokens(
-    int type, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y, int64_t ldy,
-    int64_t tokens, int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    int type, int TT, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y, int64_t ldy,
+    int64_t rows, const uint8_t *next, int64_t next_bytes) {
     __m512 acc[PACK_TOKENS];
-    for (int t = 0; t < PACK_TOKENS; t++) acc[t] = _mm512_setzero_ps();
-    const int64_t share = (next_bytes / nb + 63) / 64 * 64;  /* of `next`, prefetched at each block */
+    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t share = (next_bytes / nb + 63) / 64 * 64;
     for (int64_t b = 0; b < nb; b++) {
         for (int64_t line = b * share; line < (b + 1) * share && line < next_bytes; line += 64)
             _mm_prefetch((const char *)next + line, _MM_HINT_T0);
         const int64_t at = b * X_TILE + lane;  /* the first token's scale, sum and correction */
         const int32_t *xg = (const int32_t *)(a.q + b * X_TILE * QK) + lane;  /* its group 0 */
         __m512i sum[PACK_TOKENS];
-        for (int t = 0; t < PACK_TOKENS; t++)
+        for (int t = 0; t < TT; t++)
             sum[t] = corrected_offset(type, 1) ? _mm512_set1_epi32(a.c[at + t]) : _mm512_setzero_si512();
         for (int g = 0; g < QK / 4; g++) {
             const __m512i u = _mm512_loadu_si512(p.q + (b * (QK / 4) + g) * PACK_ROWS * 4);
-            for (int t = 0; t < PACK_TOKENS; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * X_TILE + t]));
+            for (int t = 0; t < TT; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * X_TILE + t]));
         }
-        const __m512 d = _mm512_loadu_ps(p.d + b * PACK_ROWS), m = _mm512_loadu_ps(p.m + b * PACK_ROWS);
-        for (int t = 0; t < PACK_TOKENS; t++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p.d + b * PACK_ROWS)));
+        for (int t = 0; t < TT; t++) {
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(d, _mm512_set1_ps(a.d[at + t])), acc[t]);
-            if (has_min(type)) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[at + t]), acc[t]);
+            if (has_min(type))
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p.m + b * PACK_ROWS))),
+                                         _mm512_set1_ps(a.s[at + t]), acc[t]);
         }
     }
-    store_packed_rows(acc, tokens, rows, y, ldy);
+    store_packed_rows(acc, TT, rows, y, ldy);
 }
 
-/* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the tiled layout */
+/* y[t, r] for all T tokens and the chunk's rows (<= PACK_ROWS) in p, x in the tiled layout;
+ * the first tokens' products prefetch `next` */
+static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_chunk(
+    int type, struct packed_rows p, struct q8_activations a, int64_t T, int64_t nb, float *y, int64_t ldy,
+    int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS) {
+        const int64_t tile = t0 / X_TILE, ahead = t0 == 0 ? next_bytes : 0;
+        const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
+                                          a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
+        const int lane = (int)(t0 % X_TILE);
+#define TOKENS_CASE(TT) \
+    case TT: packed_tokens(type, TT, p, at, nb, lane, y + t0 * ldy, ldy, rows, next, ahead); break;
+        switch (T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS) {
+            TOKENS_CASE(1) TOKENS_CASE(2) TOKENS_CASE(3) TOKENS_CASE(4) TOKENS_CASE(5) TOKENS_CASE(6) TOKENS_CASE(7)
+            default: packed_tokens(type, PACK_TOKENS, p, at, nb, lane, y + t0 * ldy, ldy, rows, next, ahead);
+        }
+#undef TOKENS_CASE
+    }
+}
+
+/* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the tiled layout: packed here */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_packed(
     int type, struct q8_activations a, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy, int64_t n0,
     int64_t n1, struct packed_rows p) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type), rows = n1 - n0;
-    pack_rows(type, w + n0 * row_bytes, nb, row_bytes, rows, p);
-    for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS) {
-        /* the next chunk's rows (schedule(static): most often this thread's), read while the
-         * first tokens' products run */
-        const int64_t next_bytes = t0 == 0 ? PACK_ROWS * row_bytes : 0;
-        const int64_t tile = t0 / X_TILE;
-        const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
-                                          a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
-        const int64_t tokens = T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS;
-        packed_tokens(type, p, at, nb, (int)(t0 % X_TILE), y + t0 * ldy + n0, ldy, tokens, rows, w + n1 * row_bytes,
-                      next_bytes);
-    }
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
+    pack_rows(type, w + n0 * row_bytes, nb, row_bytes, n1 - n0, p);
+    packed_chunk(type, p, a, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes);
+}
+
+/* A weight packed once (gguf_pack_<type>): its chunks of PACK_ROWS rows one after another, each
+ * [codes q, scales d (, mins m)] as struct packed_rows, the last chunk's missing rows zeros. As
+ * many bytes as the blocks where a block's codes are whole bytes (Q8_0): the products read it
+ * as they read the blocks, without unpacking them at every call. */
+static inline int64_t packed_chunk_bytes(int type, int64_t nb) {
+    return nb * PACK_ROWS * (QK + (int64_t)sizeof(uint16_t) * (1 + has_min(type)));
+}
+
+static inline struct packed_rows packed_chunk_at(int type, const uint8_t *w, int64_t nb, int64_t c) {
+    uint8_t *base = (uint8_t *)w + c * packed_chunk_bytes(type, nb);
+    uint16_t *d = (uint16_t *)(base + nb * PACK_ROWS * QK);
+    return (struct packed_rows){base, d, has_min(type) ? d + nb * PACK_ROWS : NULL};
 }
 
 /* The packed rows are kept between calls (one per OpenMP thread), as the quantized x is */
 static __thread char *pack_scratch = NULL;
 static __thread int64_t pack_scratch_bytes = 0;
 
-static int packed_rows_for(int64_t K, struct packed_rows *p) {
-    const int64_t nb = K / QK, need = nb * (QK / 4) * PACK_ROWS * 4 + 2 * nb * PACK_ROWS * (int64_t)sizeof(float);
-    if (grown_scratch(&pack_scratch, &pack_scratch_bytes, need) == NULL) return -1;
-    p->d = (float *)pack_scratch;
-    p->m = p->d + nb * PACK_ROWS;
-    p->q = (uint8_t *)(p->m + nb * PACK_ROWS);
+static int packed_rows_for(int type, int64_t K, struct packed_rows *p) {
+    const int64_t nb = K / QK;
+    if (grown_scratch(&pack_scratch, &pack_scratch_bytes, packed_chunk_bytes(type, nb)) == NULL) return -1;
+    *p = packed_chunk_at(type, (const uint8_t *)pack_scratch, nb, 0);
     return 0;
 }
 
@@ -650,14 +671,13 @@ static int vnni_available(void) {
         const int64_t padded = layout == ONE_TOKEN ? 1 : layout == PAIRS ? (T + 1) / 2 * 2                     \
                                                                          : (T + X_TILE - 1) / X_TILE * X_TILE; \
         if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
-        /* the packed products read tokens in eights: the rest of a tile is not quantized (a fallback to the  \
-         * tiles would read those lanes only into sums that go nowhere) */                                    \
-        const int64_t quantized = packs ? (T + PACK_TOKENS - 1) / PACK_TOKENS * PACK_TOKENS : padded;        \
+        /* the packed products read the T tokens only, not a tile's padding */                              \
+        const int64_t quantized = packs ? T : padded;                                                          \
         const int offset = corrected_offset(TYPE, vnni);                                                       \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             struct packed_rows packed;                                                                         \
-            const int pack = packs && packed_rows_for(K, &packed) == 0; /* else tiles: x's layout */       \
+            const int pack = packs && packed_rows_for(TYPE, K, &packed) == 0;                                  \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t t = 0; t < quantized; t++) quantize_token(x, T, K, t, a, offset, layout);           \
             _Pragma("omp for schedule(static)")                                                                \
@@ -681,3 +701,59 @@ GGUF_KERNELS(q5_0, Q5_0)
 GGUF_KERNELS(q5_1, Q5_1)
 GGUF_KERNELS(q8_0, Q8_0)
 GGUF_KERNELS(iq4_nl, IQ4_NL)
+
+/* Q8_0 packed once, at load (gpu/quant/blocks.py), where gguf_q32_packs(): the products read
+ * chunks laid out as they use them and the same size as the blocks, instead of unpacking 16
+ * rows of blocks at every call, and take any number of tokens. */
+int gguf_q32_packs(void) { return vnni_available(); }
+
+/* w [N, K] Q8_0 into out; with out NULL, the bytes out needs */
+int64_t gguf_pack_q8_0(const uint8_t *w, int64_t N, int64_t K, uint8_t *out, int threads) {
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(Q8_0);
+    if (out == NULL) return CHUNKS(N) * packed_chunk_bytes(Q8_0, nb);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t c = 0; c < CHUNKS(N); c++)
+        pack_rows(Q8_0, w + c * ROW_CHUNK * row_bytes, nb, row_bytes, CHUNK_END(c, N) - c * ROW_CHUNK,
+                  packed_chunk_at(Q8_0, out, nb, c));
+    return 0;
+}
+
+static __attribute__((target(AVX512_TARGET), noinline)) void packed_chunk_q8_0(struct q8_activations a, int64_t T,
+                                                                                int64_t nb, const uint8_t *w, int64_t c,
+                                                                                float *y, int64_t ldy, int64_t rows) {
+    const int64_t chunk = packed_chunk_bytes(Q8_0, nb);
+    packed_chunk(Q8_0, packed_chunk_at(Q8_0, w, nb, c), a, T, nb, y, ldy, rows, w + (c + 1) * chunk, chunk);
+}
+
+/* as gguf_gemm_q8_0_q8, w packed by gguf_pack_q8_0 */
+int gguf_gemm_q8_0_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
+                             int threads) {
+    struct q8_activations a;
+    if (T == 0) return 0;
+    if (q8_activations_for((T + X_TILE - 1) / X_TILE * X_TILE, K, &a) != 0) return -1;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < T; t++) quantize_token(x, T, K, t, a, corrected_offset(Q8_0, 1), TILES);
+        _Pragma("omp for schedule(static)")
+        for (int64_t c = 0; c < CHUNKS(N); c++)
+            packed_chunk_q8_0(a, T, K / QK, w, c, y + c * ROW_CHUNK, ldy, CHUNK_END(c, N) - c * ROW_CHUNK);
+    }
+    return 0;
+}
+
+/* rows ids of a weight packed by gguf_pack_q8_0, dequantized as get_rows does the blocks */
+void gguf_get_rows_q8_0_packed(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) {
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < n_ids; i++) {
+        const struct packed_rows p = packed_chunk_at(Q8_0, w, nb, ids[i] / PACK_ROWS);
+        const int64_t r = ids[i] % PACK_ROWS;
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = _cvtsh_ss(p.d[b * PACK_ROWS + r]);
+            for (int g = 0; g < QK / 4; g++)
+                for (int j = 0; j < 4; j++)
+                    out[i * K + b * QK + 4 * g + j] =
+                        d * (float)((int)p.q[((b * (QK / 4) + g) * PACK_ROWS + r) * 4 + j] - 128);
+        }
+    }
+}

@@ -1,14 +1,18 @@
-"""The one exception to using a GGUF's blocks in place: Q4_1 projections multiplied with int8
-activations (--quantization gguf-q8, the embedded SmolLM2's) are copied once, at load, into
-gpu/kernels/ggml_cpu.c's layout of 8 interleaved rows, whose kernel took ~2x less CPU per
-decode step's products than the in-place one (perf/results/gguf_repack.md). Goes once
-gguf_q32.c's Q4_1 kernel is as fast."""
+"""The exceptions to using a GGUF's blocks in place, both for weights multiplied with int8
+activations (--quantization gguf-q8), copied once at load into the layout their kernels read:
+- Q4_1 projections (the embedded SmolLM2's) into gpu/kernels/ggml_cpu.c's layout of 8
+  interleaved rows, whose kernel took ~2x less CPU per decode step's products than the in-place
+  one (perf/results/gguf_repack.md). Goes once gguf_q32.c's Q4_1 kernel is as fast.
+- Q8_0 weights, the embedding / LM head included (Gemma 3's), on an AVX512-VNNI CPU, into
+  gguf_q32.c's packed chunks of 16 rows: the same bytes as the blocks, which its products
+  otherwise unpack into that layout at every call of 8 tokens or more (docs/perf-notes.md)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import mmap
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -87,8 +91,53 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+@functools.cache
+def _packed_q8_0() -> tuple[TypeKernels, Callable[..., int]] | None:
+    """gguf_q32.c's kernels of packed Q8_0 and its packer; None where the CPU has no AVX512-VNNI."""
+    try:
+        lib = kernels.load("gguf_q32")
+    except kernels.KernelBuildError as e:
+        raise ModelLoadError(f"--quantization gguf-q8: {e}") from None
+    if not lib.gguf_q32_packs():
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    gemm = lib.gguf_gemm_q8_0_packed_q8  # x, T, K, w, N, y, ldy, threads -> 0 | -1 (no memory)
+    gemm.argtypes, gemm.restype = [p, i64, i64, p, i64, p, i64, ctypes.c_int], ctypes.c_int
+    get_rows = lib.gguf_get_rows_q8_0_packed  # w, K, ids, n_ids, out
+    get_rows.argtypes, get_rows.restype = [p, i64, p, i64, p], None
+    pack = lib.gguf_pack_q8_0  # w, N, K, out (NULL: the bytes it needs), threads
+    pack.argtypes, pack.restype = [p, i64, i64, p, ctypes.c_int], i64
+    addresses = {"q8": ctypes.cast(gemm, ctypes.c_void_p).value or 0}
+    return TypeKernels({"q8": gemm}, addresses, get_rows), pack
+
+
+def packs_q8_0(weight: GGUFWeight) -> bool:
+    """Whether pack_q8_0 takes `weight`: one Q8_0 part, multiplied with q8 activations, on a CPU
+    with the packed kernels."""
+    return weight.activations == "q8" and weight.type_names == ("Q8_0",) and _packed_q8_0() is not None
+
+
+def pack_q8_0(weight: GGUFWeight) -> GGUFWeight:
+    """The same [N, K] weight in gguf_q32.c's packed chunks (its rows still readable: rows())."""
+    found = _packed_q8_0()
+    if found is None:
+        raise ModelLoadError("packed Q8_0 needs an AVX512-VNNI CPU")
+    type_kernels, pack = found
+    (N, K), (part,) = weight.shape, weight.parts
+    buffer = np.empty(pack(None, N, K, None, 0), np.uint8)
+    pack(part.address, N, K, buffer.ctypes.data, torch.get_num_threads())
+    unmap_resident(part.data)
+    packed = WeightPart(part.name, "Q8_0", N, 0, buffer, buffer.ctypes.data, None, type_kernels)
+    return GGUFWeight.of_parts((packed,), weight.shape, "q8")
+
+
 def repack_where_faster(weights: dict[str, torch.Tensor | GGUFWeight]) -> None:
-    """In place: every projection repack_q4_1 takes (not the embedding, whose rows are read)."""
+    """In place: every projection repack_q4_1 takes (not the embedding, whose rows it cannot
+    read), every weight pack_q8_0 takes."""
     for name, w in weights.items():
-        if name != "embed" and isinstance(w, GGUFWeight) and repacks(w):
+        if not isinstance(w, GGUFWeight):
+            continue
+        if packs_q8_0(w):
+            weights[name] = pack_q8_0(w)
+        elif name != "embed" and repacks(w):
             weights[name] = repack_q4_1(w)
