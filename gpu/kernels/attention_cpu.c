@@ -132,62 +132,99 @@ static inline void prefetch_some(Prefetch *pf) {
     }
 }
 
-/* One chunk [j0, j0 + n) of one request, all Hq heads: acc[i] = sum_j e^(s_ij - m_i) v_j,
+/* Query heads [h0, h0 + HB) (HB <= HEAD_BLOCK, a constant at each call) of a kv head, whose slice
+ * of a row starts at element `off`, against a chunk's rows krow / vrow (n of them, CHUNK
+ * pointers: past n the last row again, its score dropped): acc[i] = sum_j e^(s_ij - m_i) v_j,
  * l[i] = sum_j e^(s_ij - m_i), m[i] = max_j s_ij, s_ij = q_i . k_j * scale (soft-capped when
- * softcap > 0). Inlined into attend_chunk_as with a constant dtype: one copy of the loops per KV
- * element type, each with its row load and no branch on the type inside them. */
+ * softcap > 0). The heads of a block share each K and V vector a load and a conversion to fp32
+ * (a head at a time, the conversions were as many instructions as the FMAs); each head's sums
+ * run in the same order as a head at a time would, so the results do not depend on HB. */
+#define HEAD_BLOCK 4
+static inline __attribute__((always_inline)) void attend_heads(int HB, const float *q, const void *const *krow,
+                                                               const void *const *vrow, int64_t off, int64_t n,
+                                                               int64_t D, float scale, float softcap, float *acc,
+                                                               float *m, float *l, int dtype, Prefetch *pf) {
+    const int64_t nv = D / 8;
+    float s[HEAD_BLOCK][CHUNK];
+    for (int64_t t0 = 0; t0 < n; t0 += 2) {  /* two keys at a time: 2 x HB sums in registers */
+        if (t0 % 8 == 0)
+            for (int h = 0; h < HB; h++) prefetch_some(pf);
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nv; c++) {
+            const __m256 k0 = kv_load8(krow[t0], off + 8 * c, dtype), k1 = kv_load8(krow[t0 + 1], off + 8 * c, dtype);
+            for (int h = 0; h < HB; h++) {
+                const __m256 qc = _mm256_loadu_ps(q + h * D + 8 * c);
+                a[2 * h] = _mm256_fmadd_ps(qc, k0, a[2 * h]);
+                a[2 * h + 1] = _mm256_fmadd_ps(qc, k1, a[2 * h + 1]);
+            }
+        }
+        __m256 st = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));  /* lane 2 h + k: head h, key t0 + k */
+        if (softcap > 0.0f) st = soft_cap8(st, softcap);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, st);
+        for (int h = 0; h < HB; h++) s[h][t0] = lanes[2 * h], s[h][t0 + 1] = lanes[2 * h + 1];
+    }
+    for (int h = 0; h < HB; h++) {
+        float mx = s[h][0];
+        for (int64_t t = 1; t < n; t++) mx = s[h][t] > mx ? s[h][t] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[h] + t0), vmx));
+            if (n - t0 < 8) e = _mm256_and_ps(e, lanes_below(n - t0));  /* zero the lanes past n */
+            _mm256_storeu_ps(s[h] + t0, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        m[h] = mx;
+        l[h] = hsum(vsum);
+    }
+    /* VB vectors of the output of every head at a time, in registers: HB x VB sums, VB values */
+    const int VB = HB == 1 ? 8 : HB == 2 ? 4 : 2;
+    for (int64_t c0 = 0; c0 < nv; c0 += VB) {
+        const int nc = nv - c0 < VB ? (int)(nv - c0) : VB;
+        __m256 o[HEAD_BLOCK][8];
+        for (int h = 0; h < HB; h++)
+            for (int c = 0; c < VB; c++) o[h][c] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            __m256 v[8];
+            for (int c = 0; c < VB; c++)
+                if (c < nc) v[c] = kv_load8(vrow[t], off + 8 * (c0 + c), dtype);
+            for (int h = 0; h < HB; h++) {
+                const __m256 p = _mm256_set1_ps(s[h][t]);
+                for (int c = 0; c < VB; c++)
+                    if (c < nc) o[h][c] = _mm256_fmadd_ps(p, v[c], o[h][c]);
+            }
+        }
+        for (int h = 0; h < HB; h++)
+            for (int c = 0; c < VB; c++)
+                if (c < nc) _mm256_storeu_ps(acc + h * D + 8 * (c0 + c), o[h][c]);
+    }
+}
+
+/* One chunk [j0, j0 + n) of one request, all Hq heads, each kv head's G query heads in blocks of
+ * HEAD_BLOCK (attend_heads). Inlined into attend_chunk_as with a constant dtype: one copy of the
+ * loops per KV element type, each with its row load and no branch on the type inside them. */
 static inline __attribute__((always_inline)) void attend_chunk(const float *q, const KvRows *r, int64_t j0, int64_t n,
                                                                int64_t Hq, int64_t G, int64_t D, float scale,
                                                                float softcap, float *acc, float *m, float *l, int dtype,
                                                                Prefetch *pf) {
-    const int64_t nv = D / 8;
     const void *krow[CHUNK], *vrow[CHUNK];
     for (int64_t t = 0; t < CHUNK; t++) {  /* past n: the last row again, its score dropped */
         const int64_t j = j0 + (t < n ? t : n - 1);
         krow[t] = row(r, r->k, j);
         vrow[t] = row(r, r->v, j);
     }
-    float s[CHUNK];
-    for (int64_t i = 0; i < Hq; i++) {
-        const float *qi = q + i * D;
-        const int64_t off = i / G * D;  /* kv head i / G's slice of a row */
-        for (int64_t t0 = 0; t0 < n; t0 += 8) {
-            prefetch_some(pf);
-            __m256 a[8];
-            for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < nv; c++) {
-                const __m256 qc = _mm256_loadu_ps(qi + 8 * c);
-                for (int t = 0; t < 8; t++)
-                    a[t] = _mm256_fmadd_ps(qc, kv_load8(krow[t0 + t], off + 8 * c, dtype), a[t]);
-            }
-            __m256 st = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));
-            if (softcap > 0.0f) st = soft_cap8(st, softcap);
-            _mm256_storeu_ps(s + t0, st);
-        }
-        float mx = s[0];
-        for (int64_t t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        for (int64_t t0 = 0; t0 < n; t0 += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t0), vmx));
-            if (n - t0 < 8) e = _mm256_and_ps(e, lanes_below(n - t0));  /* zero the lanes past n */
-            _mm256_storeu_ps(s + t0, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        m[i] = mx;
-        l[i] = hsum(vsum);
-        for (int64_t c0 = 0; c0 < nv; c0 += 8) {  /* 8 vectors of the output at a time, in registers */
-            const int64_t nc = nv - c0 < 8 ? nv - c0 : 8;
-            __m256 o[8];
-            for (int c = 0; c < 8; c++) o[c] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < n; t++) {
-                const __m256 p = _mm256_set1_ps(s[t]);
-                for (int c = 0; c < 8; c++)
-                    if (c < nc) o[c] = _mm256_fmadd_ps(p, kv_load8(vrow[t], off + 8 * (c0 + c), dtype), o[c]);
-            }
-            for (int c = 0; c < 8; c++)
-                if (c < nc) _mm256_storeu_ps(acc + i * D + 8 * (c0 + c), o[c]);
-        }
+    for (int64_t h0 = 0, h1; h0 < Hq; h0 = h1) {
+        const int64_t kv_head = h0 / G, end = (kv_head + 1) * G < Hq ? (kv_head + 1) * G : Hq;
+        h1 = h0 + HEAD_BLOCK < end ? h0 + HEAD_BLOCK : end;  /* a block within one kv head */
+#define HEADS_CASE(HB)                                                                                             \
+    case HB:                                                                                                       \
+        attend_heads(HB, q + h0 * D, krow, vrow, kv_head * D, n, D, scale, softcap, acc + h0 * D, m + h0, l + h0, \
+                     dtype, pf);                                                                                   \
+        break;
+        switch (h1 - h0) { HEADS_CASE(1) HEADS_CASE(2) HEADS_CASE(3) default: HEADS_CASE(4) }
+#undef HEADS_CASE
     }
 }
 

@@ -121,8 +121,9 @@ def _attend(name, kv, hq, meta, q, k, v):
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the cpu backend needs an AVX2 CPU and a C compiler")
-# GQA 3 (SmolLM2); GQA 1 with D not a multiple of 16; GQA 4 at the largest D
-@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 40), (8, 2, 256)])
+# GQA 3 (SmolLM2); GQA 1 with D not a multiple of 16; GQA 4 at the largest D; GQA 7 (Qwen2's 14 / 2:
+# a kv head's query heads in two blocks, 4 and 3)
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 40), (8, 2, 256), (14, 2, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("page_size", [1, 16, 5])
 def test_cpu_backend_equals_torch_on_mixed_steps(page_size, dtype, hq, hkv, d):
