@@ -240,9 +240,12 @@ class Scheduler:
         if self.heartbeat is not None:
             self.heartbeat()
         step = self._step_input(decode_rows, prefill, drafts)
-        result = self._process(step, prefill, drafts, self.runner.step(step))
-        if not prefill:  # what drafting decides by: a step's tokens and its whole time
-            self.speculator.timed(len(step.rows), time.perf_counter() - start)
+        forward_start = time.perf_counter()
+        out = self.runner.step(step)
+        forward_s = time.perf_counter() - forward_start
+        result = self._process(step, prefill, drafts, out)
+        if not prefill:  # what drafting decides by: a step's tokens, its whole time and its forward's
+            self.speculator.timed(len(step.rows), time.perf_counter() - start, forward_s)
         return result
 
     def _schedule_decode(self) -> np.ndarray:

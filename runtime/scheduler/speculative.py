@@ -16,10 +16,11 @@ drafts ride on it. In a larger one the step drafts the tokens likeliest to be ac
 request's j-th drafted token is accepted with its rate to the j-th power), as many as raise
 the step's expected tokens a second the most by what the steps already run cost (StepCosts):
 as the batch grows the forward turns compute bound and only well-accepted drafts pay.
-Nothing is drafted in steps of more than MAX_BATCH decodes: there the host's work a drafted
-token (lookups, acceptance, more and smaller stream events) outweighs what the forward saves,
-which the step's time alone does not show (the null model at 256 streams: drafting doubled
-the server's CPU a token).
+Above FREE_BATCH nothing is drafted where the forward is under MIN_FORWARD_SHARE of a decode
+step's time: there the host's work a drafted token (lookups, acceptance, the detokenizer's and
+HTTP workers' events, not all of it in the step's time) outweighs what the forward saves (the
+null model, whose forward costs next to nothing: drafting doubled the server's CPU a token).
+Nor in steps of more than MAX_BATCH decodes, which bounds the host's lookups a step.
 
 Only plain greedy requests are drafted for (no penalties, no pending min_tokens, no grammar, no
 thinking budget): their choice at each drafted position does not depend on the tokens sampled
@@ -39,7 +40,10 @@ from protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 # decodes in a step up to which every ready request drafts what it finds
 FREE_BATCH = 4
 # decodes in a step above which none is drafted for
-MAX_BATCH = 16
+MAX_BATCH = 32
+# the forward's share of a decode step's time (a running average, COST_WEIGHT) under which,
+# above FREE_BATCH decodes, none is drafted for
+MIN_FORWARD_SHARE = 0.5
 # a request's acceptance rate (the chance a drafted token is accepted, its earlier ones
 # being accepted) before its first verify: PRIOR_HITS of PRIOR_TRIALS. Hopeful: greedy text
 # that repeats itself is n-gram drafting's case, and a rate too low to draft at is never
@@ -121,6 +125,7 @@ class NgramSpeculator:
         self.misses = np.zeros(num_rows, np.int64)  # its drafts rejected whole, in a row
         self.wait = np.zeros(num_rows, np.int64)  # steps before it drafts again
         self.costs = StepCosts(min(num_rows, MAX_BATCH) * (1 + max_draft))
+        self.forward_share = 1.0  # of a decode step's time; before any, hopeful
         self.stats = SpeculationStats()
 
     def admit(self, row: int, params: SamplingParams, constrained: bool) -> None:
@@ -171,6 +176,8 @@ class NgramSpeculator:
             return [], []
         if decodes <= FREE_BATCH:
             return rows.tolist(), room.tolist()
+        if self.forward_share < MIN_FORWARD_SHARE:
+            return [], []
         owner = np.repeat(np.arange(len(rows)), room)  # a candidate token: its row's index,
         depth = np.arange(len(owner)) - np.repeat(np.cumsum(room) - room, room) + 1  # its place in the draft
         chance = self.accept_rate(rows)[owner] ** depth  # accepted only with every token before it
@@ -180,9 +187,12 @@ class NgramSpeculator:
         lengths = np.bincount(owner[order[:n]], minlength=len(rows))
         return rows[lengths > 0].tolist(), lengths[lengths > 0].tolist()
 
-    def timed(self, tokens: int, seconds: float) -> None:
-        """A step of decodes only ran `tokens` tokens (drafts included) in `seconds`."""
+    def timed(self, tokens: int, seconds: float, forward_seconds: float) -> None:
+        """A step of decodes only ran `tokens` tokens (drafts included) in `seconds`, of which
+        its forward took `forward_seconds`."""
         self.costs.record(tokens, seconds)
+        if seconds > 0:
+            self.forward_share += COST_WEIGHT * (min(forward_seconds / seconds, 1.0) - self.forward_share)
 
     def verified(self, row: int, drafted: int, accepted: int) -> None:
         """Adapts `row`'s next draft and its rate to this one: `accepted` of its `drafted` tokens
@@ -261,7 +271,7 @@ class NoSpeculation:
     def verified(self, row: int, drafted: int, accepted: int) -> None:
         raise AssertionError("nothing was drafted")
 
-    def timed(self, tokens: int, seconds: float) -> None:
+    def timed(self, tokens: int, seconds: float, forward_seconds: float) -> None:
         pass
 
 

@@ -155,13 +155,13 @@ def test_drafts_go_where_the_measured_costs_say_they_pay():
     rows, table = 8, cycling_table(8, 3)
     flat, proportional = greedy_speculator(rows), greedy_speculator(rows)
     for tokens in (8, 16, 24, 40):
-        flat.timed(tokens, 0.030)  # reading the weights: a token more costs nothing
-        proportional.timed(tokens, 0.001 * tokens)  # compute bound: each token costs the same
+        flat.timed(tokens, 0.030, 0.030)  # reading the weights: a token more costs nothing
+        proportional.timed(tokens, 0.001 * tokens, 0.001 * tokens)  # compute bound: each token costs the same
     assert {row: len(d) for row, d in flat.propose(table, np.arange(rows)).items()} == dict.fromkeys(range(rows), 3)
     assert proportional.propose(table, np.arange(rows)) == {}  # half of a draft is rejected: no gain
     proportional.hits[:] = 0.0
     proportional.hits[[2, 5]] = proportional.trials[[2, 5]]  # these two accept every draft
-    proportional.timed(14, 0.0125)  # 14 tokens a little dearer than 8 (16: as dear a token): 3 drafts each pay
+    proportional.timed(14, 0.0125, 0.0125)  # 14 tokens a little dearer than 8 (16: as dear a token): 3 drafts each pay
     assert {row: len(d) for row, d in proportional.propose(table, np.arange(rows)).items()} == {2: 3, 5: 3}
 
 
@@ -173,10 +173,23 @@ def test_nothing_is_drafted_in_a_large_batch():
     assert len(spec.propose(table, np.arange(MAX_BATCH))) == MAX_BATCH
 
 
+def test_nothing_is_drafted_past_a_small_batch_where_the_host_outweighs_the_forward():
+    """The null model's steps: the host's work most of their time; a small batch drafts still."""
+    rows, table = 8, cycling_table(8, 3)
+    spec = greedy_speculator(rows)
+    for tokens in (8, 16, 24, 40):
+        spec.timed(tokens, 0.002, 0.0002)  # the forward a tenth of the step: flat, drafting looks free
+    assert spec.propose(table, np.arange(rows)) == {}
+    assert len(spec.propose(table, np.arange(FREE_BATCH))) == FREE_BATCH
+    for _ in range(20):
+        spec.timed(8, 0.030, 0.029)  # a real model's: the forward is the step
+    assert len(spec.propose(table, np.arange(rows))) == rows
+
+
 def test_a_small_batch_drafts_what_it_finds():
     spec = greedy_speculator(FREE_BATCH)
     for tokens in (FREE_BATCH, 2 * FREE_BATCH, 9 * FREE_BATCH):
-        spec.timed(tokens, 0.001 * tokens)  # even where each token costs the same
+        spec.timed(tokens, 0.001 * tokens, 0.001 * tokens)  # even where each token costs the same
     drafts = spec.propose(cycling_table(FREE_BATCH, 5), np.arange(FREE_BATCH))
     assert {row: len(d) for row, d in drafts.items()} == dict.fromkeys(range(FREE_BATCH), 4)
 
@@ -195,7 +208,7 @@ def test_a_draft_is_cut_where_its_tokens_stop_paying():
     spec, table = one_drafting_row(5), cycling_table(5, 5)
     spec.hits[0], spec.trials[0] = 500, 1000
     for tokens, seconds in ((5, 0.0100), (6, 0.0105), (7, 0.0125), (9, 0.0300)):
-        spec.timed(tokens, seconds)
+        spec.timed(tokens, seconds, seconds)
     # expected 5 tokens in 10 ms; 5.5 in 10.5 ms; 5.75 in 12.5 ms; 5.875 in ~21 ms: one is drafted
     assert len(spec.propose(table, np.arange(5))[0]) == 1
 
@@ -207,7 +220,7 @@ def test_the_acceptance_rate_follows_the_verifies_and_ages_back():
     spec.verified(0, 4, 1)  # the second token rejected: two tried, one accepted
     assert rate() == pytest.approx((PRIOR_HITS + 1) / (PRIOR_TRIALS + 2))
     for tokens in (5, 10):
-        spec.timed(tokens, 0.010 * tokens)  # compute bound: a draft would pay only at a rate of 1
+        spec.timed(tokens, 0.010 * tokens, 0.010 * tokens)  # compute bound: a draft would pay only at a rate of 1
     assert spec.propose(table, np.arange(5)) == {}
     low = rate()
     for _ in range(30):  # steps without a verify: the evidence fades, the rate goes back to the prior
