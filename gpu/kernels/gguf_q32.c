@@ -463,8 +463,9 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
  * instead of once a tile of X_TILE, the 16 rows' scales come in one vector, and eight tokens'
  * sums are eight independent chains (past PACKED_FROM tokens, x then quantized in the tiled
  * layout whatever T). Sums in the same order as rows_tile (each block's integer sum, times d
- * xd, added in block order), so the results are bit for bit the same. Built for AVX-512 by its target attribute alone (the file is not: see
- * add_fifth_bits), and called only where vnni_available(). */
+ * xd, added in block order), so the results are bit for bit the same. Built for AVX-512 by its
+ * target attribute alone (the file is not: see add_fifth_bits), and called only where
+ * vnni_available(). */
 #define PACK_ROWS 16   /* rows a packed vector holds: one a 32-bit lane */
 #define PACK_TOKENS 8  /* tokens a packed product takes together: 8 sums and 8 accumulators */
 /* more tokens than this are packed: below 8 a weight held in the caches costs more to repack
