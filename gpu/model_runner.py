@@ -27,6 +27,7 @@ from gpu.forward_batch import (
 )
 from gpu.kvcache.kv_cache import KVCache
 from gpu.kvcache.page_pool import PagePool
+from gpu.logits_buffer import LogitsBuffer, NoLogitsBuffer
 from gpu.lora import LoraBatch, LoraPool
 from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.gguf_file import GGUFFile
@@ -272,6 +273,11 @@ class ModelRunner:
         self.sampler = Sampler(
             config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device, config.random_seed
         )
+        self.logits_buffer = (
+            LogitsBuffer(cfg.vocab_size, self.device)
+            if isinstance(self.model.lm_head, GGUFWeight)
+            else NoLogitsBuffer()
+        )
 
     def _attention(self, name: str):
         """The attention backend `name`, set for this model's scale, windows and soft-capping;
@@ -382,19 +388,24 @@ class ModelRunner:
             return None
         return LoraBatch(self.loras.resident, np.repeat(seq_lora, step.q_lens), self.device)
 
+    def idle(self) -> None:
+        """The scheduler is idle after a burst: gives back what its steps kept."""
+        self.logits_buffer.release()
+
     @torch.inference_mode()
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         """One forward over the mixed batch, then one sampled token per sequence with sample set."""
         step = StepInput.of(seqs)
         batch = build_forward_batch(step, self.config.page_size, self.model_config.context_length, self.device)
         lora = self._lora_batch(step)
+        out = self.logits_buffer.rows(len(batch.logits_index))
         prompt = pooled = None
         ask, index, targets = step.prompt_logprobs, batch.prompt_index, batch.prompt_targets  # set together
         if (ask is not None and index is not None and targets is not None) or step.pool is not None:
             # the Python forward: it keeps every position's hidden state
             self.attn.plan(batch.meta)
             x, residual = self.model.hidden(batch.input_ids, batch.meta.positions, self.attn, lora)
-            logits = self.model.logits(x, residual, batch.logits_index)
+            logits = self.model.logits(x, residual, batch.logits_index, out)
             if ask is not None and index is not None and targets is not None:
                 lps, ranks, top_ids, top_lps = self.model.prompt_logprobs(x, residual, index, targets, ask.top_k)
                 prompt = PromptLogprobsOut(
@@ -406,10 +417,10 @@ class ModelRunner:
             if step.pool is not None:
                 pooled = self._pool(step, batch, x, residual)
         elif self.decoder is not None and self.decoder.takes(batch.meta):
-            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, lora)
+            logits = self.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, lora, out)
         else:
             self.attn.plan(batch.meta)
-            logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn, lora)
+            logits = self.model.forward(batch.input_ids, batch.meta.positions, batch.logits_index, self.attn, lora, out)
         S = len(batch.sample_rows)
         if S == 0:
             return StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32), None, None, prompt, pooled)

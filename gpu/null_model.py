@@ -81,6 +81,9 @@ class NullModelRunner:
             self.loras.release(int(self.row_lora[row]))
             self.row_lora[row] = 0
 
+    def idle(self) -> None:
+        """Nothing is kept between steps."""
+
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
         step = StepInput.of(seqs)
         rows = step.rows[step.sample]

@@ -173,9 +173,10 @@ class CpuDecoder:
         meta: AttentionMetadata,
         logits_index: torch.Tensor,
         lora: LoraBatch | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids: int64 [T] -> float32 logits [S, V], as LlamaForCausalLM.forward (with the
-        deltas of `lora`'s adapters for their tokens)."""
+        deltas of `lora`'s adapters for their tokens; in `out`, as its logits() says)."""
         loras, max_r = lora.tables if lora is not None else (None, 0)
         x = self.model.scaled_embedding(input_ids).contiguous()  # [T, H], the residual stream
         residual = torch.empty_like(x)
@@ -197,4 +198,4 @@ class CpuDecoder:
             torch.get_num_threads(),
         ):
             raise MemoryError("decode_cpu: no memory for a step's activations")
-        return self.model.logits(x, residual, logits_index)
+        return self.model.logits(x, residual, logits_index, out)

@@ -372,10 +372,12 @@ class LlamaForCausalLM:
         logits_index: torch.Tensor,
         attn: AttentionBackend,
         lora: LoraBatch | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]."""
+        """input_ids, positions: int64 [T]; logits_index: int64 [S] -> float32 logits [S, V]
+        (in `out`, as logits() says)."""
         x, residual = self.hidden(input_ids, positions, attn, lora)
-        return self.logits(x, residual, logits_index)
+        return self.logits(x, residual, logits_index, out)
 
     def hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, lora: LoraBatch | None = None
@@ -472,12 +474,18 @@ class LlamaForCausalLM:
         _, h = self.ops.add_rms_norm(x[index], residual[index], self.norm, self.cfg.rms_norm_eps)
         return h.float()
 
-    def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The last layer's residual stream x and MLP output residual: [T, H]; logits_index:
-        int64 [S] -> float32 logits [S, V]."""
+        int64 [S] -> float32 logits [S, V]; `out`: float32 [S, V] that a head in GGUF blocks
+        writes them into (a step's, gpu/logits_buffer.py), or None."""
         _, h = self.ops.add_rms_norm(x[logits_index], residual[logits_index], self.norm, self.cfg.rms_norm_eps)
-        logits = linear(h, self.lm_head, w_t=self.lm_head_t)  # [S, V]
+        if out is not None and isinstance(self.lm_head, GGUFWeight):
+            logits = self.lm_head.matmul(h, out)
+        else:
+            logits = linear(h, self.lm_head, w_t=self.lm_head_t)  # [S, V]
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = logits.div_(cap).tanh_().mul_(cap)
         return logits.float()

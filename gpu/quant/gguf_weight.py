@@ -103,21 +103,24 @@ class GGUFWeight:
         """Bytes of the file the weight reads."""
         return sum(p.data.nbytes for p in self.parts)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: float32 [T, K] -> [T, N] = x @ W^T."""
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: float32 [T, K] -> [T, N] = x @ W^T, written into `out` (float32 [T, N], contiguous)
+        when given."""
         N, K = self.shape
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"x: expected float32 [T, {K}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         T = x.shape[0]
-        y = torch.empty(T, N, dtype=torch.float32)
+        if out is not None and (out.dtype != torch.float32 or out.shape != (T, N) or not out.is_contiguous()):
+            raise ValueError(f"out: expected contiguous float32 [{T}, {N}], got {out.dtype} {tuple(out.shape)}")
+        y = torch.empty(T, N, dtype=torch.float32) if out is None else out
         threads = torch.get_num_threads()
         for p in self.parts:
             if p.kernels is None:
                 y[:, p.offset : p.offset + p.rows] = x @ p.float_values().t()
                 continue
-            out = y.data_ptr() + 4 * p.offset  # the part's column slice, row stride N
-            if p.kernels.gemm[self.activations](x.data_ptr(), T, K, p.address, p.rows, out, N, threads):
+            columns = y.data_ptr() + 4 * p.offset  # the part's column slice, row stride N
+            if p.kernels.gemm[self.activations](x.data_ptr(), T, K, p.address, p.rows, columns, N, threads):
                 raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
         return y
 

@@ -8,7 +8,6 @@ import signal
 
 from runtime.config import ServerArgs
 from runtime.gc_tuning import settle_heap
-from runtime.heap_trim import hold_freed_memory
 from runtime.scheduler.process import SchedulerProcess
 from runtime.scheduler.traced import TracedSchedulerProcess
 from runtime.ttft_trace import TtftTrace
@@ -25,7 +24,6 @@ def run_scheduler(
     from setproctitle import setproctitle
 
     setproctitle(PROCESS_TITLE)
-    hold_freed_memory()
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
     trace_dir = TtftTrace.directory()
     if trace_dir is None:

@@ -102,7 +102,7 @@ class SchedulerProcess:
         self.meta: dict = {}
         self.peers: PeerServer
         self._stopping = False
-        self._trim = IdleTrim(TRIM_AFTER_IDLE_S)
+        self._trim: IdleTrim  # made by start(), with the runner whose buffers it releases
 
     def start(self) -> None:
         from runtime.detokenizer.process import connect_detokenizer
@@ -113,6 +113,7 @@ class SchedulerProcess:
         cfg = runner.model_config
         config = SchedulerConfig.from_server_args(self.args, cfg.context_length)
         self.scheduler = Scheduler(runner, config, heartbeat=self._publish)
+        self._trim = IdleTrim(TRIM_AFTER_IDLE_S, release=runner.idle)
         self.control = EngineControl(self.scheduler)
         self._pending: list[tuple[Pending, int, int, int]] = []  # engine calls answered later, and their callers
         pool = runner.pool

@@ -84,6 +84,19 @@ def test_f32_products_are_products_of_the_dequantized_values(mapped, tokens):
 
 
 @needs_kernels
+def test_a_product_is_written_into_out_when_given(mapped):
+    weight, _ = fused(mapped, "q8")
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(6))
+    storage = torch.full((8, weight.shape[0]), float("nan"))  # a LogitsBuffer's: more rows than the step's
+    out = storage[:6]
+    assert weight.matmul(x, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, weight.matmul(x)) and storage[6:].isnan().all()
+    for bad in (storage[:5], storage[:6].double(), torch.empty(weight.shape[0], 6).t()):
+        with pytest.raises(ValueError, match="out: expected contiguous float32"):
+            weight.matmul(x, bad)
+
+
+@needs_kernels
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_q8_products_stay_within_the_rounding_of_x(mapped, tokens):
     weight, reference = fused(mapped, "q8")

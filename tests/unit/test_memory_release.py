@@ -1,14 +1,14 @@
 """What bounds the scheduler's memory (issue 28), tested as mechanisms rather than as an RSS
 after a burst (timed, and shared with the machine's other load): the KV pool holds exactly
 the tokens --max-total-tokens asks (in float16: llama.cpp's bytes) and is resident only
-where touched; the file pages a repack copied leave the resident set; the
-heap is trimmed once a burst is over, not during it, and a burst's large buffers are reused."""
+where touched; the file pages a repack copied leave the resident set; a step's logits are
+written into storage kept through a burst; the heap is trimmed once a burst is over, not
+during it."""
 
 from __future__ import annotations
 
 import mmap
-import subprocess
-import sys
+import resource
 import time
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gpu.kvcache.kv_cache import KVCache
+from gpu.logits_buffer import LogitsBuffer
 from gpu.quant.blocks import unmap_resident
 from runtime.heap_trim import IdleTrim
 
@@ -73,40 +74,30 @@ def test_unmap_resident_leaves_the_processs_own_memory_alone():
 
 
 def test_heap_is_trimmed_once_after_a_burst_not_during_it():
-    trim = IdleTrim(after_s=0.05)
+    released = []
+    trim = IdleTrim(after_s=0.05, release=lambda: released.append(time.monotonic()))
     assert not trim.idle()  # no work yet: nothing to give back
     trim.worked()
     assert not trim.idle()  # idle for less than after_s: requests coming one after another
     time.sleep(0.06)
-    assert trim.idle()
+    assert trim.idle() and len(released) == 1  # what the burst's steps kept, then the heap
     assert not trim.idle()  # once per burst
     trim.worked()
     time.sleep(0.06)
-    assert trim.idle()
+    assert trim.idle() and len(released) == 2
 
 
-REUSE_PROBE = """
-import resource, sys
-import torch
-from runtime.heap_trim import hold_freed_memory, return_freed_memory
-if sys.argv[1] == "hold":
-    hold_freed_memory()
-def step():  # a step's logits: 40 MB, past glibc's largest mmap threshold, written then freed
-    torch.empty(10 << 20).fill_(1.0)
-step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_held_large_buffers_are_reused_by_a_bursts_next_step():
-    """Held (the scheduler's setting), a freed 40 MB block is reused by the next step: no page
-    faults; glibc's defaults map and fault it in again (10240 pages)."""
-
-    def faults(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode], capture_output=True, text=True, check=True)
-        return int(out.stdout.split()[-1])
-
-    assert faults("hold") < 1000
-    assert faults("default") > 9000
+def test_a_steps_logits_are_written_into_storage_kept_from_step_to_step():
+    """A step's logits past glibc's mmap threshold (33.5 MB: 32 rows of a 262k vocabulary),
+    freshly allocated, are faulted in page by page every step; kept, once per burst."""
+    buffer = LogitsBuffer(262144, torch.device("cpu"))
+    buffer.rows(32).fill_(1.0)
+    assert buffer.capacity == 32
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step = buffer.rows(31)
+    step.fill_(2.0)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 100  # 8k pages, faulted in before
+    assert step.shape == (31, 262144) and step.is_contiguous()
+    assert buffer.rows(33).shape == (33, 262144) and buffer.capacity == 64  # a burst's ramp: powers of two
+    buffer.release()
+    assert buffer.capacity == 0
