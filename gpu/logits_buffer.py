@@ -32,9 +32,8 @@ class LogitsBuffer:
     def rows(self, n: int) -> torch.Tensor:
         """A contiguous [n, vocab_size] view of the storage: valid until the next call, whose
         logits overwrite it."""
-        if n > self.capacity:
-            self._storage = torch.empty(1 << (n - 1).bit_length(), self.vocab_size, device=self.device)
-        assert self._storage is not None
+        if self._storage is None or n > self._storage.shape[0]:
+            self._storage = torch.empty(1 << max(n - 1, 0).bit_length(), self.vocab_size, device=self.device)
         return self._storage[:n]
 
     def release(self) -> None:

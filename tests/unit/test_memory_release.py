@@ -101,3 +101,4 @@ def test_a_steps_logits_are_written_into_storage_kept_from_step_to_step():
     assert buffer.rows(33).shape == (33, 262144) and buffer.capacity == 64  # a burst's ramp: powers of two
     buffer.release()
     assert buffer.capacity == 0
+    assert buffer.rows(0).shape == (0, 262144)  # a step that samples nothing (a prompt's chunk)
