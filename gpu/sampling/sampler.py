@@ -211,7 +211,10 @@ class Sampler:
                 logits[i, forced] = 0.0
 
         greedy = self.greedy[rows]
-        if greedy.all():
+        untouched = not (masked.any() or biased.any() or restricted.any() or len(penalized) or len(budgeted))
+        if greedy.all() and parts is not None and want_lp.all() and untouched and mask is None:
+            tokens = parts[0]  # the rows' argmax, taken with their normalisers: no second pass over them
+        elif greedy.all():
             tokens = argmax_rows(logits)
         else:
             tokens = torch.empty(S, dtype=torch.int64, device=self.device)

@@ -226,6 +226,24 @@ def test_penalties_see_tokens_as_they_are_sampled():
     assert tokens == [0, 1, 2, 0]
 
 
+def test_greedy_rows_asking_logprobs_take_the_argmax_of_what_they_may_sample():
+    """Every row greedy with logprobs: the tokens come from the normalisers' pass over the rows,
+    ties and NaNs as torch.argmax; a row min_tokens masks still takes the best token it may."""
+    sampler = make()
+    params = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=1)
+    for row in range(3):
+        sampler.set_request(row, params, no_output(), no_output())
+    nan = float("nan")
+    logits = torch.tensor([[0.0, 3, 3, 1, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0, 0, 5], [0.0, 1, nan, 0, 0, 0, 0, 0]])
+    res = sampler.sample(logits.clone(), np.array([0, 1, 2]))
+    assert res.tokens.tolist() == logits.argmax(dim=-1).tolist() == [1, 7, 2]
+    np.testing.assert_allclose(res.logprobs[:2].numpy(), torch.log_softmax(logits[:2], -1)[[0, 1], [1, 7]], atol=1e-6)
+    sampler.set_request(
+        1, SamplingParams(temperature=0.0, logprobs=True, min_new_tokens=1, max_new_tokens=5), no_output(), no_output()
+    )
+    assert sampler.sample(logits.clone(), np.array([0, 1, 2])).tokens.tolist() == [1, 0, 2]  # EOS (7) masked
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     sampler = make()
     sampler.set_request(
