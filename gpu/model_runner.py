@@ -27,7 +27,6 @@ from gpu.forward_batch import (
 )
 from gpu.kvcache.kv_cache import KVCache
 from gpu.kvcache.page_pool import PagePool
-from gpu.logits_buffer import LogitsBuffer, NoLogitsBuffer
 from gpu.lora import LoraBatch, LoraPool
 from gpu.models.cpu_decode import CpuDecoder
 from gpu.models.gguf_file import GGUFFile
@@ -39,6 +38,7 @@ from gpu.quant.blocks import repack_where_faster
 from gpu.quant.gguf_types import BLOCK_TYPES
 from gpu.quant.gguf_weight import GGUFWeight
 from gpu.quant.loader import ACTIVATIONS, AUTO_QUANTIZATION
+from gpu.row_buffer import RowBuffer
 from gpu.sampling.sampler import Sampler
 from protocol.lora import lora_target_set
 from protocol.sampling_params import SamplingParams
@@ -273,11 +273,7 @@ class ModelRunner:
         self.sampler = Sampler(
             config.max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device, config.random_seed
         )
-        self.logits_buffer = (
-            LogitsBuffer(cfg.vocab_size, self.device)
-            if isinstance(self.model.lm_head, GGUFWeight)
-            else NoLogitsBuffer()
-        )
+        self.logits_buffer = RowBuffer(cfg.vocab_size, self.device)
 
     def _attention(self, name: str):
         """The attention backend `name`, set for this model's scale, windows and soft-capping;
@@ -391,6 +387,7 @@ class ModelRunner:
     def idle(self) -> None:
         """The scheduler is idle after a burst: gives back what its steps kept."""
         self.logits_buffer.release()
+        self.model.mlp_input.release()
 
     @torch.inference_mode()
     def step(self, seqs: StepInput | Sequence[SeqInput]) -> StepOutput:
@@ -398,7 +395,7 @@ class ModelRunner:
         step = StepInput.of(seqs)
         batch = build_forward_batch(step, self.config.page_size, self.model_config.context_length, self.device)
         lora = self._lora_batch(step)
-        out = self.logits_buffer.rows(len(batch.logits_index))
+        out = self.logits_buffer.rows(len(batch.logits_index)) if isinstance(self.model.lm_head, GGUFWeight) else None
         prompt = pooled = None
         ask, index, targets = step.prompt_logprobs, batch.prompt_index, batch.prompt_targets  # set together
         if (ask is not None and index is not None and targets is not None) or step.pool is not None:

@@ -20,6 +20,7 @@ from gpu import kernels
 from gpu.attention.base import AttentionBackend
 from gpu.models.model_config import ModelConfig, rope_inv_freq
 from gpu.quant.gguf_weight import GGUFWeight
+from gpu.row_buffer import RowBuffer
 
 if TYPE_CHECKING:
     from gpu.lora import LoraBatch
@@ -44,12 +45,16 @@ def linear(
     w: torch.Tensor | GGUFWeight,
     bias: torch.Tensor | None = None,
     w_t: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, K], w: [N, K] (or a GGUF file's tensors), w_t: the same weight as a [K, N] copy
-    or None -> [T, N]; on the CPU in the product order MKL runs fastest for T."""
+    or None -> [T, N]; on the CPU in the product order MKL runs fastest for T. `out`: float32
+    [T, N] storage a GGUF weight's product is written into (gpu/row_buffer.py), or None."""
     if isinstance(w, GGUFWeight):
-        out = w.matmul(x)
-        return out if bias is None else out + bias
+        y = w.matmul(x, out)
+        return y if bias is None else y + bias
+    if out is not None:
+        raise ValueError("out: only a GGUF weight's product is written into given storage")
     if not x.is_cpu:
         return F.linear(x, w, bias)
     T = x.shape[0]
@@ -263,6 +268,7 @@ class LlamaForCausalLM:
             return w.t().contiguous() if self.device.type == "cpu" and isinstance(w, torch.Tensor) else None
 
         self.gate_up_t = [copy_t(w) for w in self.gate_up]
+        self.mlp_input = RowBuffer(2 * cfg.intermediate_size, self.device)  # gate_up's products, layer after layer
         self.lm_head_t = copy_t(self.lm_head)
         self.cos, self.sin = self._rope_tables(cfg.rope)
         self.ops = layer_ops(self.cos, self.sin, rope_style)
@@ -413,7 +419,8 @@ class LlamaForCausalLM:
             if attn_out_norm is not None:
                 o = ops.rms_norm(o, attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, o, self.post_norm[i], eps)
-            gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i])  # [T, 2I]
+            kept = self.mlp_input.rows(T) if isinstance(self.gate_up[i], GGUFWeight) else None
+            gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i], out=kept)  # [T, 2I]
             if lora is not None:
                 gate_up = lora.add(gate_up, h, i, "gate_up")
             act = self._act_mul(gate_up)
@@ -478,13 +485,10 @@ class LlamaForCausalLM:
         self, x: torch.Tensor, residual: torch.Tensor, logits_index: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The last layer's residual stream x and MLP output residual: [T, H]; logits_index:
-        int64 [S] -> float32 logits [S, V]; `out`: float32 [S, V] that a head in GGUF blocks
-        writes them into (a step's, gpu/logits_buffer.py), or None."""
+        int64 [S] -> float32 logits [S, V]; `out`: float32 [S, V] storage a head in GGUF blocks
+        writes them into (gpu/row_buffer.py), or None."""
         _, h = self.ops.add_rms_norm(x[logits_index], residual[logits_index], self.norm, self.cfg.rms_norm_eps)
-        if out is not None and isinstance(self.lm_head, GGUFWeight):
-            logits = self.lm_head.matmul(h, out)
-        else:
-            logits = linear(h, self.lm_head, w_t=self.lm_head_t)  # [S, V]
+        logits = linear(h, self.lm_head, w_t=self.lm_head_t, out=out)  # [S, V]
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = logits.div_(cap).tanh_().mul_(cap)

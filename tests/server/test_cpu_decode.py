@@ -78,14 +78,15 @@ def test_decode_logits_equal_the_python_forward(runner):
     # both store the step's K and V at the same slots, with the same bits (rounded alike)
     assert torch.equal(c_logits, python_forward(runner, batch))
     assert torch.equal(c_stored.view(torch.uint8), stored().view(torch.uint8))
-    # as a step runs it: into the storage the runner keeps (its prefills' used it) until idle
-    assert runner.logits_buffer.capacity >= 1
+    # as a step runs it: into the storage the runner keeps (its prefills' used it, and their
+    # MLP inputs the model's) until idle
+    assert runner.logits_buffer.capacity >= 1 and runner.model.mlp_input.capacity >= max(LENGTHS)
     out = runner.logits_buffer.rows(len(batch.logits_index))
     into = runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index, None, out)
     assert into.data_ptr() == out.data_ptr()
     assert torch.equal(out, c_logits)
     runner.idle()  # the scheduler's, after a burst
-    assert runner.logits_buffer.capacity == 0
+    assert runner.logits_buffer.capacity == runner.model.mlp_input.capacity == 0
 
 
 def check_variation(runner: ModelRunner, monkeypatch, name: str, value) -> None:

@@ -16,7 +16,7 @@ import torch
 from gguf_blocks import add_tensor, dequantize
 
 from gpu.kernels import cpu_kernels_available
-from gpu.models.llama import CpuLayerOps, TorchLayerOps
+from gpu.models.llama import CpuLayerOps, TorchLayerOps, linear
 from gpu.models.model_files import ModelLoadError
 from gpu.quant.gguf_types import BLOCK_TYPES, type_kernels
 
@@ -87,13 +87,15 @@ def test_f32_products_are_products_of_the_dequantized_values(mapped, tokens):
 def test_a_product_is_written_into_out_when_given(mapped):
     weight, _ = fused(mapped, "q8")
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(6))
-    storage = torch.full((8, weight.shape[0]), float("nan"))  # a LogitsBuffer's: more rows than the step's
+    storage = torch.full((8, weight.shape[0]), float("nan"))  # a RowBuffer's: more rows than the step's
     out = storage[:6]
     assert weight.matmul(x, out).data_ptr() == out.data_ptr()
     assert torch.equal(out, weight.matmul(x)) and storage[6:].isnan().all()
     for bad in (storage[:5], storage[:6].double(), torch.empty(weight.shape[0], 6).t()):
         with pytest.raises(ValueError, match="out: expected contiguous float32"):
             weight.matmul(x, bad)
+    with pytest.raises(ValueError, match="out: only a GGUF weight's product"):  # torch's make their own
+        linear(x, weight.dequantize(), out=out)
 
 
 @needs_kernels

@@ -1,9 +1,9 @@
 """What bounds the scheduler's memory (issue 28), tested as mechanisms rather than as an RSS
 after a burst (timed, and shared with the machine's other load): the KV pool holds exactly
 the tokens --max-total-tokens asks (in float16: llama.cpp's bytes) and is resident only
-where touched; the file pages a repack copied leave the resident set; a step's logits are
-written into storage kept through a burst; the heap is trimmed once a burst is over, not
-during it."""
+where touched; the file pages a repack copied leave the resident set; a step's largest
+products (logits, a prompt chunk's MLP input) are written into storage kept through a burst;
+the heap is trimmed once a burst is over, not during it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from gpu.kvcache.kv_cache import KVCache
-from gpu.logits_buffer import LogitsBuffer
 from gpu.quant.blocks import unmap_resident
+from gpu.row_buffer import RowBuffer
 from runtime.heap_trim import IdleTrim
 
 SMOLLM2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # the embedded model's attention
@@ -87,10 +87,10 @@ def test_heap_is_trimmed_once_after_a_burst_not_during_it():
     assert trim.idle() and len(released) == 2
 
 
-def test_a_steps_logits_are_written_into_storage_kept_from_step_to_step():
+def test_a_steps_largest_products_are_written_into_storage_kept_from_step_to_step():
     """A step's logits past glibc's mmap threshold (33.5 MB: 32 rows of a 262k vocabulary),
     freshly allocated, are faulted in page by page every step; kept, once per burst."""
-    buffer = LogitsBuffer(262144, torch.device("cpu"))
+    buffer = RowBuffer(262144, torch.device("cpu"))
     buffer.rows(32).fill_(1.0)
     assert buffer.capacity == 32
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
