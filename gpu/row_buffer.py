@@ -11,12 +11,15 @@ fits neither and the heap grows by one a step.
 
 Written into by GGUF weights' products (GGUFWeight.matmul's `out`); torch weights make their
 own tensors. A buffer grows to a burst's widest step, in
-powers of two rows so that a burst's ramp reallocates it a few times only, and is given back
-by release() once the burst is over."""
+multiples of GROWTH_ROWS rows so that a burst's ramp reallocates it a few times only (and
+holds at most that many rows more than asked), and is given back by release() once the burst
+is over."""
 
 from __future__ import annotations
 
 import torch
+
+GROWTH_ROWS = 32  # a buffer's rows are a multiple of this: one allocation for a ramp up to 32 streams
 
 
 class RowBuffer:
@@ -36,7 +39,8 @@ class RowBuffer:
         """A contiguous [n, width] view of the storage: valid until the next call, whose
         product overwrites it."""
         if self._storage is None or n > self._storage.shape[0]:
-            self._storage = torch.empty(1 << max(n - 1, 0).bit_length(), self.width, device=self.device)
+            rows = -(-n // GROWTH_ROWS) * GROWTH_ROWS
+            self._storage = torch.empty(rows, self.width, device=self.device)
         return self._storage[:n]
 
     def release(self) -> None:

@@ -98,7 +98,8 @@ def test_a_steps_largest_products_are_written_into_storage_kept_from_step_to_ste
     step.fill_(2.0)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 100  # 8k pages, faulted in before
     assert step.shape == (31, 262144) and step.is_contiguous()
-    assert buffer.rows(33).shape == (33, 262144) and buffer.capacity == 64  # a burst's ramp: powers of two
+    assert buffer.rows(33).shape == (33, 262144) and buffer.capacity == 64  # in steps of 32 rows
     buffer.release()
     assert buffer.capacity == 0
     assert buffer.rows(0).shape == (0, 262144)  # a step that samples nothing (a prompt's chunk)
+    assert buffer.rows(1).shape == (1, 262144) and buffer.capacity == 32
