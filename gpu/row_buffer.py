@@ -10,10 +10,9 @@ thread cache between the freed block and the heap's top, so the next block of th
 fits neither and the heap grows by one a step.
 
 Written into by GGUF weights' products (GGUFWeight.matmul's `out`); torch weights make their
-own tensors. A buffer grows to a burst's widest step, in
-multiples of GROWTH_ROWS rows so that a burst's ramp reallocates it a few times only (and
-holds at most that many rows more than asked), and is given back by release() once the burst
-is over."""
+own tensors. A buffer grows to a burst's widest step, in multiples of GROWTH_ROWS rows so that
+a burst's ramp reallocates it a few times only (and holds at most that many rows more than
+asked), and is given back by release() once the burst is over."""
 
 from __future__ import annotations
 

@@ -211,11 +211,12 @@ class Sampler:
                 logits[i, forced] = 0.0
 
         greedy = self.greedy[rows]
-        untouched = not (masked.any() or biased.any() or restricted.any() or len(penalized) or len(budgeted))
-        if greedy.all() and parts is not None and want_lp.all() and untouched and mask is None:
-            tokens = parts[0]  # the rows' argmax, taken with their normalisers: no second pass over them
-        elif greedy.all():
-            tokens = argmax_rows(logits)
+        if greedy.all():
+            unchanged = mask is None and not (
+                masked.any() or biased.any() or restricted.any() or len(penalized) or len(budgeted)
+            )
+            # every row's logits as the normalisers' pass saw them: their argmax is the token
+            tokens = parts[0] if parts is not None and want_lp.all() and unchanged else argmax_rows(logits)
         else:
             tokens = torch.empty(S, dtype=torch.int64, device=self.device)
             if greedy.any():
