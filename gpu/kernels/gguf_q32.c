@@ -475,35 +475,88 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
 _Static_assert(PACK_ROWS == ROW_CHUNK, "a thread's chunk of rows is one packed set");
 
 struct packed_rows {
-    uint8_t *q;  /* [nb, 8, PACK_ROWS, 4]: block b's group g of each row (codes u, as unpack_q8 takes them) */
+    /* Q8_0: [nb, 8, PACK_ROWS, 4], block b's group g of each row (codes u, as unpack_q8 takes them);
+     * the nibble types: [nb, 4, PACK_ROWS, 4], bytes 4 g .. 4 g + 3 of each row's qs, whose low
+     * nibbles are group g and high nibbles group g + 4: the blocks' own bytes, half of Q8_0's */
+    uint8_t *q;
+    uint64_t *h;  /* Q5_0, Q5_1: [nb, 8], group g's fifth bits, bit 4 r + j of row r's element 4 g + j */
     uint16_t *d, *m;  /* [nb, PACK_ROWS]: each row's block scale, and min (Q4_1, Q5_1), fp16 as in the block */
 };
 
+static inline __attribute__((always_inline)) int has_fifth_bits(int type) { return type == Q5_0 || type == Q5_1; }
+
+/* bytes of a block's codes in a packed chunk, per row */
+static inline __attribute__((always_inline)) int packed_code_bytes(int type) { return type == Q8_0 ? QK : QK / 2; }
+
+/* where the nibble types' qs and qh start in a block */
+static inline __attribute__((always_inline)) int qs_at(int type) { return block_bytes(type) - QK / 2; }
+static inline __attribute__((always_inline)) int qh_at(int type) { return has_min(type) ? 4 : 2; }
+
 /* rows [0, rows) of w (rows <= PACK_ROWS) into p; the rows past them are zeros. The chunk's
  * rows are one run of memory, read once in order first (read_in_order); then a block at a
- * time, its 16 rows' codes transposed 8 x 8 dwords by shuffles. */
+ * time: Q8_0's 16 rows' codes transposed 8 x 8 dwords by shuffles, the nibble types' qs moved
+ * 4 bytes at a time, as they are, and the fifth bits regrouped into one 64-bit mask a group. */
 static inline __attribute__((always_inline)) void pack_rows(int type, const uint8_t *w, int64_t nb, int64_t row_bytes,
                                                            int64_t rows, struct packed_rows p) {
     read_in_order(w, rows * row_bytes);
     for (int64_t b = 0; b < nb; b++) {
         __m256i half[2][8];
+        uint64_t fifth[QK / 4] = {0};
         for (int r = 0; r < PACK_ROWS; r++) {
             uint16_t d = 0, m = 0;
-            half[r / 8][r % 8] = _mm256_setzero_si256();
+            const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
+            if (type == Q8_0) {
+                half[r / 8][r % 8] = r < rows ? codes(type, 0, blk) : _mm256_setzero_si256();
+            } else {
+                for (int g = 0; g < QK / 8; g++) {
+                    uint32_t four = 0;
+                    if (r < rows) memcpy(&four, blk + qs_at(type) + 4 * g, 4);
+                    memcpy(p.q + ((b * (QK / 8) + g) * PACK_ROWS + r) * 4, &four, 4);
+                }
+            }
             if (r < rows) {
-                const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
-                half[r / 8][r % 8] = codes(type, 0, blk); /* codes(.., 1)'s values by AVX2 */
                 memcpy(&d, blk, sizeof d);
                 if (has_min(type)) memcpy(&m, blk + 2, sizeof m);
+                if (has_fifth_bits(type)) {
+                    uint32_t qh;
+                    memcpy(&qh, blk + qh_at(type), sizeof qh);
+                    for (int g = 0; g < QK / 4; g++) fifth[g] |= (uint64_t)(qh >> (4 * g) & 0xF) << (4 * r);
+                }
             }
             p.d[b * PACK_ROWS + r] = d;
             if (has_min(type)) p.m[b * PACK_ROWS + r] = m;
         }
+        if (has_fifth_bits(type)) memcpy(p.h + b * (QK / 4), fifth, sizeof fifth);
+        if (type != Q8_0) continue;
         transpose_8x8(half[0]); /* half[h][g] lane r: group g of row 8 h + r */
         transpose_8x8(half[1]);
         for (int g = 0; g < QK / 4; g++)
             for (int h = 0; h < 2; h++)
                 _mm256_storeu_si256((__m256i *)(p.q + ((b * (QK / 4) + g) * PACK_ROWS + 8 * h) * 4), half[h][g]);
+    }
+}
+
+/* block b's codes u of group g (Q8_0) or groups g and g + 4 (the nibble types: u[0], u[1]),
+ * all 16 rows */
+static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_codes(int type, struct packed_rows p,
+                                                                                      int64_t b, int g, __m512i u[2]) {
+    if (type == Q8_0) {
+        u[0] = _mm512_loadu_si512(p.q + (b * (QK / 4) + g) * PACK_ROWS * 4);
+        return;
+    }
+    const __m512i raw = _mm512_loadu_si512(p.q + (b * (QK / 8) + g) * PACK_ROWS * 4), low = _mm512_set1_epi8(0x0F);
+    u[0] = _mm512_and_si512(raw, low);
+    u[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    if (has_fifth_bits(type)) {
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        u[0] = _mm512_mask_add_epi8(u[0], _cvtu64_mask64(p.h[b * (QK / 4) + g]), u[0], sixteen);
+        u[1] = _mm512_mask_add_epi8(u[1], _cvtu64_mask64(p.h[b * (QK / 4) + g + 4]), u[1], sixteen);
+    }
+    if (type == IQ4_NL) { /* the table's codes */
+        const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES),
+                                                                   _mm_set1_epi8((char)0x80)));
+        u[0] = _mm512_shuffle_epi8(table, u[0]);
+        u[1] = _mm512_shuffle_epi8(table, u[1]);
     }
 }
 
@@ -525,9 +578,13 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
         __m512i sum[PACK_TOKENS];
         for (int t = 0; t < TT; t++)
             sum[t] = corrected_offset(type, 1) ? _mm512_set1_epi32(a.c[at + t]) : _mm512_setzero_si512();
-        for (int g = 0; g < QK / 4; g++) {
-            const __m512i u = _mm512_loadu_si512(p.q + (b * (QK / 4) + g) * PACK_ROWS * 4);
-            for (int t = 0; t < TT; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * X_TILE + t]));
+        for (int g = 0; g < (type == Q8_0 ? QK / 4 : QK / 8); g++) {
+            __m512i u[2];
+            packed_codes(type, p, b, g, u);
+            for (int t = 0; t < TT; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u[0], _mm512_set1_epi32(xg[g * X_TILE + t]));
+            if (type != Q8_0)
+                for (int t = 0; t < TT; t++)
+                    sum[t] = _mm512_dpbusd_epi32(sum[t], u[1], _mm512_set1_epi32(xg[(g + 4) * X_TILE + t]));
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p.d + b * PACK_ROWS)));
         for (int t = 0; t < TT; t++) {
@@ -570,17 +627,19 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_pa
 }
 
 /* A weight packed once (gguf_pack_<type>): its chunks of PACK_ROWS rows one after another, each
- * [codes q, scales d (, mins m)] as struct packed_rows, the last chunk's missing rows zeros. As
- * many bytes as the blocks where a block's codes are whole bytes (Q8_0): the products read it
- * as they read the blocks, without unpacking them at every call. */
+ * [codes q, fifth bits h, scales d (, mins m)] as struct packed_rows, the last chunk's missing
+ * rows zeros. As many bytes as the blocks: the products read it as they read the blocks,
+ * without unpacking them at every call. */
 static inline int64_t packed_chunk_bytes(int type, int64_t nb) {
-    return nb * PACK_ROWS * (QK + (int64_t)sizeof(uint16_t) * (1 + has_min(type)));
+    return nb * (PACK_ROWS * (packed_code_bytes(type) + (int64_t)sizeof(uint16_t) * (1 + has_min(type))) +
+                 has_fifth_bits(type) * (QK / 4) * (int64_t)sizeof(uint64_t));
 }
 
 static inline struct packed_rows packed_chunk_at(int type, const uint8_t *w, int64_t nb, int64_t c) {
     uint8_t *base = (uint8_t *)w + c * packed_chunk_bytes(type, nb);
-    uint16_t *d = (uint16_t *)(base + nb * PACK_ROWS * QK);
-    return (struct packed_rows){base, d, has_min(type) ? d + nb * PACK_ROWS : NULL};
+    uint64_t *h = (uint64_t *)(base + nb * PACK_ROWS * packed_code_bytes(type));
+    uint16_t *d = (uint16_t *)(h + has_fifth_bits(type) * nb * (QK / 4));
+    return (struct packed_rows){base, has_fifth_bits(type) ? h : NULL, d, has_min(type) ? d + nb * PACK_ROWS : NULL};
 }
 
 /* The packed rows are kept between calls (one per OpenMP thread), as the quantized x is */
@@ -703,58 +762,74 @@ GGUF_KERNELS(q5_1, Q5_1)
 GGUF_KERNELS(q8_0, Q8_0)
 GGUF_KERNELS(iq4_nl, IQ4_NL)
 
-/* Q8_0 packed once, at load (gpu/quant/blocks.py), where gguf_q32_packs(): the products read
+/* Weights packed once, at load (gpu/quant/blocks.py), where gguf_q32_packs(): the products read
  * chunks laid out as they use them and the same size as the blocks, instead of unpacking 16
  * rows of blocks at every call, and take any number of tokens. */
 int gguf_q32_packs(void) { return vnni_available(); }
 
-/* w [N, K] Q8_0 into out; with out NULL, the bytes out needs */
-int64_t gguf_pack_q8_0(const uint8_t *w, int64_t N, int64_t K, uint8_t *out, int threads) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(Q8_0);
-    if (out == NULL) return CHUNKS(N) * packed_chunk_bytes(Q8_0, nb);
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t c = 0; c < CHUNKS(N); c++)
-        pack_rows(Q8_0, w + c * ROW_CHUNK * row_bytes, nb, row_bytes, CHUNK_END(c, N) - c * ROW_CHUNK,
-                  packed_chunk_at(Q8_0, out, nb, c));
-    return 0;
-}
-
-static __attribute__((target(AVX512_TARGET), noinline)) void packed_chunk_q8_0(struct q8_activations a, int64_t T,
-                                                                                int64_t nb, const uint8_t *w, int64_t c,
-                                                                                float *y, int64_t ldy, int64_t rows) {
-    const int64_t chunk = packed_chunk_bytes(Q8_0, nb);
-    packed_chunk(Q8_0, packed_chunk_at(Q8_0, w, nb, c), a, T, nb, y, ldy, rows, w + (c + 1) * chunk, chunk);
-}
-
-/* as gguf_gemm_q8_0_q8, w packed by gguf_pack_q8_0 */
-int gguf_gemm_q8_0_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
-                             int threads) {
-    struct q8_activations a;
-    if (T == 0) return 0;
-    if (q8_activations_for((T + X_TILE - 1) / X_TILE * X_TILE, K, &a) != 0) return -1;
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        _Pragma("omp for schedule(static)")
-        for (int64_t t = 0; t < T; t++) quantize_token(x, T, K, t, a, corrected_offset(Q8_0, 1), TILES);
-        _Pragma("omp for schedule(static)")
-        for (int64_t c = 0; c < CHUNKS(N); c++)
-            packed_chunk_q8_0(a, T, K / QK, w, c, y + c * ROW_CHUNK, ldy, CHUNK_END(c, N) - c * ROW_CHUNK);
-    }
-    return 0;
-}
-
-/* rows ids of a weight packed by gguf_pack_q8_0, dequantized as get_rows does the blocks */
-void gguf_get_rows_q8_0_packed(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) {
-    const int64_t nb = K / QK;
-    for (int64_t i = 0; i < n_ids; i++) {
-        const struct packed_rows p = packed_chunk_at(Q8_0, w, nb, ids[i] / PACK_ROWS);
-        const int64_t r = ids[i] % PACK_ROWS;
-        for (int64_t b = 0; b < nb; b++) {
-            const float d = _cvtsh_ss(p.d[b * PACK_ROWS + r]);
-            for (int g = 0; g < QK / 4; g++)
-                for (int j = 0; j < 4; j++)
-                    out[i * K + b * QK + 4 * g + j] =
-                        d * (float)((int)p.q[((b * (QK / 4) + g) * PACK_ROWS + r) * 4 + j] - 128);
+/* row r of a packed chunk, dequantized as get_rows does the blocks (gguf-py's values) */
+static inline __attribute__((always_inline)) void packed_row(int type, struct packed_rows p, int64_t nb, int64_t r,
+                                                             float *out) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float d = _cvtsh_ss(p.d[b * PACK_ROWS + r]), m = has_min(type) ? _cvtsh_ss(p.m[b * PACK_ROWS + r]) : 0;
+        for (int e = 0; e < QK; e++) {
+            int v;
+            if (type == Q8_0) {
+                v = (int)p.q[((b * (QK / 4) + e / 4) * PACK_ROWS + r) * 4 + e % 4] - 128;
+            } else {
+                const uint8_t byte = p.q[((b * (QK / 8) + e % 16 / 4) * PACK_ROWS + r) * 4 + e % 4];
+                v = e < 16 ? byte & 0xF : byte >> 4;
+                if (has_fifth_bits(type)) v |= (int)(p.h[b * (QK / 4) + e / 4] >> (4 * r + e % 4) & 1) << 4;
+                v = type == IQ4_NL ? IQ4_NL_VALUES[v] : v - (has_min(type) ? 0 : code_offset(type));
+            }
+            out[b * QK + e] = has_min(type) ? d * (float)v + m : d * (float)v;
         }
     }
 }
+
+#define PACKED_KERNELS(NAME, TYPE)                                                                             \
+    /* w [N, K] into out; with out NULL, the bytes out needs */                                              \
+    int64_t gguf_pack_##NAME(const uint8_t *w, int64_t N, int64_t K, uint8_t *out, int threads) {             \
+        const int64_t nb = K / QK, row_bytes = nb * block_bytes(TYPE);                                         \
+        if (out == NULL) return CHUNKS(N) * packed_chunk_bytes(TYPE, nb);                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                      \
+        for (int64_t c = 0; c < CHUNKS(N); c++)                                                                \
+            pack_rows(TYPE, w + c * ROW_CHUNK * row_bytes, nb, row_bytes, CHUNK_END(c, N) - c * ROW_CHUNK,     \
+                      packed_chunk_at(TYPE, out, nb, c));                                                      \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    static __attribute__((target(AVX512_TARGET), noinline)) void packed_at_##NAME(                            \
+        struct q8_activations a, int64_t T, int64_t nb, const uint8_t *w, int64_t c, float *y, int64_t ldy,    \
+        int64_t rows) {                                                                                        \
+        const int64_t chunk = packed_chunk_bytes(TYPE, nb);                                                    \
+        packed_chunk(TYPE, packed_chunk_at(TYPE, w, nb, c), a, T, nb, y, ldy, rows, w + (c + 1) * chunk, chunk); \
+    }                                                                                                          \
+    /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type> */                                               \
+    int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,       \
+                                     float *y, int64_t ldy, int threads) {                                     \
+        struct q8_activations a;                                                                               \
+        if (T == 0) return 0;                                                                                  \
+        if (q8_activations_for((T + X_TILE - 1) / X_TILE * X_TILE, K, &a) != 0) return -1;                     \
+        _Pragma("omp parallel num_threads(threads)")                                                           \
+        {                                                                                                      \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (int64_t t = 0; t < T; t++) quantize_token(x, T, K, t, a, corrected_offset(TYPE, 1), TILES);  \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (int64_t c = 0; c < CHUNKS(N); c++)                                                            \
+                packed_at_##NAME(a, T, K / QK, w, c, y + c * ROW_CHUNK, ldy, CHUNK_END(c, N) - c * ROW_CHUNK); \
+        }                                                                                                      \
+        return 0;                                                                                              \
+    }                                                                                                          \
+    /* rows ids of a weight packed by gguf_pack_<type> */                                                    \
+    void gguf_get_rows_##NAME##_packed(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) { \
+        const int64_t nb = K / QK;                                                                             \
+        for (int64_t i = 0; i < n_ids; i++)                                                                    \
+            packed_row(TYPE, packed_chunk_at(TYPE, w, nb, ids[i] / PACK_ROWS), nb, ids[i] % PACK_ROWS, out + i * K); \
+    }
+
+PACKED_KERNELS(q4_0, Q4_0)
+PACKED_KERNELS(q4_1, Q4_1)
+PACKED_KERNELS(q5_0, Q5_0)
+PACKED_KERNELS(q5_1, Q5_1)
+PACKED_KERNELS(q8_0, Q8_0)
+PACKED_KERNELS(iq4_nl, IQ4_NL)

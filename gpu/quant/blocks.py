@@ -3,9 +3,10 @@ activations (--quantization gguf-q8), copied once at load into the layout their 
 - Q4_1 projections (the embedded SmolLM2's) into gpu/kernels/ggml_cpu.c's layout of 8
   interleaved rows, whose kernel took ~2x less CPU per decode step's products than the in-place
   one (perf/results/gguf_repack.md). Goes once gguf_q32.c's Q4_1 kernel is as fast.
-- Q8_0 weights, the embedding / LM head included (Gemma 3's), on an AVX512-VNNI CPU, into
-  gguf_q32.c's packed chunks of 16 rows: the same bytes as the blocks, which its products
-  otherwise unpack into that layout at every call of 8 tokens or more (docs/perf-notes.md)."""
+- every other part of a 32-element block type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL), the embedding /
+  LM head included (Gemma 3's Q8_0), on an AVX512-VNNI CPU, into gguf_q32.c's packed chunks of
+  16 rows: as many bytes as the blocks, which its products otherwise unpack into that layout at
+  every call of 8 tokens or more (docs/perf-notes.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from gpu import kernels
 from gpu.models.model_files import ModelLoadError
-from gpu.quant.gguf_types import TypeKernels
+from gpu.quant.gguf_types import BLOCK_TYPES, TypeKernels
 from gpu.quant.gguf_weight import GGUFWeight, WeightPart
 
 ROW_GROUP = 8  # rows ggml_cpu.c interleaves (ROWS)
@@ -91,53 +92,65 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # gguf_q32.c's gguf_pack_<type>
+
+
 @functools.cache
-def _packed_q8_0() -> tuple[TypeKernels, Callable[..., int]] | None:
-    """gguf_q32.c's kernels of packed Q8_0 and its packer; None where the CPU has no AVX512-VNNI."""
+def _packed(type_name: str) -> tuple[TypeKernels, Callable[..., int]] | None:
+    """gguf_q32.c's kernels of a packed `type_name` and its packer; None where the CPU has no
+    AVX512-VNNI or the type no packed kernels."""
+    if type_name not in PACKED_TYPES:
+        return None
     try:
         lib = kernels.load("gguf_q32")
     except kernels.KernelBuildError as e:
         raise ModelLoadError(f"--quantization gguf-q8: {e}") from None
     if not lib.gguf_q32_packs():
         return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    gemm = lib.gguf_gemm_q8_0_packed_q8  # x, T, K, w, N, y, ldy, threads -> 0 | -1 (no memory)
+    p, i64, suffix = ctypes.c_void_p, ctypes.c_int64, BLOCK_TYPES[type_name].suffix
+    gemm = getattr(lib, f"gguf_gemm_{suffix}_packed_q8")  # x, T, K, w, N, y, ldy, threads -> 0 | -1 (no memory)
     gemm.argtypes, gemm.restype = [p, i64, i64, p, i64, p, i64, ctypes.c_int], ctypes.c_int
-    get_rows = lib.gguf_get_rows_q8_0_packed  # w, K, ids, n_ids, out
+    get_rows = getattr(lib, f"gguf_get_rows_{suffix}_packed")  # w, K, ids, n_ids, out
     get_rows.argtypes, get_rows.restype = [p, i64, p, i64, p], None
-    pack = lib.gguf_pack_q8_0  # w, N, K, out (NULL: the bytes it needs), threads
+    pack = getattr(lib, f"gguf_pack_{suffix}")  # w, N, K, out (NULL: the bytes it needs), threads
     pack.argtypes, pack.restype = [p, i64, i64, p, ctypes.c_int], i64
     addresses = {"q8": ctypes.cast(gemm, ctypes.c_void_p).value or 0}
     return TypeKernels({"q8": gemm}, addresses, get_rows), pack
 
 
-def packs_q8_0(weight: GGUFWeight) -> bool:
-    """Whether pack_q8_0 takes `weight`: one Q8_0 part, multiplied with q8 activations, on a CPU
-    with the packed kernels."""
-    return weight.activations == "q8" and weight.type_names == ("Q8_0",) and _packed_q8_0() is not None
+def packs(weight: GGUFWeight) -> bool:
+    """Whether pack takes `weight`: multiplied with q8 activations, on a CPU with the packed
+    kernels, with a part of a type they take."""
+    return weight.activations == "q8" and any(_packed(t) is not None for t in weight.type_names)
 
 
-def pack_q8_0(weight: GGUFWeight) -> GGUFWeight:
-    """The same [N, K] weight in gguf_q32.c's packed chunks (its rows still readable: rows())."""
-    found = _packed_q8_0()
+def _pack_part(part: WeightPart, K: int) -> WeightPart:
+    found = _packed(part.type_name)
     if found is None:
-        raise ModelLoadError("packed Q8_0 needs an AVX512-VNNI CPU")
+        return part
     type_kernels, pack = found
-    (N, K), (part,) = weight.shape, weight.parts
-    buffer = np.empty(pack(None, N, K, None, 0), np.uint8)
-    pack(part.address, N, K, buffer.ctypes.data, torch.get_num_threads())
+    buffer = np.empty(pack(None, part.rows, K, None, 0), np.uint8)
+    pack(part.address, part.rows, K, buffer.ctypes.data, torch.get_num_threads())
     unmap_resident(part.data)
-    packed = WeightPart(part.name, "Q8_0", N, 0, buffer, buffer.ctypes.data, None, type_kernels)
-    return GGUFWeight.of_parts((packed,), weight.shape, "q8")
+    return WeightPart(part.name, part.type_name, part.rows, part.offset, buffer, buffer.ctypes.data, None, type_kernels)
+
+
+def pack(weight: GGUFWeight) -> GGUFWeight:
+    """The same [N, K] weight with each part of a packed type in gguf_q32.c's packed chunks, as
+    many bytes as its blocks (its rows still readable: rows()); the other parts in place."""
+    if weight.activations != "q8":
+        raise ValueError("only products with q8 activations read packed weights")
+    parts = tuple(_pack_part(p, weight.shape[1]) for p in weight.parts)
+    return GGUFWeight.of_parts(parts, weight.shape, "q8")
 
 
 def repack_where_faster(weights: dict[str, torch.Tensor | GGUFWeight]) -> None:
     """In place: every projection repack_q4_1 takes (not the embedding, whose rows it cannot
-    read), every weight pack_q8_0 takes."""
+    read), then every weight pack takes."""
     for name, w in weights.items():
         if not isinstance(w, GGUFWeight):
             continue
-        if packs_q8_0(w):
-            weights[name] = pack_q8_0(w)
-        elif name != "embed" and repacks(w):
+        if name != "embed" and repacks(w):
             weights[name] = repack_q4_1(w)
+        elif packs(w):
+            weights[name] = pack(w)

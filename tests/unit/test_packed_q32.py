@@ -1,0 +1,102 @@
+"""gpu/quant/blocks.py's pack (gpu/kernels/gguf_q32.c's 32-element block types packed once, at
+load) against the in-place blocks: the same rows bit for bit, the same products (bit for bit
+from 8 tokens, where the in-place kernels pack the rows at each call with the same arithmetic;
+below, within the rounding of the sums' order: the in-place one-token and pair products sum
+in lanes), as many bytes as the blocks."""
+
+import numpy as np
+import pytest
+import torch
+
+from gpu import kernels
+from gpu.quant.blocks import PACKED_TYPES, pack, packs, repack_where_faster
+from gpu.quant.gguf_types import BLOCK_TYPES, type_kernels
+from gpu.quant.gguf_weight import GGUFWeight, WeightPart
+
+
+def random_weight(type_name: str, N: int, K: int, seed: int, activations: str = "q8") -> GGUFWeight:
+    """Random blocks of `type_name` in place: every code and fifth bit (Q8_0's -128 too),
+    moderate fp16 scales and mins of both signs."""
+    rng = np.random.default_rng(seed)
+    block = BLOCK_TYPES[type_name].block_bytes
+    blocks = rng.integers(0, 256, (N, K // 32, block), dtype=np.uint8)
+    halves = 2 if type_name in ("Q4_1", "Q5_1") else 1  # d, and m
+    for h in range(halves):
+        v = (rng.uniform(0.001, 0.1, (N, K // 32)) * rng.choice((-1, 1), (N, K // 32))).astype(np.float16)
+        blocks[..., 2 * h : 2 * h + 2] = v[..., None].view(np.uint8)
+    data = blocks.reshape(N, -1)
+    part = WeightPart("w", type_name, N, 0, data, data.ctypes.data, None, type_kernels("w", type_name))
+    return GGUFWeight.of_parts((part,), (N, K), activations)
+
+
+def has_packed_kernels() -> bool:
+    return kernels.cpu_kernels_available() and packs(random_weight("Q8_0", 16, 32, 0))
+
+
+pytestmark = pytest.mark.skipif(not has_packed_kernels(), reason="packed weights need an AVX512-VNNI CPU")
+
+SHAPES = ((37, 320), (48, 640), (16, 32))  # (N, K): the last chunk of 16 rows short; whole chunks; one block
+
+
+@pytest.mark.parametrize("type_name", PACKED_TYPES)
+@pytest.mark.parametrize("N, K", SHAPES)
+def test_packed_rows_are_the_blocks_rows_bit_for_bit(type_name, N, K):
+    in_place = random_weight(type_name, N, K, seed=N + K)
+    packed = pack(in_place)
+    ids = torch.tensor([0, N - 1, 5 % N, 5 % N, (N // 2)], dtype=torch.int64)
+    assert torch.equal(packed.rows(ids), in_place.rows(ids))
+    assert torch.equal(packed.dequantize(), in_place.dequantize())
+    chunk_rows = -(-N // 16) * 16  # the last chunk whole
+    assert packed.nbytes == chunk_rows * (K // 32) * BLOCK_TYPES[type_name].block_bytes
+
+
+@pytest.mark.parametrize("type_name", PACKED_TYPES)
+@pytest.mark.parametrize("N, K", SHAPES)
+@pytest.mark.parametrize("T", (1, 3, 7, 8, 9, 17, 29, 40))
+def test_packed_products_are_the_in_place_ones(type_name, N, K, T):
+    in_place = random_weight(type_name, N, K, seed=2 * N + K)
+    packed = pack(in_place)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
+    x[0, :32] = 0  # a block of zeros: scale 0
+    want, got = in_place.matmul(x), packed.matmul(x)
+    if T >= 8:
+        assert torch.equal(got, want)
+    else:
+        magnitude = x.abs() @ in_place.dequantize().abs().t()
+        assert ((got - want).abs() <= 1e-5 * magnitude + 1e-30).all()
+
+
+def test_a_packed_product_writes_its_column_slice_only():
+    """A packed part of a fused output: y's row stride past N, its other columns untouched."""
+    packed = pack(random_weight("Q5_0", 37, 320, seed=7))
+    part = packed.parts[0]
+    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(3))
+    y = torch.full((9, 40), float("nan"))
+    assert part.kernels.gemm["q8"](x.data_ptr(), 9, 320, part.address, 37, y.data_ptr(), 40, 2) == 0
+    assert torch.isnan(y[:, 37:]).all()
+    assert torch.equal(y[:, :37], packed.matmul(x))
+
+
+def test_a_fused_weight_packs_the_parts_of_packed_types_and_keeps_the_others():
+    """Gemma 3's qkv mixes Q5_0 and Q8_0 parts; a K-quant part stays in place."""
+    q, k = random_weight("Q5_0", 32, 256, seed=1), random_weight("Q8_0", 16, 256, seed=2)
+    v = GGUFWeight.of_parts((random_weight("Q4_K", 16, 256, seed=3).parts[0],), (16, 256), "q8")
+    parts = tuple(
+        WeightPart(p.name, p.type_name, p.rows, offset, p.data, p.address, None, p.kernels)
+        for p, offset in zip((q.parts[0], k.parts[0], v.parts[0]), (0, 32, 48))
+    )
+    fused = GGUFWeight.of_parts(parts, (64, 256), "q8")
+    packed = pack(fused)
+    assert [p.kernels is fused.parts[i].kernels for i, p in enumerate(packed.parts)] == [False, False, True]
+    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(packed.matmul(x), fused.matmul(x))
+    assert torch.equal(packed.dequantize(), fused.dequantize())
+
+
+def test_load_packs_q8_weights_the_embedding_too():
+    weights = {"embed": random_weight("Q8_0", 48, 64, seed=1), "layers.0.o": random_weight("Q5_0", 32, 64, seed=2)}
+    weights["layers.0.down"] = f32 = random_weight("Q8_0", 32, 64, seed=3, activations="f32")  # the exact mode
+    repack_where_faster(weights)
+    assert weights["embed"].parts[0].kernels is not type_kernels("w", "Q8_0")
+    assert weights["layers.0.o"].parts[0].kernels is not type_kernels("w", "Q5_0")
+    assert weights["layers.0.down"] is f32
