@@ -50,7 +50,9 @@
  * hold their sums). From TILED_TOKENS tokens (but for IQ4_XS) the tiled products (rows_tiled)
  * take the same integers with the superblock's 8 blocks across the lanes, x and each row's
  * superblock transposed to match: a block's whole sum in one lane, the float work once a
- * superblock, vpdpbusd where the CPU has AVX512-VNNI.
+ * superblock, vpdpbusd where the CPU has AVX512-VNNI. There, from PACKED_FROM tokens, 16 rows
+ * are packed side by side at each call (rows_packed), and Q4_K and Q6_K weights may be packed
+ * so once, at load (gguf_pack_q4_k, gguf_pack_q6_k at the end of the file).
  */
 #include <immintrin.h>
 #include "simd_math.h"
@@ -708,9 +710,17 @@ _Static_assert(PACK_ROWS == ROW_CHUNK, "a thread's chunk of rows is one packed s
 INLINE int packed_offset(enum kquant type) { return type == IQ4_XS ? 128 : code_offset(type); }
 
 struct packed_rows {
-    uint8_t *q;      /* [K / 32, 8, PACK_ROWS, 4] */
-    float *dl, *ml;  /* [K / 16, PACK_ROWS] */
+    /* [K / 32, 8, PACK_ROWS, 4]: block i's group g of each row as codes; Q4_K's (nibbles_kept)
+     * [K / 64, 8, PACK_ROWS, 4]: bytes 4 g .. 4 g + 3 of each row's qs[32 j ..], whose low
+     * nibbles are block 2 j's group g and high nibbles block 2 j + 1's, the blocks' own bytes */
+    uint8_t *q;
+    float *dl, *ml;  /* [K / 16 (K / 32 where groups are 32 values), PACK_ROWS]; ml only with mins */
 };
+
+/* Q4_K's packed codes are its nibbles as they are: half the bytes of whole codes */
+INLINE int nibbles_kept(enum kquant type) { return type == Q4_K; }
+/* group scales a block of 32 */
+INLINE int scales_a_block(enum kquant type) { return groups_of_16(type) ? 2 : 1; }
 
 static __thread char *pack_scratch = NULL;
 static __thread int64_t pack_scratch_cap = 0;
@@ -728,24 +738,33 @@ static int packed_rows_for(int64_t K, struct packed_rows *p) {
  * The chunk's rows are one run of memory, read once in order first (into the caches: a
  * superblock of each row in turn would be 16 streams the prefetcher does not follow); then a
  * superblock at a time, its 16 rows unpacked and each block of 32's codes transposed 8 x 8
- * dwords by shuffles. */
+ * dwords by shuffles, or Q4_K's qs moved 4 bytes at a time as they are. */
 INLINE void pack_rows(enum kquant type, int bytes, const uint8_t *w, int64_t K, int64_t rows, struct packed_rows p) {
-    const int64_t nsb = K / QK;
+    const int64_t nsb = K / QK, per = scales_a_block(type);
     read_in_order(w, rows * nsb * bytes);
     const __m256i offset = _mm256_set1_epi8((char)packed_offset(type));
     for (int64_t sb = 0; sb < nsb; sb++) {
         int8_t q[PACK_ROWS][QK];
         for (int r = 0; r < PACK_ROWS; r++) {
             float dl[16] = {0}, ml[16] = {0};
+            const uint8_t *blk = w + (r * nsb + sb) * bytes;
             if (r < rows)
-                unpack_superblock(type, w + (r * nsb + sb) * bytes, q[r], dl, ml);
+                unpack_superblock(type, blk, q[r], dl, ml);
             else
                 memset(q[r], 0, QK);
-            for (int g = 0; g < 16; g++) {
-                p.dl[(16 * sb + g) * PACK_ROWS + r] = dl[g];
-                p.ml[(16 * sb + g) * PACK_ROWS + r] = ml[g];
+            for (int g = 0; g < 8 * per; g++) { /* a block of 32's two groups of 16 share its scale */
+                p.dl[(8 * per * sb + g) * PACK_ROWS + r] = dl[g * 2 / per];
+                if (has_mins(type)) p.ml[(8 * per * sb + g) * PACK_ROWS + r] = ml[g * 2 / per];
             }
+            if (nibbles_kept(type))
+                for (int j = 0; j < QK / 64; j++)
+                    for (int g = 0; g < 8; g++) {
+                        uint32_t four = 0;
+                        if (r < rows) memcpy(&four, blk + 16 + 32 * j + 4 * g, 4);
+                        memcpy(p.q + (((sb * 4 + j) * 8 + g) * PACK_ROWS + r) * 4, &four, 4);
+                    }
         }
+        if (nibbles_kept(type)) continue;
         for (int b = 0; b < QK / QX; b++) {
             __m256i half[2][8];
             for (int r = 0; r < PACK_ROWS; r++) half[r / 8][r % 8] = _mm256_add_epi8(load256(q[r] + QX * b), offset);
@@ -758,49 +777,67 @@ INLINE void pack_rows(enum kquant type, int bytes, const uint8_t *w, int64_t K, 
     }
 }
 
-/* y[t, r] for tokens [t0, t0 + tokens) (tokens <= PACK_TOKENS: the lanes past them take the
- * last token again, their sums unused) */
-INLINE PACKED_TARGET void packed_tokens(enum kquant type, struct packed_rows p, const struct x_q8 *xq, int64_t K,
-                                        int64_t t0, int64_t tokens, float *y, int64_t ldy, int64_t rows) {
+/* block i's group g of codes, all 16 rows */
+INLINE PACKED_TARGET __m512i packed_codes(enum kquant type, struct packed_rows p, int64_t i, int g) {
+    if (!nibbles_kept(type)) return _mm512_loadu_si512(p.q + (i * 8 + g) * PACK_ROWS * 4);
+    const __m512i raw = _mm512_loadu_si512(p.q + (i / 2 * 8 + g) * PACK_ROWS * 4);
+    return _mm512_and_si512(i % 2 ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0F));
+}
+
+/* y[t, r] for the TT tokens from t0 (a constant at each call: <= PACK_TOKENS) */
+INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_rows p, const struct x_q8 *xq,
+                                        int64_t K, int64_t t0, float *y, int64_t ldy, int64_t rows) {
     __m512 acc[PACK_TOKENS];
     __m512i sum[PACK_TOKENS];
-    int64_t tok[PACK_TOKENS];  /* the token whose x each lane set reads: past T, the last one again */
-    for (int t = 0; t < PACK_TOKENS; t++) {
+    int64_t tok[PACK_TOKENS];
+    for (int t = 0; t < TT; t++) {
         acc[t] = _mm512_setzero_ps();
-        tok[t] = t0 + (t < tokens ? t : tokens - 1);
+        tok[t] = t0 + t;
     }
     const int o = packed_offset(type);
     for (int64_t i = 0; i < K / QX; i++) {
         const int16_t *bs[PACK_TOKENS];
         float xd[PACK_TOKENS];
-        for (int t = 0; t < PACK_TOKENS; t++) {
+        for (int t = 0; t < TT; t++) {
             bs[t] = xq->bsums + tok[t] * G_STRIDE(K) + 2 * i;
             xd[t] = xq->d[tok[t] * D_STRIDE(K) + i];
         }
         for (int half = 0; half < (groups_of_16(type) ? 2 : 1); half++) {
             const int n = groups_of_16(type) ? 4 : 8, g0 = n * half;
             int32_t bsum[PACK_TOKENS];  /* the sum of x's q over the groups this half takes */
-            for (int t = 0; t < PACK_TOKENS; t++) {
+            for (int t = 0; t < TT; t++) {
                 bsum[t] = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
                 sum[t] = o ? _mm512_set1_epi32(-o * bsum[t]) : _mm512_setzero_si512();
             }
             for (int g = g0; g < g0 + n; g++) {
-                const __m512i u = _mm512_loadu_si512(p.q + (i * 8 + g) * PACK_ROWS * 4);
-                for (int t = 0; t < PACK_TOKENS; t++)
+                const __m512i u = packed_codes(type, p, i, g);
+                for (int t = 0; t < TT; t++)
                     sum[t] = _mm512_dpbusd_epi32(
                         sum[t], u, _mm512_set1_epi32(((const int32_t *)(xq->q + tok[t] * Q_STRIDE(K) + QX * i))[g]));
             }
-            const __m512 dl = _mm512_loadu_ps(p.dl + (2 * i + half) * PACK_ROWS);
-            for (int t = 0; t < PACK_TOKENS; t++)
+            const __m512 dl = _mm512_loadu_ps(p.dl + (scales_a_block(type) * i + half) * PACK_ROWS);
+            for (int t = 0; t < TT; t++)
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dl, _mm512_set1_ps(xd[t])), acc[t]);
             if (has_mins(type)) {
-                const __m512 ml = _mm512_loadu_ps(p.ml + (2 * i + half) * PACK_ROWS);
-                for (int t = 0; t < PACK_TOKENS; t++)
+                const __m512 ml = _mm512_loadu_ps(p.ml + (scales_a_block(type) * i + half) * PACK_ROWS);
+                for (int t = 0; t < TT; t++)
                     acc[t] = _mm512_fnmadd_ps(ml, _mm512_set1_ps(xd[t] * (float)bsum[t]), acc[t]);
             }
         }
     }
-    store_packed_rows(acc, tokens, rows, y, ldy);
+    store_packed_rows(acc, TT, rows, y, ldy);
+}
+
+/* tokens [t0, t0 + tokens), tokens <= PACK_TOKENS: packed_tokens with their count a constant */
+INLINE PACKED_TARGET void packed_tile(enum kquant type, struct packed_rows p, const struct x_q8 *xq, int64_t K,
+                                      int64_t t0, int64_t tokens, float *y, int64_t ldy, int64_t rows) {
+    switch (tokens) {
+#define TOKENS_CASE(TT) \
+    case TT: packed_tokens(type, TT, p, xq, K, t0, y, ldy, rows); break;
+        TOKENS_CASE(1) TOKENS_CASE(2) TOKENS_CASE(3) TOKENS_CASE(4) TOKENS_CASE(5) TOKENS_CASE(6) TOKENS_CASE(7)
+#undef TOKENS_CASE
+    default: packed_tokens(type, PACK_TOKENS, p, xq, K, t0, y, ldy, rows);
+    }
 }
 
 /* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the plain layout */
@@ -809,7 +846,7 @@ INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, const struct 
                                       struct packed_rows p) {
     pack_rows(type, bytes, w + n0 * (K / QK) * bytes, K, n1 - n0, p);
     for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)
-        packed_tokens(type, p, xq, K, t0, T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy + n0, ldy, n1 - n0);
+        packed_tile(type, p, xq, K, t0, T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy + n0, ldy, n1 - n0);
 }
 
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
@@ -888,3 +925,84 @@ KQUANT(q4_k, Q4_K, 144)
 KQUANT(q5_k, Q5_K, 176)
 KQUANT(q6_k, Q6_K, 210)
 KQUANT(iq4_xs, IQ4_XS, 136)
+
+/* Q4_K packed once, at load (gpu/quant/blocks.py), where gguf_kquants_packs(): each chunk of
+ * PACK_ROWS rows as pack_rows lays it out, [q, dl, ml], one after another (the last chunk's
+ * missing rows zeros): its nibbles as they are and its scales and mins as floats, 0.75 bytes a
+ * value against the blocks' 0.5625, so that the products unpack no superblock at any call. */
+int gguf_kquants_packs(void) { return gguf_kquants_avx512 == 2; }
+
+static inline int64_t packed_chunk_bytes(enum kquant type, int64_t K) {
+    const int64_t scales = K / QX * scales_a_block(type) * PACK_ROWS * (int64_t)sizeof(float);
+    return K * PACK_ROWS / (nibbles_kept(type) ? 2 : 1) + scales * (1 + has_mins(type));
+}
+
+static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t *w, int64_t K, int64_t c) {
+    uint8_t *base = (uint8_t *)w + c * packed_chunk_bytes(type, K);
+    float *dl = (float *)(base + K * PACK_ROWS / (nibbles_kept(type) ? 2 : 1));
+    return (struct packed_rows){base, dl, has_mins(type) ? dl + K / QX * scales_a_block(type) * PACK_ROWS : NULL};
+}
+
+#define PACKED_AHEAD 2 /* chunks ahead of its products a packed weight's are prefetched, into L2 */
+
+#define PACKED_KQUANT(NAME, TYPE, BYTES)                                                             \
+    /* w [N, K] into out; with out NULL, the bytes out needs */                                    \
+    int64_t gguf_pack_##NAME(const uint8_t *w, int64_t N, int64_t K, uint8_t *out, int threads) {   \
+        const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
+        if (out == NULL) return chunks * packed_chunk_bytes(TYPE, K);                                \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                            \
+        for (int64_t c = 0; c < chunks; c++) {                                                       \
+            const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                    \
+            pack_rows(TYPE, BYTES, w + c * ROW_CHUNK * (K / QK) * BYTES, K, n1 - c * ROW_CHUNK,      \
+                      packed_chunk_at(TYPE, out, K, c));                                             \
+        }                                                                                            \
+        return 0;                                                                                    \
+    }                                                                                                \
+    PACKED_TARGET __attribute__((noinline)) static void NAME##_packed_chunk(                         \
+        const struct x_q8 *xq, int64_t T, int64_t K, const uint8_t *w, int64_t c, float *y,          \
+        int64_t ldy, int64_t rows) {                                                                 \
+        const int64_t chunk = packed_chunk_bytes(TYPE, K);                                           \
+        const char *next = (const char *)w + (c + PACKED_AHEAD) * chunk;                             \
+        for (int64_t line = 0; line < chunk; line += 64) _mm_prefetch(next + line, _MM_HINT_T2);     \
+        for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)                                              \
+            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xq, K, t0,                             \
+                        T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy, ldy, rows);       \
+    }                                                                                                \
+    /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type>; only where gguf_kquants_packs() */    \
+    int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w,        \
+                                     int64_t N, float *y, int64_t ldy, int threads) {                \
+        if (T <= 0 || N <= 0) return 0;                                                              \
+        struct x_q8 xq;                                                                               \
+        if (reserve_x_q8(T, K, &xq)) return -1;                                                       \
+        const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
+        _Pragma("omp parallel num_threads(threads)")                                                 \
+        {                                                                                            \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t t = 0; t < T; t++)                                                          \
+                quantize_x(TYPE, 0, x + t * K, K, xq.q + t * Q_STRIDE(K), xq.d + t * D_STRIDE(K),    \
+                           xq.bsums + t * G_STRIDE(K), xq.s + t * G_STRIDE(K), xq.c + t * G_STRIDE(K)); \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t c = 0; c < chunks; c++) {                                                   \
+                const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
+                NAME##_packed_chunk(&xq, T, K, w, c, y + c * ROW_CHUNK, ldy, n1 - c * ROW_CHUNK);    \
+            }                                                                                        \
+        }                                                                                            \
+        return 0;                                                                                    \
+    }                                                                                                \
+    /* rows ids of a weight packed by gguf_pack_<type>, dequantized as gguf_get_rows_<type> */     \
+    void gguf_get_rows_##NAME##_packed(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) { \
+        for (int64_t n = 0; n < n_ids; n++) {                                                        \
+            const struct packed_rows p = packed_chunk_at(TYPE, w, K, ids[n] / PACK_ROWS);            \
+            const int64_t r = ids[n] % PACK_ROWS;                                                    \
+            for (int64_t e = 0; e < K; e++) {                                                        \
+                const int64_t i = e / QX, g = e % QX / 4, at = (i * scales_a_block(TYPE) + e % QX / 16 * (scales_a_block(TYPE) - 1)) * PACK_ROWS + r; \
+                const uint8_t byte = nibbles_kept(TYPE) ? p.q[((i / 2 * 8 + g) * PACK_ROWS + r) * 4 + e % 4] \
+                                                        : p.q[((i * 8 + g) * PACK_ROWS + r) * 4 + e % 4]; \
+                const int v = (nibbles_kept(TYPE) ? (i % 2 ? byte >> 4 : byte & 0xF) : byte) - packed_offset(TYPE); \
+                out[n * K + e] = p.dl[at] * (float)v - (has_mins(TYPE) ? p.ml[at] : 0.0f);          \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+PACKED_KQUANT(q4_k, Q4_K, 144)
+PACKED_KQUANT(q6_k, Q6_K, 210)

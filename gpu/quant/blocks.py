@@ -6,7 +6,8 @@ activations (--quantization gguf-q8), copied once at load into the layout their 
 - every other part of a 32-element block type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL), the embedding /
   LM head included (Gemma 3's Q8_0), on an AVX512-VNNI CPU, into gguf_q32.c's packed chunks of
   16 rows: as many bytes as the blocks, which its products otherwise unpack into that layout at
-  every call of 8 tokens or more (docs/perf-notes.md)."""
+  every call of 8 tokens or more (docs/perf-notes.md); Q4_K and Q6_K parts likewise into
+  gguf_kquants.c's (Q4_K's nibbles as they are, 1.33x its blocks; Q6_K's codes as bytes, 1.5x)."""
 
 from __future__ import annotations
 
@@ -92,27 +93,31 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # gguf_q32.c's gguf_pack_<type>
+# the types with a gguf_pack_<type> in their kernel file: Q2_K Q3_K Q5_K IQ4_XS have none (their codes as
+# bytes would be 2-4.5x the blocks, and a product at one token reads every byte)
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q6_K")
 
 
 @functools.cache
 def _packed(type_name: str) -> tuple[TypeKernels, Callable[..., int]] | None:
-    """gguf_q32.c's kernels of a packed `type_name` and its packer; None where the CPU has no
-    AVX512-VNNI or the type no packed kernels."""
+    """The kernels of a packed `type_name` (gpu/kernels/<library>.c's gguf_pack_<type> and its
+    products) and its packer; None where the CPU has no AVX512-VNNI or the type no packed
+    kernels."""
     if type_name not in PACKED_TYPES:
         return None
+    block = BLOCK_TYPES[type_name]
     try:
-        lib = kernels.load("gguf_q32")
+        lib = kernels.load(block.library)
     except kernels.KernelBuildError as e:
         raise ModelLoadError(f"--quantization gguf-q8: {e}") from None
-    if not lib.gguf_q32_packs():
+    if not getattr(lib, f"{block.library}_packs")():
         return None
-    p, i64, suffix = ctypes.c_void_p, ctypes.c_int64, BLOCK_TYPES[type_name].suffix
-    gemm = getattr(lib, f"gguf_gemm_{suffix}_packed_q8")  # x, T, K, w, N, y, ldy, threads -> 0 | -1 (no memory)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    gemm = getattr(lib, f"gguf_gemm_{block.suffix}_packed_q8")  # x, T, K, w, N, y, ldy, threads -> 0 | -1
     gemm.argtypes, gemm.restype = [p, i64, i64, p, i64, p, i64, ctypes.c_int], ctypes.c_int
-    get_rows = getattr(lib, f"gguf_get_rows_{suffix}_packed")  # w, K, ids, n_ids, out
+    get_rows = getattr(lib, f"gguf_get_rows_{block.suffix}_packed")  # w, K, ids, n_ids, out
     get_rows.argtypes, get_rows.restype = [p, i64, p, i64, p], None
-    pack = getattr(lib, f"gguf_pack_{suffix}")  # w, N, K, out (NULL: the bytes it needs), threads
+    pack = getattr(lib, f"gguf_pack_{block.suffix}")  # w, N, K, out (NULL: the bytes it needs), threads
     pack.argtypes, pack.restype = [p, i64, i64, p, ctypes.c_int], i64
     addresses = {"q8": ctypes.cast(gemm, ctypes.c_void_p).value or 0}
     return TypeKernels({"q8": gemm}, addresses, get_rows), pack

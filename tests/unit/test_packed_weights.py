@@ -1,8 +1,8 @@
-"""gpu/quant/blocks.py's pack (gpu/kernels/gguf_q32.c's 32-element block types packed once, at
-load) against the in-place blocks: the same rows bit for bit, the same products (bit for bit
-from 8 tokens, where the in-place kernels pack the rows at each call with the same arithmetic;
-below, within the rounding of the sums' order: the in-place one-token and pair products sum
-in lanes), as many bytes as the blocks."""
+"""gpu/quant/blocks.py's pack (the 32-element block types of gpu/kernels/gguf_q32.c, Q4_K and
+Q6_K of gguf_kquants.c, packed once at load) against the in-place blocks: the same rows bit for
+bit, the same products (bit for bit where the in-place kernels pack the rows at each call with
+the same arithmetic: from 8 tokens, from 49 for the K-quants; below, within the rounding of the
+sums' order), and the packed bytes."""
 
 import numpy as np
 import pytest
@@ -10,23 +10,36 @@ import torch
 
 from gpu import kernels
 from gpu.quant.blocks import PACKED_TYPES, pack, packs, repack_where_faster
+from gpu.quant.gguf_quantize import quantize
 from gpu.quant.gguf_types import BLOCK_TYPES, type_kernels
 from gpu.quant.gguf_weight import GGUFWeight, WeightPart
 
 
 def random_weight(type_name: str, N: int, K: int, seed: int, activations: str = "q8") -> GGUFWeight:
-    """Random blocks of `type_name` in place: every code and fifth bit (Q8_0's -128 too),
-    moderate fp16 scales and mins of both signs."""
+    """Random blocks of `type_name` in place. The 32-element types' bytes at random (every code
+    and fifth bit, Q8_0's -128 too) with moderate fp16 scales and mins of both signs; the
+    K-quants' from this project's quantizer of random values (their scales lie in many places)."""
     rng = np.random.default_rng(seed)
-    block = BLOCK_TYPES[type_name].block_bytes
-    blocks = rng.integers(0, 256, (N, K // 32, block), dtype=np.uint8)
-    halves = 2 if type_name in ("Q4_1", "Q5_1") else 1  # d, and m
-    for h in range(halves):
-        v = (rng.uniform(0.001, 0.1, (N, K // 32)) * rng.choice((-1, 1), (N, K // 32))).astype(np.float16)
-        blocks[..., 2 * h : 2 * h + 2] = v[..., None].view(np.uint8)
-    data = blocks.reshape(N, -1)
+    block = BLOCK_TYPES[type_name]
+    if block.block_elements == 256:
+        data = quantize(rng.standard_normal((N, K)).astype(np.float32), type_name).reshape(N, -1)
+    else:
+        blocks = rng.integers(0, 256, (N, K // 32, block.block_bytes), dtype=np.uint8)
+        halves = 2 if type_name in ("Q4_1", "Q5_1") else 1  # d, and m
+        for h in range(halves):
+            v = (rng.uniform(0.001, 0.1, (N, K // 32)) * rng.choice((-1, 1), (N, K // 32))).astype(np.float16)
+            blocks[..., 2 * h : 2 * h + 2] = v[..., None].view(np.uint8)
+        data = blocks.reshape(N, -1)
     part = WeightPart("w", type_name, N, 0, data, data.ctypes.data, None, type_kernels("w", type_name))
     return GGUFWeight.of_parts((part,), (N, K), activations)
+
+
+# bytes a packed chunk of 16 rows holds a row's block: the blocks' own for the 32-element types;
+# Q4_K's nibbles and float scales and mins of its 8 blocks of 32; Q6_K's codes a byte each and
+# float scales of its 16 groups of 16
+PACKED_BLOCK_BYTES = {**{t: BLOCK_TYPES[t].block_bytes for t in PACKED_TYPES}, "Q4_K": 128 + 64, "Q6_K": 256 + 64}
+# tokens from which the in-place kernels pack the rows at each call: products bit for bit
+PACKED_FROM = {**{t: 8 for t in PACKED_TYPES}, "Q4_K": 49, "Q6_K": 49}
 
 
 def has_packed_kernels() -> bool:
@@ -35,7 +48,8 @@ def has_packed_kernels() -> bool:
 
 pytestmark = pytest.mark.skipif(not has_packed_kernels(), reason="packed weights need an AVX512-VNNI CPU")
 
-SHAPES = ((37, 320), (48, 640), (16, 32))  # (N, K): the last chunk of 16 rows short; whole chunks; one block
+# (N, K): the last chunk of 16 rows short; whole chunks; one block (a superblock for the K-quants)
+SHAPES = ((37, 512), (48, 768), (16, 256))
 
 
 @pytest.mark.parametrize("type_name", PACKED_TYPES)
@@ -47,19 +61,20 @@ def test_packed_rows_are_the_blocks_rows_bit_for_bit(type_name, N, K):
     assert torch.equal(packed.rows(ids), in_place.rows(ids))
     assert torch.equal(packed.dequantize(), in_place.dequantize())
     chunk_rows = -(-N // 16) * 16  # the last chunk whole
-    assert packed.nbytes == chunk_rows * (K // 32) * BLOCK_TYPES[type_name].block_bytes
+    blocks = K // BLOCK_TYPES[type_name].block_elements
+    assert packed.nbytes == chunk_rows * blocks * PACKED_BLOCK_BYTES[type_name]
 
 
 @pytest.mark.parametrize("type_name", PACKED_TYPES)
 @pytest.mark.parametrize("N, K", SHAPES)
-@pytest.mark.parametrize("T", (1, 3, 7, 8, 9, 17, 29, 40))
+@pytest.mark.parametrize("T", (1, 3, 7, 8, 9, 17, 29, 40, 60))
 def test_packed_products_are_the_in_place_ones(type_name, N, K, T):
     in_place = random_weight(type_name, N, K, seed=2 * N + K)
     packed = pack(in_place)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
     x[0, :32] = 0  # a block of zeros: scale 0
     want, got = in_place.matmul(x), packed.matmul(x)
-    if T >= 8:
+    if T >= PACKED_FROM[type_name]:
         assert torch.equal(got, want)
     else:
         magnitude = x.abs() @ in_place.dequantize().abs().t()
@@ -78,9 +93,9 @@ def test_a_packed_product_writes_its_column_slice_only():
 
 
 def test_a_fused_weight_packs_the_parts_of_packed_types_and_keeps_the_others():
-    """Gemma 3's qkv mixes Q5_0 and Q8_0 parts; a K-quant part stays in place."""
+    """Gemma 3's qkv mixes Q5_0 and Q8_0 parts; a part of a type with no packed kernels stays in place."""
     q, k = random_weight("Q5_0", 32, 256, seed=1), random_weight("Q8_0", 16, 256, seed=2)
-    v = GGUFWeight.of_parts((random_weight("Q4_K", 16, 256, seed=3).parts[0],), (16, 256), "q8")
+    v = GGUFWeight.of_parts((random_weight("Q5_K", 16, 256, seed=3).parts[0],), (16, 256), "q8")
     parts = tuple(
         WeightPart(p.name, p.type_name, p.rows, offset, p.data, p.address, None, p.kernels)
         for p, offset in zip((q.parts[0], k.parts[0], v.parts[0]), (0, 32, 48))
