@@ -926,10 +926,11 @@ KQUANT(q5_k, Q5_K, 176)
 KQUANT(q6_k, Q6_K, 210)
 KQUANT(iq4_xs, IQ4_XS, 136)
 
-/* Q4_K packed once, at load (gpu/quant/blocks.py), where gguf_kquants_packs(): each chunk of
- * PACK_ROWS rows as pack_rows lays it out, [q, dl, ml], one after another (the last chunk's
- * missing rows zeros): its nibbles as they are and its scales and mins as floats, 0.75 bytes a
- * value against the blocks' 0.5625, so that the products unpack no superblock at any call. */
+/* Q4_K and Q6_K packed once, at load (gpu/quant/blocks.py), where gguf_kquants_packs(): each
+ * chunk of PACK_ROWS rows as pack_rows lays it out, [q, dl (, ml)], one after another (the last
+ * chunk's missing rows zeros), so that the products unpack no superblock at any call. Q4_K's
+ * nibbles as they are and its scales and mins as floats: 0.75 bytes a value against the blocks'
+ * 0.5625; Q6_K's codes as bytes and its scales as floats: 1.25 against 0.82. */
 int gguf_kquants_packs(void) { return gguf_kquants_avx512 == 2; }
 
 static inline int64_t packed_chunk_bytes(enum kquant type, int64_t K) {
@@ -995,7 +996,7 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
             const struct packed_rows p = packed_chunk_at(TYPE, w, K, ids[n] / PACK_ROWS);            \
             const int64_t r = ids[n] % PACK_ROWS;                                                    \
             for (int64_t e = 0; e < K; e++) {                                                        \
-                const int64_t i = e / QX, g = e % QX / 4, at = (i * scales_a_block(TYPE) + e % QX / 16 * (scales_a_block(TYPE) - 1)) * PACK_ROWS + r; \
+                const int64_t i = e / QX, g = e % QX / 4, at = e / (QX / scales_a_block(TYPE)) * PACK_ROWS + r; \
                 const uint8_t byte = nibbles_kept(TYPE) ? p.q[((i / 2 * 8 + g) * PACK_ROWS + r) * 4 + e % 4] \
                                                         : p.q[((i * 8 + g) * PACK_ROWS + r) * 4 + e % 4]; \
                 const int v = (nibbles_kept(TYPE) ? (i % 2 ? byte >> 4 : byte & 0xF) : byte) - packed_offset(TYPE); \

@@ -776,15 +776,15 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
     for (int64_t b = 0; b < nb; b++) {
         const float d = _cvtsh_ss(p.d[b * PACK_ROWS + r]), m = has_min(type) ? _cvtsh_ss(p.m[b * PACK_ROWS + r]) : 0;
         for (int e = 0; e < QK; e++) {
-            int v;
+            int code;
             if (type == Q8_0) {
-                v = (int)p.q[((b * (QK / 4) + e / 4) * PACK_ROWS + r) * 4 + e % 4] - 128;
+                code = p.q[((b * (QK / 4) + e / 4) * PACK_ROWS + r) * 4 + e % 4];
             } else {
                 const uint8_t byte = p.q[((b * (QK / 8) + e % 16 / 4) * PACK_ROWS + r) * 4 + e % 4];
-                v = e < 16 ? byte & 0xF : byte >> 4;
-                if (has_fifth_bits(type)) v |= (int)(p.h[b * (QK / 4) + e / 4] >> (4 * r + e % 4) & 1) << 4;
-                v = type == IQ4_NL ? IQ4_NL_VALUES[v] : v - (has_min(type) ? 0 : code_offset(type));
+                code = e < 16 ? byte & 0xF : byte >> 4;
+                if (has_fifth_bits(type)) code |= (int)(p.h[b * (QK / 4) + e / 4] >> (4 * r + e % 4) & 1) << 4;
             }
+            const int v = type == IQ4_NL ? IQ4_NL_VALUES[code] : code - code_offset(type);
             out[b * QK + e] = has_min(type) ? d * (float)v + m : d * (float)v;
         }
     }

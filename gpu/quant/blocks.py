@@ -141,8 +141,8 @@ def _pack_part(part: WeightPart, K: int) -> WeightPart:
 
 
 def pack(weight: GGUFWeight) -> GGUFWeight:
-    """The same [N, K] weight with each part of a packed type in gguf_q32.c's packed chunks, as
-    many bytes as its blocks (its rows still readable: rows()); the other parts in place."""
+    """The same [N, K] weight with each part of a type in PACKED_TYPES in its kernel file's
+    packed chunks (its rows still readable: rows()); the other parts in place."""
     if weight.activations != "q8":
         raise ValueError("only products with q8 activations read packed weights")
     parts = tuple(_pack_part(p, weight.shape[1]) for p in weight.parts)
