@@ -7,6 +7,10 @@ in the plain CPU buffer, as llama.cpp does on an AVX2 CPU).
 
     python -m perf.kquant_products_bench [--ggml-lib LLAMA_CPP/build/bin] [--tokens 1,8,32,512]
 
+Where the CPU has AVX512-VNNI (gguf_kquants_packs()), Q4_K and Q6_K weights are packed once at
+load and the products read the packed copy (gguf_gemm_TYPE_packed_q8): timed too, this tree's
+and the base's, each on its own packing of the same blocks (the base must have them).
+
 One thread, timed by the thread's own CPU time (best of --rounds, the kernels interleaved in
 each round): on a machine other work shares, the cost of each product and not the waits for a
 core. Weights are random blocks with moderate fp16 scales (perf/gguf_kernels_bench.py).
@@ -54,6 +58,30 @@ def kquant_gemms(lib: ctypes.CDLL, types: list[str]) -> dict[str, Gemm]:
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         out[name] = fn
+    return out
+
+
+def packed_gemms(lib: ctypes.CDLL, types: list[str]) -> dict[str, tuple[Callable, Gemm]]:
+    """type -> (gguf_pack_<type>, gguf_gemm_<type>_packed_q8), for the types `lib` packs at load
+    on this CPU (none without AVX512-VNNI)"""
+    if not lib.gguf_kquants_packs():
+        return {}
+    out = {}
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in types:
+        pack = getattr(lib, f"gguf_pack_{name.lower()}", None)
+        if pack is None:
+            continue
+        pack.argtypes, pack.restype = [ptr, i64, i64, ptr, ctypes.c_int], i64
+        fn = getattr(lib, f"gguf_gemm_{name.lower()}_packed_q8")
+        fn.argtypes, fn.restype = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int], ctypes.c_int
+        out[name] = (pack, fn)
+    return out
+
+
+def packed_copy(pack: Callable, blocks: np.ndarray, N: int, K: int) -> np.ndarray:
+    out = np.empty(pack(blocks.ctypes.data, N, K, None, 1), np.uint8)
+    pack(blocks.ctypes.data, N, K, out.ctypes.data, 1)
     return out
 
 
@@ -140,22 +168,30 @@ def main() -> None:
     args = ap.parse_args()
     started = report.start(args)
     types, tokens = args.types.split(","), [int(t) for t in args.tokens.split(",")]
-    new = kquant_gemms(kernels.load("gguf_kquants"), types)
-    old = kquant_gemms(base_library(args.base), types)
+    new_lib, old_lib = kernels.load("gguf_kquants"), base_library(args.base)
+    new, old = kquant_gemms(new_lib, types), kquant_gemms(old_lib, types)
+    new_packed, old_packed = packed_gemms(new_lib, types), packed_gemms(old_lib, types)
     ggml = Ggml(args.ggml_lib) if args.ggml_lib else None
     rng = np.random.default_rng(0)
     rows = []
     for type_name in types:
         for model, product, K, N in SHAPES:
             blocks = random_blocks(rng, type_name, N, K)
+            packed = {
+                name: (fn, packed_copy(pack, blocks, N, K))
+                for name, gemms in (("new packed", new_packed), ("base packed", old_packed))
+                if type_name in gemms
+                for pack, fn in [gemms[type_name]]
+            }
             for T in tokens:
                 x = rng.standard_normal((T, K)).astype(np.float32)
                 y = np.empty((T, N), np.float32)
 
-                def ours(fn: Gemm, T: int = T, K: int = K, N: int = N, x=x, y=y) -> Callable[[], None]:
-                    return lambda: fn(x.ctypes.data, T, K, blocks.ctypes.data, N, y.ctypes.data, N, 1)
+                def ours(fn: Gemm, w=blocks, T: int = T, K: int = K, N: int = N, x=x, y=y) -> Callable[[], None]:
+                    return lambda: fn(x.ctypes.data, T, K, w.ctypes.data, N, y.ctypes.data, N, 1)
 
                 calls = {"new": ours(new[type_name]), "base": ours(old[type_name])}
+                calls.update({name: ours(fn, w) for name, (fn, w) in packed.items()})
                 if ggml is not None:
                     calls["llama.cpp"] = ggml.product(type_name, blocks, x)
                 best = {name: float("inf") for name in calls}
@@ -173,6 +209,8 @@ def main() -> None:
                 row = {"type": type_name, "model": model, "product": product, "K": K, "N": N, "T": T}
                 row.update({f"{name} ms": s * 1e3 for name, s in best.items()})
                 row["base / new"] = best["base"] / best["new"]
+                if len(packed) == 2:
+                    row["base packed / new packed"] = best["base packed"] / best["new packed"]
                 if ggml is not None:
                     row["llama.cpp / new"] = best["llama.cpp"] / best["new"]
                 rows.append(row)
@@ -196,7 +234,8 @@ def main() -> None:
         f"\n\nOne thread; ms: the thread's CPU time a product, best of {args.rounds} rounds of "
         f"~{args.round_ms:.0f} ms, "
         "the kernels interleaved in each round. new: this tree's gguf_gemm_TYPE_q8 (x rounded to int8 per 32 "
-        f"values), base: the same file at {args.base}. "
+        f"values), base: the same file at {args.base}; new packed, base packed: their "
+        "gguf_gemm_TYPE_packed_q8 on the weight packed at load (AVX512-VNNI CPUs, Q4_K and Q6_K). "
         + (
             "llama.cpp: libggml's MUL_MAT (x rounded per 256 values, Q8_K), Q4_K in its repacked 8x8 layout "
             "(ggml_gemm_q4_K_8x8_q8_K), Q6_K in the plain CPU buffer (which ggml-cpu's tiled VNNI kernels take "

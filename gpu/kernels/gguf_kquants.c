@@ -696,9 +696,9 @@ static int reserve_x_q8(int64_t T, int64_t K, struct x_q8 *xq) {
  * ROW_CHUNK rows are unpacked once (unpack_superblock) into PACK_ROWS lanes, a vector holding a
  * block of 32's 4-byte group g of all 16 rows as unsigned codes (the value plus packed_offset),
  * beside each row's group scales dl and mins ml as floats. Each token's group, a broadcast
- * load from x's plain layout, meets them in one vpdpbusd, eight tokens at a time; a group of
- * 16's integer sum starts at -offset * its bsum and is scaled by dl xd, a min taken off as
- * ml * xd * bsum. The same integer sums as the other paths; the float steps in another order. */
+ * load from x's tiled layout (x_tiles), meets them in one vpdpbusd, eight tokens at a time; a
+ * group of 16's integer sum starts at -offset * its bsum and is scaled by dl xd, a min taken off
+ * as ml * xd * bsum. The same integer sums as the other paths; the float steps in another order. */
 #define PACK_ROWS 16   /* rows a packed vector holds: one a 32-bit lane */
 #define PACK_TOKENS 8  /* tokens a packed product takes together */
 #define PACKED_FROM 48 /* more tokens than this are packed: unpacking a superblock costs ~50 tokens' gain */
@@ -721,6 +721,58 @@ struct packed_rows {
 INLINE int nibbles_kept(enum kquant type) { return type == Q4_K; }
 /* group scales a block of 32 */
 INLINE int scales_a_block(enum kquant type) { return groups_of_16(type) ? 2 : 1; }
+
+/* x quantized for the packed products, in tiles of PACK_TOKENS tokens (the last one's missing
+ * tokens zeros) whose values lie side by side, so that one pointer reaches every token of a
+ * tile at constant offsets (a token's own pointers were eight and more registers, spilled):
+ * tile j's block i is q[((j K / 32 + i) 8 + g) PACK_TOKENS + t] (group g of token t, 4 bytes an
+ * int32) and d[(j K / 32 + i) PACK_TOKENS + t]; its scale slot k (a block of 32, or its groups of
+ * 16 where the type's groups are: slot 2 i + h) c[(j K / 16 + k) PACK_TOKENS + t] = -offset *
+ * the slot's sum of q (the codes' offset taken off), s[the same] = d * that sum (the mins) */
+struct x_tiles {
+    int32_t *q;
+    float *d, *s;
+    int32_t *c;
+};
+
+static __thread char *tiles_scratch = NULL;
+static __thread int64_t tiles_scratch_cap = 0;
+
+static int reserve_x_tiles(int64_t T, int64_t K, struct x_tiles *xt) {
+    const int64_t tokens = (T + PACK_TOKENS - 1) / PACK_TOKENS * PACK_TOKENS;
+    const int64_t need = tokens * (K + (K / QX + 2 * (K / 16)) * 4);
+    if (grown_scratch(&tiles_scratch, &tiles_scratch_cap, need) == NULL) return -1;
+    xt->q = (int32_t *)tiles_scratch;
+    xt->d = (float *)(xt->q + tokens * K / 4);
+    xt->s = xt->d + tokens * (K / QX);
+    xt->c = (int32_t *)(xt->s + tokens * (K / 16));
+    return 0;
+}
+
+/* token t of x [T, K] into xt (t < T; from T to the tile's end, zeros) */
+static void quantize_x_tiles(enum kquant type, const float *x, int64_t T, int64_t K, int64_t t, struct x_tiles xt) {
+    const int64_t nb = K / QX, tile = t / PACK_TOKENS, lane = t % PACK_TOKENS, per = scales_a_block(type);
+    int32_t *q = xt.q + tile * nb * 8 * PACK_TOKENS + lane;
+    float *d = xt.d + tile * nb * PACK_TOKENS + lane, *s = xt.s + tile * (K / 16) * PACK_TOKENS + lane;
+    int32_t *c = xt.c + tile * (K / 16) * PACK_TOKENS + lane;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t groups[8] = {0}, sum = 0, first = 0;
+        float di = 0.0f;
+        if (t < T) {
+            const __m256i packed = quantize_block_q8(x + t * K + QX * i, &di, &sum);
+            _mm256_storeu_si256((__m256i *)groups, packed);
+            first = hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed)), ones));
+        }
+        for (int g = 0; g < 8; g++) q[(i * 8 + g) * PACK_TOKENS] = groups[g];
+        d[i * PACK_TOKENS] = di;
+        for (int h = 0; h < per; h++) {
+            const int32_t part = per == 1 ? sum : h ? sum - first : first;
+            c[(per * i + h) * PACK_TOKENS] = -packed_offset(type) * part;
+            s[(per * i + h) * PACK_TOKENS] = di * (float)part;
+        }
+    }
+}
 
 static __thread char *pack_scratch = NULL;
 static __thread int64_t pack_scratch_cap = 0;
@@ -784,70 +836,67 @@ INLINE PACKED_TARGET __m512i packed_codes(enum kquant type, struct packed_rows p
     return _mm512_and_si512(i % 2 ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0F));
 }
 
-/* y[t, r] for the TT tokens from t0 (a constant at each call: <= PACK_TOKENS) */
-INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_rows p, const struct x_q8 *xq,
-                                        int64_t K, int64_t t0, float *y, int64_t ldy, int64_t rows) {
+/* y[t, r] for the TT tokens of tile xt (TT a constant at each call: <= PACK_TOKENS) */
+INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_rows p, struct x_tiles xt, int64_t K,
+                                        float *y, int64_t ldy, int64_t rows) {
     __m512 acc[PACK_TOKENS];
     __m512i sum[PACK_TOKENS];
-    int64_t tok[PACK_TOKENS];
-    for (int t = 0; t < TT; t++) {
-        acc[t] = _mm512_setzero_ps();
-        tok[t] = t0 + t;
-    }
-    const int o = packed_offset(type);
-    for (int64_t i = 0; i < K / QX; i++) {
-        const int16_t *bs[PACK_TOKENS];
-        float xd[PACK_TOKENS];
-        for (int t = 0; t < TT; t++) {
-            bs[t] = xq->bsums + tok[t] * G_STRIDE(K) + 2 * i;
-            xd[t] = xq->d[tok[t] * D_STRIDE(K) + i];
-        }
-        for (int half = 0; half < (groups_of_16(type) ? 2 : 1); half++) {
-            const int n = groups_of_16(type) ? 4 : 8, g0 = n * half;
-            int32_t bsum[PACK_TOKENS];  /* the sum of x's q over the groups this half takes */
-            for (int t = 0; t < TT; t++) {
-                bsum[t] = groups_of_16(type) ? bs[t][half] : bs[t][0] + bs[t][1];
-                sum[t] = o ? _mm512_set1_epi32(-o * bsum[t]) : _mm512_setzero_si512();
-            }
-            for (int g = g0; g < g0 + n; g++) {
+    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    const int per = scales_a_block(type), n = 8 / per;
+    /* blocks two at a time: Q4_K's pair shares its bytes, low nibbles and high (packed_codes) */
+    for (int64_t pair = 0; pair < K / QX; pair += 2)
+#pragma GCC unroll 2
+    for (int64_t i = pair; i < pair + 2; i++) {
+        const int32_t *xg = xt.q + i * 8 * PACK_TOKENS;
+        const float *xd = xt.d + i * PACK_TOKENS;
+        for (int half = 0; half < per; half++) {
+            const int64_t slot = (per * i + half) * PACK_TOKENS;
+            for (int t = 0; t < TT; t++)
+                sum[t] = packed_offset(type) ? _mm512_set1_epi32(xt.c[slot + t]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int g = n * half; g < n * half + n; g++) {
                 const __m512i u = packed_codes(type, p, i, g);
                 for (int t = 0; t < TT; t++)
-                    sum[t] = _mm512_dpbusd_epi32(
-                        sum[t], u, _mm512_set1_epi32(((const int32_t *)(xq->q + tok[t] * Q_STRIDE(K) + QX * i))[g]));
+                    sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * PACK_TOKENS + t]));
             }
-            const __m512 dl = _mm512_loadu_ps(p.dl + (scales_a_block(type) * i + half) * PACK_ROWS);
+            const __m512 dl = _mm512_loadu_ps(p.dl + (per * i + half) * PACK_ROWS);
             for (int t = 0; t < TT; t++)
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(dl, _mm512_set1_ps(xd[t])), acc[t]);
             if (has_mins(type)) {
-                const __m512 ml = _mm512_loadu_ps(p.ml + (scales_a_block(type) * i + half) * PACK_ROWS);
-                for (int t = 0; t < TT; t++)
-                    acc[t] = _mm512_fnmadd_ps(ml, _mm512_set1_ps(xd[t] * (float)bsum[t]), acc[t]);
+                const __m512 ml = _mm512_loadu_ps(p.ml + (per * i + half) * PACK_ROWS);
+                for (int t = 0; t < TT; t++) acc[t] = _mm512_fnmadd_ps(ml, _mm512_set1_ps(xt.s[slot + t]), acc[t]);
             }
         }
     }
     store_packed_rows(acc, TT, rows, y, ldy);
 }
 
-/* tokens [t0, t0 + tokens), tokens <= PACK_TOKENS: packed_tokens with their count a constant */
-INLINE PACKED_TARGET void packed_tile(enum kquant type, struct packed_rows p, const struct x_q8 *xq, int64_t K,
-                                      int64_t t0, int64_t tokens, float *y, int64_t ldy, int64_t rows) {
+/* tile `tile`'s first `tokens` tokens (<= PACK_TOKENS): packed_tokens with their count a constant */
+INLINE PACKED_TARGET void packed_tile(enum kquant type, struct packed_rows p, struct x_tiles xt, int64_t K,
+                                      int64_t tile, int64_t tokens, float *y, int64_t ldy, int64_t rows) {
+    const struct x_tiles at = {xt.q + tile * K / 4 * PACK_TOKENS, xt.d + tile * (K / QX) * PACK_TOKENS,
+                               xt.s + tile * (K / 16) * PACK_TOKENS, xt.c + tile * (K / 16) * PACK_TOKENS};
     switch (tokens) {
 #define TOKENS_CASE(TT) \
-    case TT: packed_tokens(type, TT, p, xq, K, t0, y, ldy, rows); break;
+    case TT: packed_tokens(type, TT, p, at, K, y, ldy, rows); break;
         TOKENS_CASE(1) TOKENS_CASE(2) TOKENS_CASE(3) TOKENS_CASE(4) TOKENS_CASE(5) TOKENS_CASE(6) TOKENS_CASE(7)
 #undef TOKENS_CASE
-    default: packed_tokens(type, PACK_TOKENS, p, xq, K, t0, y, ldy, rows);
+    default: packed_tokens(type, PACK_TOKENS, p, at, K, y, ldy, rows);
     }
 }
 
-/* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the plain layout */
-INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, const struct x_q8 *xq, int64_t T, int64_t K,
+/* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in tiles */
+INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, struct x_tiles xt, int64_t T, int64_t K,
                                       const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1,
                                       struct packed_rows p) {
     pack_rows(type, bytes, w + n0 * (K / QK) * bytes, K, n1 - n0, p);
     for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)
-        packed_tile(type, p, xq, K, t0, T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy + n0, ldy, n1 - n0);
+        packed_tile(type, p, xt, K, t0 / PACK_TOKENS, T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy + n0,
+                    ldy, n1 - n0);
 }
+
+/* tokens x quantized over: T, or for the packed products whole tiles */
+static inline int64_t tiles_tokens(int64_t T) { return (T + PACK_TOKENS - 1) / PACK_TOKENS * PACK_TOKENS; }
 
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
  * same and AVX512-VNNI's vpdpbusd in the tiled products. Set from the CPU when the library
@@ -872,7 +921,7 @@ __attribute__((constructor)) static void choose_avx512(void) {
 #define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, AVX512, VNNI)                                          \
     PATH##_TARGET static void NAME##_q8_##PATH(const float *x, int64_t T, int64_t K, const uint8_t *w, \
                                                int64_t N, float *y, int64_t ldy, int threads,         \
-                                               const struct x_q8 *xq) {                                \
+                                               const struct x_q8 *xq, struct x_tiles xt) {              \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
         const int packed = VNNI && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
@@ -881,14 +930,17 @@ __attribute__((constructor)) static void choose_avx512(void) {
             struct packed_rows rows_p;                                                               \
             const int pack = packed && packed_rows_for(K, &rows_p) == 0;                             \
             _Pragma("omp for schedule(static)")                                                      \
-            for (int64_t t = 0; t < T; t++)                                                          \
-                quantize_x(TYPE, by_tiles, x + t * K, K, xq->q + t * Q_STRIDE(K), xq->d + t * D_STRIDE(K), \
-                           xq->bsums + t * G_STRIDE(K), xq->s + t * G_STRIDE(K), xq->c + t * G_STRIDE(K));  \
+            for (int64_t t = 0; t < (packed ? tiles_tokens(T) : T); t++)                             \
+                if (packed)                                                                          \
+                    quantize_x_tiles(TYPE, x, T, K, t, xt);                                          \
+                else                                                                                 \
+                    quantize_x(TYPE, by_tiles, x + t * K, K, xq->q + t * Q_STRIDE(K), xq->d + t * D_STRIDE(K), \
+                               xq->bsums + t * G_STRIDE(K), xq->s + t * G_STRIDE(K), xq->c + t * G_STRIDE(K)); \
             _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
                 if (pack)                                                                            \
-                    NAME##_q8_packed(xq, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p);                    \
+                    NAME##_q8_packed(xt, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p);                    \
                 else if (by_tiles)                                                                   \
                     rows_tiled(TYPE, AVX512, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);      \
                 else                                                                                 \
@@ -899,9 +951,9 @@ __attribute__((constructor)) static void choose_avx512(void) {
 
 #define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
     PACKED_TARGET __attribute__((noinline)) static void NAME##_q8_packed(                            \
-        const struct x_q8 *xq, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy,        \
+        struct x_tiles xt, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy,            \
         int64_t n0, int64_t n1, struct packed_rows p) {                                              \
-        rows_packed(TYPE, BYTES, xq, T, K, w, y, ldy, n0, n1, p);                                    \
+        rows_packed(TYPE, BYTES, xt, T, K, w, y, ldy, n0, n1, p);                                    \
     }                                                                                                \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0, 0)                                                      \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1, 0)                                                    \
@@ -910,10 +962,12 @@ __attribute__((constructor)) static void choose_avx512(void) {
                               float *y, int64_t ldy, int threads) {                                  \
         if (T <= 0 || N <= 0) return 0;                                                              \
         struct x_q8 xq;                                                                               \
+        struct x_tiles xt = {0};                                                                      \
         if (reserve_x_q8(T, K, &xq)) return -1;                                                       \
+        if (gguf_kquants_avx512 == 2 && T > PACKED_FROM && reserve_x_tiles(T, K, &xt)) return -1;     \
         (gguf_kquants_avx512 == 2   ? NAME##_q8_AVX512VNNI                                            \
          : gguf_kquants_avx512 == 1 ? NAME##_q8_AVX512                                                \
-                                    : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq);           \
+                                    : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq, xt);       \
         return 0;                                                                                    \
     }
 
@@ -960,32 +1014,30 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
         return 0;                                                                                    \
     }                                                                                                \
     PACKED_TARGET __attribute__((noinline)) static void NAME##_packed_chunk(                         \
-        const struct x_q8 *xq, int64_t T, int64_t K, const uint8_t *w, int64_t c, float *y,          \
+        struct x_tiles xt, int64_t T, int64_t K, const uint8_t *w, int64_t c, float *y,              \
         int64_t ldy, int64_t rows) {                                                                 \
         const int64_t chunk = packed_chunk_bytes(TYPE, K);                                           \
         const char *next = (const char *)w + (c + PACKED_AHEAD) * chunk;                             \
         for (int64_t line = 0; line < chunk; line += 64) _mm_prefetch(next + line, _MM_HINT_T2);     \
         for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)                                              \
-            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xq, K, t0,                             \
+            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xt, K, t0 / PACK_TOKENS,               \
                         T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy, ldy, rows);       \
     }                                                                                                \
     /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type>; only where gguf_kquants_packs() */    \
     int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w,        \
                                      int64_t N, float *y, int64_t ldy, int threads) {                \
         if (T <= 0 || N <= 0) return 0;                                                              \
-        struct x_q8 xq;                                                                               \
-        if (reserve_x_q8(T, K, &xq)) return -1;                                                       \
+        struct x_tiles xt;                                                                            \
+        if (reserve_x_tiles(T, K, &xt)) return -1;                                                    \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \
-            for (int64_t t = 0; t < T; t++)                                                          \
-                quantize_x(TYPE, 0, x + t * K, K, xq.q + t * Q_STRIDE(K), xq.d + t * D_STRIDE(K),    \
-                           xq.bsums + t * G_STRIDE(K), xq.s + t * G_STRIDE(K), xq.c + t * G_STRIDE(K)); \
+            for (int64_t t = 0; t < tiles_tokens(T); t++) quantize_x_tiles(TYPE, x, T, K, t, xt);   \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
-                NAME##_packed_chunk(&xq, T, K, w, c, y + c * ROW_CHUNK, ldy, n1 - c * ROW_CHUNK);    \
+                NAME##_packed_chunk(xt, T, K, w, c, y + c * ROW_CHUNK, ldy, n1 - c * ROW_CHUNK);     \
             }                                                                                        \
         }                                                                                            \
         return 0;                                                                                    \
