@@ -722,13 +722,16 @@ INLINE int nibbles_kept(enum kquant type) { return type == Q4_K; }
 /* group scales a block of 32 */
 INLINE int scales_a_block(enum kquant type) { return groups_of_16(type) ? 2 : 1; }
 
-/* x quantized for the packed products, in tiles of PACK_TOKENS tokens (the last one's missing
- * tokens zeros) whose values lie side by side, so that one pointer reaches every token of a
- * tile at constant offsets (a token's own pointers were eight and more registers, spilled):
- * tile j's block i is q[((j K / 32 + i) 8 + g) PACK_TOKENS + t] (group g of token t, 4 bytes an
- * int32) and d[(j K / 32 + i) PACK_TOKENS + t]; its scale slot k (a block of 32, or its groups of
- * 16 where the type's groups are: slot 2 i + h) c[(j K / 16 + k) PACK_TOKENS + t] = -offset *
- * the slot's sum of q (the codes' offset taken off), s[the same] = d * that sum (the mins) */
+/* x quantized for the packed products, in tiles of PACK_TOKENS tokens (the last one of the
+ * tokens left, W = T mod PACK_TOKENS of them) whose values lie side by side, so that one pointer
+ * reaches every token of a tile at constant offsets (a token's own pointers were eight and more
+ * registers, spilled): tile j (W tokens wide) starts at j PACK_TOKENS tokens' room; its block i
+ * is q[(i 8 + g) W + t] (group g of token t, 4 bytes an int32) and d[i W + t], its scale slot k
+ * (a block of 32, or its groups of 16 where the type's groups are: slot 2 i + h) c[k W + t] =
+ * -offset * the slot's sum of q (the codes' offset taken off), s[the same] = d * that sum (the
+ * mins). A tile as wide as its tokens: at one token the tile is that token's x alone, as compact
+ * as the plain layout (eight lanes wide, x outgrew L1 from K = 3072 and the products at one
+ * token were slower than with the plain layout: perf/kquant_products_bench.py). */
 struct x_tiles {
     int32_t *q;
     float *d, *s;
@@ -749,27 +752,37 @@ static int reserve_x_tiles(int64_t T, int64_t K, struct x_tiles *xt) {
     return 0;
 }
 
-/* token t of x [T, K] into xt (t < T; from T to the tile's end, zeros) */
+/* the tokens of tile `tile` of T */
+static inline int64_t tile_width(int64_t T, int64_t tile) {
+    return T - tile * PACK_TOKENS < PACK_TOKENS ? T - tile * PACK_TOKENS : PACK_TOKENS;
+}
+
+/* where tile `tile` of xt starts */
+static inline struct x_tiles tile_of(struct x_tiles xt, int64_t K, int64_t tile) {
+    return (struct x_tiles){xt.q + tile * K / 4 * PACK_TOKENS, xt.d + tile * (K / QX) * PACK_TOKENS,
+                            xt.s + tile * (K / 16) * PACK_TOKENS, xt.c + tile * (K / 16) * PACK_TOKENS};
+}
+
+/* token t of x [T, K] into xt */
 static void quantize_x_tiles(enum kquant type, const float *x, int64_t T, int64_t K, int64_t t, struct x_tiles xt) {
-    const int64_t nb = K / QX, tile = t / PACK_TOKENS, lane = t % PACK_TOKENS, per = scales_a_block(type);
-    int32_t *q = xt.q + tile * nb * 8 * PACK_TOKENS + lane;
-    float *d = xt.d + tile * nb * PACK_TOKENS + lane, *s = xt.s + tile * (K / 16) * PACK_TOKENS + lane;
-    int32_t *c = xt.c + tile * (K / 16) * PACK_TOKENS + lane;
+    const int64_t nb = K / QX, W = tile_width(T, t / PACK_TOKENS), lane = t % PACK_TOKENS;
+    const int per = scales_a_block(type);
+    const struct x_tiles at = tile_of(xt, K, t / PACK_TOKENS);
+    int32_t *q = at.q + lane, *c = at.c + lane;
+    float *d = at.d + lane, *s = at.s + lane;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; i++) {
-        int32_t groups[8] = {0}, sum = 0, first = 0;
-        float di = 0.0f;
-        if (t < T) {
-            const __m256i packed = quantize_block_q8(x + t * K + QX * i, &di, &sum);
-            _mm256_storeu_si256((__m256i *)groups, packed);
-            first = hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed)), ones));
-        }
-        for (int g = 0; g < 8; g++) q[(i * 8 + g) * PACK_TOKENS] = groups[g];
-        d[i * PACK_TOKENS] = di;
+        int32_t groups[8], sum;
+        float di;
+        const __m256i packed = quantize_block_q8(x + t * K + QX * i, &di, &sum);
+        _mm256_storeu_si256((__m256i *)groups, packed);
+        const int32_t first = hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed)), ones));
+        for (int g = 0; g < 8; g++) q[(i * 8 + g) * W] = groups[g];
+        d[i * W] = di;
         for (int h = 0; h < per; h++) {
             const int32_t part = per == 1 ? sum : h ? sum - first : first;
-            c[(per * i + h) * PACK_TOKENS] = -packed_offset(type) * part;
-            s[(per * i + h) * PACK_TOKENS] = di * (float)part;
+            c[(per * i + h) * W] = -packed_offset(type) * part;
+            s[(per * i + h) * W] = di * (float)part;
         }
     }
 }
@@ -836,7 +849,7 @@ INLINE PACKED_TARGET __m512i packed_codes(enum kquant type, struct packed_rows p
     return _mm512_and_si512(i % 2 ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0F));
 }
 
-/* y[t, r] for the TT tokens of tile xt (TT a constant at each call: <= PACK_TOKENS) */
+/* y[t, r] for the TT tokens of tile xt, TT wide (TT a constant at each call: <= PACK_TOKENS) */
 INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_rows p, struct x_tiles xt, int64_t K,
                                         float *y, int64_t ldy, int64_t rows) {
     __m512 acc[PACK_TOKENS];
@@ -847,17 +860,17 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_
     for (int64_t pair = 0; pair < K / QX; pair += 2)
 #pragma GCC unroll 2
     for (int64_t i = pair; i < pair + 2; i++) {
-        const int32_t *xg = xt.q + i * 8 * PACK_TOKENS;
-        const float *xd = xt.d + i * PACK_TOKENS;
+        const int32_t *xg = xt.q + i * 8 * TT;
+        const float *xd = xt.d + i * TT;
         for (int half = 0; half < per; half++) {
-            const int64_t slot = (per * i + half) * PACK_TOKENS;
+            const int64_t slot = (per * i + half) * TT;
             for (int t = 0; t < TT; t++)
                 sum[t] = packed_offset(type) ? _mm512_set1_epi32(xt.c[slot + t]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int g = n * half; g < n * half + n; g++) {
                 const __m512i u = packed_codes(type, p, i, g);
                 for (int t = 0; t < TT; t++)
-                    sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * PACK_TOKENS + t]));
+                    sum[t] = _mm512_dpbusd_epi32(sum[t], u, _mm512_set1_epi32(xg[g * TT + t]));
             }
             const __m512 dl = _mm512_loadu_ps(p.dl + (per * i + half) * PACK_ROWS);
             for (int t = 0; t < TT; t++)
@@ -871,12 +884,11 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_
     store_packed_rows(acc, TT, rows, y, ldy);
 }
 
-/* tile `tile`'s first `tokens` tokens (<= PACK_TOKENS): packed_tokens with their count a constant */
+/* tile `tile` of T tokens: packed_tokens with its width a constant */
 INLINE PACKED_TARGET void packed_tile(enum kquant type, struct packed_rows p, struct x_tiles xt, int64_t K,
-                                      int64_t tile, int64_t tokens, float *y, int64_t ldy, int64_t rows) {
-    const struct x_tiles at = {xt.q + tile * K / 4 * PACK_TOKENS, xt.d + tile * (K / QX) * PACK_TOKENS,
-                               xt.s + tile * (K / 16) * PACK_TOKENS, xt.c + tile * (K / 16) * PACK_TOKENS};
-    switch (tokens) {
+                                      int64_t tile, int64_t T, float *y, int64_t ldy, int64_t rows) {
+    const struct x_tiles at = tile_of(xt, K, tile);
+    switch (tile_width(T, tile)) {
 #define TOKENS_CASE(TT) \
     case TT: packed_tokens(type, TT, p, at, K, y, ldy, rows); break;
         TOKENS_CASE(1) TOKENS_CASE(2) TOKENS_CASE(3) TOKENS_CASE(4) TOKENS_CASE(5) TOKENS_CASE(6) TOKENS_CASE(7)
@@ -891,12 +903,9 @@ INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, struct x_tile
                                       struct packed_rows p) {
     pack_rows(type, bytes, w + n0 * (K / QK) * bytes, K, n1 - n0, p);
     for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)
-        packed_tile(type, p, xt, K, t0 / PACK_TOKENS, T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy + n0,
-                    ldy, n1 - n0);
+        packed_tile(type, p, xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy + n0, ldy, n1 - n0);
 }
 
-/* tokens x quantized over: T, or for the packed products whole tiles */
-static inline int64_t tiles_tokens(int64_t T) { return (T + PACK_TOKENS - 1) / PACK_TOKENS * PACK_TOKENS; }
 
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
  * same and AVX512-VNNI's vpdpbusd in the tiled products. Set from the CPU when the library
@@ -930,7 +939,7 @@ __attribute__((constructor)) static void choose_avx512(void) {
             struct packed_rows rows_p;                                                               \
             const int pack = packed && packed_rows_for(K, &rows_p) == 0;                             \
             _Pragma("omp for schedule(static)")                                                      \
-            for (int64_t t = 0; t < (packed ? tiles_tokens(T) : T); t++)                             \
+            for (int64_t t = 0; t < T; t++)                                                          \
                 if (packed)                                                                          \
                     quantize_x_tiles(TYPE, x, T, K, t, xt);                                          \
                 else                                                                                 \
@@ -1020,8 +1029,7 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
         const char *next = (const char *)w + (c + PACKED_AHEAD) * chunk;                             \
         for (int64_t line = 0; line < chunk; line += 64) _mm_prefetch(next + line, _MM_HINT_T2);     \
         for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)                                              \
-            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xt, K, t0 / PACK_TOKENS,               \
-                        T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS, y + t0 * ldy, ldy, rows);       \
+            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy, ldy, rows); \
     }                                                                                                \
     /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type>; only where gguf_kquants_packs() */    \
     int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w,        \
@@ -1033,7 +1041,7 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \
-            for (int64_t t = 0; t < tiles_tokens(T); t++) quantize_x_tiles(TYPE, x, T, K, t, xt);   \
+            for (int64_t t = 0; t < T; t++) quantize_x_tiles(TYPE, x, T, K, t, xt);                 \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
