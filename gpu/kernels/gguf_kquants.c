@@ -856,17 +856,18 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_
     __m512i sum[PACK_TOKENS];
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     const int per = scales_a_block(type), n = 8 / per;
-    /* blocks two at a time: Q4_K's pair shares its bytes, low nibbles and high (packed_codes) */
-    for (int64_t pair = 0; pair < K / QX; pair += 2)
+    /* Q4_K's blocks two at a time: a pair shares its bytes, low nibbles and high (packed_codes) */
+    const int blocks = nibbles_kept(type) ? 2 : 1;
+    for (int64_t first = 0; first < K / QX; first += blocks)
 #pragma GCC unroll 2
-    for (int64_t i = pair; i < pair + 2; i++) {
+    for (int64_t i = first; i < first + blocks; i++) {
         const int32_t *xg = xt.q + i * 8 * TT;
         const float *xd = xt.d + i * TT;
         for (int half = 0; half < per; half++) {
             const int64_t slot = (per * i + half) * TT;
             for (int t = 0; t < TT; t++)
                 sum[t] = packed_offset(type) ? _mm512_set1_epi32(xt.c[slot + t]) : _mm512_setzero_si512();
-#pragma GCC unroll 8
+#pragma GCC unroll 1 /* unrolled, the one-token products of Q6_K were slower (kquant_products_bench) */
             for (int g = n * half; g < n * half + n; g++) {
                 const __m512i u = packed_codes(type, p, i, g);
                 for (int t = 0; t < TT; t++)
