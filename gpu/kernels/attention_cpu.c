@@ -105,7 +105,9 @@ static inline const void *row(const KvRows *r, const char *base, int64_t j) {
  * fetches the next item's K and V rows a few lines at a time from inside its own score loop,
  * and the fetches overlap its arithmetic. Issued all at once at the item's start, the same
  * fetches bought nothing (most presumably met full miss buffers and were dropped); spread
- * out, they make a layer with its pages out of cache much faster (docs/perf-notes.md). */
+ * out, they make a layer with its pages out of cache much faster (docs/perf-notes.md). Into
+ * L2, not L1: an item's rows are as many bytes as L1 holds (32 keys of Gemma 3's K and V: 32
+ * KiB), so fetched into L1 the next item's rows evicted the rows the item was still reading. */
 typedef struct {
     const char *rows[2 * CHUNK];
     int64_t nrows, row_bytes, step;  /* step: lines per call */
@@ -126,7 +128,7 @@ static void prefetch_plan(Prefetch *pf, const KvRows *r, int64_t j0, int64_t n, 
 
 static inline void prefetch_some(Prefetch *pf) {
     for (int64_t i = 0; i < pf->step && pf->row < pf->nrows; i++) {
-        _mm_prefetch(pf->rows[pf->row] + pf->off, _MM_HINT_T0);
+        _mm_prefetch(pf->rows[pf->row] + pf->off, _MM_HINT_T1);
         pf->off += 64;
         if (pf->off >= pf->row_bytes) pf->off = 0, pf->row++;
     }
