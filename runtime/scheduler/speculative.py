@@ -54,9 +54,12 @@ PRIOR_HITS, PRIOR_TRIALS = 3.0, 4.0
 AGE = 0.9
 # weight of a step's seconds in its bucket's running average
 COST_WEIGHT = 0.2
-# each decode step every bucket's seconds keep this share of their excess over the cheapest
-# bucket's: a count measured dear (a first run's allocations, a burst of other work) is tried
-# again some hundred steps later rather than never
+# each decode step every bucket's seconds keep this share of their excess over its floor, its
+# count at the cheapest seconds a token measured: a count measured dear (a first run's
+# allocations, a burst of other work) is tried again some hundred steps later rather than
+# never. Aged toward the cheapest bucket's seconds instead, a step of 128 tokens came to be
+# estimated at half its measured cost within tens of steps, and a compute-bound batch of 32
+# drafted for it every few steps
 COST_AGE = 0.98
 # consecutive buckets of StepCosts' token counts are this far apart at most
 BUCKET_RATIO = 1.25
@@ -75,9 +78,9 @@ class SpeculationStats:
 class StepCosts:
     """Seconds a decode step takes by its number of tokens, learned from the steps run: a
     running average a bucket of token counts (BUCKET_RATIO apart), linear between buckets,
-    aged toward the cheapest (COST_AGE). Past the largest count measured a step is estimated
-    at that count's cost, so a larger one is tried once and is then known; before any is
-    measured every count costs the same. Counts past `max_tokens` (what a drafting step can
+    aged toward its count at the cheapest seconds a token (COST_AGE). Past the largest count
+    measured a step is estimated at that count's cost, so a larger one is tried once and is
+    then known; before any is measured every count costs the same. Counts past `max_tokens` (what a drafting step can
     run) are not kept: a large batch's steps pay no bookkeeping for it."""
 
     def __init__(self, max_tokens: int) -> None:
@@ -93,9 +96,10 @@ class StepCosts:
     def record(self, tokens: int, seconds: float) -> None:
         if tokens > self.max_tokens:
             return
-        if self.seen.any():
-            cheapest = self.seconds[self.seen].min()
-            self.seconds[self.seen] = cheapest + COST_AGE * (self.seconds[self.seen] - cheapest)
+        seen = self.seen
+        if seen.any():
+            floor = self.tokens[seen] * (self.seconds[seen] / self.tokens[seen]).min()
+            self.seconds[seen] = floor + COST_AGE * (self.seconds[seen] - floor)
         i = int(np.searchsorted(self.edges, tokens, "right")) - 1
         w = COST_WEIGHT if self.seen[i] else 1.0
         self.tokens[i] += w * (tokens - self.tokens[i])

@@ -20,7 +20,6 @@ from runtime.config import ServerArgs
 from runtime.scheduler.config import SchedulerConfig
 from runtime.scheduler.core import Scheduler
 from runtime.scheduler.speculative import (
-    COST_AGE,
     COST_WEIGHT,
     FREE_BATCH,
     MAX_BATCH,
@@ -136,12 +135,26 @@ def test_step_costs_interpolate_what_was_measured():
     est = costs.estimate(np.array([1, 8, 36, 64, 400]))
     # below the smallest and past the largest: their costs (a larger step is tried once)
     np.testing.assert_allclose(est, [0.010, 0.010, 0.025, 0.040, 0.040])
-    costs.record(64, 0.050)  # a running average, after one step's aging toward the cheapest
-    dear = 0.010 + COST_AGE * 0.030
-    assert costs.estimate(np.array([64]))[0] == pytest.approx(dear + COST_WEIGHT * (0.050 - dear))
+    # a running average, after one step's aging: 64 tokens are the cheapest a token, their own floor
+    costs.record(64, 0.050)
+    assert costs.estimate(np.array([64]))[0] == pytest.approx(0.040 + COST_WEIGHT * (0.050 - 0.040))
+
+
+def test_step_costs_age_toward_their_tokens_at_the_cheapest_a_token():
+    costs = StepCosts(512)
+    costs.record(8, 0.010)
+    costs.record(64, 0.200)  # measured dear (2.5x 8 tokens' seconds a token)
     for _ in range(300):  # a count measured dear and never run again is tried again in time
         costs.record(8, 0.010)
-    assert costs.estimate(np.array([64]))[0] == pytest.approx(0.010, abs=1e-4)
+    assert costs.estimate(np.array([64]))[0] == pytest.approx(64 * 0.010 / 8, rel=0.01)
+    # but never below that: a compute-bound step of 128 tokens does not come to look as cheap as
+    # the small steps run meanwhile (aged toward their seconds, drafting at 32 decodes did)
+    costs = StepCosts(512)
+    costs.record(32, 0.032)
+    costs.record(128, 0.128)
+    for _ in range(300):
+        costs.record(2, 0.010)
+    np.testing.assert_allclose(costs.estimate(np.array([32, 128])), [0.032, 0.128])
 
 
 def greedy_speculator(rows: int) -> NgramSpeculator:
