@@ -303,6 +303,12 @@ INLINE int code_offset(enum kquant type) { return type == Q3_K ? 4 : type == Q6_
 /* IQ4_XS's signed values go through signs (superblock_q8), at any number of tokens */
 INLINE int tiled(enum kquant type, int64_t T) { return type != IQ4_XS && T >= TILED_TOKENS; }
 
+/* the sum of a block's first group of 16 q: pairs of q (int16, as the sign-extended halves)
+ * summed by madd */
+static inline int32_t first_group_sum(__m256i q) {
+    return hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(1)));
+}
+
 /* K values of x (a multiple of 256) -> int8 q, a scale d per block of 32 (quantize_block_q8)
  * and bsums per group of 16; tiled: q transposed, and per superblock 16 sums of its groups in
  * the tiled products' lanes (lane b: block b, first 8 its first group, then its second), as the
@@ -310,15 +316,13 @@ INLINE int tiled(enum kquant type, int64_t T) { return type != IQ4_XS && T >= TI
  * and Q5_K, whose mins are per block of 32: its whole sum in the first 8) */
 static void quantize_x(enum kquant type, int tiled, const float *x, int64_t K, int8_t *q, float *d, int16_t *bsums,
                        float *s, int32_t *c) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t sb = 0; sb < K / QK; sb++) {
         __m256i packed[8];
         for (int b = 0; b < 8; b++) {
             const int64_t i = 8 * sb + b;  /* block of 32 */
             int32_t sum;
             packed[b] = quantize_block_q8(x + QX * i, d + i, &sum);
-            /* the two groups' sums: pairs of q (int16, as the sign-extended halves) summed by madd */
-            const int32_t first = hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed[b])), ones));
+            const int32_t first = first_group_sum(packed[b]);
             bsums[2 * i] = (int16_t)first;
             bsums[2 * i + 1] = (int16_t)(sum - first);
             if (tiled) {
@@ -770,13 +774,12 @@ static void quantize_x_tiles(enum kquant type, const float *x, int64_t T, int64_
     const struct x_tiles at = tile_of(xt, K, t / PACK_TOKENS);
     int32_t *q = at.q + lane, *c = at.c + lane;
     float *d = at.d + lane, *s = at.s + lane;
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; i++) {
         int32_t groups[8], sum;
         float di;
         const __m256i packed = quantize_block_q8(x + t * K + QX * i, &di, &sum);
         _mm256_storeu_si256((__m256i *)groups, packed);
-        const int32_t first = hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(packed)), ones));
+        const int32_t first = first_group_sum(packed);
         for (int g = 0; g < 8; g++) q[(i * 8 + g) * W] = groups[g];
         d[i * W] = di;
         for (int h = 0; h < per; h++) {
@@ -907,7 +910,6 @@ INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, struct x_tile
         packed_tile(type, p, xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy + n0, ldy, n1 - n0);
 }
 
-
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
  * same and AVX512-VNNI's vpdpbusd in the tiled products. Set from the CPU when the library
  * loads; a variable the tests set to run each path the CPU has. */
@@ -929,16 +931,22 @@ __attribute__((constructor)) static void choose_avx512(void) {
  * for its own block. x is quantized in the same parallel region (tokens over the threads),
  * then row chunks go over the threads. */
 #define GEMM_Q8_PATH(NAME, TYPE, BYTES, PATH, AVX512, VNNI)                                          \
-    PATH##_TARGET static void NAME##_q8_##PATH(const float *x, int64_t T, int64_t K, const uint8_t *w, \
+    /* -1 where a thread had no memory for its packed rows (their chunks are left unwritten) */    \
+    PATH##_TARGET static int NAME##_q8_##PATH(const float *x, int64_t T, int64_t K, const uint8_t *w, \
                                                int64_t N, float *y, int64_t ldy, int threads,         \
                                                const struct x_q8 *xq, struct x_tiles xt) {              \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
         const int packed = VNNI && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
+        int failed = 0;                                                                              \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             struct packed_rows rows_p;                                                               \
             const int pack = packed && packed_rows_for(K, &rows_p) == 0;                             \
+            if (packed && !pack) {                                                                   \
+                _Pragma("omp atomic write")                                                          \
+                failed = 1;                                                                          \
+            }                                                                                        \
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t t = 0; t < T; t++)                                                          \
                 if (packed)                                                                          \
@@ -949,14 +957,15 @@ __attribute__((constructor)) static void choose_avx512(void) {
             _Pragma("omp for schedule(dynamic, per_fetch)")                                          \
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
-                if (pack)                                                                            \
-                    NAME##_q8_packed(xt, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p);                    \
-                else if (by_tiles)                                                                   \
+                if (packed) {                                                                        \
+                    if (pack) NAME##_q8_packed(xt, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p);          \
+                } else if (by_tiles)                                                                 \
                     rows_tiled(TYPE, AVX512, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);      \
                 else                                                                                 \
                     rows_q8(TYPE, AVX512, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);              \
             }                                                                                        \
         }                                                                                            \
+        return failed ? -1 : 0;                                                                      \
     }
 
 #define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
@@ -971,14 +980,14 @@ __attribute__((constructor)) static void choose_avx512(void) {
     int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
                               float *y, int64_t ldy, int threads) {                                  \
         if (T <= 0 || N <= 0) return 0;                                                              \
-        struct x_q8 xq;                                                                               \
+        struct x_q8 xq = {0};                                                                         \
         struct x_tiles xt = {0};                                                                      \
-        if (reserve_x_q8(T, K, &xq)) return -1;                                                       \
-        if (gguf_kquants_avx512 == 2 && T > PACKED_FROM && reserve_x_tiles(T, K, &xt)) return -1;     \
-        (gguf_kquants_avx512 == 2   ? NAME##_q8_AVX512VNNI                                            \
-         : gguf_kquants_avx512 == 1 ? NAME##_q8_AVX512                                                \
-                                    : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq, xt);       \
-        return 0;                                                                                    \
+        /* the layout the path quantizes x into: tiles where it packs (GEMM_Q8_PATH's `packed`) */   \
+        if (gguf_kquants_avx512 == 2 && T > PACKED_FROM ? reserve_x_tiles(T, K, &xt) : reserve_x_q8(T, K, &xq)) \
+            return -1;                                                                                \
+        return (gguf_kquants_avx512 == 2   ? NAME##_q8_AVX512VNNI                                     \
+                : gguf_kquants_avx512 == 1 ? NAME##_q8_AVX512                                         \
+                                           : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq, xt); \
     }
 
 #define KQUANT(NAME, TYPE, BYTES) GET_ROWS(NAME, TYPE, BYTES) GEMM_F32(NAME, TYPE, BYTES) GEMM_Q8(NAME, TYPE, BYTES)
