@@ -80,8 +80,9 @@ class StepCosts:
     running average a bucket of token counts (BUCKET_RATIO apart), linear between buckets,
     aged toward its count at the cheapest seconds a token (COST_AGE). Past the largest count
     measured a step is estimated at that count's cost, so a larger one is tried once and is
-    then known; before any is measured every count costs the same. Counts past `max_tokens` (what a drafting step can
-    run) are not kept: a large batch's steps pay no bookkeeping for it."""
+    then known; before any is measured every count costs the same. Counts past `max_tokens`
+    (what a drafting step can run) are not kept: a large batch's steps pay no bookkeeping for
+    it."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
