@@ -598,13 +598,13 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
     store_packed_rows(acc, TT, rows, y, ldy);
 }
 
-/* y[t, r] for all T tokens and the chunk's rows (<= PACK_ROWS) in p, x in the tiled layout;
- * the first tokens' products prefetch `next` */
+/* y[t, r] for tokens t_first .. T - 1 (t_first a multiple of PACK_TOKENS) and the chunk's rows
+ * (<= PACK_ROWS) in p, x in the tiled layout; the first tokens' products prefetch `next` */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_chunk(
-    int type, struct packed_rows p, struct q8_activations a, int64_t T, int64_t nb, float *y, int64_t ldy,
-    int64_t rows, const uint8_t *next, int64_t next_bytes) {
-    for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS) {
-        const int64_t tile = t0 / X_TILE, ahead = t0 == 0 ? next_bytes : 0;
+    int type, struct packed_rows p, struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, float *y,
+    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    for (int64_t t0 = t_first; t0 < T; t0 += PACK_TOKENS) {
+        const int64_t tile = t0 / X_TILE, ahead = t0 == t_first ? next_bytes : 0;
         const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
                                           a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
         const int lane = (int)(t0 % X_TILE);
@@ -624,7 +624,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_pa
     int64_t n1, struct packed_rows p) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
     pack_rows(type, w + n0 * row_bytes, nb, row_bytes, n1 - n0, p);
-    packed_chunk(type, p, a, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes);
+    packed_chunk(type, p, a, 0, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes);
 }
 
 /* A weight packed once (gguf_pack_<type>): its chunks of PACK_ROWS rows one after another, each
@@ -770,6 +770,16 @@ int gguf_q32_packs(void) { return vnni_available(); }
 
 #define PACKED_AHEAD 2 /* chunks ahead of its products a packed weight's are prefetched: measured */
 
+/* Many tokens: the products run over x a block of tokens at a time, each thread over its rows,
+ * so that the block's quantized x stays in L2 while every chunk of rows meets it; the whole x
+ * (1.8 MB at 2048 tokens of K = 640) was read again from L3 for each chunk of 16 rows */
+#define X_BLOCK_BYTES (256 * 1024)
+static inline int64_t x_block_tokens(int64_t K) {
+    const int64_t per_token = K + K / QK * (2 * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t));
+    const int64_t tokens = X_BLOCK_BYTES / per_token / X_TILE * X_TILE;
+    return tokens > X_TILE ? tokens : X_TILE;
+}
+
 /* row r of a packed chunk, dequantized as get_rows does the blocks (gguf-py's values) */
 static inline __attribute__((always_inline)) void packed_row(int type, struct packed_rows p, int64_t nb, int64_t r,
                                                              float *out) {
@@ -802,10 +812,11 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
         return 0;                                                                                              \
     }                                                                                                          \
     static __attribute__((target(AVX512_TARGET), noinline)) void packed_at_##NAME(                            \
-        struct q8_activations a, int64_t T, int64_t nb, const uint8_t *w, int64_t c, float *y, int64_t ldy,    \
-        int64_t rows) {                                                                                        \
+        struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, const uint8_t *w, int64_t c, float *y, \
+        int64_t ldy, int64_t rows) {                                                                           \
         const int64_t chunk = packed_chunk_bytes(TYPE, nb);                                                    \
-        packed_chunk(TYPE, packed_chunk_at(TYPE, w, nb, c), a, T, nb, y, ldy, rows, w + (c + PACKED_AHEAD) * chunk, chunk); \
+        packed_chunk(TYPE, packed_chunk_at(TYPE, w, nb, c), a, t_first, T, nb, y, ldy, rows,                   \
+                     w + (c + PACKED_AHEAD) * chunk, chunk);                                                   \
     }                                                                                                          \
     /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type> */                                               \
     int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,       \
@@ -813,13 +824,18 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
         if (q8_activations_for((T + X_TILE - 1) / X_TILE * X_TILE, K, &a) != 0) return -1;                     \
+        const int64_t block = x_block_tokens(K);                                                               \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t t = 0; t < T; t++) quantize_token(x, T, K, t, a, corrected_offset(TYPE, 1), TILES);  \
-            _Pragma("omp for schedule(static)")                                                                \
-            for (int64_t c = 0; c < CHUNKS(N); c++)                                                            \
-                packed_at_##NAME(a, T, K / QK, w, c, y + c * ROW_CHUNK, ldy, CHUNK_END(c, N) - c * ROW_CHUNK); \
+            for (int64_t t0 = 0; t0 < T; t0 += block) {                                                        \
+                const int64_t t1 = t0 + block < T ? t0 + block : T;                                            \
+                _Pragma("omp for schedule(static) nowait")                                                     \
+                for (int64_t c = 0; c < CHUNKS(N); c++)                                                        \
+                    packed_at_##NAME(a, t0, t1, K / QK, w, c, y + c * ROW_CHUNK, ldy,                          \
+                                     CHUNK_END(c, N) - c * ROW_CHUNK);                                         \
+            }                                                                                                  \
         }                                                                                                      \
         return 0;                                                                                              \
     }                                                                                                          \

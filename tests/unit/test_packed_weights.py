@@ -67,7 +67,7 @@ def test_packed_rows_are_the_blocks_rows_bit_for_bit(type_name, N, K):
 
 @pytest.mark.parametrize("type_name", PACKED_TYPES)
 @pytest.mark.parametrize("N, K", SHAPES)
-@pytest.mark.parametrize("T", (1, 3, 7, 8, 9, 17, 29, 40, 60))
+@pytest.mark.parametrize("T", (1, 3, 7, 8, 9, 17, 29, 40, 60, 600))
 def test_packed_products_are_the_in_place_ones(type_name, N, K, T):
     in_place = random_weight(type_name, N, K, seed=2 * N + K)
     packed = pack(in_place)
