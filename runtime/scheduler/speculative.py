@@ -49,8 +49,8 @@ MIN_FORWARD_SHARE = 0.5
 # that repeats itself is n-gram drafting's case, and a rate too low to draft at is never
 # corrected by a verify, only by aging back to this
 PRIOR_HITS, PRIOR_TRIALS = 3.0, 4.0
-# each step a request's counts keep this share of their distance from the prior's: old
-# verifies fade, and a request that stopped drafting tries again once they have
+# each step it may draft in, a request's counts keep this share of their distance from the
+# prior's: old verifies fade, and a request that stopped drafting tries again once they have
 AGE = 0.9
 # weight of a step's seconds in its bucket's running average
 COST_WEIGHT = 0.2
@@ -63,7 +63,7 @@ COST_WEIGHT = 0.2
 COST_AGE = 0.98
 # consecutive buckets of StepCosts' token counts are this far apart at most
 BUCKET_RATIO = 1.25
-# steps a request waits before drafting again after its m-th draft in a row rejected whole:
+# steps it may draft in that a request waits out after its m-th draft in a row rejected whole:
 # min(2**m, MAX_BACKOFF)
 MAX_BACKOFF = 64
 
@@ -153,8 +153,8 @@ class NgramSpeculator:
     def propose(self, table: ReqTable, rows: np.ndarray) -> dict[int, np.ndarray]:
         """Drafts for some of this step's decode `rows` (int64): row -> its drafted tokens, no
         more than the request may still generate after the token the step samples anyway."""
-        if len(rows) > MAX_BATCH:
-            return {}
+        if len(rows) > MAX_BATCH or (len(rows) > FREE_BATCH and self.forward_share < MIN_FORWARD_SHARE):
+            return {}  # nothing is drafted in such a step: its requests' counts and waits stand still
         eligible = rows[self.eligible[rows]]
         self.hits[eligible] = PRIOR_HITS + AGE * (self.hits[eligible] - PRIOR_HITS)
         self.trials[eligible] = PRIOR_TRIALS + AGE * (self.trials[eligible] - PRIOR_TRIALS)
@@ -181,8 +181,6 @@ class NgramSpeculator:
             return [], []
         if decodes <= FREE_BATCH:
             return rows.tolist(), room.tolist()
-        if self.forward_share < MIN_FORWARD_SHARE:
-            return [], []
         owner = np.repeat(np.arange(len(rows)), room)  # a candidate token: its row's index,
         depth = np.arange(len(owner)) - np.repeat(np.cumsum(room) - room, room) + 1  # its place in the draft
         chance = self.accept_rate(rows)[owner] ** depth  # accepted only with every token before it
@@ -194,10 +192,13 @@ class NgramSpeculator:
 
     def timed(self, tokens: int, seconds: float, forward_seconds: float) -> None:
         """A step of decodes only ran `tokens` tokens (drafts included) in `seconds`, of which
-        its forward took `forward_seconds`."""
-        self.costs.record(tokens, seconds)
+        its forward took `forward_seconds`. The costs are kept only while they can decide a
+        draft (the forward's share at least MIN_FORWARD_SHARE): a step of the null model pays
+        nothing for them."""
         if seconds > 0:
             self.forward_share += COST_WEIGHT * (min(forward_seconds / seconds, 1.0) - self.forward_share)
+        if self.forward_share >= MIN_FORWARD_SHARE:
+            self.costs.record(tokens, seconds)
 
     def verified(self, row: int, drafted: int, accepted: int) -> None:
         """Adapts `row`'s next draft and its rate to this one: `accepted` of its `drafted` tokens

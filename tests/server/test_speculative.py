@@ -23,6 +23,7 @@ from runtime.scheduler.speculative import (
     COST_WEIGHT,
     FREE_BATCH,
     MAX_BATCH,
+    MIN_FORWARD_SHARE,
     PRIOR_HITS,
     PRIOR_TRIALS,
     NgramSpeculator,
@@ -197,6 +198,24 @@ def test_nothing_is_drafted_past_a_small_batch_where_the_host_outweighs_the_forw
     for _ in range(20):
         spec.timed(8, 0.030, 0.029)  # a real model's: the forward is the step
     assert len(spec.propose(table, np.arange(rows))) == rows
+
+
+def test_step_costs_are_kept_only_while_they_could_decide_a_draft():
+    """Under MIN_FORWARD_SHARE nothing past FREE_BATCH drafts, so the null model's steps keep no
+    costs (nor age the requests' counts); a real model's do."""
+    rows, table = 8, cycling_table(8, 3)
+    spec = greedy_speculator(rows)
+    for _ in range(10):
+        spec.timed(40, 0.002, 0.0002)
+    assert spec.forward_share < MIN_FORWARD_SHARE
+    spec.timed(16, 0.002, 0.0002)
+    assert not spec.costs.seen[np.searchsorted(spec.costs.edges, 16, "right") - 1]
+    spec.hits[:] = 0.0
+    assert spec.propose(table, np.arange(rows)) == {}
+    assert (spec.hits == 0.0).all()  # not aged back toward the prior in a step that drafts nothing
+    while spec.forward_share < MIN_FORWARD_SHARE:
+        spec.timed(16, 0.030, 0.029)
+    assert spec.costs.seen[np.searchsorted(spec.costs.edges, 16, "right") - 1]
 
 
 def test_a_small_batch_drafts_what_it_finds():
