@@ -31,6 +31,7 @@
 /* layer_cpu.c */
 void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_t H, float eps, float *out,
               int threads);
+void norm_heads(float *x, int64_t row_stride, int64_t T, int64_t n, int64_t D, const float *w, float eps, int threads);
 void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
           const float *cos_table, const float *sin_table, int pairs, int threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
@@ -182,13 +183,6 @@ static int project(const Projection *p, const float *x, int64_t T, float *y, int
         column += part->n;
     }
     return 0;
-}
-
-/* rms_norm of each of the n heads [D] at the start of every row of x (rows row_stride apart), in place */
-static void norm_heads(float *x, int64_t row_stride, int64_t T, int64_t n, int64_t D, const float *w, float eps,
-                       int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (T * n >= 64)
-    for (int64_t t = 0; t < T; t++) rms_norm(x + t * row_stride, NULL, w, n, D, eps, x + t * row_stride, 1);
 }
 
 /* x [T, H]: the embeddings in; out, the residual stream before the last layer's MLP output is

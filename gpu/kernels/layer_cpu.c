@@ -49,6 +49,13 @@ void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_
     }
 }
 
+/* rms_norm of each of the n heads [D] at the start of every row of x (rows row_stride apart), in
+ * place: the q or k heads of the fused qkv rows (Gemma 3's and Qwen3's norms before the rope) */
+void norm_heads(float *x, int64_t row_stride, int64_t T, int64_t n, int64_t D, const float *w, float eps, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T * n >= 64)
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * row_stride, NULL, w, n, D, eps, x + t * row_stride, 1);
+}
+
 /* In place on the first n_heads heads of each row of x (the q and k heads of the fused qkv
  * rows, row t at x + t * row_stride, head h at + h * D): rope at positions[t], cos / sin rows
  * of the [P, D/2] tables, pair j rotated as x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.

@@ -104,8 +104,12 @@ class TorchLayerOps:
         return x, rms_norm(x, weight, eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [..., H] -> rms_norm(x) over its last dimension (Gemma's extra norms, q/k per head)"""
+        """x: [..., H] -> rms_norm(x) over its last dimension (Gemma's extra norms)"""
         return rms_norm(x, weight, eps)
+
+    def norm_heads(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """heads: [T, n, D], each head's rms_norm in place (q or k heads, before the rope)"""
+        heads.copy_(rms_norm(heads, weight, eps))
 
     def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """positions: int64 [T] -> a function of one layer's q and k heads [T, Hq + Hkv, D] that
@@ -133,10 +137,11 @@ class CpuLayerOps:
         lib = kernels.load("layer_cpu")  # KernelBuildError when it cannot be built here
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]  # x, residual, w, T, H, eps, out
+        lib.norm_heads.argtypes = [ptr, i64, i64, i64, i64, ptr, ctypes.c_float, i32]  # x, row stride, T, n, D, w, eps
         # x, row stride, T, heads, D, pos, cos, sin, pairs
         lib.rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32]
         lib.silu_mul.argtypes = lib.gelu_tanh_mul.argtypes = [ptr, i64, i64, ptr, i32]  # gate_up, T, I, out
-        for fn in (lib.rms_norm, lib.rope, lib.silu_mul, lib.gelu_tanh_mul):
+        for fn in (lib.rms_norm, lib.norm_heads, lib.rope, lib.silu_mul, lib.gelu_tanh_mul):
             fn.restype = None
         self.lib, self.cos, self.sin = lib, cos.contiguous(), sin.contiguous()
         self.rope_style = rope_style
@@ -161,8 +166,14 @@ class CpuLayerOps:
         return x, out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # a copy where x is a view of wider rows (q or k of the qkv)
+        rows = x.reshape(-1, x.shape[-1])
         return self.add_rms_norm(rows, None, weight, eps)[1].view(x.shape)
+
+    def norm_heads(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        T, n, D = heads.shape  # heads contiguous within a row; rows at any stride (the fused qkv's)
+        if heads.stride(2) != 1 or heads.stride(1) != D:
+            raise ValueError(f"norm_heads: heads must be contiguous within a row, strides {heads.stride()}")
+        self.lib.norm_heads(heads.data_ptr(), heads.stride(0), T, n, D, weight.data_ptr(), eps, torch.get_num_threads())
 
     def rope_at(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         positions = positions.to(torch.int64).contiguous()  # read as int64_t by the kernel
@@ -406,7 +417,8 @@ class LlamaForCausalLM:
             qk = qkv[:, :qk_width].view(T, Hq + Hkv, D)
             q_norm, k_norm = self.q_norm[i], self.k_norm[i]
             if q_norm is not None and k_norm is not None:  # per head, before rope
-                qk = torch.cat([ops.rms_norm(qk[:, :Hq], q_norm, eps), ops.rms_norm(qk[:, Hq:], k_norm, eps)], 1)
+                ops.norm_heads(qk[:, :Hq], q_norm, eps)
+                ops.norm_heads(qk[:, Hq:], k_norm, eps)
             if self.layer_rope[i] is not None:
                 qk = ropes[id(self.layer_rope[i])](qk)
             v = qkv[:, qk_width:].view(T, Hkv, D)

@@ -48,15 +48,21 @@ def test_add_rms_norm_adds_the_residual_in_place(T: int, H: int) -> None:
 
 
 @pytest.mark.parametrize("T", TOKENS)
-def test_rms_norm_per_head_of_a_view(T: int) -> None:
-    """Gemma's q/k norms: each head of q (a view of the fused qkv's wider rows) normed alone."""
+def test_norm_heads_in_place_on_the_fused_qkv_rows(T: int) -> None:
+    """Gemma's q/k norms: each head of q and of k (views of the fused qkv's wider rows) normed
+    alone, in place; v and the other heads untouched."""
     c, t = ops()
     Hq, Hkv, D = 4, 1, 256
-    qkv, w = torch.randn(T, (Hq + 2 * Hkv) * D) * 3, torch.randn(D)
-    q = qkv[:, : Hq * D].view(T, Hq, D)
-    got = c.rms_norm(q, w, 1e-6)
-    assert got.shape == (T, Hq, D)
-    assert_close(got, t.rms_norm(q, w, 1e-6), 1e-6)
+    qkv, wq, wk = torch.randn(T, (Hq + 2 * Hkv) * D) * 3, torch.randn(D), torch.randn(D)
+    before, want = qkv.clone(), qkv.clone()
+    for o, heads in ((t, want), (c, qkv)):
+        qk = heads[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D)
+        o.norm_heads(qk[:, :Hq], wq, 1e-6)
+        o.norm_heads(qk[:, Hq:], wk, 1e-6)
+    assert_close(qkv, want, 1e-6)
+    v = (Hq + Hkv) * D
+    assert torch.equal(qkv[:, v:], want[:, v:])
+    assert torch.equal(want[:, :D], t.rms_norm(before[:, :D], wq, 1e-6))  # the first q head, normed alone
 
 
 def test_rms_norm_of_zeros_is_zero() -> None:
