@@ -536,11 +536,12 @@ static inline __attribute__((always_inline)) void pack_rows(int type, const uint
     }
 }
 
-/* block b's codes u of group g (Q8_0) or groups g and g + 4 (the nibble types: u[0], u[1]),
- * all 16 rows */
-static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_codes(int type, struct packed_rows p,
-                                                                                      int64_t b, int g, __m512i u[2]) {
-    if (type == Q8_0) {
+/* block b's codes u of group g (Q8_0, or any type's codes unpacked to bytes: `as_bytes`) or
+ * groups g and g + 4 (the nibble types: u[0], u[1]), all 16 rows */
+static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_codes(int type, int as_bytes,
+                                                                                      struct packed_rows p, int64_t b,
+                                                                                      int g, __m512i u[2]) {
+    if (type == Q8_0 || as_bytes) {
         u[0] = _mm512_loadu_si512(p.q + (b * (QK / 4) + g) * PACK_ROWS * 4);
         return;
     }
@@ -566,8 +567,9 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
  * a share at each block, into L2: into L1 they held up a weight streamed from memory (Gemma
  * 3's Q8_0 head at 1 token took 1.6x as long, at 32 1.08x). */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_tokens(
-    int type, int TT, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y, int64_t ldy,
-    int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    int type, int as_bytes, int TT, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y,
+    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    const int bytes = type == Q8_0 || as_bytes;  /* a group's codes a vector: 8 groups a block */
     __m512 acc[PACK_TOKENS];
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     const int64_t share = (next_bytes / nb + 63) / 64 * 64;
@@ -579,11 +581,11 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
         __m512i sum[PACK_TOKENS];
         for (int t = 0; t < TT; t++)
             sum[t] = corrected_offset(type, 1) ? _mm512_set1_epi32(a.c[at + t]) : _mm512_setzero_si512();
-        for (int g = 0; g < (type == Q8_0 ? QK / 4 : QK / 8); g++) {
+        for (int g = 0; g < (bytes ? QK / 4 : QK / 8); g++) {
             __m512i u[2];
-            packed_codes(type, p, b, g, u);
+            packed_codes(type, as_bytes, p, b, g, u);
             for (int t = 0; t < TT; t++) sum[t] = _mm512_dpbusd_epi32(sum[t], u[0], _mm512_set1_epi32(xg[g * X_TILE + t]));
-            if (type != Q8_0)
+            if (!bytes)
                 for (int t = 0; t < TT; t++)
                     sum[t] = _mm512_dpbusd_epi32(sum[t], u[1], _mm512_set1_epi32(xg[(g + 4) * X_TILE + t]));
         }
@@ -599,21 +601,46 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
 }
 
 /* y[t, r] for tokens t_first .. T - 1 (t_first a multiple of PACK_TOKENS) and the chunk's rows
- * (<= PACK_ROWS) in p, x in the tiled layout; the first tokens' products prefetch `next` */
+ * (<= PACK_ROWS) in p, x in the tiled layout; each tile's products prefetch a share of `next`
+ * (spread over the tiles rather than all in the first: Gemma 3's head at 32 tokens 1.02x). `codes` (nb * QK * PACK_ROWS bytes, or NULL): where a nibble type's
+ * codes are unpacked to bytes once for all of the tiles (a Q5_0 product from 128 tokens
+ * 1.07-1.15x); integer sums, so the results do not change. */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_chunk(
     int type, struct packed_rows p, struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, float *y,
-    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes, uint8_t *codes) {
+    const int64_t tiles = (T - t_first + PACK_TOKENS - 1) / PACK_TOKENS;
+    const int as_bytes = type != Q8_0 && codes != NULL && tiles > 2; /* at 2 tiles: no gain (measured) */
+    if (as_bytes) { /* the nibble types' codes split (and their fifth bits added) once, not a tile at a time */
+        for (int64_t b = 0; b < nb; b++)
+            for (int g = 0; g < QK / 8; g++) {
+                __m512i u[2];
+                packed_codes(type, 0, p, b, g, u);
+                _mm512_storeu_si512(codes + (b * (QK / 4) + g) * PACK_ROWS * 4, u[0]);
+                _mm512_storeu_si512(codes + (b * (QK / 4) + g + QK / 8) * PACK_ROWS * 4, u[1]);
+            }
+        p.q = codes;
+    }
+    const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
     for (int64_t t0 = t_first; t0 < T; t0 += PACK_TOKENS) {
-        const int64_t tile = t0 / X_TILE, ahead = t0 == t_first ? next_bytes : 0;
+        const int64_t tile = t0 / X_TILE, i = (t0 - t_first) / PACK_TOKENS;
+        const int64_t ahead = i * part < next_bytes ? (next_bytes - i * part < part ? next_bytes - i * part : part) : 0;
         const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
                                           a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
         const int lane = (int)(t0 % X_TILE);
-#define TOKENS_CASE(TT) \
-    case TT: packed_tokens(type, TT, p, at, nb, lane, y + t0 * ldy, ldy, rows, next, ahead); break;
-        switch (T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS) {
-            TOKENS_CASE(1) TOKENS_CASE(2) TOKENS_CASE(3) TOKENS_CASE(4) TOKENS_CASE(5) TOKENS_CASE(6) TOKENS_CASE(7)
-            default: packed_tokens(type, PACK_TOKENS, p, at, nb, lane, y + t0 * ldy, ldy, rows, next, ahead);
+#define TOKENS_CASE(B, TT) \
+    case TT: packed_tokens(type, B, TT, p, at, nb, lane, y + t0 * ldy, ldy, rows, next + i * part, ahead); break;
+#define TOKENS_SWITCH(B)                                                                                           \
+    switch (T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS) {                                                         \
+        TOKENS_CASE(B, 1) TOKENS_CASE(B, 2) TOKENS_CASE(B, 3) TOKENS_CASE(B, 4) TOKENS_CASE(B, 5) TOKENS_CASE(B, 6) \
+        TOKENS_CASE(B, 7)                                                                                          \
+        default: packed_tokens(type, B, PACK_TOKENS, p, at, nb, lane, y + t0 * ldy, ldy, rows, next + i * part, ahead); \
+    }
+        if (as_bytes) {
+            TOKENS_SWITCH(1)
+        } else {
+            TOKENS_SWITCH(0)
         }
+#undef TOKENS_SWITCH
 #undef TOKENS_CASE
     }
 }
@@ -624,7 +651,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_pa
     int64_t n1, struct packed_rows p) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
     pack_rows(type, w + n0 * row_bytes, nb, row_bytes, n1 - n0, p);
-    packed_chunk(type, p, a, 0, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes);
+    packed_chunk(type, p, a, 0, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes, NULL);
 }
 
 /* A weight packed once (gguf_pack_<type>): its chunks of PACK_ROWS rows one after another, each
@@ -780,6 +807,16 @@ static inline int64_t x_block_tokens(int64_t K) {
     return tokens > X_TILE ? tokens : X_TILE;
 }
 
+/* A chunk's codes unpacked to bytes (packed_chunk), kept between calls (one per OpenMP thread);
+ * NULL where it could not be allocated: the products then unpack a tile at a time, with the
+ * same results */
+static __thread char *codes_scratch = NULL;
+static __thread int64_t codes_scratch_bytes = 0;
+
+static uint8_t *codes_for(int type, int64_t nb) {
+    return type == Q8_0 ? NULL : (uint8_t *)grown_scratch(&codes_scratch, &codes_scratch_bytes, nb * QK * PACK_ROWS);
+}
+
 /* row r of a packed chunk, dequantized as get_rows does the blocks (gguf-py's values) */
 static inline __attribute__((always_inline)) void packed_row(int type, struct packed_rows p, int64_t nb, int64_t r,
                                                              float *out) {
@@ -813,10 +850,10 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
     }                                                                                                          \
     static __attribute__((target(AVX512_TARGET), noinline)) void packed_at_##NAME(                            \
         struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, const uint8_t *w, int64_t c, float *y, \
-        int64_t ldy, int64_t rows) {                                                                           \
+        int64_t ldy, int64_t rows, uint8_t *codes) {                                                           \
         const int64_t chunk = packed_chunk_bytes(TYPE, nb);                                                    \
         packed_chunk(TYPE, packed_chunk_at(TYPE, w, nb, c), a, t_first, T, nb, y, ldy, rows,                   \
-                     w + (c + PACKED_AHEAD) * chunk, chunk);                                                   \
+                     w + (c + PACKED_AHEAD) * chunk, chunk, codes);                                            \
     }                                                                                                          \
     /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type> */                                               \
     int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,       \
@@ -827,6 +864,7 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
         const int64_t block = x_block_tokens(K);                                                               \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
+            uint8_t *const codes = codes_for(TYPE, K / QK);                                                    \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t t = 0; t < T; t++) quantize_token(x, T, K, t, a, corrected_offset(TYPE, 1), TILES);  \
             for (int64_t t0 = 0; t0 < T; t0 += block) {                                                        \
@@ -834,7 +872,7 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
                 _Pragma("omp for schedule(static) nowait")                                                     \
                 for (int64_t c = 0; c < CHUNKS(N); c++)                                                        \
                     packed_at_##NAME(a, t0, t1, K / QK, w, c, y + c * ROW_CHUNK, ldy,                          \
-                                     CHUNK_END(c, N) - c * ROW_CHUNK);                                         \
+                                     CHUNK_END(c, N) - c * ROW_CHUNK, codes);                                  \
             }                                                                                                  \
         }                                                                                                      \
         return 0;                                                                                              \
