@@ -48,10 +48,13 @@ typedef int (*Gemm)(const float *x, int64_t T, int64_t K, const uint8_t *w, int6
 
 #define MAX_PARTS 3  /* q, k, v */
 
-typedef struct {  /* rows of a projection in one GGUF tensor: its blocks in the mapping */
+typedef struct {  /* rows of a projection in one GGUF tensor: its blocks in the mapping, or a packed copy */
     Gemm gemm;
     const uint8_t *w;
     int64_t n;
+    Gemm few_gemm;      /* for fewer than few_below tokens: the blocks the packed copy was made */
+    const uint8_t *few_w;  /* from (gpu/quant/gguf_weight.py's WeightPart.in_place); few_below 0: none */
+    int64_t few_below;
 } Part;
 
 typedef struct {  /* y [T, n] = x [T, k] @ W^T, W the parts' rows one after another */
@@ -179,7 +182,10 @@ static int project(const Projection *p, const float *x, int64_t T, float *y, int
     int64_t column = 0;
     for (int64_t i = 0; i < p->n_parts; i++) {
         const Part *part = p->parts + i;
-        if (part->gemm(x, T, p->k, part->w, part->n, y + column, p->n, threads)) return -1;
+        const int few = T < part->few_below;
+        if ((few ? part->few_gemm : part->gemm)(x, T, p->k, few ? part->few_w : part->w, part->n, y + column, p->n,
+                                                threads))
+            return -1;
         column += part->n;
     }
     return 0;

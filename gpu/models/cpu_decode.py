@@ -20,7 +20,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.attention.cpu import KV_DTYPE_CODES
 from gpu.kvcache.kv_cache import KVCache
 from gpu.models.llama import CpuLayerOps, LlamaForCausalLM
-from gpu.quant.gguf_weight import GGUFWeight
+from gpu.quant.gguf_weight import GGUFWeight, WeightPart
 
 if TYPE_CHECKING:
     from gpu.lora import LoraBatch
@@ -29,7 +29,14 @@ MAX_PARTS = 3  # decode_cpu.c's: q, k, v
 
 
 class _Part(ctypes.Structure):
-    _fields_ = [("gemm", ctypes.c_void_p), ("w", ctypes.c_void_p), ("n", ctypes.c_int64)]
+    _fields_ = [
+        ("gemm", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("few_gemm", ctypes.c_void_p),  # WeightPart.in_place's, for fewer than few_below tokens
+        ("few_w", ctypes.c_void_p),
+        ("few_below", ctypes.c_int64),
+    ]
 
 
 class _Projection(ctypes.Structure):
@@ -88,12 +95,25 @@ def _in_blocks(w: torch.Tensor | GGUFWeight) -> bool:
     return isinstance(w, GGUFWeight) and len(w.parts) <= MAX_PARTS and all(p.kernels is not None for p in w.parts)
 
 
+def _part(p: WeightPart, activations: str) -> _Part:
+    assert p.kernels is not None
+    few = p.in_place
+    if few is None or few.kernels is None:
+        return _Part(p.kernels.gemm_addresses[activations], p.address, p.rows, None, None, 0)
+    return _Part(
+        p.kernels.gemm_addresses[activations],
+        p.address,
+        p.rows,
+        few.kernels.gemm_addresses[activations],
+        few.address,
+        p.in_place_below,
+    )
+
+
 def _projection(w: torch.Tensor | GGUFWeight) -> _Projection:
     if not isinstance(w, GGUFWeight) or not _in_blocks(w):
         raise TypeError("the C decode loop runs projections in GGUF blocks only")
-    parts = [
-        _Part(p.kernels.gemm_addresses[w.activations], p.address, p.rows) for p in w.parts if p.kernels is not None
-    ]
+    parts = [_part(p, w.activations) for p in w.parts if p.kernels is not None]
     n, k = w.shape
     return _Projection((_Part * MAX_PARTS)(*parts), len(parts), n, k)
 

@@ -7,7 +7,9 @@ activations (--quantization gguf-q8), copied once at load into the layout their 
   LM head included (Gemma 3's Q8_0), on an AVX512-VNNI CPU, into gguf_q32.c's packed chunks of
   16 rows: as many bytes as the blocks, which its products otherwise unpack into that layout at
   every call of 8 tokens or more (docs/perf-notes.md); Q4_K and Q6_K parts likewise into
-  gguf_kquants.c's (Q4_K's nibbles as they are, 1.33x its blocks; Q6_K's codes as bytes, 1.5x)."""
+  gguf_kquants.c's (Q4_K's nibbles as they are, 1.33x its blocks; Q6_K's codes as bytes, 1.5x),
+  their blocks kept beside for products of fewer than IN_PLACE_BELOW tokens, which stream the
+  weight from memory and read fewer bytes in place."""
 
 from __future__ import annotations
 
@@ -96,6 +98,12 @@ def _libc() -> ctypes.CDLL:
 # the types with a gguf_pack_<type> in their kernel file: Q2_K Q3_K Q5_K IQ4_XS have none (their codes as
 # bytes would be 2-4.5x the blocks, and a product at one token reads every byte)
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q6_K")
+# Products of fewer tokens than this read a packed K-quant's blocks in place (mapped from the
+# file), not its packed copy: the copy is larger than the blocks (Q4_K 1.33x, Q6_K 1.5x), and a
+# product of few tokens streams its weight from memory once a model outgrows the caches. 24 Q4_K
+# weights of 8192 x 2048, in place against packed: 1 token 0.67x the time, 4 tokens 0.67x, 6
+# 1.2x; 16 Q6_K of 2048 x 8192: 1 token 0.62x, 2 even (docs/perf-notes.md).
+IN_PLACE_BELOW = {"Q4_K": 5, "Q6_K": 2}
 
 
 @functools.cache
@@ -136,8 +144,21 @@ def _pack_part(part: WeightPart, K: int) -> WeightPart:
     type_kernels, pack = found
     buffer = np.empty(pack(None, part.rows, K, None, 0), np.uint8)
     pack(part.address, part.rows, K, buffer.ctypes.data, torch.get_num_threads())
-    unmap_resident(part.data)
-    return WeightPart(part.name, part.type_name, part.rows, part.offset, buffer, buffer.ctypes.data, None, type_kernels)
+    below = IN_PLACE_BELOW.get(part.type_name, 0)
+    if not below:
+        unmap_resident(part.data)
+    return WeightPart(
+        part.name,
+        part.type_name,
+        part.rows,
+        part.offset,
+        buffer,
+        buffer.ctypes.data,
+        None,
+        type_kernels,
+        part if below else None,
+        below,
+    )
 
 
 def pack(weight: GGUFWeight) -> GGUFWeight:

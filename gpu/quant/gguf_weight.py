@@ -43,6 +43,14 @@ class WeightPart:
     address: int  # of data's first byte
     values: torch.Tensor | None  # F32 / F16 / BF16: the [rows, K] tensor over the mapping; None for blocks
     kernels: TypeKernels | None  # the block kernels; None for float types
+    # a copy in another layout (gpu/quant/blocks.py's packed K-quants, larger than their blocks)
+    # keeps the blocks it was made from for products of fewer than in_place_below tokens
+    in_place: WeightPart | None = None
+    in_place_below: int = 0
+
+    def for_tokens(self, T: int) -> WeightPart:
+        """The part a product of T tokens reads: the blocks in place below in_place_below."""
+        return self.in_place if self.in_place is not None and T < self.in_place_below else self
 
     def float_values(self) -> torch.Tensor:
         """A float type's [rows, K] values as float32 (F32: the mapping itself)."""
@@ -120,6 +128,8 @@ class GGUFWeight:
                 y[:, p.offset : p.offset + p.rows] = x @ p.float_values().t()
                 continue
             columns = y.data_ptr() + 4 * p.offset  # the part's column slice, row stride N
+            p = p.for_tokens(T)
+            assert p.kernels is not None  # the blocks a packed part was made from have them too
             if p.kernels.gemm[self.activations](x.data_ptr(), T, K, p.address, p.rows, columns, N, threads):
                 raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
         return y

@@ -48,12 +48,12 @@ def runner(request):
     )
 
 
-def decode_batch(runner: ModelRunner):
+def decode_batch(runner: ModelRunner, lengths: list[int] = LENGTHS):
     """Every request prefilled, then one decode step's batch of all of them."""
     rng = np.random.default_rng(0)
     seqs = []
     vocab = runner.model_config.vocab_size
-    for row, n in enumerate(LENGTHS):
+    for row, n in enumerate(lengths):
         prompt = rng.integers(min(100, vocab // 2), min(40000, vocab), n).astype(np.int32)
         pages = runner.pool.alloc(runner.pool.pages_for(n + 1))
         runner.set_request(row, SamplingParams(temperature=0.0), prompt, np.zeros(0, np.int32))

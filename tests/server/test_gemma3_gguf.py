@@ -60,6 +60,28 @@ def test_every_projection_runs_in_the_file_s_own_types(exact_engine):
     assert model.ops.rope_style == "halves"
 
 
+@pytest.mark.parametrize("rows", (1, 4, 5))
+def test_the_c_decode_loop_reads_the_k_quants_where_the_python_forward_does(gemma_path, rows):
+    """The fast mode's Q4_K and Q6_K: their blocks below IN_PLACE_BELOW tokens, their packed
+    copies from there, in the C decode loop as in GGUFWeight.matmul: logits bit for bit."""
+    from test_cpu_decode import decode_batch, python_forward
+
+    from gpu.model_runner import ModelRunner, ModelRunnerConfig
+    from gpu.quant.blocks import IN_PLACE_BELOW
+
+    runner = ModelRunner(
+        ModelRunnerConfig(model_path=gemma_path, quantization="gguf-q8", max_total_tokens=1024, max_running_requests=5)
+    )
+    packed = [p for w in (*runner.model.o, *runner.model.down) for p in w.parts if p.in_place is not None]
+    if not packed:
+        pytest.skip("no packed K-quants on this CPU (no AVX512-VNNI)")
+    assert {p.in_place_below for p in packed} == set(IN_PLACE_BELOW.values())
+    batch = decode_batch(runner, [7, 20, 33, 40, 61][:rows])
+    with torch.inference_mode():
+        c_logits = runner.decoder.forward(batch.input_ids, batch.meta, batch.logits_index)
+        assert torch.equal(c_logits, python_forward(runner, batch))
+
+
 def test_exact_mode_greedy_text_equals_transformers(exact_engine, transformers_tokens):
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     got = exact_engine.generate(PROMPTS, params)

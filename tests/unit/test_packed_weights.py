@@ -4,12 +4,14 @@ bit, the same products (bit for bit where the in-place kernels pack the rows at 
 the same arithmetic: from 8 tokens, from 49 for the K-quants; below, within the rounding of the
 sums' order), and the packed bytes."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from gpu import kernels
-from gpu.quant.blocks import PACKED_TYPES, pack, packs, repack_where_faster
+from gpu.quant.blocks import IN_PLACE_BELOW, PACKED_TYPES, pack, packs, repack_where_faster
 from gpu.quant.gguf_quantize import quantize
 from gpu.quant.gguf_types import BLOCK_TYPES, type_kernels
 from gpu.quant.gguf_weight import GGUFWeight, WeightPart
@@ -79,6 +81,33 @@ def test_packed_products_are_the_in_place_ones(type_name, N, K, T):
     else:
         magnitude = x.abs() @ in_place.dequantize().abs().t()
         assert ((got - want).abs() <= 1e-5 * magnitude + 1e-30).all()
+
+
+@pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K"))
+def test_a_packed_k_quant_reads_its_blocks_for_few_tokens(type_name):
+    """Below IN_PLACE_BELOW tokens a K-quant's product reads the blocks it was packed from (the
+    in-place kernel's result exactly), from there its packed copy (the packed kernel's)."""
+    in_place = random_weight(type_name, 48, 768, seed=11)
+    packed = pack(in_place)
+    part = packed.parts[0]
+    below = IN_PLACE_BELOW[type_name]
+    assert part.in_place is in_place.parts[0] and part.in_place_below == below
+    copy_only = GGUFWeight.of_parts((dataclasses.replace(part, in_place=None, in_place_below=0),), (48, 768), "q8")
+    for T in range(1, below + 2):
+        x = torch.randn(T, 768, generator=torch.Generator().manual_seed(T))
+        want = in_place.matmul(x) if T < below else copy_only.matmul(x)
+        assert torch.equal(packed.matmul(x), want), T
+    if below > 1:  # the two kernels differ where the blocks are read (sums in another order)
+        x = torch.randn(1, 768, generator=torch.Generator().manual_seed(1))
+        assert not torch.equal(copy_only.matmul(x), in_place.matmul(x))
+
+
+def test_the_32_block_types_drop_their_blocks_once_packed():
+    """Their packed copy is the blocks' size and faster at every count: nothing kept in place."""
+    for type_name in PACKED_TYPES:
+        if type_name not in IN_PLACE_BELOW:
+            part = pack(random_weight(type_name, 16, 256, seed=3)).parts[0]
+            assert part.in_place is None and part.in_place_below == 0
 
 
 def test_a_packed_product_writes_its_column_slice_only():
