@@ -108,8 +108,9 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the file the weight reads."""
-        return sum(p.data.nbytes for p in self.parts)
+        """Bytes the weight reads: its parts' (the file's, or a packed copy's), and the blocks a
+        packed part keeps for products of few tokens."""
+        return sum(p.data.nbytes + (0 if p.in_place is None else p.in_place.data.nbytes) for p in self.parts)
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x: float32 [T, K] -> [T, N] = x @ W^T, written into `out` (float32 [T, N], contiguous)
