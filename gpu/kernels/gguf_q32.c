@@ -602,9 +602,10 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
 
 /* y[t, r] for tokens t_first .. T - 1 (t_first a multiple of PACK_TOKENS) and the chunk's rows
  * (<= PACK_ROWS) in p, x in the tiled layout; each tile's products prefetch a share of `next`
- * (spread over the tiles rather than all in the first: Gemma 3's head at 32 tokens 1.02x). `codes` (nb * QK * PACK_ROWS bytes, or NULL): where a nibble type's
- * codes are unpacked to bytes once for all of the tiles (a Q5_0 product from 128 tokens
- * 1.07-1.15x); integer sums, so the results do not change. */
+ * (spread over the tiles rather than all in the first: Gemma 3's head at 32 tokens 1.02x).
+ * `codes` (nb * QK * PACK_ROWS bytes, or NULL): where a nibble type's codes are unpacked to
+ * bytes once for all of the tiles (a Q5_0 product from 128 tokens 1.07-1.15x); integer sums,
+ * so the results do not change. */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_chunk(
     int type, struct packed_rows p, struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, float *y,
     int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes, uint8_t *codes) {
@@ -623,7 +624,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
     const int64_t part = (next_bytes / tiles + 63) / 64 * 64;
     for (int64_t t0 = t_first; t0 < T; t0 += PACK_TOKENS) {
         const int64_t tile = t0 / X_TILE, i = (t0 - t_first) / PACK_TOKENS;
-        const int64_t ahead = i * part < next_bytes ? (next_bytes - i * part < part ? next_bytes - i * part : part) : 0;
+        const int64_t left = next_bytes - i * part, ahead = left <= 0 ? 0 : left < part ? left : part;
         const struct q8_activations at = {a.q + tile * nb * X_TILE * QK, a.d + tile * nb * X_TILE,
                                           a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
         const int lane = (int)(t0 % X_TILE);

@@ -96,10 +96,9 @@ def _in_blocks(w: torch.Tensor | GGUFWeight) -> bool:
 
 
 def _part(p: WeightPart, activations: str) -> _Part:
-    assert p.kernels is not None
-    few = p.in_place
-    if few is None or few.kernels is None:
-        return _Part(p.kernels.gemm_addresses[activations], p.address, p.rows, None, None, 0)
+    """p's product, and the product of its blocks below in_place_below tokens (WeightPart.for_tokens)."""
+    few = p.for_tokens(0)  # p itself where it keeps no blocks: few_below 0 never takes it
+    assert p.kernels is not None and few.kernels is not None
     return _Part(
         p.kernels.gemm_addresses[activations],
         p.address,
