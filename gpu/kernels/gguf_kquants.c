@@ -854,7 +854,7 @@ INLINE PACKED_TARGET __m512i packed_codes(enum kquant type, struct packed_rows p
 
 /* y[t, r] for the TT tokens of tile xt, TT wide (TT a constant at each call: <= PACK_TOKENS) */
 INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_rows p, struct x_tiles xt, int64_t K,
-                                        float *y, int64_t ldy, int64_t rows) {
+                                        float *y, int64_t ldy, int64_t rows, int stream) {
     __m512 acc[PACK_TOKENS];
     __m512i sum[PACK_TOKENS];
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
@@ -885,29 +885,29 @@ INLINE PACKED_TARGET void packed_tokens(enum kquant type, int TT, struct packed_
             }
         }
     }
-    store_packed_rows(acc, TT, rows, y, ldy);
+    store_packed_rows(acc, TT, rows, y, ldy, stream);
 }
 
 /* tile `tile` of T tokens: packed_tokens with its width a constant */
 INLINE PACKED_TARGET void packed_tile(enum kquant type, struct packed_rows p, struct x_tiles xt, int64_t K,
-                                      int64_t tile, int64_t T, float *y, int64_t ldy, int64_t rows) {
+                                      int64_t tile, int64_t T, float *y, int64_t ldy, int64_t rows, int stream) {
     const struct x_tiles at = tile_of(xt, K, tile);
     switch (tile_width(T, tile)) {
 #define TOKENS_CASE(TT) \
-    case TT: packed_tokens(type, TT, p, at, K, y, ldy, rows); break;
+    case TT: packed_tokens(type, TT, p, at, K, y, ldy, rows, stream); break;
         TOKENS_CASE(1) TOKENS_CASE(2) TOKENS_CASE(3) TOKENS_CASE(4) TOKENS_CASE(5) TOKENS_CASE(6) TOKENS_CASE(7)
 #undef TOKENS_CASE
-    default: packed_tokens(type, PACK_TOKENS, p, at, K, y, ldy, rows);
+    default: packed_tokens(type, PACK_TOKENS, p, at, K, y, ldy, rows, stream);
     }
 }
 
 /* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in tiles */
 INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, struct x_tiles xt, int64_t T, int64_t K,
                                       const uint8_t *w, float *y, int64_t ldy, int64_t n0, int64_t n1,
-                                      struct packed_rows p) {
+                                      struct packed_rows p, int stream) {
     pack_rows(type, bytes, w + n0 * (K / QK) * bytes, K, n1 - n0, p);
     for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)
-        packed_tile(type, p, xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy + n0, ldy, n1 - n0);
+        packed_tile(type, p, xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy + n0, ldy, n1 - n0, stream);
 }
 
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
@@ -938,6 +938,7 @@ __attribute__((constructor)) static void choose_avx512(void) {
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
         const int packed = VNNI && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
+        const int stream = packed && streams_output(T, N);                                           \
         int failed = 0;                                                                              \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
@@ -958,12 +959,13 @@ __attribute__((constructor)) static void choose_avx512(void) {
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
                 if (packed) {                                                                        \
-                    if (pack) NAME##_q8_packed(xt, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p);          \
+                    if (pack) NAME##_q8_packed(xt, T, K, w, y, ldy, c * ROW_CHUNK, n1, rows_p, stream);  \
                 } else if (by_tiles)                                                                 \
                     rows_tiled(TYPE, AVX512, VNNI, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);      \
                 else                                                                                 \
                     rows_q8(TYPE, AVX512, BYTES, xq, T, K, w, y, ldy, c * ROW_CHUNK, n1);              \
             }                                                                                        \
+            if (stream) _mm_sfence();                                                                \
         }                                                                                            \
         return failed ? -1 : 0;                                                                      \
     }
@@ -971,8 +973,8 @@ __attribute__((constructor)) static void choose_avx512(void) {
 #define GEMM_Q8(NAME, TYPE, BYTES)                                                                   \
     PACKED_TARGET __attribute__((noinline)) static void NAME##_q8_packed(                            \
         struct x_tiles xt, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy,            \
-        int64_t n0, int64_t n1, struct packed_rows p) {                                              \
-        rows_packed(TYPE, BYTES, xt, T, K, w, y, ldy, n0, n1, p);                                    \
+        int64_t n0, int64_t n1, struct packed_rows p, int stream) {                                  \
+        rows_packed(TYPE, BYTES, xt, T, K, w, y, ldy, n0, n1, p, stream);                            \
     }                                                                                                \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0, 0)                                                      \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1, 0)                                                    \
@@ -1034,12 +1036,13 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
     }                                                                                                \
     PACKED_TARGET __attribute__((noinline)) static void NAME##_packed_chunk(                         \
         struct x_tiles xt, int64_t T, int64_t K, const uint8_t *w, int64_t c, float *y,              \
-        int64_t ldy, int64_t rows) {                                                                 \
+        int64_t ldy, int64_t rows, int stream) {                                                     \
         const int64_t chunk = packed_chunk_bytes(TYPE, K);                                           \
         const char *next = (const char *)w + (c + PACKED_AHEAD) * chunk;                             \
         for (int64_t line = 0; line < chunk; line += 64) _mm_prefetch(next + line, _MM_HINT_T2);     \
         for (int64_t t0 = 0; t0 < T; t0 += PACK_TOKENS)                                              \
-            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy, ldy, rows); \
+            packed_tile(TYPE, packed_chunk_at(TYPE, w, K, c), xt, K, t0 / PACK_TOKENS, T, y + t0 * ldy, ldy, rows, \
+                        stream);                                                                     \
     }                                                                                                \
     /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type>; only where gguf_kquants_packs() */    \
     int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w,        \
@@ -1048,6 +1051,7 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
         struct x_tiles xt;                                                                            \
         if (reserve_x_tiles(T, K, &xt)) return -1;                                                    \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
+        const int stream = streams_output(T, N);                                                     \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \
@@ -1055,8 +1059,9 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
             _Pragma("omp for schedule(static)")                                                      \
             for (int64_t c = 0; c < chunks; c++) {                                                   \
                 const int64_t n1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;                \
-                NAME##_packed_chunk(xt, T, K, w, c, y + c * ROW_CHUNK, ldy, n1 - c * ROW_CHUNK);     \
+                NAME##_packed_chunk(xt, T, K, w, c, y + c * ROW_CHUNK, ldy, n1 - c * ROW_CHUNK, stream); \
             }                                                                                        \
+            if (stream) _mm_sfence();                                                                \
         }                                                                                            \
         return 0;                                                                                    \
     }                                                                                                \

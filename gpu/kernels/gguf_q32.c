@@ -568,7 +568,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
  * 3's Q8_0 head at 1 token took 1.6x as long, at 32 1.08x). */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_tokens(
     int type, int as_bytes, int TT, struct packed_rows p, struct q8_activations a, int64_t nb, int lane, float *y,
-    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes) {
+    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes, int stream) {
     const int bytes = type == Q8_0 || as_bytes;  /* a group's codes a vector: 8 groups a block */
     __m512 acc[PACK_TOKENS];
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
@@ -597,7 +597,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
                                          _mm512_set1_ps(a.s[at + t]), acc[t]);
         }
     }
-    store_packed_rows(acc, TT, rows, y, ldy);
+    store_packed_rows(acc, TT, rows, y, ldy, stream);
 }
 
 /* y[t, r] for tokens t_first .. T - 1 (t_first a multiple of PACK_TOKENS) and the chunk's rows
@@ -608,7 +608,7 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
  * so the results do not change. */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_chunk(
     int type, struct packed_rows p, struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, float *y,
-    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes, uint8_t *codes) {
+    int64_t ldy, int64_t rows, const uint8_t *next, int64_t next_bytes, uint8_t *codes, int stream) {
     const int64_t tiles = (T - t_first + PACK_TOKENS - 1) / PACK_TOKENS;
     const int as_bytes = type != Q8_0 && codes != NULL && tiles > 2; /* at 2 tiles: no gain (measured) */
     if (as_bytes) { /* the nibble types' codes split (and their fifth bits added) once, not a tile at a time */
@@ -629,12 +629,12 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
                                           a.s + tile * nb * X_TILE, a.c + tile * nb * X_TILE, 1};
         const int lane = (int)(t0 % X_TILE);
 #define TOKENS_CASE(B, TT) \
-    case TT: packed_tokens(type, B, TT, p, at, nb, lane, y + t0 * ldy, ldy, rows, next + i * part, ahead); break;
+    case TT: packed_tokens(type, B, TT, p, at, nb, lane, y + t0 * ldy, ldy, rows, next + i * part, ahead, stream); break;
 #define TOKENS_SWITCH(B)                                                                                           \
     switch (T - t0 < PACK_TOKENS ? T - t0 : PACK_TOKENS) {                                                         \
         TOKENS_CASE(B, 1) TOKENS_CASE(B, 2) TOKENS_CASE(B, 3) TOKENS_CASE(B, 4) TOKENS_CASE(B, 5) TOKENS_CASE(B, 6) \
         TOKENS_CASE(B, 7)                                                                                          \
-        default: packed_tokens(type, B, PACK_TOKENS, p, at, nb, lane, y + t0 * ldy, ldy, rows, next + i * part, ahead); \
+        default: packed_tokens(type, B, PACK_TOKENS, p, at, nb, lane, y + t0 * ldy, ldy, rows, next + i * part, ahead, stream); \
     }
         if (as_bytes) {
             TOKENS_SWITCH(1)
@@ -649,10 +649,10 @@ static inline __attribute__((always_inline, target(AVX512_TARGET))) void packed_
 /* rows [n0, n1) (n1 - n0 <= PACK_ROWS), all T tokens, x in the tiled layout: packed here */
 static inline __attribute__((always_inline, target(AVX512_TARGET))) void rows_packed(
     int type, struct q8_activations a, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy, int64_t n0,
-    int64_t n1, struct packed_rows p) {
+    int64_t n1, struct packed_rows p, int stream) {
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
     pack_rows(type, w + n0 * row_bytes, nb, row_bytes, n1 - n0, p);
-    packed_chunk(type, p, a, 0, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes, NULL);
+    packed_chunk(type, p, a, 0, T, nb, y + n0, ldy, n1 - n0, w + n1 * row_bytes, PACK_ROWS * row_bytes, NULL, stream);
 }
 
 /* A weight packed once (gguf_pack_<type>): its chunks of PACK_ROWS rows one after another, each
@@ -738,8 +738,8 @@ static int vnni_available(void) {
 #define GGUF_KERNELS(NAME, TYPE)                                                                               \
     static __attribute__((target(AVX512_TARGET), noinline)) void packed_##NAME(                               \
         struct q8_activations a, int64_t T, int64_t K, const uint8_t *w, float *y, int64_t ldy, int64_t n0,    \
-        int64_t n1, struct packed_rows p) {                                                                    \
-        rows_packed(TYPE, a, T, K, w, y, ldy, n0, n1, p);                                                      \
+        int64_t n1, struct packed_rows p, int stream) {                                                        \
+        rows_packed(TYPE, a, T, K, w, y, ldy, n0, n1, p, stream);                                              \
     }                                                                                                          \
     void gguf_get_rows_##NAME(const uint8_t *w, int64_t K, const int64_t *ids, int64_t n_ids, float *out) {    \
         get_rows(TYPE, w, K, ids, n_ids, out);                                                                 \
@@ -762,7 +762,7 @@ static int vnni_available(void) {
         if (q8_activations_for(padded, K, &a) != 0) return -1;                                                 \
         /* the packed products read the T tokens only, not a tile's padding */                              \
         const int64_t quantized = packs ? T : padded;                                                          \
-        const int offset = corrected_offset(TYPE, vnni);                                                       \
+        const int offset = corrected_offset(TYPE, vnni), stream = packs && streams_output(T, N);               \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             struct packed_rows packed;                                                                         \
@@ -772,7 +772,7 @@ static int vnni_available(void) {
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
                 if (pack)                                                                                      \
-                    packed_##NAME(a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N), packed);                 \
+                    packed_##NAME(a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N), packed, stream);         \
                 else if (vnni)                                                                                 \
                     rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 1}, layout, T, K, w, y, ldy,     \
                             c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
@@ -780,6 +780,7 @@ static int vnni_available(void) {
                     rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 0}, layout, T, K, w, y, ldy,     \
                             c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
             }                                                                                                  \
+            if (stream) _mm_sfence();                                                                          \
         }                                                                                                      \
         return 0;                                                                                              \
     }
@@ -851,10 +852,10 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
     }                                                                                                          \
     static __attribute__((target(AVX512_TARGET), noinline)) void packed_at_##NAME(                            \
         struct q8_activations a, int64_t t_first, int64_t T, int64_t nb, const uint8_t *w, int64_t c, float *y, \
-        int64_t ldy, int64_t rows, uint8_t *codes) {                                                           \
+        int64_t ldy, int64_t rows, uint8_t *codes, int stream) {                                               \
         const int64_t chunk = packed_chunk_bytes(TYPE, nb);                                                    \
         packed_chunk(TYPE, packed_chunk_at(TYPE, w, nb, c), a, t_first, T, nb, y, ldy, rows,                   \
-                     w + (c + PACKED_AHEAD) * chunk, chunk, codes);                                            \
+                     w + (c + PACKED_AHEAD) * chunk, chunk, codes, stream);                                    \
     }                                                                                                          \
     /* as gguf_gemm_<type>_q8, w packed by gguf_pack_<type> */                                               \
     int gguf_gemm_##NAME##_packed_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,       \
@@ -863,6 +864,7 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
         if (T == 0) return 0;                                                                                  \
         if (q8_activations_for((T + X_TILE - 1) / X_TILE * X_TILE, K, &a) != 0) return -1;                     \
         const int64_t block = x_block_tokens(K);                                                               \
+        const int stream = streams_output(T, N);                                                               \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             uint8_t *const codes = codes_for(TYPE, K / QK);                                                    \
@@ -873,8 +875,9 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
                 _Pragma("omp for schedule(static) nowait")                                                     \
                 for (int64_t c = 0; c < CHUNKS(N); c++)                                                        \
                     packed_at_##NAME(a, t0, t1, K / QK, w, c, y + c * ROW_CHUNK, ldy,                          \
-                                     CHUNK_END(c, N) - c * ROW_CHUNK, codes);                                  \
+                                     CHUNK_END(c, N) - c * ROW_CHUNK, codes, stream);                          \
             }                                                                                                  \
+            if (stream) _mm_sfence();                                                                          \
         }                                                                                                      \
         return 0;                                                                                              \
     }                                                                                                          \

@@ -96,12 +96,25 @@ static inline __attribute__((always_inline)) void transpose_8x8(__m256i v[8]) {
     }
 }
 
+/* Outputs of at least this many bytes are written with non-temporal stores (store_packed_rows):
+ * a vocabulary's logits for a batch (Gemma 3's at 32 tokens: 33.5 MB) outgrow the caches, so
+ * their reader takes them from memory whatever the product does, and a plain store first reads
+ * each line in (the head's product at 32 tokens 1.15x faster streamed: docs/perf-notes.md) */
+#define STREAM_OUTPUT_BYTES (16 << 20)
+
+static inline int streams_output(int64_t T, int64_t N) { return T * N * (int64_t)sizeof(float) >= STREAM_OUTPUT_BYTES; }
+
 /* The packed products' results (gguf_q32.c, gguf_kquants.c): token t's 16 rows in acc[t], of
- * which the first `rows` go to y + t * ldy. Only for callers built for AVX-512 (a target). */
+ * which the first `rows` go to y + t * ldy; `stream` (streams_output): 64-byte aligned rows go
+ * out with non-temporal stores, and the caller fences (_mm_sfence) each thread's before its
+ * results are read. Only for callers built for AVX-512 (a target). */
 __attribute__((target("avx512f"))) static inline void store_packed_rows(const __m512 *acc, int64_t tokens,
-                                                                       int64_t rows, float *y, int64_t ldy) {
+                                                                       int64_t rows, float *y, int64_t ldy,
+                                                                       int stream) {
     for (int64_t t = 0; t < tokens; t++) {
-        if (rows == 16) {
+        if (rows == 16 && stream && ((uintptr_t)(y + t * ldy) & 63) == 0) {
+            _mm512_stream_ps(y + t * ldy, acc[t]);
+        } else if (rows == 16) {
             _mm512_storeu_ps(y + t * ldy, acc[t]);
         } else {
             float row_values[16];

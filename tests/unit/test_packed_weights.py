@@ -122,6 +122,23 @@ def test_a_packed_product_writes_its_column_slice_only():
     assert torch.equal(y[:, :37], packed.matmul(x))
 
 
+@pytest.mark.parametrize("type_name", PACKED_TYPES)
+def test_an_output_past_the_caches_is_the_same_streamed(type_name):
+    """A product whose output reaches simd_math.h's STREAM_OUTPUT_BYTES (a vocabulary's logits
+    for a batch) writes its 64-byte aligned rows with non-temporal stores: the same values bit
+    for bit as the same tokens' products written in pieces below it, into an aligned output and
+    into one whose rows are not (a column slice)."""
+    N, K, T = 65536, 256, 128  # 32 MiB of output; a quarter of the tokens 8 MiB
+    packed = pack(random_weight(type_name, N, K, seed=5))
+    part = packed.parts[0]
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
+    pieces = torch.cat([packed.matmul(x[t : t + T // 4]) for t in range(0, T, T // 4)])
+    assert torch.equal(packed.matmul(x), pieces)
+    y = torch.full((T, N + 3), float("nan"))
+    assert part.kernels.gemm["q8"](x.data_ptr(), T, K, part.address, N, y.data_ptr(), N + 3, 2) == 0
+    assert torch.equal(y[:, :N], pieces) and torch.isnan(y[:, N:]).all()
+
+
 def test_a_fused_weight_packs_the_parts_of_packed_types_and_keeps_the_others():
     """Gemma 3's qkv mixes Q5_0 and Q8_0 parts; a part of a type with no packed kernels stays in place."""
     q, k = random_weight("Q5_0", 32, 256, seed=1), random_weight("Q8_0", 16, 256, seed=2)
