@@ -96,13 +96,18 @@ static inline __attribute__((always_inline)) void transpose_8x8(__m256i v[8]) {
     }
 }
 
-/* Outputs of at least this many bytes are written with non-temporal stores (store_packed_rows):
- * a vocabulary's logits for a batch (Gemma 3's at 32 tokens: 33.5 MB) outgrow the caches, so
- * their reader takes them from memory whatever the product does, and a plain store first reads
- * each line in (the head's product at 32 tokens 1.15x faster streamed: docs/perf-notes.md) */
+/* A product whose output and weight both reach this many bytes writes its output with
+ * non-temporal stores (store_packed_rows): a vocabulary's logits for a batch (Gemma 3's head at
+ * 32 tokens: 33.5 MB of output, 178 MB of weight) pass through the caches beside a weight
+ * streamed from memory, and plain stores read each line in first and pushed the weight's
+ * prefetched lines out (the head 1.15x faster streamed). A product of a small weight keeps its
+ * output cached for the next op, which reads it at once (an MLP's gate and up at 2048 tokens:
+ * 33.5 MB, but streamed the prefill was ~4% slower). docs/perf-notes.md */
 #define STREAM_OUTPUT_BYTES (16 << 20)
 
-static inline int streams_output(int64_t T, int64_t N) { return T * N * (int64_t)sizeof(float) >= STREAM_OUTPUT_BYTES; }
+static inline int streams_output(int64_t output_bytes, int64_t weight_bytes) {
+    return output_bytes >= STREAM_OUTPUT_BYTES && weight_bytes >= STREAM_OUTPUT_BYTES;
+}
 
 /* The packed products' results (gguf_q32.c, gguf_kquants.c): token t's 16 rows in acc[t], of
  * which the first `rows` go to y + t * ldy; `stream` (streams_output): 64-byte aligned rows go
