@@ -260,10 +260,18 @@ def _parent(node: TreeNode) -> TreeNode:
 
 
 def _common_pages(key: np.ndarray, ids: np.ndarray, page_size: int) -> int:
-    """Whole pages at the start of `key` that equal the start of `ids`, whose first pages are
-    equal (the node was found by them): no compare at all for a one-page node."""
+    """Whole pages at the start of `key` that equal the start of `ids` (int32 both), whose
+    first pages are equal (the node was found by them): no compare at all for a one-page node.
+    Compared as bytes, a page at a time past the first difference: a third of a numpy compare
+    and flatnonzero's time at a prompt's few pages (docs/perf-notes.md)."""
     n = min(len(key), len(ids)) // page_size * page_size
     if n == page_size:
         return 1
-    diff = np.flatnonzero(key[page_size:n] != ids[page_size:n])
-    return (int(diff[0]) + page_size if len(diff) else n) // page_size
+    a, b = key[:n].tobytes(), ids[:n].tobytes()
+    if a == b:
+        return n // page_size
+    step = 4 * page_size
+    at = step
+    while at < len(a) and a[at : at + step] == b[at : at + step]:
+        at += step
+    return at // step

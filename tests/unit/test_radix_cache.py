@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu.kvcache.page_pool import PagePool
-from gpu.kvcache.radix_cache import RadixCache
+from gpu.kvcache.radix_cache import RadixCache, _common_pages
 
 PS = 4
 
@@ -263,3 +263,22 @@ def test_heap_eviction_matches_a_full_tree_walk(ops):
         pool.free(own)
     cache.flush()
     assert cache.cached_pages == 0 and pool.num_free == 40
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=PS, max_size=8 * PS),
+    st.lists(st.integers(0, 3), min_size=0, max_size=8 * PS),
+)
+def test_common_pages_counts_the_whole_pages_both_start_with(first, rest):
+    """_common_pages against a page-by-page reference: a node's key and a prompt whose first
+    pages are equal, of any lengths (not whole pages), over an alphabet small enough that they
+    often agree for several pages."""
+    key = np.array(first + rest, dtype=np.int32)
+    other = np.array(first[:PS] + rest[::-1] + first[PS:], dtype=np.int32)
+    n = min(len(key), len(other)) // PS
+    want = 1
+    while want < n and (key[want * PS : (want + 1) * PS] == other[want * PS : (want + 1) * PS]).all():
+        want += 1
+    assert _common_pages(key, other, PS) == want
+    assert _common_pages(key, key, PS) == len(key) // PS
