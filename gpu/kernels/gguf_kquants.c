@@ -938,7 +938,7 @@ __attribute__((constructor)) static void choose_avx512(void) {
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
         const int packed = VNNI && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
-        const int stream = packed && streams_output(T * N * 4, N * (K / QK) * BYTES);               \
+        const int stream = packed && streams_output(T, N, N * (K / QK) * BYTES);                     \
         int failed = 0;                                                                              \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
@@ -1051,7 +1051,7 @@ static inline struct packed_rows packed_chunk_at(enum kquant type, const uint8_t
         struct x_tiles xt;                                                                            \
         if (reserve_x_tiles(T, K, &xt)) return -1;                                                    \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
-        const int stream = streams_output(T * N * 4, chunks * packed_chunk_bytes(TYPE, K));         \
+        const int stream = streams_output(T, N, chunks * packed_chunk_bytes(TYPE, K));               \
         _Pragma("omp parallel num_threads(threads)")                                                 \
         {                                                                                            \
             _Pragma("omp for schedule(static)")                                                      \

@@ -763,7 +763,7 @@ static int vnni_available(void) {
         /* the packed products read the T tokens only, not a tile's padding */                              \
         const int64_t quantized = packs ? T : padded;                                                          \
         const int offset = corrected_offset(TYPE, vnni);                                                       \
-        const int stream = packs && streams_output(T * N * 4, N * (K / QK) * block_bytes(TYPE));              \
+        const int stream = packs && streams_output(T, N, N * (K / QK) * block_bytes(TYPE));                    \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             struct packed_rows packed;                                                                         \
@@ -865,7 +865,7 @@ static inline __attribute__((always_inline)) void packed_row(int type, struct pa
         if (T == 0) return 0;                                                                                  \
         if (q8_activations_for((T + X_TILE - 1) / X_TILE * X_TILE, K, &a) != 0) return -1;                     \
         const int64_t block = x_block_tokens(K);                                                               \
-        const int stream = streams_output(T * N * 4, CHUNKS(N) * packed_chunk_bytes(TYPE, K / QK));             \
+        const int stream = streams_output(T, N, CHUNKS(N) * packed_chunk_bytes(TYPE, K / QK));                 \
         _Pragma("omp parallel num_threads(threads)")                                                           \
         {                                                                                                      \
             uint8_t *const codes = codes_for(TYPE, K / QK);                                                    \

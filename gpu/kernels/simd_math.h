@@ -105,8 +105,9 @@ static inline __attribute__((always_inline)) void transpose_8x8(__m256i v[8]) {
  * 33.5 MB, but streamed the prefill was ~4% slower). docs/perf-notes.md */
 #define STREAM_OUTPUT_BYTES (16 << 20)
 
-static inline int streams_output(int64_t output_bytes, int64_t weight_bytes) {
-    return output_bytes >= STREAM_OUTPUT_BYTES && weight_bytes >= STREAM_OUTPUT_BYTES;
+/* whether a product of T tokens into N float outputs each, from weight_bytes of weight, streams */
+static inline int streams_output(int64_t T, int64_t N, int64_t weight_bytes) {
+    return T * N * (int64_t)sizeof(float) >= STREAM_OUTPUT_BYTES && weight_bytes >= STREAM_OUTPUT_BYTES;
 }
 
 /* The packed products' results (gguf_q32.c, gguf_kquants.c): token t's 16 rows in acc[t], of
