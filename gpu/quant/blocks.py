@@ -6,10 +6,11 @@ activations (--quantization gguf-q8), copied once at load into the layout their 
 - every other part of a 32-element block type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL), the embedding /
   LM head included (Gemma 3's Q8_0), on an AVX512-VNNI CPU, into gguf_q32.c's packed chunks of
   16 rows: as many bytes as the blocks, which its products otherwise unpack into that layout at
-  every call of 8 tokens or more (docs/perf-notes.md); Q4_K and Q6_K parts likewise into
-  gguf_kquants.c's (Q4_K's nibbles as they are, 1.33x its blocks; Q6_K's codes as bytes, 1.5x),
-  their blocks kept beside for products of fewer than IN_PLACE_BELOW tokens, which stream the
-  weight from memory and read fewer bytes in place."""
+  every call of 8 tokens or more (docs/perf-notes.md), consecutive parts of one such type of a
+  fused weight (q and k, gate and up) in one buffer, one product for them all; Q4_K and Q6_K
+  parts likewise into gguf_kquants.c's (Q4_K's nibbles as they are, 1.33x its blocks; Q6_K's
+  codes as bytes, 1.5x), a part a buffer, their blocks kept beside for products of fewer than
+  IN_PLACE_BELOW tokens, which stream the weight from memory and read fewer bytes in place."""
 
 from __future__ import annotations
 
@@ -137,37 +138,64 @@ def packs(weight: GGUFWeight) -> bool:
     return weight.activations == "q8" and any(_packed(t) is not None for t in weight.type_names)
 
 
-def _pack_part(part: WeightPart, K: int) -> WeightPart:
+def _joins(run: list[WeightPart], part: WeightPart, K: int) -> bool:
+    """Whether `part` packs into one buffer with the run of parts before it: the same type,
+    packed with no blocks kept in place, and the run's last chunk of rows full (one more row
+    would take a chunk of its own), so that the part's chunks follow the run's as its rows do."""
     found = _packed(part.type_name)
+    if found is None or part.type_name != run[0].type_name or IN_PLACE_BELOW.get(part.type_name, 0):
+        return False
+    size, rows = found[1], sum(p.rows for p in run)
+    return size(None, rows + 1, K, None, 0) > size(None, rows, K, None, 0)
+
+
+def _pack_run(run: list[WeightPart], K: int) -> WeightPart:
+    """The run's rows, one part after another, as one packed part (a fused weight's q and k, or
+    gate and up, of one type: one product a step, x quantized once for them); a part of a type
+    with no packed kernels as it is."""
+    first = run[0]
+    found = _packed(first.type_name)
     if found is None:
-        return part
+        return first
     type_kernels, pack = found
-    buffer = np.empty(pack(None, part.rows, K, None, 0), np.uint8)
-    pack(part.address, part.rows, K, buffer.ctypes.data, torch.get_num_threads())
-    below = IN_PLACE_BELOW.get(part.type_name, 0)
+    sizes = [pack(None, p.rows, K, None, 0) for p in run]
+    buffer = np.empty(sum(sizes), np.uint8)
+    at = buffer.ctypes.data
+    for p, size in zip(run, sizes):
+        pack(p.address, p.rows, K, at, torch.get_num_threads())
+        at += size
+    below = IN_PLACE_BELOW.get(first.type_name, 0)  # a run of such a type is one part (_joins)
     if not below:
-        unmap_resident(part.data)
+        for p in run:
+            unmap_resident(p.data)
     return WeightPart(
-        part.name,
-        part.type_name,
-        part.rows,
-        part.offset,
+        "+".join(p.name for p in run),
+        first.type_name,
+        sum(p.rows for p in run),
+        first.offset,
         buffer,
         buffer.ctypes.data,
         None,
         type_kernels,
-        part if below else None,
+        first if below else None,
         below,
     )
 
 
 def pack(weight: GGUFWeight) -> GGUFWeight:
     """The same [N, K] weight with each part of a type in PACKED_TYPES in its kernel file's
-    packed chunks (its rows still readable: rows()); the other parts in place."""
+    packed chunks (its rows still readable: rows()), consecutive parts of one type in one
+    buffer where they join (_joins); the other parts in place."""
     if weight.activations != "q8":
         raise ValueError("only products with q8 activations read packed weights")
-    parts = tuple(_pack_part(p, weight.shape[1]) for p in weight.parts)
-    return GGUFWeight.of_parts(parts, weight.shape, "q8")
+    K = weight.shape[1]
+    runs: list[list[WeightPart]] = []
+    for p in weight.parts:
+        if runs and _joins(runs[-1], p, K):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return GGUFWeight.of_parts(tuple(_pack_run(run, K) for run in runs), weight.shape, "q8")
 
 
 def repack_where_faster(weights: dict[str, torch.Tensor | GGUFWeight]) -> None:

@@ -139,20 +139,53 @@ def test_an_output_past_the_caches_is_the_same_streamed(type_name):
     assert torch.equal(y[:, :N], pieces) and torch.isnan(y[:, N:]).all()
 
 
+def fused(*weights: GGUFWeight) -> GGUFWeight:
+    """The weights' single parts as one weight's, their rows one after another."""
+    parts, offset = [], 0
+    for w in weights:
+        p = w.parts[0]
+        parts.append(WeightPart(p.name, p.type_name, p.rows, offset, p.data, p.address, None, p.kernels))
+        offset += p.rows
+    return GGUFWeight.of_parts(tuple(parts), (offset, weights[0].shape[1]), "q8")
+
+
 def test_a_fused_weight_packs_the_parts_of_packed_types_and_keeps_the_others():
     """Gemma 3's qkv mixes Q5_0 and Q8_0 parts; a part of a type with no packed kernels stays in place."""
     q, k = random_weight("Q5_0", 32, 256, seed=1), random_weight("Q8_0", 16, 256, seed=2)
     v = GGUFWeight.of_parts((random_weight("Q5_K", 16, 256, seed=3).parts[0],), (16, 256), "q8")
-    parts = tuple(
-        WeightPart(p.name, p.type_name, p.rows, offset, p.data, p.address, None, p.kernels)
-        for p, offset in zip((q.parts[0], k.parts[0], v.parts[0]), (0, 32, 48))
-    )
-    fused = GGUFWeight.of_parts(parts, (64, 256), "q8")
-    packed = pack(fused)
-    assert [p.kernels is fused.parts[i].kernels for i, p in enumerate(packed.parts)] == [False, False, True]
+    weight = fused(q, k, v)
+    packed = pack(weight)
+    assert [p.kernels is weight.parts[i].kernels for i, p in enumerate(packed.parts)] == [False, False, True]
     x = torch.randn(12, 256, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(packed.matmul(x), fused.matmul(x))
-    assert torch.equal(packed.dequantize(), fused.dequantize())
+    assert torch.equal(packed.matmul(x), weight.matmul(x))
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+
+
+def test_consecutive_parts_of_one_type_pack_into_one_part(monkeypatch):
+    """Gemma 3's q and k (Q5_0, its v Q8_0 in half the layers), its gate and up: one packed part
+    of a type, one product for both (x quantized once), whose values are the separate parts'
+    bit for bit at every count of tokens. A part whose rows end inside a chunk of 16 is not
+    joined by the next, nor is a K-quant, whose blocks are kept in place for few tokens."""
+    q, k, v = (
+        random_weight("Q5_0", 32, 256, seed=1),
+        random_weight("Q5_0", 16, 256, seed=2),
+        random_weight("Q8_0", 16, 256, seed=3),
+    )
+    weight = fused(q, k, v)
+    packed = pack(weight)
+    assert [(p.type_name, p.rows, p.offset) for p in packed.parts] == [("Q5_0", 48, 0), ("Q8_0", 16, 48)]
+    monkeypatch.setattr("gpu.quant.blocks._joins", lambda *args: False)
+    apart = pack(weight)
+    assert len(apart.parts) == 3
+    for T in (1, 3, 12, 40):
+        x = torch.randn(T, 256, generator=torch.Generator().manual_seed(T))
+        assert torch.equal(packed.matmul(x), apart.matmul(x)), T
+    monkeypatch.undo()
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+    ragged = fused(random_weight("Q5_0", 37, 256, seed=4), random_weight("Q5_0", 16, 256, seed=5))
+    assert [p.rows for p in pack(ragged).parts] == [37, 16]
+    k_quants = fused(random_weight("Q4_K", 16, 256, seed=6), random_weight("Q4_K", 16, 256, seed=7))
+    assert [p.rows for p in pack(k_quants).parts] == [16, 16]
 
 
 def test_load_packs_q8_weights_the_embedding_too():
