@@ -31,7 +31,6 @@
 /* layer_cpu.c */
 void rms_norm(float *x, const float *residual, const float *w, int64_t T, int64_t H, float eps, float *out,
               int threads);
-void norm_heads(float *x, int64_t row_stride, int64_t T, int64_t n, int64_t D, const float *w, float eps, int threads);
 void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, const int64_t *positions,
           const float *cos_table, const float *sin_table, int pairs, int threads);
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads);
@@ -191,6 +190,39 @@ static int project(const Projection *p, const float *x, int64_t T, float *y, int
     return 0;
 }
 
+/* rows from which attention_inputs splits its rows over the threads */
+#define ATTENTION_INPUT_ROWS_PARALLEL 4
+
+/* Each row of qkv [T, qkv_width] ready for the attention, in one pass over the rows (a row's
+ * q and k heads normed and rotated, its k and v stored in the cache at out_cache_loc[t]): the
+ * same calls on the same values as one pass a step each, so the same bits. The cache's rows lie
+ * anywhere in the pool, so the stores mostly miss: each row asks for its lines first, while its
+ * norms and rope run, and the threads share the rows (one thread storing them all, in turn,
+ * took ~1.5% of a 32-row step). */
+static void attention_inputs(const Layer *L, const Dims *dims, float *qkv, int64_t T, const int64_t *positions,
+                             const int64_t *out_cache_loc, int threads) {
+    const int64_t Hq = dims->q_heads, Hkv = dims->kv_heads, D = dims->head_dim;
+    const int64_t qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
+    const int kv_dtype = (int)dims->kv_dtype;
+    const int64_t kv_row_bytes = kv_width * kv_elem_bytes(kv_dtype);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (T >= ATTENTION_INPUT_ROWS_PARALLEL)
+    for (int64_t t = 0; t < T; t++) {
+        char *k_dst = (char *)L->k_cache + out_cache_loc[t] * kv_row_bytes;
+        char *v_dst = (char *)L->v_cache + out_cache_loc[t] * kv_row_bytes;
+        for (int64_t line = 0; line < kv_row_bytes; line += 64) {
+            __builtin_prefetch(k_dst + line, 1);
+            __builtin_prefetch(v_dst + line, 1);
+        }
+        float *row = qkv + t * qkv_width;
+        if (L->q_norm) rms_norm(row, NULL, L->q_norm, Hq, D, dims->eps, row, 1);
+        if (L->k_norm) rms_norm(row + Hq * D, NULL, L->k_norm, Hkv, D, dims->eps, row + Hq * D, 1);
+        if (L->cos_table)
+            rope(row, qkv_width, 1, Hq + Hkv, D, positions + t, L->cos_table, L->sin_table, (int)dims->rope_pairs, 1);
+        kv_store_row(k_dst, row + Hq * D, kv_width, kv_dtype);
+        kv_store_row(v_dst, row + (Hq + Hkv) * D, kv_width, kv_dtype);
+    }
+}
+
 /* x [T, H]: the embeddings in; out, the residual stream before the last layer's MLP output is
  * added, which is left in residual [T, H] (the Python forward's x and residual after its loop).
  * positions, out_cache_loc int64 [T]; page_table int32 [T, pt_stride]; kv_lens int32 [T].
@@ -201,9 +233,8 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
                   const int32_t *kv_lens,
                   const LoraPair *const *loras, int64_t lora_max_r, int threads) {
     const int64_t H = dims->hidden, I = dims->intermediate, Hq = dims->q_heads, Hkv = dims->kv_heads;
-    const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
+    const int64_t D = dims->head_dim, qkv_width = (Hq + 2 * Hkv) * D;
     const int kv_dtype = (int)dims->kv_dtype;
-    const int64_t kv_row_bytes = kv_width * kv_elem_bytes(kv_dtype);
     /* h [T, H], qkv [T, qkv_width], attn [T, Hq D], proj [T, H], gate_up [T, 2I], act [T, I],
      * xa [T, lora_max_r] */
     const int64_t need = T * (H + qkv_width + Hq * D + H + 3 * I + lora_max_r);
@@ -225,16 +256,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
             for (int64_t t = 0; t < T; t++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += L->qkv_bias[j];
         if (lora_add(loras, l, LORA_QKV, h, T, H, qkv, qkv_width, xa, lora_max_r, threads)) return -1;
-        if (L->q_norm) norm_heads(qkv, qkv_width, T, Hq, D, L->q_norm, dims->eps, threads);
-        if (L->k_norm) norm_heads(qkv + Hq * D, qkv_width, T, Hkv, D, L->k_norm, dims->eps, threads);
-        if (L->cos_table)
-            rope(qkv, qkv_width, T, Hq + Hkv, D, positions, L->cos_table, L->sin_table, (int)dims->rope_pairs,
-                 threads);
-        for (int64_t t = 0; t < T; t++) {
-            const float *row = qkv + t * qkv_width;
-            kv_store_row((char *)L->k_cache + out_cache_loc[t] * kv_row_bytes, row + Hq * D, kv_width, kv_dtype);
-            kv_store_row((char *)L->v_cache + out_cache_loc[t] * kv_row_bytes, row + (Hq + Hkv) * D, kv_width, kv_dtype);
-        }
+        attention_inputs(L, dims, qkv, T, positions, out_cache_loc, threads);
         if (paged_decode_attention_windowed(qkv, qkv_width, L->k_cache, L->v_cache, kv_dtype, page_table, pt_stride,
                                             kv_lens, T, Hq, Hkv, D, dims->page_size, dims->scale, L->window,
                                             dims->softcap, attn, threads))
