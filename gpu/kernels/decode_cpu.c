@@ -47,6 +47,11 @@ typedef int (*Gemm)(const float *x, int64_t T, int64_t K, const uint8_t *w, int6
 
 #define MAX_PARTS 3  /* q, k, v */
 
+/* a packed product of an MLP's act(gate) * up (gguf_gemm_TYPE_packed_q8_gated): y [T, N / 2] (rows ldy
+ * apart) from x [T, K] and the gate and up rows w [N, K]; 0, -1 (no memory) or -2 (not this weight) */
+typedef int (*GatedGemm)(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, float *y, int64_t ldy,
+                         int gelu, int threads);
+
 typedef struct {  /* rows of a projection in one GGUF tensor: its blocks in the mapping, or a packed copy */
     Gemm gemm;
     const uint8_t *w;
@@ -70,6 +75,7 @@ typedef struct {
     int64_t window;  /* a query at position p sees keys p - window + 1 .. p; 0: every key */
     Projection qkv, o, gate_up, down;
     void *k_cache, *v_cache;  /* this layer's pages: [num_pages, page_size, Hkv, D] in Dims.kv_dtype */
+    GatedGemm gated;  /* gate_up's act(gate) * up in one product (its one part's), or NULL */
 } Layer;
 
 typedef struct {
@@ -265,9 +271,17 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *dims, int64
         if (lora_add(loras, l, LORA_O, attn, T, Hq * D, proj, H, xa, lora_max_r, threads)) return -1;
         if (L->attn_out_norm) rms_norm(proj, NULL, L->attn_out_norm, T, H, dims->eps, proj, threads);
         rms_norm(x, proj, L->post_norm, T, H, dims->eps, h, threads);
-        if (project(&L->gate_up, h, T, gate_up, threads)) return -1;
-        if (lora_add(loras, l, LORA_GATE_UP, h, T, H, gate_up, 2 * I, xa, lora_max_r, threads)) return -1;
-        (dims->gelu ? gelu_tanh_mul : silu_mul)(gate_up, T, I, act, threads);
+        /* act in one product where gate_up has one (the Python forward's GGUFWeight.gated) and no
+         * adapter adds to gate_up's output in between */
+        const int gated = L->gated != NULL && loras == NULL
+                              ? L->gated(h, T, H, L->gate_up.parts[0].w, 2 * I, act, I, (int)dims->gelu, threads)
+                              : -2;
+        if (gated == -1) return -1;
+        if (gated == -2) {
+            if (project(&L->gate_up, h, T, gate_up, threads)) return -1;
+            if (lora_add(loras, l, LORA_GATE_UP, h, T, H, gate_up, 2 * I, xa, lora_max_r, threads)) return -1;
+            (dims->gelu ? gelu_tanh_mul : silu_mul)(gate_up, T, I, act, threads);
+        }
         if (project(&L->down, act, T, residual, threads)) return -1;
         if (lora_add(loras, l, LORA_DOWN, act, T, I, residual, H, xa, lora_max_r, threads)) return -1;
         if (L->mlp_out_norm) rms_norm(residual, NULL, L->mlp_out_norm, T, H, dims->eps, residual, threads);

@@ -82,10 +82,8 @@ void rope(float *x, int64_t row_stride, int64_t T, int64_t n_heads, int64_t D, c
 }
 
 
-/* out[t] = act(g) * u for g, u the halves of gate_up[t] (gate_up [T, 2I], out [T, I]), where
- * act(g) = g / (1 + e^-s): silu with s = g; Gemma's gelu_pytorch_tanh with s = 2z,
- * z = sqrt(2/pi) (g + 0.044715 g^3), the same value as 0.5 g (1 + tanh z) without its
- * cancellation where tanh z nears -1. */
+/* out[t] = act(g) * u for g, u the halves of gate_up[t] (gate_up [T, 2I], out [T, I]): simd_math.h's
+ * gated8, its scalar form for the last I % 8 */
 static void gated_mul(const float *gate_up, int64_t T, int64_t I, float *out, int threads, int gelu) {
     const float c = 2 * 0.7978845608028654f, k = 0.044715f;
     #pragma omp parallel for schedule(static) num_threads(threads) if (T >= PARALLEL_ROWS)
@@ -94,17 +92,9 @@ static void gated_mul(const float *gate_up, int64_t T, int64_t I, float *out, in
         const float *u = g + I;
         float *o = out + t * I;
         int64_t j = 0;
-        for (; j + 8 <= I; j += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + j);
-            __m256 sv = gv;
-            if (gelu) {
-                const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
-                sv = _mm256_mul_ps(_mm256_set1_ps(c), _mm256_add_ps(gv, _mm256_mul_ps(_mm256_set1_ps(k), cube)));
-            }
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), sv));
-            const __m256 act = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(act, _mm256_loadu_ps(u + j)));
-        }
+        for (; j + 8 <= I; j += 8)
+            _mm256_storeu_ps(o + j, gelu ? gated8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j), 1)
+                                         : gated8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j), 0));
         for (; j < I; j++) {
             const float sj = gelu ? c * (g[j] + k * g[j] * g[j] * g[j]) : g[j];
             o[j] = g[j] / (1.0f + expf(-sj)) * u[j];

@@ -158,4 +158,18 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* act(g) * u, 8 lanes: act(g) = g / (1 + e^-s), SiLU with s = g, Gemma's gelu_pytorch_tanh with
+ * s = 2z, z = sqrt(2/pi) (g + 0.044715 g^3) (the same value as 0.5 g (1 + tanh z) without its
+ * cancellation where tanh z nears -1). gelu: a constant at each call. */
+static inline __attribute__((always_inline)) __m256 gated8(__m256 g, __m256 u, int gelu) {
+    __m256 s = g;
+    if (gelu) {
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+        s = _mm256_mul_ps(_mm256_set1_ps(2 * 0.7978845608028654f),
+                          _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+    }
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
 #endif

@@ -66,6 +66,7 @@ class _Layer(ctypes.Structure):
         ("down", _Projection),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("gated", ctypes.c_void_p),  # gate_up's act(gate) * up in one product, or None
     ]
 
 
@@ -117,6 +118,13 @@ def _projection(w: torch.Tensor | GGUFWeight) -> _Projection:
     return _Projection((_Part * MAX_PARTS)(*parts), len(parts), n, k)
 
 
+def _gated(w: torch.Tensor | GGUFWeight) -> int | None:
+    """The address of w's one product of act(gate) * up (GGUFWeight.gated's), or None."""
+    if not isinstance(w, GGUFWeight) or len(w.parts) != 1 or w.parts[0].kernels is None:
+        return None
+    return w.parts[0].kernels.gated_address or None
+
+
 class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         """Raises KernelBuildError when the library cannot be built here."""
@@ -152,6 +160,7 @@ class CpuDecoder:
                     _projection(model.down[i]),
                     kv_cache.k[i].data_ptr(),
                     kv_cache.v[i].data_ptr(),
+                    _gated(model.gate_up[i]),
                 )
                 for i in range(cfg.num_layers)
             )

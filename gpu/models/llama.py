@@ -431,11 +431,7 @@ class LlamaForCausalLM:
             if attn_out_norm is not None:
                 o = ops.rms_norm(o, attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, o, self.post_norm[i], eps)
-            kept = self.mlp_input.rows(T) if isinstance(self.gate_up[i], GGUFWeight) else None
-            gate_up = linear(h, self.gate_up[i], w_t=self.gate_up_t[i], out=kept)  # [T, 2I]
-            if lora is not None:
-                gate_up = lora.add(gate_up, h, i, "gate_up")
-            act = self._act_mul(gate_up)
+            act = self._mlp_act(i, h, lora)  # [T, I]
             residual = linear(act, self.down[i])  # [T, H]
             if lora is not None:
                 residual = lora.add(residual, act, i, "down")
@@ -458,6 +454,24 @@ class LlamaForCausalLM:
         """input_ids: int64 [T] -> the first layer's input [T, H] (Gemma's scaled by sqrt(H))."""
         x = self.embedding(input_ids)
         return x if self.embed_scale is None else x * self.embed_scale
+
+    def _mlp_act(self, i: int, h: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """Layer i's act(gate) * up [T, I] of h [T, H]: in one product where its gate_up has one
+        (GGUFWeight.gated, the C glue's arithmetic: with CpuLayerOps only) and no adapter adds to
+        gate_up this step; else gate_up's product [T, 2I], the adapters' deltas, then the glue."""
+        w, T = self.gate_up[i], h.shape[0]
+        if not isinstance(w, GGUFWeight):
+            gate_up = linear(h, w, w_t=self.gate_up_t[i])
+        else:
+            kept = self.mlp_input.rows(T)
+            if lora is None and isinstance(self.ops, CpuLayerOps):
+                act = w.gated(h, self.cfg.hidden_act != "silu", out=kept.view(-1)[: T * (w.shape[0] // 2)].view(T, -1))
+                if act is not None:
+                    return act
+            gate_up = linear(h, w, out=kept)
+        if lora is not None:
+            gate_up = lora.add(gate_up, h, i, "gate_up")
+        return self._act_mul(gate_up)
 
     def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2I] -> act(gate) * up [T, I]"""

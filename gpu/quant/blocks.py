@@ -129,7 +129,12 @@ def _packed(type_name: str) -> tuple[TypeKernels, Callable[..., int]] | None:
     pack = getattr(lib, f"gguf_pack_{block.suffix}")  # w, N, K, out (NULL: the bytes it needs), threads
     pack.argtypes, pack.restype = [p, i64, i64, p, ctypes.c_int], i64
     addresses = {"q8": ctypes.cast(gemm, ctypes.c_void_p).value or 0}
-    return TypeKernels({"q8": gemm}, addresses, get_rows), pack
+    gated = getattr(lib, f"gguf_gemm_{block.suffix}_packed_q8_gated", None)  # gguf_q32.c's types
+    if gated is None:
+        return TypeKernels({"q8": gemm}, addresses, get_rows), pack
+    gated.argtypes, gated.restype = [p, i64, i64, p, i64, p, i64, ctypes.c_int, ctypes.c_int], ctypes.c_int
+    gated_address = ctypes.cast(gated, ctypes.c_void_p).value or 0
+    return TypeKernels({"q8": gemm}, addresses, get_rows, gated, gated_address), pack
 
 
 def packs(weight: GGUFWeight) -> bool:

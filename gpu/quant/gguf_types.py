@@ -49,6 +49,10 @@ class TypeKernels:
     gemm: dict[str, Callable[..., int]]  # activations -> gguf_gemm_<suffix>_<activations>
     gemm_addresses: dict[str, int]  # the same functions' addresses, for C callers (decode_cpu.c)
     get_rows: Callable[..., None]
+    # packed 32-block types: gguf_gemm_<suffix>_packed_q8_gated (x, T, K, w, N, y, ldy, gelu, threads), an
+    # MLP's act(gate) * up from its gate and up in one product; and its address; else None, 0
+    gated: Callable[..., int] | None = None
+    gated_address: int = 0
 
 
 @functools.cache

@@ -116,13 +116,8 @@ class GGUFWeight:
         """x: float32 [T, K] -> [T, N] = x @ W^T, written into `out` (float32 [T, N], contiguous)
         when given."""
         N, K = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K:
-            raise ValueError(f"x: expected float32 [T, {K}], got {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
+        x, y = self._operands(x, out, N)
         T = x.shape[0]
-        if out is not None and (out.dtype != torch.float32 or out.shape != (T, N) or not out.is_contiguous()):
-            raise ValueError(f"out: expected contiguous float32 [{T}, {N}], got {out.dtype} {tuple(out.shape)}")
-        y = torch.empty(T, N, dtype=torch.float32) if out is None else out
         threads = torch.get_num_threads()
         for p in self.parts:
             if p.kernels is None:
@@ -134,6 +129,48 @@ class GGUFWeight:
             if p.kernels.gemm[self.activations](x.data_ptr(), T, K, p.address, p.rows, columns, N, threads):
                 raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
         return y
+
+    def gated(self, x: torch.Tensor, gelu: bool, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x: float32 [T, K] -> act(gate) * up [T, N/2] for gate, up the halves of x @ W^T (an MLP's
+        fused gate and up; act GELU-tanh or SiLU, layer_cpu.c's gated_mul), in one product that
+        never writes x @ W^T (into `out`, contiguous float32 [T, N/2], when given); None where the
+        weight has no such product: parts of its own, a type without one (a packed 32-block type's
+        only), halves that are not whole chunks of the packed rows."""
+        gated = self.parts[0].kernels.gated if len(self.parts) == 1 and self.parts[0].kernels is not None else None
+        if gated is None:
+            return None
+        N, K = self.shape
+        x, y = self._operands(x, out, N // 2)
+        failed = gated(
+            x.data_ptr(),
+            x.shape[0],
+            K,
+            self.parts[0].address,
+            N,
+            y.data_ptr(),
+            N // 2,
+            int(gelu),
+            torch.get_num_threads(),
+        )
+        if failed == -2:
+            return None
+        if failed:
+            raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
+        return y
+
+    def _operands(self, x: torch.Tensor, out: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x checked as float32 [T, K] (made contiguous), and the product's float32 [T, width]: `out`
+        checked, or a new tensor."""
+        K = self.shape[1]
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"x: expected float32 [T, {K}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        T = x.shape[0]
+        if out is None:
+            return x, torch.empty(T, width, dtype=torch.float32)
+        if out.dtype != torch.float32 or out.shape != (T, width) or not out.is_contiguous():
+            raise ValueError(f"out: expected contiguous float32 [{T}, {width}], got {out.dtype} {tuple(out.shape)}")
+        return x, out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int64 [n] -> float32 [n, K], the weight's rows ids dequantized (an embedding lookup)."""

@@ -158,6 +158,9 @@ def test_every_family_decodes_as_the_python_forward(family, tmp_path, monkeypatc
         )
     )
     assert runner.decoder is not None
+    gate_up = runner.model.gate_up[0].parts  # packed (an AVX512-VNNI CPU): act(gate) * up in one product
+    if len(gate_up) == 1 and gate_up[0].kernels.gated is not None:
+        assert all(layer.gated for layer in runner.decoder._layers)
     test_decode_logits_equal_the_python_forward(runner)
 
 

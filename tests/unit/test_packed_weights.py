@@ -188,6 +188,38 @@ def test_consecutive_parts_of_one_type_pack_into_one_part(monkeypatch):
     assert [p.rows for p in pack(k_quants).parts] == [16, 16]
 
 
+@pytest.mark.parametrize("type_name", ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL"))
+def test_a_gated_product_is_the_product_then_the_glue(type_name):
+    """GGUFWeight.gated of an MLP's packed gate and up (one part: pack joins them) is the C glue's
+    act(gate) * up of their product, bit for bit, at every count of tokens and both activations,
+    into new storage and into given storage; None where there is no such product: halves that
+    are not whole chunks of 16 rows, parts apart, a K-quant."""
+    from gpu.models.llama import CpuLayerOps
+
+    ops = CpuLayerOps(torch.ones(1, 1), torch.zeros(1, 1))  # its glue only: no rope here
+    I, K = 48, 256
+    weight = pack(fused(random_weight(type_name, I, K, seed=1), random_weight(type_name, I, K, seed=2)))
+    assert len(weight.parts) == 1
+    for T in (1, 3, 12, 40, 300):
+        x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
+        gate_up = weight.matmul(x)
+        assert torch.equal(weight.gated(x, True), ops.gelu_tanh_mul(gate_up)), T
+        out = torch.full((T, I), float("nan"))
+        assert weight.gated(x, False, out=out) is out
+        assert torch.equal(out, ops.silu_mul(gate_up)), T
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(0))
+    assert (
+        pack(fused(random_weight("Q8_0", 24, K, seed=3), random_weight("Q8_0", 24, K, seed=4))).gated(x, True) is None
+    )
+    apart = fused(
+        random_weight(type_name, I, K, seed=1), random_weight("Q8_0" if type_name != "Q8_0" else "Q5_0", I, K, seed=2)
+    )
+    assert pack(apart).gated(x, True) is None
+    assert pack(random_weight("Q4_K", 2 * I, K, seed=5)).gated(x, True) is None
+    with pytest.raises(ValueError, match="out"):
+        weight.gated(x, True, out=torch.empty(4, 2 * I))
+
+
 def test_load_packs_q8_weights_the_embedding_too():
     weights = {"embed": random_weight("Q8_0", 48, 64, seed=1), "layers.0.o": random_weight("Q5_0", 32, 64, seed=2)}
     weights["layers.0.down"] = f32 = random_weight("Q8_0", 32, 64, seed=3, activations="f32")  # the exact mode
