@@ -279,7 +279,8 @@ class LlamaForCausalLM:
             return w.t().contiguous() if self.device.type == "cpu" and isinstance(w, torch.Tensor) else None
 
         self.gate_up_t = [copy_t(w) for w in self.gate_up]
-        self.mlp_input = RowBuffer(2 * cfg.intermediate_size, self.device)  # gate_up's products, layer after layer
+        # gate_up's products, or their act(gate) * up (GGUFWeight.gated), layer after layer
+        self.mlp_input = RowBuffer(2 * cfg.intermediate_size, self.device)
         self.lm_head_t = copy_t(self.lm_head)
         self.cos, self.sin = self._rope_tables(cfg.rope)
         self.ops = layer_ops(self.cos, self.sin, rope_style)
