@@ -1,6 +1,8 @@
 /* Products with a GGUF's 32-element block types (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL) read in place,
  * straight from the file's mapping, on an x86-64 CPU with AVX2 + FMA (gpu/kernels/__init__.py
- * builds it; the C API is issue 28's: gguf_get_rows_TYPE, gguf_gemm_TYPE_f32, gguf_gemm_TYPE_q8).
+ * builds it; the C API is issue 28's: gguf_get_rows_TYPE, gguf_gemm_TYPE_f32, gguf_gemm_TYPE_q8;
+ * on AVX512-VNNI, for weights packed once at load, gguf_pack_TYPE, gguf_gemm_TYPE_packed_q8 and
+ * an MLP's act(gate) * up in one product, gguf_gemm_TYPE_packed_q8_gated).
  *
  * Layouts (the file's, as gguf-py's quants.py reads them). A weight is N rows of K / 32 blocks,
  * back to back; a block starts with its fp16 scale d, then (bytes, little endian):
