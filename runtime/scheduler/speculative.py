@@ -41,12 +41,6 @@ from protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 FREE_BATCH = 4
 # decodes in a step above which none is drafted for
 MAX_BATCH = 32
-# above FREE_BATCH decodes, a step drafts only where its expected tokens a second rise by this
-# factor at least: its costs are running averages of steps whose time moves by several percent
-# (other processes on the cores), and a draft chosen for a gain within that noise is a guess
-# that costs a row for every token it misses (Gemma 3 at 32 decodes drafted its way to 0.93-0.95x
-# of speculation off: docs/perf-notes.md)
-MIN_DRAFT_GAIN = 1.05
 # the forward's share of a decode step's time (a running average, COST_WEIGHT) under which,
 # above FREE_BATCH decodes, none is drafted for
 MIN_FORWARD_SHARE = 0.5
@@ -181,9 +175,8 @@ class NgramSpeculator:
 
     def _worth_drafting(self, decodes: int, rows: np.ndarray, room: np.ndarray) -> tuple[list[int], list[int]]:
         """Of the candidate `rows`' drafted tokens (up to `room` each) in a step of `decodes`, the
-        likeliest to be accepted, as many as raise the step's expected tokens a second the most,
-        by MIN_DRAFT_GAIN at least (all of them up to FREE_BATCH decodes): (the rows that draft,
-        how many tokens each)."""
+        likeliest to be accepted, as many as raise the step's expected tokens a second the most
+        (all of them up to FREE_BATCH decodes): (the rows that draft, how many tokens each)."""
         if not len(rows):
             return [], []
         if decodes <= FREE_BATCH:
@@ -193,10 +186,7 @@ class NgramSpeculator:
         chance = self.accept_rate(rows)[owner] ** depth  # accepted only with every token before it
         order = np.lexsort((depth, -chance))  # likeliest first; a row's tokens in draft order
         expected = decodes + np.concatenate([[0.0], np.cumsum(chance[order])])  # with the first n of order
-        rate = expected / self.costs.estimate(decodes + np.arange(len(order) + 1))
-        n = int(np.argmax(rate))
-        if rate[n] < MIN_DRAFT_GAIN * rate[0]:
-            return [], []
+        n = int(np.argmax(expected / self.costs.estimate(decodes + np.arange(len(order) + 1))))
         lengths = np.bincount(owner[order[:n]], minlength=len(rows))
         return rows[lengths > 0].tolist(), lengths[lengths > 0].tolist()
 

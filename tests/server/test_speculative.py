@@ -23,7 +23,6 @@ from runtime.scheduler.speculative import (
     COST_WEIGHT,
     FREE_BATCH,
     MAX_BATCH,
-    MIN_DRAFT_GAIN,
     MIN_FORWARD_SHARE,
     PRIOR_HITS,
     PRIOR_TRIALS,
@@ -180,21 +179,6 @@ def test_drafts_go_where_the_measured_costs_say_they_pay():
     assert {row: len(d) for row, d in proportional.propose(table, np.arange(rows)).items()} == {2: 3, 5: 3}
 
 
-def test_a_gain_within_the_costs_noise_drafts_nothing():
-    """Drafts that would raise a step's expected tokens a second by less than MIN_DRAFT_GAIN are
-    not run: the costs are running averages of noisy steps."""
-    rows, table = 8, cycling_table(8, 3)
-    spec = greedy_speculator(rows)
-    for tokens in (8, 16, 24, 40):
-        spec.timed(tokens, 0.001 * tokens, 0.001 * tokens)
-    spec.hits[:] = 0.0
-    spec.hits[[2, 5]] = spec.trials[[2, 5]]  # these two accept every draft
-    gain = 1.03  # 14 tokens a second at 1.03x the 8 tokens' rate
-    spec.timed(14, 14 / (gain * 8 / 0.008), 14 / (gain * 8 / 0.008))
-    assert gain < MIN_DRAFT_GAIN
-    assert spec.propose(table, np.arange(rows)) == {}
-
-
 def test_nothing_is_drafted_in_a_large_batch():
     rows = MAX_BATCH + 1
     spec = greedy_speculator(rows)
@@ -255,10 +239,9 @@ def test_a_draft_is_cut_where_its_tokens_stop_paying():
     the first ones only."""
     spec, table = one_drafting_row(5), cycling_table(5, 5)
     spec.hits[0], spec.trials[0] = 500, 1000
-    for tokens, seconds in ((5, 0.0100), (6, 0.0102), (7, 0.0125), (9, 0.0300)):
+    for tokens, seconds in ((5, 0.0100), (6, 0.0105), (7, 0.0125), (9, 0.0300)):
         spec.timed(tokens, seconds, seconds)
-    # expected 5 tokens in 10 ms; 5.5 in 10.2 ms (1.08x the rate); 5.75 in 12.5 ms; 5.875 in ~21 ms:
-    # one is drafted
+    # expected 5 tokens in 10 ms; 5.5 in 10.5 ms; 5.75 in 12.5 ms; 5.875 in ~21 ms: one is drafted
     assert len(spec.propose(table, np.arange(5))[0]) == 1
 
 
