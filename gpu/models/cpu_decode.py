@@ -120,9 +120,8 @@ def _projection(w: torch.Tensor | GGUFWeight) -> _Projection:
 
 def _gated(w: torch.Tensor | GGUFWeight) -> int | None:
     """The address of w's one product of act(gate) * up (GGUFWeight.gated's), or None."""
-    if not isinstance(w, GGUFWeight) or len(w.parts) != 1 or w.parts[0].kernels is None:
-        return None
-    return w.parts[0].kernels.gated_address or None
+    kernels = w.gating if isinstance(w, GGUFWeight) else None
+    return None if kernels is None else kernels.gated_address or None
 
 
 class CpuDecoder:

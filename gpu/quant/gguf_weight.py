@@ -136,12 +136,12 @@ class GGUFWeight:
         never writes x @ W^T (into `out`, contiguous float32 [T, N/2], when given); None where the
         weight has no such product: parts of its own, a type without one (a packed 32-block type's
         only), halves that are not whole chunks of the packed rows."""
-        gated = self.parts[0].kernels.gated if len(self.parts) == 1 and self.parts[0].kernels is not None else None
-        if gated is None:
+        kernels = self.gating
+        if kernels is None or kernels.gated is None:
             return None
         N, K = self.shape
         x, y = self._operands(x, out, N // 2)
-        failed = gated(
+        failed = kernels.gated(
             x.data_ptr(),
             x.shape[0],
             K,
@@ -155,8 +155,15 @@ class GGUFWeight:
         if failed == -2:
             return None
         if failed:
-            raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)}")
+            raise MemoryError(f"no memory for the int8 copy of x {tuple(x.shape)} or the gated product's scratch")
         return y
+
+    @property
+    def gating(self) -> TypeKernels | None:
+        """The kernels of the weight's one part where they hold a product of act(gate) * up
+        (gated()'s, the C decode loop's), else None."""
+        kernels = self.parts[0].kernels if len(self.parts) == 1 else None
+        return kernels if kernels is not None and kernels.gated is not None else None
 
     def _operands(self, x: torch.Tensor, out: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x checked as float32 [T, K] (made contiguous), and the product's float32 [T, width]: `out`
