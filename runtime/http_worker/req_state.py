@@ -7,6 +7,7 @@ to its group; the request's coroutine takes it (next_news, then take) once woken
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 
 from httpapi.errors import APIError
@@ -25,7 +26,7 @@ class ReqState:
     """One choice in flight: what the reader appended and its coroutine has not taken yet."""
 
     __slots__ = (
-        "group",
+        "_group",
         "index",
         "slot",
         "gen",
@@ -53,7 +54,11 @@ class ReqState:
     def __init__(
         self, group: ReqGroup, index: int, slot: int, gen: int, params: SamplingParams, prompt_tokens: int
     ) -> None:
-        self.group = group
+        # weak: the group holds its states, and a cycle would leave every finished request's
+        # group, states and lists to the cyclic collector (whose young collections then ran
+        # every ~2,000 requests, each scanning every live request's objects); the TokenizerManager
+        # holds a group while any of its choices is unfinished, its route while it renders
+        self._group = weakref.ref(group)
         self.index = index  # the choice's index in the response
         self.slot, self.gen = slot, gen
         self.params = params
@@ -72,6 +77,12 @@ class ReqState:
         self.output_ids: list[int] = []  # every token id so far, when params.return_ids
         self.prompt_logprobs: list[PromptLogprobs] = []  # its PROMPT_LOGPROBS records', not yet taken
         self.kept: list[str] | None = None  # every text taken, when the request is dumped (request_dump.py)
+
+    @property
+    def group(self) -> ReqGroup:
+        group = self._group()
+        assert group is not None, "a choice outlived its group"
+        return group
 
     @property
     def finished(self) -> bool:

@@ -3,7 +3,9 @@
 hands what it pops to the TM as the worker process's reader does (deliver)."""
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -114,6 +116,48 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
     want = tokenizer.decode(ids)
     assert (stream_woken, stream_text) == ([1, 4, 7, 8], want)
     assert (whole_woken, whole_text) == ([8], want)
+
+
+def test_a_finished_request_is_freed_by_refcount_alone(tokenizer, tm_rings):
+    """A choice holds its group weakly: once a request ended and its route let go of its group,
+    the group, its states and their lists are freed at once, with the cyclic collector off. A
+    cycle between them left every request's objects to the collector, whose young collections
+    then ran every ~2,000 requests of a busy worker, each scanning every live request."""
+    waker, req_out, req_in, text_out, text_in = tm_rings
+    router = Detokenizer(tokenizer, max_open=4)
+    model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+
+    def token(new: np.void, k: int) -> Batch:
+        rec = np.zeros(1, TOKEN_OUT.dtype)
+        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.TOKEN, new["worker"], new["slot"], new["gen"]
+        rec["token"], rec["prompt_tokens"], rec["completion_tokens"] = ids[k - 1], 3, k
+        rec["finish"] = Finish.LENGTH if k == len(ids) else Finish.NONE
+        return Batch(rec, np.zeros(0, np.uint8))
+
+    async def run() -> tuple[str, weakref.ref]:
+        tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60)
+        try:
+            group = await tm.submit([[1, 2, 3]], [SamplingParams(max_new_tokens=len(ids))], stream=True)
+            new = req_in.pop().records[0]
+            for batch in [opened(new)] + [token(new, k) for k in range(1, len(ids) + 1)]:
+                text_out.push_all(*router.handle(batch))
+                deliver(tm, text_in)
+            (state,) = await group.finished()
+            text = state.take()[0]
+            freed = weakref.ref(group)
+            del group, state
+            return text, freed
+        finally:
+            tm.close()
+
+    gc.disable()
+    try:
+        text, freed = asyncio.run(run())
+        assert text == tokenizer.decode(ids)
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 @pytest.fixture(scope="module")
