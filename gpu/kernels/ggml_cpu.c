@@ -20,7 +20,8 @@
  * and s = d * sum(q), so that for a Q4_1 weight block
  *     sum_j (d_w q_w + m_w) (d_x q_x) = d_w d_x sum_j q_w q_x + m_w s_x
  * with an integer dot product: maddubs (uint8 x int8 -> int16 sums of pairs) then madd with
- * ones (-> int32). The numerics change from fp32 by x's rounding only.
+ * ones (-> int32), or AVX-VNNI's vpdpbusd (int32 sums of 4 at once) where the CPU has it and no
+ * AVX-512: the same integers. The numerics change from fp32 by x's rounding only.
  *
  * Unlike llama.cpp's vec_dot (one row and token at a time, a horizontal sum per pair), the
  * weights are in groups of 8 rows interleaved 4 bytes at a time (gpu/quant/blocks.py
@@ -54,12 +55,13 @@ static void quantize_q8(const float *x, int64_t T, int64_t K, int8_t *q, float *
  * share at once, as a static schedule would. */
 #define DYNAMIC_TOKENS 8
 
-/* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt is a constant at each call (a switch
- * below) so that the token loops unroll and the sums stay in registers.
+/* y[t0 .. t0 + tt, 8 g .. 8 g + 8] for one group: tt and vnni are constants at each call (a
+ * switch below) so that the token loops unroll and the sums stay in registers. vnni: the sums
+ * by AVX-VNNI's vpdpbusd (int32 lanes, a row each) instead of maddubs (int16 pairs of a row).
  * xq, xd, xs: the tile's tokens; qs: the group's [K/32, 4, ROWS, 4] bytes; d, m: its
  * [K/32, ROWS] scales and mins. */
 static inline __attribute__((always_inline)) void group_tile_q8(
-        int tt, const int8_t *xq, const float *xd, const float *xs, int64_t K,
+        int tt, int vnni, const int8_t *xq, const float *xd, const float *xs, int64_t K,
         const uint8_t *qs, const float *d, const float *m, float *y, int64_t ldy) {
     const int64_t nb = K / 32, block_bytes = ROWS * 16;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
@@ -80,14 +82,15 @@ static inline __attribute__((always_inline)) void group_tile_q8(
             const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
             for (int t = 0; t < tt; t++) {
                 const int8_t *xt = xb + t * K + 4 * c;
-                isum[t] = _mm256_add_epi16(isum[t], _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xt))),
-                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xt + 16)))));
+                const __m256i x_lo = _mm256_set1_epi32(load_i32(xt)), x_hi = _mm256_set1_epi32(load_i32(xt + 16));
+                isum[t] = vnni ? dpbusd_vex(dpbusd_vex(isum[t], lo, x_lo), hi, x_hi)
+                               : _mm256_add_epi16(isum[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo),
+                                                                            _mm256_maddubs_epi16(hi, x_hi)));
             }
         }
         const __m256 dw = _mm256_loadu_ps(d + b * ROWS), mw = _mm256_loadu_ps(m + b * ROWS);
         for (int t = 0; t < tt; t++) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[t], ones));
+            const __m256 dot = _mm256_cvtepi32_ps(vnni ? isum[t] : _mm256_madd_epi16(isum[t], ones));
             acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(xd[t * nb + b])), acc[t]);
             acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[t * nb + b]), acc[t]);  /* + m_w s_x */
         }
@@ -99,14 +102,14 @@ static inline __attribute__((always_inline)) void group_tile_q8(
  * from L1 for every group of the chunk, whose blocks (a few KiB a group) stay in L1/L2 for
  * every tile, instead of all of x streaming past each group. */
 static inline __attribute__((always_inline)) void groups_q8(
-        const int8_t *xq, const float *xd, const float *xs, int64_t T, int64_t K,
+        int vnni, const int8_t *xq, const float *xd, const float *xs, int64_t T, int64_t K,
         const uint8_t *qs, const float *d, const float *m, float *y, int64_t ldy, int64_t g0, int64_t g1) {
     const int64_t nb = K / 32, group_bytes = nb * ROWS * 16;
     for (int64_t t0 = 0; t0 < T; t0 += TILE_Q8) {
         for (int64_t g = g0; g < g1; g++) {
 #define TILE_CASE(TT)                                                                                 \
     case TT:                                                                                          \
-        group_tile_q8(TT, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,           \
+        group_tile_q8(TT, vnni, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,           \
                       d + g * nb * ROWS, m + g * nb * ROWS, y + t0 * ldy + g * ROWS, ldy);            \
         break;
             switch (T - t0 < TILE_Q8 ? T - t0 : TILE_Q8) { TILE_CASE(4) TILE_CASE(3) TILE_CASE(2) TILE_CASE(1) }
@@ -124,11 +127,14 @@ static inline __attribute__((always_inline)) void groups_q8(
 #define WIDE_TOKENS 8
 #define WIDE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-static int wide_products = 0;  /* the CPU has AVX512-VNNI (BW, VL): set when the library loads */
+/* the products this CPU takes, set when the library loads: the wide ones where it has AVX512-VNNI
+ * (BW, VL), else group_tile_q8's with AVX-VNNI's vpdpbusd where it has that, else with maddubs */
+enum products { MADDUBS, AVX_VNNI, WIDE };
+static enum products products = MADDUBS;
 
-__attribute__((constructor)) static void choose_wide(void) {
-#ifndef GGML_CPU_AVX2_ONLY /* a build with it defined never takes them: the tests' way to compare */
-    wide_products = cpu_has_avx512_vnni();
+__attribute__((constructor)) static void choose_products(void) {
+#ifndef GGML_CPU_AVX2_ONLY /* a build with it defined takes maddubs: the tests' way to compare */
+    products = cpu_has_avx512_vnni() ? WIDE : cpu_has_avx_vnni() ? AVX_VNNI : MADDUBS;
 #endif
 }
 
@@ -195,7 +201,7 @@ static void groups_wide_q8(const int8_t *xq, const float *xd, const float *xs, i
         for (int64_t t0 = 0; t0 < T; t0 += WIDE_TOKENS)
             two_groups_tile(T - t0 < WIDE_TOKENS ? T - t0 : WIDE_TOKENS, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K,
                           qs + g * group_bytes, d + g * nb * ROWS, m + g * nb * ROWS, y + t0 * ldy + g * ROWS, ldy);
-    if (g < g1) groups_q8(xq, xd, xs, T, K, qs, d, m, y, ldy, g, g1);
+    if (g < g1) groups_q8(0, xq, xd, xs, T, K, qs, d, m, y, ldy, g, g1);
 }
 
 /* y[t, :N] (row t at y + t * ldy) = x[t] @ W^T, W N rows (a multiple of 8) repacked into one
@@ -226,10 +232,12 @@ int gemm_q4_1_repacked_q8(const float *x, int64_t T, int64_t K, const uint8_t *w
         #pragma omp for schedule(dynamic, per_fetch)
         for (int64_t c = 0; c < groups; c += CHUNK) {
             const int64_t end = c + CHUNK < groups ? c + CHUNK : groups;
-            if (wide_products)
+            if (products == WIDE)
                 groups_wide_q8(xq, xd, xs, T, K, qs, d, m, y, ldy, c, end);
+            else if (products == AVX_VNNI)
+                groups_q8(1, xq, xd, xs, T, K, qs, d, m, y, ldy, c, end);
             else
-                groups_q8(xq, xd, xs, T, K, qs, d, m, y, ldy, c, end);
+                groups_q8(0, xq, xd, xs, T, K, qs, d, m, y, ldy, c, end);
         }
     }
     return 0;

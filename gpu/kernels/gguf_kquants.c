@@ -50,9 +50,10 @@
  * hold their sums). From TILED_TOKENS tokens (but for IQ4_XS) the tiled products (rows_tiled)
  * take the same integers with the superblock's 8 blocks across the lanes, x and each row's
  * superblock transposed to match: a block's whole sum in one lane, the float work once a
- * superblock, vpdpbusd where the CPU has AVX512-VNNI. There, from PACKED_FROM tokens, 16 rows
- * are packed side by side at each call (rows_packed), and Q4_K and Q6_K weights may be packed
- * so once, at load (gguf_pack_q4_k, gguf_pack_q6_k at the end of the file).
+ * superblock, vpdpbusd where the CPU has AVX512-VNNI or AVX-VNNI. On AVX512-VNNI, from
+ * PACKED_FROM tokens, 16 rows are packed side by side at each call (rows_packed), and Q4_K and
+ * Q6_K weights may be packed so once, at load (gguf_pack_q4_k, gguf_pack_q6_k at the end of the
+ * file).
  */
 #include <immintrin.h>
 #include "simd_math.h"
@@ -615,10 +616,11 @@ INLINE void unpack_tiled(enum kquant type, const uint8_t *blk, struct tiled_bloc
     transpose_8x8(v);
 }
 
-/* acc + the sums of 4 u8 x s8 products in each int32 lane: vpdpbusd, or maddubs + madd (the
- * codes are at most 63: a pair's sum fits int16) */
+/* acc + the sums of 4 u8 x s8 products in each int32 lane: vpdpbusd (vnni: 1 AVX512-VNNI's, 2
+ * AVX-VNNI's), or maddubs + madd (the codes are at most 63: a pair's sum fits int16) */
 INLINE __m256i dot4(int vnni, __m256i acc, __m256i u, __m256i s) {
-    if (vnni) return dpbusd(acc, u, s);
+    if (vnni == 1) return dpbusd(acc, u, s);
+    if (vnni == 2) return dpbusd_vex(acc, u, s);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
@@ -911,14 +913,20 @@ INLINE PACKED_TARGET void rows_packed(enum kquant type, int bytes, struct x_tile
 }
 
 /* The q8 products' instructions: 0 AVX2 alone, 1 AVX-512VL (the AVX512_TARGET subsets), 2 the
- * same and AVX512-VNNI's vpdpbusd in the tiled products. Set from the CPU when the library
- * loads; a variable the tests set to run each path the CPU has. */
-int gguf_kquants_avx512 = 0;
+ * same and AVX512-VNNI's vpdpbusd in the tiled products, 3 AVX2 and AVX-VNNI's vpdpbusd in them
+ * (a CPU with AVX-VNNI and no AVX-512). Set from the CPU when the library loads; a variable the
+ * tests set to run each path the CPU has. */
+int gguf_kquants_path = 0;
 
-__attribute__((constructor)) static void choose_avx512(void) {
+__attribute__((constructor)) static void choose_path(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-        gguf_kquants_avx512 = 1 + !!__builtin_cpu_supports("avx512vnni");
+#ifndef RINGSERVE_AVX_VNNI_AS_EVEX /* such a build behaves as on a CPU with AVX-VNNI alone (simd_math.h) */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
+        gguf_kquants_path = 1 + !!__builtin_cpu_supports("avx512vnni");
+        return;
+    }
+#endif
+    if (cpu_has_avx_vnni()) gguf_kquants_path = 3;
 }
 
 /* The same 256-bit instructions, with AVX-512VL's 16 more vector registers: tiles of
@@ -926,6 +934,7 @@ __attribute__((constructor)) static void choose_avx512(void) {
 #define AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512bw")))
 #define AVX512VNNI_TARGET AVX512_TARGET
 #define AVX2_TARGET
+#define AVXVNNI_TARGET /* AVX2's registers; its vpdpbusd in asm (simd_math.h's dpbusd_vex) */
 
 /* One function a type and path, not run-time flags, so that each parallel region is compiled
  * for its own block. x is quantized in the same parallel region (tokens over the threads),
@@ -937,7 +946,7 @@ __attribute__((constructor)) static void choose_avx512(void) {
                                                const struct x_q8 *xq, struct x_tiles xt) {              \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
-        const int packed = VNNI && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
+        const int packed = VNNI == 1 && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
         const int stream = packed && streams_output(T, N, N * (K / QK) * BYTES);                     \
         int failed = 0;                                                                              \
         _Pragma("omp parallel num_threads(threads)")                                                 \
@@ -979,17 +988,19 @@ __attribute__((constructor)) static void choose_avx512(void) {
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX2, 0, 0)                                                      \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512, 1, 0)                                                    \
     GEMM_Q8_PATH(NAME, TYPE, BYTES, AVX512VNNI, 1, 1)                                                \
+    GEMM_Q8_PATH(NAME, TYPE, BYTES, AVXVNNI, 0, 2)                                                   \
     int gguf_gemm_##NAME##_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N,     \
                               float *y, int64_t ldy, int threads) {                                  \
         if (T <= 0 || N <= 0) return 0;                                                              \
         struct x_q8 xq = {0};                                                                         \
         struct x_tiles xt = {0};                                                                      \
         /* the layout the path quantizes x into: tiles where it packs (GEMM_Q8_PATH's `packed`) */   \
-        if (gguf_kquants_avx512 == 2 && T > PACKED_FROM ? reserve_x_tiles(T, K, &xt) : reserve_x_q8(T, K, &xq)) \
+        if (gguf_kquants_path == 2 && T > PACKED_FROM ? reserve_x_tiles(T, K, &xt) : reserve_x_q8(T, K, &xq)) \
             return -1;                                                                                \
-        return (gguf_kquants_avx512 == 2   ? NAME##_q8_AVX512VNNI                                     \
-                : gguf_kquants_avx512 == 1 ? NAME##_q8_AVX512                                         \
-                                           : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq, xt); \
+        return (gguf_kquants_path == 2   ? NAME##_q8_AVX512VNNI                                       \
+                : gguf_kquants_path == 1 ? NAME##_q8_AVX512                                           \
+                : gguf_kquants_path == 3 ? NAME##_q8_AVXVNNI                                          \
+                                         : NAME##_q8_AVX2)(x, T, K, w, N, y, ldy, threads, &xq, xt);  \
     }
 
 #define KQUANT(NAME, TYPE, BYTES) GET_ROWS(NAME, TYPE, BYTES) GEMM_F32(NAME, TYPE, BYTES) GEMM_Q8(NAME, TYPE, BYTES)
@@ -1006,7 +1017,7 @@ KQUANT(iq4_xs, IQ4_XS, 136)
  * chunk's missing rows zeros), so that the products unpack no superblock at any call. Q4_K's
  * nibbles as they are and its scales and mins as floats: 0.75 bytes a value against the blocks'
  * 0.5625; Q6_K's codes as bytes and its scales as floats: 1.25 against 0.82. */
-int gguf_kquants_packs(void) { return gguf_kquants_avx512 == 2; }
+int gguf_kquants_packs(void) { return gguf_kquants_path == 2; }
 
 static inline int64_t packed_chunk_bytes(enum kquant type, int64_t K) {
     const int64_t scales = K / QX * scales_a_block(type) * PACK_ROWS * (int64_t)sizeof(float);

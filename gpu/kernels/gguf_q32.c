@@ -28,8 +28,8 @@
  * xs = xd * sum(xq) (llama.cpp's Q8_1), so that a block's product is
  *     d xd sum_j v_j xq_j  (+ m xs)
  * with the sum an exact integer: uint8 x int8 products of 4 bytes summed into int32 lanes, by
- * AVX512-VNNI's vpdpbusd where the CPU has it (chosen at run time), else AVX2's maddubs (pairs
- * into int16) then madd with ones. The unsigned operand is the block's codes u = v + o (o: 8
+ * AVX512-VNNI's vpdpbusd where the CPU has it, else AVX-VNNI's (chosen at run time), else AVX2's
+ * maddubs (pairs into int16) then madd with ones. The unsigned operand is the block's codes u = v + o (o: 8
  * for Q4_0, 16 for Q5_0, 128 for Q8_0 and IQ4_NL, 0 for the types with a min), the sum started
  * at -o sum(xq), computed with x's quantization. maddubs' int16 pairs would saturate on
  * 2 * 255 * 127, so on AVX2 Q8_0 and IQ4_NL put |v| there instead and v's signs onto xq
@@ -221,8 +221,13 @@ struct q8_activations {
     int8_t *q;
     float *d, *s;
     int32_t *c;
-    int vnni;  /* the product's instruction: a constant at each call (specializes the kernels) */
+    int vnni;  /* the product's instruction (enum vnni): a constant at each call (specializes the kernels) */
 };
+
+/* The q8 products' integer instruction: AVX2's maddubs; AVX512-VNNI's vpdpbusd on ymm, the
+ * fifth bits unpacked through AVX-512BW's mask registers; AVX-VNNI's (its VEX encoding), the
+ * blocks unpacked as on AVX2. */
+enum vnni { NO_VNNI = 0, VNNI_EVEX = 1, VNNI_VEX = 2 };
 
 /* the code offset the product corrects for with a.c: VNNI's products take every type's codes
  * (no int16 step to saturate); AVX2's maddubs would saturate on 255 * 127 pairs, so Q8_0 and
@@ -273,7 +278,8 @@ static inline __attribute__((always_inline)) __m256i block_dot(int type, int vnn
                                                                 __m256i xq, __m256i start) {
     const int corrected = corrected_offset(type, vnni) || has_min(type);
     const __m256i signed_xq = corrected ? xq : _mm256_sign_epi8(xq, u);
-    if (vnni) return dpbusd(start, magnitude, signed_xq);
+    if (vnni == VNNI_EVEX) return dpbusd(start, magnitude, signed_xq);
+    if (vnni == VNNI_VEX) return dpbusd_vex(start, magnitude, signed_xq);
     return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_xq), _mm256_set1_epi16(1)));
 }
 
@@ -286,7 +292,7 @@ struct unpacked {
 static inline __attribute__((always_inline)) struct unpacked unpack_q8(int type, int vnni, const uint8_t *blk) {
     /* the codes go in as they are where corrected for, else signed values: |v| and signs onto x */
     const int corrected = corrected_offset(type, vnni) || has_min(type);
-    const __m256i u = corrected ? codes(type, vnni, blk) : values(type, blk);
+    const __m256i u = corrected ? codes(type, vnni == VNNI_EVEX, blk) : values(type, blk);
     return (struct unpacked){u, corrected ? u : _mm256_sign_epi8(u, u), fp16_at(blk)}; /* -128 reads as 128 */
 }
 
@@ -467,7 +473,7 @@ static inline __attribute__((always_inline)) void rows_q8(int type, struct q8_ac
  * layout whatever T). Sums in the same order as rows_tile (each block's integer sum, times d
  * xd, added in block order), so the results are bit for bit the same. Built for AVX-512 by its
  * target attribute alone (the file is not: see add_fifth_bits), and called only where
- * vnni_available(). */
+ * vnni_available() is VNNI_EVEX. */
 #define PACK_ROWS 16   /* rows a packed vector holds: one a 32-bit lane */
 #define PACK_TOKENS 8  /* tokens a packed product takes together: 8 sums and 8 accumulators */
 /* more tokens than this are packed: below 8 a weight held in the caches costs more to repack
@@ -720,13 +726,14 @@ static int q8_activations_for(int64_t T, int64_t K, struct q8_activations *a) {
     return 0;
 }
 
-/* AVX512-VNNI (and BW's mask registers) on 256-bit vectors where the CPU has them (a build with GGUF_Q32_AVX2_ONLY defined
- * never takes it: the tests' way to check the AVX2 path on such a CPU) */
+/* The products' enum vnni on this CPU: AVX512-VNNI (and BW's mask registers) on 256-bit vectors,
+ * else AVX-VNNI, where the CPU has them (a build with GGUF_Q32_AVX2_ONLY defined takes neither:
+ * the tests' way to check the AVX2 path on such a CPU) */
 static int vnni_available(void) {
 #ifdef GGUF_Q32_AVX2_ONLY
-    return 0;
+    return NO_VNNI;
 #else
-    return cpu_has_avx512_vnni();
+    return cpu_has_avx512_vnni() ? VNNI_EVEX : cpu_has_avx_vnni() ? VNNI_VEX : NO_VNNI;
 #endif
 }
 
@@ -757,7 +764,7 @@ static int vnni_available(void) {
                               int64_t ldy, int threads) {                                                      \
         struct q8_activations a;                                                                               \
         if (T == 0) return 0;                                                                                  \
-        const int vnni = vnni_available(), packs = vnni && T > PACKED_FROM;                                    \
+        const int vnni = vnni_available(), packs = vnni == VNNI_EVEX && T > PACKED_FROM;                       \
         const enum x_layout layout = packs ? TILES : q8_layout(T);                                             \
         const int64_t padded = layout == ONE_TOKEN ? 1 : layout == PAIRS ? (T + 1) / 2 * 2                     \
                                                                          : (T + X_TILE - 1) / X_TILE * X_TILE; \
@@ -776,12 +783,15 @@ static int vnni_available(void) {
             for (int64_t c = 0; c < CHUNKS(N); c++) {                                                          \
                 if (pack)                                                                                      \
                     packed_##NAME(a, T, K, w, y, ldy, c * ROW_CHUNK, CHUNK_END(c, N), packed, stream);         \
-                else if (vnni)                                                                                 \
-                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 1}, layout, T, K, w, y, ldy,     \
-                            c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
+                else if (vnni == VNNI_EVEX)                                                                    \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, VNNI_EVEX}, layout, T, K, w, y,  \
+                            ldy, c * ROW_CHUNK, CHUNK_END(c, N));                                              \
+                else if (vnni == VNNI_VEX)                                                                     \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, VNNI_VEX}, layout, T, K, w, y,   \
+                            ldy, c * ROW_CHUNK, CHUNK_END(c, N));                                              \
                 else                                                                                           \
-                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, 0}, layout, T, K, w, y, ldy,     \
-                            c * ROW_CHUNK, CHUNK_END(c, N));                                                   \
+                    rows_q8(TYPE, (struct q8_activations){a.q, a.d, a.s, a.c, NO_VNNI}, layout, T, K, w, y,    \
+                            ldy, c * ROW_CHUNK, CHUNK_END(c, N));                                              \
             }                                                                                                  \
             if (stream) _mm_sfence();                                                                          \
         }                                                                                                      \
@@ -798,7 +808,7 @@ GGUF_KERNELS(iq4_nl, IQ4_NL)
 /* Weights packed once, at load (gpu/quant/blocks.py), where gguf_q32_packs(): the products read
  * chunks laid out as they use them and the same size as the blocks, instead of unpacking 16
  * rows of blocks at every call, and take any number of tokens. */
-int gguf_q32_packs(void) { return vnni_available(); }
+int gguf_q32_packs(void) { return vnni_available() == VNNI_EVEX; }
 
 #define PACKED_AHEAD 2 /* chunks ahead of its products a packed weight's are prefetched: measured */
 

@@ -19,11 +19,29 @@ static inline char *grown_scratch(char **buf, int64_t *cap, int64_t need) {
     return *buf;
 }
 
-/* Whether the CPU has AVX512-VNNI with BW and VL, the products' 512-bit and VNNI paths */
+/* Whether the CPU has AVX512-VNNI with BW and VL, the products' 512-bit and VNNI paths (never in a
+ * RINGSERVE_AVX_VNNI_AS_EVEX build: see cpu_has_avx_vnni) */
 static inline int cpu_has_avx512_vnni(void) {
+#ifdef RINGSERVE_AVX_VNNI_AS_EVEX
+    return 0;
+#else
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bw");
+#endif
+}
+
+/* Whether the CPU has AVX-VNNI (vpdpbusd on ymm in a VEX encoding, without AVX-512: Intel's client
+ * cores since Alder Lake), the products' 256-bit VNNI path there. A RINGSERVE_AVX_VNNI_AS_EVEX
+ * build (the tests', on a CPU with AVX512-VNNI and VL but no AVX-VNNI) takes that path as such a
+ * CPU would, with the instruction in its EVEX encoding (dpbusd_vex): the same operation. */
+static inline int cpu_has_avx_vnni(void) {
+    __builtin_cpu_init();
+#ifdef RINGSERVE_AVX_VNNI_AS_EVEX
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#else
+    return __builtin_cpu_supports("avxvnni");
+#endif
 }
 
 /* Reads `bytes` at p in order, a byte a cache line, so that they are in the caches for reads
@@ -136,6 +154,17 @@ __attribute__((target("avx512f"))) static inline void store_packed_rows(const __
 static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "vm"(s));
     return acc;
+}
+
+/* The same product as AVX-VNNI's VEX-encoded vpdpbusd (ymm0-15 only), for a caller that checked
+ * cpu_has_avx_vnni() (the EVEX form in a RINGSERVE_AVX_VNNI_AS_EVEX build) */
+static inline __m256i dpbusd_vex(__m256i acc, __m256i u, __m256i s) {
+#ifdef RINGSERVE_AVX_VNNI_AS_EVEX
+    return dpbusd(acc, u, s);
+#else
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "xm"(s));
+    return acc;
+#endif
 }
 
 /* e^x, relative error ~2e-7 over [-87, 88] (clamped outside, where e^x under- or overflows a

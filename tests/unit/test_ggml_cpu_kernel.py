@@ -1,7 +1,7 @@
 """gpu/kernels/ggml_cpu.c, the repacked Q4_1 product of --quantization gguf-q8 (the embedded
 SmolLM2's projections): against the in-place Q4_1 kernel (gguf_q32.c, the same int8
 arithmetic), at decode and prefill token counts, an even and an odd number of 8-row groups;
-and its 16-row AVX512-VNNI products against the AVX2 build's, bit for bit."""
+and its 16-row AVX512-VNNI products and its AVX-VNNI ones against the AVX2 build's, bit for bit."""
 
 import ctypes
 from pathlib import Path
@@ -34,15 +34,31 @@ def q4_1_weight(N: int, K: int, seed: int) -> GGUFWeight:
     return GGUFWeight.of_parts((part,), (N, K), "q8")
 
 
-@pytest.fixture(scope="module")
-def avx2_gemm():
-    source = Path(kernels.__file__).parent / "ggml_cpu.c"
-    lib = ctypes.CDLL(str(build("ggml_cpu_avx2", [source], (*kernels.CFLAGS, "-DGGML_CPU_AVX2_ONLY"))))
+def built_gemm(name: str, define: str):
+    """gemm_q4_1_repacked_q8 of ggml_cpu.c built with `define`"""
+    here = Path(kernels.__file__).parent
+    flags = (*kernels.CFLAGS, f"-D{define}")
+    lib = ctypes.CDLL(str(build(name, [here / "ggml_cpu.c"], flags, headers=sorted(here.glob("*.h")))))
     gemm = lib.gemm_q4_1_repacked_q8
     gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     gemm.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     gemm.restype = ctypes.c_int
     return gemm
+
+
+@pytest.fixture(scope="module")
+def avx2_gemm():
+    return built_gemm("ggml_cpu_avx2", "GGML_CPU_AVX2_ONLY")
+
+
+@pytest.fixture(scope="module")
+def avx_vnni_gemm():
+    """The products as on a CPU with AVX-VNNI and no AVX-512, on one with AVX512-VNNI: the same
+    path, its vpdpbusd in the EVEX form this CPU runs (simd_math.h's RINGSERVE_AVX_VNNI_AS_EVEX)."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if not all(f in flags for f in ("avx512_vnni", "avx512vl")):
+        pytest.skip("the CPU has no AVX512-VNNI to run the AVX-VNNI path with")
+    return built_gemm("ggml_cpu_avx_vnni", "RINGSERVE_AVX_VNNI_AS_EVEX")
 
 
 @pytest.mark.parametrize("N, K", SHAPES)
@@ -64,3 +80,15 @@ def test_avx512_vnni_products_are_the_avx2_ones_bit_for_bit(avx2_gemm, N, K, T):
     part = repacked.parts[0]
     assert avx2_gemm(x.data_ptr(), T, K, part.address, N, y.data_ptr(), N, 2) == 0
     assert torch.equal(repacked.matmul(x), y)
+
+
+@pytest.mark.parametrize("N, K", SHAPES)
+@pytest.mark.parametrize("T", TOKENS)
+def test_avx_vnni_products_are_the_avx2_ones_bit_for_bit(avx2_gemm, avx_vnni_gemm, N, K, T):
+    """vpdpbusd's int32 sums of 4 are maddubs' int16 pairs summed (which never saturate here)"""
+    part = repack_q4_1(q4_1_weight(N, K, seed=3 * N + K)).parts[0]
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(200 + T))
+    y, want = torch.full((T, N), float("nan")), torch.full((T, N), float("nan"))
+    assert avx_vnni_gemm(x.data_ptr(), T, K, part.address, N, y.data_ptr(), N, 2) == 0
+    assert avx2_gemm(x.data_ptr(), T, K, part.address, N, want.data_ptr(), N, 2) == 0
+    assert torch.equal(y, want)

@@ -9,12 +9,14 @@ import ctypes
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from cbuild import build
 from gpu import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
@@ -55,9 +57,7 @@ def block_bytes(name: str) -> int:
     return GGML_QUANT_SIZES[qtype(name)][1]
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    lib = kernels.load("gguf_kquants")
+def with_argtypes(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in TYPES:
         get_rows = getattr(lib, f"gguf_get_rows_{name}")
@@ -70,25 +70,54 @@ def lib() -> ctypes.CDLL:
     return lib
 
 
-PATHS = ("avx2", "avx512", "avx512-vnni")  # the values of gguf_kquants_avx512, in order
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    return with_argtypes(kernels.load("gguf_kquants"))
+
+
+PATHS = ("avx2", "avx512", "avx512-vnni", "avx-vnni")  # the values of gguf_kquants_path, in order
+
+
+def cpu_flags() -> list[str]:
+    return Path("/proc/cpuinfo").read_text().split()
 
 
 @pytest.fixture(scope="module")
 def path_detected(lib: ctypes.CDLL) -> int:
     """The q8 products' instructions the library chose for this CPU when it loaded (an index of PATHS)"""
-    return ctypes.c_int.in_dll(lib, "gguf_kquants_avx512").value
+    return ctypes.c_int.in_dll(lib, "gguf_kquants_path").value
+
+
+@pytest.fixture(scope="module")
+def avx_vnni_lib(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library that takes the AVX-VNNI path on this CPU: as loaded on a CPU with AVX-VNNI;
+    built with RINGSERVE_AVX_VNNI_AS_EVEX on one with AVX512-VNNI alone, which runs the path with
+    the EVEX form of its vpdpbusd (the same operation)."""
+    if "avx_vnni" in cpu_flags():
+        return lib
+    if not all(f in cpu_flags() for f in ("avx512_vnni", "avx512vl")):
+        pytest.skip("the CPU has neither AVX-VNNI nor AVX512-VNNI")
+    here = Path(kernels.__file__).parent
+    flags = (*kernels.CFLAGS, "-DRINGSERVE_AVX_VNNI_AS_EVEX")
+    path = build("gguf_kquants_avx_vnni", [here / "gguf_kquants.c"], flags, headers=sorted(here.glob("*.h")))
+    return with_argtypes(ctypes.CDLL(str(path)))
 
 
 @pytest.fixture(params=PATHS)
-def q8_path(request: pytest.FixtureRequest, lib: ctypes.CDLL, path_detected: int) -> Iterator[str]:
-    """Each q8 test on every path the CPU has (AVX-512VL, AVX512-VNNI); the CPU's choice restored after"""
-    level = PATHS.index(request.param)
-    if level > path_detected:
+def q8_lib(request: pytest.FixtureRequest, lib: ctypes.CDLL, path_detected: int) -> Iterator[ctypes.CDLL]:
+    """Each q8 test on every path the CPU has (AVX-512VL, AVX512-VNNI, AVX-VNNI): the library
+    whose gguf_kquants_path is set to it, restored after"""
+    detected = PATHS[path_detected]
+    if request.param == "avx-vnni":
+        chosen = request.getfixturevalue("avx_vnni_lib")
+    elif request.param == "avx2" or detected == request.param or (detected, request.param) == ("avx512-vnni", "avx512"):
+        chosen = lib
+    else:
         pytest.skip(f"the CPU lacks {request.param}")
-    flag = ctypes.c_int.in_dll(lib, "gguf_kquants_avx512")
-    flag.value = level
-    yield request.param
-    flag.value = path_detected
+    flag = ctypes.c_int.in_dll(chosen, "gguf_kquants_path")
+    before, flag.value = flag.value, PATHS.index(request.param)
+    yield chosen
+    flag.value = before
 
 
 def random_blocks(name: str, N: int, K: int, seed: int) -> np.ndarray:
@@ -211,29 +240,29 @@ def test_gemm_f32_is_dequantize_then_matmul(lib: ctypes.CDLL, name: str, shape: 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-K{}-N{}-ldy+{}-threads{}".format(*s))
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_is_llama_cpp_integer_arithmetic(lib: ctypes.CDLL, name: str, shape: tuple, q8_path: str) -> None:
+def test_gemm_q8_is_llama_cpp_integer_arithmetic(q8_lib: ctypes.CDLL, name: str, shape: tuple) -> None:
     T, K, N, extra, threads = shape
     blocks, x = random_blocks(name, N, K, seed=4), tokens(T, K, seed=5)
     with read_only(blocks) as w:
-        y = run_gemm(lib, name, "q8", x, w, N, extra, threads)
+        y = run_gemm(q8_lib, name, "q8", x, w, N, extra, threads)
     want, magnitude = gemm_q8_reference(x, blocks, name)
     assert (np.abs(y - want) <= 1e-6 * magnitude + 1e-30).all()
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_is_close_to_the_float_product(lib: ctypes.CDLL, name: str, q8_path: str) -> None:
+def test_gemm_q8_is_close_to_the_float_product(q8_lib: ctypes.CDLL, name: str) -> None:
     """x's rounding to int8 moves the product by well under 1% of its scale"""
     T, K, N = 3, 1024, 32
     blocks, x = random_blocks(name, N, K, seed=6), tokens(T, K, seed=7)
     with read_only(blocks) as w:
-        y = run_gemm(lib, name, "q8", x, w, N, 0, 2)
+        y = run_gemm(q8_lib, name, "q8", x, w, N, 0, 2)
     W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
     want, magnitude = x.astype(np.float64) @ W.T, np.abs(x.astype(np.float64)) @ np.abs(W).T
     assert (np.abs(y - want) <= 0.01 * magnitude).all()
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_gemm_q8_outliers_round_only_their_block(lib: ctypes.CDLL, name: str, q8_path: str) -> None:
+def test_gemm_q8_outliers_round_only_their_block(q8_lib: ctypes.CDLL, name: str) -> None:
     """A huge value alone in its block of 32 (as the down projection's act(gate) * up holds)
     leaves the rest of its superblock rounded by their own scales: the product stays within 1%
     of the rest's magnitude (Q8_K's one scale per 256 would round the rest to 0)"""
@@ -243,7 +272,7 @@ def test_gemm_q8_outliers_round_only_their_block(lib: ctypes.CDLL, name: str, q8
     blocks_of_x[:, :, 1] = 0  # block 1 of every superblock: zeros and the outlier
     blocks_of_x[:, :, 1, 7] = np.where(np.arange(K // QK) % 2, 1e4, -3e4)
     with read_only(blocks) as w:
-        y = run_gemm(lib, name, "q8", x, w, N, 0, 2)
+        y = run_gemm(q8_lib, name, "q8", x, w, N, 0, 2)
     W = dequantize(blocks, qtype(name)).reshape(N, K).astype(np.float64)
     outliers = np.zeros(K, bool)
     outliers[39::256] = True

@@ -62,13 +62,42 @@ def lib() -> ctypes.CDLL:
 @pytest.fixture(scope="module")
 def avx2_lib() -> ctypes.CDLL:
     """The q8 products without AVX-512, whatever the CPU has."""
-    source = Path(kernels.__file__).parent / "gguf_q32.c"
-    return with_argtypes(ctypes.CDLL(str(build("gguf_q32_avx2", [source], (*kernels.CFLAGS, "-DGGUF_Q32_AVX2_ONLY")))))
+    here = Path(kernels.__file__).parent
+    flags = (*kernels.CFLAGS, "-DGGUF_Q32_AVX2_ONLY")
+    return with_argtypes(
+        ctypes.CDLL(str(build("gguf_q32_avx2", [here / "gguf_q32.c"], flags, headers=sorted(here.glob("*.h")))))
+    )
 
 
-@pytest.fixture(scope="module", params=("as loaded", "AVX2 only"))
+def cpu_flags() -> list[str]:
+    return Path("/proc/cpuinfo").read_text().split()
+
+
+def cpu_has_avx512_vnni() -> bool:
+    return all(f in cpu_flags() for f in ("avx512_vnni", "avx512vl", "avx512bw"))
+
+
+@pytest.fixture(scope="module")
+def avx_vnni_lib() -> ctypes.CDLL:
+    """The q8 products as on a CPU with AVX-VNNI and no AVX-512 (Intel's client cores): as
+    loaded on such a CPU; built with RINGSERVE_AVX_VNNI_AS_EVEX on one with AVX512-VNNI, which
+    runs that path with the EVEX form of its vpdpbusd (the same operation)."""
+    if "avx_vnni" in cpu_flags() and not cpu_has_avx512_vnni():
+        return with_argtypes(kernels.load("gguf_q32"))
+    if not cpu_has_avx512_vnni():
+        pytest.skip("the CPU has neither AVX-VNNI nor AVX512-VNNI")
+    here = Path(kernels.__file__).parent
+    flags = (*kernels.CFLAGS, "-DRINGSERVE_AVX_VNNI_AS_EVEX")
+    return with_argtypes(
+        ctypes.CDLL(str(build("gguf_q32_avx_vnni", [here / "gguf_q32.c"], flags, headers=sorted(here.glob("*.h")))))
+    )
+
+
+@pytest.fixture(scope="module", params=("as loaded", "AVX2 only", "AVX-VNNI"))
 def q8_lib(request: pytest.FixtureRequest, lib: ctypes.CDLL, avx2_lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Both paths of the q8 products, whichever the CPU would pick."""
+    """Every path of the q8 products, whichever the CPU would pick."""
+    if request.param == "AVX-VNNI":
+        return request.getfixturevalue("avx_vnni_lib")
     return lib if request.param == "as loaded" else avx2_lib
 
 
@@ -200,11 +229,6 @@ def test_gemm_q8_is_llama_cpp_integer_arithmetic(
     assert_within(got, want, np.abs(terms).sum(-1) + np.abs(min_terms).sum(-1), 1e-5)
 
 
-def cpu_has_avx512_vnni() -> bool:
-    flags = Path("/proc/cpuinfo").read_text().split()
-    return all(f in flags for f in ("avx512_vnni", "avx512vl", "avx512bw"))
-
-
 @pytest.mark.skipif(not cpu_has_avx512_vnni(), reason="the packed product runs on AVX512-VNNI CPUs only")
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize(
@@ -218,3 +242,17 @@ def test_gemm_q8_packed_rows_are_the_tiles_bit_for_bit(
     rng = np.random.default_rng(5)
     w, x = random_bytes_weight(name, N, K, rng), rng.standard_normal((T, K)).astype(np.float32)
     np.testing.assert_array_equal(gemm(lib, name, "q8", x, w, N, N + pad), gemm(avx2_lib, name, "q8", x, w, N, N + pad))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("T, K, N, pad", SHAPES)
+def test_gemm_q8_avx_vnni_is_avx2_bit_for_bit(
+    avx2_lib: ctypes.CDLL, avx_vnni_lib: ctypes.CDLL, name: str, T: int, K: int, N: int, pad: int
+) -> None:
+    """AVX-VNNI's vpdpbusd takes the codes with their offset corrected (no int16 pairs to
+    saturate) where AVX2 takes magnitudes and signs: the same integer sums, the same float steps."""
+    rng = np.random.default_rng(6)
+    w, x = random_bytes_weight(name, N, K, rng), rng.standard_normal((T, K)).astype(np.float32)
+    np.testing.assert_array_equal(
+        gemm(avx_vnni_lib, name, "q8", x, w, N, N + pad), gemm(avx2_lib, name, "q8", x, w, N, N + pad)
+    )
