@@ -85,7 +85,8 @@ class ServerArgs:
         "auto",
         "`none`: fp32 copies of the weights (exact; a GGUF's dequantized); `gguf`: a GGUF's tensors used in "
         "place in the file, its blocks (Q4_0 .. Q8_0, K-quants, IQ4_NL / IQ4_XS) through AVX2 C kernels "
-        "(AVX512-VNNI where the CPU has it), fp32 activations (the same values, sums in another order); "
+        "(their int8 products with AVX512-VNNI where the CPU has it, else AVX-VNNI: Intel's client cores "
+        "since Alder Lake), fp32 activations (the same values, sums in another order); "
         "`gguf-q8`: the same with activations rounded to int8 per 32 values (llama.cpp rounds the K-quants' "
         "per 256, which Gemma 3's outliers punish; mean KL from `none` and perplexity: perf/results/quality.md, "
         "per type: quality_types.md). CPU, fp32",
