@@ -38,6 +38,16 @@ def opened(new: np.ndarray) -> Batch:
     return Batch(rec, np.zeros(0, np.uint8))
 
 
+def token(new: np.void, ids: list[int], k: int) -> Batch:
+    """The scheduler's TOKEN record of the k-th of `ids` for the request in the REQUEST record
+    `new` (a 3-token prompt), the last one finishing it by length."""
+    rec = np.zeros(1, TOKEN_OUT.dtype)
+    rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.TOKEN, new["worker"], new["slot"], new["gen"]
+    rec["token"], rec["prompt_tokens"], rec["completion_tokens"] = ids[k - 1], 3, k
+    rec["finish"] = Finish.LENGTH if k == len(ids) else Finish.NONE
+    return Batch(rec, np.zeros(0, np.uint8))
+
+
 def test_request_the_detokenizer_refuses_is_aborted_in_the_scheduler(tokenizer, tm_rings):
     """The detokenizer refuses a request past its open limit (503 overloaded) while the scheduler
     holds it: the TM must abort it there, or it runs to max_tokens for nobody (seen: six such
@@ -81,13 +91,6 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
     ids = tokenizer.encode(" one two three four five six seven eight", add_special_tokens=False)
     assert len(ids) == 8
 
-    def token(new: np.void, k: int) -> Batch:
-        rec = np.zeros(1, TOKEN_OUT.dtype)
-        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.TOKEN, new["worker"], new["slot"], new["gen"]
-        rec["token"], rec["prompt_tokens"], rec["completion_tokens"] = ids[k - 1], 3, k
-        rec["finish"] = Finish.LENGTH if k == len(ids) else Finish.NONE
-        return Batch(rec, np.zeros(0, np.uint8))
-
     async def watch(group) -> tuple[list[int], str]:
         woken, text = [], ""
         while not group.done:
@@ -104,7 +107,7 @@ def test_stream_interval_wakes_a_stream_every_k_tokens_and_a_non_stream_at_its_e
             whole = await tm.submit([[1, 2, 3]], [params])
             watchers = [asyncio.create_task(watch(g)) for g in (streamed, whole)]
             news = req_in.pop().records
-            for batch in [opened(new) for new in news] + [token(new, k) for k in range(1, 9) for new in news]:
+            for batch in [opened(new) for new in news] + [token(new, ids, k) for k in range(1, 9) for new in news]:
                 text_out.push_all(*router.handle(batch))
                 deliver(tm, text_in)
                 await asyncio.sleep(0.02)  # each record read, and its coroutine run, before the next
@@ -128,19 +131,12 @@ def test_a_finished_request_is_freed_by_refcount_alone(tokenizer, tm_rings):
     model = ModelInfo("", "m", "LlamaForCausalLM", 256, tokenizer.vocab_size)
     ids = tokenizer.encode(" one two three", add_special_tokens=False)
 
-    def token(new: np.void, k: int) -> Batch:
-        rec = np.zeros(1, TOKEN_OUT.dtype)
-        rec["kind"], rec["worker"], rec["slot"], rec["gen"] = TokenKind.TOKEN, new["worker"], new["slot"], new["gen"]
-        rec["token"], rec["prompt_tokens"], rec["completion_tokens"] = ids[k - 1], 3, k
-        rec["finish"] = Finish.LENGTH if k == len(ids) else Finish.NONE
-        return Batch(rec, np.zeros(0, np.uint8))
-
     async def run() -> tuple[str, weakref.ref]:
         tm = TokenizerManager(0, RequestOutbox(req_out).send, tokenizer, model, request_timeout=60)
         try:
             group = await tm.submit([[1, 2, 3]], [SamplingParams(max_new_tokens=len(ids))], stream=True)
             new = req_in.pop().records[0]
-            for batch in [opened(new)] + [token(new, k) for k in range(1, len(ids) + 1)]:
+            for batch in [opened(new)] + [token(new, ids, k) for k in range(1, len(ids) + 1)]:
                 text_out.push_all(*router.handle(batch))
                 deliver(tm, text_in)
             (state,) = await group.finished()
