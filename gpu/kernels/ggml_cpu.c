@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void groups_q8(
         for (int64_t g = g0; g < g1; g++) {
 #define TILE_CASE(TT)                                                                                 \
     case TT:                                                                                          \
-        group_tile_q8(TT, vnni, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,           \
+        group_tile_q8(TT, vnni, xq + t0 * K, xd + t0 * nb, xs + t0 * nb, K, qs + g * group_bytes,     \
                       d + g * nb * ROWS, m + g * nb * ROWS, y + t0 * ldy + g * ROWS, ldy);            \
         break;
             switch (T - t0 < TILE_Q8 ? T - t0 : TILE_Q8) { TILE_CASE(4) TILE_CASE(3) TILE_CASE(2) TILE_CASE(1) }

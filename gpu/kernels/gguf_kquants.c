@@ -946,7 +946,7 @@ __attribute__((constructor)) static void choose_path(void) {
                                                const struct x_q8 *xq, struct x_tiles xt) {              \
         const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;                                      \
         const int64_t share = (chunks + threads - 1) / threads, per_fetch = T >= DYNAMIC_TOKENS ? 1 : share; \
-        const int packed = VNNI == 1 && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);            \
+        const int packed = VNNI == 1 && T > PACKED_FROM, by_tiles = !packed && tiled(TYPE, T);       \
         const int stream = packed && streams_output(T, N, N * (K / QK) * BYTES);                     \
         int failed = 0;                                                                              \
         _Pragma("omp parallel num_threads(threads)")                                                 \
