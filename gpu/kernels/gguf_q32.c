@@ -31,8 +31,8 @@
  * AVX512-VNNI's vpdpbusd where the CPU has it, else AVX-VNNI's (chosen at run time), else AVX2's
  * maddubs (pairs into int16) then madd with ones. The unsigned operand is the block's codes
  * u = v + o (o: 8 for Q4_0, 16 for Q5_0, 128 for Q8_0 and IQ4_NL, 0 for the types with a min),
- * the sum started at -o sum(xq), computed with x's quantization. maddubs' int16 pairs would saturate on
- * 2 * 255 * 127, so on AVX2 Q8_0 and IQ4_NL put |v| there instead and v's signs onto xq
+ * the sum started at -o sum(xq), computed with x's quantization. maddubs' int16 pairs would
+ * saturate on 2 * 255 * 127, so on AVX2 Q8_0 and IQ4_NL put |v| there instead and v's signs onto xq
  * (_mm256_sign_epi8; at most 2 * 128 * 127). The result differs from the _f32 product by x's
  * rounding (at most amax / 254 per element) and the order of the float sums.
  *

@@ -4,13 +4,12 @@ arithmetic), at decode and prefill token counts, an even and an odd number of 8-
 and its 16-row AVX512-VNNI products and its AVX-VNNI ones against the AVX2 build's, bit for bit."""
 
 import ctypes
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from kernel_variants import avx_vnni_library, built_with
 
-from cbuild import build
 from gpu import kernels
 from gpu.quant.blocks import repack_q4_1
 from gpu.quant.gguf_types import type_kernels
@@ -34,11 +33,8 @@ def q4_1_weight(N: int, K: int, seed: int) -> GGUFWeight:
     return GGUFWeight.of_parts((part,), (N, K), "q8")
 
 
-def built_gemm(name: str, define: str):
-    """gemm_q4_1_repacked_q8 of ggml_cpu.c built with `define`"""
-    here = Path(kernels.__file__).parent
-    flags = (*kernels.CFLAGS, f"-D{define}")
-    lib = ctypes.CDLL(str(build(name, [here / "ggml_cpu.c"], flags, headers=sorted(here.glob("*.h")))))
+def gemm_of(lib: ctypes.CDLL):
+    """lib's gemm_q4_1_repacked_q8"""
     gemm = lib.gemm_q4_1_repacked_q8
     gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     gemm.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -48,17 +44,13 @@ def built_gemm(name: str, define: str):
 
 @pytest.fixture(scope="module")
 def avx2_gemm():
-    return built_gemm("ggml_cpu_avx2", "GGML_CPU_AVX2_ONLY")
+    return gemm_of(built_with("ggml_cpu", "GGML_CPU_AVX2_ONLY"))
 
 
 @pytest.fixture(scope="module")
 def avx_vnni_gemm():
-    """The products as on a CPU with AVX-VNNI and no AVX-512, on one with AVX512-VNNI: the same
-    path, its vpdpbusd in the EVEX form this CPU runs (simd_math.h's RINGSERVE_AVX_VNNI_AS_EVEX)."""
-    flags = Path("/proc/cpuinfo").read_text().split()
-    if not all(f in flags for f in ("avx512_vnni", "avx512vl")):
-        pytest.skip("the CPU has no AVX512-VNNI to run the AVX-VNNI path with")
-    return built_gemm("ggml_cpu_avx_vnni", "RINGSERVE_AVX_VNNI_AS_EVEX")
+    """The products as on a CPU with AVX-VNNI and no AVX-512"""
+    return gemm_of(avx_vnni_library("ggml_cpu"))
 
 
 @pytest.mark.parametrize("N, K", SHAPES)

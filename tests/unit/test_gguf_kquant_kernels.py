@@ -9,14 +9,13 @@ import ctypes
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+from kernel_variants import avx_vnni_library
 
-from cbuild import build
 from gpu import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
@@ -78,10 +77,6 @@ def lib() -> ctypes.CDLL:
 PATHS = ("avx2", "avx512", "avx512-vnni", "avx-vnni")  # the values of gguf_kquants_path, in order
 
 
-def cpu_flags() -> list[str]:
-    return Path("/proc/cpuinfo").read_text().split()
-
-
 @pytest.fixture(scope="module")
 def path_detected(lib: ctypes.CDLL) -> int:
     """The q8 products' instructions the library chose for this CPU when it loaded (an index of PATHS)"""
@@ -89,18 +84,9 @@ def path_detected(lib: ctypes.CDLL) -> int:
 
 
 @pytest.fixture(scope="module")
-def avx_vnni_lib(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The library that takes the AVX-VNNI path on this CPU: as loaded on a CPU with AVX-VNNI;
-    built with RINGSERVE_AVX_VNNI_AS_EVEX on one with AVX512-VNNI alone, which runs the path with
-    the EVEX form of its vpdpbusd (the same operation)."""
-    if "avx_vnni" in cpu_flags():
-        return lib
-    if not all(f in cpu_flags() for f in ("avx512_vnni", "avx512vl")):
-        pytest.skip("the CPU has neither AVX-VNNI nor AVX512-VNNI")
-    here = Path(kernels.__file__).parent
-    flags = (*kernels.CFLAGS, "-DRINGSERVE_AVX_VNNI_AS_EVEX")
-    path = build("gguf_kquants_avx_vnni", [here / "gguf_kquants.c"], flags, headers=sorted(here.glob("*.h")))
-    return with_argtypes(ctypes.CDLL(str(path)))
+def avx_vnni_lib() -> ctypes.CDLL:
+    """The library that takes the AVX-VNNI path on this CPU (gguf_kquants_path 3)."""
+    return with_argtypes(avx_vnni_library("gguf_kquants"))
 
 
 @pytest.fixture(params=PATHS)

@@ -7,14 +7,13 @@ import ctypes
 import mmap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from kernel_variants import avx_vnni_library, built_with, cpu_has_avx512_vnni
 
-from cbuild import build
 from gpu import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="needs an AVX2 CPU and a C compiler")
@@ -62,35 +61,13 @@ def lib() -> ctypes.CDLL:
 @pytest.fixture(scope="module")
 def avx2_lib() -> ctypes.CDLL:
     """The q8 products without AVX-512, whatever the CPU has."""
-    here = Path(kernels.__file__).parent
-    flags = (*kernels.CFLAGS, "-DGGUF_Q32_AVX2_ONLY")
-    return with_argtypes(
-        ctypes.CDLL(str(build("gguf_q32_avx2", [here / "gguf_q32.c"], flags, headers=sorted(here.glob("*.h")))))
-    )
-
-
-def cpu_flags() -> list[str]:
-    return Path("/proc/cpuinfo").read_text().split()
-
-
-def cpu_has_avx512_vnni() -> bool:
-    return all(f in cpu_flags() for f in ("avx512_vnni", "avx512vl", "avx512bw"))
+    return with_argtypes(built_with("gguf_q32", "GGUF_Q32_AVX2_ONLY"))
 
 
 @pytest.fixture(scope="module")
 def avx_vnni_lib() -> ctypes.CDLL:
-    """The q8 products as on a CPU with AVX-VNNI and no AVX-512 (Intel's client cores): as
-    loaded on such a CPU; built with RINGSERVE_AVX_VNNI_AS_EVEX on one with AVX512-VNNI, which
-    runs that path with the EVEX form of its vpdpbusd (the same operation)."""
-    if "avx_vnni" in cpu_flags() and not cpu_has_avx512_vnni():
-        return with_argtypes(kernels.load("gguf_q32"))
-    if not cpu_has_avx512_vnni():
-        pytest.skip("the CPU has neither AVX-VNNI nor AVX512-VNNI")
-    here = Path(kernels.__file__).parent
-    flags = (*kernels.CFLAGS, "-DRINGSERVE_AVX_VNNI_AS_EVEX")
-    return with_argtypes(
-        ctypes.CDLL(str(build("gguf_q32_avx_vnni", [here / "gguf_q32.c"], flags, headers=sorted(here.glob("*.h")))))
-    )
+    """The q8 products as on a CPU with AVX-VNNI and no AVX-512 (Intel's client cores)."""
+    return with_argtypes(avx_vnni_library("gguf_q32"))
 
 
 @pytest.fixture(scope="module", params=("as loaded", "AVX2 only", "AVX-VNNI"))
